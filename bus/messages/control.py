@@ -1,0 +1,47 @@
+"""Control-plane messages: heartbeats and status events from every actor."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+
+class ActorState(enum.IntEnum):
+    STARTING = 0
+    READY = 1
+    DRAINING = 2
+    UNHEALTHY = 3
+    DEAD = 4
+    STOPPED = 5
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, omit_defaults=True):
+    """Sent periodically by every actor on its kind's heartbeat subject."""
+
+    actor_id: str
+    kind: str
+    seq: int
+    state: ActorState
+    timestamp: float
+    load: dict[str, float] = {}
+
+
+class StatusEvent(msgspec.Struct, tag="status", array_like=True, omit_defaults=True):
+    """A change of an actor's state, with a reason (for the recovery controller and the logs)."""
+
+    actor_id: str
+    kind: str
+    state: ActorState
+    timestamp: float
+    reason: str = ""
+
+
+class ErrorReply(msgspec.Struct, tag="error", array_like=True, omit_defaults=True):
+    """The reply to a request that could not be served (undecodable, invalid, overloaded…)."""
+
+    code: str
+    message: str
+
+
+ControlEvent = Heartbeat | StatusEvent

@@ -1,0 +1,109 @@
+"""Engine client ↔ engine core messages.
+
+Inbox of an engine core: ``EngineInbound`` (add, abort). The engine core publishes one
+``EngineOutputs`` per step per client on that client's output subject, and ``EngineStats`` on
+its stats subject for routing and metrics.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from bus.messages.sampling import SamplingParams
+
+
+class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Log-probabilities for a run of positions.
+
+    Row ``i`` describes position ``i``: ``token_ids[i][0]`` is the token actually there (sampled
+    or given), followed by the top-n candidates; ``logprobs[i]`` is aligned with it and
+    ``ranks[i]`` is the rank (1 = most likely) of the actual token.
+    """
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True, gc=False):
+    """A new request for an engine core. ``client_id`` names the output subject to answer on."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    client_id: str
+    arrival_time: float
+    eos_token_ids: list[int] = []
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True, gc=False):
+    """Stop these requests now; unknown or finished ids are ignored (abort is idempotent)."""
+
+    request_ids: list[str]
+
+
+EngineInbound = AddRequest | AbortRequest
+
+
+class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request: new tokens and, at the end, why it stopped.
+
+    ``finish_reason`` is one of ``stop``, ``length``, ``abort``, ``error`` or None while running;
+    ``stop_reason`` is the stop token id that ended it (stop strings are the client's business).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    new_logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Load and cache figures of one engine core after a step (cumulative counters)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    step_id: int = 0
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):
+    """One step's outputs for one client of one engine core."""
+
+    engine_id: str
+    outputs: list[RequestOutput]
+    timestamp: float
+    stats: SchedulerStats | None = None
+
+
+class RequestRejected(msgspec.Struct, tag="rejected", array_like=True, omit_defaults=True):
+    """An add the engine core could not take. ``code``: ``overloaded`` | ``invalid`` | ``dead``."""
+
+    request_id: str
+    code: str
+    message: str
+
+
+class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=True):
+    """Published after steps for load-aware routing and metrics."""
+
+    engine_id: str
+    stats: SchedulerStats
+    timestamp: float
+    max_model_len: int = 0
+    num_blocks: int = 0
+    block_size: int = 0
+
+
+EngineOutbound = EngineOutputs | RequestRejected

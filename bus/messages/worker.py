@@ -1,0 +1,89 @@
+"""Engine core ↔ worker messages: the step diff and its result.
+
+A worker keeps a persistent batch. ``ExecuteStep`` carries a new request's prompt and blocks
+once (``NewRequestData``), then only deltas (``CachedRequestData``). A request preempted and
+resumed arrives again as ``NewRequestData`` with ``resumed=True`` and every token it has so far
+(prompt plus outputs), to be recomputed from ``num_computed_tokens``. The worker appends the
+tokens it samples to its own copy of each request, so decodes need no token ids on the wire.
+
+Seams for later work: ``spec_token_ids`` carries draft tokens to verify; async scheduling may
+send a step before the previous one's result is back (the worker resolves placeholders).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from bus.messages.engine import Logprobs
+from bus.messages.sampling import SamplingParams
+
+
+class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """First appearance of a request on the worker (or reappearance after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    output_token_ids: list[int] = []
+    resumed: bool = False
+    eos_token_ids: list[int] = []
+    spec_token_ids: list[int] = []
+
+
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request already on the worker: blocks to append and tokens to run this step."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    spec_token_ids: list[int] = []
+
+
+class ExecuteStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=True, gc=False):
+    """One scheduler step as a diff against the worker's persistent batch.
+
+    Batch order is ``new_requests`` then ``cached_requests``. ``finished_req_ids`` and
+    ``preempted_req_ids`` are dropped from the persistent batch before the step runs.
+    """
+
+    step_id: int
+    new_requests: list[NewRequestData] = []
+    cached_requests: list[CachedRequestData] = []
+    finished_req_ids: list[str] = []
+    preempted_req_ids: list[str] = []
+
+
+class ResetWorker(msgspec.Struct, tag="reset", array_like=True, omit_defaults=True):
+    """Forget every request (after an engine core restart or recovery)."""
+
+    reason: str = ""
+
+
+WorkerInbound = ExecuteStep | ResetWorker
+
+
+class StepError(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Why a step failed, and which requests it failed."""
+
+    message: str
+    req_ids: list[str]
+
+
+class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True, gc=False):
+    """Sampled tokens per scheduled request, in batch order.
+
+    ``sampled_token_ids[i]`` is empty for a request still part-way through its prompt.
+    ``logprobs[i]`` / ``prompt_logprobs[i]`` are present only where the request asked for them.
+    """
+
+    step_id: int
+    req_ids: list[str] = []
+    sampled_token_ids: list[list[int]] = []
+    logprobs: list[Logprobs | None] = []
+    prompt_logprobs: list[Logprobs | None] = []
+    error: StepError | None = None
+    execute_time_s: float = 0.0

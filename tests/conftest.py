@@ -1,0 +1,13 @@
+"""Test-wide settings: one torch thread per process, Triton in interpreter mode (set before any
+kernel module is imported), and the shared fixtures from ``tests/fixtures``."""
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+pytest_plugins: list[str] = []
