@@ -1,0 +1,67 @@
+"""The engine client's interface, as the gateway and the offline API see it.
+
+``engine.client.AsyncEngineClient`` implements it over the bus; tests may implement it with a
+fake. Nothing here talks to the bus itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from bus.messages.sampling import SamplingParams
+from engine.outputs import RequestOutput
+
+
+class EngineUnavailableError(RuntimeError):
+    """No engine core can take the request (none ready, or every queue full): HTTP 503."""
+
+
+class RequestValidationError(ValueError):
+    """The request is invalid for this model (e.g. the prompt is longer than max_model_len)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineClient(Protocol):
+    """What a front end needs from the engine."""
+
+    @property
+    def model_name(self) -> str:
+        """The served model name (what ``/v1/models`` lists)."""
+        ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """A ``transformers`` tokenizer (encode, decode, apply_chat_template)."""
+        ...
+
+    def is_ready(self) -> bool:
+        """True while at least one engine core is ready to take requests."""
+        ...
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs until it finishes.
+
+        Raises ``RequestValidationError`` (bad prompt), ``EngineUnavailableError`` (503).
+        Closing the iterator early (client gone) aborts the request in its engine core.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        """Apply the model's chat template and tokenize."""
+        ...
