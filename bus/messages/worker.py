@@ -63,7 +63,13 @@ class ResetWorker(msgspec.Struct, tag="reset", array_like=True, omit_defaults=Tr
     reason: str = ""
 
 
-WorkerInbound = ExecuteStep | ResetWorker
+class DescribeWorker(msgspec.Struct, tag="describe", array_like=True, omit_defaults=True):
+    """Handshake from an engine core: the worker answers with ``WorkerInfo`` once loaded."""
+
+    engine_id: str = ""
+
+
+WorkerInbound = ExecuteStep | ResetWorker | DescribeWorker
 
 
 class StepError(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -87,3 +93,30 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     prompt_logprobs: list[Logprobs | None] = []
     error: StepError | None = None
     execute_time_s: float = 0.0
+
+
+class WorkerInfo(msgspec.Struct, tag="info", array_like=True, omit_defaults=True):
+    """What an engine core needs to know of its worker: KV capacity and model limits.
+
+    ``incarnation`` changes every time the worker process starts, so an engine core can tell
+    that its worker was restarted (and lost its persistent batch and KV contents).
+    """
+
+    worker_id: str
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    incarnation: str
+    tp_rank: int = 0
+    tp_size: int = 1
+
+
+class ResetDone(msgspec.Struct, tag="reset_done", array_like=True, omit_defaults=True):
+    """Reply to ``ResetWorker``: the persistent batch is empty."""
+
+    worker_id: str
+
+
+WorkerOutbound = StepResult | WorkerInfo | ResetDone
