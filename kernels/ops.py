@@ -1,0 +1,126 @@
+"""The public kernel API: each op runs its Triton kernel on CUDA (when Triton imports) and its
+torch reference otherwise; ``SHOAL_KERNELS=torch|triton`` forces a choice (see ``_backend``).
+
+Conventions: ``T`` tokens in the flattened batch, ``S`` sequences; tensors contiguous unless a
+function says otherwise.
+"""
+
+from typing import Any
+
+import torch
+
+from kernels._backend import use_triton
+from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from kernels.fused_moe import fused_moe_torch, fused_moe_triton
+from kernels.kv_write import write_kv_torch, write_kv_triton
+from kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from kernels.rms_norm import rms_norm_torch, rms_norm_triton
+from kernels.rotary import apply_rotary_torch, apply_rotary_triton
+from kernels.rotary import build_cos_sin_cache as _build_cos_sin_cache
+
+__all__ = [
+    "apply_rotary",
+    "build_cos_sin_cache",
+    "fused_moe",
+    "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "write_kv",
+]
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64; slot = block * block_size + offset; < 0 skips
+) -> None:
+    """Write this step's keys and values into their cache slots, in place."""
+    fn = write_kv_triton if use_triton(k_cache) else write_kv_torch
+    fn(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor,  # [S] int32, context + this step's queries
+    scale: float,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:  # [T, num_q_heads, head_dim]
+    """Causal attention of each sequence's last ``query_len`` positions over its paged context.
+
+    Call ``write_kv`` for this step's tokens first. Pass ``max_query_len``/``max_seq_len`` when
+    known to spare a device-to-host read.
+    """
+    fn = paged_attention_triton if use_triton(q) else paged_attention_torch
+    return fn(
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+    )
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., hidden]
+) -> Any:
+    """``out`` when residual is None, else ``(out, x + residual)`` with out = norm(x + residual)."""
+    fn = rms_norm_triton if use_triton(x) else rms_norm_torch
+    return fn(x, weight, eps, residual)
+
+
+def apply_rotary(
+    q: torch.Tensor,  # [T, num_q_heads, head_dim]
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+    positions: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, rotary_dim] = cat(cos, sin)
+    *,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated copies of q and k (the inputs are left unchanged)."""
+    fn = apply_rotary_triton if use_triton(q) else apply_rotary_torch
+    return fn(q, k, positions, cos_sin_cache, is_neox)
+
+
+def build_cos_sin_cache(
+    rotary_dim: int,
+    max_positions: int,
+    base: float,
+    *,
+    scaling: dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [max_positions, rotary_dim]
+    """cat(cos, sin) per position: default rope or ``rope_type='llama3'`` scaling (as HF)."""
+    return _build_cos_sin_cache(rotary_dim, max_positions, base, scaling=scaling, dtype=dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2 * inter] -> [T, inter]
+    """``silu(x[:, :inter]) * x[:, inter:]``."""
+    fn = silu_and_mul_triton if use_triton(x) else silu_and_mul_torch
+    return fn(x)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, hidden]
+    w13: torch.Tensor,  # [num_experts, 2 * inter, hidden], gate rows then up rows
+    w2: torch.Tensor,  # [num_experts, hidden, inter]
+    topk_weights: torch.Tensor,  # [T, top_k] float
+    topk_ids: torch.Tensor,  # [T, top_k] int
+) -> torch.Tensor:  # [T, hidden]
+    """Sum over each token's experts of weight * down(silu(gate(x)) * up(x))."""
+    fn = fused_moe_triton if use_triton(x) else fused_moe_torch
+    return fn(x, w13, w2, topk_weights, topk_ids)

@@ -1,0 +1,73 @@
+"""The torch references against plain dense computations (so the references are proven)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import ops
+from kernels.fused_moe import fused_moe_torch
+from kernels.paged_attention import paged_attention_torch
+from tests.kernels.paged_case import make_paged_case, naive_attention
+
+MIXED = ([5, 1, 9, 1, 17], [0, 30, 12, 3, 40])  # query_lens, context_lens (prefill, decode, ...)
+DECODE = ([1, 1, 1, 1], [0, 33, 7, 64])
+
+
+@pytest.mark.parametrize("gqa", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("lens", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_paged_attention_reference_matches_dense(gqa, head_dim, block_size, lens):
+    case = make_paged_case(*lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim, block_size=block_size)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
+    out = paged_attention_torch(*args, case.seq_lens, case.scale)
+    torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
+
+
+def test_paged_attention_reference_with_length_hints():
+    case = make_paged_case(*DECODE, num_kv_heads=2, gqa=2, head_dim=64, block_size=16)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
+    out = ops.paged_attention(*args, case.seq_lens, case.scale, max_query_len=1, max_seq_len=65)
+    torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
+
+
+def test_write_kv_scatters_rows_and_skips_negative_slots():
+    k_cache = torch.zeros(4, 16, 2, 8)
+    v_cache = torch.zeros(4, 16, 2, 8)
+    key, value = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    ops.write_kv(key, value, k_cache, v_cache, torch.tensor([37, -1, 5]))
+    torch.testing.assert_close(k_cache[2, 5], key[0])
+    torch.testing.assert_close(v_cache[0, 5], value[2])
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 2  # only two slots written
+
+
+def test_rms_norm_matches_hf_formula_with_fused_residual():
+    x, residual, weight = torch.randn(5, 3, 32), torch.randn(5, 3, 32), torch.randn(32)
+    out, new_residual = ops.rms_norm(x, weight, 1e-6, residual)
+    summed = x + residual
+    expected = weight * summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(new_residual, summed)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(ops.rms_norm(summed, weight, 1e-6), expected)
+
+
+def test_silu_and_mul():
+    x = torch.randn(4, 10)
+    torch.testing.assert_close(ops.silu_and_mul(x), F.silu(x[:, :5]) * x[:, 5:])
+
+
+def test_fused_moe_reference_matches_per_token_loop():
+    gen = torch.Generator().manual_seed(0)
+    tokens, hidden, inter, experts, top_k = 7, 16, 12, 5, 2
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen)
+    w2 = torch.randn(experts, hidden, inter, generator=gen)
+    topk_ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    topk_weights = torch.rand(tokens, top_k, generator=gen)
+    expected = torch.zeros(tokens, hidden)
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(topk_ids[t, j])
+            h = w13[e] @ x[t]
+            expected[t] += topk_weights[t, j] * (w2[e] @ (F.silu(h[:inter]) * h[inter:]))
+    torch.testing.assert_close(fused_moe_torch(x, w13, w2, topk_weights, topk_ids), expected)
