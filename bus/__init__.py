@@ -1,0 +1,70 @@
+"""shoal's message bus: the ``Bus`` interface (``bus.base``), its in-memory and NATS transports,
+subjects (``bus.subjects``), codecs (``bus.codec``), the actor runtime (``bus.actor``,
+``bus.supervisor``), the nats-server launcher (``bus.server``) and JetStream helpers
+(``bus.jetstream``). Only this package imports ``nats``. See ``docs/bus.md``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bus.base import (
+    Bus,
+    BusClosedError,
+    BusError,
+    BusTimeoutError,
+    Handler,
+    Msg,
+    NoRespondersError,
+    PayloadIntegrityError,
+    RemoteError,
+    ReplyStream,
+    Subscription,
+)
+from bus.subjects import SubjectError, Subjects
+
+__all__ = [
+    "Bus",
+    "BusClosedError",
+    "BusError",
+    "BusTimeoutError",
+    "Handler",
+    "Msg",
+    "NoRespondersError",
+    "PayloadIntegrityError",
+    "RemoteError",
+    "ReplyStream",
+    "SubjectError",
+    "Subjects",
+    "Subscription",
+    "connect_bus",
+    "make_bus",
+]
+
+
+def make_bus(url: str = "memory", **options: Any) -> Bus:
+    """A bus for ``url``, not yet connected.
+
+    ``"memory"`` / ``"memory://NAME"``: an ``InMemoryBus`` on the process-wide broker NAME
+    (default ``"default"``); options go to ``InMemoryBus``. ``"nats://host:port"`` (comma-separated
+    for several servers; ``tls://`` too): a ``NatsBus``; options go to ``NatsBus`` (user, password,
+    token, creds_file, tls, name, …).
+    """
+    if url == "memory" or url.startswith("memory://"):
+        from bus.memory import InMemoryBus, named_broker
+
+        name = url.removeprefix("memory").removeprefix("://") or "default"
+        return InMemoryBus(named_broker(name), **options)
+    if url.startswith(("nats://", "tls://", "ws://", "wss://")):
+        from bus.nats_bus import NatsBus
+
+        return NatsBus([u.strip() for u in url.split(",") if u.strip()], **options)
+    raise ValueError(
+        f"unknown bus url {url!r}: use 'memory', 'memory://NAME' or 'nats://HOST:PORT'"
+    )
+
+
+async def connect_bus(url: str = "memory", **options: Any) -> Bus:
+    """``make_bus(url, **options)``, connected."""
+    bus = make_bus(url, **options)
+    await bus.connect()
+    return bus

@@ -1,0 +1,224 @@
+"""The ``Bus`` interface every shoal actor talks through, its message and error types, and the
+streamed-reply protocol shared by both transports.
+
+Semantics (identical on ``InMemoryBus`` and ``NatsBus``; ``tests/actors/test_bus_contract.py``):
+
+- Subjects are dot-separated tokens; subscriptions may use ``*`` (one token) and ``>`` (the rest).
+- A handler runs as its own task, so a slow handler never blocks delivery. Handlers of one
+  subscription *start* in arrival order; pass ``sequential=True`` to ``subscribe`` to run them one
+  at a time in arrival order instead.
+- ``queue=`` groups: each message goes to one member of the group.
+- ``request`` raises ``NoRespondersError`` at once when nobody listens, ``BusTimeoutError`` when
+  nobody answers in time.
+- Streamed replies: the responder sends any number of chunks then one final message or an error
+  (``ReplyStream``); the caller iterates ``request_stream``.
+- Payloads larger than the transport's ``max_payload`` are chunked and reassembled transparently.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+# Header carrying the streamed-reply protocol; values below.
+STREAM_HEADER = "Shoal-Stream"
+STREAM_MORE = "more"  # a chunk; more follow
+STREAM_LAST = "last"  # the final chunk, carries data
+STREAM_END = "end"  # end of stream, no data (not yielded to the caller)
+STREAM_ERROR = "error"  # the stream failed; data is the UTF-8 message, code in ERROR_CODE_HEADER
+ERROR_CODE_HEADER = "Shoal-Error"
+
+
+class BusError(Exception):
+    """Base of every error the bus raises."""
+
+
+class BusTimeoutError(BusError, TimeoutError):
+    """No reply (or no next stream message) arrived within the timeout."""
+
+
+class NoRespondersError(BusError):
+    """Nobody subscribes to the subject a request was sent to."""
+
+
+class BusClosedError(BusError):
+    """The bus is closed (or not connected yet)."""
+
+
+class RemoteError(BusError):
+    """A responder ended a streamed reply with an error."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class PayloadIntegrityError(BusError):
+    """A chunked payload could not be reassembled intact (missing chunk, bad digest)."""
+
+
+class Msg:
+    """One received message. ``respond`` publishes to its reply subject."""
+
+    __slots__ = ("_bus", "data", "headers", "reply", "subject")
+
+    def __init__(
+        self,
+        bus: Bus | None,
+        subject: str,
+        data: bytes,
+        reply: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self._bus = bus
+        self.subject = subject
+        self.data = data
+        self.reply = reply or None
+        self.headers = headers or None
+
+    async def respond(self, data: bytes, *, headers: dict[str, str] | None = None) -> None:
+        if not self.reply:
+            raise BusError(f"message on {self.subject!r} has no reply subject")
+        if self._bus is None:
+            raise BusClosedError("message is not bound to a bus")
+        await self._bus.publish(self.reply, data, headers=headers)
+
+    def header(self, name: str) -> str | None:
+        return self.headers.get(name) if self.headers else None
+
+    def __repr__(self) -> str:
+        return f"Msg(subject={self.subject!r}, reply={self.reply!r}, {len(self.data)} bytes)"
+
+
+Handler = Callable[[Msg], Awaitable[None]]
+
+
+class Subscription(abc.ABC):
+    """A live subscription; ``unsubscribe`` stops delivery (idempotent)."""
+
+    subject: str
+    queue: str | None
+
+    @abc.abstractmethod
+    async def unsubscribe(self) -> None: ...
+
+
+class Bus(abc.ABC):
+    """A message bus: publish/subscribe, queue groups, request/reply, streamed replies."""
+
+    @abc.abstractmethod
+    async def connect(self) -> None: ...
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Drain: stop taking messages, let running handlers finish, flush, disconnect."""
+
+    @property
+    @abc.abstractmethod
+    def is_connected(self) -> bool: ...
+
+    @abc.abstractmethod
+    async def publish(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        reply: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None: ...
+
+    @abc.abstractmethod
+    async def subscribe(
+        self,
+        subject: str,
+        handler: Handler,
+        *,
+        queue: str | None = None,
+        sequential: bool = False,
+    ) -> Subscription: ...
+
+    @abc.abstractmethod
+    async def request(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> Msg: ...
+
+    @abc.abstractmethod
+    def new_inbox(self) -> str: ...
+
+    @abc.abstractmethod
+    async def flush(self, timeout: float = 5.0) -> None:
+        """Return once everything published so far has reached the transport."""
+
+    async def request_stream(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> AsyncIterator[Msg]:
+        """Send a request and yield its streamed reply messages in order.
+
+        ``timeout`` bounds the wait for *each* next message (the first one included). The final
+        message is yielded too when it carries data (``ReplyStream.end(data)``). Raises
+        ``RemoteError`` when the responder sends an error, ``NoRespondersError`` or
+        ``BusTimeoutError`` like ``request``.
+        """
+        from bus.streams import iterate_reply_stream
+
+        stream = iterate_reply_stream(self, subject, data, timeout=timeout, headers=headers)
+        async for msg in stream:
+            yield msg
+
+    async def __aenter__(self) -> Bus:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+
+class ReplyStream:
+    """The responder's side of a streamed reply to ``msg``: ``send`` chunks, then ``end`` or
+    ``error`` exactly once."""
+
+    __slots__ = ("_msg", "closed")
+
+    def __init__(self, msg: Msg) -> None:
+        if not msg.reply:
+            raise BusError(f"message on {msg.subject!r} has no reply subject to stream to")
+        self._msg = msg
+        self.closed = False
+
+    async def send(self, data: bytes) -> None:
+        await self._publish(data, STREAM_MORE, close=False)
+
+    async def end(self, data: bytes | None = None) -> None:
+        """Finish the stream; ``data`` (if given) is the last message the caller receives."""
+        if data is None:
+            await self._publish(b"", STREAM_END, close=True)
+        else:
+            await self._publish(data, STREAM_LAST, close=True)
+
+    async def error(self, message: str, code: str = "error") -> None:
+        await self._publish(
+            message.encode(), STREAM_ERROR, close=True, extra={ERROR_CODE_HEADER: code}
+        )
+
+    async def _publish(
+        self, data: bytes, kind: str, *, close: bool, extra: dict[str, str] | None = None
+    ) -> None:
+        if self.closed:
+            raise BusError("reply stream already ended")
+        self.closed = close
+        headers = {STREAM_HEADER: kind}
+        if extra:
+            headers.update(extra)
+        await self._msg.respond(data, headers=headers)

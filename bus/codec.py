@@ -1,0 +1,69 @@
+"""Encoders and decoders built once per message type: msgpack for the internal wire, JSON for
+the public API. A payload that does not decode raises ``DecodeError`` with a readable reason."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+T = TypeVar("T")
+
+
+class DecodeError(ValueError):
+    """A payload that is not a valid message of the expected type."""
+
+    def __init__(self, type_name: str, reason: str) -> None:
+        super().__init__(f"cannot decode {type_name}: {reason}")
+        self.type_name = type_name
+        self.reason = reason
+
+
+def _type_name(type_: Any) -> str:
+    return getattr(type_, "__name__", None) or str(type_)
+
+
+class Codec(Generic[T]):
+    """msgpack codec for one struct or tagged union, e.g. ``Codec(EngineInbound)``."""
+
+    def __init__(self, type_: Any) -> None:
+        self.type = type_
+        self.type_name = _type_name(type_)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)
+
+    def encode(self, obj: T) -> bytes:
+        return self._encoder.encode(obj)
+
+    def decode(self, data: bytes | bytearray | memoryview) -> T:
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            raise DecodeError(self.type_name, str(exc)) from None
+
+
+class JsonCodec(Generic[T]):
+    """JSON codec for one type (the gateway's public NATS API)."""
+
+    def __init__(self, type_: Any) -> None:
+        self.type = type_
+        self.type_name = _type_name(type_)
+        self._encoder = msgspec.json.Encoder()
+        self._decoder: msgspec.json.Decoder[T] = msgspec.json.Decoder(type_)
+
+    def encode(self, obj: T) -> bytes:
+        return self._encoder.encode(obj)
+
+    def decode(self, data: bytes | bytearray | memoryview) -> T:
+        try:
+            return self._decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+            raise DecodeError(self.type_name, str(exc)) from None
+
+
+_ANY_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(obj: Any) -> bytes:
+    """msgpack-encode any struct (replies whose type the sender knows)."""
+    return _ANY_ENCODER.encode(obj)

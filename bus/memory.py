@@ -1,0 +1,237 @@
+"""``InMemoryBus``: the bus inside one process, with NATS's semantics (wildcards, queue groups,
+request/reply with "no responders", streamed replies, chunking above an optional max_payload).
+
+Buses on one ``InMemoryBroker`` see each other's messages; each bus closes on its own. Used by the
+offline API, local single-process mode and fast tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import uuid
+
+from bus.base import (
+    Bus,
+    BusClosedError,
+    BusError,
+    BusTimeoutError,
+    Handler,
+    Msg,
+    NoRespondersError,
+    Subscription,
+)
+from bus.chunking import ChunkSender, fetch_chunked, is_chunked
+from bus.dispatch import Dispatcher
+from bus.streams import NO_RESPONDERS_STATUS, STATUS_HEADER, is_no_responders
+from bus.subjects import validate_subject
+
+
+def subject_matches(pattern: tuple[str, ...], subject: tuple[str, ...]) -> bool:
+    """NATS matching: ``*`` is one token, a trailing ``>`` is one or more tokens."""
+    for i, token in enumerate(pattern):
+        if token == ">":
+            return len(subject) > i
+        if i >= len(subject) or (token != "*" and token != subject[i]):
+            return False
+    return len(pattern) == len(subject)
+
+
+class _MemorySubscription(Subscription):
+    def __init__(
+        self, bus: InMemoryBus, subject: str, queue: str | None, dispatcher: Dispatcher
+    ) -> None:
+        self.bus = bus
+        self.subject = subject
+        self.queue = queue
+        self.pattern = tuple(subject.split("."))
+        self.dispatcher = dispatcher
+
+    async def unsubscribe(self) -> None:
+        self.bus._broker.remove(self)
+        self.bus._subs.discard(self)
+        self.dispatcher.cancel()
+
+
+class InMemoryBroker:
+    """The shared subject space of a set of in-memory buses."""
+
+    def __init__(self) -> None:
+        self._subs: list[_MemorySubscription] = []
+        self._cache: dict[str, list[_MemorySubscription]] = {}
+        self._round_robin = itertools.count(random.randrange(1 << 16))
+
+    def add(self, sub: _MemorySubscription) -> None:
+        self._subs.append(sub)
+        self._cache.clear()
+
+    def remove(self, sub: _MemorySubscription) -> None:
+        if sub in self._subs:
+            self._subs.remove(sub)
+            self._cache.clear()
+
+    def route(self, subject: str) -> list[_MemorySubscription]:
+        """Every plain subscriber, plus one member of each matching queue group."""
+        matching = self._cache.get(subject)
+        if matching is None:
+            tokens = tuple(subject.split("."))
+            matching = [s for s in self._subs if subject_matches(s.pattern, tokens)]
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[subject] = matching
+        if not any(s.queue for s in matching):
+            return matching
+        targets = [s for s in matching if s.queue is None]
+        groups: dict[str, list[_MemorySubscription]] = {}
+        for s in matching:
+            if s.queue is not None:
+                groups.setdefault(s.queue, []).append(s)
+        turn = next(self._round_robin)
+        targets.extend(members[turn % len(members)] for members in groups.values())
+        return targets
+
+
+_DEFAULT_BROKERS: dict[str, InMemoryBroker] = {}
+
+
+def named_broker(name: str) -> InMemoryBroker:
+    """The process-wide broker of that name (``connect_bus("memory://name")``)."""
+    return _DEFAULT_BROKERS.setdefault(name, InMemoryBroker())
+
+
+class InMemoryBus(Bus):
+    """A bus in this process. ``max_payload`` (None: unlimited) enables chunking like NATS."""
+
+    def __init__(
+        self,
+        broker: InMemoryBroker | None = None,
+        *,
+        max_payload: int | None = None,
+        drain_timeout: float = 5.0,
+    ) -> None:
+        self._broker = broker if broker is not None else InMemoryBroker()
+        self.max_payload = max_payload
+        self._drain_timeout = drain_timeout
+        self._connected = False
+        self._subs: set[_MemorySubscription] = set()
+        self._inbox_prefix = f"_INBOX.{uuid.uuid4().hex}"
+        self._inbox_ids = itertools.count()
+        self._chunks = ChunkSender(self, max_payload) if max_payload else None
+
+    @property
+    def broker(self) -> InMemoryBroker:
+        return self._broker
+
+    def sibling(self, **kwargs: object) -> InMemoryBus:
+        """Another bus on the same broker (e.g. one per actor)."""
+        return InMemoryBus(self._broker, max_payload=self.max_payload, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def is_connected(self) -> bool:
+        return self._connected
+
+    async def connect(self) -> None:
+        self._connected = True
+
+    async def close(self) -> None:
+        if not self._connected:
+            return
+        for sub in list(self._subs):
+            self._broker.remove(sub)
+        await asyncio.gather(*(s.dispatcher.drain(self._drain_timeout) for s in self._subs))
+        self._subs.clear()
+        if self._chunks is not None:
+            await self._chunks.close()
+        self._connected = False
+
+    def new_inbox(self) -> str:
+        return f"{self._inbox_prefix}.{next(self._inbox_ids)}"
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        self._check_open()
+        await asyncio.sleep(0)
+
+    def _check_open(self) -> None:
+        if not self._connected:
+            raise BusClosedError("in-memory bus is not connected")
+
+    async def publish(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        reply: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self._check_open()
+        validate_subject(subject)
+        if self._chunks is not None and len(data) > self._chunks.chunk_size:
+            headers = await self._chunks.offer(subject, data, headers)
+            data = b""
+        self._deliver(subject, bytes(data), reply, headers)
+
+    def _deliver(
+        self, subject: str, data: bytes, reply: str | None, headers: dict[str, str] | None
+    ) -> None:
+        targets = self._broker.route(subject)
+        if not targets and reply:
+            status = {STATUS_HEADER: NO_RESPONDERS_STATUS}
+            for sub in self._broker.route(reply):
+                sub.dispatcher.deliver(Msg(sub.bus, reply, b"", None, status))
+            return
+        for sub in targets:
+            copied = dict(headers) if headers else None
+            sub.dispatcher.deliver(Msg(sub.bus, subject, data, reply, copied))
+
+    async def subscribe(
+        self,
+        subject: str,
+        handler: Handler,
+        *,
+        queue: str | None = None,
+        sequential: bool = False,
+    ) -> Subscription:
+        self._check_open()
+        validate_subject(subject, wildcards=True)
+        dispatcher = Dispatcher(subject, handler, sequential=sequential, resolve=self._resolve)
+        sub = _MemorySubscription(self, subject, queue, dispatcher)
+        self._subs.add(sub)
+        self._broker.add(sub)
+        return sub
+
+    async def _resolve(self, msg: Msg) -> Msg:
+        if is_chunked(msg):
+            return await fetch_chunked(self, msg, timeout=self._drain_timeout)
+        return msg
+
+    async def request(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> Msg:
+        self._check_open()
+        reply: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+
+        async def take(msg: Msg) -> None:
+            if not reply.done():
+                reply.set_result(msg)
+
+        inbox = self.new_inbox()
+        sub = await self.subscribe(inbox, take)
+        try:
+            await self.publish(subject, data, reply=inbox, headers=headers)
+            msg = await asyncio.wait_for(reply, timeout)
+        except TimeoutError:
+            raise BusTimeoutError(f"no reply on {subject!r} within {timeout}s") from None
+        finally:
+            await sub.unsubscribe()
+        if is_no_responders(msg):
+            raise NoRespondersError(f"no responders on {subject!r}")
+        return msg
+
+
+__all__ = ["BusError", "InMemoryBroker", "InMemoryBus", "named_broker", "subject_matches"]

