@@ -1,0 +1,260 @@
+"""Per-step batched sampling inputs (``SamplingMetadata``) and the per-request state they are
+built from (``SamplingBatch``).
+
+The model runner registers each request once (``add_request``), reports the tokens it samples
+(``append_output_tokens``) and drops finished or preempted requests (``remove_request``). Each
+step it calls ``prepare(req_ids)`` with the requests that sample this step, in row order. When
+the rows are the same as the previous step's, the cached tensors are reused and only the output
+token counts (for penalties) are bumped with the newly appended tokens: no full rebuild, and no
+device-to-host copy at all.
+
+Rows must be exactly the requests that sample a token this step (not ones part-way through a
+prompt chunk): a seeded request's generator advances only when its row is sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from bus.messages.sampling import SamplingParams
+
+_SAMPLING_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class PenaltyTensors:
+    """Inputs of presence/frequency/repetition penalties for the rows that use any of them."""
+
+    row_indices: torch.Tensor | None  # [P] int64 rows of the batch; None: every row, in order
+    prompt_mask: torch.Tensor  # [P, V] bool: the token occurs in the prompt
+    output_counts: torch.Tensor  # [P, V] fp32: occurrences of the token in the output so far
+    presence: torch.Tensor  # [P] fp32
+    frequency: torch.Tensor  # [P] fp32
+    repetition: torch.Tensor  # [P] fp32
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Everything the sampler needs for one step, batched over ``num_reqs`` rows."""
+
+    num_reqs: int
+    temperature: torch.Tensor  # [R] fp32; 1.0 on greedy rows so dividing never hits zero
+    is_greedy: torch.Tensor  # [R] bool
+    all_greedy: bool
+    all_random: bool
+    top_k: torch.Tensor | None  # [R] int64; vocab_size where off; None when no row uses it
+    max_top_k: int  # the largest top_k in use (host side, avoids a sync)
+    top_p: torch.Tensor | None  # [R] fp32; None when no row uses it
+    min_p: torch.Tensor | None  # [R] fp32; None when no row uses it
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row → seeded gen
+    penalties: PenaltyTensors | None = None
+    # Positions masked to -inf until min_tokens outputs exist: (rows [M], token ids [M]).
+    min_tokens_blocked: tuple[torch.Tensor, torch.Tensor] | None = None
+    num_logprobs: list[int | None] = field(default_factory=list)  # per row, as requested
+    max_num_logprobs: int | None = None  # None: no row wants logprobs
+
+
+@dataclass(slots=True)
+class _RequestState:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    stop_token_ids: list[int]  # masked while below min_tokens: EOS (unless ignored) + stop ids
+    generator: torch.Generator | None
+
+    @property
+    def has_penalties(self) -> bool:
+        p = self.params
+        no_penalty = (0.0, 0.0, 1.0)
+        return (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) != no_penalty
+
+
+@dataclass(slots=True)
+class _CachedStep:
+    req_ids: tuple[str, ...]
+    metadata: SamplingMetadata
+    num_outputs: list[int]  # output length of each row when the counts were last updated
+
+
+class SamplingBatch:
+    """The sampling state of every request on a worker; builds ``SamplingMetadata`` per step."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self._requests: dict[str, _RequestState] = {}
+        self._parked_generators: dict[str, torch.Generator] = {}  # of preempted requests
+        self._cached: _CachedStep | None = None
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def add_request(
+        self,
+        req_id: str,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int] = (),
+        eos_token_ids: Sequence[int] = (),
+    ) -> None:
+        """Register a request (new, or resumed after preemption with its outputs so far)."""
+        stop_ids = [] if params.ignore_eos else list(eos_token_ids)
+        stop_ids += params.stop_token_ids or []
+        stop_ids = [t for t in dict.fromkeys(stop_ids) if t < self.vocab_size]
+        self._requests[req_id] = _RequestState(
+            params=params,
+            prompt_token_ids=list(prompt_token_ids),
+            output_token_ids=list(output_token_ids),
+            stop_token_ids=stop_ids,
+            generator=self._generator_for(req_id, params),
+        )
+        self._cached = None
+
+    def remove_request(self, req_id: str, preempted: bool = False) -> None:
+        """Forget a request. A preempted one keeps its generator's state for when it resumes."""
+        state = self._requests.pop(req_id, None)
+        self._parked_generators.pop(req_id, None)
+        if preempted and state is not None and state.generator is not None:
+            self._parked_generators[req_id] = state.generator
+        self._cached = None
+
+    def clear(self) -> None:
+        self._requests.clear()
+        self._parked_generators.clear()
+        self._cached = None
+
+    def append_output_tokens(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Record tokens sampled for a request (they feed penalties and min_tokens)."""
+        self._requests[req_id].output_token_ids.extend(token_ids)
+
+    def output_token_ids(self, req_id: str) -> list[int]:
+        return self._requests[req_id].output_token_ids
+
+    def prepare(self, req_ids: Sequence[str]) -> SamplingMetadata:
+        """The metadata for rows ``req_ids``, reusing the previous step's when rows are equal."""
+        key = tuple(req_ids)
+        states = [self._requests[r] for r in key]
+        cached = self._cached
+        if cached is not None and cached.req_ids == key:
+            self._update_cached(cached, states)
+            return cached.metadata
+        metadata = self._build(states)
+        self._cached = _CachedStep(key, metadata, [len(s.output_token_ids) for s in states])
+        return metadata
+
+    def _generator_for(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None or params.is_greedy:
+            return None
+        parked = self._parked_generators.pop(req_id, None)
+        if parked is not None:
+            return parked
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed)
+        return generator
+
+    def _build(self, states: list[_RequestState]) -> SamplingMetadata:
+        params = [s.params for s in states]
+        greedy = [p.is_greedy for p in params]
+        top_ks = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
+        uses_top_k = any(k < self.vocab_size for k in top_ks)
+        num_logprobs = [p.logprobs for p in params]
+        wanted = [n for n in num_logprobs if n is not None]
+        return SamplingMetadata(
+            num_reqs=len(states),
+            temperature=self._tensor(
+                [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)],
+                torch.float32,
+            ),
+            is_greedy=self._tensor(greedy, torch.bool),
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+            top_k=self._tensor(top_ks, torch.int64) if uses_top_k else None,
+            max_top_k=max((k for k in top_ks if k < self.vocab_size), default=0),
+            top_p=self._optional([p.top_p for p in params], off=1.0),
+            min_p=self._optional([p.min_p for p in params], off=0.0),
+            generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            penalties=self._build_penalties(states),
+            min_tokens_blocked=self._min_tokens_blocked(states),
+            num_logprobs=num_logprobs,
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
+
+    def _build_penalties(self, states: list[_RequestState]) -> PenaltyTensors | None:
+        rows = [i for i, s in enumerate(states) if s.has_penalties]
+        if not rows:
+            return None
+        chosen = [states[i] for i in rows]
+        prompt_mask = torch.zeros(len(rows), self.vocab_size + 1, dtype=torch.bool)
+        prompt_mask.scatter_(1, self._padded([s.prompt_token_ids for s in chosen]), True)
+        counts = torch.zeros(len(rows), self.vocab_size + 1, dtype=torch.float32)
+        outputs = self._padded([s.output_token_ids for s in chosen])
+        counts.scatter_add_(1, outputs, torch.ones(outputs.shape, dtype=torch.float32))
+        return PenaltyTensors(
+            row_indices=None if len(rows) == len(states) else self._tensor(rows, torch.int64),
+            prompt_mask=self._move(prompt_mask[:, : self.vocab_size]),
+            output_counts=self._move(counts[:, : self.vocab_size]),
+            presence=self._tensor([s.params.presence_penalty for s in chosen], torch.float32),
+            frequency=self._tensor([s.params.frequency_penalty for s in chosen], torch.float32),
+            repetition=self._tensor([s.params.repetition_penalty for s in chosen], torch.float32),
+        )
+
+    def _min_tokens_blocked(
+        self, states: list[_RequestState]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        rows: list[int] = []
+        tokens: list[int] = []
+        for i, s in enumerate(states):
+            if len(s.output_token_ids) < s.params.min_tokens:
+                rows += [i] * len(s.stop_token_ids)
+                tokens += s.stop_token_ids
+        if not rows:
+            return None
+        return self._tensor(rows, torch.int64), self._tensor(tokens, torch.int64)
+
+    def _update_cached(self, cached: _CachedStep, states: list[_RequestState]) -> None:
+        metadata = cached.metadata
+        if metadata.penalties is not None:
+            self._bump_output_counts(metadata.penalties, cached.num_outputs, states)
+        cached.num_outputs = [len(s.output_token_ids) for s in states]
+        metadata.min_tokens_blocked = self._min_tokens_blocked(states)
+
+    def _bump_output_counts(
+        self, penalties: PenaltyTensors, num_outputs: list[int], states: list[_RequestState]
+    ) -> None:
+        """Add the tokens appended since the last step to the cached counts (rows unchanged)."""
+        rows = [i for i, s in enumerate(states) if s.has_penalties]
+        bump_slots: list[int] = []
+        bump_tokens: list[int] = []
+        for slot, row in enumerate(rows):
+            new_tokens = states[row].output_token_ids[num_outputs[row] :]
+            bump_slots += [slot] * len(new_tokens)
+            bump_tokens += new_tokens
+        if bump_slots:
+            index = (self._tensor(bump_slots, torch.int64), self._tensor(bump_tokens, torch.int64))
+            ones = torch.ones(len(bump_slots), dtype=torch.float32, device=self.device)
+            penalties.output_counts.index_put_(index, ones, accumulate=True)
+
+    def _optional(self, values: list[float], off: float) -> torch.Tensor | None:
+        if all(v == off for v in values):
+            return None
+        return self._tensor(values, torch.float32)
+
+    def _padded(self, rows: list[list[int]]) -> torch.Tensor:
+        """[len(rows), max_len] int64 CPU, padded with ``vocab_size`` (a column dropped later)."""
+        width = max((len(r) for r in rows), default=0)
+        padded = [r + [self.vocab_size] * (width - len(r)) for r in rows]
+        return torch.tensor(padded, dtype=torch.int64).reshape(len(rows), width)
+
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return self._move(torch.tensor(values, dtype=dtype))
+
+    def _move(self, cpu_tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return cpu_tensor
+        return cpu_tensor.to(self.device, non_blocking=True)
