@@ -96,13 +96,17 @@ Handler = Callable[[Msg], Awaitable[None]]
 
 
 class Subscription(abc.ABC):
-    """A live subscription; ``unsubscribe`` stops delivery (idempotent)."""
+    """A live subscription. ``unsubscribe`` stops delivery at once and cancels running
+    handlers; ``drain`` stops delivery and lets queued and running handlers finish (bounded)."""
 
     subject: str
     queue: str | None
 
     @abc.abstractmethod
     async def unsubscribe(self) -> None: ...
+
+    async def drain(self, timeout: float = 5.0) -> None:
+        await self.unsubscribe()
 
 
 class Bus(abc.ABC):

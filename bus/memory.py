@@ -53,6 +53,11 @@ class _MemorySubscription(Subscription):
         self.bus._subs.discard(self)
         self.dispatcher.cancel()
 
+    async def drain(self, timeout: float = 5.0) -> None:
+        self.bus._broker.remove(self)
+        self.bus._subs.discard(self)
+        await self.dispatcher.drain(timeout)
+
 
 class InMemoryBroker:
     """The shared subject space of a set of in-memory buses."""

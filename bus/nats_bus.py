@@ -57,7 +57,7 @@ class _NatsSubscription(Subscription):
             with contextlib.suppress(nats.errors.Error):  # closed or draining: nothing to stop
                 await self.nats_sub.unsubscribe()
 
-    async def drain(self, timeout: float) -> None:
+    async def drain(self, timeout: float = 5.0) -> None:
         if self.closed:
             return
         self.closed = True

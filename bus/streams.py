@@ -18,12 +18,25 @@ from bus.base import (
     NoRespondersError,
     RemoteError,
 )
+from bus.codec import Codec, DecodeError
+from bus.messages.control import ErrorReply
 
 if TYPE_CHECKING:
     from bus.base import Bus
 
 STATUS_HEADER = "Status"
 NO_RESPONDERS_STATUS = "503"
+_ERROR_CODEC: Codec[ErrorReply] = Codec(ErrorReply)
+
+
+def error_from_reply(msg: Msg) -> RemoteError:
+    """The ``RemoteError`` an ``ErrorReply`` (flagged by its error-code header) stands for."""
+    code = msg.header(ERROR_CODE_HEADER) or "error"
+    try:
+        reply = _ERROR_CODEC.decode(msg.data)
+    except DecodeError:
+        return RemoteError(code, msg.data.decode(errors="replace"))
+    return RemoteError(reply.code, reply.message)
 
 
 def is_no_responders(msg: Msg) -> bool:
@@ -56,6 +69,8 @@ async def iterate_reply_stream(
             kind = msg.header(STREAM_HEADER)
             if kind is None and is_no_responders(msg):
                 raise NoRespondersError(f"no responders on {subject!r}")
+            if kind is None and msg.header(ERROR_CODE_HEADER):
+                raise error_from_reply(msg)
             if kind == STREAM_ERROR:
                 code = msg.header(ERROR_CODE_HEADER) or "error"
                 raise RemoteError(code, msg.data.decode(errors="replace"))

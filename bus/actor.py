@@ -1,0 +1,227 @@
+"""The actor base: declared inboxes with typed handlers, start/stop with drain, a periodic
+heartbeat, status events, and ``run_forever`` with graceful drain on SIGTERM/SIGINT.
+
+The same class runs as a task in a shared event loop (``asyncio.create_task(actor.run_forever(
+install_signals=False))``, stopped by ``actor.request_stop()``) or as its own OS process
+(``python -m bus.run_actor``, usually started by ``bus.supervisor.Supervisor``).
+
+A handler receives the decoded message and the raw ``Msg``. For a request, a returned struct (or
+bytes) is the reply; an undecodable payload or a failing handler gets an ``ErrorReply`` (flagged
+with the ``Shoal-Error`` header); for an event, it is logged and counted. The actor keeps running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from bus.base import ERROR_CODE_HEADER, Bus, BusError, Msg, Subscription
+from bus.codec import Codec, DecodeError, encode
+from bus.messages.control import ActorState, ErrorReply, Heartbeat, StatusEvent
+from bus.streams import error_from_reply
+from bus.subjects import Subjects, validate_token
+
+log = logging.getLogger(__name__)
+
+TypedHandler = Callable[[Any, Msg], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Inbox:
+    """One subscription of an actor: messages on ``subject`` decoded by ``codec`` (None: the
+    handler gets the raw bytes) and passed to ``handler(obj, msg)``."""
+
+    subject: str
+    handler: TypedHandler
+    codec: Codec[Any] | None = None
+    queue: str | None = None
+    sequential: bool = False
+
+
+class Actor:
+    """Base of every shoal actor. Override ``inboxes``, and optionally ``on_start``,
+    ``on_stop`` and ``load``."""
+
+    kind: ClassVar[str] = "actor"
+
+    def __init__(
+        self,
+        bus: Bus,
+        actor_id: str,
+        *,
+        namespace: str = "shoal",
+        heartbeat_interval_s: float = 1.0,
+        drain_timeout_s: float = 5.0,
+    ) -> None:
+        self.bus = bus
+        self.actor_id = validate_token(actor_id, "actor id")
+        validate_token(self.kind, "actor kind")
+        self.subjects = Subjects(namespace)
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.drain_timeout_s = drain_timeout_s
+        self.owns_bus = False  # close the bus on stop (set when the actor runs as a process)
+        self.state = ActorState.STARTING
+        self.num_handled = 0
+        self.num_decode_errors = 0
+        self.num_handler_errors = 0
+        self._heartbeat_seq = 0
+        self._subscriptions: list[Subscription] = []
+        self._heartbeat_task: asyncio.Task[None] | None = None
+        self._stop_requested: asyncio.Event | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.kind}/{self.actor_id}, {self.state.name})"
+
+    # -- to override ---------------------------------------------------------------------------
+    def inboxes(self) -> Sequence[Inbox]:
+        return ()
+
+    async def on_start(self) -> None:
+        """Before the inboxes are subscribed."""
+
+    async def on_stop(self) -> None:
+        """After the inboxes are drained."""
+
+    def load(self) -> dict[str, float]:
+        """Load figures sent with every heartbeat."""
+        return {}
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        if not self.bus.is_connected:
+            await self.bus.connect()
+        await self.on_start()
+        for inbox in self.inboxes():
+            sub = await self.bus.subscribe(
+                inbox.subject,
+                self._make_handler(inbox),
+                queue=inbox.queue,
+                sequential=inbox.sequential,
+            )
+            self._subscriptions.append(sub)
+        await self.bus.flush()
+        await self.set_state(ActorState.READY, "started")
+        self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
+
+    async def stop(self, reason: str = "stopped") -> None:
+        """Stop taking messages, let running handlers finish, then stop (idempotent)."""
+        if self.state in (ActorState.DRAINING, ActorState.STOPPED):
+            return
+        await self.set_state(ActorState.DRAINING, reason)
+        subs, self._subscriptions = self._subscriptions, []
+        await asyncio.gather(*(s.drain(self.drain_timeout_s) for s in subs))
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            self._heartbeat_task = None
+        try:
+            await self.on_stop()
+        finally:
+            await self.set_state(ActorState.STOPPED, reason)
+            if self.owns_bus:
+                await self.bus.close()
+
+    def request_stop(self) -> None:
+        """Ask ``run_forever`` to drain and return (safe from a signal handler)."""
+        if self._stop_requested is not None:
+            self._stop_requested.set()
+
+    async def run_forever(self, *, install_signals: bool = True) -> None:
+        """Start, serve until ``request_stop`` (or SIGTERM/SIGINT), then drain and stop."""
+        self._stop_requested = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT)
+        install = install_signals and threading.current_thread() is threading.main_thread()
+        if install:
+            for signum in signals:
+                loop.add_signal_handler(signum, self.request_stop)
+        try:
+            await self.start()
+            await self._stop_requested.wait()
+            await self.stop("stop requested")
+        finally:
+            if install:
+                for signum in signals:
+                    loop.remove_signal_handler(signum)
+
+    # -- messages ------------------------------------------------------------------------------
+    def _make_handler(self, inbox: Inbox) -> Callable[[Msg], Awaitable[None]]:
+        codec, handler = inbox.codec, inbox.handler
+
+        async def handle(msg: Msg) -> None:
+            try:
+                obj = codec.decode(msg.data) if codec is not None else msg.data
+            except DecodeError as exc:
+                self.num_decode_errors += 1
+                log.warning("%r: undecodable message on %s: %s", self, msg.subject, exc)
+                await self._reply_error(msg, "undecodable", str(exc))
+                return
+            try:
+                result = await handler(obj, msg)
+            except Exception as exc:
+                self.num_handler_errors += 1
+                log.exception("%r: handler for %s failed", self, msg.subject)
+                await self._reply_error(msg, "internal", f"{type(exc).__name__}: {exc}")
+                return
+            self.num_handled += 1
+            if result is not None and msg.reply:
+                data = result if isinstance(result, bytes | bytearray) else encode(result)
+                await msg.respond(bytes(data))
+
+        return handle
+
+    async def _reply_error(self, msg: Msg, code: str, message: str) -> None:
+        if not msg.reply:
+            return
+        try:
+            await msg.respond(encode(ErrorReply(code, message)), headers={ERROR_CODE_HEADER: code})
+        except BusError as exc:
+            log.warning("%r: could not send error reply: %r", self, exc)
+
+    # -- health --------------------------------------------------------------------------------
+    async def set_state(self, state: ActorState, reason: str = "") -> None:
+        """Change state and publish a ``StatusEvent`` (best effort)."""
+        self.state = state
+        event = StatusEvent(self.actor_id, self.kind, state, time.time(), reason)
+        try:
+            await self.bus.publish(self.subjects.status(self.kind), encode(event))
+        except BusError as exc:
+            log.debug("%r: status not published: %r", self, exc)
+
+    def make_heartbeat(self) -> Heartbeat:
+        self._heartbeat_seq += 1
+        return Heartbeat(
+            self.actor_id, self.kind, self._heartbeat_seq, self.state, time.time(), self.load()
+        )
+
+    async def _heartbeat_loop(self) -> None:
+        subject = self.subjects.heartbeat(self.kind)
+        while True:
+            try:
+                await self.bus.publish(subject, encode(self.make_heartbeat()))
+            except BusError as exc:
+                log.debug("%r: heartbeat not published: %r", self, exc)
+            except Exception:
+                log.exception("%r: heartbeat failed", self)
+            await asyncio.sleep(self.heartbeat_interval_s)
+
+
+async def call(
+    bus: Bus,
+    subject: str,
+    request: Any,
+    reply_codec: Codec[Any],
+    *,
+    timeout: float,
+) -> Any:
+    """Typed request/reply: encode ``request``, wait for the reply and decode it with
+    ``reply_codec``. Raises ``RemoteError`` when the responder sent an ``ErrorReply``."""
+    reply = await bus.request(subject, encode(request), timeout=timeout)
+    if reply.header(ERROR_CODE_HEADER):
+        raise error_from_reply(reply)
+    return reply_codec.decode(reply.data)

@@ -1,0 +1,83 @@
+"""Runs one actor as its own OS process: ``python -m bus.run_actor --target module:Class
+--bus URL [--kwargs JSON] [--bus-options JSON]``. The actor is built as ``Class(bus, **kwargs)``
+and served until SIGTERM/SIGINT (graceful drain) or until the parent process dies."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import importlib
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+from bus import connect_bus
+from bus.actor import Actor
+
+PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.5
+
+
+def load_target(target: str) -> type[Actor]:
+    """``"package.module:ClassName"`` → the class (an ``Actor`` subclass)."""
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"target must look like 'module:Class', got {target!r}")
+    cls = getattr(importlib.import_module(module_name), attr)
+    if not (isinstance(cls, type) and issubclass(cls, Actor)):
+        raise TypeError(f"{target} is not an Actor subclass")
+    return cls
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (no orphans)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+async def _watch_parent(actor: Actor, parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        await asyncio.sleep(PARENT_POLL_S)
+    logging.getLogger(__name__).warning("%r: parent died, stopping", actor)
+    actor.request_stop()
+
+
+async def serve(target: str, bus_url: str, kwargs: dict[str, Any], bus_options: dict[str, Any]):
+    cls = load_target(target)
+    bus = await connect_bus(bus_url, **bus_options)
+    actor = cls(bus, **kwargs)
+    actor.owns_bus = True
+    watcher = asyncio.create_task(_watch_parent(actor, os.getppid()))
+    try:
+        await actor.run_forever()
+    finally:
+        watcher.cancel()
+        if bus.is_connected:
+            await bus.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bus.run_actor", description=__doc__)
+    parser.add_argument("--target", required=True, help="module:Class of the actor")
+    parser.add_argument("--bus", required=True, help="bus url (nats://host:port)")
+    parser.add_argument("--kwargs", default="{}", help="JSON object of constructor kwargs")
+    parser.add_argument("--bus-options", default="{}", help="JSON object of bus options")
+    parser.add_argument("--log-level", default=os.environ.get("SHOAL_LOG_LEVEL", "WARNING"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s"
+    )
+    die_with_parent()
+    kwargs, bus_options = json.loads(args.kwargs), json.loads(args.bus_options)
+    asyncio.run(serve(args.target, args.bus, kwargs, bus_options))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
