@@ -10,4 +10,4 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-pytest_plugins: list[str] = ["tests.fixtures.nats"]
+pytest_plugins: list[str] = ["tests.fixtures.models", "tests.fixtures.nats"]

@@ -1,0 +1,66 @@
+"""Paged self-attention over one flattened batch of prefill chunks and decodes.
+
+``AttentionMetadata`` describes the batch (built once per step by the model runner and shared by
+every layer); each ``PagedAttention`` layer owns a view of its K/V cache tensors, bound by the
+runner after allocation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kernels import ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit: one row per scheduled request, in batch order."""
+
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each token (block * block_size + off)
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    seq_lens: torch.Tensor  # [S] int32, computed + scheduled tokens
+    max_query_len: int
+    max_seq_len: int
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the cache pages, then attends over each request's pages."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, kv_heads, head_dim]
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("attention layer has no KV cache bound (call ModelRunner.load)")
+        ops.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        out = ops.paged_attention(
+            q,
+            self.k_cache,
+            self.v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            self.scale,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+        )
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)

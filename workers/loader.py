@@ -1,0 +1,186 @@
+"""Load a Hugging Face checkpoint directory into a shoal model.
+
+Safetensors files (one, or shards listed in ``model.safetensors.index.json``) are memory-mapped
+and read as zero-copy tensor views; each view is copied once, straight into this rank's slice of
+its parameter. A progress bar (stderr) shows on checkpoints above ``PROGRESS_MIN_BYTES``.
+Errors name the file or tensor: unsupported architecture, corrupt file, missing or mismatched
+tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from workers.config import ModelConfig, ModelConfigError
+from workers.models import MOE_ARCHITECTURES, DecoderForCausalLM, model_class_for
+from workers.parallel import TPContext
+
+PROGRESS_MIN_BYTES = 512 * 1024 * 1024
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded: the message names the file or tensor and why."""
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint, in index order when sharded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as exc:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({exc})") from exc
+        files = [model_dir / name for name in dict.fromkeys(weight_map.values())]
+        missing = [str(f) for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard(s) that do not exist: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files (only safetensors is read)")
+    return files
+
+
+def read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for each tensor of one file; tensors are views of a private mmap."""
+    size = path.stat().st_size
+    try:
+        with path.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            if header_len <= 0 or 8 + header_len > size:
+                raise ValueError(f"header length {header_len} exceeds file size {size}")
+            header = json.loads(f.read(header_len))
+    except (struct.error, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{path}: corrupt safetensors file ({exc})") from exc
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload,arg-type]
+    for name, info in header.items():
+        yield name, _tensor_view(path, raw, data_start, name, info)
+
+
+def _tensor_view(
+    path: Path, raw: torch.Tensor, data_start: int, name: str, info: dict
+) -> torch.Tensor:
+    try:
+        dtype = _ST_DTYPES[info["dtype"]]
+        shape = [int(d) for d in info["shape"]]
+        begin, end = (data_start + int(o) for o in info["data_offsets"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: bad header entry for {name!r} ({exc})") from exc
+    numel = 1
+    for d in shape:
+        numel *= d
+    item = torch.empty(0, dtype=dtype).element_size()
+    if end > raw.numel() or end - begin != numel * item:
+        raise CheckpointError(
+            f"{path}: tensor {name!r} has {end - begin} bytes at [{begin}, {end}) but "
+            f"{info['dtype']}{shape} needs {numel * item} (file size {raw.numel()}): corrupt file"
+        )
+    chunk = raw[begin:end]
+    if begin % item:  # misaligned for a typed view: one copy instead
+        chunk = chunk.clone()
+    return chunk.view(dtype).view(shape)
+
+
+def iter_checkpoint(
+    model_dir: Path, *, progress: bool | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every file, with a byte progress bar when the checkpoint is large."""
+    files = checkpoint_files(model_dir)
+    total = sum(f.stat().st_size for f in files)
+    show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
+    with tqdm(
+        total=total,
+        unit="B",
+        unit_scale=True,
+        desc="loading weights",
+        disable=not show,
+        file=sys.stderr,
+    ) as bar:
+        for path in files:
+            for name, tensor in read_safetensors(path):
+                yield name, tensor
+                bar.update(tensor.numel() * tensor.element_size())
+
+
+def build_model(
+    cfg: ModelConfig,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    tp: TPContext,
+    max_positions: int,
+) -> DecoderForCausalLM:
+    cls = model_class_for(cfg.architecture)
+    if tp.size > 1 and cfg.architecture in MOE_ARCHITECTURES:
+        raise ModelConfigError(
+            f"tensor parallelism is offered for dense models only, not {cfg.architecture}"
+        )
+    with torch.device(device):
+        model = cls(cfg, tp, dtype=dtype, device=device, max_positions=max_positions)
+    return model.eval()
+
+
+def load_model(
+    model_dir: str | Path,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    tp: TPContext | None = None,
+    max_positions: int | None = None,
+    progress: bool | None = None,
+) -> tuple[DecoderForCausalLM, ModelConfig]:
+    """Build the model for ``model_dir``'s architecture and fill every parameter from disk."""
+    path = Path(model_dir)
+    cfg = ModelConfig.from_dir(path)
+    model = build_model(
+        cfg,
+        dtype=dtype,
+        device=device,
+        tp=tp or TPContext(),
+        max_positions=max_positions or cfg.max_position_embeddings,
+    )
+    try:
+        loaded = model.load_weights(iter_checkpoint(path, progress=progress))
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{path}: {exc.args[0] if exc.args else exc}") from exc
+    _check_complete(model, loaded, path)
+    return model, cfg
+
+
+def _check_complete(model: DecoderForCausalLM, loaded: dict[str, set], path: Path) -> None:
+    missing = []
+    for name, param in model.named_parameters():
+        got = loaded.get(name, set())
+        required = param.required_shards  # type: ignore[attr-defined]
+        if None in got or required <= got:
+            continue
+        gaps = sorted(map(repr, required - got))
+        missing.append(name if required == {None} else f"{name} (parts {', '.join(gaps[:4])})")
+    if missing:
+        shown = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise CheckpointError(f"{path}: checkpoint is missing tensor(s) for {shown}")

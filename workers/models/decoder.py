@@ -1,0 +1,243 @@
+"""The decoder-only transformer every supported family shares: pre-norm layers of GQA attention
+(optional q/k/v bias, optional per-head q/k RMSNorm) and a gated MLP or sparse MoE block.
+
+Family files subclass ``DecoderForCausalLM`` to pick the MLP of each layer and to rename
+checkpoint tensors; module names mirror Hugging Face's so most names load as they are.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Hashable, Iterable
+
+import torch
+from torch import nn
+
+from kernels import ops
+from workers.config import ModelConfig
+from workers.layers.attention import AttentionMetadata, PagedAttention
+from workers.layers.embedding import Embedding, LMHead
+from workers.layers.linear import RowParallelLinear, column_linear, qkv_linear
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding
+from workers.parallel import TPContext
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused into one column-parallel projection."""
+
+    def __init__(self, hidden: int, inter: int, tp: TPContext, *, bias: bool, dtype, device):
+        super().__init__()
+        self.gate_up_proj = column_linear(
+            hidden, [inter, inter], tp, bias=bias, dtype=dtype, device=device
+        )
+        self.down_proj = RowParallelLinear(inter, hidden, tp, bias=bias, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPContext, *, dtype, device):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.num_heads = tp.divide(cfg.num_heads, "num_attention_heads")
+        self.num_kv_heads = max(1, cfg.num_kv_heads // tp.size)
+        self.qkv_proj = qkv_linear(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            tp,
+            bias=cfg.attention_bias,
+            dtype=dtype,
+            device=device,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim,
+            cfg.hidden_size,
+            tp,
+            bias=False,
+            dtype=dtype,
+            device=device,
+        )
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.rotary = rotary
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
+        )
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):  # type: ignore[no-untyped-def]
+        num_tokens = x.shape[0]
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q.contiguous(), k.contiguous(), v.contiguous(), meta))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        mlp: nn.Module,
+        rotary: RotaryEmbedding,
+        tp: TPContext,
+        *,
+        dtype,
+        device,
+    ):
+        super().__init__()
+        self.input_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device
+        )
+        self.self_attn = DecoderAttention(cfg, rotary, tp, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(
+            cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device
+        )
+        self.mlp = mlp
+
+    def forward(self, positions, x, residual, meta):  # type: ignore[no-untyped-def]
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], *, dtype, device):
+        super().__init__()
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(self, input_ids, positions, meta):  # type: ignore[no-untyped-def]
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# checkpoint part name -> (our fused parameter part, shard id)
+_STACKED = [
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+]
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {
+    "gate_proj": ("w13", 0),
+    "w1": ("w13", 0),
+    "up_proj": ("w13", 1),
+    "w3": ("w13", 1),
+    "down_proj": ("w2", None),
+    "w2": ("w2", None),
+}
+_FUSED_EXPERT = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+
+class DecoderForCausalLM(nn.Module):
+    """Base of every family: ``forward`` → final hidden states; ``compute_logits`` → fp32."""
+
+    def __init__(
+        self, cfg: ModelConfig, tp: TPContext, *, dtype: torch.dtype, device, max_positions: int
+    ) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tp = tp
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, device=device)
+        layers = [
+            DecoderLayer(
+                cfg, self.make_mlp(i, tp, dtype, device), rotary, tp, dtype=dtype, device=device
+            )
+            for i in range(cfg.num_layers)
+        ]
+        self.model = DecoderModel(cfg, layers, dtype=dtype, device=device)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = LMHead(
+            cfg.vocab_size, cfg.hidden_size, tied_to=tied, dtype=dtype, device=device
+        )
+
+    def make_mlp(self, layer_idx: int, tp: TPContext, dtype, device) -> nn.Module:  # type: ignore[no-untyped-def]
+        cfg = self.config
+        return GatedMLP(
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            tp,
+            bias=cfg.mlp_bias,
+            dtype=dtype,
+            device=device,
+        )
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [m for m in self.modules() if isinstance(m, PagedAttention)]
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, vocab] fp32
+        return self.lm_head(hidden_states)
+
+    def rename_checkpoint_tensor(self, name: str) -> str | None:
+        """Family hook: map a checkpoint tensor name to this module tree (None = skip)."""
+        return name
+
+    def resolve_tensor(self, name: str) -> tuple[str, Hashable] | None:
+        """Checkpoint name → (parameter name, shard id), or None for a tensor to skip."""
+        renamed = self.rename_checkpoint_tensor(name)
+        if renamed is None or _IGNORED.search(renamed):
+            return None
+        if self.config.tie_word_embeddings and renamed == "lm_head.weight":
+            return None
+        if m := _EXPERT.match(renamed):
+            target, part = _EXPERT_PART[m.group(3)]
+            return f"{m.group(1)}.{target}", (int(m.group(2)), part)
+        if m := _FUSED_EXPERT.match(renamed):
+            target = "w13" if m.group(2) == "gate_up_proj" else "w2"
+            return f"{m.group(1)}.{target}", None
+        for ours, fused, shard_id in _STACKED:
+            if ours in renamed:
+                return renamed.replace(ours, fused), shard_id
+        return renamed, None
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, set]:
+        """Load checkpoint tensors; returns the shard ids loaded per parameter (the loader
+        checks completeness). Raises KeyError naming a tensor that fits no parameter."""
+        params = dict(self.named_parameters())
+        loaded: dict[str, set] = {}
+        for name, tensor in tensors:
+            resolved = self.resolve_tensor(name)
+            if resolved is None:
+                continue
+            target, shard_id = resolved
+            param = params.get(target)
+            if param is None:
+                raise KeyError(
+                    f"checkpoint tensor {name!r} matches no parameter of "
+                    f"{type(self).__name__} (looked for {target!r})"
+                )
+            try:
+                param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
+            except (ValueError, RuntimeError, IndexError) as exc:
+                raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
+            loaded.setdefault(target, set()).add(shard_id)
+        return loaded

@@ -1,0 +1,9 @@
+"""Qwen2: Llama's layout with q/k/v biases (``ModelConfig.attention_bias`` is forced on)."""
+
+from __future__ import annotations
+
+from workers.models.decoder import DecoderForCausalLM
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    """Pre-norm GQA decoder, q/k/v projections with bias."""

@@ -1,0 +1,9 @@
+"""Qwen3: per-head RMSNorm on q and k before rotary (``ModelConfig.qk_norm``), no q/k/v bias."""
+
+from __future__ import annotations
+
+from workers.models.decoder import DecoderForCausalLM
+
+
+class Qwen3ForCausalLM(DecoderForCausalLM):
+    """Pre-norm GQA decoder with q/k norm and an explicit head_dim."""
