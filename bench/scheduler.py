@@ -1,0 +1,171 @@
+"""Scheduler + KV cache manager cost per step, driven by a fake model (not a test).
+
+Workload (issue 3): 1,024 prompts of 64–1,024 random tokens, 30% of them behind a common
+512-token prefix, built from ``random.Random(0)`` so they are identical on any machine; 128 output
+tokens each (eos ignored); block size 16, 20,000 blocks, max_num_batched_tokens 8,192, chunked
+prefill on; max_num_seqs 256 and 64, prefix caching on and off. All requests arrive at once.
+
+The fake model answers each step with one token per scheduled request that reached the end of
+its known tokens (none for a request part-way through its prompt). Timed per step:
+``schedule()`` + ``to_message()`` + ``update_from_output()``; the fake model is not timed.
+
+    .venv/bin/python bench/scheduler.py [--cases 256:on,64:on]
+
+The last line printed is one JSON object: ``{"cases": [{"max_num_seqs", "prefix_caching",
+"steps", "us_per_step_mean", "us_per_step_p50", "us_per_step_p99", "tokens_per_s"}, ...]}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bus.messages.sampling import SamplingParams
+from bus.messages.worker import ExecuteStep, StepResult
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request
+from engine.scheduler import Scheduler
+
+NUM_OUTPUT_TOKENS = 128
+
+
+def build_prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    common = [rng.randrange(3, 32000) for _ in range(512)]
+    prompts = []
+    for _ in range(1024):
+        body = [rng.randrange(3, 32000) for _ in range(rng.randint(64, 1024))]
+        if rng.random() < 0.3:
+            body = common + body
+        prompts.append(body)
+    return prompts
+
+
+class FakeModel:
+    """Keeps each request's token count from the step diffs; samples a token at the end."""
+
+    def __init__(self) -> None:
+        self.num_tokens: dict[str, int] = {}
+
+    def execute(self, step: ExecuteStep) -> StepResult:
+        num_tokens = self.num_tokens
+        for req_id in step.finished_req_ids:
+            num_tokens.pop(req_id, None)
+        for req_id in step.preempted_req_ids:
+            num_tokens.pop(req_id, None)
+        req_ids: list[str] = []
+        sampled: list[list[int]] = []
+        for new in step.new_requests:
+            num_tokens[new.req_id] = len(new.prompt_token_ids) + len(new.output_token_ids)
+            self._run(
+                new.req_id, new.num_computed_tokens + new.num_scheduled_tokens, req_ids, sampled
+            )
+        for cached in step.cached_requests:
+            self._run(
+                cached.req_id,
+                cached.num_computed_tokens + cached.num_scheduled_tokens,
+                req_ids,
+                sampled,
+            )
+        return StepResult(step.step_id, req_ids, sampled)
+
+    def _run(
+        self, req_id: str, num_done: int, req_ids: list[str], sampled: list[list[int]]
+    ) -> None:
+        req_ids.append(req_id)
+        if num_done >= self.num_tokens[req_id]:
+            self.num_tokens[req_id] += 1
+            sampled.append([7 + num_done % 1000])
+        else:
+            sampled.append([])
+
+
+def run_case(
+    prompts: list[list[int]], max_num_seqs: int, prefix_caching: bool
+) -> dict[str, object]:
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_batched_tokens=8192,
+            max_num_seqs=max_num_seqs,
+            max_model_len=4096,
+            enable_chunked_prefill=True,
+        ),
+        CacheConfig(
+            block_size=16, enable_prefix_caching=prefix_caching, num_gpu_blocks_override=20000
+        ),
+    )
+    params = SamplingParams(max_tokens=NUM_OUTPUT_TOKENS, ignore_eos=True)
+    for index, prompt in enumerate(prompts):
+        scheduler.add_request(
+            Request(f"r{index}", prompt, params, client_id="bench", eos_token_ids=[2])
+        )
+    model = FakeModel()
+    step_times: list[float] = []
+    num_tokens_scheduled = 0
+    gc.collect()
+    while scheduler.has_requests():
+        start = time.perf_counter()
+        output = scheduler.schedule()
+        message = output.to_message()
+        scheduled = time.perf_counter()
+        result = model.execute(message)
+        resumed = time.perf_counter()
+        scheduler.update_from_output(output, result)
+        done = time.perf_counter()
+        step_times.append((scheduled - start) + (done - resumed))
+        num_tokens_scheduled += output.total_num_scheduled_tokens
+    total_s = sum(step_times)
+    micros = sorted(t * 1e6 for t in step_times)
+    p99_index = min(len(micros) - 1, int(len(micros) * 0.99))
+    return {
+        "max_num_seqs": max_num_seqs,
+        "prefix_caching": prefix_caching,
+        "steps": len(step_times),
+        "total_s": round(total_s, 4),
+        "us_per_step_mean": round(statistics.fmean(micros), 1),
+        "us_per_step_p50": round(statistics.median(micros), 1),
+        "us_per_step_p99": round(micros[p99_index], 1),
+        "tokens_per_s": round(num_tokens_scheduled / total_s, 1),
+        "prefix_cache_hit_rate": round(
+            scheduler.kv_cache_manager.prefix_cache_hits
+            / max(scheduler.kv_cache_manager.prefix_cache_queries, 1),
+            4,
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--cases",
+        default="256:on,256:off,64:on,64:off",
+        help="comma-separated max_num_seqs:on|off (prefix caching)",
+    )
+    args = parser.parse_args()
+    prompts = build_prompts()
+    cases = []
+    for spec in args.cases.split(","):
+        seqs, caching = spec.split(":")
+        case = run_case(prompts, int(seqs), caching == "on")
+        print(
+            f"max_num_seqs={case['max_num_seqs']:>3} prefix_caching={caching:<3} "
+            f"steps={case['steps']} total={case['total_s']}s "
+            f"us/step mean={case['us_per_step_mean']} p50={case['us_per_step_p50']} "
+            f"p99={case['us_per_step_p99']} tokens/s={case['tokens_per_s']} "
+            f"hit_rate={case['prefix_cache_hit_rate']}",
+            flush=True,
+        )
+        cases.append(case)
+    print(json.dumps({"cases": cases}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The pool of fixed-size KV blocks: reference counts, the free queue and the prefix-cache map.
+
+- Block 0 is the **null block**: taken out at start, never handed out nor freed, so a pool of
+  ``num_blocks`` offers ``num_blocks - 1``; ``usage = 1 - num_free / (num_blocks - 1)``.
+- The **free queue** is ordered, front evicted first, with O(1) removal from anywhere (an
+  ``OrderedDict``, a C doubly linked list keyed by block id). A freed block keeps its hash and its
+  KV: hashed blocks go to the back (least recently used evicted first), unhashed ones to the front
+  (reused first, nothing worth keeping in them).
+- A **cached** block (``block_hash`` set, in ``cached_blocks``) stays findable while free; taking a
+  free block for new data **evicts** its hash. A hit **touches** the block: a free one leaves the
+  queue, and every touch adds a reference, so a block in use is never evicted.
+- Callers free a request's blocks **tail first** (``KVCacheManager.free``), so the head of a
+  prompt, the part most likely shared, stays cached the longest.
+
+Seam: an offload connector would be told of evictions (``on_evict``) to keep the block in a
+lower tier; KV events for routers would be emitted where hashes are set and evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+
+from engine.block_hash import BlockHash
+
+
+class KVCacheBlock:
+    """One block: its id (row in the workers' KV tensors), references and prefix-cache hash."""
+
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+
+    def __repr__(self) -> str:
+        hashed = self.block_hash is not None
+        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
+
+
+class FreeBlockQueue:
+    """Free blocks in eviction order (front first), with O(1) append, prepend, pop and remove."""
+
+    __slots__ = ("_blocks",)
+
+    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
+        self._blocks: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (block.block_id, block) for block in blocks
+        )
+
+    def popleft(self) -> KVCacheBlock:
+        return self._blocks.popitem(last=False)[1]
+
+    def append(self, block: KVCacheBlock) -> None:
+        self._blocks[block.block_id] = block
+
+    def prepend(self, block: KVCacheBlock) -> None:
+        self._blocks[block.block_id] = block
+        self._blocks.move_to_end(block.block_id, last=False)
+
+    def remove(self, block: KVCacheBlock) -> None:
+        del self._blocks[block.block_id]
+
+    def __contains__(self, block: KVCacheBlock) -> bool:
+        return block.block_id in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        return iter(self._blocks.values())
+
+
+class BlockPool:
+    """Hands out blocks, takes them back and keeps the hash → block map of cached blocks."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}"
+            )
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_queue) / (self.num_blocks - 1)
+
+    def get_new_blocks(self, count: int) -> list[KVCacheBlock]:
+        """Take ``count`` blocks from the front of the free queue, evicting their old hashes."""
+        if count > len(self.free_queue):
+            raise ValueError(f"cannot take {count} blocks, only {len(self.free_queue)} free")
+        popitem = self.free_queue._blocks.popitem
+        cached = self.cached_blocks
+        blocks = []
+        for _ in range(count):
+            block = popitem(False)[1]
+            block_hash = block.block_hash
+            if block_hash is not None:
+                if cached.get(block_hash) is block:
+                    del cached[block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            blocks.append(block)
+        return blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Mark a full block as holding the tokens ``block_hash`` names (first one wins)."""
+        block.block_hash = block_hash
+        self.cached_blocks.setdefault(block_hash, block)
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on prefix-cache hits; free ones leave the free queue."""
+        queue = self.free_queue._blocks
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock], drop_cached: bool = False) -> None:
+        """Drop one reference each, in the given order; blocks reaching zero become free.
+
+        ``drop_cached`` forgets the hashes of blocks that become free (their KV is not trusted,
+        e.g. after a failed step).
+        """
+        queue = self.free_queue
+        for block in blocks:
+            block.ref_cnt -= 1
+            if block.ref_cnt:
+                continue
+            if drop_cached and block.block_hash is not None:
+                self._evict_hash(block)
+            if block.block_hash is None:
+                queue.prepend(block)
+            else:
+                queue.append(block)
+
+    def _evict_hash(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        if block_hash is not None and self.cached_blocks.get(block_hash) is block:
+            del self.cached_blocks[block_hash]
+        block.block_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is in use."""
+        if len(self.free_queue) != self.num_blocks - 1:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True

@@ -1,0 +1,134 @@
+"""Per-request KV block tables on top of the block pool, with prefix-cache lookup.
+
+``get_computed_blocks`` finds the longest run of cached full blocks matching a request's chained
+block hashes, capped so that at least the last token is computed (its logits are needed).
+``allocate_slots`` takes those hits (a reference each) and new blocks for the tokens about to be
+computed, or returns None, changing nothing, when the pool cannot hold them. Full blocks are
+cached (hashed into the pool's map) as soon as they are allocated: a worker writes every KV slot
+of a step before attention reads any, so a request admitted in the same step may already hit them.
+Prefix-cache counters count tokens (queries, hits), recorded once per request at admission.
+
+Seams: an offload connector would be asked, after the local lookup, for more blocks held outside
+the GPU (``num_external_computed_tokens``, loaded before the request runs); speculative decoding
+adds ``num_lookahead_tokens`` slots; a hybrid model would hold one manager per KV cache group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.block_pool import BlockPool, KVCacheBlock
+from engine.request import Request
+
+_NO_BLOCKS: list[KVCacheBlock] = []
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}  # leading blocks already hashed, per request
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.prefix_cache_hits = 0  # tokens found
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(request_id, _NO_BLOCKS)]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Cached blocks for the request's longest cached prefix, and how many tokens they hold."""
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        cached = self.block_pool.cached_blocks
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = cached.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = _NO_BLOCKS,
+        *,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+    ) -> list[int] | None:
+        """Blocks for ``num_new_tokens`` more tokens after the computed ones and the hits.
+
+        Layout of the request's table: | computed | new_computed (hits) | new |. Returns the ids
+        of the newly taken blocks (hits excluded), or None when they do not fit; then nothing
+        changed. ``full_sequence_must_fit`` also requires room for all the request's known tokens.
+        """
+        request_id = request.request_id
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            blocks = self.req_to_blocks[request_id] = []
+            self.num_cached_blocks[request_id] = 0
+        block_size = self.block_size
+        num_held = len(blocks) + len(new_computed_blocks)
+        num_tokens = (
+            request.num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens
+        )
+        num_new_blocks = -(-num_tokens // block_size) - num_held
+        pool = self.block_pool
+        if num_new_blocks > 0 or new_computed_blocks:
+            num_to_check = num_new_blocks
+            if full_sequence_must_fit:
+                num_to_check = max(num_to_check, -(-request.num_tokens // block_size) - num_held)
+            num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+            if num_to_check + num_evictable_hits > len(pool.free_queue) - reserved_blocks:
+                return None
+        if new_computed_blocks:
+            pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[request_id] = len(blocks)
+        if num_new_blocks > 0:
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+            new_block_ids = [block.block_id for block in new_blocks]
+        else:
+            new_block_ids = []
+        if self.enable_caching:
+            num_full = min(num_tokens, request.num_tokens) // block_size
+            if num_full > self.num_cached_blocks[request_id]:
+                self._cache_full_blocks(request, blocks, num_full)
+        return new_block_ids
+
+    def _cache_full_blocks(
+        self, request: Request, blocks: list[KVCacheBlock], num_full: int
+    ) -> None:
+        hashes = request.block_hashes
+        num_full = min(num_full, len(hashes))
+        start = self.num_cached_blocks[request.request_id]
+        cache_block = self.block_pool.cache_block
+        for index in range(start, num_full):
+            cache_block(blocks[index], hashes[index])
+        self.num_cached_blocks[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request, drop_cached: bool = False) -> None:
+        """Give back the request's blocks, tail first, so its head stays cached the longest."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks), drop_cached=drop_cached)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,212 @@
+"""The engine-side request: its tokens, its progress and its lifecycle.
+
+A request holds ``all_token_ids`` (prompt then outputs) and ``num_computed_tokens``, the number
+of them whose KV is in the cache (or scheduled to be); the scheduler makes the second catch up
+with the first. ``block_hashes`` grows through the block hasher as blocks fill up.
+
+Statuses are ordered as in vLLM: everything above ``PREEMPTED`` is finished, and each finished
+status maps to a wire finish reason (``stop``, ``length``, ``abort``, ``error``).
+
+Seams: ``spec_token_ids`` holds draft tokens to verify (speculative decoding) and
+``num_output_placeholders`` counts tokens scheduled whose values are not back yet (async
+scheduling); both stay empty/zero until those features land.
+"""
+
+from __future__ import annotations
+
+import enum
+import sys
+from typing import Protocol
+
+from bus.messages.engine import AddRequest, RequestOutput
+from bus.messages.sampling import SamplingParams
+
+
+class BlockHasherFn(Protocol):
+    """What a request needs from its block hasher (``engine.block_hash.BlockHasher``)."""
+
+    block_size: int
+
+    def __call__(self, request: Request) -> list[bytes]: ...
+
+
+NO_TOKEN_LIMIT = sys.maxsize
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+    FINISHED_ERROR = 7
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    def __str__(self) -> str:
+        return self.name
+
+
+FINISH_REASONS: dict[RequestStatus, str] = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class Request:
+    """One request as the scheduler sees it. Ordered by (priority, arrival, id) for the heap."""
+
+    __slots__ = (
+        "_block_hasher",
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "cache_salt",
+        "client_id",
+        "eos_token_ids",
+        "error",
+        "max_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_output_placeholders",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "output_token_ids",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "sampling_params",
+        "spec_token_ids",
+        "status",
+        "stop_eos_ids",
+        "stop_reason",
+        "stop_token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        *,
+        client_id: str = "",
+        arrival_time: float = 0.0,
+        eos_token_ids: list[int] | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        block_hasher: BlockHasherFn | None = None,
+    ) -> None:
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.request_id = request_id
+        self.client_id = client_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.eos_token_ids: list[int] = list(eos_token_ids or [])
+        # The ids that end the request when sampled (eos unless ignore_eos).
+        self.stop_eos_ids = frozenset(() if sampling_params.ignore_eos else self.eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
+        self.max_tokens = sampling_params.max_tokens or NO_TOKEN_LIMIT
+        self.status = RequestStatus.WAITING
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 before it
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.error: str | None = None
+        self.spec_token_ids: list[int] = []  # seam: draft tokens to verify
+        self.num_output_placeholders = 0  # seam: async scheduling
+        self.block_hashes: list[bytes] = []
+        self._block_hasher: BlockHasherFn | None = None
+        if block_hasher is not None:
+            self.set_block_hasher(block_hasher)
+
+    @classmethod
+    def from_add(cls, msg: AddRequest, block_hasher: BlockHasherFn | None = None) -> Request:
+        """The request an ``AddRequest`` message describes."""
+        return cls(
+            msg.request_id,
+            msg.prompt_token_ids,
+            msg.sampling_params,
+            client_id=msg.client_id,
+            arrival_time=msg.arrival_time,
+            eos_token_ids=msg.eos_token_ids,
+            priority=msg.priority,
+            cache_salt=msg.cache_salt,
+            block_hasher=block_hasher,
+        )
+
+    def set_block_hasher(self, block_hasher: BlockHasherFn) -> None:
+        self._block_hasher = block_hasher
+        self.block_hashes.extend(block_hasher(self))
+
+    @property
+    def has_block_hasher(self) -> bool:
+        return self._block_hasher is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position computed, so no cache hit is taken."""
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_output_token_id(self, token_id: int) -> None:
+        """Add one sampled token; hash the block it fills, if it fills one."""
+        self.all_token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        hasher = self._block_hasher
+        if hasher is not None and len(self.all_token_ids) % hasher.block_size == 0:
+            self.block_hashes.extend(hasher(self))
+
+    def make_final_output(self) -> RequestOutput:
+        """The output that tells a client this request ended without new tokens (abort, error)."""
+        return RequestOutput(
+            self.request_id,
+            [],
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+            error=self.error,
+        )
+
+    def __lt__(self, other: Request) -> bool:
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -1,0 +1,379 @@
+"""The scheduler: which requests run each step, with how many tokens (vLLM V1's algorithm).
+
+One token-budget model, no prefill phase: every request has ``num_computed_tokens`` catching up
+with its tokens. Each ``schedule()``:
+
+1. serves **running** requests in order, each up to its missing tokens (chunked by the budget,
+   ``long_prefill_token_threshold`` and ``max_model_len``); when blocks run out it **preempts**
+   (FCFS: the last running; priority: the highest (priority, arrival)) until the allocation fits
+   or the victim is the request itself. A victim frees its blocks, goes to the **front** of the
+   waiting queue and is recomputed from token 0 (its cached blocks usually make that cheap);
+2. only if nothing was preempted this step, admits **waiting** requests while the budget,
+   ``max_num_seqs`` and free blocks allow, taking prefix-cache hits first; a waiting request that
+   does not fit stops admission (no preemption from the waiting loop);
+3. advances ``num_computed_tokens`` optimistically and returns the step as a diff.
+
+``update_from_output`` appends sampled tokens one at a time with stop checks, frees finished
+requests and returns per-client outputs (none for a partial prefill). ``finish_requests`` aborts
+(idempotent). A failed step (``StepResult.error``) finishes the named requests with
+FINISHED_ERROR; scheduled requests the result does not mention are preempted and recomputed.
+
+Seams, not built yet: async scheduling would schedule step N+1 before N's tokens return, counting
+``Request.num_output_placeholders`` as computed; speculative decoding would schedule
+``Request.spec_token_ids`` as extra tokens and roll back rejected ones in ``update_from_output``;
+the KV manager would ask an offload connector for external hits during admission; ``make_stats``
+feeds load-aware routing across data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from bus.messages.engine import RequestOutput, SchedulerStats
+from bus.messages.worker import CachedRequestData, NewRequestData, StepError, StepResult
+from engine.block_hash import BlockHasher
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import FINISH_REASONS, Request, RequestStatus
+from engine.request_queue import make_request_queue
+from engine.scheduler_output import SchedulerOutput
+from engine.step_update import StepUpdater
+
+RUNNING = RequestStatus.RUNNING
+PREEMPTED = RequestStatus.PREEMPTED
+
+
+class _StepPlan:
+    """What the current ``schedule()`` call has decided so far."""
+
+    __slots__ = ("cached", "cached_block_ids", "new", "num_scheduled", "preempted", "token_budget")
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.num_scheduled: dict[str, int] = {}
+        self.cached: list[Request] = []  # running requests scheduled, in order
+        self.cached_block_ids: list[list[int]] = []  # their newly allocated block ids
+        self.new: list[tuple[Request, bool]] = []  # admitted requests, resumed or not
+        self.preempted: list[str] = []
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        num_blocks: int | None = None,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        num_blocks = num_blocks if num_blocks is not None else cache_config.resolved_num_blocks
+        self.num_blocks = num_blocks
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, self.block_size, cache_config.enable_prefix_caching
+        )
+        self.block_hasher: BlockHasher | None = (
+            BlockHasher(self.block_size, cache_config.prefix_caching_hash_algo)
+            if cache_config.enable_prefix_caching
+            else None
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: list[str] = []  # for the worker, sent with the next step
+        self.preempted_req_ids: list[str] = []  # likewise (recovered from a failed step)
+        self.step_id = 0
+        self.num_preemptions = 0
+        self._reserved_blocks = int(scheduler_config.watermark * num_blocks)
+        self._updater = StepUpdater(self)
+
+    # ----- requests in and out
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. ``ValueError`` if its id is taken or it could never fit."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, more than "
+                f"max_model_len={self.max_model_len}"
+            )
+        max_total = min(self.max_model_len, request.num_prompt_tokens + request.max_tokens)
+        if -(-max_total // self.block_size) > self.num_blocks - 1:
+            raise ValueError(
+                f"request needs up to {max_total} tokens of KV cache, more than the "
+                f"{(self.num_blocks - 1) * self.block_size} the cache holds"
+            )
+        if self.block_hasher is not None and not request.has_block_hasher:
+            request.set_block_hasher(self.block_hasher)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, status: RequestStatus
+    ) -> list[Request]:
+        """Finish these requests (None: all) with ``status``; unknown or finished ids are skipped.
+
+        Returns the requests actually finished, so the caller can publish their final outputs
+        (``Request.make_final_output``, grouped by ``group_final_outputs``).
+        """
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"status must be a finished status, got {status}")
+        if request_ids is None:
+            request_ids = list(self.requests)
+        elif isinstance(request_ids, str):
+            request_ids = [request_ids]
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            self._finish(request, status)
+            finished.append(request)
+        return finished
+
+    @staticmethod
+    def group_final_outputs(requests: Iterable[Request]) -> dict[str, list[RequestOutput]]:
+        """Final outputs of finished requests, keyed by client id."""
+        outputs: dict[str, list[RequestOutput]] = {}
+        for request in requests:
+            outputs.setdefault(request.client_id, []).append(request.make_final_output())
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus, drop_cached: bool = False) -> None:
+        if request.status is RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        was_on_worker = request.status is RUNNING
+        request.status = status
+        self.release_finished(request, was_on_worker, drop_cached)
+
+    def release_finished(
+        self, request: Request, was_on_worker: bool, drop_cached: bool = False
+    ) -> None:
+        """Free a finished request's blocks and forget it (it is already off the queues)."""
+        self.kv_cache_manager.free(request, drop_cached=drop_cached)
+        if was_on_worker:
+            self.finished_req_ids.append(request.request_id)
+        del self.requests[request.request_id]
+
+    def has_requests(self) -> bool:
+        """Work to do: unfinished requests, or finished/preempted ids the worker must drop."""
+        return bool(self.requests or self.finished_req_ids or self.preempted_req_ids)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.kv_cache_manager.get_block_ids(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ----- one step
+
+    def schedule(self) -> SchedulerOutput:
+        self.step_id += 1
+        plan = _StepPlan(self.scheduler_config.token_budget)
+        threshold = self.scheduler_config.long_prefill_token_threshold
+        if len(self.running) + len(self.waiting) <= 1:
+            threshold = 0  # a lone request may take the whole budget
+        self._schedule_running(plan, threshold)
+        if not plan.preempted:
+            self._schedule_waiting(plan, threshold)
+        return self._make_output(plan)
+
+    def _schedule_running(self, plan: _StepPlan, threshold: int) -> None:
+        running = self.running
+        allocate_slots = self.kv_cache_manager.allocate_slots
+        max_model_len = self.max_model_len
+        budget = plan.token_budget
+        index = 0
+        while index < len(running) and budget > 0:
+            request = running[index]
+            index += 1
+            num_computed = request.num_computed_tokens
+            num_new = len(request.all_token_ids) - num_computed
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                num_new = budget
+            if num_new > max_model_len - num_computed:
+                num_new = max_model_len - num_computed
+            if num_new <= 0:
+                continue
+            new_block_ids = allocate_slots(request, num_new)
+            while new_block_ids is None:
+                victim_index = self._victim_index()
+                victim = running.pop(victim_index)
+                if victim_index < index:
+                    index -= 1
+                budget += self._unschedule(plan, victim)
+                self._preempt(victim)
+                plan.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+                new_block_ids = allocate_slots(request, num_new)
+            if new_block_ids is None:
+                break
+            plan.num_scheduled[request.request_id] = num_new
+            plan.cached.append(request)
+            plan.cached_block_ids.append(new_block_ids)
+            budget -= num_new
+        plan.token_budget = budget
+
+    def _victim_index(self) -> int:
+        running = self.running
+        if self.scheduler_config.policy == "fcfs":
+            return len(running) - 1
+        return max(
+            range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time)
+        )
+
+    @staticmethod
+    def _unschedule(plan: _StepPlan, victim: Request) -> int:
+        """Take back a victim already scheduled this step; returns its tokens to refund."""
+        num_tokens = plan.num_scheduled.pop(victim.request_id, 0)
+        if num_tokens:
+            position = plan.cached.index(victim)
+            del plan.cached[position]
+            del plan.cached_block_ids[position]
+        return num_tokens
+
+    def _preempt(self, request: Request) -> None:
+        """Free the request's blocks and queue it first, to be recomputed from token 0."""
+        self.kv_cache_manager.free(request)
+        request.status = PREEMPTED
+        request.num_computed_tokens = 0
+        request.spec_token_ids.clear()
+        request.num_output_placeholders = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _schedule_waiting(self, plan: _StepPlan, threshold: int) -> None:
+        config = self.scheduler_config
+        waiting, running = self.waiting, self.running
+        kv = self.kv_cache_manager
+        budget = plan.token_budget
+        while waiting and budget > 0 and len(running) < config.max_num_seqs:
+            request = waiting.peek()
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if threshold and num_new > threshold:
+                num_new = threshold
+            if num_new > budget:
+                if not config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            new_block_ids = kv.allocate_slots(
+                request,
+                num_new,
+                hits,
+                full_sequence_must_fit=config.scheduler_reserve_full_isl,
+                reserved_blocks=self._reserved_blocks,
+            )
+            if new_block_ids is None:
+                break
+            waiting.pop()
+            plan.new.append((request, request.status is PREEMPTED))
+            request.status = RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
+            running.append(request)
+            plan.num_scheduled[request.request_id] = num_new
+            budget -= num_new
+        plan.token_budget = budget
+
+    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
+        num_scheduled = plan.num_scheduled
+        get_block_ids = self.kv_cache_manager.get_block_ids
+        new_requests = []
+        for request, resumed in plan.new:
+            request_id = request.request_id
+            num_tokens = num_scheduled[request_id]
+            new_requests.append(
+                NewRequestData(
+                    request_id,
+                    request.prompt_token_ids,
+                    request.sampling_params,
+                    get_block_ids(request_id),
+                    request.num_computed_tokens,
+                    num_tokens,
+                    list(request.output_token_ids) if resumed else [],
+                    resumed,
+                    request.eos_token_ids,
+                )
+            )
+            request.num_computed_tokens += num_tokens
+        cached_requests = []
+        for request, new_block_ids in zip(plan.cached, plan.cached_block_ids, strict=True):
+            num_tokens = num_scheduled[request.request_id]
+            num_computed = request.num_computed_tokens
+            cached_requests.append(
+                CachedRequestData(request.request_id, new_block_ids, num_computed, num_tokens)
+            )
+            request.num_computed_tokens = num_computed + num_tokens
+        finished, self.finished_req_ids = self.finished_req_ids, []
+        preempted = self.preempted_req_ids + plan.preempted
+        self.preempted_req_ids = []
+        return SchedulerOutput(
+            self.step_id, new_requests, cached_requests, num_scheduled, finished, preempted
+        )
+
+    # ----- results
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, result: StepResult
+    ) -> dict[str, list[RequestOutput]]:
+        """Apply a step's sampled tokens; returns the outputs to publish, keyed by client id."""
+        return self._updater.apply(scheduler_output, result)
+
+    def fail_requests(self, error: StepError, outputs: dict[str, list[RequestOutput]]) -> None:
+        """Finish the requests a failed step names with FINISHED_ERROR and the error text."""
+        for request_id in error.req_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            request.error = error.message
+            # The step's KV for these requests may be garbage: forget their cached hashes.
+            self._finish(request, RequestStatus.FINISHED_ERROR, drop_cached=True)
+            outputs.setdefault(request.client_id, []).append(request.make_final_output())
+
+    def recompute_unreported(self, request_ids: Iterable[str]) -> None:
+        """Scheduled requests a result did not mention: preempt them, to recompute from 0."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.status is not RUNNING:
+                continue
+            self.running.remove(request)
+            self._preempt(request)
+            self.preempted_req_ids.append(request_id)
+
+    def make_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        updater = self._updater
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=updater.num_prompt_tokens,
+            num_generation_tokens=updater.num_generation_tokens,
+            step_id=self.step_id,
+        )
+
+
+__all__ = ["FINISH_REASONS", "Request", "RequestStatus", "Scheduler", "SchedulerOutput"]

@@ -1,0 +1,70 @@
+"""What one ``Scheduler.schedule()`` call decided, and its wire form ``ExecuteStep``.
+
+The step is a diff against the worker's persistent batch: a request's prompt and whole block
+table appear once (``NewRequestData``; again with ``resumed=True`` and prompt + outputs after a
+preemption), then only deltas (``CachedRequestData``: blocks to append, tokens to run). Batch
+order is new requests then cached ones; ``StepResult`` answers in the same order.
+"""
+
+from __future__ import annotations
+
+from bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
+
+
+class SchedulerOutput:
+    """One step: the requests to run, how many tokens each, and what to drop first."""
+
+    __slots__ = (
+        "cached_requests",
+        "finished_req_ids",
+        "new_requests",
+        "num_scheduled_tokens",
+        "preempted_req_ids",
+        "step_id",
+        "total_num_scheduled_tokens",
+    )
+
+    def __init__(
+        self,
+        step_id: int,
+        new_requests: list[NewRequestData],
+        cached_requests: list[CachedRequestData],
+        num_scheduled_tokens: dict[str, int],
+        finished_req_ids: list[str],
+        preempted_req_ids: list[str],
+    ) -> None:
+        self.step_id = step_id
+        self.new_requests = new_requests
+        self.cached_requests = cached_requests
+        self.num_scheduled_tokens = num_scheduled_tokens  # req_id → tokens this step
+        self.total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
+        self.finished_req_ids = finished_req_ids
+        self.preempted_req_ids = preempted_req_ids
+
+    @property
+    def req_ids(self) -> list[str]:
+        """Scheduled request ids in batch order."""
+        return [data.req_id for data in self.new_requests] + [
+            data.req_id for data in self.cached_requests
+        ]
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to run and nothing for the worker to drop."""
+        return not (self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids)
+
+    def to_message(self) -> ExecuteStep:
+        return ExecuteStep(
+            self.step_id,
+            self.new_requests,
+            self.cached_requests,
+            self.finished_req_ids,
+            self.preempted_req_ids,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"SchedulerOutput(step={self.step_id}, new={len(self.new_requests)}, "
+            f"cached={len(self.cached_requests)}, tokens={self.total_num_scheduled_tokens}, "
+            f"finished={len(self.finished_req_ids)}, preempted={len(self.preempted_req_ids)})"
+        )
