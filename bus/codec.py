@@ -3,7 +3,7 @@ the public API. A payload that does not decode raises ``DecodeError`` with a rea
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, overload
 
 import msgspec
 
@@ -26,6 +26,10 @@ def _type_name(type_: Any) -> str:
 class Codec(Generic[T]):
     """msgpack codec for one struct or tagged union, e.g. ``Codec(EngineInbound)``."""
 
+    @overload
+    def __init__(self: Codec[T], type_: type[T]) -> None: ...
+    @overload
+    def __init__(self: Codec[Any], type_: Any) -> None: ...
     def __init__(self, type_: Any) -> None:
         self.type = type_
         self.type_name = _type_name(type_)
@@ -45,6 +49,10 @@ class Codec(Generic[T]):
 class JsonCodec(Generic[T]):
     """JSON codec for one type (the gateway's public NATS API)."""
 
+    @overload
+    def __init__(self: JsonCodec[T], type_: type[T]) -> None: ...
+    @overload
+    def __init__(self: JsonCodec[Any], type_: Any) -> None: ...
     def __init__(self, type_: Any) -> None:
         self.type = type_
         self.type_name = _type_name(type_)

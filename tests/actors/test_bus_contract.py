@@ -1,0 +1,240 @@
+"""The bus contract: every test runs on the in-memory bus and on a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from bus.base import (
+    Bus,
+    BusTimeoutError,
+    Msg,
+    NoRespondersError,
+    RemoteError,
+    ReplyStream,
+)
+from bus.subjects import SubjectError
+from tests.fixtures.nats import BusFactory
+
+LIMIT_S = 5.0
+
+
+class Inbox:
+    """Collects delivered messages; ``wait(n)`` returns once n have arrived (bounded)."""
+
+    def __init__(self) -> None:
+        self.msgs: list[Msg] = []
+        self._changed = asyncio.Event()
+
+    async def __call__(self, msg: Msg) -> None:
+        self.msgs.append(msg)
+        self._changed.set()
+
+    async def wait(self, n: int, timeout: float = LIMIT_S) -> list[Msg]:
+        async with asyncio.timeout(timeout):
+            while len(self.msgs) < n:
+                self._changed.clear()
+                await self._changed.wait()
+        return self.msgs
+
+    @property
+    def data(self) -> list[bytes]:
+        return [m.data for m in self.msgs]
+
+
+async def echo(msg: Msg) -> None:
+    await msg.respond(msg.data, headers=msg.headers)
+
+
+async def settle(bus: Bus) -> None:
+    """Let everything published so far be delivered."""
+    await bus.flush()
+    await asyncio.sleep(0.05)
+
+
+async def test_publish_reaches_every_subscriber_until_unsubscribed(bus_factory: BusFactory):
+    bus, other = await bus_factory(), await bus_factory()
+    first, second = Inbox(), Inbox()
+    sub = await bus.subscribe("t.pub", first)
+    await other.subscribe("t.pub", second)
+    await settle(other)
+    await other.publish("t.pub", b"one", headers={"X-Trace": "7"})
+    assert [m.data for m in await first.wait(1)] == [b"one"]
+    assert (await second.wait(1))[0].headers == {"X-Trace": "7"}
+    await sub.unsubscribe()
+    await settle(bus)
+    await other.publish("t.pub", b"two")
+    await second.wait(2)
+    await settle(other)
+    assert first.data == [b"one"]
+
+
+async def test_wildcards_match_one_token_and_the_rest(bus_factory: BusFactory):
+    bus = await bus_factory()
+    star, rest = Inbox(), Inbox()
+    await bus.subscribe("w.*.stats", star)
+    await bus.subscribe("w.>", rest)
+    await settle(bus)
+    for subject in ("w.e1.stats", "w.e2.stats", "w.e1.stats.extra", "w", "w.e1"):
+        await bus.publish(subject, subject.encode())
+    await rest.wait(4)
+    await star.wait(2)
+    await settle(bus)
+    assert sorted(star.data) == [b"w.e1.stats", b"w.e2.stats"]
+    assert sorted(rest.data) == [b"w.e1", b"w.e1.stats", b"w.e1.stats.extra", b"w.e2.stats"]
+
+
+async def test_queue_group_gives_each_message_to_one_member(bus_factory: BusFactory):
+    publisher = await bus_factory()
+    members = [Inbox() for _ in range(3)]
+    for member in members:
+        await (await bus_factory()).subscribe("t.q", member, queue="pool")
+    plain = Inbox()
+    await publisher.subscribe("t.q", plain)
+    await settle(publisher)
+    num_messages = 90
+    for i in range(num_messages):
+        await publisher.publish("t.q", str(i).encode())
+    await plain.wait(num_messages)
+    async with asyncio.timeout(LIMIT_S):
+        while sum(len(m.msgs) for m in members) < num_messages:
+            await asyncio.sleep(0.01)
+    received = sorted(int(d) for m in members for d in m.data)
+    assert received == list(range(num_messages))  # each exactly once
+    assert all(m.msgs for m in members)  # the load is spread
+
+
+async def test_request_reply(bus_factory: BusFactory):
+    server, client = await bus_factory(), await bus_factory()
+    await server.subscribe("t.echo", echo)
+    await settle(server)
+    reply = await client.request("t.echo", b"hello", timeout=LIMIT_S, headers={"K": "v"})
+    assert reply.data == b"hello"
+    assert reply.header("K") == "v"
+
+
+async def test_request_times_out_when_nobody_answers(bus_factory: BusFactory):
+    server, client = await bus_factory(), await bus_factory()
+
+    async def silent(msg: Msg) -> None:
+        return None
+
+    await server.subscribe("t.silent", silent)
+    await settle(server)
+    with pytest.raises(BusTimeoutError):
+        await client.request("t.silent", b"?", timeout=0.2)
+
+
+async def test_request_without_responders_fails_fast(bus_factory: BusFactory):
+    client = await bus_factory()
+    async with asyncio.timeout(LIMIT_S / 2):
+        with pytest.raises(NoRespondersError):
+            await client.request("t.nobody", b"?", timeout=LIMIT_S)
+        with pytest.raises(NoRespondersError):
+            async for _ in client.request_stream("t.nobody", b"?", timeout=LIMIT_S):
+                pass
+
+
+async def test_streamed_reply_in_order_then_end_or_error(bus_factory: BusFactory):
+    server, client = await bus_factory(), await bus_factory()
+
+    async def count(msg: Msg) -> None:
+        stream = ReplyStream(msg)
+        n = int(msg.data)
+        for i in range(n):
+            await stream.send(str(i).encode())
+        if n == 3:
+            await stream.error("boom", code="test")
+        else:
+            await stream.end(b"done" if n else None)
+
+    await server.subscribe("t.count", count)
+    await settle(server)
+    got = [m.data async for m in client.request_stream("t.count", b"20", timeout=LIMIT_S)]
+    assert got == [str(i).encode() for i in range(20)] + [b"done"]
+    assert [m.data async for m in client.request_stream("t.count", b"0", timeout=LIMIT_S)] == []
+    received: list[bytes] = []
+    with pytest.raises(RemoteError) as failure:
+        async for msg in client.request_stream("t.count", b"3", timeout=LIMIT_S):
+            received.append(msg.data)
+    assert received == [b"0", b"1", b"2"]
+    assert (failure.value.code, failure.value.message) == ("test", "boom")
+
+
+async def test_slow_handler_does_not_block_delivery(bus_factory: BusFactory):
+    bus = await bus_factory()
+    release = asyncio.Event()
+    fast = Inbox()
+
+    async def handler(msg: Msg) -> None:
+        if msg.data == b"slow":
+            await release.wait()
+        await fast(msg)
+
+    await bus.subscribe("t.slow", handler)
+    await settle(bus)
+    await bus.publish("t.slow", b"slow")
+    await bus.publish("t.slow", b"fast")
+    assert (await fast.wait(1))[0].data == b"fast"
+    release.set()
+    assert sorted(m.data for m in await fast.wait(2)) == [b"fast", b"slow"]
+
+
+async def test_sequential_subscription_keeps_arrival_order(bus_factory: BusFactory):
+    bus = await bus_factory()
+    seen = Inbox()
+
+    async def handler(msg: Msg) -> None:
+        await asyncio.sleep(0.001 * (int(msg.data) % 3))
+        await seen(msg)
+
+    await bus.subscribe("t.seq", handler, sequential=True)
+    await settle(bus)
+    for i in range(30):
+        await bus.publish("t.seq", str(i).encode())
+    assert [int(m.data) for m in await seen.wait(30)] == list(range(30))
+
+
+async def test_16_mib_payload_publish_and_request(bus_factory: BusFactory, bus_kind: str):
+    # the in-memory bus is given a 1 MiB max_payload so it chunks like NATS (4 MiB) does
+    options = {"max_payload": 1 << 20} if bus_kind == "memory" else {}
+    server, client = await bus_factory(**options), await bus_factory(**options)
+    payload = os.urandom(16 << 20)
+    received = Inbox()
+    await server.subscribe("t.big", received)
+    await server.subscribe("t.big.echo", echo)
+    await settle(server)
+    await client.publish("t.big", payload, headers={"Kind": "kv"})
+    (msg,) = await received.wait(1, timeout=30)
+    assert msg.data == payload and msg.header("Kind") == "kv"
+    reply = await client.request("t.big.echo", payload, timeout=30)
+    assert reply.data == payload
+
+
+async def test_invalid_subjects_are_rejected(bus_factory: BusFactory):
+    bus = await bus_factory()
+    for bad in ("", "a..b", "a b", "a.*"):
+        with pytest.raises(SubjectError):
+            await bus.publish(bad, b"")
+    with pytest.raises(SubjectError):
+        await bus.subscribe("a.>.b", echo)
+
+
+async def test_close_lets_running_handlers_finish(bus_factory: BusFactory):
+    server, client = await bus_factory(), await bus_factory()
+    finished = []
+
+    async def slow_echo(msg: Msg) -> None:
+        await asyncio.sleep(0.2)
+        finished.append(msg.data)
+        await msg.respond(msg.data)
+
+    await server.subscribe("t.drain", slow_echo)
+    await settle(server)
+    pending = asyncio.create_task(client.request("t.drain", b"x", timeout=LIMIT_S))
+    await asyncio.sleep(0.05)
+    await server.close()
+    assert finished == [b"x"]
+    assert (await pending).data == b"x"
