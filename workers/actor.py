@@ -1,0 +1,243 @@
+"""The worker actor: a thin asyncio shell that serves a model runner on the bus.
+
+Inbox ``subjects.worker_in(worker_id)`` takes ``WorkerInbound`` messages one at a time, in
+arrival order: ``ExecuteStep`` → ``StepResult``, ``ResetWorker`` → ``ResetDone``,
+``DescribeWorker`` → ``WorkerInfo``. The answer is the reply to a request; a step that arrives
+without a reply subject has its result published on ``subjects.engine_results(engine_id)``.
+
+Everything that touches the runner (load, execute, reset) runs in ONE dedicated thread, so the
+event loop keeps sending heartbeats during a long prefill and the runner never sees two threads.
+An exception in a step is answered with ``StepResult(error=StepError(...))`` naming the cause and
+the step's requests, never with silence; the worker keeps serving.
+
+The runner contract (``StepRunner``): ``load() -> facts`` (num_blocks, block_size,
+max_model_len, vocab_size, eos_token_ids), ``execute(step) -> StepResult``, ``reset()``;
+optionally ``num_requests`` (else ``len(runner.batch)``), ``num_blocks_in_use`` and ``tp``
+(``.rank``/``.size``) for heartbeats and ``WorkerInfo``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from bus.actor import Actor, Inbox
+from bus.base import Bus, BusError, Msg
+from bus.codec import Codec, encode
+from bus.messages.control import ActorState
+from bus.messages.worker import (
+    DescribeWorker,
+    ExecuteStep,
+    ResetDone,
+    ResetWorker,
+    StepError,
+    StepResult,
+    WorkerInbound,
+    WorkerInfo,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class RunnerFacts(Protocol):
+    """What ``load`` reports (``workers.model_runner.ModelFacts``)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_token_ids(self) -> list[int]: ...
+
+
+class StepRunner(Protocol):
+    """What the worker actor needs of a model runner (``workers.model_runner.ModelRunner``)."""
+
+    def load(self) -> RunnerFacts: ...
+
+    def execute(self, step: ExecuteStep) -> StepResult: ...
+
+    def reset(self) -> None: ...
+
+
+def num_requests_of(runner: StepRunner) -> int | None:
+    """Requests in the runner's persistent batch (``num_requests``, else ``len(batch)``)."""
+    count = getattr(runner, "num_requests", None)
+    if count is None and getattr(runner, "batch", None) is not None:
+        count = len(runner.batch)  # type: ignore[attr-defined]
+    return None if count is None else int(count)
+
+
+def step_req_ids(step: ExecuteStep) -> list[str]:
+    """Every request a step touches, in batch order (new, then cached)."""
+    return [r.req_id for r in step.new_requests] + [r.req_id for r in step.cached_requests]
+
+
+def execute_or_explain(runner: StepRunner, step: ExecuteStep) -> StepResult:
+    """Run one step; an exception becomes a ``StepResult`` whose error names cause and requests.
+    Sets ``execute_time_s``. Synchronous: called in the worker's runner thread."""
+    started = time.perf_counter()
+    try:
+        result = runner.execute(step)
+    except Exception as exc:
+        req_ids = step_req_ids(step)
+        log.exception("step %d failed for requests %s", step.step_id, req_ids)
+        message = f"step {step.step_id} failed in the model runner: {type(exc).__name__}: {exc}"
+        result = StepResult(step_id=step.step_id, error=StepError(message, req_ids))
+    result.execute_time_s = time.perf_counter() - started
+    return result
+
+
+class WorkerActor(Actor):
+    """Serves one model runner. Built from JSON-able kwargs (``python -m bus.run_actor``) with
+    ``model_dir`` and ``runner_options``, or, in tests and embedded use, with ``runner``."""
+
+    kind: ClassVar[str] = "worker"
+
+    def __init__(
+        self,
+        bus: Bus,
+        worker_id: str,
+        *,
+        model_dir: str | None = None,
+        runner_options: dict[str, Any] | None = None,
+        runner: StepRunner | None = None,
+        engine_id: str | None = None,
+        namespace: str = "shoal",
+        heartbeat_interval_s: float = 1.0,
+        drain_timeout_s: float = 30.0,
+    ) -> None:
+        super().__init__(
+            bus,
+            worker_id,
+            namespace=namespace,
+            heartbeat_interval_s=heartbeat_interval_s,
+            drain_timeout_s=drain_timeout_s,
+        )
+        if runner is None and model_dir is None:
+            raise ValueError("WorkerActor needs a model_dir or a runner")
+        self.worker_id = worker_id
+        self.engine_id = engine_id
+        self.incarnation = uuid.uuid4().hex
+        self.runner: StepRunner | None = runner
+        self.facts: RunnerFacts | None = None
+        self._model_dir = model_dir
+        self._runner_options = dict(runner_options or {})
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{worker_id}")
+        self._codec: Codec[WorkerInbound] = Codec(WorkerInbound)
+        self.num_steps = 0
+        self.num_step_errors = 0
+        self._step_running = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def inboxes(self) -> Sequence[Inbox]:
+        subject = self.subjects.worker_in(self.worker_id)
+        return [Inbox(subject, self._handle, self._codec, sequential=True)]
+
+    async def on_start(self) -> None:
+        """Build (unless injected) and load the runner in the runner thread."""
+        try:
+            if self.runner is None:
+                self.runner = await self._in_runner_thread(self._build_runner)
+            self.facts = await self._in_runner_thread(self.runner.load)
+        except Exception as exc:
+            await self.set_state(ActorState.DEAD, f"model runner failed to load: {exc!r}")
+            raise
+
+    async def on_stop(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def load(self) -> dict[str, float]:
+        figures = {
+            "num_steps": float(self.num_steps),
+            "num_step_errors": float(self.num_step_errors),
+            "step_running": float(self._step_running),
+        }
+        if self.runner is not None and self.facts is not None:
+            figures["num_blocks"] = float(self.facts.num_blocks)
+            num_requests = num_requests_of(self.runner)
+            if num_requests is not None:
+                figures["num_requests"] = float(num_requests)
+            in_use = getattr(self.runner, "num_blocks_in_use", None)
+            if in_use is not None:
+                figures["num_blocks_in_use"] = float(in_use)
+        return figures
+
+    # -- messages ------------------------------------------------------------------------------
+    async def _handle(self, message: WorkerInbound, msg: Msg) -> Any:
+        match message:
+            case ExecuteStep():
+                return await self._execute(message, msg)
+            case ResetWorker():
+                await self._in_runner_thread(self._require_runner().reset)
+                log.info("%r: reset (%s)", self, message.reason or "no reason given")
+                return ResetDone(self.worker_id)
+            case DescribeWorker():
+                if message.engine_id and self.engine_id is None:
+                    self.engine_id = message.engine_id
+                return self.describe()
+        raise TypeError(f"unexpected message {type(message).__name__}")
+
+    async def _execute(self, step: ExecuteStep, msg: Msg) -> StepResult | None:
+        runner = self._require_runner()
+        self._step_running = True
+        try:
+            result = await self._in_runner_thread(execute_or_explain, runner, step)
+        finally:
+            self._step_running = False
+        self.num_steps += 1
+        self.num_step_errors += result.error is not None
+        if msg.reply:
+            return result
+        await self._publish_result(result)
+        return None
+
+    async def _publish_result(self, result: StepResult) -> None:
+        if self.engine_id is None:
+            log.error("%r: step %d has no reply subject and no engine_id", self, result.step_id)
+            return
+        try:
+            await self.bus.publish(self.subjects.engine_results(self.engine_id), encode(result))
+        except BusError:
+            log.exception("%r: result of step %d not published", self, result.step_id)
+
+    def describe(self) -> WorkerInfo:
+        if self.facts is None:
+            raise RuntimeError(f"worker {self.worker_id} has not loaded its model yet")
+        tp = getattr(self.runner, "tp", None)
+        return WorkerInfo(
+            worker_id=self.worker_id,
+            num_blocks=self.facts.num_blocks,
+            block_size=self.facts.block_size,
+            max_model_len=self.facts.max_model_len,
+            vocab_size=self.facts.vocab_size,
+            eos_token_ids=list(self.facts.eos_token_ids),
+            incarnation=self.incarnation,
+            tp_rank=getattr(tp, "rank", 0),
+            tp_size=getattr(tp, "size", 1),
+        )
+
+    # -- helpers -------------------------------------------------------------------------------
+    async def _in_runner_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _build_runner(self) -> StepRunner:
+        from workers.model_runner import ModelRunner  # heavy imports only where a model runs
+
+        assert self._model_dir is not None
+        return ModelRunner(self._model_dir, **self._runner_options)
+
+    def _require_runner(self) -> StepRunner:
+        if self.runner is None:
+            raise RuntimeError(f"worker {self.worker_id} has no model runner (not started)")
+        return self.runner
