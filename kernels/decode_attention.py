@@ -57,7 +57,111 @@ def decode_attention_torch(
     return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
 
 
-def decode_attention_triton(*args, **kwargs):  # type: ignore[no-untyped-def]
-    """Triton kernel: not written yet."""
+@triton.jit
+def _decode_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    cache_stride_block,
+    cache_stride_slot,
+    cache_stride_head,
+    table_stride,
+    group,
+    head_dim,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program per (sequence, kv head): its ``group`` query heads against every page."""
+    seq = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    heads = kv_head * group + tl.arange(0, BLOCK_G)  # query heads of this kv head
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = tl.arange(0, BLOCK_G) < group
+    dim_ok = dims < head_dim
+    q_offsets = seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    slots = tl.arange(0, PAGE)
+    kv_offsets = kv_head * cache_stride_head + slots[:, None] * cache_stride_slot + dims[None, :]
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for page in range(0, tl.cdiv(seq_len, PAGE)):
+        block = tl.load(block_tables_ptr + seq * table_stride + page).to(tl.int64)
+        key_ok = page * PAGE + slots < seq_len
+        kv_mask = key_ok[:, None] & dim_ok[None, :]
+        base = block * cache_stride_block + kv_offsets
+        k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, PAGE]
+        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    out_offsets = seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :]
+    out_mask = head_ok[:, None] & dim_ok[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def check_paged_inputs(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
+) -> None:
+    """Shape, stride and dtype checks shared by the paged attention kernels."""
+    assert q.dim() == 3 and q.is_contiguous(), f"q must be [T, heads, dim], got {tuple(q.shape)}"
+    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "k/v caches differ in shape"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+    assert q.shape[2] == k_cache.shape[3], f"head_dim {q.shape[2]} != cache {k_cache.shape[3]}"
+    assert q.shape[1] % k_cache.shape[2] == 0, "num_q_heads must be a multiple of num_kv_heads"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, f"{q.dtype} vs cache {k_cache.dtype}"
+    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
+    assert k_cache.shape[1] >= 16 and k_cache.shape[1] & (k_cache.shape[1] - 1) == 0, (
+        "block_size must be a power of two >= 16 for the Triton kernels"
+    )
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Exact fp32 products for fp32 inputs (no TF32); the default for half types."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton version of :func:`decode_attention_torch` (one query token per sequence)."""
     require_triton()
-    raise NotImplementedError("decode_attention_triton: Triton kernel not written yet")
+    check_paged_inputs(q, k_cache, v_cache, block_tables)
+    num_seqs, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32
+    assert block_tables.shape[0] == num_seqs
+    out = torch.empty_like(q)
+    group = num_q_heads // num_kv_heads
+    if num_seqs:
+        _decode_attention_kernel[(num_seqs, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), group, head_dim,
+            BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            PAGE=k_cache.shape[1],
+            DOT_PRECISION=dot_precision(q.dtype),
+        )  # fmt: skip
+    return out

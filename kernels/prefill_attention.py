@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import require_triton, tl, triton
+from kernels.decode_attention import check_paged_inputs, dot_precision
 
 
 def prefill_attention_one_torch(
@@ -38,7 +39,105 @@ def prefill_attention_one_torch(
     return out.transpose(0, 1)
 
 
-def prefill_attention_triton(*args, **kwargs):  # type: ignore[no-untyped-def]
-    """Triton kernel: not written yet."""
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    cache_stride_block,
+    cache_stride_slot,
+    cache_stride_head,
+    table_stride,
+    group,
+    head_dim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One program per (query tile, sequence, query head), streaming the pages it may see."""
+    tile = tl.program_id(0)
+    seq = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_M < query_len:
+        seq_len = tl.load(seq_lens_ptr + seq)
+        context_len = seq_len - query_len
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the sequence
+        dims = tl.arange(0, BLOCK_D)
+        row_ok = rows < query_len
+        dim_ok = dims < head_dim
+        q_offsets = (q_start + rows)[:, None].to(tl.int64) * q_stride_t + head * q_stride_h
+        q_mask = row_ok[:, None] & dim_ok[None, :]
+        q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
+        kv_end = context_len + tl.minimum(query_len, (tile + 1) * BLOCK_M)
+        query_pos = context_len + rows  # absolute position of each query
+        slots = tl.arange(0, PAGE)
+        kv_head = head // group
+        kv_offsets = (
+            kv_head * cache_stride_head + slots[:, None] * cache_stride_slot + dims[None, :]
+        )
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for page in range(0, tl.cdiv(kv_end, PAGE)):
+            block = tl.load(block_tables_ptr + seq * table_stride + page).to(tl.int64)
+            key_pos = page * PAGE + slots
+            kv_mask = (key_pos < kv_end)[:, None] & dim_ok[None, :]
+            base = block * cache_stride_block + kv_offsets
+            k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
+            visible = key_pos[None, :] <= query_pos[:, None]  # [BLOCK_M, PAGE]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(out_ptr + q_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def prefill_attention_triton(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    block_m: int = 16,
+) -> torch.Tensor:
+    """Triton varlen paged attention for a flattened batch (prefill chunks and decodes)."""
     require_triton()
-    raise NotImplementedError("prefill_attention_triton: Triton kernel not written yet")
+    check_paged_inputs(q, k_cache, v_cache, block_tables)
+    num_seqs = seq_lens.shape[0]
+    assert seq_lens.dtype == torch.int32 and query_start_loc.dtype == torch.int32
+    assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
+    num_q_heads, head_dim = q.shape[1], q.shape[2]
+    out = torch.empty_like(q)
+    if num_seqs and max_query_len:
+        grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
+        _prefill_attention_kernel[grid](
+            q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), num_q_heads // k_cache.shape[2], head_dim,
+            BLOCK_M=block_m,
+            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            PAGE=k_cache.shape[1],
+            DOT_PRECISION=dot_precision(q.dtype),
+        )  # fmt: skip
+    return out

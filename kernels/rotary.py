@@ -94,7 +94,116 @@ def apply_rotary_torch(
     return _rotate_torch(q, cos, sin, is_neox), _rotate_torch(k, cos, sin, is_neox)
 
 
-def apply_rotary_triton(*args, **kwargs):  # type: ignore[no-untyped-def]
-    """Triton kernel: not written yet."""
+@triton.jit
+def _rotate_heads(
+    src_ptr,
+    dst_ptr,
+    src_stride_h,
+    num_heads,
+    head_dim,
+    cos,
+    sin,
+    half,
+    IS_NEOX: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+):
+    heads = tl.arange(0, BLOCK_H)[:, None]
+    pairs = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (pairs < half)
+    if IS_NEOX:
+        first, second = pairs, pairs + half
+    else:
+        first, second = 2 * pairs, 2 * pairs + 1
+    x1 = tl.load(src_ptr + heads * src_stride_h + first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + heads * src_stride_h + second, mask=mask, other=0.0).to(tl.float32)
+    out_ty = dst_ptr.dtype.element_ty
+    tl.store(dst_ptr + heads * head_dim + first, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+    tl.store(dst_ptr + heads * head_dim + second, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+    if BLOCK_PASS > 0:
+        dims = 2 * half + tl.arange(0, BLOCK_PASS)[None, :]
+        pass_mask = (heads < num_heads) & (dims < head_dim)
+        rest = tl.load(src_ptr + heads * src_stride_h + dims, mask=pass_mask)
+        tl.store(dst_ptr + heads * head_dim + dims, rest, mask=pass_mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    positions_ptr,
+    cache_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    cache_stride,
+    num_q_heads,
+    num_kv_heads,
+    head_dim,
+    half,
+    IS_NEOX: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    pairs = tl.arange(0, BLOCK_HALF)[None, :]
+    row = cache_ptr + position * cache_stride
+    cos = tl.load(row + pairs, mask=pairs < half, other=0.0).to(q_ptr.dtype.element_ty)
+    sin = tl.load(row + half + pairs, mask=pairs < half, other=0.0).to(q_ptr.dtype.element_ty)
+    cos, sin = cos.to(tl.float32), sin.to(tl.float32)
+    _rotate_heads(
+        q_ptr + token * q_stride_t,
+        q_out_ptr + token * num_q_heads * head_dim,
+        q_stride_h, num_q_heads, head_dim, cos, sin, half,
+        IS_NEOX, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr + token * k_stride_t,
+        k_out_ptr + token * num_kv_heads * head_dim,
+        k_stride_h, num_kv_heads, head_dim, cos, sin, half,
+        IS_NEOX, BLOCK_HK, BLOCK_HALF, BLOCK_PASS,
+    )  # fmt: skip
+
+
+def _passthrough_block(head_dim: int, rotary_dim: int) -> int:
+    return 0 if rotary_dim == head_dim else triton.next_power_of_2(head_dim - rotary_dim)
+
+
+def apply_rotary_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton version of :func:`apply_rotary_torch`; q and k may be strided views (e.g. slices
+    of a fused qkv projection) as long as their last dim is contiguous."""
     require_triton()
-    raise NotImplementedError("apply_rotary_triton: Triton kernel not written yet")
+    num_tokens, num_q_heads, head_dim = q.shape
+    assert k.dim() == 3 and k.shape[0] == num_tokens and k.shape[2] == head_dim, k.shape
+    assert q.stride(2) == 1 and k.stride(2) == 1, "the head dim must be contiguous"
+    assert q.dtype == k.dtype, f"q {q.dtype} != k {k.dtype}"
+    assert positions.shape == (num_tokens,) and not positions.is_floating_point()
+    rotary_dim = cos_sin_cache.shape[1]
+    assert rotary_dim % 2 == 0 and rotary_dim <= head_dim and cos_sin_cache.stride(1) == 1
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if num_tokens:
+        _rotary_kernel[(num_tokens,)](
+            q, k, q_out, k_out, positions, cos_sin_cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+            num_q_heads, k.shape[1], head_dim, rotary_dim // 2,
+            IS_NEOX=is_neox,
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+            BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+            BLOCK_PASS=_passthrough_block(head_dim, rotary_dim),
+        )  # fmt: skip
+    return q_out, k_out

@@ -71,3 +71,58 @@ def test_fused_moe_reference_matches_per_token_loop():
             h = w13[e] @ x[t]
             expected[t] += topk_weights[t, j] * (w2[e] @ (F.silu(h[:inter]) * h[inter:]))
     torch.testing.assert_close(fused_moe_torch(x, w13, w2, topk_weights, topk_ids), expected)
+
+
+@pytest.mark.parametrize("rope_type", ["default", "llama3"])
+def test_rotary_matches_transformers_bit_for_bit(rope_type):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    rope = {"rope_type": rope_type, "rope_theta": 500000.0}
+    if rope_type == "llama3":
+        rope |= {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
+    config = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rope_parameters=rope,
+    )
+    positions = torch.tensor([0, 1, 5, 63, 100, 1000, 4000])
+    q, k = torch.randn(7, 4, 64), torch.randn(7, 2, 64)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    cache = ops.build_cos_sin_cache(64, 4096, 500000.0, scaling=rope)
+    assert torch.equal(cache[positions], torch.cat((cos[0, :, :32], sin[0, :, :32]), dim=-1))
+    out_q, out_k = ops.apply_rotary(q, k, positions, cache)
+    assert torch.equal(out_q, hf_q[0].transpose(0, 1))
+    assert torch.equal(out_k, hf_k[0].transpose(0, 1))
+
+
+def test_rms_norm_matches_transformers_in_bf16():
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(48, eps=1e-6).to(torch.bfloat16)
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(4, 48).to(torch.bfloat16)
+    assert torch.equal(ops.rms_norm(x, norm.weight.detach(), 1e-6), norm(x).detach())
+
+
+def test_backend_choice_follows_env(monkeypatch):
+    from kernels._backend import use_triton
+
+    cpu = torch.zeros(1)
+    monkeypatch.setenv("SHOAL_KERNELS", "torch")
+    assert not use_triton(cpu)
+    monkeypatch.setenv("SHOAL_KERNELS", "triton")
+    assert use_triton(cpu)
+    monkeypatch.delenv("SHOAL_KERNELS")
+    assert not use_triton(cpu)  # auto: CPU tensors take the torch path
+    monkeypatch.setenv("SHOAL_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="SHOAL_KERNELS"):
+        use_triton(cpu)

@@ -1,0 +1,63 @@
+"""Paged attention Triton kernels (under TRITON_INTERPRET=1) against the torch reference."""
+
+import pytest
+import torch
+
+from kernels import ops
+from kernels.decode_attention import decode_attention_triton
+from kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from kernels.prefill_attention import prefill_attention_triton
+from tests.kernels.paged_case import make_paged_case, naive_attention
+
+# (query_lens, context_lens): fresh prefill, decode, chunk over an unaligned prefix, a chunk
+# longer than one query tile (17 > 16) over a prefix, and a decode at a page boundary.
+MIXED = ([5, 1, 9, 17, 1], [0, 30, 12, 40, 31])
+DECODE = ([1, 1, 1, 1], [0, 33, 14, 64])
+
+
+def _run(case, fn, **kwargs):
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
+    return fn(*args, case.seq_lens, case.scale, **kwargs)
+
+
+@pytest.mark.parametrize("gqa", [1, 2, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("lens", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_paged_attention_triton_matches_reference(gqa, head_dim, block_size, lens):
+    case = make_paged_case(*lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim, block_size=block_size)
+    expected = _run(case, paged_attention_torch)
+    out = _run(case, paged_attention_triton)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_decode_kernel_directly_with_one_kv_head_and_long_context():
+    case = make_paged_case([1, 1], [100, 3], num_kv_heads=1, gqa=4, head_dim=64, block_size=16)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    torch.testing.assert_close(
+        decode_attention_triton(*args), naive_attention(case), atol=2e-5, rtol=1e-5
+    )
+
+
+def test_prefill_kernel_handles_decodes_and_many_query_tiles():
+    case = make_paged_case(
+        [1, 40, 2], [20, 5, 0], num_kv_heads=2, gqa=2, head_dim=64, block_size=16
+    )
+    out = _run(case, prefill_attention_triton, max_query_len=40)
+    torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
+
+
+def test_dispatch_forced_to_triton(monkeypatch):
+    monkeypatch.setenv("SHOAL_KERNELS", "triton")
+    case = make_paged_case(*MIXED, num_kv_heads=2, gqa=2, head_dim=64, block_size=16)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
+    out = ops.paged_attention(*args, case.seq_lens, case.scale, max_query_len=17)
+    torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
+
+
+def test_wrapper_rejects_mismatched_dtypes():
+    case = make_paged_case(*DECODE, num_kv_heads=2, gqa=2, head_dim=64, block_size=16)
+    with pytest.raises(AssertionError, match="cache"):
+        decode_attention_triton(
+            case.q.double(), case.k_cache, case.v_cache, case.block_tables, case.seq_lens, 1.0
+        )
