@@ -1,0 +1,167 @@
+"""The aiohttp application: routes, Bearer auth on ``/v1/*``, and the error middleware that
+turns every failure into an OpenAI-shaped error body (and never takes the server down).
+
+``create_app`` takes any ``EngineClient``; ``gateway.server`` runs the app on a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib.metadata
+import time
+
+import msgspec
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from engine.protocol import EngineClient
+from gateway.chat import create_chat_completion
+from gateway.completions import create_completion
+from gateway.errors import ApiError, bad_request, internal_error
+from gateway.metrics import CONTENT_TYPE, Metrics
+from gateway.params import chat_messages
+from gateway.request_types import DetokenizeRequest, TokenizeRequest
+from gateway.response_types import (
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+)
+from gateway.serving import ServingContext, decode_body
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+CONTEXT_KEY = web.AppKey("shoal_serving_context", ServingContext)
+_ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def create_app(
+    engine_client: EngineClient,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    metrics: Metrics | None = None,
+) -> web.Application:
+    """The OpenAI-compatible app for one engine client (real or fake)."""
+    name = served_model_name or engine_client.model_name
+    if metrics is None:
+        metrics = Metrics(name, max_model_len=engine_client.max_model_len)
+    middlewares = [error_middleware]
+    if api_key:
+        middlewares.append(bearer_auth(api_key))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app[CONTEXT_KEY] = ServingContext(engine_client, name, metrics)
+    app.router.add_post("/v1/completions", _with_context(create_completion))
+    app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))
+    app.router.add_get("/v1/models", _with_context(list_models))
+    app.router.add_get("/health", _with_context(health))
+    app.router.add_get("/metrics", _with_context(render_metrics))
+    app.router.add_post("/tokenize", _with_context(tokenize))
+    app.router.add_post("/detokenize", _with_context(detokenize))
+    app.router.add_get("/version", version)
+    return app
+
+
+def _with_context(handler):  # type: ignore[no-untyped-def]
+    async def bound(request: web.Request) -> web.StreamResponse:
+        return await handler(request.app[CONTEXT_KEY], request)
+
+    return bound
+
+
+def json_response(body: object, status: int = 200) -> web.Response:
+    return web.Response(
+        body=msgspec.json.encode(body), status=status, content_type="application/json"
+    )
+
+
+def error_response(error: ApiError) -> web.Response:
+    return web.Response(body=error.to_json(), status=error.status, content_type="application/json")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as error:
+        return error_response(error)
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        code = _ERROR_CODES.get(error.status)
+        return error_response(ApiError(error.status, error.reason, code=code))
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as error:
+        return error_response(internal_error(error))
+
+
+def bearer_auth(api_key: str):  # type: ignore[no-untyped-def]
+    """Middleware: ``/v1/*`` needs ``Authorization: Bearer <api_key>``."""
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                raise ApiError(401, "Invalid or missing API key.", code="invalid_api_key")
+        return await handler(request)
+
+    return check
+
+
+async def list_models(ctx: ServingContext, request: web.Request) -> web.Response:
+    name = ctx.served_model_name
+    card = ModelCard(id=name, created=int(time.time()), max_model_len=ctx.engine.max_model_len,
+                     root=ctx.engine.model_name)  # fmt: skip
+    return json_response(ModelList([card]))
+
+
+async def health(ctx: ServingContext, request: web.Request) -> web.Response:
+    if ctx.engine.is_ready():
+        return web.Response(status=200)
+    return error_response(ApiError(503, "no engine core is ready", code="engine_unavailable"))
+
+
+async def render_metrics(ctx: ServingContext, request: web.Request) -> web.Response:
+    return web.Response(body=ctx.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def tokenize(ctx: ServingContext, request: web.Request) -> web.Response:
+    body = await decode_body(request, TokenizeRequest)
+    ctx.check_model(body.model)
+    tokenizer = ctx.engine.tokenizer
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        messages = chat_messages(body.messages)
+        try:
+            ids = list(
+                ctx.engine.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+            )
+        except Exception as error:  # the chat template is user-driven
+            raise bad_request(
+                f"cannot apply the chat template: {error}", param="messages"
+            ) from None
+    else:
+        ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+    strs = list(tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None
+    return json_response(TokenizeResponse(len(ids), ctx.engine.max_model_len, ids, strs))
+
+
+async def detokenize(ctx: ServingContext, request: web.Request) -> web.Response:
+    body = await decode_body(request, DetokenizeRequest)
+    ctx.check_model(body.model)
+    tokenizer = ctx.engine.tokenizer
+    if body.tokens and max(body.tokens) >= len(tokenizer):
+        raise bad_request(f"token id {max(body.tokens)} is out of range", param="tokens")
+    return json_response(DetokenizeResponse(tokenizer.decode(body.tokens)))
+
+
+async def version(request: web.Request) -> web.Response:
+    try:
+        number = importlib.metadata.version("shoal")
+    except importlib.metadata.PackageNotFoundError:
+        number = "unknown"
+    return json_response({"version": number})

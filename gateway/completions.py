@@ -1,0 +1,203 @@
+"""``POST /v1/completions``: text or token-id prompts (one or a batch), ``n`` choices each,
+echo and logprobs, streamed as server-sent events or answered whole."""
+
+from __future__ import annotations
+
+import contextlib
+
+import msgspec
+from aiohttp import web
+
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from gateway.errors import ApiError, internal_error
+from gateway.generation import Generation
+from gateway.logprobs import TokenText, append_completion_logprobs
+from gateway.params import (
+    Prompt,
+    check_unsupported,
+    completion_prompts,
+    resolve_max_tokens,
+    sampling_params,
+)
+from gateway.request_types import CompletionRequest
+from gateway.response_types import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionResponse,
+    Usage,
+)
+from gateway.serving import (
+    Choice,
+    EventStream,
+    ServingContext,
+    UsageCounter,
+    decode_body,
+    new_request_id,
+    now_seconds,
+)
+
+
+async def create_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+    body = await decode_body(request, CompletionRequest)
+    ctx.check_model(body.model)
+    check_unsupported(body)
+    prompts = completion_prompts(body.prompt, ctx.engine.tokenizer)
+    max_model_len = ctx.engine.max_model_len
+    echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    params = [
+        sampling_params(
+            body,
+            max_tokens=resolve_max_tokens(
+                body.max_tokens, len(p.token_ids), max_model_len, "prompt"
+            ),
+            logprobs=body.logprobs,
+            prompt_logprobs=echo_logprobs,
+        )
+        for p in prompts
+    ]
+    ctx.check_ready()
+    generation = Generation(ctx.engine, prompts, params, new_request_id("cmpl"), ctx.metrics)
+    view = CompletionView(ctx, body, prompts, generation)
+    async with generation:
+        if body.stream:
+            return await view.stream(request)
+        response = await view.complete()
+        return web.Response(body=msgspec.json.encode(response), content_type="application/json")
+
+
+class CompletionView:
+    """Turns the engine's DELTA outputs into completions choices and chunks."""
+
+    def __init__(
+        self,
+        ctx: ServingContext,
+        body: CompletionRequest,
+        prompts: list[Prompt],
+        generation: Generation,
+    ) -> None:
+        self.ctx = ctx
+        self.body = body
+        self.prompts = prompts
+        self.generation = generation
+        self.n = body.n
+        self.choices = [Choice(i) for i in range(len(prompts) * body.n)]
+        self.offsets = [0] * len(self.choices)
+        self.usage = UsageCounter([len(p.token_ids) for p in prompts])
+        self.prompt_logprobs: list[list[TokenLogprobs | None] | None] = [None] * len(prompts)
+        self.token_text = TokenText(ctx.engine.tokenizer)
+        self.created = now_seconds()
+
+    def _delta(self, prompt_index: int, completion: CompletionOutput) -> CompletionChoice | None:
+        """The new part of one choice, echo included on its first delta; None if nothing new."""
+        choice = self.choices[prompt_index * self.n + completion.index]
+        if choice.finish_reason is not None:
+            return None
+        text = completion.text
+        logprobs = CompletionLogprobs() if self.body.logprobs is not None else None
+        if not choice.started and self.body.echo:
+            text = self._echo(prompt_index, choice.index, logprobs) + text
+        choice.started = True
+        if logprobs is not None:
+            positions = completion.logprobs or [{} for _ in completion.token_ids]
+            self.offsets[choice.index] = append_completion_logprobs(
+                logprobs, completion.token_ids, positions, self.body.logprobs or 0,
+                self.token_text, self.offsets[choice.index] + len(text) - len(completion.text),
+            )  # fmt: skip
+        choice.add(completion)
+        self.usage.add(completion)
+        if not text and completion.finish_reason is None and not completion.token_ids:
+            return None
+        return CompletionChoice(
+            choice.index, text, logprobs, completion.finish_reason, completion.stop_reason
+        )
+
+    def _echo(self, prompt_index: int, index: int, logprobs: CompletionLogprobs | None) -> str:
+        prompt = self.prompts[prompt_index]
+        text = prompt.text
+        if text is None:
+            text = self.ctx.engine.tokenizer.decode(prompt.token_ids)
+        if logprobs is not None:
+            positions = self.prompt_logprobs[prompt_index] or [None] * len(prompt.token_ids)
+            append_completion_logprobs(
+                logprobs, prompt.token_ids, positions, self.body.logprobs or 0, self.token_text, 0
+            )
+        self.offsets[index] = 0
+        return text
+
+    def _note_prompt(self, prompt_index: int, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None and self.prompt_logprobs[prompt_index] is None:
+            self.prompt_logprobs[prompt_index] = output.prompt_logprobs
+
+    async def complete(self) -> CompletionResponse:
+        merged: dict[int, CompletionChoice] = {}
+        async for prompt_index, output in self.generation.outputs():
+            self._note_prompt(prompt_index, output)
+            for completion in output.outputs:
+                delta = self._delta(prompt_index, completion)
+                if delta is not None:
+                    _merge(merged, delta)
+        choices = [merged.get(c.index) or CompletionChoice(c.index, "") for c in self.choices]
+        for choice, state in zip(choices, self.choices, strict=True):
+            choice.finish_reason, choice.stop_reason = state.finish_reason, state.stop_reason
+        return CompletionResponse(
+            self.generation.request_id, self.created, self.ctx.served_model_name, choices,
+            self.usage.usage(),
+        )  # fmt: skip
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        outputs = self.generation.outputs()
+        async with contextlib.aclosing(outputs):
+            first = await anext(outputs, None)  # errors before the first output keep their status
+            events = EventStream(request)
+            await events.open()
+            try:
+                if first is not None:
+                    await self._send(events, *first)
+                async for prompt_index, output in outputs:
+                    await self._send(events, prompt_index, output)
+                await self._send_usage(events)
+            except ApiError as error:
+                await events.send_error(error)
+            except ConnectionResetError:
+                return events.response
+            except Exception as error:  # a bug: tell the client, keep serving others
+                await events.send_error(internal_error(error))
+            await events.finish()
+        return events.response
+
+    async def _send(self, events: EventStream, prompt_index: int, output: RequestOutput) -> None:
+        self._note_prompt(prompt_index, output)
+        options = self.body.stream_options
+        continuous = options is not None and options.continuous_usage_stats
+        for completion in output.outputs:
+            delta = self._delta(prompt_index, completion)
+            if delta is not None:
+                usage = self.usage.usage() if continuous else None
+                await events.send(self._chunk([delta], usage))
+
+    async def _send_usage(self, events: EventStream) -> None:
+        options = self.body.stream_options
+        if options is not None and options.include_usage:
+            await events.send(self._chunk([], self.usage.usage()))
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionChunk:
+        return CompletionChunk(
+            self.generation.request_id,
+            self.created,
+            self.ctx.served_model_name,
+            choices,
+            usage=usage,
+        )
+
+
+def _merge(merged: dict[int, CompletionChoice], delta: CompletionChoice) -> None:
+    """Fold one delta into the choice's accumulated text and logprobs."""
+    total = merged.get(delta.index)
+    if total is None:
+        merged[delta.index] = delta
+        return
+    total.text += delta.text
+    if total.logprobs is not None and delta.logprobs is not None:
+        for name in ("text_offset", "token_logprobs", "tokens", "top_logprobs"):
+            getattr(total.logprobs, name).extend(getattr(delta.logprobs, name))

@@ -1,0 +1,136 @@
+"""Run one engine request per prompt and merge their outputs as they arrive.
+
+``Generation`` is shared by the HTTP endpoints and the NATS API. It maps engine errors to
+``ApiError`` (400/503), feeds the metrics, and on ``close`` (normal end, client gone, or error)
+closes every engine iterator still open, which aborts those requests in their engine cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any
+
+from bus.messages.sampling import SamplingParams
+from engine.outputs import RequestOutput
+from engine.protocol import EngineClient, EngineUnavailableError, RequestValidationError
+from gateway.errors import ApiError, bad_request, unavailable
+from gateway.metrics import Metrics, RequestTimer
+from gateway.params import Prompt
+
+log = logging.getLogger(__name__)
+
+_DONE = object()
+
+
+def engine_error(error: BaseException) -> ApiError:
+    """An exception from the engine client as the error the caller gets."""
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, RequestValidationError):
+        return bad_request(str(error), param=error.param)
+    if isinstance(error, EngineUnavailableError):
+        return unavailable(str(error) or "no engine core can take the request")
+    log.error("engine request failed", exc_info=error)
+    return ApiError(503, f"the engine failed: {type(error).__name__}: {error}", code="engine_error")
+
+
+class Generation:
+    """The engine requests of one API request: ``prompts[i]`` runs as ``{request_id}-{i}``."""
+
+    def __init__(
+        self,
+        engine: EngineClient,
+        prompts: Sequence[Prompt],
+        params: Sequence[SamplingParams],
+        request_id: str,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.engine = engine
+        self.prompts = list(prompts)
+        self.params = list(params)
+        self.request_id = request_id
+        self.metrics = metrics
+        self.timers: list[RequestTimer | None] = [None] * len(self.prompts)
+        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._num_open = len(self.prompts)
+        self._finished: set[int] = set()
+
+    def engine_request_id(self, prompt_index: int) -> str:
+        return f"{self.request_id}-{prompt_index}"
+
+    def start(self) -> None:
+        for index, prompt in enumerate(self.prompts):
+            params = self.params[index]
+            if self.metrics is not None:
+                self.timers[index] = self.metrics.start_request(
+                    num_prompt_tokens=len(prompt.token_ids),
+                    n=params.n,
+                    max_tokens=params.max_tokens,
+                )
+            task = asyncio.create_task(self._pump(index, prompt, params))
+            self._tasks.append(task)
+
+    async def _pump(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
+        stream = self.engine.generate(prompt.token_ids, params, self.engine_request_id(index))
+        try:
+            async for output in stream:
+                self._queue.put_nowait((index, output))
+        except Exception as error:
+            self._queue.put_nowait((index, error))
+        else:
+            self._queue.put_nowait((index, _DONE))
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+    async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """``(prompt_index, output)`` in arrival order until every prompt has finished."""
+        while self._num_open:
+            index, item = await self._queue.get()
+            if item is _DONE:
+                self._num_open -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise engine_error(item)
+            self._observe(index, item)
+            if item.error is not None and item.finished:
+                raise ApiError(503, f"the engine failed: {item.error}", code="engine_error")
+            yield index, item
+
+    def _observe(self, index: int, output: RequestOutput) -> None:
+        if output.finished:
+            self._finished.add(index)
+        timer = self.timers[index]
+        if self.metrics is None or timer is None:
+            return
+        self.metrics.observe_output(timer, output)
+        if output.finished:
+            self.metrics.finish_request(timer, self.params[index].n)
+
+    async def close(self) -> None:
+        """Stop every engine request still running (aborting it) and settle the metrics."""
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for index in range(len(self._tasks)):
+            if index not in self._finished:  # closing the iterator aborts; this makes sure
+                with contextlib.suppress(Exception):
+                    await self.engine.abort(self.engine_request_id(index))
+        if self.metrics is not None:
+            for index, timer in enumerate(self.timers):
+                if timer is not None:
+                    self.metrics.finish_request(timer, self.params[index].n)
+
+    async def __aenter__(self) -> Generation:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

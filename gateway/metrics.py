@@ -1,0 +1,244 @@
+"""Prometheus metrics with vLLM's names, so existing vLLM dashboards work unchanged.
+
+Two sources feed them:
+- the gateway's own requests (``start_request`` → ``observe_output`` per engine output →
+  ``finish_request``): token counters, request success by finish reason, TTFT, inter-token,
+  end-to-end and (when the engine reports timestamps) queue/prefill/decode histograms;
+- engine-core statistics (``update_engine_stats``, connected by whoever owns the engine client):
+  running/waiting gauges, KV usage, and prefix-cache/preemption counters derived from the
+  cumulative figures each engine core reports.
+
+Outputs are expected in DELTA form (``token_ids`` holds only new tokens), as the gateway asks.
+Each ``Metrics`` has its own registry, so several gateways may live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+from bus.messages.engine import SchedulerStats
+from engine.outputs import RequestMetrics, RequestOutput
+
+# Bucket bounds (seconds) as vLLM has them.
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0]
+TTFT_BUCKETS += [7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0]
+ITL_BUCKETS += [7.5, 10.0, 20.0, 40.0, 80.0]
+LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0]
+LATENCY_BUCKETS += [60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+FINISH_REASONS = ("stop", "length", "abort", "error")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+def one_two_five_buckets(limit: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to ``limit`` (vLLM's token-count buckets)."""
+    buckets: list[float] = []
+    scale = 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > limit:
+                return buckets
+            buckets.append(float(value))
+        scale *= 10
+
+
+@dataclass(slots=True)
+class RequestTimer:
+    """What the gateway saw of one engine request (one prompt, ``n`` completions)."""
+
+    arrival_time: float
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generation_tokens: int = 0
+    first_token_time: float | None = None
+    last_token_time: dict[int, float] = field(default_factory=dict)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+    engine_metrics: RequestMetrics | None = None
+    finished: bool = False
+
+
+class Metrics:
+    """The gateway's Prometheus registry and the hooks that feed it."""
+
+    def __init__(
+        self,
+        model_name: str,
+        *,
+        max_model_len: int = 8192,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._last_stats: dict[str, SchedulerStats] = {}
+        self._define_request_metrics(max_model_len)
+        self._define_engine_metrics()
+        for reason in FINISH_REASONS:  # present from the start, as vLLM exports them
+            self.request_success.labels(model_name, reason)
+
+    def _counter(self, name: str, doc: str, labels: list[str]) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, labels: list[str]) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: list[float]) -> Histogram:
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+    def _define_request_metrics(self, max_model_len: int) -> None:
+        lm = ["model_name"]
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prompt tokens", lm)
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Generated tokens", lm)
+        self.prompt_tokens_cached = self._counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens from the prefix cache", lm
+        )
+        self.request_success = self._counter(
+            "vllm:request_success", "Finished requests", [*lm, "finished_reason"]
+        )
+        hist = {
+            "ttft": ("vllm:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS),
+            "itl": ("vllm:inter_token_latency_seconds", "Inter-token latency", ITL_BUCKETS),
+            "e2e": ("vllm:e2e_request_latency_seconds", "End-to-end latency", LATENCY_BUCKETS),
+            "queue": ("vllm:request_queue_time_seconds", "Time in queue", LATENCY_BUCKETS),
+            "inference": ("vllm:request_inference_time_seconds", "Time running", LATENCY_BUCKETS),
+            "prefill": ("vllm:request_prefill_time_seconds", "Prefill time", LATENCY_BUCKETS),
+            "decode": ("vllm:request_decode_time_seconds", "Decode time", LATENCY_BUCKETS),
+        }
+        self.histograms = {key: self._histogram(*spec) for key, spec in hist.items()}
+        tokens = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = self._histogram("vllm:request_prompt_tokens", "Prompt", tokens)
+        self.request_generation_tokens = self._histogram(
+            "vllm:request_generation_tokens", "Output tokens", tokens
+        )
+        self.request_params_n = self._histogram("vllm:request_params_n", "n", [1, 2, 5, 10, 20])
+        self.request_params_max_tokens = self._histogram(
+            "vllm:request_params_max_tokens", "max_tokens", tokens
+        )
+        self.requests_in_flight = self._gauge(
+            "shoal:gateway_requests_in_flight", "Engine requests this gateway streams", lm
+        )
+
+    def _define_engine_metrics(self) -> None:
+        le = ["model_name", "engine"]
+        self.num_requests_running = self._gauge("vllm:num_requests_running", "Running", le)
+        self.num_requests_waiting = self._gauge("vllm:num_requests_waiting", "Waiting", le)
+        self.kv_cache_usage = self._gauge("vllm:kv_cache_usage_perc", "KV cache usage 0..1", le)
+        self.prefix_cache_queries = self._counter(
+            "vllm:prefix_cache_queries", "Prefix cache queried tokens", le
+        )
+        self.prefix_cache_hits = self._counter("vllm:prefix_cache_hits", "Prefix cache hits", le)
+        self.num_preemptions = self._counter("vllm:num_preemptions", "Preemptions", le)
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def start_request(
+        self,
+        *,
+        num_prompt_tokens: int,
+        n: int,
+        max_tokens: int | None,
+        arrival_time: float | None = None,
+    ) -> RequestTimer:
+        self.requests_in_flight.labels(self.model_name).inc()
+        self.request_params_n.labels(self.model_name).observe(n)
+        if max_tokens is not None:
+            self.request_params_max_tokens.labels(self.model_name).observe(max_tokens)
+        arrival = time.time() if arrival_time is None else arrival_time
+        return RequestTimer(arrival_time=arrival, num_prompt_tokens=num_prompt_tokens)
+
+    def observe_output(
+        self, timer: RequestTimer, output: RequestOutput, now: float | None = None
+    ) -> None:
+        """One (DELTA) output of the request: first-token and inter-token latencies."""
+        now = time.time() if now is None else now
+        if output.metrics is not None:
+            timer.engine_metrics = output.metrics
+        timer.num_cached_tokens = max(timer.num_cached_tokens, output.num_cached_tokens)
+        for completion in output.outputs:
+            if completion.token_ids:
+                timer.num_generation_tokens += len(completion.token_ids)
+                self._observe_token_times(timer, completion.index, now)
+            if completion.finish_reason is not None:
+                timer.finish_reasons[completion.index] = completion.finish_reason
+
+    def _observe_token_times(self, timer: RequestTimer, index: int, now: float) -> None:
+        if timer.first_token_time is None:
+            timer.first_token_time = now
+            self.histograms["ttft"].labels(self.model_name).observe(now - timer.arrival_time)
+        previous = timer.last_token_time.get(index)
+        if previous is not None:
+            self.histograms["itl"].labels(self.model_name).observe(now - previous)
+        timer.last_token_time[index] = now
+
+    def observe_request(self, output: RequestOutput, timer: RequestTimer, n: int = 1) -> None:
+        """The request's last output: observe it, then finish the request."""
+        self.observe_output(timer, output)
+        self.finish_request(timer, n)
+
+    def finish_request(self, timer: RequestTimer, n: int, now: float | None = None) -> None:
+        """Count the request as done; completions with no finish reason count as aborted."""
+        if timer.finished:
+            return
+        timer.finished = True
+        now = time.time() if now is None else now
+        name = self.model_name
+        self.requests_in_flight.labels(name).dec()
+        for index in range(n):
+            reason = timer.finish_reasons.get(index, "abort")
+            self.request_success.labels(name, reason).inc()
+        self.prompt_tokens.labels(name).inc(timer.num_prompt_tokens)
+        self.prompt_tokens_cached.labels(name).inc(timer.num_cached_tokens)
+        self.generation_tokens.labels(name).inc(timer.num_generation_tokens)
+        self.request_prompt_tokens.labels(name).observe(timer.num_prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(timer.num_generation_tokens)
+        self.histograms["e2e"].labels(name).observe(now - timer.arrival_time)
+        self._observe_engine_times(timer.engine_metrics)
+
+    def _observe_engine_times(self, m: RequestMetrics | None) -> None:
+        if m is None or m.first_scheduled_time is None:
+            return
+        name, h = self.model_name, self.histograms
+        h["queue"].labels(name).observe(max(0.0, m.first_scheduled_time - m.arrival_time))
+        if m.first_token_time is not None:
+            h["prefill"].labels(name).observe(max(0.0, m.first_token_time - m.first_scheduled_time))
+        if m.finished_time is not None:
+            h["inference"].labels(name).observe(max(0.0, m.finished_time - m.first_scheduled_time))
+            if m.first_token_time is not None:
+                h["decode"].labels(name).observe(max(0.0, m.finished_time - m.first_token_time))
+
+    # --- engine cores -----------------------------------------------------------------------
+
+    def update_engine_stats(self, stats: SchedulerStats, engine_id: str) -> None:
+        """An engine core's latest figures. Its counters are cumulative: a drop means the core
+        restarted, and the new value counts as fresh increments."""
+        labels = (self.model_name, engine_id)
+        self.num_requests_running.labels(*labels).set(stats.num_running)
+        self.num_requests_waiting.labels(*labels).set(stats.num_waiting)
+        self.kv_cache_usage.labels(*labels).set(stats.kv_usage)
+        last = self._last_stats.get(engine_id)
+        for counter, attr in (
+            (self.prefix_cache_queries, "prefix_cache_queries"),
+            (self.prefix_cache_hits, "prefix_cache_hits"),
+            (self.num_preemptions, "num_preemptions"),
+        ):
+            value = getattr(stats, attr)
+            previous = getattr(last, attr) if last is not None else 0
+            increment = value - previous if value >= previous else value
+            counter.labels(*labels).inc(increment)
+        self._last_stats[engine_id] = stats
+
+    def remove_engine(self, engine_id: str) -> None:
+        """Drop a departed engine core's gauges (its counters stay, as Prometheus expects)."""
+        labels = (self.model_name, engine_id)
+        self._last_stats.pop(engine_id, None)
+        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
+            with contextlib.suppress(KeyError):
+                gauge.remove(*labels)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,193 @@
+"""From a decoded request to what the engine takes: prompts as token ids, checked against the
+model, and one ``SamplingParams`` per prompt. Every failure is an ``ApiError`` (400)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from bus.messages.sampling import OutputKind, SamplingParams
+from gateway.errors import ApiError, bad_request, from_value_error
+from gateway.request_types import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    PromptInput,
+    _SamplingFields,
+)
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One prompt as the engine gets it; ``text`` is kept for echo (None for token-id input)."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+def completion_prompts(prompt: PromptInput, tokenizer: Any) -> list[Prompt]:
+    """A completions ``prompt`` (text, ids, or a batch of either) as a list of prompts."""
+    if isinstance(prompt, str):
+        return [_text_prompt(prompt, tokenizer)]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [_id_prompt([int(t) for t in prompt], tokenizer)]  # type: ignore[arg-type]
+    if len(prompt) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [_text_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
+    if all(isinstance(p, list) for p in prompt):
+        return [_id_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
+    raise bad_request(
+        "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
+        "token ids",
+        param="prompt",
+    )
+
+
+def _text_prompt(text: str, tokenizer: Any) -> Prompt:
+    ids = list(tokenizer.encode(text))
+    if not ids:
+        raise bad_request("prompt must not be empty", param="prompt")
+    return Prompt(ids, text)
+
+
+def _id_prompt(ids: list[int], tokenizer: Any) -> Prompt:
+    if not ids:
+        raise bad_request("prompt must not be empty", param="prompt")
+    vocab_size = len(tokenizer)
+    if max(ids) >= vocab_size:
+        raise bad_request(
+            f"token id {max(ids)} is out of range (vocab size {vocab_size})", param="prompt"
+        )
+    return Prompt(ids)
+
+
+def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template takes them, with text parts joined."""
+    if not messages:
+        raise bad_request("messages must not be empty", param="messages")
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        if message.role not in CHAT_ROLES:
+            raise bad_request(f"unknown message role {message.role!r}", param="messages")
+        out.append({"role": message.role, "content": message_text(message)})
+    return out
+
+
+def message_text(message: ChatMessage) -> str:
+    content = message.content
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts: list[str] = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request("only text content parts are supported", param="messages")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_prompt(engine: Any, request: ChatCompletionRequest) -> Prompt:
+    """Render the chat template; a template that fails on these messages is a 400."""
+    messages = chat_messages(request.messages)
+    try:
+        ids = list(
+            engine.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
+        )
+    except ApiError:
+        raise
+    except Exception as error:  # the template is user-driven code: any failure is the input's
+        raise bad_request(f"cannot apply the chat template: {error}", param="messages") from None
+    if not ids:
+        raise bad_request("messages render to an empty prompt", param="messages")
+    return Prompt(ids)
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_model_len: int, param: str
+) -> int:
+    """Tokens the request may generate: requested (or all room left), capped by the context."""
+    if prompt_len >= max_model_len:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{prompt_len} tokens, leaving no room to generate.",
+            code="context_length_exceeded",
+            param=param,
+        )
+    room = max_model_len - prompt_len
+    return room if requested is None else min(requested, room)
+
+
+def check_unsupported(request: _SamplingFields) -> None:
+    for name in _FLOAT_FIELDS:
+        value = getattr(request, name)
+        if value is not None and not math.isfinite(value):
+            raise bad_request(f"{name} must be a finite number", param=name)
+    if request.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+    if isinstance(request, CompletionRequest) and request.suffix:
+        raise bad_request("suffix is not supported", param="suffix")
+    if isinstance(request, ChatCompletionRequest):
+        if request.tools:
+            raise bad_request("tools are not supported", param="tools")
+        if request.response_format is not None and request.response_format.type != "text":
+            raise bad_request(
+                "only response_format type 'text' is supported", param="response_format"
+            )
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+
+def sampling_params(
+    request: _SamplingFields,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    output_kind: OutputKind = OutputKind.DELTA,
+    rename: dict[str, str] | None = None,
+) -> SamplingParams:
+    """The engine's sampling parameters; unset (None) fields keep SamplingParams' defaults."""
+    optional = {
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+    }
+    kwargs: dict[str, Any] = {name: v for name, v in optional.items() if v is not None}
+    try:
+        return SamplingParams(
+            n=request.n,
+            seed=request.seed,
+            stop=request.stop,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=request.skip_special_tokens,
+            spaces_between_special_tokens=request.spaces_between_special_tokens,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            output_kind=output_kind,
+            **kwargs,
+        )
+    except ValueError as error:
+        raise from_value_error(error, rename=rename) from None

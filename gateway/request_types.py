@@ -1,0 +1,100 @@
+"""Typed request bodies of the OpenAI-compatible API (decoded with msgspec, so a wrong type or an
+out-of-range value is a 400 naming the field). Unknown fields are ignored, as OpenAI clients
+send extras; unsupported features that change semantics are refused in ``gateway.params``."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+MAX_N = 128  # completions per prompt; bounds the work one request may ask for
+MAX_PROMPTS = 1024  # prompts in one completions request
+
+PositiveN = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
+TokenId = Annotated[int, msgspec.Meta(ge=0)]
+# A prompt: text, token ids, or a batch of either (checked for homogeneity in gateway.params).
+PromptInput = str | list[str | TokenId | list[TokenId]]
+StopInput = str | list[str] | None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(msgspec.Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class _SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields shared by completions and chat (OpenAI's plus vLLM's extensions)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: PositiveN = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopInput = None
+    stop_token_ids: list[TokenId] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_SamplingFields, kw_only=True):
+    prompt: PromptInput
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str
+
+
+class ChatCompletionRequest(_SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, object]] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """``/tokenize``: either ``prompt`` (completion form) or ``messages`` (chat form)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[TokenId]

@@ -1,0 +1,119 @@
+"""What the endpoint handlers share: the engine and served name, typed body decoding, the model
+check, per-choice accumulation and usage, and server-sent events."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from aiohttp import web
+
+from engine.outputs import CompletionOutput
+from engine.protocol import EngineClient
+from gateway.errors import ApiError, from_decode_error, unavailable
+from gateway.metrics import Metrics
+from gateway.response_types import Usage, make_usage
+
+T = TypeVar("T")
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+@dataclass(slots=True)
+class ServingContext:
+    engine: EngineClient
+    served_model_name: str
+    metrics: Metrics
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise ApiError(
+                404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
+            )
+
+    def check_ready(self) -> None:
+        if not self.engine.is_ready():
+            raise unavailable("no engine core is ready")
+
+
+async def decode_body(request: web.Request, body_type: type[T]) -> T:
+    """The JSON body as ``body_type``; malformed or mistyped input is a 400 naming the field."""
+    raw = await request.read()
+    try:
+        return msgspec.json.decode(raw, type=body_type)
+    except msgspec.DecodeError as error:
+        raise from_decode_error(error) from None
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_seconds() -> int:
+    return int(time.time())
+
+
+@dataclass(slots=True)
+class Choice:
+    """One completion as it accumulates."""
+
+    index: int
+    texts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    started: bool = False
+
+    def add(self, completion: CompletionOutput) -> None:
+        if completion.text:
+            self.texts.append(completion.text)
+        self.num_tokens += len(completion.token_ids)
+        if completion.finish_reason is not None:
+            self.finish_reason = completion.finish_reason
+            self.stop_reason = completion.stop_reason
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+class UsageCounter:
+    """Prompt tokens once per prompt, completion tokens over every choice."""
+
+    def __init__(self, prompt_lengths: list[int]) -> None:
+        self.prompt_tokens = sum(prompt_lengths)
+        self.completion_tokens = 0
+
+    def add(self, completion: CompletionOutput) -> None:
+        self.completion_tokens += len(completion.token_ids)
+
+    def usage(self) -> Usage:
+        return make_usage(self.prompt_tokens, self.completion_tokens)
+
+
+class EventStream:
+    """A server-sent event response: ``data: <json>`` per chunk, then ``data: [DONE]``."""
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response = web.StreamResponse(headers=SSE_HEADERS)
+
+    async def open(self) -> None:
+        await self.response.prepare(self._request)
+
+    async def send(self, chunk: Any) -> None:
+        await self.response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+
+    async def send_error(self, error: ApiError) -> None:
+        await self.response.write(b"data: " + error.to_json() + b"\n\n")
+
+    async def finish(self) -> None:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()

@@ -1,0 +1,366 @@
+"""A deterministic fake ``EngineClient`` for the gateway's tests, and tests of the fake itself.
+
+Tokens come from a tiny byte-level BPE tokenizer trained here; each next token is a pure
+function of (prompt, choice index, step, seed), so a request always produces the same text.
+It honours max_tokens, min_tokens, n, stop strings (with hold-back in DELTA mode), stop token
+ids, EOS (``eos_after``), ignore_eos, logprobs, prompt_logprobs and the three output kinds; it
+records requests, aborts and what is in flight, and can be made unready or overloaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from bus.messages.engine import SchedulerStats
+from bus.messages.sampling import OutputKind, SamplingParams
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from engine.protocol import EngineUnavailableError, RequestValidationError
+
+MODEL_NAME = "fake-model"
+CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "a small model writes short stories about rivers and mountains",
+    "shoal serves many requests at once with paged attention",
+    "every actor can die and come back without losing a request",
+] * 20
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@functools.cache
+def fake_tokenizer() -> Any:
+    """A byte-level BPE tokenizer trained on a few sentences, with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<pad>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+@functools.cache
+def word_token_ids() -> tuple[int, ...]:
+    """Ids that decode to ' word' (a space and lowercase letters): the fake's output alphabet."""
+    tokenizer = fake_tokenizer()
+    ids = [i for i in range(len(tokenizer)) if re.fullmatch(r" [a-z]{2,}", tokenizer.decode([i]))]
+    return tuple(sorted(ids))
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+@dataclass
+class _Choice:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    text: str = ""
+    sent_tokens: int = 0
+    sent_chars: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class FakeEngineClient:
+    """Implements ``engine.protocol.EngineClient`` without a model."""
+
+    def __init__(
+        self,
+        *,
+        max_model_len: int = 256,
+        token_delay: float = 0.0,
+        eos_after: int | None = None,
+        max_in_flight: int = 1_000,
+        model_name: str = MODEL_NAME,
+    ) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = fake_tokenizer()
+        self.token_delay = token_delay
+        self.eos_after = eos_after
+        self.max_in_flight = max_in_flight
+        self.ready = True
+        self.in_flight: set[str] = set()
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        self.requests: list[tuple[str, list[int], SamplingParams]] = []
+        self.on_stats: Callable[[SchedulerStats, str], None] | None = None
+        self._num_steps = 0
+
+    def is_ready(self) -> bool:
+        return self.ready
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return list(self.tokenizer.encode(text))
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self.in_flight and request_id not in self.aborted:
+            self.aborted.append(request_id)
+
+    # --- the deterministic "model" ----------------------------------------------------------
+
+    def next_token(self, prompt: list[int], params: SamplingParams, index: int, step: int) -> int:
+        if self.eos_after is not None and step >= self.eos_after and not params.ignore_eos:
+            if step >= params.min_tokens:
+                return int(self.tokenizer.eos_token_id)
+        seed = (params.seed or 0) if not params.is_greedy else 0
+        mix = 0
+        for value in (sum(prompt), len(prompt), prompt[-1], index, step, seed):
+            mix = _splitmix(mix ^ value)
+        words = word_token_ids()
+        return words[mix % len(words)]
+
+    def fake_logprobs(self, token_id: int, top: int) -> dict[int, Logprob]:
+        """The chosen token at -0.5 (rank 1) plus ``top - 1`` alternatives below it."""
+        words = word_token_ids()
+        entries = {token_id: Logprob(-0.5, 1, self.tokenizer.decode([token_id]))}
+        for k, alt in enumerate(w for w in words if w != token_id):
+            if len(entries) >= max(top, 1):
+                break
+            entries[alt] = Logprob(-1.0 - k, k + 2, self.tokenizer.decode([alt]))
+        return entries
+
+    # --- generate ---------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        self._admit(request_id, ids, sampling_params)
+        metrics = RequestMetrics(arrival_time=time.time(), first_scheduled_time=time.time())
+        choices = [_Choice(i) for i in range(sampling_params.n)]
+        done = False
+        try:
+            step = 0
+            while any(c.finish_reason is None for c in choices):
+                await asyncio.sleep(self.token_delay)
+                for choice in choices:
+                    if choice.finish_reason is None:
+                        self._advance(choice, ids, sampling_params, step)
+                step += 1
+                self._publish_stats()
+                finished = all(c.finish_reason is not None for c in choices)
+                now = time.time()
+                metrics.first_token_time = metrics.first_token_time or now
+                metrics.last_token_time = now
+                if finished:
+                    metrics.finished_time = now
+                output = self._output(request_id, ids, choices, sampling_params, finished, metrics)
+                if output is not None:
+                    yield output
+            done = True
+        finally:
+            self.in_flight.discard(request_id)
+            (self.finished if done else self.aborted).append(request_id)
+
+    def _admit(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        if not self.ready:
+            raise EngineUnavailableError("no engine core is ready")
+        if len(self.in_flight) >= self.max_in_flight:
+            raise EngineUnavailableError("every engine core queue is full")
+        if len(ids) >= self.max_model_len:
+            raise RequestValidationError("prompt is too long", param="prompt")
+        if request_id in self.in_flight:
+            raise RequestValidationError(f"duplicate request id {request_id}")
+        self.in_flight.add(request_id)
+        self.requests.append((request_id, ids, params))
+
+    def _advance(
+        self, choice: _Choice, prompt: list[int], params: SamplingParams, step: int
+    ) -> None:
+        token = self.next_token(prompt, params, choice.index, step)
+        choice.token_ids.append(token)
+        if params.logprobs is not None:
+            choice.logprobs.append(self.fake_logprobs(token, params.logprobs))
+        if token == self.tokenizer.eos_token_id:
+            choice.finish_reason, choice.stop_reason = "stop", token
+        elif params.stop_token_ids and token in params.stop_token_ids:
+            choice.finish_reason, choice.stop_reason = "stop", token
+        choice.text = self.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
+        if choice.finish_reason is None and len(choice.token_ids) >= params.min_tokens:
+            self._check_stop_strings(choice, params)
+        if choice.finish_reason is None and len(choice.token_ids) >= (params.max_tokens or 1 << 30):
+            choice.finish_reason = "length"
+
+    @staticmethod
+    def _check_stop_strings(choice: _Choice, params: SamplingParams) -> None:
+        hits = [(choice.text.find(s), s) for s in params.all_stop_strings if s in choice.text]
+        if not hits:
+            return
+        position, stop = min(hits, key=lambda hit: hit[0] + len(hit[1]))
+        end = position + len(stop) if params.include_stop_str_in_output else position
+        choice.text = choice.text[:end]
+        choice.finish_reason, choice.stop_reason = "stop", stop
+
+    def _output(
+        self,
+        request_id: str,
+        prompt: list[int],
+        choices: list[_Choice],
+        params: SamplingParams,
+        finished: bool,
+        metrics: RequestMetrics,
+    ) -> RequestOutput | None:
+        kind = params.output_kind
+        if kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        first = all(c.sent_tokens == 0 for c in choices)
+        outputs = [o for c in choices if (o := self._completion(c, params)) is not None]
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and (first or kind != OutputKind.DELTA):
+            top = params.prompt_logprobs
+            prompt_logprobs = [None] + [self.fake_logprobs(t, top) for t in prompt[1:]]
+        return RequestOutput(
+            request_id, None, prompt, outputs, finished, prompt_logprobs, 0, metrics
+        )
+
+    def _completion(self, choice: _Choice, params: SamplingParams) -> CompletionOutput | None:
+        hold = 0
+        if choice.finish_reason is None and params.stop and not params.include_stop_str_in_output:
+            hold = max(len(s) for s in params.all_stop_strings) - 1
+        visible = max(choice.sent_chars, len(choice.text) - hold)
+        if params.output_kind != OutputKind.DELTA:
+            return self._snapshot(choice, visible)
+        if choice.sent_tokens == len(choice.token_ids) and choice.finish_reason is None:
+            return None
+        if choice.sent_tokens == len(choice.token_ids) and choice.sent_chars < 0:
+            return None  # already sent the finish
+        out = CompletionOutput(
+            choice.index,
+            choice.text[choice.sent_chars : visible],
+            choice.token_ids[choice.sent_tokens :],
+            None,
+            choice.logprobs[choice.sent_tokens :] if params.logprobs is not None else None,
+            choice.finish_reason,
+            choice.stop_reason,
+        )
+        choice.sent_tokens, choice.sent_chars = len(choice.token_ids), visible
+        if choice.finish_reason is not None:
+            choice.sent_chars = -1  # nothing more for this choice
+        return out
+
+    def _snapshot(self, choice: _Choice, visible: int) -> CompletionOutput | None:
+        choice.sent_tokens = len(choice.token_ids)
+        return CompletionOutput(
+            choice.index,
+            choice.text[:visible],
+            list(choice.token_ids),
+            None,
+            list(choice.logprobs) or None,
+            choice.finish_reason,
+            choice.stop_reason,
+        )
+
+    def _publish_stats(self) -> None:
+        self._num_steps += 1
+        if self.on_stats is not None:
+            stats = SchedulerStats(num_running=len(self.in_flight), step_id=self._num_steps)
+            self.on_stats(stats, "fake-0")
+
+
+# --- tests of the fake ------------------------------------------------------------------------
+
+
+async def _collect(engine: FakeEngineClient, params: SamplingParams, prompt: str = "the fox"):
+    return [out async for out in engine.generate(prompt, params, "r1")]
+
+
+async def test_fake_is_deterministic_and_honours_max_tokens_and_n() -> None:
+    engine = FakeEngineClient()
+    params = SamplingParams(max_tokens=5, n=2, output_kind=OutputKind.DELTA)
+    first, second = await _collect(engine, params), await _collect(engine, params)
+    texts = ["".join(c.text for o in first for c in o.outputs if c.index == i) for i in range(2)]
+    again = ["".join(c.text for o in second for c in o.outputs if c.index == i) for i in range(2)]
+    assert texts == again and texts[0] != texts[1]
+    assert all(len(t.split()) == 5 for t in texts)
+    assert first[-1].finished and {c.finish_reason for c in first[-1].outputs} == {"length"}
+
+
+async def test_fake_cumulative_equals_joined_deltas() -> None:
+    engine = FakeEngineClient()
+    delta = await _collect(engine, SamplingParams(max_tokens=6, output_kind=OutputKind.DELTA))
+    cumulative = await _collect(engine, SamplingParams(max_tokens=6))
+    final = await _collect(engine, SamplingParams(max_tokens=6, output_kind=OutputKind.FINAL_ONLY))
+    joined = "".join(c.text for o in delta for c in o.outputs)
+    assert joined == cumulative[-1].outputs[0].text == final[0].outputs[0].text
+    assert len(final) == 1
+
+
+async def test_fake_stops_on_stop_string_and_eos() -> None:
+    engine = FakeEngineClient()
+    full = (await _collect(engine, SamplingParams(max_tokens=8)))[-1].outputs[0].text
+    stop = full.split()[3]
+    params = SamplingParams(max_tokens=8, stop=[stop], output_kind=OutputKind.DELTA)
+    outs = await _collect(engine, params)
+    text = "".join(c.text for o in outs for c in o.outputs)
+    assert text == full[: full.index(stop)]
+    assert outs[-1].outputs[0].stop_reason == stop
+    eos = FakeEngineClient(eos_after=2)
+    last = (await _collect(eos, SamplingParams(max_tokens=8)))[-1].outputs[0]
+    assert last.finish_reason == "stop" and len(last.token_ids) == 3
+
+
+async def test_fake_records_abort_when_closed_early() -> None:
+    engine = FakeEngineClient()
+    stream = engine.generate("the fox", SamplingParams(max_tokens=50), "r-abort")
+    await anext(stream)
+    assert engine.in_flight == {"r-abort"}
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert engine.in_flight == set() and engine.aborted == ["r-abort"]
+
+
+# --- a served gateway for the integration tests -----------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(
+    engine: FakeEngineClient | None = None, **app_options: Any
+) -> AsyncIterator[tuple[str, FakeEngineClient]]:
+    """A gateway over ``engine`` on a free loopback port: yields (base url, engine)."""
+    from gateway.app import create_app
+    from gateway.server import start_http_server
+
+    engine = engine or FakeEngineClient()
+    app = create_app(engine, served_model_name=engine.model_name, **app_options)
+    server = await start_http_server(app, "127.0.0.1", 0)
+    try:
+        yield server.url, engine
+    finally:
+        await server.stop()
