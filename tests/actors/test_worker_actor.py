@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from bus.actor import call
+from bus.base import Bus
 from bus.codec import Codec
 from bus.memory import InMemoryBroker, InMemoryBus
 from bus.messages.control import ActorState, Heartbeat
@@ -26,6 +27,7 @@ from bus.messages.worker import (
     WorkerInfo,
     WorkerOutbound,
 )
+from tests.fixtures.nats import BusFactory
 from workers.actor import WorkerActor, step_req_ids
 
 REPLY = Codec(WorkerOutbound)
@@ -94,16 +96,11 @@ def _step(step_id: int, *new: str, cached: tuple[str, ...] = ()) -> ExecuteStep:
 
 
 class Harness:
-    def __init__(self, runner: FakeRunner) -> None:
-        broker = InMemoryBroker()
+    def __init__(self, runner: FakeRunner, worker_bus: Bus, engine_bus: Bus) -> None:
         self.runner = runner
-        self.engine_bus = InMemoryBus(broker)
+        self.engine_bus = engine_bus
         self.actor = WorkerActor(
-            InMemoryBus(broker),
-            "w0",
-            runner=runner,
-            engine_id="e0",
-            heartbeat_interval_s=0.01,
+            worker_bus, "w0", runner=runner, engine_id="e0", heartbeat_interval_s=0.01
         )
         self.subject = self.actor.subjects.worker_in("w0")
 
@@ -112,16 +109,14 @@ class Harness:
 
 
 @pytest.fixture
-async def harness() -> AsyncIterator[Harness]:
-    h = Harness(FakeRunner())
-    await h.engine_bus.connect()
+async def harness(bus_factory: BusFactory) -> AsyncIterator[Harness]:
+    """A worker with a fake runner, on the in-memory bus and on NATS (same tests)."""
+    h = Harness(FakeRunner(), await bus_factory(), await bus_factory())
     await h.actor.start()
     yield h
     if h.runner.gate is not None:
         h.runner.gate.set()
     await h.actor.stop()
-    await h.actor.bus.close()
-    await h.engine_bus.close()
 
 
 async def test_a_step_is_answered_with_its_result(harness: Harness) -> None:
@@ -203,7 +198,8 @@ async def test_describe_and_reset(harness: Harness) -> None:
 
 
 async def test_a_runner_that_fails_to_load_marks_the_worker_dead() -> None:
-    h = Harness(FakeRunner(fail_load=True))
+    broker = InMemoryBroker()
+    h = Harness(FakeRunner(fail_load=True), InMemoryBus(broker), InMemoryBus(broker))
     with pytest.raises(FileNotFoundError):
         await h.actor.start()
     assert h.actor.state is ActorState.DEAD
