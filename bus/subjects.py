@@ -11,8 +11,8 @@ import functools
 import re
 
 VERSION = "v1"
-_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
-_SUBJECT_TOKEN = re.compile(r"^[^\s.*>]+$")
+_TOKEN = re.compile(r"[A-Za-z0-9_-]+")
+_SUBJECT_TOKEN = re.compile(r"[^\s.*>]+")
 
 
 class SubjectError(ValueError):
@@ -22,7 +22,7 @@ class SubjectError(ValueError):
 def validate_token(value: str, what: str, *, wildcard: bool = False) -> str:
     if wildcard and value == "*":
         return value
-    if not isinstance(value, str) or not _TOKEN.match(value):
+    if not isinstance(value, str) or not _TOKEN.fullmatch(value):
         raise SubjectError(f"{what} must be a non-empty token of [A-Za-z0-9_-], got {value!r}")
     return value
 
@@ -41,7 +41,7 @@ def _check_subject(subject: str, wildcards: bool) -> str:
     for i, token in enumerate(tokens):
         if wildcards and (token == "*" or (token == ">" and i == len(tokens) - 1)):
             continue
-        if not _SUBJECT_TOKEN.match(token):
+        if not _SUBJECT_TOKEN.fullmatch(token):
             raise SubjectError(f"invalid subject {subject!r} (token {i}: {token!r})")
     return subject
 

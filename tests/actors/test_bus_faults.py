@@ -1,0 +1,172 @@
+"""Faults on a real nats-server: an actor process SIGKILLed under load and restarted by the
+supervisor; the server itself restarted under connected clients."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import pytest
+
+from bus.actor import call
+from bus.base import BusError, BusTimeoutError, Msg, NoRespondersError
+from bus.codec import Codec
+from bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
+from bus.nats_bus import NatsBus
+from bus.server import NatsServer
+from bus.subjects import Subjects
+from bus.supervisor import ActorSpec, ChildState, RestartPolicy, Supervisor
+from tests.actors.bus_helpers import PONG_CODEC, Ping, Pong
+
+pytestmark = pytest.mark.nats
+
+CONTROL = Codec(ControlEvent)
+SUBJECTS = Subjects()
+ECHO_SUBJECT = SUBJECTS.control("echo", "p1")
+FAST_POLICY = RestartPolicy(initial_backoff_s=0.05, max_backoff_s=0.5, max_restarts=3)
+REQUEST_TIMEOUT_S = 1.0
+STARTUP_LIMIT_S = 30.0
+
+
+def echo_spec(url: str, actor_id: str = "p1") -> ActorSpec:
+    return ActorSpec(
+        name=actor_id,
+        target="tests.actors.bus_helpers:EchoActor",
+        bus_url=url,
+        kwargs={"actor_id": actor_id, "heartbeat_interval_s": 0.05},
+    )
+
+
+async def connected_bus(url: str) -> NatsBus:
+    bus = NatsBus([url])
+    await bus.connect()
+    return bus
+
+
+async def ping_until_answered(bus: NatsBus, subject: str, *, limit_s: float) -> Pong:
+    """Ping until an answer arrives (the actor may still be starting); bounded by ``limit_s``."""
+    async with asyncio.timeout(limit_s):
+        while True:
+            try:
+                return await call(bus, subject, Ping(0), PONG_CODEC, timeout=REQUEST_TIMEOUT_S)
+            except (NoRespondersError, BusTimeoutError):
+                await asyncio.sleep(0.05)
+
+
+async def send_bounded(bus: NatsBus, seq: int) -> Pong | BusError:
+    """One request; returns the reply or the bus error. A hang fails the test via wait_for."""
+    request = call(bus, ECHO_SUBJECT, Ping(seq, 0.02), PONG_CODEC, timeout=REQUEST_TIMEOUT_S)
+    try:
+        return await asyncio.wait_for(request, REQUEST_TIMEOUT_S + 2.0)
+    except BusError as exc:
+        return exc
+
+
+async def wait_for_busy_heartbeat(bus: NatsBus) -> None:
+    busy = asyncio.Event()
+
+    async def on_beat(msg: Msg) -> None:
+        beat = CONTROL.decode(msg.data)
+        if isinstance(beat, Heartbeat) and beat.load.get("inflight", 0) >= 1:
+            busy.set()
+
+    sub = await bus.subscribe(SUBJECTS.heartbeat("echo"), on_beat)
+    await asyncio.wait_for(busy.wait(), STARTUP_LIMIT_S)
+    await sub.unsubscribe()
+
+
+async def test_sigkilled_actor_is_restarted_and_in_flight_requests_fail_cleanly(nats_url: str):
+    client = await connected_bus(nats_url)
+    async with Supervisor([echo_spec(nats_url)], policy=FAST_POLICY, grace_s=3) as supervisor:
+        first = await ping_until_answered(client, ECHO_SUBJECT, limit_s=STARTUP_LIMIT_S)
+        assert first.pid == supervisor.pid("p1")
+        # a request the actor holds for 5 s: in flight when the process is killed
+        slow = asyncio.create_task(
+            call(client, ECHO_SUBJECT, Ping(-1, 5.0), PONG_CODEC, timeout=REQUEST_TIMEOUT_S)
+        )
+        await wait_for_busy_heartbeat(client)
+        os.kill(first.pid, signal.SIGKILL)
+        outcomes: list[Pong | BusError] = []
+        for seq in range(200):  # bounded: stops once answered by the restarted process
+            outcomes.append(await send_bounded(client, seq))
+            last = outcomes[-1]
+            if isinstance(last, Pong) and last.pid != first.pid:
+                break
+        with pytest.raises(BusTimeoutError):
+            await asyncio.wait_for(slow, REQUEST_TIMEOUT_S + 2.0)
+        later = [await send_bounded(client, 1000 + i) for i in range(5)]
+        assert all(isinstance(o, Pong) and o.pid != first.pid for o in later), later
+        assert all(isinstance(o, Pong | NoRespondersError | BusTimeoutError) for o in outcomes)
+        assert supervisor.num_restarts("p1") == 1
+        exits = [e for e in supervisor.events if e.state == ChildState.EXITED]
+        assert [e.returncode for e in exits] == [-signal.SIGKILL]
+    await client.close()
+
+
+async def test_supervisor_stop_drains_children_and_leaves_no_orphans(nats_url: str):
+    client = await connected_bus(nats_url)
+    statuses: list[StatusEvent] = []
+
+    async def on_status(msg: Msg) -> None:
+        event = CONTROL.decode(msg.data)
+        if isinstance(event, StatusEvent):
+            statuses.append(event)
+
+    await client.subscribe(SUBJECTS.status("echo"), on_status)
+    specs = [echo_spec(nats_url, "p2"), echo_spec(nats_url, "p3")]
+    supervisor = Supervisor(specs, policy=FAST_POLICY, grace_s=3)
+    await supervisor.start()
+    for actor_id in ("p2", "p3"):
+        await ping_until_answered(client, SUBJECTS.control("echo", actor_id), limit_s=30)
+    pids = [supervisor.pid("p2"), supervisor.pid("p3")]
+    await supervisor.stop()
+    for pid in pids:
+        assert pid is not None
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    stopped = [e for e in supervisor.events if e.state == ChildState.STOPPED]
+    assert sorted(e.returncode for e in stopped) == [0, 0]  # drained on SIGTERM, clean exit
+    await client.flush()
+    await asyncio.sleep(0.05)
+    assert {e.actor_id for e in statuses if e.state == ActorState.STOPPED} == {"p2", "p3"}
+    await client.close()
+
+
+async def test_child_that_keeps_dying_is_given_up_after_the_restart_limit(nats_url: str):
+    spec = ActorSpec(name="bad", target="tests.actors.bus_helpers:Missing", bus_url=nats_url)
+    policy = RestartPolicy(initial_backoff_s=0.01, max_backoff_s=0.05, max_restarts=2)
+    async with Supervisor([spec], policy=policy, grace_s=1) as supervisor:
+        await supervisor.wait_for("bad", ChildState.FAILED, timeout=STARTUP_LIMIT_S)
+        assert supervisor.num_restarts("bad") == 2
+        assert [e.state for e in supervisor.events].count(ChildState.EXITED) == 3
+
+
+async def test_clients_resume_subscriptions_after_server_restart(
+    fresh_nats_server: NatsServer,
+):
+    url = fresh_nats_server.url
+    responder, client = await connected_bus(url), await connected_bus(url)
+    seen: list[bytes] = []
+
+    async def echo(msg: Msg) -> None:
+        seen.append(msg.data)
+        await msg.respond(msg.data)
+
+    await responder.subscribe("t.restart", echo)
+    await responder.flush()
+    assert (await client.request("t.restart", b"before", timeout=2)).data == b"before"
+    fresh_nats_server.stop()
+    fresh_nats_server.start()
+    assert fresh_nats_server.url == url
+    reply = None
+    for attempt in range(100):  # bounded retries while both clients reconnect (~0.2 s each)
+        try:
+            reply = await client.request("t.restart", f"after{attempt}".encode(), timeout=0.5)
+            break
+        except (BusTimeoutError, NoRespondersError):
+            await asyncio.sleep(0.05)
+    assert reply is not None and reply.data.startswith(b"after")
+    assert responder.num_reconnects >= 1 and client.num_reconnects >= 1
+    await responder.close()
+    await client.close()

