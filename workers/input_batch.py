@@ -1,0 +1,165 @@
+"""The worker's persistent batch: every request's tokens, block table and progress, kept in
+preallocated arrays between steps and updated from each step's diff.
+
+``prepare_inputs`` turns one step's schedule into flat model inputs (token ids, positions, slot
+mapping, block tables, query_start_loc, seq_lens) with numpy array ops, no per-token Python loop.
+Rows are reused as requests come and go.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from bus.messages.sampling import SamplingParams
+
+
+@dataclass
+class RequestState:
+    """Per-request facts that are not in the arrays."""
+
+    req_id: str
+    row: int
+    sampling_params: SamplingParams
+    num_prompt_tokens: int
+    resumed: bool
+
+
+@dataclass
+class StepInputs:
+    """Flat inputs of one step; ``S`` scheduled requests, ``T`` tokens (numpy, host side)."""
+
+    req_ids: list[str]
+    rows: np.ndarray  # [S] int64
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [S, max_blocks] int32
+    query_start_loc: np.ndarray  # [S + 1] int32
+    seq_lens: np.ndarray  # [S] int32
+    num_computed: np.ndarray  # [S] int64, before this step
+    num_scheduled: np.ndarray  # [S] int64
+    is_sampling: np.ndarray  # [S] bool: this step reaches the end of the known tokens
+    max_query_len: int
+    max_seq_len: int
+
+
+class InputBatch:
+    """Arrays of ``max_num_reqs`` rows; a row holds one request's whole token history."""
+
+    def __init__(self, *, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.block_size = block_size
+        max_blocks = -(-max_model_len // block_size)
+        # zero pages are mapped lazily by the OS: only rows in use cost memory
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int64)  # prompt + outputs known
+        self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
+        self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
+        self.requests: dict[str, RequestState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self.requests
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add_request(
+        self,
+        req_id: str,
+        token_ids: list[int],
+        num_prompt_tokens: int,
+        block_ids: list[int],
+        num_computed_tokens: int,
+        sampling_params: SamplingParams,
+        *,
+        resumed: bool = False,
+    ) -> RequestState:
+        if req_id in self.requests:
+            self.remove_request(req_id)
+        if not self._free_rows:
+            raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} requests)")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(
+                f"request {req_id}: {len(token_ids)} tokens exceed "
+                f"max_model_len={self.max_model_len}"
+            )
+        row = self._free_rows.pop()
+        self.token_ids[row, : len(token_ids)] = token_ids
+        self.num_tokens[row] = len(token_ids)
+        self.num_computed[row] = num_computed_tokens
+        self.num_blocks[row] = 0
+        self.append_blocks(row, block_ids)
+        state = RequestState(req_id, row, sampling_params, num_prompt_tokens, resumed)
+        self.requests[req_id] = state
+        return state
+
+    def remove_request(self, req_id: str) -> bool:
+        state = self.requests.pop(req_id, None)
+        if state is None:
+            return False
+        self._free_rows.append(state.row)
+        return True
+
+    def clear(self) -> None:
+        for req_id in list(self.requests):
+            self.remove_request(req_id)
+
+    def append_blocks(self, row: int, block_ids: list[int]) -> None:
+        begin = int(self.num_blocks[row])
+        end = begin + len(block_ids)
+        if end > self.block_table.shape[1]:
+            raise ValueError(f"block table of row {row} overflows ({end} blocks)")
+        self.block_table[row, begin:end] = block_ids
+        self.num_blocks[row] = end
+
+    def append_token(self, rows: np.ndarray, token_ids: np.ndarray) -> None:
+        """Append one sampled token to each of ``rows`` (vectorised)."""
+        positions = self.num_tokens[rows]
+        keep = positions < self.max_model_len
+        self.token_ids[rows[keep], positions[keep]] = token_ids[keep]
+        self.num_tokens[rows[keep]] += 1
+
+    def prepare_inputs(self, req_ids: list[str], num_scheduled: list[int]) -> StepInputs:
+        rows = np.fromiter((self.requests[r].row for r in req_ids), np.int64, len(req_ids))
+        scheduled = np.asarray(num_scheduled, dtype=np.int64)  # [S]
+        computed = self.num_computed[rows]  # [S]
+        seq_lens = computed + scheduled
+        too_long = seq_lens > self.num_tokens[rows] + 0
+        if too_long.any():
+            bad = [req_ids[i] for i in np.flatnonzero(too_long)]
+            raise ValueError(f"requests {bad} scheduled past their known tokens")
+        cu = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(scheduled, out=cu[1:])
+        total = int(cu[-1])
+        token_rows = np.repeat(rows, scheduled)  # [T]
+        positions = np.arange(total, dtype=np.int64) - np.repeat(cu[:-1] - computed, scheduled)
+        block_index = positions // self.block_size
+        if (block_index >= self.num_blocks[token_rows]).any():
+            raise ValueError("a scheduled token has no KV block (block table too short)")
+        blocks = self.block_table[token_rows, block_index].astype(np.int64)
+        max_seq_len = int(seq_lens.max()) if len(rows) else 0
+        max_blocks = max(1, -(-max_seq_len // self.block_size))
+        return StepInputs(
+            req_ids=req_ids,
+            rows=rows,
+            input_ids=self.token_ids[token_rows, positions],
+            positions=positions,
+            slot_mapping=blocks * self.block_size + positions % self.block_size,
+            block_tables=self.block_table[rows, :max_blocks],
+            query_start_loc=cu.astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
+            num_computed=computed,
+            num_scheduled=scheduled,
+            is_sampling=seq_lens >= self.num_tokens[rows],
+            max_query_len=int(scheduled.max()) if len(rows) else 0,
+            max_seq_len=max_seq_len,
+        )
+
+    def advance(self, inputs: StepInputs) -> None:
+        """Mark this step's tokens as computed."""
+        self.num_computed[inputs.rows] = inputs.num_computed + inputs.num_scheduled

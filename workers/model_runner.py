@@ -1,0 +1,316 @@
+"""The model runner: loads a checkpoint, owns the paged KV cache and the persistent batch, and
+turns each ``ExecuteStep`` diff into a ``StepResult`` (one forward over the flattened batch of
+prefill chunks and decodes, then batched sampling).
+
+Synchronous and single-threaded: the worker actor calls ``execute`` from its forward thread and
+turns an exception into a ``StepError``. With tensor parallelism every rank runs the same steps;
+rank 0's sampled tokens are broadcast so the ranks never diverge.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from bus.messages.engine import Logprobs
+from bus.messages.worker import ExecuteStep, StepResult
+from workers.config import ModelConfig, parse_dtype
+from workers.input_batch import InputBatch, StepInputs
+from workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from workers.layers.attention import AttentionMetadata
+from workers.loader import load_model
+from workers.models.decoder import DecoderForCausalLM
+from workers.parallel import TPContext
+from workers.sampler import Sampler, compute_prompt_logprobs
+from workers.sampling_metadata import SamplingBatch
+
+DEFAULT_CPU_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What ``load`` learned, for the worker's ``WorkerInfo``."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+@dataclass
+class StepTimings:
+    """Seconds spent in the last ``execute``: building inputs, model forward, sampling."""
+
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str = "cpu",
+        num_blocks: int | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        seed: int = 0,
+        progress: bool | None = None,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.dtype = parse_dtype(dtype)
+        self.device = torch.device(device)
+        self.requested_num_blocks = num_blocks
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.block_size = block_size
+        self.requested_max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.tp = TPContext(rank=tp_rank, size=tp_size)
+        self.seed = seed
+        self.progress = progress
+        self.timings = StepTimings()
+        self.facts: ModelFacts | None = None
+        self._model: DecoderForCausalLM | None = None
+        self._sampler = Sampler()
+
+    # ---- loading -------------------------------------------------------------------------
+
+    def load(self) -> ModelFacts:
+        """Load the weights, allocate the KV cache, and return the model's facts."""
+        torch.manual_seed(self.seed)
+        cfg = ModelConfig.from_dir(self.model_dir)
+        max_model_len = self._max_model_len(cfg)
+        model, cfg = load_model(
+            self.model_dir,
+            dtype=self.dtype,
+            device=self.device,
+            tp=self.tp,
+            max_positions=max_model_len,
+            progress=self.progress,
+        )
+        num_kv_heads = model.attention_layers()[0].num_kv_heads
+        block_bytes = bytes_per_block(
+            num_layers=cfg.num_layers,
+            block_size=self.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+        )
+        num_blocks = self.requested_num_blocks or num_blocks_for_budget(
+            self._kv_budget_bytes(), block_bytes
+        )
+        self.kv_cache = KVCache.allocate(
+            num_layers=cfg.num_layers,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        for layer, k, v in zip(
+            model.attention_layers(), self.kv_cache.k, self.kv_cache.v, strict=True
+        ):
+            layer.bind_cache(k, v)
+        self._model, self.config = model, cfg
+        self.batch = InputBatch(
+            max_num_reqs=self.max_num_seqs, max_model_len=max_model_len, block_size=self.block_size
+        )
+        self.sampling = SamplingBatch(cfg.vocab_size, self.device)
+        self.facts = ModelFacts(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            max_model_len=max_model_len,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=list(cfg.eos_token_ids),
+        )
+        return self.facts
+
+    def _max_model_len(self, cfg: ModelConfig) -> int:
+        limit = cfg.max_position_embeddings
+        if cfg.sliding_window:  # attention here is full: stay inside the window
+            limit = min(limit, cfg.sliding_window)
+        if self.requested_max_model_len is None:
+            return limit
+        if self.requested_max_model_len > limit:
+            raise ValueError(
+                f"max_model_len={self.requested_max_model_len} exceeds the model's "
+                f"limit of {limit} positions"
+            )
+        return self.requested_max_model_len
+
+    def _kv_budget_bytes(self) -> int:
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * 0.8)
+        return DEFAULT_CPU_KV_BYTES
+
+    @property
+    def model(self) -> DecoderForCausalLM:
+        if self._model is None:
+            raise RuntimeError("ModelRunner.load() has not been called")
+        return self._model
+
+    # ---- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, step: ExecuteStep) -> StepResult:
+        """Apply the diff, run the batch, sample; raises on a bad step (the shell reports it)."""
+        started = time.perf_counter()
+        t0 = started
+        self._apply_diff(step)
+        req_ids = [r.req_id for r in step.new_requests] + [r.req_id for r in step.cached_requests]
+        if not req_ids:
+            return StepResult(step_id=step.step_id)
+        num_scheduled = [r.num_scheduled_tokens for r in step.new_requests]
+        num_scheduled += [r.num_scheduled_tokens for r in step.cached_requests]
+        inputs = self.batch.prepare_inputs(req_ids, num_scheduled)
+        t1 = time.perf_counter()
+        hidden = self._forward(inputs)  # [T, hidden]
+        sampling_idx = np.flatnonzero(inputs.is_sampling)  # [R] rows of the batch
+        logits_rows = torch.from_numpy(inputs.query_start_loc[1:][sampling_idx] - 1).long()
+        logits = self.model.compute_logits(hidden[logits_rows.to(self.device)])  # [R, V]
+        t2 = time.perf_counter()
+        sampled, logprobs = self._sample(inputs, sampling_idx, logits)
+        prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        self.batch.advance(inputs)
+        t3 = time.perf_counter()
+        self.timings = StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
+        return StepResult(
+            step_id=step.step_id,
+            req_ids=req_ids,
+            sampled_token_ids=sampled,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
+            prompt_logprobs=prompt_logprobs,
+            execute_time_s=t3 - started,
+        )
+
+    def _apply_diff(self, step: ExecuteStep) -> None:
+        for req_id in step.finished_req_ids:
+            self._drop(req_id, preempted=False)
+        for req_id in step.preempted_req_ids:
+            self._drop(req_id, preempted=True)
+        for new in step.new_requests:
+            tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
+            self.batch.add_request(
+                new.req_id,
+                tokens,
+                len(new.prompt_token_ids),
+                new.block_ids,
+                new.num_computed_tokens,
+                new.sampling_params,
+                resumed=new.resumed,
+            )
+            self.sampling.add_request(
+                new.req_id,
+                new.sampling_params,
+                new.prompt_token_ids,
+                new.output_token_ids,
+                new.eos_token_ids,
+            )
+        for cached in step.cached_requests:
+            state = self.batch.requests.get(cached.req_id)
+            if state is None:
+                raise KeyError(
+                    f"request {cached.req_id!r} is not in the worker's batch "
+                    "(sent as cached before it was sent as new)"
+                )
+            self.batch.append_blocks(state.row, cached.new_block_ids)
+            self.batch.num_computed[state.row] = cached.num_computed_tokens
+
+    def _drop(self, req_id: str, *, preempted: bool) -> None:
+        self.batch.remove_request(req_id)
+        if req_id in self.sampling:
+            self.sampling.remove_request(req_id, preempted=preempted)
+
+    def reset(self) -> None:
+        """Forget every request (after an engine core restart)."""
+        self.batch.clear()
+        self.sampling.clear()
+
+    def prepare_metadata(self, inputs: StepInputs) -> AttentionMetadata:
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(self.device, non_blocking=True)
+
+        return AttentionMetadata(
+            slot_mapping=dev(inputs.slot_mapping),
+            block_tables=dev(inputs.block_tables),
+            query_start_loc=dev(inputs.query_start_loc),
+            seq_lens=dev(inputs.seq_lens),
+            max_query_len=inputs.max_query_len,
+            max_seq_len=inputs.max_seq_len,
+        )
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        meta = self.prepare_metadata(inputs)
+        input_ids = torch.from_numpy(inputs.input_ids).to(self.device, non_blocking=True)
+        positions = torch.from_numpy(inputs.positions).to(self.device, non_blocking=True)
+        return self.model(input_ids, positions, meta)
+
+    @torch.inference_mode()
+    def forward_only(self, inputs: StepInputs) -> torch.Tensor:
+        """The bare model forward plus logits of the sampling rows (for benchmarks)."""
+        hidden = self._forward(inputs)
+        rows = torch.from_numpy(inputs.query_start_loc[1:] - 1).long().to(self.device)
+        return self.model.compute_logits(hidden[rows])
+
+    def _sample(
+        self, inputs: StepInputs, sampling_idx: np.ndarray, logits: torch.Tensor
+    ) -> tuple[list[list[int]], list[Logprobs | None]]:
+        num_reqs = len(inputs.req_ids)
+        sampled: list[list[int]] = [[] for _ in range(num_reqs)]
+        logprobs: list[Logprobs | None] = [None] * num_reqs
+        if len(sampling_idx) == 0:
+            return sampled, logprobs
+        sampling_ids = [inputs.req_ids[i] for i in sampling_idx]
+        metadata = self.sampling.prepare(sampling_ids)
+        output = self._sampler(logits, metadata)
+        tokens = output.sampled_token_ids
+        if self.tp.size > 1:
+            torch.distributed.broadcast(tokens, src=0)
+        token_list = tokens.tolist()
+        self.batch.append_token(inputs.rows[sampling_idx], np.asarray(token_list, np.int64))
+        wire = (
+            output.logprobs.to_wire_rows(metadata.num_logprobs)
+            if output.logprobs is not None
+            else [None] * len(sampling_idx)
+        )
+        for i, req_id, token, lp in zip(sampling_idx, sampling_ids, token_list, wire, strict=True):
+            sampled[i] = [token]
+            logprobs[i] = lp
+            self.sampling.append_output_tokens(req_id, [token])
+        return sampled, logprobs
+
+    def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> list[Logprobs | None]:
+        """Rows for prompt positions ``p + 1`` of this chunk (the first prompt token has none)."""
+        out: list[Logprobs | None] = [None] * len(inputs.req_ids)
+        for i, req_id in enumerate(inputs.req_ids):
+            state = self.batch.requests[req_id]
+            num = state.sampling_params.prompt_logprobs
+            if num is None or state.resumed:
+                continue
+            begin = int(inputs.num_computed[i])
+            end = min(begin + int(inputs.num_scheduled[i]), state.num_prompt_tokens - 1)
+            if end <= begin:
+                continue
+            first = int(inputs.query_start_loc[i])
+            logits = self.model.compute_logits(hidden[first : first + end - begin])
+            targets = torch.from_numpy(self.batch.token_ids[state.row, begin + 1 : end + 1])
+            out[i] = compute_prompt_logprobs(logits, targets.to(logits.device), num).to_wire(num)
+        return out if any(lp is not None for lp in out) else []
