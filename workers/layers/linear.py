@@ -92,13 +92,25 @@ class ColumnParallelLinear(nn.Module):
         if shard_id is None and len(self.shard_sizes) == 1:
             shard_id = next(iter(self.shard_sizes))
         if shard_id is None:  # an already merged tensor: load each part in turn
+            total = sum(full for _, _, full in self.shard_sizes.values())
+            if loaded.shape[0] != total:
+                raise WeightShapeError(
+                    f"merged checkpoint shape {tuple(loaded.shape)} has {loaded.shape[0]} rows, "
+                    f"expected {total}"
+                )
             begin = 0
             for sid in self.shard_sizes:
                 part_rows = self.shard_sizes[sid][2]
                 self._load(param, loaded.narrow(0, begin, part_rows), sid)
                 begin += part_rows
             return
-        rows, first, _ = self.shard_sizes[shard_id]
+        rows, first, full_rows = self.shard_sizes[shard_id]
+        expected = (full_rows, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise WeightShapeError(
+                f"shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)} does not match "
+                f"expected {expected}"
+            )
         src = loaded.narrow(0, first, rows)
         dest = param.data.narrow(0, self.offsets[shard_id], rows)
         copy_checked(dest, src, f"shard {shard_id!r}")
@@ -167,8 +179,11 @@ class RowParallelLinear(nn.Module):
         self.bias = make_param((out_features,), dtype, device, _plain_loader) if bias else None
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
-        if loaded.dim() != 2:
-            raise WeightShapeError(f"expected a 2-D weight, got shape {tuple(loaded.shape)}")
+        expected = (param.shape[0], self.in_per_rank * self.tp.size)
+        if tuple(loaded.shape) != expected:
+            raise WeightShapeError(
+                f"checkpoint shape {tuple(loaded.shape)} does not match expected {expected}"
+            )
         src = loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank)
         copy_checked(param.data, src, "row-parallel weight")
 
