@@ -123,6 +123,9 @@ class InMemoryBus(Bus):
         self._inbox_prefix = f"_INBOX.{uuid.uuid4().hex}"
         self._inbox_ids = itertools.count()
         self._chunks = ChunkSender(self, max_payload) if max_payload else None
+        self._reply_prefix = f"{self._inbox_prefix}.r"  # one subscription for every request
+        self._reply_sub: Subscription | None = None
+        self._pending_replies: dict[str, asyncio.Future[Msg]] = {}
 
     @property
     def broker(self) -> InMemoryBroker:
@@ -146,6 +149,7 @@ class InMemoryBus(Bus):
             self._broker.remove(sub)
         await asyncio.gather(*(s.dispatcher.drain(self._drain_timeout) for s in self._subs))
         self._subs.clear()
+        self._reply_sub = None
         if self._chunks is not None:
             await self._chunks.close()
         self._connected = False
@@ -205,6 +209,11 @@ class InMemoryBus(Bus):
         self._broker.add(sub)
         return sub
 
+    async def _take_reply(self, msg: Msg) -> None:
+        reply = self._pending_replies.get(msg.subject)
+        if reply is not None and not reply.done():
+            reply.set_result(msg)
+
     async def _resolve(self, msg: Msg) -> Msg:
         if is_chunked(msg):
             return await fetch_chunked(self, msg, timeout=self._drain_timeout)
@@ -219,21 +228,19 @@ class InMemoryBus(Bus):
         headers: dict[str, str] | None = None,
     ) -> Msg:
         self._check_open()
+        if self._reply_sub is None:
+            pattern = f"{self._reply_prefix}.*"
+            self._reply_sub = await self.subscribe(pattern, self._take_reply)
         reply: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
-
-        async def take(msg: Msg) -> None:
-            if not reply.done():
-                reply.set_result(msg)
-
-        inbox = self.new_inbox()
-        sub = await self.subscribe(inbox, take)
+        inbox = f"{self._reply_prefix}.{next(self._inbox_ids)}"
+        self._pending_replies[inbox] = reply
         try:
             await self.publish(subject, data, reply=inbox, headers=headers)
             msg = await asyncio.wait_for(reply, timeout)
         except TimeoutError:
             raise BusTimeoutError(f"no reply on {subject!r} within {timeout}s") from None
         finally:
-            await sub.unsubscribe()
+            self._pending_replies.pop(inbox, None)
         if is_no_responders(msg):
             raise NoRespondersError(f"no responders on {subject!r}")
         return msg
