@@ -1,0 +1,162 @@
+"""The model runner's step contract: diffs, partial prefills, logprobs, prompt logprobs,
+preemption/resume, errors, KV sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bus.messages.sampling import SamplingParams
+from bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
+from workers.kv_cache import bytes_per_block
+from workers.model_runner import ModelRunner
+
+BLOCK = 4
+
+
+@pytest.fixture
+def runner(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    r = ModelRunner(tiny_checkpoint("llama"), num_blocks=64, block_size=BLOCK)
+    r.load()
+    return r
+
+
+def new(req_id, prompt, blocks, scheduled, **params):  # type: ignore[no-untyped-def]
+    sp = SamplingParams(temperature=0.0, **params)
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=prompt,
+        sampling_params=sp,
+        block_ids=blocks,
+        num_computed_tokens=0,
+        num_scheduled_tokens=scheduled,
+    )
+
+
+def full_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
+    """Reference: logits at every position of ``prompt`` from a fresh one-request step."""
+    hidden_rows = []
+    blocks = list(range(40, 40 + -(-len(prompt) // BLOCK)))
+    runner._apply_diff(
+        ExecuteStep(step_id=99, new_requests=[new("ref", prompt, blocks, len(prompt))])
+    )
+    inputs = runner.batch.prepare_inputs(["ref"], [len(prompt)])
+    with torch.inference_mode():
+        hidden_rows = runner._forward(inputs)
+        logits = runner.model.compute_logits(hidden_rows)
+    runner._apply_diff(ExecuteStep(step_id=100, finished_req_ids=["ref"]))
+    return logits
+
+
+def test_facts_and_kv_sizing(tiny_checkpoint):
+    model_dir = tiny_checkpoint("llama")
+    per_block = bytes_per_block(
+        num_layers=2, block_size=BLOCK, num_kv_heads=2, head_dim=16, dtype=torch.float32
+    )
+    r = ModelRunner(
+        model_dir, kv_cache_memory_bytes=37 * per_block + 1, block_size=BLOCK, max_model_len=256
+    )
+    facts = r.load()
+    assert facts.num_blocks == 37 and r.kv_cache.k[0].shape == (37, BLOCK, 2, 16)
+    assert r.kv_cache.num_bytes == 37 * per_block
+    assert facts.max_model_len == 256 and facts.vocab_size == 320 and facts.eos_token_ids == [2]
+    with pytest.raises(ValueError, match="exceeds"):
+        ModelRunner(model_dir, num_blocks=8, max_model_len=10**6).load()
+
+
+def test_partial_prefill_returns_no_token_then_continues(runner):
+    prompt = list(range(10, 21))  # 11 tokens in chunks of 8 and 3
+    ref = full_logits(runner, prompt)
+    first = runner.execute(ExecuteStep(step_id=0, new_requests=[new("a", prompt, [1, 2], 8)]))
+    assert first.req_ids == ["a"] and first.sampled_token_ids == [[]]
+    second = runner.execute(
+        ExecuteStep(
+            step_id=1,
+            cached_requests=[
+                CachedRequestData(
+                    req_id="a", new_block_ids=[3], num_computed_tokens=8, num_scheduled_tokens=3
+                )
+            ],
+        )
+    )
+    assert second.sampled_token_ids == [[int(ref[-1].argmax())]]
+
+
+def test_logprobs_and_prompt_logprobs(runner):
+    prompt = [5, 17, 99, 120, 7, 8]
+    ref = torch.log_softmax(full_logits(runner, prompt), dim=-1)
+    step = ExecuteStep(
+        step_id=0,
+        new_requests=[
+            new("a", prompt, [1, 2], 6, logprobs=3, prompt_logprobs=2),
+            new("b", [4, 5], [3], 2),
+        ],
+    )
+    result = runner.execute(step)
+    sampled = result.sampled_token_ids[0][0]
+    lp = result.logprobs[0]
+    assert result.logprobs[1] is None and lp is not None
+    assert lp.token_ids[0][0] == sampled == int(ref[-1].argmax()) and lp.ranks == [1]
+    top3 = torch.topk(ref[-1], 3)
+    assert lp.token_ids[0][1:] == top3.indices.tolist()
+    assert lp.logprobs[0][1:] == pytest.approx(top3.values.tolist(), abs=1e-5)
+    plp = result.prompt_logprobs[0]
+    assert plp is not None and result.prompt_logprobs[1] is None
+    assert [row[0] for row in plp.token_ids] == prompt[1:]
+    expected = [float(ref[i, prompt[i + 1]]) for i in range(len(prompt) - 1)]
+    assert [row[0] for row in plp.logprobs] == pytest.approx(expected, abs=1e-5)
+    assert all(len(row) == 3 for row in plp.token_ids)
+
+
+def test_preempted_request_resumes_with_its_outputs(runner):
+    prompt = [11, 12, 13, 14, 15]
+    out = runner.execute(ExecuteStep(step_id=0, new_requests=[new("a", prompt, [1, 2], 5)]))
+    t1 = out.sampled_token_ids[0][0]
+    out = runner.execute(
+        ExecuteStep(
+            step_id=1,
+            cached_requests=[
+                CachedRequestData(
+                    req_id="a", new_block_ids=[], num_computed_tokens=5, num_scheduled_tokens=1
+                )
+            ],
+        )
+    )
+    t2 = out.sampled_token_ids[0][0]
+    resumed = NewRequestData(
+        req_id="a",
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(temperature=0.0),
+        block_ids=[7, 8],
+        num_computed_tokens=0,
+        num_scheduled_tokens=6,
+        output_token_ids=[t1],
+        resumed=True,
+    )
+    again = runner.execute(ExecuteStep(step_id=2, preempted_req_ids=["a"], new_requests=[resumed]))
+    assert again.sampled_token_ids == [[t2]]
+    assert len(runner.batch) == 1
+
+
+def test_unknown_cached_request_is_an_error(runner):
+    with pytest.raises(KeyError, match="ghost"):
+        runner.execute(
+            ExecuteStep(
+                step_id=0,
+                cached_requests=[
+                    CachedRequestData(
+                        req_id="ghost",
+                        new_block_ids=[],
+                        num_computed_tokens=3,
+                        num_scheduled_tokens=1,
+                    )
+                ],
+            )
+        )
+
+
+def test_empty_step_and_reset(runner):
+    assert runner.execute(ExecuteStep(step_id=4)).req_ids == []
+    runner.execute(ExecuteStep(step_id=5, new_requests=[new("a", [1, 2, 3], [1], 3)]))
+    runner.reset()
+    assert len(runner.batch) == 0 and "a" not in runner.sampling
