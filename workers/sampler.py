@@ -6,7 +6,9 @@ mode) → min_tokens mask → penalties (repetition over prompt+output, presence
 output) → greedy argmax; for random rows: temperature → min-p → top-k → top-p → an exponential
 race ``argmax(probs / q)``, ``q ~ Exp(1)``, drawn from the row's own generator when seeded (so a
 seeded request's tokens do not depend on the rest of the batch) and from the default generator in
-one call for the others. Nothing here copies device data to the host.
+one call for the others. Nothing here copies device data to the host, except CPU top-p, which
+checks on the host whether every nucleus lies among the 256 most likely tokens (a full sort of
+the vocabulary is ~5x slower there) and falls back to the sort otherwise.
 
 ``LogprobsTensors.to_wire_rows`` / ``to_wire`` turn the tensors into wire ``Logprobs`` with one
 host copy per call.
@@ -21,6 +23,8 @@ import torch
 
 from bus.messages.engine import Logprobs
 from workers.sampling_metadata import PenaltyTensors, SamplingMetadata
+
+_TOP_P_CANDIDATES = 256  # CPU top-p looks at this many tokens before falling back to a sort
 
 
 @dataclass(slots=True)
@@ -126,12 +130,15 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> None:
     rows = penalties.row_indices
     selected = logits if rows is None else logits[rows]  # [P, V]
     output_mask = penalties.output_counts > 0  # [P, V]
-    seen = penalties.prompt_mask | output_mask
-    repetition = penalties.repetition.unsqueeze(1)  # [P, 1]
-    factor = torch.where(selected > 0, 1.0 / repetition, repetition)  # [P, V]
-    selected = torch.where(seen, selected * factor, selected)
-    selected = selected - penalties.frequency.unsqueeze(1) * penalties.output_counts
-    selected = selected - penalties.presence.unsqueeze(1) * output_mask.float()
+    if penalties.uses_repetition:
+        repetition = penalties.repetition.unsqueeze(1)  # [P, 1]
+        factor = torch.where(selected > 0, 1.0 / repetition, repetition)  # [P, V]
+        factor.masked_fill_(~(penalties.prompt_mask | output_mask), 1.0)
+        selected = selected * factor
+    if penalties.uses_frequency:
+        selected = selected - penalties.frequency.unsqueeze(1) * penalties.output_counts
+    if penalties.uses_presence:
+        selected = selected - penalties.presence.unsqueeze(1) * output_mask
     if rows is None:
         logits.copy_(selected)
     else:
@@ -170,21 +177,43 @@ def apply_top_k_top_p(
 ) -> None:
     """Keep each row's ``top_k`` [R] best logits (ties at the edge kept; ``k == V`` is off),
     then the smallest set whose probability reaches ``top_p`` [R] (always at least one)."""
-    if top_k is not None and top_p is None:
+    if top_k is not None:
         _apply_top_k_only(logits, top_k, max_top_k)
-        return
     if top_p is None:
         return
-    vocab_size = logits.shape[1]
+    if logits.device.type == "cpu" and _apply_top_p_among_candidates(logits, top_p):
+        return
+    _apply_top_p_sorted(logits, top_p)
+
+
+def _apply_top_p_sorted(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """Top-p over a full ascending sort: drop tokens whose cumulative probability, counted from
+    the least likely, stays within ``1 - top_p``. No host sync."""
     ascending, order = logits.sort(dim=-1)  # [R, V]
-    if top_k is not None:
-        edge = ascending.gather(1, (vocab_size - top_k).unsqueeze(1))  # [R, 1]
-        ascending.masked_fill_(ascending < edge, float("-inf"))
     cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)  # [R, V]
     drop = cumulative <= (1.0 - top_p).unsqueeze(1)
     drop[:, -1] = False
     ascending.masked_fill_(drop, float("-inf"))
     logits.scatter_(1, order, ascending)
+
+
+def _apply_top_p_among_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> bool:
+    """Top-p over the ``_TOP_P_CANDIDATES`` most likely tokens only, when every row's nucleus
+    lies among them (checked on the host: free on the CPU, where a full sort is slow). Keeps a
+    token while the probability of the tokens before it is below ``top_p``. False: not applied."""
+    num_candidates = min(_TOP_P_CANDIDATES, logits.shape[1])
+    probs = torch.softmax(logits, dim=-1)  # [R, V]
+    best, best_ids = probs.topk(num_candidates, dim=-1)  # [R, C], most likely first
+    cumulative = best.cumsum(dim=-1)  # [R, C]
+    is_on = top_p < 1.0  # [R]
+    if not bool((~is_on | (cumulative[:, -1] >= top_p)).all()):
+        return False
+    keep = (cumulative - best) < top_p.unsqueeze(1)  # [R, C]
+    drop = torch.ones_like(logits, dtype=torch.bool)  # [R, V]
+    drop.scatter_(1, best_ids, ~keep)
+    drop &= is_on.unsqueeze(1)
+    logits.masked_fill_(drop, float("-inf"))
+    return True
 
 
 def _apply_top_k_only(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int) -> None:
@@ -203,7 +232,16 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     rows draw ``q`` from their own generator; the others share one call on the default one."""
     q = torch.empty_like(probs)  # [R, V]
     if len(generators) < probs.shape[0]:
-        q.exponential_()
+        _fill_exponential(q, None)
     for row, generator in generators.items():
-        q[row].exponential_(generator=generator)
+        _fill_exponential(q[row], generator)
     return probs.div_(q).argmax(dim=-1)
+
+
+def _fill_exponential(q: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Exp(1) samples in place. On the CPU ``-log(U)``, U ~ [0, 1), is ~4x faster than
+    ``exponential_``; U = 0 gives q = inf, a token that cannot win (never q = 0)."""
+    if q.device.type == "cpu":
+        q.uniform_(generator=generator).log_().neg_()
+    else:
+        q.exponential_(generator=generator)

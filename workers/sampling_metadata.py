@@ -34,6 +34,10 @@ class PenaltyTensors:
     presence: torch.Tensor  # [P] fp32
     frequency: torch.Tensor  # [P] fp32
     repetition: torch.Tensor  # [P] fp32
+    # Which penalty kinds some row uses (host side, so unused ones cost nothing).
+    uses_presence: bool = True
+    uses_frequency: bool = True
+    uses_repetition: bool = True
 
 
 @dataclass(slots=True)
@@ -202,6 +206,9 @@ class SamplingBatch:
             presence=self._tensor([s.params.presence_penalty for s in chosen], torch.float32),
             frequency=self._tensor([s.params.frequency_penalty for s in chosen], torch.float32),
             repetition=self._tensor([s.params.repetition_penalty for s in chosen], torch.float32),
+            uses_presence=any(s.params.presence_penalty != 0.0 for s in chosen),
+            uses_frequency=any(s.params.frequency_penalty != 0.0 for s in chosen),
+            uses_repetition=any(s.params.repetition_penalty != 1.0 for s in chosen),
         )
 
     def _min_tokens_blocked(

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from bus.messages.sampling import SamplingParams
-from workers.sampler import Sampler, compute_prompt_logprobs
+from workers.sampler import (
+    Sampler,
+    _apply_top_p_sorted,
+    apply_top_k_top_p,
+    compute_prompt_logprobs,
+)
 from workers.sampling_metadata import SamplingBatch
 
 VOCAB = 32
@@ -230,3 +235,23 @@ def test_wrong_logits_shape_is_refused() -> None:
     batch = _batch(("a", SamplingParams()))
     with pytest.raises(ValueError, match="num_reqs=1"):
         Sampler()(torch.zeros(2, VOCAB), batch.prepare(["a"]))
+
+
+@pytest.mark.parametrize("scale", [0.05, 4.0])  # flat (nucleus > 256 tokens: sort) and peaked
+def test_top_p_paths_agree_with_the_reference(scale: float) -> None:
+    vocab, top_p = 1000, 0.7
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(5)) * scale
+    masked = logits.clone()
+    apply_top_k_top_p(masked, None, 0, torch.full((3,), top_p))
+    sorted_path = logits.clone()
+    _apply_top_p_sorted(sorted_path, torch.full((3,), top_p))
+    for row in range(3):
+        probs = torch.softmax(logits[row].double(), dim=-1).tolist()
+        nucleus, mass = set(), 0.0
+        for token in sorted(range(vocab), key=lambda t: -probs[t]):
+            if mass >= top_p:
+                break
+            nucleus.add(token)
+            mass += probs[token]
+        assert set(torch.isfinite(masked[row]).nonzero().flatten().tolist()) == nucleus
+        assert set(torch.isfinite(sorted_path[row]).nonzero().flatten().tolist()) == nucleus
