@@ -164,6 +164,20 @@ async def test_heartbeats_keep_flowing_during_a_slow_step(harness: Harness) -> N
     assert isinstance(result, StepResult) and result.sampled_token_ids == [[7]]
 
 
+async def test_stop_drains_the_step_in_flight(harness: Harness) -> None:
+    harness.runner.gate = threading.Event()
+    pending = asyncio.create_task(harness.ask(_step(1, "a")))
+    assert await asyncio.to_thread(harness.runner.step_started.wait, WAIT_S)
+    stopping = asyncio.create_task(harness.actor.stop("test"))
+    await asyncio.sleep(0.05)
+    assert harness.actor.state is ActorState.DRAINING and not stopping.done()
+    harness.runner.gate.set()
+    result = await pending
+    assert isinstance(result, StepResult) and result.sampled_token_ids == [[7]]
+    await stopping
+    assert harness.actor.state is ActorState.STOPPED
+
+
 async def test_steps_run_in_order_on_one_dedicated_thread(harness: Harness) -> None:
     results: list[StepResult] = []
     result_codec = Codec(StepResult)
