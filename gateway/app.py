@@ -113,8 +113,12 @@ def bearer_auth(api_key: str):  # type: ignore[no-untyped-def]
 
 async def list_models(ctx: ServingContext, request: web.Request) -> web.Response:
     name = ctx.served_model_name
-    card = ModelCard(id=name, created=int(time.time()), max_model_len=ctx.engine.max_model_len,
-                     root=ctx.engine.model_name)  # fmt: skip
+    card = ModelCard(
+        id=name,
+        created=int(time.time()),
+        max_model_len=ctx.engine.max_model_len,
+        root=ctx.engine.model_name,
+    )
     return json_response(ModelList([card]))
 
 

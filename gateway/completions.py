@@ -101,9 +101,13 @@ class CompletionView:
         if logprobs is not None:
             positions = completion.logprobs or [{} for _ in completion.token_ids]
             self.offsets[choice.index] = append_completion_logprobs(
-                logprobs, completion.token_ids, positions, self.body.logprobs or 0,
-                self.token_text, self.offsets[choice.index] + len(text) - len(completion.text),
-            )  # fmt: skip
+                logprobs,
+                completion.token_ids,
+                positions,
+                self.body.logprobs or 0,
+                self.token_text,
+                self.offsets[choice.index] + len(text) - len(completion.text),
+            )
         choice.add(completion)
         self.usage.add(completion)
         if not text and completion.finish_reason is None and not completion.token_ids:
@@ -141,9 +145,12 @@ class CompletionView:
         for choice, state in zip(choices, self.choices, strict=True):
             choice.finish_reason, choice.stop_reason = state.finish_reason, state.stop_reason
         return CompletionResponse(
-            self.generation.request_id, self.created, self.ctx.served_model_name, choices,
+            self.generation.request_id,
+            self.created,
+            self.ctx.served_model_name,
+            choices,
             self.usage.usage(),
-        )  # fmt: skip
+        )
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         outputs = self.generation.outputs()

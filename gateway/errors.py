@@ -69,17 +69,23 @@ def internal_error(error: BaseException) -> ApiError:
 
 
 _PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_WRONG_TYPE = re.compile(r"Expected `[^`]+`, got `")
 _MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_][A-Za-z0-9_]*)`")
 
 
-def from_decode_error(error: msgspec.DecodeError) -> ApiError:
-    """A msgspec decode failure as a 400: malformed JSON, or a wrong type/value at a path."""
+def from_decode_error(error: msgspec.DecodeError, wire_format: str = "json") -> ApiError:
+    """A msgspec decode failure as a 400: a malformed body (code ``invalid_<format>``), or a
+    wrong type/value at a path."""
     text = str(error)
     if not isinstance(error, msgspec.ValidationError):
-        return bad_request(f"Invalid JSON body: {text}", code="invalid_json")
-    match = _PATH_FIELD.search(text) or _MISSING_FIELD.search(text)
+        return bad_request(f"Invalid {wire_format} body: {text}", code=f"invalid_{wire_format}")
+    missing = _MISSING_FIELD.search(text)
+    if missing:
+        return bad_request(text, param=missing.group(1), code="missing_required_parameter")
+    match = _PATH_FIELD.search(text)
     param = match.group(1) if match else None
-    return bad_request(text, param=param, code="invalid_type")
+    code = "invalid_type" if _WRONG_TYPE.match(text) else "invalid_value"
+    return bad_request(text, param=param, code=code)
 
 
 def from_value_error(error: ValueError, *, rename: dict[str, str] | None = None) -> ApiError:

@@ -40,17 +40,17 @@ class Prompt:
 def completion_prompts(prompt: PromptInput, tokenizer: Any) -> list[Prompt]:
     """A completions ``prompt`` (text, ids, or a batch of either) as a list of prompts."""
     if isinstance(prompt, str):
-        return [_text_prompt(prompt, tokenizer)]
+        return [text_prompt(prompt, tokenizer)]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [_id_prompt([int(t) for t in prompt], tokenizer)]  # type: ignore[arg-type]
+        return [token_prompt([int(t) for t in prompt], tokenizer)]  # type: ignore[arg-type]
     if len(prompt) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     if all(isinstance(p, str) for p in prompt):
-        return [_text_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
+        return [text_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
     if all(isinstance(p, list) for p in prompt):
-        return [_id_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
+        return [token_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
     raise bad_request(
         "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
         "token ids",
@@ -58,14 +58,14 @@ def completion_prompts(prompt: PromptInput, tokenizer: Any) -> list[Prompt]:
     )
 
 
-def _text_prompt(text: str, tokenizer: Any) -> Prompt:
+def text_prompt(text: str, tokenizer: Any) -> Prompt:
     ids = list(tokenizer.encode(text))
     if not ids:
         raise bad_request("prompt must not be empty", param="prompt")
     return Prompt(ids, text)
 
 
-def _id_prompt(ids: list[int], tokenizer: Any) -> Prompt:
+def token_prompt(ids: list[int], tokenizer: Any) -> Prompt:
     if not ids:
         raise bad_request("prompt must not be empty", param="prompt")
     vocab_size = len(tokenizer)

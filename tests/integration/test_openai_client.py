@@ -66,9 +66,12 @@ async def test_chat_stream_matches_non_stream_role_first() -> None:
             model=MODEL_NAME, messages=messages, max_tokens=7
         )
         stream = await client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, max_tokens=7, stream=True,
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=7,
+            stream=True,
             stream_options={"include_usage": True},
-        )  # fmt: skip
+        )
         chunks = [chunk async for chunk in stream]
     message = whole.choices[0].message
     assert message.role == "assistant" and message.content
@@ -152,9 +155,13 @@ async def test_chat_logprobs_shape_streaming_and_not() -> None:
             model=MODEL_NAME, messages=messages, max_tokens=3, logprobs=True, top_logprobs=2
         )
         stream = await client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, max_tokens=3, logprobs=True, top_logprobs=2,
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=3,
+            logprobs=True,
+            top_logprobs=2,
             stream=True,
-        )  # fmt: skip
+        )
         streamed = [c async for chunk in stream for c in chunk.choices if c.logprobs]
     content = whole.choices[0].logprobs.content
     assert len(content) == 3 and all(len(entry.top_logprobs) == 2 for entry in content)

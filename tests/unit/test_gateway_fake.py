@@ -107,6 +107,7 @@ class FakeEngineClient:
         self.eos_after = eos_after
         self.max_in_flight = max_in_flight
         self.ready = True
+        self.fail_at_step: int | None = None  # raise RuntimeError at this step (engine death)
         self.in_flight: set[str] = set()
         self.aborted: list[str] = []
         self.finished: list[str] = []
@@ -132,9 +133,9 @@ class FakeEngineClient:
     # --- the deterministic "model" ----------------------------------------------------------
 
     def next_token(self, prompt: list[int], params: SamplingParams, index: int, step: int) -> int:
-        if self.eos_after is not None and step >= self.eos_after and not params.ignore_eos:
-            if step >= params.min_tokens:
-                return int(self.tokenizer.eos_token_id)
+        eos_due = self.eos_after is not None and step >= max(self.eos_after, params.min_tokens)
+        if eos_due and not params.ignore_eos:
+            return int(self.tokenizer.eos_token_id)
         seed = (params.seed or 0) if not params.is_greedy else 0
         mix = 0
         for value in (sum(prompt), len(prompt), prompt[-1], index, step, seed):
@@ -171,6 +172,8 @@ class FakeEngineClient:
             step = 0
             while any(c.finish_reason is None for c in choices):
                 await asyncio.sleep(self.token_delay)
+                if step == self.fail_at_step:
+                    raise RuntimeError("engine core died")
                 for choice in choices:
                     if choice.finish_reason is None:
                         self._advance(choice, ids, sampling_params, step)
@@ -209,9 +212,7 @@ class FakeEngineClient:
         choice.token_ids.append(token)
         if params.logprobs is not None:
             choice.logprobs.append(self.fake_logprobs(token, params.logprobs))
-        if token == self.tokenizer.eos_token_id:
-            choice.finish_reason, choice.stop_reason = "stop", token
-        elif params.stop_token_ids and token in params.stop_token_ids:
+        if token == self.tokenizer.eos_token_id or token in (params.stop_token_ids or ()):
             choice.finish_reason, choice.stop_reason = "stop", token
         choice.text = self.tokenizer.decode(choice.token_ids, skip_special_tokens=True)
         if choice.finish_reason is None and len(choice.token_ids) >= params.min_tokens:

@@ -1,0 +1,133 @@
+"""The pure part of the NATS API: a decoded ``GenerateRequest`` checked and turned into a prompt
+and sampling parameters, the wire format of a message, and the reply builders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from bus.base import Msg
+from bus.messages.sampling import OutputKind, SamplingParams
+from engine.outputs import CompletionOutput
+from engine.protocol import EngineClient
+from gateway.errors import ApiError, bad_request, from_decode_error, from_value_error
+from gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest
+from gateway.params import Prompt, chat_messages, resolve_max_tokens, text_prompt, token_prompt
+from gateway.response_types import Usage, make_usage
+
+_JSON_DECODER = msgspec.json.Decoder(GenerateRequest)
+_MSGPACK_DECODER = msgspec.msgpack.Decoder(GenerateRequest)
+
+
+class WireFormat:
+    """JSON or msgpack, as the request came: a ``Content-Type`` header says, else a payload that
+    starts with ``{`` is JSON. Replies use the same format."""
+
+    def __init__(self, is_json: bool) -> None:
+        self.is_json = is_json
+
+    @staticmethod
+    def of(msg: Msg) -> WireFormat:
+        content_type = (msg.header("Content-Type") or "").lower()
+        if content_type:
+            return WireFormat("json" in content_type)
+        return WireFormat(msg.data.lstrip()[:1] == b"{")
+
+    def encode(self, reply: Any) -> bytes:
+        return msgspec.json.encode(reply) if self.is_json else msgspec.msgpack.encode(reply)
+
+    def decode_request(self, data: bytes) -> GenerateRequest:
+        decoder = _JSON_DECODER if self.is_json else _MSGPACK_DECODER
+        try:
+            return decoder.decode(data)
+        except msgspec.DecodeError as error:
+            raise from_decode_error(error, "json" if self.is_json else "msgpack") from None
+
+
+def check_model(request: GenerateRequest, served_model_name: str) -> None:
+    if request.model is not None and request.model != served_model_name:
+        message = f"The model `{request.model}` does not exist."
+        raise ApiError(404, message, code="model_not_found", param="model")
+
+
+def request_prompt(request: GenerateRequest, engine: EngineClient) -> Prompt:
+    """The one prompt of a request: text, token ids, or chat messages through the template."""
+    sources = (request.prompt, request.prompt_token_ids, request.messages)
+    if sum(source is not None for source in sources) != 1:
+        raise bad_request(
+            "give exactly one of prompt, prompt_token_ids and messages", param="prompt"
+        )
+    if request.prompt is not None:
+        return text_prompt(request.prompt, engine.tokenizer)
+    if request.prompt_token_ids is not None:
+        return token_prompt(request.prompt_token_ids, engine.tokenizer)
+    assert request.messages is not None
+    messages = chat_messages(request.messages)
+    try:
+        ids = engine.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
+    except Exception as error:  # the chat template is user-driven: its failures are the input's
+        raise bad_request(f"cannot apply the chat template: {error}", param="messages") from None
+    return Prompt(list(ids))
+
+
+def request_params(request: GenerateRequest, prompt: Prompt, max_model_len: int) -> SamplingParams:
+    """The request's sampling parameters with max_tokens fitted to the context, as DELTA."""
+    given = msgspec.structs.asdict(request.sampling_params)
+    given["max_tokens"] = resolve_max_tokens(
+        given["max_tokens"], len(prompt.token_ids), max_model_len, "sampling_params.max_tokens"
+    )
+    given["output_kind"] = OutputKind.DELTA
+    try:
+        return SamplingParams(**given)
+    except ValueError as error:
+        raise from_value_error(error) from None
+
+
+def choice_delta(completion: CompletionOutput, with_logprobs: bool) -> ChoiceOut:
+    logprobs = None
+    if with_logprobs:
+        positions = completion.logprobs or [{} for _ in completion.token_ids]
+        logprobs = [{tid: lp.logprob for tid, lp in p.items()} for p in positions]
+    return ChoiceOut(
+        completion.index,
+        completion.text,
+        list(completion.token_ids),
+        completion.finish_reason,
+        completion.stop_reason,
+        logprobs,
+    )
+
+
+class ReplyBuilder:
+    """Accumulates a request's DELTA outputs into whole choices and usage."""
+
+    def __init__(self, n: int, num_prompt_tokens: int, with_logprobs: bool) -> None:
+        self.choices = [ChoiceOut(i, "", []) for i in range(n)]
+        if with_logprobs:
+            for choice in self.choices:
+                choice.logprobs = []
+        self.num_prompt_tokens = num_prompt_tokens
+        self.with_logprobs = with_logprobs
+
+    def add(self, completion: CompletionOutput) -> ChoiceOut:
+        """Fold in one delta; returns the delta as a chunk choice."""
+        delta = choice_delta(completion, self.with_logprobs)
+        choice = self.choices[completion.index]
+        choice.text += delta.text
+        choice.token_ids.extend(delta.token_ids)
+        if choice.logprobs is not None and delta.logprobs is not None:
+            choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+        return delta
+
+    def usage(self) -> Usage:
+        completion_tokens = sum(len(c.token_ids) for c in self.choices)
+        return make_usage(self.num_prompt_tokens, completion_tokens)
+
+    def ends(self) -> list[ChoiceEnd]:
+        return [
+            ChoiceEnd(c.index, len(c.token_ids), c.finish_reason, c.stop_reason)
+            for c in self.choices
+        ]
