@@ -1,0 +1,358 @@
+"""Turns the engine core's per-step outputs into the user-facing ``engine.outputs`` objects.
+
+A pure synchronous core (no bus, no asyncio): the engine client registers each request with
+``add_request`` (which fans ``n > 1`` out into children ``f"{i}_{request_id}"`` with seed + i and
+returns what to send to the engine core), feeds every ``EngineOutputs`` to ``process_outputs``,
+routes the returned ``RequestOutput`` objects to their collectors, and tells the engine core to
+abort ``reqs_to_abort`` (requests that ended on a stop string, which only this side can see).
+
+Per completion it detokenizes incrementally, applies stop strings with hold-back, converts
+logprobs and tracks what was already sent; per request it aggregates the children into one
+output in the request's output kind and keeps latency timestamps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from bus.messages.engine import EngineOutputs, Logprobs
+from bus.messages.engine import RequestOutput as EngineRequestOutput
+from bus.messages.sampling import OutputKind, SamplingParams
+from engine.detokenizer import IncrementalDetokenizer, make_detokenizer
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput, TokenLogprobs
+from engine.stop_strings import StopStringMatcher
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(slots=True, frozen=True)
+class ChildRequest:
+    """One request the engine core must run: the request itself when n == 1, else a child."""
+
+    request_id: str
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class ProcessedOutputs:
+    """The result of one ``process_outputs`` call."""
+
+    request_outputs: list[RequestOutput] = field(default_factory=list)
+    # Engine-side ids that finished here on a stop string while the engine core still runs them.
+    reqs_to_abort: list[str] = field(default_factory=list)
+    # Requests (user ids) that finished in this batch and are no longer tracked.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+
+def child_request_id(index: int, request_id: str) -> str:
+    return f"{index}_{request_id}"
+
+
+def convert_logprobs(rows: Logprobs, tokenizer: Tokenizer | None) -> list[TokenLogprobs]:
+    """Wire logprob rows → one ``{token_id: Logprob}`` dict per position.
+
+    The actual token comes first with its own rank; the top-n candidates follow ranked 1..n.
+    """
+    converted: list[TokenLogprobs] = []
+    for ids, logprobs, rank in zip(rows.token_ids, rows.logprobs, rows.ranks, strict=True):
+        position: TokenLogprobs = {}
+        for j, (token_id, logprob) in enumerate(zip(ids, logprobs, strict=True)):
+            if token_id in position:
+                continue
+            text = tokenizer.token_text(token_id) if tokenizer is not None else None
+            position[token_id] = Logprob(logprob, rank if j == 0 else j, text)
+        converted.append(position)
+    return converted
+
+
+class CompletionState:
+    """One engine-side request: its tokens, text, logprobs and what was already sent."""
+
+    def __init__(
+        self,
+        index: int,
+        params: SamplingParams,
+        tokenizer: Tokenizer | None,
+        prompt_token_ids: list[int],
+    ) -> None:
+        self.index = index
+        self.params = params
+        self.tokenizer = tokenizer
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detokenizer: IncrementalDetokenizer | None = None
+        if params.detokenize and tokenizer is not None:
+            self.detokenizer = make_detokenizer(
+                tokenizer, prompt_token_ids, params.skip_special_tokens
+            )
+        self.matcher = StopStringMatcher(
+            params.all_stop_strings if self.detokenizer else None,
+            params.include_stop_str_in_output,
+            params.min_tokens,
+        )
+        self._num_sent_tokens = 0
+        self._num_sent_logprobs = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, output: EngineRequestOutput) -> bool:
+        """Absorb one step's output; True when a stop string ended the completion here."""
+        rows = convert_logprobs(output.new_logprobs, self.tokenizer) if output.new_logprobs else []
+        stop_terminated = output.finish_reason == "stop"
+        last = len(output.new_token_ids) - 1
+        for k, token_id in enumerate(output.new_token_ids):
+            self._append_token(token_id, rows[k] if k < len(rows) else None)
+            # vLLM does not show the stop token (EOS or stop id) unless stop strings are kept.
+            skip_text = stop_terminated and k == last and not self.params.include_stop_str_in_output
+            text = (
+                ""
+                if skip_text or self.detokenizer is None
+                else self.detokenizer.decode_next(token_id)
+            )
+            if self.matcher.append(text, len(self.token_ids)) is not None:
+                self.finish_reason, self.stop_reason = "stop", self.matcher.matched
+                return True  # later tokens of this step are dropped
+        if output.finish_reason is not None:
+            if self.detokenizer is not None:
+                tail = self.detokenizer.flush()
+                if tail and self.matcher.append(tail, len(self.token_ids)) is not None:
+                    self.finish_reason, self.stop_reason = "stop", self.matcher.matched
+                    return False  # the engine core has finished it already
+            self.finish_reason, self.stop_reason = output.finish_reason, output.stop_reason
+        return False
+
+    def _append_token(self, token_id: int, row: TokenLogprobs | None) -> None:
+        self.token_ids.append(token_id)
+        if self.logprobs is None or row is None:
+            return
+        self.logprobs.append(row)
+        if self.cumulative_logprob is not None and token_id in row:
+            self.cumulative_logprob += row[token_id].logprob
+
+    def make_completion(self, kind: OutputKind) -> CompletionOutput:
+        """The completion as this output kind reports it; DELTA advances the sent marks."""
+        finished = self.finished
+        if kind == OutputKind.DELTA:
+            text = self.matcher.next_delta(finished)
+            token_ids = self.token_ids[self._num_sent_tokens :]
+            logprobs = None if self.logprobs is None else self.logprobs[self._num_sent_logprobs :]
+            self._num_sent_tokens = len(self.token_ids)
+            self._num_sent_logprobs = len(self.logprobs or [])
+        else:
+            text = self.matcher.visible_text(finished)
+            token_ids = list(self.token_ids)
+            logprobs = None if self.logprobs is None else list(self.logprobs)
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=token_ids,
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+class RequestState:
+    """One user request and its ``n`` completions."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer | None,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.output_kind = params.output_kind
+        self.metrics = RequestMetrics(arrival_time=arrival_time)
+        self.tokenizer = tokenizer
+        self.children: dict[str, CompletionState] = {}
+        self.child_params: list[ChildRequest] = []
+        for i in range(params.n):
+            engine_id = request_id if params.n == 1 else child_request_id(i, request_id)
+            child = _child_params(params, i)
+            self.children[engine_id] = CompletionState(i, child, tokenizer, prompt_token_ids)
+            self.child_params.append(ChildRequest(engine_id, child))
+        self.prompt_logprob_rows: list[TokenLogprobs] = []
+        self.num_cached_tokens = 0
+        self.error: str | None = None
+        self._prompt_logprobs_sent = False
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children.values())
+
+    def absorb_request_fields(self, output: EngineRequestOutput, child: CompletionState) -> None:
+        if output.prompt_logprobs is not None and child.index == 0:
+            self.prompt_logprob_rows += convert_logprobs(output.prompt_logprobs, self.tokenizer)
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.error is not None:
+            self.error = output.error
+
+    def record_times(self, has_new_tokens: bool, now: float) -> None:
+        if has_new_tokens:
+            if self.metrics.first_token_time is None:
+                self.metrics.first_token_time = now
+            self.metrics.last_token_time = now
+        if self.finished and self.metrics.finished_time is None:
+            self.metrics.finished_time = now
+
+    def make_output(self, touched: Iterable[CompletionState]) -> RequestOutput | None:
+        """The request's output after a batch that moved the ``touched`` completions."""
+        finished = self.finished
+        kind = self.output_kind
+        if kind == OutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind == OutputKind.DELTA:
+            chosen = sorted(touched, key=lambda c: c.index)
+        else:
+            chosen = [c for c in self.children.values() if c.token_ids or c.finished]
+        if not chosen and not finished:
+            return None
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.make_completion(kind) for c in chosen],
+            finished=finished,
+            prompt_logprobs=self._take_prompt_logprobs(),
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=dataclasses.replace(self.metrics),
+            error=self.error,
+        )
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        if self.params.prompt_logprobs is None:
+            return None
+        if self.output_kind == OutputKind.DELTA and self._prompt_logprobs_sent:
+            return None
+        self._prompt_logprobs_sent = True
+        # Position 0 has no logprob; the rows describe positions 1.. in order.
+        return [None, *self.prompt_logprob_rows]
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return msgspec.structs.replace(params, n=1, seed=seed)
+
+
+class OutputProcessor:
+    """All in-flight requests of one engine client."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, RequestState] = {}
+        self._owner_of: dict[str, str] = {}  # engine-side id → user request id
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> list[ChildRequest]:
+        """Track a request; returns the engine-side requests to send (one per completion)."""
+        if request_id in self._requests:
+            raise ValueError(f"request id already in flight: {request_id!r}")
+        arrival = time.time() if arrival_time is None else arrival_time
+        state = RequestState(
+            request_id, prompt, list(prompt_token_ids), params, self.tokenizer, arrival
+        )
+        self._requests[request_id] = state
+        for child in state.child_params:
+            self._owner_of[child.request_id] = request_id
+        return list(state.child_params)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    def engine_request_ids(self, request_id: str) -> list[str]:
+        """The engine-side ids of a request's completions that are still running."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return []
+        return [eid for eid, c in state.children.items() if not c.finished]
+
+    def process_outputs(
+        self, outputs: EngineOutputs | list[EngineRequestOutput], now: float | None = None
+    ) -> ProcessedOutputs:
+        """Absorb one step's outputs (unknown or already finished ids are ignored)."""
+        now = time.time() if now is None else now
+        items = outputs.outputs if isinstance(outputs, EngineOutputs) else outputs
+        result = ProcessedOutputs()
+        touched: dict[str, list[CompletionState]] = {}
+        for item in items:
+            owner = self._owner_of.get(item.request_id)
+            if owner is None:
+                continue
+            state = self._requests[owner]
+            child = state.children[item.request_id]
+            if child.finished:
+                continue
+            stopped_here = child.update(item)
+            state.absorb_request_fields(item, child)
+            state.record_times(bool(item.new_token_ids), now)
+            touched.setdefault(owner, []).append(child)
+            if child.finished:
+                del self._owner_of[item.request_id]
+                if stopped_here and item.finish_reason is None:
+                    result.reqs_to_abort.append(item.request_id)
+        for owner, children in touched.items():
+            state = self._requests[owner]
+            request_output = state.make_output(children)
+            if request_output is not None:
+                result.request_outputs.append(request_output)
+            if state.finished:
+                self._drop(owner)
+                result.finished_request_ids.append(owner)
+        return result
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Stop tracking a request; returns its engine-side ids that were still running."""
+        running = self.engine_request_ids(request_id)
+        self._drop(request_id)
+        return running
+
+    def fail_request(
+        self, request_id: str, error: str, now: float | None = None
+    ) -> RequestOutput | None:
+        """End a request with an error (e.g. its engine core died); its final output, if tracked."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        unfinished = [c for c in state.children.values() if not c.finished]
+        for child in unfinished:
+            child.finish_reason = "error"
+        state.error = error
+        state.record_times(False, time.time() if now is None else now)
+        self._drop(request_id)
+        return state.make_output(unfinished)
+
+    def _drop(self, request_id: str) -> None:
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return
+        for engine_id in state.children:
+            self._owner_of.pop(engine_id, None)

@@ -1,0 +1,132 @@
+"""The engine client's tokenizer: a local HF tokenizer directory, loaded offline.
+
+Owns encoding, decoding, the end-of-sequence ids (``generation_config.json`` plus the tokenizer's
+own ``eos_token_id``) and chat templating. A model without a chat template gets a clear
+``MissingChatTemplateError`` unless a template is passed in (``FALLBACK_CHAT_TEMPLATE`` is a plain
+role-tagged one that callers may opt into).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# A minimal template for models that ship none; used only when a caller opts in.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class MissingChatTemplateError(ValueError):
+    """The model's tokenizer config has no chat template and none was given."""
+
+
+class Tokenizer:
+    """A thin, typed wrapper over a ``transformers`` tokenizer."""
+
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: Sequence[int] = ()) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_ids: list[int] = _unique(
+            [*eos_token_ids, *_as_id_list(getattr(hf_tokenizer, "eos_token_id", None))]
+        )
+        self.all_special_ids: frozenset[int] = frozenset(hf_tokenizer.all_special_ids)
+        self._single_token_text: dict[int, str] = {}
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> Tokenizer:
+        """Load from a local model directory (never the network)."""
+        from transformers import AutoTokenizer
+
+        path = Path(model_dir)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory not found: {path}")
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+        return cls(hf, eos_token_ids=read_generation_eos_ids(path))
+
+    @property
+    def backend(self) -> Any | None:
+        """The Rust ``tokenizers.Tokenizer`` behind a fast tokenizer, else None."""
+        return getattr(self.hf, "backend_tokenizer", None)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded on its own (for logprobs), cached."""
+        text = self._single_token_text.get(token_id)
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens=False)
+            self._single_token_text[token_id] = text
+        return text
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render ``messages`` with the model's (or the given) chat template."""
+        if chat_template is None and not self.has_chat_template:
+            raise MissingChatTemplateError(
+                "this model's tokenizer has no chat template; pass chat_template= "
+                "(engine.tokenizer.FALLBACK_CHAT_TEMPLATE is a plain one) or use a "
+                "completion prompt instead"
+            )
+        rendered = self.hf.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+            **kwargs,
+        )
+        return str(rendered)
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[int]:
+        """Apply the chat template and tokenize; the template supplies any BOS itself."""
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template)
+        return self.encode(text, add_special_tokens=False)
+
+
+def read_generation_eos_ids(model_dir: Path) -> list[int]:
+    """``eos_token_id`` from ``generation_config.json`` (an int or a list), or []."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return []
+    config = json.loads(path.read_text())
+    return _as_id_list(config.get("eos_token_id"))
+
+
+def _as_id_list(value: object) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [int(v) for v in value]
+    return []
+
+
+def _unique(ids: list[int]) -> list[int]:
+    return list(dict.fromkeys(ids))
