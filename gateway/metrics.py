@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
 from bus.messages.engine import SchedulerStats
 from engine.outputs import RequestMetrics, RequestOutput
@@ -76,10 +77,22 @@ class Metrics:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         self._last_stats: dict[str, SchedulerStats] = {}
+        self.num_in_flight = 0  # engine requests started and not finished (also a gauge)
         self._define_request_metrics(max_model_len)
         self._define_engine_metrics()
-        for reason in FINISH_REASONS:  # present from the start, as vLLM exports them
+        # Every per-model series exists from the start (at 0), as vLLM exports them.
+        for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
+        per_model: list[MetricWrapperBase] = [
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prompt_tokens_cached,
+        ]
+        per_model += [*self.histograms.values(), self.request_prompt_tokens]
+        per_model += [self.request_generation_tokens, self.request_params_n]
+        per_model += [self.request_params_max_tokens, self.requests_in_flight]
+        for metric in per_model:
+            metric.labels(model_name)
 
     def _counter(self, name: str, doc: str, labels: list[str]) -> Counter:
         return Counter(name, doc, labels, registry=self.registry)
@@ -144,6 +157,7 @@ class Metrics:
         max_tokens: int | None,
         arrival_time: float | None = None,
     ) -> RequestTimer:
+        self.num_in_flight += 1
         self.requests_in_flight.labels(self.model_name).inc()
         self.request_params_n.labels(self.model_name).observe(n)
         if max_tokens is not None:
@@ -187,6 +201,7 @@ class Metrics:
         timer.finished = True
         now = time.time() if now is None else now
         name = self.model_name
+        self.num_in_flight -= 1
         self.requests_in_flight.labels(name).dec()
         for index in range(n):
             reason = timer.finish_reasons.get(index, "abort")

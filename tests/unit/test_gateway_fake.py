@@ -365,3 +365,8 @@ async def serve_gateway(
         yield server.url, engine
     finally:
         await server.stop()
+
+
+def make_fake_engine(bus: object, **options: Any) -> FakeEngineClient:
+    """An engine factory as ``gateway.actor.GatewayActor(engine_factory=...)`` calls it."""
+    return FakeEngineClient(**options)

@@ -107,16 +107,15 @@ async def test_metrics_count_the_requests_sent() -> None:
 async def test_aborted_requests_are_counted_as_abort() -> None:
     engine = FakeEngineClient(token_delay=0.01)
     metrics = Metrics(MODEL_NAME)
-    in_flight = metrics.requests_in_flight.labels(MODEL_NAME)
     async with serve_gateway(engine, metrics=metrics) as (url, _):
         session = aiohttp.ClientSession()
         body = {"prompt": "the fox", "max_tokens": 100, "stream": True}
         response = await session.post(url + "/v1/completions", json=body)
         await response.content.readline()
-        assert in_flight._value.get() == 1
+        assert metrics.num_in_flight == 1
         await session.close()  # the client goes away mid-stream
         for _ in range(500):
-            if not engine.in_flight and in_flight._value.get() == 0:
+            if not engine.in_flight and metrics.num_in_flight == 0:
                 break
             await asyncio.sleep(0.01)
         async with (

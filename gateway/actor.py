@@ -1,0 +1,120 @@
+"""The gateway as an actor: the HTTP server, the public NATS API and the engine-stats feed of
+``/metrics``, started and drained together. Several may run at once behind a load balancer (the
+NATS API is a queue group); in local mode it runs as a task beside the other actors.
+
+As a process: ``python -m bus.run_actor --target gateway.actor:GatewayActor --bus nats://...
+--kwargs '{"actor_id": "gw-0", "port": 8000, "engine_factory": "engine.client:make_client"}'``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from bus.actor import Actor, Inbox
+from bus.base import Bus, Msg
+from bus.codec import Codec
+from bus.messages.engine import EngineStats
+from engine.protocol import EngineClient
+from gateway.app import create_app
+from gateway.metrics import Metrics
+from gateway.nats_api import NatsApi
+from gateway.server import HttpServer, start_http_server
+
+log = logging.getLogger(__name__)
+
+
+def load_engine_factory(target: str) -> Any:
+    """``"package.module:callable"`` → the callable that builds the engine client."""
+    module_name, _, name = target.partition(":")
+    if not name:
+        raise ValueError(f"engine factory must look like 'module:callable', got {target!r}")
+    return getattr(importlib.import_module(module_name), name)
+
+
+class GatewayActor(Actor):
+    """Serves HTTP on ``host:port`` and the NATS API, for one engine client.
+
+    Give ``engine_client`` (in-process), or ``engine_factory`` (``"module:callable"``, called as
+    ``factory(bus, **engine_options)``, may be async) when running as a process.
+    """
+
+    kind = "gateway"
+
+    def __init__(
+        self,
+        bus: Bus,
+        actor_id: str,
+        *,
+        engine_client: EngineClient | None = None,
+        engine_factory: str | None = None,
+        engine_options: dict[str, Any] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 8000,
+        api_key: str | None = None,
+        served_model_name: str | None = None,
+        enable_nats_api: bool = True,
+        **actor_options: Any,
+    ) -> None:
+        super().__init__(bus, actor_id, **actor_options)
+        if engine_client is None and engine_factory is None:
+            raise ValueError("give engine_client or engine_factory")
+        self.engine: EngineClient | None = engine_client
+        self.engine_factory = engine_factory
+        self.engine_options = engine_options or {}
+        self.host, self.port = host, port
+        self.api_key = api_key
+        self.served_model_name = served_model_name
+        self.enable_nats_api = enable_nats_api
+        self.metrics: Metrics | None = None
+        self.http: HttpServer | None = None
+        self.nats_api: NatsApi | None = None
+        self._stats_codec = Codec(EngineStats)
+
+    def inboxes(self) -> Sequence[Inbox]:
+        return [Inbox(self.subjects.engine_stats("*"), self._on_engine_stats, self._stats_codec)]
+
+    async def _on_engine_stats(self, stats: EngineStats, msg: Msg) -> None:
+        if self.metrics is not None:
+            self.metrics.update_engine_stats(stats.stats, stats.engine_id)
+
+    async def on_start(self) -> None:
+        engine = self.engine
+        if engine is None:
+            built = load_engine_factory(self.engine_factory or "")(self.bus, **self.engine_options)
+            engine = await built if inspect.isawaitable(built) else built
+            self.engine = engine
+        name = self.served_model_name or engine.model_name
+        self.metrics = Metrics(name, max_model_len=engine.max_model_len)
+        app = create_app(engine, served_model_name=name, api_key=self.api_key, metrics=self.metrics)
+        self.http = await start_http_server(app, self.host, self.port)
+        if self.enable_nats_api:
+            self.nats_api = NatsApi(
+                self.bus,
+                engine,
+                subjects=self.subjects,
+                served_model_name=name,
+                metrics=self.metrics,
+            )
+            await self.nats_api.start()
+        log.info("%r: serving HTTP on %s", self, self.http.url)
+
+    async def on_stop(self) -> None:
+        if self.nats_api is not None:
+            await self.nats_api.stop()
+        if self.http is not None:
+            await self.http.stop()  # lets running responses finish, up to the shutdown timeout
+        if self.engine is not None and self.engine_factory is not None:
+            close = getattr(self.engine, "close", None)
+            if close is not None:
+                result = close()
+                if inspect.isawaitable(result):
+                    await result
+
+    def load(self) -> dict[str, float]:
+        if self.metrics is None:
+            return {}
+        return {"requests_in_flight": float(self.metrics.num_in_flight)}

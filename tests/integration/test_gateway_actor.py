@@ -1,0 +1,73 @@
+"""The gateway actor: HTTP, the NATS API and the engine-stats feed of /metrics start and stop
+together on one bus."""
+
+from __future__ import annotations
+
+import time
+
+import aiohttp
+import msgspec
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bus.codec import encode
+from bus.memory import InMemoryBroker, InMemoryBus
+from bus.messages.engine import EngineStats, SchedulerStats
+from gateway.actor import GatewayActor
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _gauge(text: str, name: str, engine: str) -> float | None:
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels.get("engine") == engine:
+                return sample.value
+    return None
+
+
+async def test_actor_serves_http_nats_and_engine_stats() -> None:
+    broker = InMemoryBroker()
+    bus, client_bus = InMemoryBus(broker), InMemoryBus(broker)
+    await client_bus.connect()
+    actor = GatewayActor(
+        bus,
+        "gw-0",
+        engine_factory="tests.unit.test_gateway_fake:make_fake_engine",
+        engine_options={"max_model_len": 128},
+        port=0,
+        namespace="acttest",
+        heartbeat_interval_s=0.05,
+    )
+    await actor.start()
+    try:
+        assert actor.http is not None
+        url = actor.http.url
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "the fox", "max_tokens": 3}
+            async with session.post(url + "/v1/completions", json=body) as response:
+                assert response.status == 200
+                assert (await response.json())["usage"]["completion_tokens"] == 3
+            reply = await client_bus.request(
+                actor.subjects.api_generate(), b'{"prompt": "the fox"}', timeout=10
+            )
+            assert msgspec.json.decode(reply.data)["type"] == "result"
+            stats = SchedulerStats(num_running=5, num_waiting=2, kv_usage=0.25)
+            event = EngineStats("e0", stats, time.time())
+            await client_bus.publish(actor.subjects.engine_stats("e0"), encode(event))
+            text = ""
+            for _ in range(200):
+                async with session.get(url + "/metrics") as response:
+                    text = await response.text()
+                if _gauge(text, "vllm:num_requests_running", "e0") is not None:
+                    break
+            assert _gauge(text, "vllm:num_requests_running", "e0") == 5
+            assert _gauge(text, "vllm:num_requests_waiting", "e0") == 2
+            assert _gauge(text, "vllm:kv_cache_usage_perc", "e0") == 0.25
+            assert actor.load() == {"requests_in_flight": 0.0}
+    finally:
+        await actor.stop()
+        await client_bus.close()
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.ClientConnectionError):
+            await session.get(url + "/health")

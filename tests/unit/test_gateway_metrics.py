@@ -1,0 +1,78 @@
+"""``gateway.metrics.Metrics``: request hooks and engine-stats counters, read back from the
+Prometheus registry."""
+
+from __future__ import annotations
+
+from bus.messages.engine import SchedulerStats
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from gateway.metrics import Metrics, one_two_five_buckets
+
+
+def _get(metrics: Metrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
+
+
+def _output(index: int, tokens: list[int], finish: str | None, metrics=None) -> RequestOutput:  # type: ignore[no-untyped-def]
+    completion = CompletionOutput(index, "x" * len(tokens), tokens, finish_reason=finish)
+    return RequestOutput("r", None, [1, 2], [completion], finish is not None, metrics=metrics)
+
+
+def test_request_lifecycle_counts_tokens_latencies_and_reasons() -> None:
+    metrics = Metrics("m", max_model_len=100)
+    timer = metrics.start_request(num_prompt_tokens=7, n=1, max_tokens=3, arrival_time=100.0)
+    assert metrics.num_in_flight == 1
+    metrics.observe_output(timer, _output(0, [5], None), now=100.5)
+    metrics.observe_output(timer, _output(0, [6, 7], None), now=100.7)
+    engine_times = RequestMetrics(100.0, 100.1, 100.5, 100.9, 101.0)
+    metrics.observe_output(timer, _output(0, [], "length", engine_times), now=101.0)
+    metrics.finish_request(timer, n=1, now=101.0)
+    metrics.finish_request(timer, n=1, now=102.0)  # idempotent
+    assert metrics.num_in_flight == 0
+    assert _get(metrics, "vllm:prompt_tokens_total") == 7
+    assert _get(metrics, "vllm:generation_tokens_total") == 3
+    assert _get(metrics, "vllm:request_success_total", finished_reason="length") == 1
+    assert _get(metrics, "vllm:time_to_first_token_seconds_sum") == 0.5
+    assert _get(metrics, "vllm:inter_token_latency_seconds_count") == 1
+    assert abs(_get(metrics, "vllm:inter_token_latency_seconds_sum") - 0.2) < 1e-9  # type: ignore[operator]
+    assert _get(metrics, "vllm:e2e_request_latency_seconds_sum") == 1.0
+    assert abs(_get(metrics, "vllm:request_queue_time_seconds_sum") - 0.1) < 1e-9  # type: ignore[operator]
+    assert abs(_get(metrics, "vllm:request_decode_time_seconds_sum") - 0.5) < 1e-9  # type: ignore[operator]
+
+
+def test_unfinished_choices_count_as_aborted() -> None:
+    metrics = Metrics("m")
+    timer = metrics.start_request(num_prompt_tokens=2, n=3, max_tokens=None)
+    metrics.observe_output(timer, _output(1, [4], "stop"))
+    metrics.finish_request(timer, n=3)
+    assert _get(metrics, "vllm:request_success_total", finished_reason="abort") == 2
+    assert _get(metrics, "vllm:request_success_total", finished_reason="stop") == 1
+    assert _get(metrics, "shoal:gateway_requests_in_flight") == 0
+
+
+def test_engine_stats_gauges_and_cumulative_counters() -> None:
+    metrics = Metrics("m")
+    metrics.update_engine_stats(SchedulerStats(3, 1, 0.5, 100, 40, 2), "e0")
+    metrics.update_engine_stats(SchedulerStats(2, 0, 0.25, 150, 70, 2), "e0")
+    metrics.update_engine_stats(SchedulerStats(1, 0, 0.1, 10, 5, 1), "e1")
+    labels = {"engine": "e0"}
+    assert _get(metrics, "vllm:num_requests_running", **labels) == 2
+    assert _get(metrics, "vllm:kv_cache_usage_perc", **labels) == 0.25
+    assert _get(metrics, "vllm:prefix_cache_queries_total", **labels) == 150
+    assert _get(metrics, "vllm:prefix_cache_hits_total", **labels) == 70
+    assert _get(metrics, "vllm:num_preemptions_total", **labels) == 2
+    metrics.update_engine_stats(SchedulerStats(0, 0, 0.0, 20, 10, 0), "e0")  # restarted
+    assert _get(metrics, "vllm:prefix_cache_queries_total", **labels) == 170
+    metrics.remove_engine("e0")
+    assert _get(metrics, "vllm:num_requests_running", **labels) is None
+    assert _get(metrics, "vllm:num_requests_running", engine="e1") == 1
+
+
+def test_token_buckets() -> None:
+    assert one_two_five_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert one_two_five_buckets(4) == [1, 2]
+
+
+def test_two_gateways_in_one_process_have_separate_registries() -> None:
+    first, second = Metrics("m"), Metrics("m")
+    first.prompt_tokens.labels("m").inc(3)
+    assert _get(second, "vllm:prompt_tokens_total") == 0

@@ -1,0 +1,119 @@
+"""Request → engine inputs: prompts, max_tokens, sampling parameters and the error each bad
+value becomes (status, code, param)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from bus.messages.sampling import OutputKind
+from gateway.errors import ApiError, from_decode_error
+from gateway.params import (
+    chat_messages,
+    check_unsupported,
+    completion_prompts,
+    resolve_max_tokens,
+    sampling_params,
+)
+from gateway.request_types import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
+from tests.unit.test_gateway_fake import fake_tokenizer
+
+
+def _decode(body: bytes, kind: type) -> object:
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.DecodeError as error:
+        raise from_decode_error(error) from None
+
+
+def test_prompt_forms() -> None:
+    tok = fake_tokenizer()
+    ids = tok.encode("the fox")
+    assert [p.token_ids for p in completion_prompts("the fox", tok)] == [ids]
+    assert completion_prompts("the fox", tok)[0].text == "the fox"
+    assert [p.token_ids for p in completion_prompts(ids, tok)] == [ids]
+    assert completion_prompts(ids, tok)[0].text is None
+    assert [p.text for p in completion_prompts(["a", "b"], tok)] == ["a", "b"]
+    assert [p.token_ids for p in completion_prompts([ids, ids[:1]], tok)] == [ids, ids[:1]]
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], ["a", 1], [[1], "a"], [10**6]])
+def test_bad_prompts_name_the_prompt(prompt: object) -> None:
+    with pytest.raises(ApiError) as caught:
+        completion_prompts(prompt, fake_tokenizer())  # type: ignore[arg-type]
+    assert caught.value.status == 400 and caught.value.param == "prompt"
+
+
+def test_max_tokens_fits_the_context() -> None:
+    assert resolve_max_tokens(None, 10, 64, "prompt") == 54
+    assert resolve_max_tokens(16, 10, 64, "prompt") == 16
+    assert resolve_max_tokens(100, 10, 64, "prompt") == 54
+    with pytest.raises(ApiError) as caught:
+        resolve_max_tokens(1, 64, 64, "messages")
+    assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+
+
+def test_sampling_params_keep_defaults_and_force_delta() -> None:
+    body = _decode(b'{"prompt": "x", "temperature": 0, "stop": "!", "seed": 3}', CompletionRequest)
+    params = sampling_params(body, max_tokens=5, logprobs=2)  # type: ignore[arg-type]
+    assert params.temperature == 0 and params.top_p == 1.0 and params.stop == ["!"]
+    assert params.seed == 3 and params.max_tokens == 5 and params.logprobs == 2
+    assert params.output_kind == OutputKind.DELTA and params.is_greedy
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"prompt": "x", "top_p": 0}', "top_p"),
+        (b'{"prompt": "x", "frequency_penalty": -3}', "frequency_penalty"),
+        (b'{"prompt": "x", "min_tokens": -1}', "min_tokens"),
+        (b'{"prompt": "x", "stop_token_ids": [-1]}', "stop_token_ids"),
+    ],
+)
+def test_sampling_errors_name_the_field(body: bytes, param: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        request = _decode(body, CompletionRequest)
+        sampling_params(request, max_tokens=4, logprobs=None)  # type: ignore[arg-type]
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_chat_renames_logprobs_to_top_logprobs() -> None:
+    request = _decode(
+        b'{"messages": [], "logprobs": true, "top_logprobs": 50}', ChatCompletionRequest
+    )
+    with pytest.raises(ApiError) as caught:
+        sampling_params(request, max_tokens=4, logprobs=50, rename={"logprobs": "top_logprobs"})  # type: ignore[arg-type]
+    assert caught.value.param == "top_logprobs" and caught.value.message.startswith("top_logprobs")
+
+
+def test_decode_errors_are_typed() -> None:
+    for body, code, param in [
+        (b"{", "invalid_json", None),
+        (b'{"prompt": true}', "invalid_type", "prompt"),
+        (b'{"prompt": "x", "n": 0}', "invalid_value", "n"),
+        (b'{"n": 1}', "missing_required_parameter", "prompt"),
+    ]:
+        with pytest.raises(ApiError) as caught:
+            _decode(body, CompletionRequest)
+        assert (caught.value.code, caught.value.param) == (code, param), body
+
+
+def test_unsupported_features_are_refused() -> None:
+    for body, param in [
+        (b'{"messages": [], "tools": [{"type": "function"}]}', "tools"),
+        (b'{"messages": [], "response_format": {"type": "json_schema"}}', "response_format"),
+        (b'{"messages": [], "logit_bias": {"1": 2}}', "logit_bias"),
+    ]:
+        with pytest.raises(ApiError) as caught:
+            check_unsupported(_decode(body, ChatCompletionRequest))  # type: ignore[arg-type]
+        assert caught.value.param == param
+
+
+def test_chat_messages_join_text_parts() -> None:
+    parts = [ContentPart("text", "a"), ContentPart("text", "b")]
+    messages = [ChatMessage("system", "s"), ChatMessage("user", parts), ChatMessage("assistant")]
+    assert chat_messages(messages) == [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "ab"},
+        {"role": "assistant", "content": ""},
+    ]
