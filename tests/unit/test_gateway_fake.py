@@ -9,10 +9,12 @@ records requests, aborts and what is in flight, and can be made unready or overl
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import functools
 import re
+import signal
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -370,3 +372,24 @@ async def serve_gateway(
 def make_fake_engine(bus: object, **options: Any) -> FakeEngineClient:
     """An engine factory as ``gateway.actor.GatewayActor(engine_factory=...)`` calls it."""
     return FakeEngineClient(**options)
+
+
+async def _serve_forever(port: int, token_delay: float, max_model_len: int) -> None:
+    from gateway.app import create_app
+    from gateway.server import serve_forever
+
+    engine = FakeEngineClient(token_delay=token_delay, max_model_len=max_model_len)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await serve_forever(create_app(engine), "127.0.0.1", port, stop)
+
+
+if __name__ == "__main__":  # a gateway over the fake engine, for bench/serve.py smoke runs
+    parser = argparse.ArgumentParser(description="serve the gateway over the fake engine")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--token-delay", type=float, default=0.0)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    cli = parser.parse_args()
+    asyncio.run(_serve_forever(cli.port, cli.token_delay, cli.max_model_len))
