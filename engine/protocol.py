@@ -62,6 +62,8 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
         """Apply the model's chat template and tokenize."""
         ...

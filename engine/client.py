@@ -1,0 +1,340 @@
+"""The engine client (shoal's AsyncLLM): tokenizes, routes each request to an engine core by
+load, streams its outputs as ``engine.outputs.RequestOutput`` and aborts it when the consumer
+goes away.
+
+It listens on its own output subject for every engine core's ``EngineOutputs`` (fed to the pure
+``OutputProcessor``, which detokenizes and applies stop strings) and ``RequestRejected``; on
+engine stats, heartbeats and status events for routing (``EngineRouter``). A watchdog fails the
+requests of an engine core that went silent or stopped, so no caller waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from bus.base import Bus, BusError, Msg, Subscription
+from bus.codec import Codec, DecodeError, encode
+from bus.messages.control import ControlEvent, Heartbeat, StatusEvent
+from bus.messages.engine import (
+    AbortRequest,
+    AddRequest,
+    EngineOutbound,
+    EngineOutputs,
+    EngineStats,
+    RequestRejected,
+    SchedulerStats,
+)
+from bus.messages.sampling import SamplingParams
+from bus.subjects import Subjects
+from engine.collector import RequestOutputCollector
+from engine.model_info import read_max_model_len
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.protocol import EngineUnavailableError, RequestValidationError
+from engine.router import EngineRouter
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+_OUTBOUND: Codec[EngineOutbound] = Codec(EngineOutbound)
+_STATS: Codec[EngineStats] = Codec(EngineStats)
+_CONTROL: Codec[ControlEvent] = Codec(ControlEvent)
+
+StatsListener = Callable[[SchedulerStats, str], None]
+
+
+class AsyncEngineClient:
+    """Implements ``engine.protocol.EngineClient`` over the bus."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        model_dir: str,
+        *,
+        served_model_name: str | None = None,
+        max_model_len: int | None = None,
+        namespace: str = "shoal",
+        client_id: str | None = None,
+        engine_stale_after_s: float = 10.0,
+    ) -> None:
+        self.bus = bus
+        self.model_dir = model_dir
+        self.subjects = Subjects(namespace)
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
+        self._model_name = served_model_name or model_dir
+        self._max_model_len = max_model_len or read_max_model_len(Path(model_dir))
+        self.router = EngineRouter(engine_stale_after_s)
+        self.stats_listeners: list[StatsListener] = []
+        self._tokenizer: Tokenizer | None = None
+        self._processor: OutputProcessor | None = None
+        self._collectors: dict[str, RequestOutputCollector] = {}
+        self._engine_of: dict[str, str] = {}  # user request id → engine id
+        self._subs: list[Subscription] = []
+        self._watchdog: asyncio.Task[None] | None = None
+
+    # ----- lifecycle
+
+    async def start(self) -> AsyncEngineClient:
+        loop = asyncio.get_running_loop()
+        self._tokenizer = await loop.run_in_executor(
+            None, Tokenizer.from_pretrained, self.model_dir
+        )
+        self._processor = OutputProcessor(self._tokenizer)
+        if not self.bus.is_connected:
+            await self.bus.connect()
+        s = self.subjects
+        self._subs = [
+            await self.bus.subscribe(
+                s.engine_out(self.client_id), self._on_output, sequential=True
+            ),
+            await self.bus.subscribe(s.engine_stats("*"), self._on_stats),
+            await self.bus.subscribe(s.heartbeat("engine"), self._on_control),
+            await self.bus.subscribe(s.status("engine"), self._on_control),
+        ]
+        await self.bus.flush()
+        self._watchdog = asyncio.create_task(self._watch_engines())
+        return self
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for request_id in list(self._collectors):
+            await self.abort(request_id)
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            with contextlib.suppress(BusError):
+                await sub.unsubscribe()
+
+    async def wait_until_ready(self, timeout_s: float, num_engines: int = 1) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.router.ready_engines()) < num_engines:
+            if time.monotonic() > deadline:
+                raise EngineUnavailableError(
+                    f"{len(self.router.ready_engines())} of {num_engines} engine cores ready "
+                    f"after {timeout_s:.0f} s"
+                )
+            await asyncio.sleep(0.05)
+
+    # ----- EngineClient protocol
+
+    @property
+    def model_name(self) -> str:
+        return self._model_name
+
+    @property
+    def max_model_len(self) -> int:
+        reported = self.router.max_model_len()
+        return min(self._max_model_len, reported) if reported else self._max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.require_tokenizer().hf
+
+    def require_tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise RuntimeError("engine client not started")
+        return self._tokenizer
+
+    def is_ready(self) -> bool:
+        return bool(self.router.ready_engines())
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        return self.require_tokenizer().encode_chat(messages, add_generation_prompt)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> AsyncIterator[RequestOutput]:
+        collector = await self.add_request(prompt, sampling_params, request_id, priority=priority)
+        finished = False
+        try:
+            while not finished:
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    async def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+    ) -> RequestOutputCollector:
+        """Send a request to an engine core; its outputs arrive in the returned collector."""
+        tokenizer, processor = self.require_tokenizer(), self._require_processor()
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        if request_id in self._collectors:
+            raise RequestValidationError(f"request id {request_id!r} is already in flight")
+        engine = self.router.pick()
+        if engine is None:
+            raise EngineUnavailableError("no engine core is ready to take requests")
+        arrival = time.time()
+        children = processor.add_request(request_id, prompt_ids, params, prompt_text, arrival)
+        collector = RequestOutputCollector(params.output_kind)
+        self._collectors[request_id] = collector
+        self._engine_of[request_id] = engine.engine_id
+        subject = self.subjects.engine_in(engine.engine_id)
+        for child in children:
+            add = AddRequest(
+                child.request_id,
+                prompt_ids,
+                child.sampling_params,
+                self.client_id,
+                arrival,
+                eos_token_ids=tokenizer.eos_token_ids,
+                priority=priority,
+            )
+            await self.bus.publish(subject, encode(add))
+        return collector
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            prompt_ids = self.require_tokenizer().encode(prompt)
+            text: str | None = prompt
+        else:
+            prompt_ids, text = list(prompt), None
+        if not prompt_ids:
+            raise RequestValidationError("the prompt must not be empty", "prompt")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestValidationError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's maximum context length "
+                f"is {self.max_model_len} tokens (prompt plus at least one generated token)",
+                "prompt",
+            )
+        return text, prompt_ids
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request (idempotent): the engine core frees it, the caller gets no more."""
+        self._collectors.pop(request_id, None)
+        engine_id = self._engine_of.pop(request_id, None)
+        engine_ids = self._require_processor().abort_request(request_id)
+        if engine_id is not None and engine_ids:
+            await self._send_abort(engine_id, engine_ids)
+
+    async def _send_abort(self, engine_id: str, engine_request_ids: list[str]) -> None:
+        try:
+            await self.bus.publish(
+                self.subjects.engine_in(engine_id), encode(AbortRequest(engine_request_ids))
+            )
+        except BusError as exc:
+            log.warning("abort of %s not sent to %s: %r", engine_request_ids, engine_id, exc)
+
+    # ----- inbound
+
+    def _require_processor(self) -> OutputProcessor:
+        if self._processor is None:
+            raise RuntimeError("engine client not started")
+        return self._processor
+
+    async def _on_output(self, msg: Msg) -> None:
+        try:
+            message = _OUTBOUND.decode(msg.data)
+        except DecodeError as exc:
+            log.warning("undecodable engine output: %s", exc)
+            return
+        match message:
+            case EngineOutputs():
+                await self._on_engine_outputs(message)
+            case RequestRejected():
+                self._on_rejected(message)
+
+    async def _on_engine_outputs(self, message: EngineOutputs) -> None:
+        if message.stats is not None:
+            self._notify_stats(message.stats, message.engine_id)
+        processed = self._require_processor().process_outputs(message)
+        for output in processed.request_outputs:
+            collector = self._collectors.get(output.request_id)
+            if collector is not None:
+                collector.put(output)
+        for request_id in processed.finished_request_ids:
+            self._collectors.pop(request_id, None)
+            self._engine_of.pop(request_id, None)
+        if processed.reqs_to_abort:
+            await self._send_abort(message.engine_id, processed.reqs_to_abort)
+
+    def _on_rejected(self, rejected: RequestRejected) -> None:
+        owner = self._owner_of(rejected.request_id)
+        if owner is None:
+            return
+        if rejected.code == "invalid":
+            error: Exception = RequestValidationError(rejected.message)
+        else:
+            error = EngineUnavailableError(f"{rejected.code}: {rejected.message}")
+        self._fail(owner, error)
+
+    def _owner_of(self, engine_request_id: str) -> str | None:
+        if engine_request_id in self._collectors:
+            return engine_request_id
+        owner = engine_request_id.partition("_")[2]  # n > 1 children are "{i}_{request_id}"
+        return owner if owner in self._collectors else None
+
+    def _fail(self, request_id: str, error: Exception) -> None:
+        collector = self._collectors.pop(request_id, None)
+        engine_id = self._engine_of.pop(request_id, None)
+        engine_ids = self._require_processor().abort_request(request_id)
+        if engine_id is not None and engine_ids:
+            asyncio.get_running_loop().create_task(self._send_abort(engine_id, engine_ids))
+        if collector is not None:
+            collector.put(error)
+
+    async def _on_stats(self, msg: Msg) -> None:
+        try:
+            stats = _STATS.decode(msg.data)
+        except DecodeError:
+            return
+        self.router.on_stats(stats)
+        self._notify_stats(stats.stats, stats.engine_id)
+
+    def _notify_stats(self, stats: SchedulerStats, engine_id: str) -> None:
+        for listener in self.stats_listeners:
+            try:
+                listener(stats, engine_id)
+            except Exception:
+                log.exception("stats listener failed")
+
+    async def _on_control(self, msg: Msg) -> None:
+        try:
+            event = _CONTROL.decode(msg.data)
+        except DecodeError:
+            return
+        if isinstance(event, Heartbeat | StatusEvent):
+            self.router.on_state(event.actor_id, event.state)
+
+    async def _watch_engines(self) -> None:
+        """Fail the requests of engine cores that stopped or went silent."""
+        while True:
+            await asyncio.sleep(1.0)
+            lost = set(self.router.lost_engines())
+            if not lost:
+                continue
+            for request_id, engine_id in list(self._engine_of.items()):
+                if engine_id in lost:
+                    output = self._require_processor().fail_request(
+                        request_id, f"engine core {engine_id} is gone"
+                    )
+                    collector = self._collectors.pop(request_id, None)
+                    self._engine_of.pop(request_id, None)
+                    if collector is not None and output is not None:
+                        collector.put(output)
+
+
+async def make_client(bus: Bus, **options: Any) -> AsyncEngineClient:
+    """Factory for ``gateway.actor.GatewayActor(engine_factory="engine.client:make_client")``."""
+    return await AsyncEngineClient(bus, **options).start()

@@ -1,0 +1,145 @@
+"""The engine core's synchronous heart: the scheduler plus its pending inputs, with no I/O.
+
+``EngineCoreActor`` (``engine/core_actor.py``) is the thin async shell: it feeds inputs in,
+asks for a step, sends it to the workers and hands the result back. Keeping this part pure
+leaves room for the later wrappers: a fault-tolerance sentinel around ``step`` and a batch
+queue that holds two steps in flight (async scheduling) both sit in the shell.
+
+Inputs are queued as they arrive and applied all together before each step; aborts are also
+applied just before a step's results (so a request aborted mid-step gets no more tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from bus.messages.engine import (
+    AbortRequest,
+    AddRequest,
+    RequestOutput,
+    RequestRejected,
+    SchedulerStats,
+)
+from bus.messages.worker import StepResult
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request, RequestStatus
+from engine.scheduler import Scheduler
+from engine.scheduler_output import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+ClientOutputs = dict[str, list[RequestOutput]]
+
+
+def merge_outputs(into: ClientOutputs, more: ClientOutputs) -> ClientOutputs:
+    for client_id, outputs in more.items():
+        into.setdefault(client_id, []).extend(outputs)
+    return into
+
+
+class EngineCore:
+    """A scheduler with an input queue, admission control and failure handling."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        num_blocks: int,
+        max_waiting_requests: int = 1024,
+    ) -> None:
+        self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks=num_blocks)
+        self.max_waiting_requests = max_waiting_requests
+        self._inputs: deque[AddRequest | AbortRequest] = deque()
+        self._pending_aborts: set[str] = set()
+        self._num_pending_adds = 0
+
+    # ----- inputs (called as messages arrive)
+
+    def admit(self, msg: AddRequest) -> RequestRejected | None:
+        """Queue an add, or say why not (``overloaded`` past the waiting bound)."""
+        num_waiting = self.scheduler.num_waiting + self._num_pending_adds
+        if num_waiting >= self.max_waiting_requests:
+            return RequestRejected(
+                msg.request_id,
+                "overloaded",
+                f"engine queue is full ({num_waiting} requests waiting)",
+            )
+        self._inputs.append(msg)
+        self._num_pending_adds += 1
+        return None
+
+    def queue_abort(self, msg: AbortRequest) -> None:
+        self._inputs.append(msg)
+        self._pending_aborts.update(msg.request_ids)
+
+    @property
+    def has_inputs(self) -> bool:
+        return bool(self._inputs)
+
+    def has_work(self) -> bool:
+        return bool(self._inputs) or self.scheduler.has_requests()
+
+    # ----- the step
+
+    def apply_inputs(self) -> tuple[ClientOutputs, list[tuple[str, RequestRejected]]]:
+        """Apply every queued add and abort in arrival order."""
+        outputs: ClientOutputs = {}
+        rejected: list[tuple[str, RequestRejected]] = []
+        while self._inputs:
+            msg = self._inputs.popleft()
+            match msg:
+                case AddRequest():
+                    self._num_pending_adds -= 1
+                    error = self._add(msg)
+                    if error is not None:
+                        rejected.append((msg.client_id, error))
+                case AbortRequest():
+                    merge_outputs(outputs, self._abort(msg.request_ids))
+        self._pending_aborts.clear()
+        return outputs, rejected
+
+    def _add(self, msg: AddRequest) -> RequestRejected | None:
+        try:
+            self.scheduler.add_request(Request.from_add(msg))
+        except ValueError as exc:
+            return RequestRejected(msg.request_id, "invalid", str(exc))
+        return None
+
+    def _abort(self, request_ids: list[str]) -> ClientOutputs:
+        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return Scheduler.group_final_outputs(finished)
+
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step, or None when there is nothing to run."""
+        if not self.scheduler.has_requests():
+            return None
+        return self.scheduler.schedule()
+
+    def apply_result(self, scheduler_output: SchedulerOutput, result: StepResult) -> ClientOutputs:
+        """Aborts that arrived during the step first, then the step's tokens."""
+        outputs: ClientOutputs = {}
+        if self._pending_aborts:
+            aborted = list(self._pending_aborts)
+            self._pending_aborts.clear()
+            merge_outputs(outputs, self._abort(aborted))
+        return merge_outputs(outputs, self.scheduler.update_from_output(scheduler_output, result))
+
+    def fail_all(self, reason: str) -> ClientOutputs:
+        """Finish every request with an error (the workers lost their state) and forget the
+        prefix cache, whose blocks no longer hold what their hashes say."""
+        requests = list(self.scheduler.requests.values())
+        for request in requests:
+            request.error = reason
+        finished = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR)
+        self.scheduler.finished_req_ids.clear()
+        self.scheduler.preempted_req_ids.clear()
+        if not self.scheduler.reset_prefix_cache():
+            log.error("prefix cache not reset after a failure: blocks still in use")
+        return Scheduler.group_final_outputs(finished)
+
+    def stats(self) -> SchedulerStats:
+        stats = self.scheduler.make_stats()
+        stats.num_waiting += self._num_pending_adds
+        return stats

@@ -1,0 +1,262 @@
+"""The engine core actor: a thin async shell around ``EngineCore`` (one per data-parallel rank).
+
+Inbox ``engine_in(engine_id)``: ``AddRequest`` / ``AbortRequest``, queued and applied together
+before each step. The step loop sleeps while there is nothing to do, then: schedule, send the
+step to the workers (``WorkerLink``), apply aborts that arrived meanwhile, apply the result and
+publish one ``EngineOutputs`` per client. ``EngineStats`` go out after steps (at most every
+``stats_interval_s``) and on every heartbeat, so clients can discover and route by load.
+
+A worker failure fails every request of this engine core with a clean error, resets the prefix
+cache, and waits for the worker to come back (the supervisor restarts it) before serving again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from bus.actor import Actor, Inbox
+from bus.base import Bus, BusError, Msg
+from bus.codec import Codec, encode
+from bus.messages.control import ActorState
+from bus.messages.engine import (
+    AbortRequest,
+    AddRequest,
+    EngineInbound,
+    EngineOutputs,
+    EngineStats,
+    RequestRejected,
+)
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core import ClientOutputs, EngineCore, merge_outputs
+from engine.worker_link import WorkerFailure, WorkerLink
+
+log = logging.getLogger(__name__)
+
+
+class EngineCoreActor(Actor):
+    kind: ClassVar[str] = "engine"
+
+    def __init__(
+        self,
+        bus: Bus,
+        engine_id: str,
+        *,
+        worker_ids: Sequence[str],
+        namespace: str = "shoal",
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        policy: str = "fcfs",
+        num_blocks_override: int | None = None,
+        max_waiting_requests: int = 1024,
+        step_timeout_s: float = 120.0,
+        worker_dead_after_s: float = 5.0,
+        startup_timeout_s: float = 600.0,
+        stats_interval_s: float = 0.05,
+        heartbeat_interval_s: float = 1.0,
+    ) -> None:
+        super().__init__(
+            bus, engine_id, namespace=namespace, heartbeat_interval_s=heartbeat_interval_s
+        )
+        self.engine_id = engine_id
+        self.options: dict[str, Any] = {
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_model_len": max_model_len,
+            "block_size": block_size,
+            "enable_prefix_caching": enable_prefix_caching,
+            "policy": policy,
+            "num_blocks_override": num_blocks_override,
+        }
+        self.max_waiting_requests = max_waiting_requests
+        self.startup_timeout_s = startup_timeout_s
+        self.stats_interval_s = stats_interval_s
+        self.workers = WorkerLink(
+            bus,
+            self.subjects,
+            engine_id,
+            worker_ids,
+            dead_after_s=worker_dead_after_s,
+            step_timeout_s=step_timeout_s,
+        )
+        self.core: EngineCore | None = None
+        self.num_blocks = 0
+        self.max_model_len = 0
+        self.num_worker_failures = 0
+        self._codec: Codec[EngineInbound] = Codec(EngineInbound)
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._last_stats_time = 0.0
+
+    # ----- lifecycle
+
+    def inboxes(self) -> Sequence[Inbox]:
+        return [Inbox(self.subjects.engine_in(self.engine_id), self._on_inbound, self._codec)]
+
+    async def on_start(self) -> None:
+        await self.workers.start()
+        await self._connect_workers()
+
+    async def start(self) -> None:
+        await super().start()
+        self._loop_task = asyncio.create_task(self._step_loop(), name=f"steps-{self.engine_id}")
+        await self._publish_stats()
+
+    async def on_stop(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        if self.core is not None:
+            await self._publish(self.core.fail_all(f"engine {self.engine_id} stopped"))
+        await self.workers.stop()
+
+    async def _connect_workers(self) -> None:
+        infos = await self.workers.handshake(self.startup_timeout_s)
+        num_blocks = self.options["num_blocks_override"] or min(i.num_blocks for i in infos)
+        max_model_len = min(i.max_model_len for i in infos)
+        if self.options["max_model_len"]:
+            max_model_len = min(max_model_len, self.options["max_model_len"])
+        if self.core is None or num_blocks != self.num_blocks:
+            self.core = self._build_core(num_blocks, max_model_len)
+        self.num_blocks, self.max_model_len = num_blocks, max_model_len
+        log.info(
+            "engine %s: %d workers ready, %d KV blocks", self.engine_id, len(infos), num_blocks
+        )
+
+    def _build_core(self, num_blocks: int, max_model_len: int) -> EngineCore:
+        o = self.options
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=max(o["max_num_batched_tokens"], 1),
+            max_num_seqs=o["max_num_seqs"],
+            max_model_len=max_model_len,
+            policy=o["policy"],
+        )
+        cache_config = CacheConfig(
+            block_size=o["block_size"], enable_prefix_caching=o["enable_prefix_caching"]
+        )
+        return EngineCore(
+            scheduler_config,
+            cache_config,
+            num_blocks=num_blocks,
+            max_waiting_requests=self.max_waiting_requests,
+        )
+
+    def load(self) -> dict[str, float]:
+        if self.core is None:
+            return {}
+        stats = self.core.stats()
+        return {
+            "num_running": float(stats.num_running),
+            "num_waiting": float(stats.num_waiting),
+            "kv_usage": stats.kv_usage,
+        }
+
+    # ----- inputs
+
+    async def _on_inbound(self, message: EngineInbound, msg: Msg) -> None:
+        core = self.core
+        if core is None:
+            return
+        match message:
+            case AddRequest():
+                rejected: RequestRejected | None
+                if self.state is not ActorState.READY:
+                    rejected = RequestRejected(
+                        message.request_id, "unavailable", f"engine {self.engine_id} is recovering"
+                    )
+                else:
+                    rejected = core.admit(message)
+                if rejected is not None:
+                    await self._send(message.client_id, rejected)
+                    return
+            case AbortRequest():
+                core.queue_abort(message)
+        self._wake.set()
+
+    # ----- the step loop
+
+    async def _step_loop(self) -> None:
+        while True:
+            core = self.core
+            assert core is not None
+            if not core.has_work():
+                self._wake.clear()
+                await self._publish_stats(force=True)  # also lets new clients discover us
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.heartbeat_interval_s)
+                continue
+            try:
+                await self._step(core)
+            except WorkerFailure as exc:
+                await self._recover(core, str(exc))
+            except Exception as exc:
+                log.exception("engine %s: step failed", self.engine_id)
+                await self._recover(core, f"engine step failed: {type(exc).__name__}: {exc}")
+
+    async def _step(self, core: EngineCore) -> None:
+        outputs, rejected = core.apply_inputs()
+        for client_id, rejection in rejected:
+            await self._send(client_id, rejection)
+        scheduler_output = core.schedule()
+        if scheduler_output is not None and not scheduler_output.is_empty:
+            result = await self.workers.execute(scheduler_output.to_message())
+            merge_outputs(outputs, core.apply_result(scheduler_output, result))
+        elif not outputs and not core.has_inputs:
+            await asyncio.sleep(0.001)  # nothing runnable yet: do not spin
+        await self._publish(outputs)
+        await self._publish_stats()
+
+    async def _recover(self, core: EngineCore, reason: str) -> None:
+        """Fail every request, then wait for the workers to be back and reset."""
+        self.num_worker_failures += 1
+        log.error("engine %s: %s; failing all requests", self.engine_id, reason)
+        await self.set_state(ActorState.UNHEALTHY, reason)
+        await self._publish(core.fail_all(reason))
+        while True:
+            try:
+                await self._connect_workers()
+                break
+            except (WorkerFailure, BusError) as exc:
+                log.warning("engine %s: workers not back yet: %s", self.engine_id, exc)
+                await asyncio.sleep(1.0)
+        await self.set_state(ActorState.READY, "workers reconnected")
+
+    # ----- outputs
+
+    async def _publish(self, outputs: ClientOutputs) -> None:
+        stats = self.core.stats() if self.core is not None else None
+        now = time.time()
+        for client_id, client_outputs in outputs.items():
+            await self._send(client_id, EngineOutputs(self.engine_id, client_outputs, now, stats))
+
+    async def _send(self, client_id: str, message: EngineOutputs | RequestRejected) -> None:
+        try:
+            await self.bus.publish(self.subjects.engine_out(client_id), encode(message))
+        except BusError:
+            log.exception("engine %s: output to client %s lost", self.engine_id, client_id)
+
+    async def _publish_stats(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.core is None or (not force and now - self._last_stats_time < self.stats_interval_s):
+            return
+        self._last_stats_time = now
+        stats = EngineStats(
+            self.engine_id,
+            self.core.stats(),
+            time.time(),
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.options["block_size"],
+        )
+        try:
+            await self.bus.publish(self.subjects.engine_stats(self.engine_id), encode(stats))
+        except BusError as exc:
+            log.debug("engine %s: stats not published: %r", self.engine_id, exc)

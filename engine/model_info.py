@@ -1,0 +1,28 @@
+"""Facts the engine side reads straight from a model directory's ``config.json`` (no torch)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def read_model_config(model_dir: Path) -> dict[str, object]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+    config = json.loads(path.read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return config
+
+
+def read_max_model_len(model_dir: Path) -> int:
+    """The model's context length (``max_position_embeddings``), or a default."""
+    config = read_model_config(model_dir)
+    text_config = config.get("text_config")
+    if isinstance(text_config, dict):
+        config = text_config
+    value = config.get("max_position_embeddings")
+    return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_MODEL_LEN
