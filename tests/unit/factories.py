@@ -1,0 +1,177 @@
+"""Small builders for scheduler tests: a scheduler, requests, and a fake worker.
+
+``FakeWorker`` plays a worker's side of the step contract from the ``ExecuteStep`` diffs alone:
+it keeps a persistent batch (new requests once, then deltas), writes a fake KV entry
+``(position, token id)`` into each slot it computes, checks that every slot a request reads holds
+that request's own token at that position (so a wrong prefix-cache hit or a block shared by
+mistake shows up), and samples ``token_for(req_id, position)`` when a request reaches its end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bus.messages.sampling import SamplingParams
+from bus.messages.worker import ExecuteStep, StepResult
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request
+from engine.scheduler import Scheduler
+
+_SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
+_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+EOS = 2
+
+
+def make_scheduler(**overrides: Any) -> Scheduler:
+    """A small scheduler; any SchedulerConfig or CacheConfig field, or ``num_blocks``."""
+    settings: dict[str, Any] = {
+        "max_num_batched_tokens": 64,
+        "max_num_seqs": 16,
+        "max_model_len": 256,
+        "block_size": 4,
+        "num_blocks": 65,
+    }
+    settings.update(overrides)
+    num_blocks = settings.pop("num_blocks")
+    unknown = set(settings) - _SCHEDULER_FIELDS - _CACHE_FIELDS
+    if unknown:
+        raise TypeError(f"unknown scheduler settings: {sorted(unknown)}")
+    return Scheduler(
+        SchedulerConfig(**{k: v for k, v in settings.items() if k in _SCHEDULER_FIELDS}),
+        CacheConfig(
+            num_gpu_blocks_override=num_blocks,
+            **{k: v for k, v in settings.items() if k in _CACHE_FIELDS},
+        ),
+    )
+
+
+def make_request(
+    request_id: str,
+    prompt_token_ids: Sequence[int],
+    *,
+    client_id: str = "client",
+    priority: int = 0,
+    arrival_time: float = 0.0,
+    cache_salt: str | None = None,
+    eos_token_ids: Sequence[int] = (EOS,),
+    **sampling: Any,
+) -> Request:
+    sampling.setdefault("max_tokens", 16)
+    return Request(
+        request_id,
+        list(prompt_token_ids),
+        SamplingParams(**sampling),
+        client_id=client_id,
+        arrival_time=arrival_time,
+        eos_token_ids=list(eos_token_ids),
+        priority=priority,
+        cache_salt=cache_salt,
+    )
+
+
+def make_requests(
+    num_requests: int,
+    prompt_len: int = 10,
+    *,
+    prefix: Sequence[int] = (),
+    start_token: int = 100,
+    id_prefix: str = "req",
+    **kwargs: Any,
+) -> list[Request]:
+    """``num_requests`` requests with distinct prompts of ``prompt_len`` after ``prefix``."""
+    requests = []
+    for index in range(num_requests):
+        first = start_token + index * prompt_len
+        prompt = list(prefix) + list(range(first, first + prompt_len))
+        kwargs.setdefault("arrival_time", 0.0)
+        requests.append(
+            make_request(f"{id_prefix}{index}", prompt, **{**kwargs, "arrival_time": float(index)})
+        )
+    return requests
+
+
+def default_token_for(request_id: str, position: int) -> int:
+    """A deterministic 'model': the token at a position depends on the request and position."""
+    return 10 + (sum(map(ord, request_id)) * 31 + position * 7) % 50
+
+
+@dataclasses.dataclass
+class _WorkerRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class FakeWorker:
+    def __init__(
+        self, block_size: int, token_for: Callable[[str, int], int] = default_token_for
+    ) -> None:
+        self.block_size = block_size
+        self.token_for = token_for
+        self.batch: dict[str, _WorkerRequest] = {}
+        self.kv: dict[tuple[int, int], tuple[int, int]] = {}  # (block, slot) → (position, token)
+
+    def execute(self, step: ExecuteStep) -> StepResult:
+        for req_id in [*step.finished_req_ids, *step.preempted_req_ids]:
+            self.batch.pop(req_id, None)
+        runs: list[tuple[str, int, int]] = []
+        for new in step.new_requests:
+            assert new.req_id not in self.batch, f"{new.req_id} sent as new twice"
+            assert new.resumed or not new.output_token_ids, new
+            self.batch[new.req_id] = _WorkerRequest(
+                new.prompt_token_ids + new.output_token_ids,
+                list(new.block_ids),
+                new.num_computed_tokens,
+            )
+            runs.append((new.req_id, new.num_computed_tokens, new.num_scheduled_tokens))
+        for cached in step.cached_requests:
+            state = self.batch[cached.req_id]
+            assert cached.num_computed_tokens == state.num_computed_tokens, cached
+            state.block_ids.extend(cached.new_block_ids)
+            runs.append((cached.req_id, cached.num_computed_tokens, cached.num_scheduled_tokens))
+        # Like a real forward pass: the whole step's KV is written before attention reads it.
+        for req_id, num_computed, num_scheduled in runs:
+            self._write_kv(req_id, num_computed, num_computed + num_scheduled)
+        sampled = [self._attend_and_sample(req_id, start + n) for req_id, start, n in runs]
+        return StepResult(step.step_id, [run[0] for run in runs], sampled)
+
+    def _slot(self, state: _WorkerRequest, position: int) -> tuple[int, int]:
+        return state.block_ids[position // self.block_size], position % self.block_size
+
+    def _write_kv(self, req_id: str, start: int, end: int) -> None:
+        state = self.batch[req_id]
+        assert end <= len(state.token_ids), (req_id, end, len(state.token_ids))
+        assert len(state.block_ids) * self.block_size >= end, (req_id, state.block_ids, end)
+        for position in range(start, end):
+            self.kv[self._slot(state, position)] = (position, state.token_ids[position])
+
+    def _attend_and_sample(self, req_id: str, end: int) -> list[int]:
+        state = self.batch[req_id]
+        for position in range(end):  # attention reads every earlier slot
+            slot = self._slot(state, position)
+            expected = (position, state.token_ids[position])
+            assert self.kv.get(slot) == expected, (req_id, position, slot, self.kv.get(slot))
+        state.num_computed_tokens = end
+        if end < len(state.token_ids):
+            return []  # part-way through the prompt
+        token = self.token_for(req_id, end)
+        state.token_ids.append(token)
+        return [token]
+
+
+def run_to_completion(
+    scheduler: Scheduler, worker: FakeWorker, max_steps: int = 1000
+) -> dict[str, list[Any]]:
+    """Step until no request is left; returns each request's outputs in order."""
+    outputs: dict[str, list[Any]] = {}
+    for _ in range(max_steps):
+        if not scheduler.has_requests():
+            return outputs
+        step = scheduler.schedule()
+        result = worker.execute(step.to_message())
+        for client_outputs in scheduler.update_from_output(step, result).values():
+            for output in client_outputs:
+                outputs.setdefault(output.request_id, []).append(output)
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")

@@ -1,0 +1,186 @@
+"""Property tests: random arrivals, prompts, aborts and tiny block pools that force preemption.
+
+After every step the block accounting and queue invariants hold; every request finishes; each
+request's tokens equal what the fake model produced for it (the fake worker also checks every KV
+slot a request reads, so a wrong prefix-cache hit or a block shared by mistake fails the test).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from bus.messages.engine import RequestOutput
+from engine.request import RequestStatus
+from engine.scheduler import Scheduler
+from tests.unit.factories import EOS, FakeWorker, make_request, make_scheduler
+
+MAX_MODEL_LEN = 40
+MAX_PROMPT = 24
+MAX_OUTPUT = 8
+MAX_STEPS = 600
+
+
+def token_for(request_id: str, position: int) -> int:
+    value = (sum(map(ord, request_id)) * 31 + position * 7) % 23
+    return EOS if value == 0 else 10 + value
+
+
+@dataclass
+class Arrival:
+    step: int
+    prompt: list[int]
+    max_tokens: int
+    priority: int
+    ignore_eos: bool
+    cache_salt: str | None
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> tuple[Scheduler, list[Arrival], dict[int, list[int]]]:
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    min_blocks = -(-(MAX_PROMPT + MAX_OUTPUT) // block_size) + 1
+    chunked = draw(st.booleans())
+    budget = draw(st.integers(4, 48)) if chunked else MAX_MODEL_LEN
+    scheduler = make_scheduler(
+        block_size=block_size,
+        num_blocks=draw(st.integers(min_blocks, min_blocks * 2)),
+        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_batched_tokens=budget,
+        max_model_len=MAX_MODEL_LEN,
+        enable_chunked_prefill=chunked,
+        enable_prefix_caching=draw(st.booleans()),
+        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])),
+        scheduler_reserve_full_isl=draw(st.booleans()),
+    )
+    prefixes = [[], [3, 4, 5, 6, 7, 8], [3, 4, 5, 9, 9, 9, 9, 9, 9, 9, 9]]
+    arrivals = []
+    for _ in range(draw(st.integers(1, 10))):
+        prefix = draw(st.sampled_from(prefixes))
+        suffix = draw(st.lists(st.integers(3, 12), min_size=1, max_size=MAX_PROMPT - len(prefix)))
+        arrivals.append(
+            Arrival(
+                step=draw(st.integers(0, 12)),
+                prompt=prefix + suffix,
+                max_tokens=draw(st.integers(1, MAX_OUTPUT)),
+                priority=draw(st.integers(0, 2)),
+                ignore_eos=draw(st.booleans()),
+                cache_salt=draw(st.sampled_from([None, None, "a"])),
+            )
+        )
+    aborts: dict[int, list[int]] = {}
+    for _ in range(draw(st.integers(0, 3))):
+        aborts.setdefault(draw(st.integers(0, 30)), []).append(
+            draw(st.integers(0, len(arrivals) - 1))
+        )
+    return scheduler, arrivals, aborts
+
+
+def expected_tokens(request_id: str, arrival: Arrival) -> list[int]:
+    tokens: list[int] = []
+    while True:
+        token = token_for(request_id, len(arrival.prompt) + len(tokens))
+        tokens.append(token)
+        if token == EOS and not arrival.ignore_eos:
+            return tokens
+        if len(tokens) >= arrival.max_tokens or len(arrival.prompt) + len(tokens) >= MAX_MODEL_LEN:
+            return tokens
+
+
+def check_invariants(scheduler: Scheduler) -> None:
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    owners: Counter[int] = Counter()
+    for request_id, blocks in kv.req_to_blocks.items():
+        request = scheduler.requests[request_id]
+        assert len({b.block_id for b in blocks}) == len(blocks), "a block twice in one table"
+        if request.status is not RequestStatus.RUNNING:
+            assert blocks == [], "a waiting request holds blocks"
+        assert len(blocks) * kv.block_size >= request.num_computed_tokens
+        for index, block in enumerate(blocks):
+            assert block.block_id != 0, "the null block was handed out"
+            owners[block.block_id] += 1
+            if block.block_hash is not None and index < len(request.block_hashes):
+                assert request.block_hashes[index] == block.block_hash, "wrong cached block"
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == owners[block.block_id], "ref count differs from owners"
+        assert (block in pool.free_queue) == (block.ref_cnt == 0)
+        if owners[block.block_id] > 1:
+            assert block.block_hash is not None, "block shared without the prefix cache"
+    num_used = sum(1 for block in pool.blocks[1:] if block.ref_cnt > 0)
+    assert pool.num_free_blocks + num_used == pool.num_blocks - 1
+    for block_hash, block in pool.cached_blocks.items():
+        assert block.block_hash == block_hash
+    running, waiting = scheduler.running, list(scheduler.waiting)
+    assert len(running) <= scheduler.scheduler_config.max_num_seqs
+    assert all(r.status is RequestStatus.RUNNING for r in running)
+    assert all(r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) for r in waiting)
+    assert all(r.num_computed_tokens == 0 for r in waiting)
+    assert {r.request_id for r in running + waiting} == set(scheduler.requests)
+    assert len(running) + len(waiting) == len(scheduler.requests)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_random_workloads_keep_invariants_and_produce_the_model_tokens(
+    scenario: tuple[Scheduler, list[Arrival], dict[int, list[int]]],
+) -> None:
+    scheduler, arrivals, aborts = scenario
+    worker = FakeWorker(scheduler.block_size, token_for)
+    outputs: dict[str, list[RequestOutput]] = {}
+    last_arrival = max(a.step for a in arrivals)
+    budget = scheduler.scheduler_config.token_budget
+    for step in range(MAX_STEPS):
+        for index, arrival in enumerate(arrivals):
+            if arrival.step == step:
+                scheduler.add_request(
+                    make_request(
+                        f"r{index}",
+                        arrival.prompt,
+                        max_tokens=arrival.max_tokens,
+                        priority=arrival.priority,
+                        arrival_time=float(step),
+                        ignore_eos=arrival.ignore_eos,
+                        cache_salt=arrival.cache_salt,
+                    )
+                )
+        abort_ids = [f"r{i}" for i in aborts.get(step, [])]
+        finished = scheduler.finish_requests(abort_ids, RequestStatus.FINISHED_ABORTED)
+        for client_outputs in Scheduler.group_final_outputs(finished).values():
+            for output in client_outputs:
+                outputs.setdefault(output.request_id, []).append(output)
+        check_invariants(scheduler)
+        if step > last_arrival and not scheduler.has_requests():
+            break
+        scheduled = scheduler.schedule()
+        assert scheduled.total_num_scheduled_tokens <= budget
+        assert all(n > 0 for n in scheduled.num_scheduled_tokens.values())
+        assert len(scheduled.num_scheduled_tokens) <= scheduler.scheduler_config.max_num_seqs
+        result = worker.execute(scheduled.to_message())
+        for client_outputs in scheduler.update_from_output(scheduled, result).values():
+            for output in client_outputs:
+                outputs.setdefault(output.request_id, []).append(output)
+        check_invariants(scheduler)
+    else:
+        raise AssertionError("requests did not finish")
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.num_blocks - 1
+    stats = scheduler.make_stats()
+    event(f"preempted: {stats.num_preemptions > 0}")
+    event(f"prefix hits: {stats.prefix_cache_hits > 0}")
+    for index, arrival in enumerate(arrivals):
+        request_id = f"r{index}"
+        request_outputs = outputs[request_id]
+        reasons = [o.finish_reason for o in request_outputs]
+        assert reasons[-1] is not None and all(r is None for r in reasons[:-1])
+        tokens = [t for o in request_outputs for t in o.new_token_ids]
+        expected = expected_tokens(request_id, arrival)
+        if reasons[-1] == "abort":
+            assert tokens == expected[: len(tokens)]
+        else:
+            assert tokens == expected
+            last = expected[-1]
+            assert reasons[-1] == ("stop" if last == EOS and not arrival.ignore_eos else "length")
