@@ -7,22 +7,8 @@ single query sits at the last position, so it attends to the whole context.
 import torch
 
 from kernels._triton import require_triton, tl, triton
-
-
-def gather_context(
-    cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor,  # [num_seqs]
-    num_context_blocks: int,
-) -> torch.Tensor:  # [num_seqs, num_context_blocks * block_size, num_kv_heads, head_dim]
-    """Gather each sequence's first pages; table entries past a sequence's pages are ignored."""
-    block_size = cache.shape[1]
-    table = block_tables[:, :num_context_blocks].long()  # [num_seqs, num_context_blocks]
-    pages_used = (seq_lens.long() + block_size - 1) // block_size  # [num_seqs]
-    columns = torch.arange(num_context_blocks, device=table.device)
-    table = torch.where(columns[None, :] < pages_used[:, None], table, 0)
-    gathered = cache[table]  # [num_seqs, num_context_blocks, block_size, num_kv_heads, head_dim]
-    return gathered.flatten(1, 2)
+from kernels.paged_common import check_paged_inputs, dot_precision
+from kernels.prefill_attention import varlen_attention_torch
 
 
 def decode_attention_torch(
@@ -32,29 +18,12 @@ def decode_attention_torch(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
-    max_seq_len: int | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
-    """One batched gather and one masked softmax for a whole batch of decodes (fp32 math)."""
-    num_seqs, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_q_heads // num_kv_heads
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max()) if num_seqs else 0
-    num_context_blocks = -(-max_seq_len // block_size)
-    keys = gather_context(k_cache, block_tables, seq_lens, num_context_blocks).float()
-    values = gather_context(v_cache, block_tables, seq_lens, num_context_blocks).float()
-    context_len = keys.shape[1]
-    # [num_seqs, num_kv_heads, group, head_dim] x [num_seqs, num_kv_heads, head_dim, context_len]
-    q_grouped = q.float().view(num_seqs, num_kv_heads, group, head_dim)
-    scores = torch.matmul(q_grouped, keys.permute(0, 2, 3, 1)) * scale
-    positions = torch.arange(context_len, device=q.device)
-    beyond = positions[None, :] >= seq_lens.to(q.device).long()[:, None]  # [num_seqs, context_len]
-    scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(
-        probs, values.permute(0, 2, 1, 3)
-    )  # [num_seqs, num_kv_heads, group, head_dim]
-    return out.reshape(num_seqs, num_q_heads, head_dim).to(q.dtype)
+    """Torch reference: the varlen path with one query per sequence."""
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return varlen_attention_torch(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+    )
 
 
 @triton.jit
@@ -113,27 +82,6 @@ def _decode_attention_kernel(
     out_offsets = seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :]
     out_mask = head_ok[:, None] & dim_ok[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-
-
-def check_paged_inputs(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor
-) -> None:
-    """Shape, stride and dtype checks shared by the paged attention kernels."""
-    assert q.dim() == 3 and q.is_contiguous(), f"q must be [T, heads, dim], got {tuple(q.shape)}"
-    assert k_cache.dim() == 4 and k_cache.shape == v_cache.shape, "k/v caches differ in shape"
-    assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-    assert q.shape[2] == k_cache.shape[3], f"head_dim {q.shape[2]} != cache {k_cache.shape[3]}"
-    assert q.shape[1] % k_cache.shape[2] == 0, "num_q_heads must be a multiple of num_kv_heads"
-    assert q.dtype == k_cache.dtype == v_cache.dtype, f"{q.dtype} vs cache {k_cache.dtype}"
-    assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    assert k_cache.shape[1] >= 16 and k_cache.shape[1] & (k_cache.shape[1] - 1) == 0, (
-        "block_size must be a power of two >= 16 for the Triton kernels"
-    )
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """Exact fp32 products for fp32 inputs (no TF32); the default for half types."""
-    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def decode_attention_triton(

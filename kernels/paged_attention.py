@@ -1,15 +1,15 @@
 """Attention over one flattened batch of prefill chunks and decodes (no padding).
 
 The keys and values of this step's tokens must already be in the cache (``write_kv`` first).
-The torch path runs every decode in the batch as one batched gather and each prefill chunk with
-SDPA; the Triton path runs the decode kernel for an all-decode batch and the varlen kernel
-otherwise (it handles decodes too).
+The torch path gathers every sequence's pages at once and runs one SDPA per sequence; the Triton
+path runs the decode kernel for an all-decode batch and the varlen kernel otherwise (it handles
+decodes too).
 """
 
 import torch
 
-from kernels.decode_attention import decode_attention_torch, decode_attention_triton
-from kernels.prefill_attention import prefill_attention_one_torch, prefill_attention_triton
+from kernels.decode_attention import decode_attention_triton
+from kernels.prefill_attention import prefill_attention_triton, varlen_attention_torch
 
 
 def paged_attention_torch(
@@ -23,29 +23,9 @@ def paged_attention_torch(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    """Torch reference: batched decodes, then one SDPA per prefill chunk."""
-    num_seqs = seq_lens.shape[0]
-    if max_query_len == 1:
-        return decode_attention_torch(
-            q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len
-        )
-    starts = query_start_loc.tolist()
-    lengths = seq_lens.tolist()
-    out = torch.empty_like(q)
-    decode_seqs = [s for s in range(num_seqs) if starts[s + 1] - starts[s] == 1]
-    if decode_seqs:
-        index = torch.tensor(decode_seqs, device=q.device)
-        tokens = query_start_loc.to(q.device).long()[index]
-        out[tokens] = decode_attention_torch(
-            q[tokens], k_cache, v_cache, block_tables[index], seq_lens[index], scale
-        )
-    for s in range(num_seqs):
-        begin, end = starts[s], starts[s + 1]
-        if end - begin > 1:
-            out[begin:end] = prefill_attention_one_torch(
-                q[begin:end], k_cache, v_cache, block_tables[s], lengths[s], scale
-            )
-    return out
+    """Torch reference (the length hints are not needed: it reads the lengths on the host)."""
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens)
+    return varlen_attention_torch(*args, scale)
 
 
 def paged_attention_triton(

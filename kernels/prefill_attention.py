@@ -8,35 +8,65 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import require_triton, tl, triton
-from kernels.decode_attention import check_paged_inputs, dot_precision
+from kernels.paged_common import (
+    check_paged_inputs,
+    dot_precision,
+    plan_context_reads,
+    read_contexts,
+)
 
 
-def prefill_attention_one_torch(
+def attend_one_sequence(
     q: torch.Tensor,  # [query_len, num_q_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,  # [max_blocks] int32
-    seq_len: int,
+    keys: torch.Tensor,  # [seq_len, num_kv_heads, head_dim]
+    values: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:  # [query_len, num_q_heads, head_dim]
-    """Attention of one sequence's query chunk over its gathered context, with SDPA."""
-    query_len = q.shape[0]
-    block_size = k_cache.shape[1]
-    pages = block_table[: -(-seq_len // block_size)].long()
-    keys = k_cache[pages].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-    values = v_cache[pages].flatten(0, 1)[:seq_len]
-    q_h, k_h, v_h = q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1)
-    if query_len == seq_len:
-        out = F.scaled_dot_product_attention(
-            q_h, k_h, v_h, is_causal=True, scale=scale, enable_gqa=True
-        )
-    else:
+    """SDPA of one sequence's queries (its last positions) over its context."""
+    query_len, seq_len = q.shape[0], keys.shape[0]
+    # [1, heads, len, head_dim] views: SDPA's CPU kernels are much faster with a batch dim
+    q_h, k_h, v_h = (t.transpose(0, 1)[None] for t in (q, keys, values))
+    mask = None
+    if 1 < query_len < seq_len:
         query_pos = seq_len - query_len + torch.arange(query_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= query_pos[:, None]
-        out = F.scaled_dot_product_attention(
-            q_h, k_h, v_h, attn_mask=mask, scale=scale, enable_gqa=True
-        )
-    return out.transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        q_h,
+        k_h,
+        v_h,
+        attn_mask=mask,
+        is_causal=1 < query_len == seq_len,
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+def varlen_attention_torch(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
+    """Torch reference: each sequence's context as a cache view (consecutive pages) or a slice
+    of one packed gather, then one SDPA per sequence reading those strided views directly.
+
+    (Measured on the CPU, this beats a padded batched gather + masked matmul 3-6x for decode
+    batches: no padding, no layout copies.)
+    """
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    plan = plan_context_reads(block_tables, lengths, k_cache.shape[1])
+    keys, values = read_contexts(k_cache, plan), read_contexts(v_cache, plan)
+    out = torch.empty_like(q)
+    for s in range(len(lengths)):
+        begin, end = starts[s], starts[s + 1]
+        if end > begin:
+            out[begin:end] = attend_one_sequence(q[begin:end], keys[s], values[s], scale)
+    return out
 
 
 @triton.jit

@@ -28,11 +28,13 @@ def make_paged_case(
     block_size: int,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    shuffle_pages: bool = True,
 ) -> PagedCase:
     """Each sequence has ``context_lens[i]`` cached tokens then ``query_lens[i]`` new ones.
 
-    Pages are drawn at random from a pool with spare pages filled with garbage; table entries
-    past a sequence's pages hold out-of-range garbage ids (holes the kernels must not read).
+    Pages are drawn at random (or, without ``shuffle_pages``, in consecutive runs) from a pool
+    with spare pages filled with garbage; table entries past a sequence's pages hold
+    out-of-range garbage ids (holes the kernels must not read).
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
@@ -41,7 +43,7 @@ def make_paged_case(
     num_blocks = sum(pages_per_seq) + 3
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 5
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 5
-    perm = torch.randperm(num_blocks, generator=gen)
+    perm = torch.randperm(num_blocks, generator=gen) if shuffle_pages else torch.arange(num_blocks)
     block_tables = torch.full((len(seq_lens), max_blocks), 10_000, dtype=torch.int32)
     dense_k, dense_v, taken = [], [], 0
     for s, n in enumerate(seq_lens):

@@ -17,8 +17,12 @@ DECODE = ([1, 1, 1, 1], [0, 33, 7, 64])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("lens", [MIXED, DECODE], ids=["mixed", "decode"])
-def test_paged_attention_reference_matches_dense(gqa, head_dim, block_size, lens):
-    case = make_paged_case(*lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim, block_size=block_size)
+@pytest.mark.parametrize("shuffle_pages", [True, False], ids=["shuffled", "runs"])
+def test_paged_attention_reference_matches_dense(gqa, head_dim, block_size, lens, shuffle_pages):
+    case = make_paged_case(
+        *lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim, block_size=block_size,
+        shuffle_pages=shuffle_pages,
+    )  # fmt: skip
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
     out = paged_attention_torch(*args, case.seq_lens, case.scale)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)

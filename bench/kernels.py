@@ -1,0 +1,185 @@
+"""Kernel timings: each op's torch reference beside its Triton kernel (not a test).
+
+On a CUDA machine with Triton both paths run on the GPU (default bf16, serving-sized shapes); on
+the CPU only the torch path runs (default fp32, shapes sized for a ~25M-parameter model), since
+Triton on the CPU means the interpreter. Each figure is the median of ``--iters`` timed calls
+after warm-up; on CUDA the Triton output is also checked against the torch output.
+
+    .venv/bin/python bench/kernels.py [--device cuda|cpu] [--dtype bf16|fp16|fp32] [--iters 20]
+
+The last line printed is one JSON object: ``{"device", "dtype", "ops": [{"op", "shape",
+"torch_ms", "triton_ms", "speedup", "max_abs_diff"}, ...]}`` (Triton fields null on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels import activation, fused_moe, kv_write, paged_attention, rms_norm, rotary
+from kernels._triton import HAS_TRITON
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _time_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def _max_diff(a: Any, b: Any) -> float:
+    if isinstance(a, tuple):
+        return max(_max_diff(x, y) for x, y in zip(a, b, strict=True))
+    if a is None:
+        return 0.0
+    return float((a.float() - b.float()).abs().max())
+
+
+def _paged_inputs(
+    query_lens: list[int],
+    context_lens: list[int],
+    hq: int,
+    hkv: int,
+    dim: int,
+    dev: torch.device,
+    dtype: torch.dtype,
+    shuffle: bool = True,
+) -> tuple:
+    block_size = 16
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    pages = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(pages) + 1
+    k_cache = torch.randn(num_blocks, block_size, hkv, dim, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    perm = torch.randperm(num_blocks) if shuffle else torch.arange(num_blocks)
+    perm = perm.to(torch.int32).to(dev)
+    table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=dev)
+    taken = 0
+    for s, n in enumerate(pages):
+        table[s, :n] = perm[taken : taken + n]
+        taken += n
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    q = torch.randn(starts[-1], hq, dim, device=dev, dtype=dtype)
+    qsl = torch.tensor(starts, dtype=torch.int32, device=dev)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=dev)
+    return q, k_cache, v_cache, table, qsl, lens, dim**-0.5
+
+
+def _cases(dev: torch.device, dtype: torch.dtype, big: bool) -> list[tuple[str, str, tuple, Any]]:
+    """(op name, shape text, args, module pair) for every benchmarked op."""
+    hq, hkv, dim = (32, 8, 128) if big else (8, 4, 64)
+    tokens, hidden, inter = (4096, 4096, 14336) if big else (512, 512, 1536)
+    seqs, ctx = (64, 2048) if big else (64, 512)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ctx_lens = torch.randint(ctx // 4, ctx, (seqs,), generator=g).tolist()
+    decode = _paged_inputs([1] * seqs, ctx_lens, hq, hkv, dim, dev, dtype)
+    decode_runs = _paged_inputs([1] * seqs, ctx_lens, hq, hkv, dim, dev, dtype, shuffle=False)
+    chunk = 512 if big else 128
+    prefill = _paged_inputs([chunk] * 4, [chunk] * 4, hq, hkv, dim, dev, dtype)
+    x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+    weight = torch.randn(hidden, device=dev, dtype=dtype)
+    q = torch.randn(tokens, hq, dim, device=dev, dtype=dtype)
+    k = torch.randn(tokens, hkv, dim, device=dev, dtype=dtype)
+    positions = torch.randint(0, 4096, (tokens,), device=dev)
+    cache = rotary.build_cos_sin_cache(dim, 4096, 10000.0).to(dev)
+    experts, top_k, moe_tokens, moe_hidden, moe_inter = (
+        (64, 8, 512, 2048, 768) if big else (8, 2, 128, 512, 768)
+    )
+    moe_x = torch.randn(moe_tokens, moe_hidden, device=dev, dtype=dtype)
+    w13 = torch.randn(experts, 2 * moe_inter, moe_hidden, device=dev, dtype=dtype) * 0.02
+    w2 = torch.randn(experts, moe_hidden, moe_inter, device=dev, dtype=dtype) * 0.02
+    topk = torch.rand(moe_tokens, experts, device=dev).topk(top_k, dim=-1)
+    kv_cache_pair = (decode[1], decode[2])
+    slots = torch.randperm(decode[1].shape[0] * 16, device=dev)[:tokens]
+    return [
+        ("write_kv", f"T={tokens} hkv={hkv} d={dim}", (k, k, *kv_cache_pair, slots), kv_write),
+        ("paged_attention decode", f"S={seqs} ctx<{ctx} hq={hq} hkv={hkv} d={dim}", decode, None),
+        ("paged_attention decode", "same, pages in consecutive runs", decode_runs, None),
+        ("paged_attention prefill", f"4x{chunk} over {chunk} prefix", prefill, None),
+        ("rms_norm+residual", f"T={tokens} h={hidden}", (x, weight, 1e-6, x), rms_norm),
+        ("apply_rotary", f"T={tokens} hq={hq} hkv={hkv} d={dim}", (q, k, positions, cache), rotary),
+        ("silu_and_mul", f"T={tokens} i={inter}", (torch.cat([x, x, x], 1),), activation),
+        (
+            "fused_moe",
+            f"T={moe_tokens} E={experts} k={top_k} h={moe_hidden} i={moe_inter}",
+            (moe_x, w13, w2, topk.values, topk.indices),
+            fused_moe,
+        ),
+    ]
+
+
+def _fns(name: str, module: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    if module is None:
+        return paged_attention.paged_attention_torch, paged_attention.paged_attention_triton
+    pairs = {
+        "write_kv": ("write_kv_torch", "write_kv_triton"),
+        "rms_norm+residual": ("rms_norm_torch", "rms_norm_triton"),
+        "apply_rotary": ("apply_rotary_torch", "apply_rotary_triton"),
+        "silu_and_mul": ("silu_and_mul_torch", "silu_and_mul_triton"),
+        "fused_moe": ("fused_moe_torch", "fused_moe_triton"),
+    }
+    ref, tri = pairs[name]
+    return getattr(module, ref), getattr(module, tri)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    parser.add_argument("--iters", type=int, default=20)
+    args = parser.parse_args()
+    dev = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bf16" if dev.type == "cuda" else "fp32")]
+    run_triton = dev.type == "cuda" and HAS_TRITON
+    torch.manual_seed(0)
+    rows = []
+    print(f"{'op':<26}{'shape':<44}{'torch ms':>10}{'triton ms':>11}{'speedup':>9}{'max diff':>10}")
+    for name, shape, inputs, module in _cases(dev, dtype, big=dev.type == "cuda"):
+        ref, tri = _fns(name, module)
+        torch_ms = _time_ms(lambda ref=ref, inputs=inputs: ref(*inputs), dev, args.iters)
+        triton_ms = diff = None
+        if run_triton:
+            triton_ms = _time_ms(lambda tri=tri, inputs=inputs: tri(*inputs), dev, args.iters)
+            diff = _max_diff(tri(*inputs), ref(*inputs))
+        speedup = torch_ms / triton_ms if triton_ms else None
+        rows.append(
+            {
+                "op": name,
+                "shape": shape,
+                "torch_ms": round(torch_ms, 4),
+                "triton_ms": None if triton_ms is None else round(triton_ms, 4),
+                "speedup": None if speedup is None else round(speedup, 2),
+                "max_abs_diff": diff,
+            }
+        )
+        tri_text = "-" if triton_ms is None else f"{triton_ms:.3f}"
+        sp_text = "-" if speedup is None else f"{speedup:.2f}x"
+        diff_text = "-" if diff is None else f"{diff:.2e}"
+        print(f"{name:<26}{shape:<44}{torch_ms:>10.3f}{tri_text:>11}{sp_text:>9}{diff_text:>10}")
+    print(json.dumps({"device": str(dev), "dtype": str(dtype), "ops": rows}))
+
+
+if __name__ == "__main__":
+    main()
