@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -252,3 +255,28 @@ async def test_in_memory_bus_request_stream() -> None:
         await api.stop()
         await client_bus.close()
         await server_bus.close()
+
+
+async def test_docs_example_runs(nats_url: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The nats-py example of docs/nats-api.md, run as its own process against a gateway."""
+    doc = (Path(__file__).parents[2] / "docs" / "nats-api.md").read_text()
+    script = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "generate.py").write_text(script)
+    gateways = await _start_gateways(nats_url)
+    namespace = gateways[0].subjects.namespace
+    env = {**os.environ, "NATS_URL": nats_url, "SHOAL_NAMESPACE": namespace}
+    try:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(tmp_path / "generate.py"),
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60)
+    finally:
+        await _stop(gateways)
+    assert process.returncode == 0, stderr.decode()
+    lines = stdout.decode().splitlines()
+    assert lines[0].startswith("result: ") and lines[1].startswith("streamed: ")
+    assert lines[0].removeprefix("result: ") == lines[1].removeprefix("streamed: ")
