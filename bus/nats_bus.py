@@ -85,6 +85,7 @@ class NatsBus(Bus):
         connect_timeout: float = 2.0,
         reconnect_time_wait: float = 0.2,
         max_reconnect_attempts: int = -1,
+        connect_attempts: int = 3,
         drain_timeout: float = 5.0,
         chunk_ttl_s: float = 30.0,
     ) -> None:
@@ -100,10 +101,11 @@ class NatsBus(Bus):
             "tls_hostname": tls_hostname,
             "connect_timeout": connect_timeout,
             "reconnect_time_wait": reconnect_time_wait,
-            "max_reconnect_attempts": max_reconnect_attempts,
             "drain_timeout": int(max(1, drain_timeout)),
             "pending_size": PENDING_BUFFER,
         }
+        self._max_reconnect_attempts = max_reconnect_attempts
+        self._connect_attempts = connect_attempts
         self._drain_timeout = drain_timeout
         self._chunk_ttl_s = chunk_ttl_s
         self._nc: Client | None = None
@@ -130,6 +132,9 @@ class NatsBus(Bus):
         if self._nc is not None:
             return
         options = {k: v for k, v in self._options.items() if v is not None}
+        # The first connection gives up after a few attempts (a wrong address or credentials
+        # must fail, not hang); once connected, reconnecting follows max_reconnect_attempts.
+        options["max_reconnect_attempts"] = self._connect_attempts
         try:
             self._nc = await nats.connect(
                 error_cb=self._on_error,
@@ -139,6 +144,7 @@ class NatsBus(Bus):
             )
         except (nats.errors.Error, OSError) as exc:
             raise BusError(f"cannot connect to NATS at {self.servers}: {exc!r}") from exc
+        self._nc.options["max_reconnect_attempts"] = self._max_reconnect_attempts
         chunk_size = max(1024, self._nc.max_payload - HEADER_RESERVE)
         self._chunks = ChunkSender(self, chunk_size, ttl_s=self._chunk_ttl_s)
 

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from bus import connect_bus
+from bus.base import BusError
 from bus.jetstream import KvBucket, KvEntry, ObjectStore
 from bus.nats_bus import NatsBus
 from bus.server import NatsServer, NatsServerNotFoundError, find_nats_server
@@ -102,3 +104,20 @@ async def test_object_store_round_trips_a_multi_mib_object(nats_bus: NatsBus):
     assert await store.get("absent") is None
     await store.put("empty", b"")
     assert await store.get("empty") == b""
+
+
+async def test_user_password_and_token_authentication():
+    users = 'authorization { users = [ { user: "shoal", password: "s3cret" } ] }'
+    with NatsServer(extra_config=users) as server:
+        good = NatsBus([server.url], user="shoal", password="s3cret")
+        await good.connect()
+        assert good.is_connected
+        await good.close()
+        with pytest.raises(BusError, match="cannot connect"):
+            await NatsBus([server.url], user="shoal", password="wrong", connect_timeout=1).connect()
+    with NatsServer(extra_config='authorization { token: "t0ken" }') as server:
+        bus = await connect_bus(server.url, token="t0ken")
+        assert bus.is_connected
+        await bus.close()
+        with pytest.raises(BusError):
+            await NatsBus([server.url], token="nope", connect_timeout=1).connect()
