@@ -146,9 +146,13 @@ class AsyncEngineClient:
         return bool(self.router.ready_engines())
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
     ) -> list[int]:
-        return self.require_tokenizer().encode_chat(messages, add_generation_prompt)
+        tokenizer = self.require_tokenizer()
+        return tokenizer.encode_chat(messages, add_generation_prompt, chat_template)
 
     async def generate(
         self,

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from bus.messages.sampling import OutputKind, SamplingParams
-from tests.golden.conftest import hf_greedy, make_prompts
+from tests.fixtures.models import hf_greedy, make_prompts
 from tests.integration.engine_stack import engine_stack
 
 pytestmark = pytest.mark.timeout(180)

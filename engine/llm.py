@@ -1,0 +1,183 @@
+"""The offline API, shaped like vLLM's: ``LLM(model, ...).generate(prompts, sampling_params)``.
+
+Everything runs in this process on an in-memory bus: the workers, the engine core(s) and an
+engine client live in one event loop on a background thread, and the blocking methods submit
+work to it. A prompt is a string or ``{"prompt_token_ids": [...]}``; results come back in the
+order of the prompts, each a ``RequestOutput`` with ``.outputs[i].text``, ``.token_ids`` and
+``.finish_reason``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+import uuid
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from bus import make_bus
+from bus.actor import Actor
+from bus.messages.sampling import SamplingParams
+from bus.run_actor import load_target
+from engine.args import EngineArgs
+from engine.client import AsyncEngineClient
+from engine.deployment import client_options, plan_actors
+from engine.outputs import RequestOutput
+from engine.progress import ProgressBar
+
+T = TypeVar("T")
+PromptInput = str | dict[str, Any]
+_llm_counter = itertools.count()
+
+
+class LLM:
+    """A model served in-process. Engine arguments use vLLM's names (see ``EngineArgs``)."""
+
+    def __init__(self, model: str, *, startup_timeout_s: float = 600.0, **engine_args: Any) -> None:
+        engine_args.setdefault("bus", "memory")
+        self.args = EngineArgs(model=model, **engine_args)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="shoal-llm", daemon=True
+        )
+        self._thread.start()
+        self._actors: list[Actor] = []
+        self._client: AsyncEngineClient | None = None
+        try:
+            self._client = self._run(self._start(startup_timeout_s))
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ----- lifecycle
+
+    async def _start(self, timeout_s: float) -> AsyncEngineClient:
+        bus = make_bus(f"memory://llm-{next(_llm_counter)}-{uuid.uuid4().hex[:6]}")
+        await bus.connect()
+        for plan in plan_actors(self.args):
+            kwargs = dict(plan.kwargs)
+            actor_id = kwargs.pop("worker_id", None) or kwargs.pop("engine_id")
+            actor = load_target(plan.target)(bus, actor_id, **kwargs)
+            await actor.start()
+            self._actors.append(actor)
+        client = AsyncEngineClient(bus, **client_options(self.args))
+        await client.start()
+        await client.wait_until_ready(timeout_s, self.args.data_parallel_size)
+        return client
+
+    def shutdown(self) -> None:
+        """Stop the actors and the loop thread (also on garbage collection)."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._run(self._stop(), timeout=60)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    async def _stop(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+        for actor in reversed(self._actors):
+            await actor.stop()
+        self._actors.clear()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+    def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        return future.result(timeout)
+
+    # ----- generation
+
+    def get_tokenizer(self) -> Any:
+        return self._require_client().tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (a string or ``{"prompt_token_ids": [...]}``)."""
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        inputs = [_prompt_input(p) for p in prompt_list]
+        params = _params_per_prompt(sampling_params, len(inputs))
+        return self._run(self._generate_all(inputs, params, use_tqdm))
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the chat template (the model's, or ``chat_template``) to each conversation,
+        then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        client = self._require_client()
+        inputs: list[str | list[int]] = [
+            client.encode_chat(list(conv), add_generation_prompt, chat_template)  # type: ignore[arg-type]
+            for conv in conversations
+        ]
+        params = _params_per_prompt(sampling_params, len(inputs))
+        return self._run(self._generate_all(inputs, params, use_tqdm))
+
+    async def _generate_all(
+        self, inputs: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        client = self._require_client()
+        progress = ProgressBar(len(inputs), enabled=use_tqdm, desc="Processed prompts")
+
+        async def one(index: int) -> RequestOutput:
+            final = None
+            async for output in client.generate(inputs[index], params[index], f"{index}"):
+                final = output
+            progress.update(final)
+            assert final is not None
+            return final
+
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(len(inputs)))))
+        finally:
+            progress.close()
+
+    def _require_client(self) -> AsyncEngineClient:
+        if self._client is None:
+            raise RuntimeError("LLM is shut down")
+        return self._client
+
+
+def _prompt_input(prompt: PromptInput) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return [int(t) for t in prompt["prompt_token_ids"]]
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return str(prompt["prompt"])
+    raise TypeError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
+
+
+def _params_per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return list(params)

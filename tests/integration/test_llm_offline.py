@@ -1,0 +1,71 @@
+"""The offline API (vLLM's shape) over a tiny model, in one process on the in-memory bus."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.fixtures.models import hf_greedy, make_prompts
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    engine = LLM(str(tiny_checkpoint("llama")), num_gpu_blocks_override=128, max_num_seqs=16)
+    yield engine
+    engine.shutdown()
+
+
+def test_generate_token_prompts_match_transformers(llm, tiny_checkpoint):  # type: ignore[no-untyped-def]
+    prompts = make_prompts()
+    expected = hf_greedy(tiny_checkpoint("llama"), prompts, 10)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [r.outputs[0].token_ids for r in results] == expected
+    assert all(r.outputs[0].finish_reason == "length" for r in results)
+    assert [r.prompt_token_ids for r in results] == prompts
+
+
+def test_generate_text_prompts_in_order_with_text(llm):  # type: ignore[no-untyped-def]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    results = llm.generate(["hello", "the quick brown fox", "a"], params)
+    assert len(results) == 3
+    tokenizer = llm.get_tokenizer()
+    for result in results:
+        completion = result.outputs[0]
+        assert len(completion.token_ids) == 5
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    assert results[1].prompt == "the quick brown fox"
+
+
+def test_n_greater_than_one_and_seeds(llm):  # type: ignore[no-untyped-def]
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    first = llm.generate("hello", params, use_tqdm=False)[0]
+    again = llm.generate("hello", params, use_tqdm=False)[0]
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in first.outputs] == [c.token_ids for c in again.outputs]
+    assert len({tuple(c.token_ids) for c in first.outputs}) > 1
+
+
+def test_chat_applies_a_template(llm):  # type: ignore[no-untyped-def]
+    from engine.tokenizer import FALLBACK_CHAT_TEMPLATE, MissingChatTemplateError
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    messages = [{"role": "user", "content": "hi there"}]
+    with pytest.raises(MissingChatTemplateError):
+        llm.chat(messages, params)  # the tiny test tokenizer ships no template
+    result = llm.chat(messages, params, use_tqdm=False, chat_template=FALLBACK_CHAT_TEMPLATE)[0]
+    tokenizer = llm.get_tokenizer()
+    rendered = "user: hi there\nassistant:"
+    assert result.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert len(result.outputs[0].token_ids) == 4
+
+
+def test_bad_arguments_are_clear_errors(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="model directory not found"):
+        LLM("/nonexistent/model")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(str(tiny_checkpoint("llama")), max_num_seqs=0)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
