@@ -67,10 +67,10 @@ class SchedulerConfig:
         )
         if not self.enable_chunked_prefill:
             _require(
-                self.max_num_batched_tokens >= self.max_model_len,
+                self.token_budget >= self.max_model_len,
                 "max_num_batched_tokens",
-                f"must be at least max_model_len={self.max_model_len} when chunked prefill is "
-                f"off, got {self.max_num_batched_tokens}",
+                f"(and max_num_scheduled_tokens) must be at least max_model_len="
+                f"{self.max_model_len} when chunked prefill is off, got {self.token_budget}",
             )
 
     @property

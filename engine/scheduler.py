@@ -100,16 +100,26 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens, more than "
                 f"max_model_len={self.max_model_len}"
             )
+        self._check_fits(request)
+        if self.block_hasher is not None and not request.has_block_hasher:
+            request.set_block_hasher(self.block_hasher)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _check_fits(self, request: Request) -> None:
+        """A request that could not run even alone would wait (or preempt itself) forever."""
         max_total = min(self.max_model_len, request.num_prompt_tokens + request.max_tokens)
         if -(-max_total // self.block_size) > self.num_blocks - 1:
             raise ValueError(
                 f"request needs up to {max_total} tokens of KV cache, more than the "
                 f"{(self.num_blocks - 1) * self.block_size} the cache holds"
             )
-        if self.block_hasher is not None and not request.has_block_hasher:
-            request.set_block_hasher(self.block_hasher)
-        self.requests[request.request_id] = request
-        self.waiting.add(request)
+        num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
+        if num_prompt_blocks > self.num_blocks - 1 - self._reserved_blocks:
+            raise ValueError(
+                f"prompt needs {num_prompt_blocks} KV blocks, more than the "
+                f"{self.num_blocks - 1 - self._reserved_blocks} admission may use (watermark)"
+            )
 
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, status: RequestStatus

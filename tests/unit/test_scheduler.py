@@ -272,3 +272,11 @@ def test_stats_track_load_cache_and_tokens() -> None:
     step(scheduler, worker)
     assert scheduler.make_stats().num_generation_tokens == 4
     assert scheduler.make_stats().kv_usage == 0.0
+
+
+def test_add_request_rejects_a_prompt_the_watermark_leaves_no_room_for() -> None:
+    scheduler = make_scheduler(num_blocks=11, watermark=0.5, max_model_len=64)
+    with pytest.raises(ValueError, match="watermark"):
+        scheduler.add_request(make_request("r", list(range(24)), max_tokens=1))
+    scheduler.add_request(make_request("ok", list(range(16)), max_tokens=1))
+    assert scheduler.schedule().num_scheduled_tokens == {"ok": 16}
