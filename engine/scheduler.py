@@ -30,31 +30,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from bus.messages.engine import RequestOutput, SchedulerStats
-from bus.messages.worker import CachedRequestData, NewRequestData, StepError, StepResult
+from bus.messages.worker import StepError, StepResult
 from engine.block_hash import BlockHasher
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.request_queue import make_request_queue
-from engine.scheduler_output import SchedulerOutput
+from engine.scheduler_output import SchedulerOutput, StepPlan, build_scheduler_output
 from engine.step_update import StepUpdater
 
 RUNNING = RequestStatus.RUNNING
 PREEMPTED = RequestStatus.PREEMPTED
-
-
-class _StepPlan:
-    """What the current ``schedule()`` call has decided so far."""
-
-    __slots__ = ("cached", "cached_block_ids", "new", "num_scheduled", "preempted", "token_budget")
-
-    def __init__(self, token_budget: int) -> None:
-        self.token_budget = token_budget
-        self.num_scheduled: dict[str, int] = {}
-        self.cached: list[Request] = []  # running requests scheduled, in order
-        self.cached_block_ids: list[list[int]] = []  # their newly allocated block ids
-        self.new: list[tuple[Request, bool]] = []  # admitted requests, resumed or not
-        self.preempted: list[str] = []
 
 
 class Scheduler:
@@ -192,7 +178,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.step_id += 1
-        plan = _StepPlan(self.scheduler_config.token_budget)
+        plan = StepPlan(self.scheduler_config.token_budget)
         threshold = self.scheduler_config.long_prefill_token_threshold
         if len(self.running) + len(self.waiting) <= 1:
             threshold = 0  # a lone request may take the whole budget
@@ -201,7 +187,7 @@ class Scheduler:
             self._schedule_waiting(plan, threshold)
         return self._make_output(plan)
 
-    def _schedule_running(self, plan: _StepPlan, threshold: int) -> None:
+    def _schedule_running(self, plan: StepPlan, threshold: int) -> None:
         running = self.running
         allocate_slots = self.kv_cache_manager.allocate_slots
         max_model_len = self.max_model_len
@@ -249,7 +235,7 @@ class Scheduler:
         )
 
     @staticmethod
-    def _unschedule(plan: _StepPlan, victim: Request) -> int:
+    def _unschedule(plan: StepPlan, victim: Request) -> int:
         """Take back a victim already scheduled this step; returns its tokens to refund."""
         num_tokens = plan.num_scheduled.pop(victim.request_id, 0)
         if num_tokens:
@@ -269,7 +255,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
-    def _schedule_waiting(self, plan: _StepPlan, threshold: int) -> None:
+    def _schedule_waiting(self, plan: StepPlan, threshold: int) -> None:
         config = self.scheduler_config
         waiting, running = self.waiting, self.running
         kv = self.kv_cache_manager
@@ -305,40 +291,11 @@ class Scheduler:
             budget -= num_new
         plan.token_budget = budget
 
-    def _make_output(self, plan: _StepPlan) -> SchedulerOutput:
-        num_scheduled = plan.num_scheduled
-        get_block_ids = self.kv_cache_manager.get_block_ids
-        new_requests = []
-        for request, resumed in plan.new:
-            request_id = request.request_id
-            num_tokens = num_scheduled[request_id]
-            new_requests.append(
-                NewRequestData(
-                    request_id,
-                    request.prompt_token_ids,
-                    request.sampling_params,
-                    get_block_ids(request_id),
-                    request.num_computed_tokens,
-                    num_tokens,
-                    list(request.output_token_ids) if resumed else [],
-                    resumed,
-                    request.eos_token_ids,
-                )
-            )
-            request.num_computed_tokens += num_tokens
-        cached_requests = []
-        for request, new_block_ids in zip(plan.cached, plan.cached_block_ids, strict=True):
-            num_tokens = num_scheduled[request.request_id]
-            num_computed = request.num_computed_tokens
-            cached_requests.append(
-                CachedRequestData(request.request_id, new_block_ids, num_computed, num_tokens)
-            )
-            request.num_computed_tokens = num_computed + num_tokens
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, []
-        preempted = self.preempted_req_ids + plan.preempted
-        self.preempted_req_ids = []
-        return SchedulerOutput(
-            self.step_id, new_requests, cached_requests, num_scheduled, finished, preempted
+        preempted, self.preempted_req_ids = self.preempted_req_ids + plan.preempted, []
+        return build_scheduler_output(
+            self.step_id, plan, self.kv_cache_manager.get_block_ids, finished, preempted
         )
 
     # ----- results

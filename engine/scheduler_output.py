@@ -4,11 +4,17 @@ The step is a diff against the worker's persistent batch: a request's prompt and
 table appear once (``NewRequestData``; again with ``resumed=True`` and prompt + outputs after a
 preemption), then only deltas (``CachedRequestData``: blocks to append, tokens to run). Batch
 order is new requests then cached ones; ``StepResult`` answers in the same order.
+
+``StepPlan`` is the scheduler's scratch state while it decides a step; ``build_scheduler_output``
+turns it into the ``SchedulerOutput``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
+from engine.request import Request
 
 
 class SchedulerOutput:
@@ -68,3 +74,57 @@ class SchedulerOutput:
             f"cached={len(self.cached_requests)}, tokens={self.total_num_scheduled_tokens}, "
             f"finished={len(self.finished_req_ids)}, preempted={len(self.preempted_req_ids)})"
         )
+
+
+class StepPlan:
+    """What the current ``schedule()`` call has decided so far."""
+
+    __slots__ = ("cached", "cached_block_ids", "new", "num_scheduled", "preempted", "token_budget")
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.num_scheduled: dict[str, int] = {}
+        self.cached: list[Request] = []  # running requests scheduled, in order
+        self.cached_block_ids: list[list[int]] = []  # their newly allocated block ids
+        self.new: list[tuple[Request, bool]] = []  # admitted requests, resumed or not
+        self.preempted: list[str] = []
+
+
+def build_scheduler_output(
+    step_id: int,
+    plan: StepPlan,
+    get_block_ids: Callable[[str], list[int]],
+    finished_req_ids: list[str],
+    preempted_req_ids: list[str],
+) -> SchedulerOutput:
+    """The step's diff; advances each scheduled request's ``num_computed_tokens`` (optimistic)."""
+    num_scheduled = plan.num_scheduled
+    new_requests = []
+    for request, resumed in plan.new:
+        request_id = request.request_id
+        num_tokens = num_scheduled[request_id]
+        new_requests.append(
+            NewRequestData(
+                request_id,
+                request.prompt_token_ids,
+                request.sampling_params,
+                get_block_ids(request_id),
+                request.num_computed_tokens,
+                num_tokens,
+                list(request.output_token_ids) if resumed else [],
+                resumed,
+                request.eos_token_ids,
+            )
+        )
+        request.num_computed_tokens += num_tokens
+    cached_requests = []
+    for request, new_block_ids in zip(plan.cached, plan.cached_block_ids, strict=True):
+        num_tokens = num_scheduled[request.request_id]
+        num_computed = request.num_computed_tokens
+        cached_requests.append(
+            CachedRequestData(request.request_id, new_block_ids, num_computed, num_tokens)
+        )
+        request.num_computed_tokens = num_computed + num_tokens
+    return SchedulerOutput(
+        step_id, new_requests, cached_requests, num_scheduled, finished_req_ids, preempted_req_ids
+    )
