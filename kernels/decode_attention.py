@@ -1,7 +1,9 @@
 """Paged attention for decode steps (one query token per sequence): torch reference and Triton.
 
 Each sequence's context is its first ``seq_len`` cache slots, read through its block table; the
-single query sits at the last position, so it attends to the whole context.
+single query sits at the last position, so it attends to the whole context. The Triton kernel
+runs one program per (sequence, kv head, context split); when the batch is too small to fill the
+GPU, the context is split (flash-decoding) and a second kernel merges the partial softmaxes.
 """
 
 import torch
@@ -33,7 +35,9 @@ def _decode_attention_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
-    out_ptr,
+    out_ptr,  # [S, Hq, D], or [S, Hq, splits, D] fp32 partials when SPLIT
+    max_ptr,  # [S, Hq, splits] fp32 (SPLIT only)
+    sum_ptr,  # [S, Hq, splits] fp32 (SPLIT only)
     scale,
     q_stride_t,
     q_stride_h,
@@ -43,14 +47,18 @@ def _decode_attention_kernel(
     table_stride,
     group,
     head_dim,
+    pages_per_split,
+    SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (sequence, kv head): its ``group`` query heads against every page."""
+    """One program per (sequence, kv head, split): its ``group`` query heads over its pages."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     heads = kv_head * group + tl.arange(0, BLOCK_G)  # query heads of this kv head
     dims = tl.arange(0, BLOCK_D)
@@ -63,7 +71,9 @@ def _decode_attention_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for page in range(0, tl.cdiv(seq_len, PAGE)):
+    first_page = split * pages_per_split
+    last_page = tl.minimum(first_page + pages_per_split, tl.cdiv(seq_len, PAGE))
+    for page in range(first_page, last_page):
         block = tl.load(block_tables_ptr + seq * table_stride + page).to(tl.int64)
         key_ok = page * PAGE + slots < seq_len
         kv_mask = key_ok[:, None] & dim_ok[None, :]
@@ -78,10 +88,60 @@ def _decode_attention_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
-    out_offsets = seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :]
     out_mask = head_ok[:, None] & dim_ok[None, :]
-    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    if SPLIT:
+        row = (seq * group * tl.num_programs(1) + heads) * num_splits + split  # [BLOCK_G]
+        tl.store(max_ptr + row, m_i, mask=head_ok)
+        tl.store(sum_ptr + row, l_i, mask=head_ok)
+        tl.store(out_ptr + row[:, None] * head_dim + dims[None, :], acc, mask=out_mask)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_ptr,  # [S, Hq, splits, D] fp32
+    max_ptr,  # [S, Hq, splits] fp32
+    sum_ptr,
+    out_ptr,  # [S, Hq, D]
+    out_stride_t,
+    out_stride_h,
+    num_splits,
+    head_dim,
+    BLOCK_SPLITS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Combine the per-split softmax partials of one (sequence, query head)."""
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_SPLITS)
+    dims = tl.arange(0, BLOCK_D)
+    split_ok = splits < num_splits
+    row = (seq * tl.num_programs(1) + head) * num_splits + splits
+    maxes = tl.load(max_ptr + row, mask=split_ok, other=float("-inf"))
+    sums = tl.load(sum_ptr + row, mask=split_ok, other=0.0)
+    mask = split_ok[:, None] & (dims < head_dim)[None, :]
+    partial = tl.load(partial_ptr + row[:, None] * head_dim + dims[None, :], mask=mask, other=0.0)
+    top = tl.max(maxes, axis=0)
+    weights = tl.where(maxes == float("-inf"), 0.0, tl.exp(maxes - top))  # empty splits: 0
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(sums * weights, axis=0)
+    out_offsets = seq * out_stride_t + head * out_stride_h + dims
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
+
+
+def choose_num_splits(
+    num_seqs: int, num_kv_heads: int, max_pages: int, device: torch.device
+) -> int:
+    """Split the context only when (sequence, kv head) programs cannot fill the GPU; keep at
+    least 4 pages per split."""
+    if device.type != "cuda" or max_pages < 8:
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = num_seqs * num_kv_heads
+    if programs >= num_sms:
+        return 1
+    return max(1, min(-(-2 * num_sms // programs), max_pages // 4, 64))
 
 
 def decode_attention_triton(
@@ -91,25 +151,45 @@ def decode_attention_triton(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`decode_attention_torch` (one query token per sequence)."""
     require_triton()
     check_paged_inputs(q, k_cache, v_cache, block_tables)
     num_seqs, num_q_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     assert seq_lens.shape == (num_seqs,) and seq_lens.dtype == torch.int32
     assert block_tables.shape[0] == num_seqs
     out = torch.empty_like(q)
-    group = num_q_heads // num_kv_heads
-    if num_seqs:
-        _decode_attention_kernel[(num_seqs, num_kv_heads)](
-            q, k_cache, v_cache, block_tables, seq_lens, out, scale,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), group, head_dim,
-            BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            PAGE=k_cache.shape[1],
-            DOT_PRECISION=dot_precision(q.dtype),
+    if num_seqs == 0:
+        return out
+    max_pages = block_tables.shape[1]
+    if max_seq_len is not None:
+        max_pages = min(max_pages, triton.cdiv(max_seq_len, block_size))
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_pages, q.device)
+    pages_per_split = triton.cdiv(max_pages, num_splits)
+    split = num_splits > 1
+    shape = (num_seqs, num_q_heads, num_splits)
+    partial = torch.empty(*shape, head_dim, dtype=torch.float32, device=q.device) if split else out
+    maxes = torch.empty(shape, dtype=torch.float32, device=q.device) if split else out
+    sums = torch.empty(shape, dtype=torch.float32, device=q.device) if split else out
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    _decode_attention_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, partial, maxes, sums, scale,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), num_q_heads // num_kv_heads, head_dim, pages_per_split,
+        SPLIT=split,
+        BLOCK_G=max(16, triton.next_power_of_2(num_q_heads // num_kv_heads)),
+        BLOCK_D=block_d,
+        PAGE=block_size,
+        DOT_PRECISION=dot_precision(q.dtype),
+    )  # fmt: skip
+    if split:
+        _merge_splits_kernel[(num_seqs, num_q_heads)](
+            partial, maxes, sums, out, out.stride(0), out.stride(1), num_splits, head_dim,
+            BLOCK_SPLITS=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
         )  # fmt: skip
     return out

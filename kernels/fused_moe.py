@@ -171,7 +171,7 @@ def fused_moe_triton(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    block_m: int = 16,
+    block_m: int | None = None,
 ) -> torch.Tensor:
     """Triton grouped GEMMs over expert-sorted assignments: x @ w13[e].T, SiLU-and-mul,
     @ w2[e].T times the routing weight, then a sum over each token's top-k."""
@@ -187,6 +187,9 @@ def fused_moe_triton(
     top_k = topk_ids.shape[1]
     if num_tokens == 0:
         return torch.zeros_like(x)
+    if block_m is None:
+        per_expert = num_tokens * top_k / num_experts
+        block_m = 16 if per_expert <= 16 else 32 if per_expert <= 64 else 64
     sorted_ids, block_experts = align_by_expert(topk_ids, num_experts, block_m)
     weights = topk_weights.reshape(-1).contiguous()
     gate_up = torch.empty(num_tokens * top_k, two_inter, dtype=x.dtype, device=x.device)

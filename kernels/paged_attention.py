@@ -45,7 +45,9 @@ def paged_attention_triton(
             int((query_start_loc[1:] - query_start_loc[:-1]).max()) if len(seq_lens) else 0
         )
     if max_query_len <= 1:
-        return decode_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return decode_attention_triton(
+            q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len
+        )
     return prefill_attention_triton(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len
     )

@@ -148,9 +148,12 @@ def prefill_attention_triton(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int,
-    block_m: int = 16,
+    block_m: int | None = None,
 ) -> torch.Tensor:
-    """Triton varlen paged attention for a flattened batch (prefill chunks and decodes)."""
+    """Triton varlen paged attention for a flattened batch (prefill chunks and decodes).
+
+    ``block_m`` query rows per program: 64 for long chunks on CUDA, else 16.
+    """
     require_triton()
     check_paged_inputs(q, k_cache, v_cache, block_tables)
     num_seqs = seq_lens.shape[0]
@@ -158,6 +161,8 @@ def prefill_attention_triton(
     assert query_start_loc.shape == (num_seqs + 1,) and block_tables.shape[0] == num_seqs
     num_q_heads, head_dim = q.shape[1], q.shape[2]
     out = torch.empty_like(q)
+    if block_m is None:
+        block_m = 64 if q.is_cuda and max_query_len >= 128 else 16
     if num_seqs and max_query_len:
         grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
         _prefill_attention_kernel[grid](

@@ -39,6 +39,18 @@ def test_decode_kernel_directly_with_one_kv_head_and_long_context():
     )
 
 
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("num_splits", [2, 3])
+def test_split_context_decode_merges_partials(gqa, num_splits):
+    # the 3-token sequence leaves later splits empty; the 100-token one spans all of them
+    case = make_paged_case(
+        [1, 1, 1], [100, 2, 50], num_kv_heads=2, gqa=gqa, head_dim=64, block_size=16
+    )
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    out = decode_attention_triton(*args, max_seq_len=101, num_splits=num_splits)
+    torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
+
+
 def test_prefill_kernel_handles_decodes_and_many_query_tiles():
     case = make_paged_case(
         [1, 40, 2], [20, 5, 0], num_kv_heads=2, gqa=2, head_dim=64, block_size=16

@@ -19,7 +19,9 @@ def _moe_case(tokens: int, experts: int, top_k: int, seed: int = 0):
     return x, w13, w2, topk_weights, topk_ids
 
 
-@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(1, 4, 1), (9, 6, 2), (20, 8, 3)])
+@pytest.mark.parametrize(
+    ("tokens", "experts", "top_k"), [(1, 4, 1), (9, 6, 2), (20, 8, 3), (80, 3, 2)]
+)
 def test_fused_moe_triton_matches_reference(tokens, experts, top_k):
     case = _moe_case(tokens, experts, top_k)
     torch.testing.assert_close(
