@@ -4,6 +4,7 @@ choices, logprobs/top_logprobs, streamed (role chunk first) or answered whole.""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import msgspec
 from aiohttp import web
@@ -44,6 +45,7 @@ ASSISTANT = "assistant"
 
 
 async def create_chat_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+    arrival_time = time.time()
     body = await decode_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
     check_unsupported(body)
@@ -60,9 +62,12 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         rename={"logprobs": "top_logprobs", "max_tokens": max_param},
+        vocab_size=len(ctx.engine.tokenizer),
     )
     ctx.check_ready()
-    generation = Generation(ctx.engine, [prompt], [params], new_request_id("chatcmpl"), ctx.metrics)
+    generation = Generation(
+        ctx.engine, [prompt], [params], new_request_id("chatcmpl"), ctx.metrics, arrival_time
+    )
     view = ChatView(ctx, body, generation)
     async with generation:
         if body.stream:

@@ -4,12 +4,13 @@ echo and logprobs, streamed as server-sent events or answered whole."""
 from __future__ import annotations
 
 import contextlib
+import time
 
 import msgspec
 from aiohttp import web
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from gateway.errors import ApiError, internal_error
+from gateway.errors import ApiError, bad_request, internal_error
 from gateway.generation import Generation
 from gateway.logprobs import TokenText, append_completion_logprobs
 from gateway.params import (
@@ -19,7 +20,7 @@ from gateway.params import (
     resolve_max_tokens,
     sampling_params,
 )
-from gateway.request_types import CompletionRequest
+from gateway.request_types import MAX_CHOICES, CompletionRequest
 from gateway.response_types import (
     CompletionChoice,
     CompletionChunk,
@@ -39,11 +40,14 @@ from gateway.serving import (
 
 
 async def create_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+    arrival_time = time.time()
     body = await decode_body(request, CompletionRequest)
     ctx.check_model(body.model)
     check_unsupported(body)
-    prompts = completion_prompts(body.prompt, ctx.engine.tokenizer)
     max_model_len = ctx.engine.max_model_len
+    prompts = completion_prompts(body.prompt, ctx.engine.tokenizer, max_model_len)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise bad_request(f"at most {MAX_CHOICES} choices (prompts × n) per request", param="n")
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     params = [
         sampling_params(
@@ -53,11 +57,14 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
             ),
             logprobs=body.logprobs,
             prompt_logprobs=echo_logprobs,
+            vocab_size=len(ctx.engine.tokenizer),
         )
         for p in prompts
     ]
     ctx.check_ready()
-    generation = Generation(ctx.engine, prompts, params, new_request_id("cmpl"), ctx.metrics)
+    generation = Generation(
+        ctx.engine, prompts, params, new_request_id("cmpl"), ctx.metrics, arrival_time
+    )
     view = CompletionView(ctx, body, prompts, generation)
     async with generation:
         if body.stream:

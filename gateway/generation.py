@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -47,8 +48,10 @@ class Generation:
         params: Sequence[SamplingParams],
         request_id: str,
         metrics: Metrics | None = None,
+        arrival_time: float | None = None,
     ) -> None:
         self.engine = engine
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.prompts = list(prompts)
         self.params = list(params)
         self.request_id = request_id

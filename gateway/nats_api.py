@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator
 
@@ -86,6 +87,7 @@ class NatsApi:
             await self.bus.subscribe(subjects.api_generate(), self._on_generate, queue=queue),
             await self.bus.subscribe(subjects.api("cancel"), self._on_cancel),
         ]
+        await self.bus.flush()  # the server knows the subscriptions once start returns
 
     async def stop(self) -> None:
         """Stop taking requests and cancel those running (their callers get an error)."""
@@ -115,6 +117,7 @@ class NatsApi:
             return
         wire = WireFormat.of(msg)
         request_id = f"nats-{uuid.uuid4().hex}"
+        arrival_time = time.time()
         try:
             request = wire.decode_request(msg.data)
             request_id = request.request_id or request_id
@@ -127,7 +130,7 @@ class NatsApi:
                 )
             self.running[request_id] = asyncio.current_task()
             try:
-                await self._serve(msg, wire, request, request_id)
+                await self._serve(msg, wire, request, request_id, arrival_time)
             finally:
                 self.running.pop(request_id, None)
         except ApiError as error:
@@ -139,15 +142,23 @@ class NatsApi:
             await _reply_error(msg, wire, internal_error(error), request_id)
 
     async def _serve(
-        self, msg: Msg, wire: WireFormat, request: GenerateRequest, request_id: str
+        self,
+        msg: Msg,
+        wire: WireFormat,
+        request: GenerateRequest,
+        request_id: str,
+        arrival_time: float,
     ) -> None:
         check_model(request, self.served_model_name)
         prompt = request_prompt(request, self.engine)
-        params = request_params(request, prompt, self.engine.max_model_len)
+        vocab_size = len(self.engine.tokenizer)
+        params = request_params(request, prompt, self.engine.max_model_len, vocab_size)
         if not self.engine.is_ready():
             raise unavailable("no engine core is ready")
         builder = ReplyBuilder(params.n, len(prompt.token_ids), params.logprobs is not None)
-        generation = Generation(self.engine, [prompt], [params], request_id, self.metrics)
+        generation = Generation(
+            self.engine, [prompt], [params], request_id, self.metrics, arrival_time
+        )
         async with generation:
             outputs = generation.outputs()
             async with contextlib.aclosing(outputs):

@@ -13,7 +13,14 @@ from engine.outputs import CompletionOutput
 from engine.protocol import EngineClient
 from gateway.errors import ApiError, bad_request, from_decode_error, from_value_error
 from gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest
-from gateway.params import Prompt, chat_messages, resolve_max_tokens, text_prompt, token_prompt
+from gateway.params import (
+    Prompt,
+    chat_messages,
+    check_text_length,
+    resolve_max_tokens,
+    text_prompt,
+    token_prompt,
+)
 from gateway.response_types import Usage, make_usage
 
 _JSON_DECODER = msgspec.json.Decoder(GenerateRequest)
@@ -59,11 +66,12 @@ def request_prompt(request: GenerateRequest, engine: EngineClient) -> Prompt:
             "give exactly one of prompt, prompt_token_ids and messages", param="prompt"
         )
     if request.prompt is not None:
-        return text_prompt(request.prompt, engine.tokenizer)
+        return text_prompt(request.prompt, engine.tokenizer, engine.max_model_len)
     if request.prompt_token_ids is not None:
         return token_prompt(request.prompt_token_ids, engine.tokenizer)
     assert request.messages is not None
     messages = chat_messages(request.messages)
+    check_text_length("".join(m["content"] for m in messages), engine.max_model_len, "messages")
     try:
         ids = engine.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
     except Exception as error:  # the chat template is user-driven: its failures are the input's
@@ -71,9 +79,14 @@ def request_prompt(request: GenerateRequest, engine: EngineClient) -> Prompt:
     return Prompt(list(ids))
 
 
-def request_params(request: GenerateRequest, prompt: Prompt, max_model_len: int) -> SamplingParams:
-    """The request's sampling parameters with max_tokens fitted to the context, as DELTA."""
+def request_params(
+    request: GenerateRequest, prompt: Prompt, max_model_len: int, vocab_size: int
+) -> SamplingParams:
+    """The request's sampling parameters with max_tokens fitted to the context, as DELTA
+    (and a top_k covering the whole vocabulary turned off)."""
     given = msgspec.structs.asdict(request.sampling_params)
+    if given["top_k"] >= vocab_size:
+        given["top_k"] = 0
     given["max_tokens"] = resolve_max_tokens(
         given["max_tokens"], len(prompt.token_ids), max_model_len, "sampling_params.max_tokens"
     )

@@ -37,18 +37,30 @@ class Prompt:
     text: str | None = None
 
 
-def completion_prompts(prompt: PromptInput, tokenizer: Any) -> list[Prompt]:
+MAX_CHARS_PER_TOKEN = 64  # no tokenizer averages more; longer text cannot fit the context
+
+
+def check_text_length(text: str, max_model_len: int | None, param: str) -> None:
+    """Refuse, before tokenizing it on the event loop, text far too long to fit the context."""
+    if max_model_len is not None and len(text) > max_model_len * MAX_CHARS_PER_TOKEN:
+        message = f"{param} has {len(text)} characters, far more than {max_model_len} tokens"
+        raise ApiError(400, message, code="context_length_exceeded", param=param)
+
+
+def completion_prompts(
+    prompt: PromptInput, tokenizer: Any, max_model_len: int | None = None
+) -> list[Prompt]:
     """A completions ``prompt`` (text, ids, or a batch of either) as a list of prompts."""
     if isinstance(prompt, str):
-        return [text_prompt(prompt, tokenizer)]
+        return [text_prompt(prompt, tokenizer, max_model_len)]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [token_prompt([int(t) for t in prompt], tokenizer)]  # type: ignore[arg-type]
-    if len(prompt) > MAX_PROMPTS:
+    if len(prompt) > MAX_PROMPTS:  # a list of ids is one prompt, handled above
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     if all(isinstance(p, str) for p in prompt):
-        return [text_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
+        return [text_prompt(p, tokenizer, max_model_len) for p in prompt]  # type: ignore[arg-type]
     if all(isinstance(p, list) for p in prompt):
         return [token_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
     raise bad_request(
@@ -58,7 +70,8 @@ def completion_prompts(prompt: PromptInput, tokenizer: Any) -> list[Prompt]:
     )
 
 
-def text_prompt(text: str, tokenizer: Any) -> Prompt:
+def text_prompt(text: str, tokenizer: Any, max_model_len: int | None = None) -> Prompt:
+    check_text_length(text, max_model_len, "prompt")
     ids = list(tokenizer.encode(text))
     if not ids:
         raise bad_request("prompt must not be empty", param="prompt")
@@ -103,6 +116,8 @@ def message_text(message: ChatMessage) -> str:
 def chat_prompt(engine: Any, request: ChatCompletionRequest) -> Prompt:
     """Render the chat template; a template that fails on these messages is a 400."""
     messages = chat_messages(request.messages)
+    text = "".join(m["content"] for m in messages)
+    check_text_length(text, engine.max_model_len, "messages")
     try:
         ids = list(
             engine.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
@@ -160,8 +175,12 @@ def sampling_params(
     prompt_logprobs: int | None = None,
     output_kind: OutputKind = OutputKind.DELTA,
     rename: dict[str, str] | None = None,
+    vocab_size: int | None = None,
 ) -> SamplingParams:
-    """The engine's sampling parameters; unset (None) fields keep SamplingParams' defaults."""
+    """The engine's sampling parameters; unset (None) fields keep SamplingParams' defaults.
+
+    A ``top_k`` of at least the vocabulary size is the same as no top-k: it becomes 0 (off).
+    """
     optional = {
         "temperature": request.temperature,
         "top_p": request.top_p,
@@ -172,6 +191,8 @@ def sampling_params(
         "repetition_penalty": request.repetition_penalty,
     }
     kwargs: dict[str, Any] = {name: v for name, v in optional.items() if v is not None}
+    if vocab_size is not None and kwargs.get("top_k", 0) >= vocab_size:
+        kwargs["top_k"] = 0
     try:
         return SamplingParams(
             n=request.n,

@@ -10,6 +10,7 @@ import msgspec
 
 MAX_N = 128  # completions per prompt; bounds the work one request may ask for
 MAX_PROMPTS = 1024  # prompts in one completions request
+MAX_CHOICES = 1024  # prompts × n in one request
 
 PositiveN = Annotated[int, msgspec.Meta(ge=1, le=MAX_N)]
 TokenId = Annotated[int, msgspec.Meta(ge=0)]
