@@ -55,6 +55,8 @@ def create_app(
     app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))
     app.router.add_get("/v1/models", _with_context(list_models))
     app.router.add_get("/health", _with_context(health))
+    app.router.add_route("*", "/ping", _with_context(health))
+    app.router.add_get("/load", _with_context(load))
     app.router.add_get("/metrics", _with_context(render_metrics))
     app.router.add_post("/tokenize", _with_context(tokenize))
     app.router.add_post("/detokenize", _with_context(detokenize))
@@ -126,6 +128,11 @@ async def health(ctx: ServingContext, request: web.Request) -> web.Response:
     if ctx.engine.is_ready():
         return web.Response(status=200)
     return error_response(ApiError(503, "no engine core is ready", code="engine_unavailable"))
+
+
+async def load(ctx: ServingContext, request: web.Request) -> web.Response:
+    """vLLM's ``/load``: the engine requests this gateway is serving."""
+    return json_response({"server_load": ctx.metrics.num_in_flight})
 
 
 async def render_metrics(ctx: ServingContext, request: web.Request) -> web.Response:

@@ -106,7 +106,7 @@ class ChatView:
             self.logprobs[choice.index].content.extend(logprobs.content)
         choice.add(completion)
         self.usage.add(completion)
-        if not completion.text and completion.finish_reason is None and not completion.token_ids:
+        if not completion.text and completion.finish_reason is None and logprobs is None:
             return None
         return ChatChunkChoice(
             choice.index,

@@ -96,7 +96,8 @@ class CompletionView:
         self.created = now_seconds()
 
     def _delta(self, prompt_index: int, completion: CompletionOutput) -> CompletionChoice | None:
-        """The new part of one choice, echo included on its first delta; None if nothing new."""
+        """The new part of one choice, echo included on its first delta; None when there is no
+        text (held back, say) and nothing else to send."""
         choice = self.choices[prompt_index * self.n + completion.index]
         if choice.finish_reason is not None:
             return None
@@ -117,7 +118,7 @@ class CompletionView:
             )
         choice.add(completion)
         self.usage.add(completion)
-        if not text and completion.finish_reason is None and not completion.token_ids:
+        if not text and completion.finish_reason is None and logprobs is None:
             return None
         return CompletionChoice(
             choice.index, text, logprobs, completion.finish_reason, completion.stop_reason
