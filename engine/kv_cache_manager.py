@@ -83,33 +83,34 @@ class KVCacheManager:
             blocks = self.req_to_blocks[request_id] = []
             self.num_cached_blocks[request_id] = 0
         block_size = self.block_size
-        num_held = len(blocks) + len(new_computed_blocks)
-        num_tokens = (
-            request.num_computed_tokens + len(new_computed_blocks) * block_size + num_new_tokens
-        )
-        num_new_blocks = -(-num_tokens // block_size) - num_held
-        pool = self.block_pool
-        if num_new_blocks > 0 or new_computed_blocks:
+        num_hits = len(new_computed_blocks)
+        num_held = len(blocks) + num_hits
+        # The scheduler never asks beyond the request's known tokens (num_tokens).
+        num_tokens = request.num_computed_tokens + num_hits * block_size + num_new_tokens
+        num_new_blocks = (num_tokens + block_size - 1) // block_size - num_held
+        if num_new_blocks > 0 or num_hits or full_sequence_must_fit:
             num_to_check = num_new_blocks
             if full_sequence_must_fit:
-                num_to_check = max(num_to_check, -(-request.num_tokens // block_size) - num_held)
+                num_known_blocks = (request.num_tokens + block_size - 1) // block_size
+                num_to_check = max(num_to_check, num_known_blocks - num_held)
             num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
-            if num_to_check + num_evictable_hits > len(pool.free_queue) - reserved_blocks:
+            if (
+                num_to_check + num_evictable_hits
+                > len(self.block_pool.free_queue) - reserved_blocks
+            ):
                 return None
-        if new_computed_blocks:
-            pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
-            self.num_cached_blocks[request_id] = len(blocks)
+            if num_hits:
+                self.block_pool.touch(new_computed_blocks)
+                blocks.extend(new_computed_blocks)
+                self.num_cached_blocks[request_id] = len(blocks)
         if num_new_blocks > 0:
-            new_blocks = pool.get_new_blocks(num_new_blocks)
+            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
             blocks.extend(new_blocks)
             new_block_ids = [block.block_id for block in new_blocks]
         else:
             new_block_ids = []
-        if self.enable_caching:
-            num_full = min(num_tokens, request.num_tokens) // block_size
-            if num_full > self.num_cached_blocks[request_id]:
-                self._cache_full_blocks(request, blocks, num_full)
+        if self.enable_caching and num_tokens // block_size > self.num_cached_blocks[request_id]:
+            self._cache_full_blocks(request, blocks, num_tokens // block_size)
         return new_block_ids
 
     def _cache_full_blocks(

@@ -70,7 +70,7 @@ class StepUpdater:
                     logprobs = _trim_logprobs(logprobs, len(new_token_ids))
             num_new = len(new_token_ids)
             num_generated += num_new
-            if request.num_output_tokens == num_new:
+            if len(request.output_token_ids) == num_new:  # its first tokens
                 self.num_prompt_tokens += request.num_prompt_tokens
             finish_reason = None
             if stopped:
