@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from bus.messages.engine import RequestOutput
+from bus.messages.engine import Logprobs, RequestOutput
 from bus.messages.worker import ExecuteStep, StepError, StepResult
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler
@@ -280,3 +280,31 @@ def test_add_request_rejects_a_prompt_the_watermark_leaves_no_room_for() -> None
         scheduler.add_request(make_request("r", list(range(24)), max_tokens=1))
     scheduler.add_request(make_request("ok", list(range(16)), max_tokens=1))
     assert scheduler.schedule().num_scheduled_tokens == {"ok": 16}
+
+
+def test_logprob_rows_after_a_stop_are_trimmed() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(make_request("r", [5, 6, 7], logprobs=1))
+    output = scheduler.schedule()
+    rows = Logprobs([[30, 1], [EOS, 1], [31, 1]], [[-0.1, -2.0]] * 3, [1, 1, 1])
+    result = StepResult(output.step_id, ["r"], [[30, EOS, 31]], logprobs=[rows])
+    final = flat(scheduler.update_from_output(output, result))["r"]
+    assert final.new_token_ids == [30, EOS]
+    assert final.new_logprobs is not None
+    assert final.new_logprobs.token_ids == [[30, 1], [EOS, 1]] and final.new_logprobs.ranks == [
+        1,
+        1,
+    ]
+
+
+def test_a_partial_prefill_reports_only_prompt_logprobs() -> None:
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    scheduler.add_request(make_request("r", list(range(10, 20)), prompt_logprobs=0))
+    output = scheduler.schedule()
+    chunk = Logprobs([[11], [12], [13], [14]], [[-1.0]] * 4, [1, 1, 1, 1])
+    result = StepResult(output.step_id, ["r"], [[]], prompt_logprobs=[chunk])
+    (progress,) = scheduler.update_from_output(output, result)["client"]
+    assert progress.new_token_ids == [] and progress.finish_reason is None
+    assert progress.prompt_logprobs == chunk
+    output = scheduler.schedule()
+    assert scheduler.update_from_output(output, StepResult(output.step_id, ["r"], [[]])) == {}
