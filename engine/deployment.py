@@ -12,6 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from bus.actor import Actor
+from bus.base import Bus
+from bus.run_actor import load_target
 from engine.args import EngineArgs
 
 WORKER_TARGET = "workers.actor:WorkerActor"
@@ -111,3 +114,25 @@ def client_options(args: EngineArgs) -> dict[str, Any]:
         "max_model_len": args.max_model_len,
         "namespace": args.namespace,
     }
+
+
+async def start_in_process(bus: Bus, plans: list[ActorPlan]) -> list[Actor]:
+    """Start the planned actors as tasks of this event loop, in order (workers first)."""
+    actors: list[Actor] = []
+    try:
+        for plan in plans:
+            kwargs = dict(plan.kwargs)
+            actor_id = kwargs.pop("worker_id", None) or kwargs.pop("engine_id")
+            actor = load_target(plan.target)(bus, actor_id, **kwargs)
+            await actor.start()
+            actors.append(actor)
+    except BaseException:
+        await stop_in_process(actors)
+        raise
+    return actors
+
+
+async def stop_in_process(actors: list[Actor]) -> None:
+    """Stop actors in reverse start order (engine cores before their workers)."""
+    for actor in reversed(actors):
+        await actor.stop()

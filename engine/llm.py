@@ -20,10 +20,9 @@ from typing import Any, TypeVar
 from bus import make_bus
 from bus.actor import Actor
 from bus.messages.sampling import SamplingParams
-from bus.run_actor import load_target
 from engine.args import EngineArgs
 from engine.client import AsyncEngineClient
-from engine.deployment import client_options, plan_actors
+from engine.deployment import client_options, plan_actors, start_in_process, stop_in_process
 from engine.outputs import RequestOutput
 from engine.progress import ProgressBar
 
@@ -56,12 +55,7 @@ class LLM:
     async def _start(self, timeout_s: float) -> AsyncEngineClient:
         bus = make_bus(f"memory://llm-{next(_llm_counter)}-{uuid.uuid4().hex[:6]}")
         await bus.connect()
-        for plan in plan_actors(self.args):
-            kwargs = dict(plan.kwargs)
-            actor_id = kwargs.pop("worker_id", None) or kwargs.pop("engine_id")
-            actor = load_target(plan.target)(bus, actor_id, **kwargs)
-            await actor.start()
-            self._actors.append(actor)
+        self._actors = await start_in_process(bus, plan_actors(self.args))
         client = AsyncEngineClient(bus, **client_options(self.args))
         await client.start()
         await client.wait_until_ready(timeout_s, self.args.data_parallel_size)
@@ -80,8 +74,7 @@ class LLM:
     async def _stop(self) -> None:
         if self._client is not None:
             await self._client.close()
-        for actor in reversed(self._actors):
-            await actor.stop()
+        await stop_in_process(self._actors)
         self._actors.clear()
 
     def __enter__(self) -> LLM:

@@ -1,0 +1,188 @@
+"""The ``shoal`` command: serve a model, generate once, run one actor, or run a benchmark.
+
+shoal serve [MODEL]            the OpenAI-compatible server (default: the built-in demo model)
+shoal generate [MODEL] -p TEXT one completion, printed
+shoal actor KIND MODEL ...     one actor process joining a NATS deployment (multi-host)
+shoal bench NAME [ARGS...]     a benchmark from bench/ (throughput, serve, scheduler, bus, …)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import runpy
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from deploy.arguments import add_engine_arguments, engine_args_from
+from engine.args import EngineArgs
+
+BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
+ACTOR_KINDS = ("worker", "engine", "gateway")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shoal",
+        description="shoal: an LLM serving engine of actors on a message bus.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__,
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI API) and NATS")
+    serve.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="local Hugging Face model directory (default: the demo model)",
+    )
+    _add_http_arguments(serve)
+    add_engine_arguments(serve)
+
+    generate = commands.add_parser("generate", help="generate one completion and print it")
+    generate.add_argument("model", nargs="?", default=None, help="model directory (default: demo)")
+    generate.add_argument("--prompt", "-p", required=True, help="the prompt text")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    add_engine_arguments(generate)
+
+    actor = commands.add_parser("actor", help="run one actor process of a NATS deployment")
+    actor.add_argument("kind", choices=ACTOR_KINDS, help="which actor")
+    actor.add_argument("model", help="model directory (the same path on every host)")
+    actor.add_argument(
+        "--id",
+        dest="actor_id",
+        default=None,
+        help="actor id: worker-D-T, engine-D or gateway-N (default: rank 0's)",
+    )
+    actor.add_argument(
+        "--tp-init-method",
+        default=None,
+        help="torch.distributed rendezvous of the TP group, tcp://HOST:PORT",
+    )
+    _add_http_arguments(actor)
+    add_engine_arguments(actor)
+
+    bench = commands.add_parser("bench", help="run a benchmark from bench/")
+    bench.add_argument("name", help="benchmark name: " + ", ".join(_bench_names()))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own arguments")
+    return parser  # fmt: skip
+
+
+def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("http")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument("--served-model-name", default=None, help="the model name clients use")
+
+
+def _bench_names() -> list[str]:
+    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def _model_or_demo(model: str | None) -> str:
+    if model is not None:
+        return model
+    from workers.demo import ensure_demo_model
+
+    logging.getLogger("shoal").info("no model given: using the built-in demo model")
+    return str(ensure_demo_model())
+
+
+def _engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> EngineArgs:
+    try:
+        return engine_args_from(ns, _model_or_demo(ns.model))
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with status 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(
+        level=ns.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    if ns.command == "bench":
+        return _run_bench(parser, ns.name, ns.bench_args)
+    args = _engine_args(parser, ns)
+    if ns.command == "serve":
+        return asyncio.run(_serve(args, ns))
+    if ns.command == "generate":
+        return _generate(args, ns)
+    return asyncio.run(_actor(parser, args, ns))
+
+
+async def _serve(args: EngineArgs, ns: argparse.Namespace) -> int:
+    from deploy.local import HttpOptions, serve_local
+
+    stop = _stop_on_signals()
+    await serve_local(args, HttpOptions(ns.host, ns.port, ns.api_key), stop)
+    return 0
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    return stop
+
+
+def _generate(args: EngineArgs, ns: argparse.Namespace) -> int:
+    from engine import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=args.seed
+        )
+    except ValueError as exc:
+        print(f"shoal generate: error: {exc}", file=sys.stderr)
+        return 2
+    options = _llm_kwargs(args)
+    with LLM(options.pop("model"), **options) as llm:
+        output = llm.generate(ns.prompt, params, use_tqdm=False)[0]
+    print(output.outputs[0].text)
+    return 0
+
+
+def _llm_kwargs(args: EngineArgs) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    return {**asdict(args), "bus": "memory"}
+
+
+async def _actor(parser: argparse.ArgumentParser, args: EngineArgs, ns: argparse.Namespace) -> int:
+    from bus.run_actor import serve
+    from deploy.actors import actor_target
+
+    if args.nats_url is None:
+        parser.error("shoal actor needs --nats-url (the deployment's NATS servers)")
+    try:
+        target, kwargs = actor_target(ns.kind, args, ns.actor_id, ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+    await serve(target, args.nats_url, kwargs, {})
+    return 0
+
+
+def _run_bench(parser: argparse.ArgumentParser, name: str, bench_args: list[str]) -> int:
+    path = BENCH_DIR / f"{name}.py"
+    if not path.is_file():
+        parser.error(f"unknown benchmark {name!r}; choose from {', '.join(_bench_names())}")
+    sys.argv = [str(path), *bench_args]
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as exc:
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,146 @@
+"""Local single-node mode: the whole deployment on this host, started and stopped as one.
+
+With the NATS bus, an embedded nats-server is started (unless ``--nats-url`` names one to
+join), the workers and engine cores run as supervised processes (restarted if they die) and
+the gateway serves in this process. With the in-memory bus everything is one process. Status
+events of every actor are logged, so the log shows each one becoming ready; ``stop`` (set from
+SIGINT/SIGTERM) drains the gateway, then stops the actors and the server: no orphans.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from bus import connect_bus
+from bus.actor import Actor
+from bus.base import Bus, Msg
+from bus.codec import Codec, DecodeError
+from bus.messages.control import StatusEvent
+from bus.server import NatsServer
+from bus.subjects import Subjects
+from bus.supervisor import ActorSpec, ChildEvent, Supervisor
+from engine.args import EngineArgs
+from engine.client import AsyncEngineClient
+from engine.deployment import client_options, plan_actors, start_in_process, stop_in_process
+from gateway.actor import GatewayActor
+
+log = logging.getLogger("shoal")
+
+_STATUS: Codec[StatusEvent] = Codec(StatusEvent)
+
+
+@dataclass(frozen=True)
+class HttpOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _log_status(msg: Msg) -> None:
+    try:
+        event = _STATUS.decode(msg.data)
+    except DecodeError:
+        return
+    reason = f" ({event.reason})" if event.reason else ""
+    log.info("%s %s is %s%s", event.kind, event.actor_id, event.state.name.lower(), reason)
+
+
+def _log_child(event: ChildEvent) -> None:
+    log.info("process %s: %s (pid %s)", event.name, event.state.value, event.pid)
+
+
+@contextlib.asynccontextmanager
+async def _nats_actors(args: EngineArgs, bus_url: str, bus: Bus) -> AsyncIterator[None]:
+    tp_inits = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(args.data_parallel_size)]
+    specs = [
+        ActorSpec(p.name, p.target, bus_url, p.kwargs, env={"SHOAL_LOG_LEVEL": "INFO"}, kind=p.kind)
+        for p in plan_actors(args, tp_init_methods=tp_inits)
+    ]
+    supervisor = Supervisor(specs, on_event=_log_child, status_bus=bus, namespace=args.namespace)
+    async with supervisor:
+        yield
+
+
+@contextlib.asynccontextmanager
+async def _memory_actors(args: EngineArgs, bus: Bus) -> AsyncIterator[None]:
+    actors: list[Actor] = await start_in_process(bus, plan_actors(args))
+    try:
+        yield
+    finally:
+        await stop_in_process(actors)
+
+
+@contextlib.asynccontextmanager
+async def _bus_url(args: EngineArgs) -> AsyncIterator[str]:
+    if args.bus == "memory":
+        yield "memory://local"
+    elif args.nats_url:
+        yield args.nats_url
+    else:
+        server = NatsServer()
+        await asyncio.get_running_loop().run_in_executor(None, server.start)
+        log.info("embedded nats-server listening on %s", server.url)
+        try:
+            yield server.url
+        finally:
+            server.stop()
+            server.cleanup()
+
+
+async def serve_local(
+    args: EngineArgs, http: HttpOptions, stop: asyncio.Event, *, ready_timeout_s: float = 600
+) -> None:
+    """Run the deployment until ``stop`` is set."""
+    async with contextlib.AsyncExitStack() as stack:
+        url = await stack.enter_async_context(_bus_url(args))
+        bus = await connect_bus(url)
+        stack.push_async_callback(bus.close)
+        await bus.subscribe(Subjects(args.namespace).status("*"), _log_status)
+        if args.bus == "memory":
+            await stack.enter_async_context(_memory_actors(args, bus))
+        else:
+            await stack.enter_async_context(_nats_actors(args, url, bus))
+        client = await AsyncEngineClient(bus, **client_options(args)).start()
+        stack.push_async_callback(client.close)
+        await _wait_ready(client, args, stop, ready_timeout_s)
+        if stop.is_set():
+            return
+        gateway = GatewayActor(
+            bus,
+            "gateway-0",
+            engine_client=client,
+            host=http.host,
+            port=http.port,
+            api_key=http.api_key,
+            served_model_name=args.model_name,
+            namespace=args.namespace,
+        )
+        await gateway.start()
+        stack.push_async_callback(gateway.stop)
+        assert gateway.http is not None
+        log.info("shoal is serving %s on %s", args.model_name, gateway.http.url)
+        await stop.wait()
+        log.info("shutting down")
+
+
+async def _wait_ready(
+    client: AsyncEngineClient, args: EngineArgs, stop: asyncio.Event, timeout_s: float
+) -> None:
+    waiting = asyncio.create_task(client.wait_until_ready(timeout_s, args.data_parallel_size))
+    stopping = asyncio.create_task(stop.wait())
+    done, pending = await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    if waiting in done:
+        waiting.result()
