@@ -24,7 +24,7 @@ from workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from workers.layers.attention import AttentionMetadata
 from workers.loader import load_model
 from workers.models.decoder import DecoderForCausalLM
-from workers.parallel import TPContext
+from workers.parallel import TPContext, init_tensor_parallel
 from workers.sampler import Sampler, compute_prompt_logprobs
 from workers.sampling_metadata import SamplingBatch
 
@@ -69,7 +69,10 @@ class ModelRunner:
         tp_size: int = 1,
         seed: int = 0,
         progress: bool | None = None,
+        tp_init_method: str | None = None,
     ) -> None:
+        """``tp_init_method`` (``tcp://host:port``, the same on every rank) joins the
+        tensor-parallel group in ``load`` unless the process already joined one."""
         self.model_dir = Path(model_dir)
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
@@ -80,6 +83,7 @@ class ModelRunner:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tp = TPContext(rank=tp_rank, size=tp_size)
+        self.tp_init_method = tp_init_method
         self.seed = seed
         self.progress = progress
         self.timings = StepTimings()
@@ -92,6 +96,8 @@ class ModelRunner:
     def load(self) -> ModelFacts:
         """Load the weights, allocate the KV cache, and return the model's facts."""
         torch.manual_seed(self.seed)
+        if self.tp.size > 1:
+            self._join_tp_group()
         cfg = ModelConfig.from_dir(self.model_dir)
         max_model_len = self._max_model_len(cfg)
         model, cfg = load_model(
@@ -140,6 +146,18 @@ class ModelRunner:
         )
         return self.facts
 
+    def _join_tp_group(self) -> None:
+        if torch.distributed.is_initialized():
+            return
+        if self.tp_init_method is None:
+            raise RuntimeError(
+                f"tp_size={self.tp.size}: pass tp_init_method or call "
+                "workers.parallel.init_tensor_parallel before load()"
+            )
+        init_tensor_parallel(
+            self.tp.rank, self.tp.size, self.tp_init_method, device=str(self.device)
+        )
+
     def _max_model_len(self, cfg: ModelConfig) -> int:
         limit = cfg.max_position_embeddings
         if cfg.sliding_window:  # attention here is full: stay inside the window
@@ -174,6 +192,7 @@ class ModelRunner:
         """Apply the diff, run the batch, sample; raises on a bad step (the shell reports it)."""
         started = time.perf_counter()
         t0 = started
+        self.timings = StepTimings()
         self._apply_diff(step)
         req_ids = [r.req_id for r in step.new_requests] + [r.req_id for r in step.cached_requests]
         if not req_ids:
@@ -281,9 +300,7 @@ class ModelRunner:
         sampling_ids = [inputs.req_ids[i] for i in sampling_idx]
         metadata = self.sampling.prepare(sampling_ids)
         output = self._sampler(logits, metadata)
-        tokens = output.sampled_token_ids
-        if self.tp.size > 1:
-            torch.distributed.broadcast(tokens, src=0)
+        tokens = self.tp.broadcast_tokens(output.sampled_token_ids.contiguous())
         token_list = tokens.tolist()
         self.batch.append_token(inputs.rows[sampling_idx], np.asarray(token_list, np.int64))
         wire = (

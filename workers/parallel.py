@@ -31,13 +31,19 @@ class TPContext:
             dist.all_reduce(x)
         return x
 
-    def broadcast_object(self, obj: object) -> object:
-        """Rank 0's ``obj`` on every rank (used to agree on sampled tokens)."""
+    def min_int(self, value: int) -> int:
+        """The smallest ``value`` over all ranks (so every rank sizes its KV cache alike)."""
         if self.size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+            return value
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN)
+        return int(box.item())
+
+    def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled tokens on every rank, in place."""
+        if self.size > 1:
+            dist.broadcast(tokens, src=0)
+        return tokens
 
     def divide(self, total: int, what: str) -> int:
         if total % self.size:

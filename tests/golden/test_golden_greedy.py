@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fixtures.models import VARIANTS
-from tests.golden.conftest import make_prompts
+from tests.fixtures.models import VARIANTS, make_prompts
 from tests.golden.driver import generate_by_hand, generate_with_scheduler, greedy
 from workers.model_runner import ModelRunner
 
