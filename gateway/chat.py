@@ -145,14 +145,17 @@ class ChatView:
             events = EventStream(request)
             await events.open()
             try:
-                await self._send_openers(events)
+                self._add_openers(events)
                 if first is not None:
-                    await self._send(events, first[1])
+                    self._add(events, first[1])
+                await events.flush()  # the first token leaves at once
                 async for _, output in outputs:
-                    await self._send(events, output)
+                    self._add(events, output)
+                    if not self.generation.has_pending():
+                        await events.flush()
                 options = self.body.stream_options
                 if options is not None and options.include_usage:
-                    await events.send(self._chunk([], self.usage.usage()))
+                    events.add(self._chunk([], self.usage.usage()))
             except ApiError as error:
                 await events.send_error(error)
             except ConnectionResetError:
@@ -162,23 +165,23 @@ class ChatView:
             await events.finish()
         return events.response
 
-    async def _send_openers(self, events: EventStream) -> None:
+    def _add_openers(self, events: EventStream) -> None:
         """The role chunk of every choice, then the echoed assistant message if asked."""
         for choice in self.choices:
             opener = ChatChunkChoice(choice.index, DeltaMessage(role=ASSISTANT, content=""))
-            await events.send(self._chunk([opener]))
+            events.add(self._chunk([opener]))
         if self.echo:
             for choice in self.choices:
                 echoed = ChatChunkChoice(choice.index, DeltaMessage(content=self.echo))
-                await events.send(self._chunk([echoed]))
+                events.add(self._chunk([echoed]))
 
-    async def _send(self, events: EventStream, output: RequestOutput) -> None:
+    def _add(self, events: EventStream, output: RequestOutput) -> None:
         options = self.body.stream_options
         continuous = options is not None and options.continuous_usage_stats
         for completion in output.outputs:
             delta = self._delta(completion)
             if delta is not None:
-                await events.send(self._chunk([delta], self.usage.usage() if continuous else None))
+                events.add(self._chunk([delta], self.usage.usage() if continuous else None))
 
     def _chunk(
         self, choices: list[ChatChunkChoice], usage: Usage | None = None

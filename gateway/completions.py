@@ -168,10 +168,13 @@ class CompletionView:
             await events.open()
             try:
                 if first is not None:
-                    await self._send(events, *first)
+                    self._add(events, *first)
+                await events.flush()  # the first token leaves at once
                 async for prompt_index, output in outputs:
-                    await self._send(events, prompt_index, output)
-                await self._send_usage(events)
+                    self._add(events, prompt_index, output)
+                    if not self.generation.has_pending():
+                        await events.flush()
+                self._add_usage(events)
             except ApiError as error:
                 await events.send_error(error)
             except ConnectionResetError:
@@ -181,7 +184,7 @@ class CompletionView:
             await events.finish()
         return events.response
 
-    async def _send(self, events: EventStream, prompt_index: int, output: RequestOutput) -> None:
+    def _add(self, events: EventStream, prompt_index: int, output: RequestOutput) -> None:
         self._note_prompt(prompt_index, output)
         options = self.body.stream_options
         continuous = options is not None and options.continuous_usage_stats
@@ -189,12 +192,12 @@ class CompletionView:
             delta = self._delta(prompt_index, completion)
             if delta is not None:
                 usage = self.usage.usage() if continuous else None
-                await events.send(self._chunk([delta], usage))
+                events.add(self._chunk([delta], usage))
 
-    async def _send_usage(self, events: EventStream) -> None:
+    def _add_usage(self, events: EventStream) -> None:
         options = self.body.stream_options
         if options is not None and options.include_usage:
-            await events.send(self._chunk([], self.usage.usage()))
+            events.add(self._chunk([], self.usage.usage()))
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None) -> CompletionChunk:
         return CompletionChunk(

@@ -106,6 +106,10 @@ class Generation:
                 raise ApiError(503, f"the engine failed: {item.error}", code="engine_error")
             yield index, item
 
+    def has_pending(self) -> bool:
+        """Whether more outputs (or an end) are already waiting to be read."""
+        return not self._queue.empty()
+
     def _observe(self, index: int, output: RequestOutput) -> None:
         if output.finished:
             self._finished.add(index)

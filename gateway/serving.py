@@ -99,21 +99,34 @@ class UsageCounter:
 
 
 class EventStream:
-    """A server-sent event response: ``data: <json>`` per chunk, then ``data: [DONE]``."""
+    """A server-sent event response: ``data: <json>`` per chunk, then ``data: [DONE]``.
+
+    ``add`` buffers an event and ``flush`` writes the buffer in one go, so outputs that piled up
+    while the client was being served leave in one write.
+    """
 
     def __init__(self, request: web.Request) -> None:
         self._request = request
+        self._buffer: list[bytes] = []
         self.response = web.StreamResponse(headers=SSE_HEADERS)
 
     async def open(self) -> None:
         await self.response.prepare(self._request)
 
-    async def send(self, chunk: Any) -> None:
-        await self.response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+    def add(self, chunk: Any) -> None:
+        self._buffer.append(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+
+    async def flush(self) -> None:
+        if self._buffer:
+            data = b"".join(self._buffer)
+            self._buffer.clear()
+            await self.response.write(data)
 
     async def send_error(self, error: ApiError) -> None:
-        await self.response.write(b"data: " + error.to_json() + b"\n\n")
+        self._buffer.append(b"data: " + error.to_json() + b"\n\n")
+        await self.flush()
 
     async def finish(self) -> None:
-        await self.response.write(b"data: [DONE]\n\n")
+        self._buffer.append(b"data: [DONE]\n\n")
+        await self.flush()
         await self.response.write_eof()
