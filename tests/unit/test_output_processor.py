@@ -274,3 +274,11 @@ def test_engine_error_and_unknown_ids(tokenizer: Tokenizer) -> None:
     (output,) = result.request_outputs
     assert output.finished and output.error == "worker lost"
     assert output.outputs[0].finish_reason == "error"
+
+
+def test_detokenize_off_gives_ids_only_and_ignores_stop_strings(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("hello world", add_special_tokens=False)
+    processor = OutputProcessor(tokenizer)
+    add(processor, tokenizer, detokenize=False, stop=["world"])
+    final = run_tokens(processor, "r", ids)[-1].outputs[0]
+    assert (final.text, final.token_ids, final.finish_reason) == ("", ids, "length")

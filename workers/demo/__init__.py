@@ -6,6 +6,6 @@ caching it the first time. ``python -m workers.demo`` does the same and prints t
 """
 
 from workers.demo.build import DEMO_VERSION, default_cache_root, ensure_demo_model
-from workers.demo.train import DemoSpec
+from workers.demo.spec import DemoSpec
 
 __all__ = ["DEMO_VERSION", "DemoSpec", "default_cache_root", "ensure_demo_model"]

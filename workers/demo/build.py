@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from workers.demo.train import DemoSpec, Log
+from workers.demo.spec import DemoSpec, Log
 
 DEMO_VERSION = "1"
 MANIFEST = "shoal-demo.json"  # written last, inside the build directory

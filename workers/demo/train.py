@@ -9,35 +9,14 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from workers.demo.corpus import first_paragraph, iter_docstrings, zen_of_python
+from workers.demo.spec import DemoSpec, Log
 from workers.demo.tokenizer import save_tokenizer
-
-Log = Callable[[str], None]
-
-
-@dataclass(frozen=True, slots=True)
-class DemoSpec:
-    """Everything that decides the demo checkpoint's bytes (part of its cache key)."""
-
-    vocab_size: int = 2048
-    hidden_size: int = 256
-    intermediate_size: int = 512
-    num_hidden_layers: int = 4
-    num_attention_heads: int = 4  # head_dim 64
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
-    seq_len: int = 64
-    batch_size: int = 16
-    train_steps: int = 300
-    learning_rate: float = 3e-3
-    seed: int = 0
 
 
 def training_texts(tokenizer_free_seed: int) -> tuple[list[str], list[list[dict[str, str]]]]:
