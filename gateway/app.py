@@ -10,10 +10,11 @@ import asyncio
 import hmac
 import importlib.metadata
 import time
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from aiohttp import web
-from aiohttp.typedefs import Handler
+from aiohttp.typedefs import Handler, Middleware
 
 from engine.protocol import EngineClient
 from gateway.chat import create_chat_completion
@@ -46,7 +47,7 @@ def create_app(
     name = served_model_name or engine_client.model_name
     if metrics is None:
         metrics = Metrics(name, max_model_len=engine_client.max_model_len)
-    middlewares = [error_middleware]
+    middlewares: list[Middleware] = [error_middleware]
     if api_key:
         middlewares.append(bearer_auth(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
@@ -64,7 +65,12 @@ def create_app(
     return app
 
 
-def _with_context(handler):  # type: ignore[no-untyped-def]
+ContextHandler = Callable[[ServingContext, web.Request], Awaitable[web.StreamResponse]]
+
+
+def _with_context(handler: ContextHandler) -> Handler:
+    """An aiohttp handler that calls ``handler`` with the app's serving context."""
+
     async def bound(request: web.Request) -> web.StreamResponse:
         return await handler(request.app[CONTEXT_KEY], request)
 
@@ -98,7 +104,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(internal_error(error))
 
 
-def bearer_auth(api_key: str):  # type: ignore[no-untyped-def]
+def bearer_auth(api_key: str) -> Middleware:
     """Middleware: ``/v1/*`` needs ``Authorization: Bearer <api_key>``."""
     expected = f"Bearer {api_key}".encode()
 

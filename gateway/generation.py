@@ -73,6 +73,7 @@ class Generation:
                     num_prompt_tokens=len(prompt.token_ids),
                     n=params.n,
                     max_tokens=params.max_tokens,
+                    arrival_time=self.arrival_time,
                 )
             task = asyncio.create_task(self._pump(index, prompt, params))
             self._tasks.append(task)
