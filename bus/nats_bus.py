@@ -183,9 +183,16 @@ class NatsBus(Bus):
         return self.client.new_inbox()
 
     async def flush(self, timeout: float = 5.0) -> None:
+        nc = self.client
         try:
-            await self.client.flush(timeout=max(1, int(timeout)))
-        except nats.errors.TimeoutError:
+            # nats-py writes its PING straight to the socket, ahead of commands still in its
+            # pending buffer (a SUB just made): push that buffer out first, or the PONG can
+            # come back before the server has seen the subscription.
+            flush_pending = getattr(nc, "_flush_pending", None)
+            if flush_pending is not None and nc.is_connected:
+                await asyncio.wait_for(flush_pending(force_flush=True), timeout)
+            await nc.flush(timeout=max(1, int(timeout)))
+        except (nats.errors.TimeoutError, TimeoutError):
             raise BusTimeoutError(f"flush took longer than {timeout}s") from None
         except nats.errors.ConnectionClosedError:
             raise BusClosedError("NATS connection is closed") from None

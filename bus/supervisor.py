@@ -19,6 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bus.base import Bus, BusError
+from bus.codec import encode
+from bus.messages.control import ActorState, StatusEvent
+from bus.subjects import Subjects
+
 log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +40,7 @@ class ActorSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     bus_options: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    kind: str = ""  # the actor's kind, for the DEAD status the supervisor publishes
 
     def command(self) -> list[str]:
         return [
@@ -84,7 +90,11 @@ class _Child:
 
 
 class Supervisor:
-    """Keeps a set of actor processes alive. ``async with Supervisor(specs) as sup: ...``"""
+    """Keeps a set of actor processes alive. ``async with Supervisor(specs) as sup: ...``
+
+    With ``status_bus``, a child's death is also published as a ``StatusEvent`` (state DEAD) on
+    its kind's status subject: a SIGKILLed actor cannot report its own death.
+    """
 
     def __init__(
         self,
@@ -93,12 +103,17 @@ class Supervisor:
         policy: RestartPolicy | None = None,
         grace_s: float = 5.0,
         on_event: Callable[[ChildEvent], None] | None = None,
+        status_bus: Bus | None = None,
+        namespace: str = "shoal",
     ) -> None:
         self.policy = policy or RestartPolicy()
         self.grace_s = grace_s
         self.on_event = on_event
         self.events: list[ChildEvent] = []
         self._children: dict[str, _Child] = {}
+        self.status_bus = status_bus
+        self._subjects = Subjects(namespace)
+        self._started = False
         self._stopping = asyncio.Event()
         self._changed = asyncio.Condition()
         for spec in specs or []:
@@ -110,8 +125,6 @@ class Supervisor:
         self._children[spec.name] = _Child(spec)
         if self._started:
             self._launch(self._children[spec.name])
-
-    _started = False
 
     def pid(self, name: str) -> int | None:
         return self._children[name].pid
@@ -144,8 +157,21 @@ class Supervisor:
                 self.on_event(event)
             except Exception:
                 log.exception("on_event callback failed")
+        if state in (ChildState.EXITED, ChildState.FAILED):
+            await self._publish_death(child, state, returncode)
         async with self._changed:
             self._changed.notify_all()
+
+    async def _publish_death(self, child: _Child, state: ChildState, rc: int | None) -> None:
+        if self.status_bus is None or not child.spec.kind:
+            return
+        actor_id = str(child.spec.kwargs.get("actor_id", child.spec.name))
+        reason = f"process {state.value} with exit code {rc}"
+        event = StatusEvent(actor_id, child.spec.kind, ActorState.DEAD, time.time(), reason)
+        try:
+            await self.status_bus.publish(self._subjects.status(child.spec.kind), encode(event))
+        except BusError as exc:
+            log.warning("death of %s not published: %r", child.spec.name, exc)
 
     async def _spawn(self, child: _Child) -> None:
         env = {**os.environ, **child.spec.env}

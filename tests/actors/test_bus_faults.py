@@ -35,6 +35,7 @@ def echo_spec(url: str, actor_id: str = "p1") -> ActorSpec:
         target="tests.actors.bus_helpers:EchoActor",
         bus_url=url,
         kwargs={"actor_id": actor_id, "heartbeat_interval_s": 0.05},
+        kind="echo",
     )
 
 
@@ -78,7 +79,16 @@ async def wait_for_busy_heartbeat(bus: NatsBus) -> None:
 
 async def test_sigkilled_actor_is_restarted_and_in_flight_requests_fail_cleanly(nats_url: str):
     client = await connected_bus(nats_url)
-    async with Supervisor([echo_spec(nats_url)], policy=FAST_POLICY, grace_s=3) as supervisor:
+    deaths: list[StatusEvent] = []
+
+    async def on_status(msg: Msg) -> None:
+        event = CONTROL.decode(msg.data)
+        if isinstance(event, StatusEvent) and event.state == ActorState.DEAD:
+            deaths.append(event)
+
+    await client.subscribe(SUBJECTS.status("echo"), on_status)
+    supervisor = Supervisor([echo_spec(nats_url)], policy=FAST_POLICY, grace_s=3, status_bus=client)
+    async with supervisor:
         first = await ping_until_answered(client, ECHO_SUBJECT, limit_s=STARTUP_LIMIT_S)
         assert first.pid == supervisor.pid("p1")
         # a request the actor holds for 5 s: in flight when the process is killed
@@ -103,6 +113,7 @@ async def test_sigkilled_actor_is_restarted_and_in_flight_requests_fail_cleanly(
         assert supervisor.num_restarts("p1") == 1
         exits = [e for e in supervisor.events if e.state == ChildState.EXITED]
         assert [e.returncode for e in exits] == [-signal.SIGKILL]
+        assert [(d.actor_id, d.kind) for d in deaths] == [("p1", "echo")]
     await client.close()
 
 
