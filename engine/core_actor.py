@@ -30,6 +30,7 @@ from bus.messages.engine import (
     EngineOutputs,
     EngineStats,
     RequestRejected,
+    SchedulerStats,
 )
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core import ClientOutputs, EngineCore, merge_outputs
@@ -94,6 +95,10 @@ class EngineCoreActor(Actor):
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._last_stats_time = 0.0
+        # Cumulative step timing, published in SchedulerStats (bench/throughput_e2e.py).
+        self.step_wall_s = 0.0  # sending a step to having its result
+        self.worker_execute_s = 0.0  # the workers' own StepResult.execute_time_s
+        self.num_worker_steps = 0
 
     # ----- lifecycle
 
@@ -207,7 +212,12 @@ class EngineCoreActor(Actor):
             await self._send(client_id, rejection)
         scheduler_output = core.schedule()
         if scheduler_output is not None and not scheduler_output.is_empty:
-            result = await self.workers.execute(scheduler_output.to_message())
+            step = scheduler_output.to_message()
+            sent = time.perf_counter()
+            result = await self.workers.execute(step)
+            self.step_wall_s += time.perf_counter() - sent
+            self.worker_execute_s += result.execute_time_s
+            self.num_worker_steps += 1
             merge_outputs(outputs, core.apply_result(scheduler_output, result))
         elif not outputs and not core.has_inputs:
             await asyncio.sleep(0.001)  # nothing runnable yet: do not spin
@@ -231,8 +241,15 @@ class EngineCoreActor(Actor):
 
     # ----- outputs
 
+    def _stats(self, core: EngineCore) -> SchedulerStats:
+        """The core's stats plus this shell's cumulative step timing."""
+        stats = core.stats()
+        stats.step_wall_s, stats.worker_execute_s = self.step_wall_s, self.worker_execute_s
+        stats.num_worker_steps = self.num_worker_steps
+        return stats
+
     async def _publish(self, outputs: ClientOutputs) -> None:
-        stats = self.core.stats() if self.core is not None else None
+        stats = self._stats(self.core) if self.core is not None else None
         now = time.time()
         for client_id, client_outputs in outputs.items():
             await self._send(client_id, EngineOutputs(self.engine_id, client_outputs, now, stats))
@@ -250,7 +267,7 @@ class EngineCoreActor(Actor):
         self._last_stats_time = now
         stats = EngineStats(
             self.engine_id,
-            self.core.stats(),
+            self._stats(self.core),
             time.time(),
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,

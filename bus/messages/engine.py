@@ -76,6 +76,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     step_id: int = 0
+    # Step timing at the engine core (cumulative): wall time from sending a step to having its
+    # result, the workers' own execute time, and the number of steps sent. Their difference per
+    # step is what the bus and the worker shell cost.
+    step_wall_s: float = 0.0
+    worker_execute_s: float = 0.0
+    num_worker_steps: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):
