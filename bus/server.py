@@ -9,10 +9,12 @@ returns once the server accepts clients; ``restart()`` comes back on the same po
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -47,6 +49,12 @@ def find_nats_server() -> str:
     )
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the launching process dies."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class NatsServer:
     """One nats-server process on 127.0.0.1. Use as a (sync) context manager or start/stop."""
 
@@ -71,6 +79,10 @@ class NatsServer:
         self.work_dir = Path(self._tmp.name)
         self.store_dir = Path(store_dir) if store_dir else self.work_dir / "jetstream"
         self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
 
     @property
     def url(self) -> str:
@@ -101,7 +113,15 @@ class NatsServer:
         args += ["-p", str(self.port if self.port is not None else -1)]
         args += ["--ports_file_dir", str(ports_dir)]
         log_file = (self.work_dir / "server.log").open("ab")
-        self._proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+        # Its own session: a Ctrl-C meant for the launcher must not kill the server before the
+        # actors have drained; it still dies with the launcher (PDEATHSIG), so no orphan.
+        self._proc = subprocess.Popen(
+            args,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         log_file.close()
         self.port = self._wait_for_port(ports_dir)
         self._wait_until_accepting()

@@ -89,8 +89,8 @@ async def _bus_url(args: EngineArgs) -> AsyncIterator[str]:
         yield args.nats_url
     else:
         server = NatsServer()
-        await asyncio.get_running_loop().run_in_executor(None, server.start)
-        log.info("embedded nats-server listening on %s", server.url)
+        server.start()  # on this thread: the server's PDEATHSIG follows the starting thread
+        log.info("embedded nats-server pid %s listening on %s", server.pid, server.url)
         try:
             yield server.url
         finally:

@@ -1,0 +1,120 @@
+"""The ``shoal`` command line: bad flags exit with status 2 and a clear message; ``shoal serve``
+starts a whole local deployment in a subprocess, answers, and stops cleanly on Ctrl-C (SIGINT
+to its process group) or SIGTERM, leaving no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+SHOAL = [sys.executable, "-m", "deploy.cli"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SHOAL, *args], capture_output=True, text=True, timeout=120, cwd=REPO, check=False
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["serve", "--max-num-seqs", "0"], "max-num-seqs"),
+        (["serve", "--port", "http"], "--port"),
+        (["serve", "/no/such/model"], "model directory not found"),
+        (["serve", "--dtype", "float8"], "--dtype"),
+        (["serve", "--bus", "carrier-pigeon"], "--bus"),
+        (["frobnicate"], "invalid choice"),
+        (["bench", "no-such-bench"], "unknown benchmark"),
+        (["actor", "worker"], "model"),
+    ],
+)
+def test_bad_flags_exit_with_status_2(args: list[str], message: str) -> None:
+    result = _run(*args)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+
+
+def test_help_lists_the_commands() -> None:
+    result = _run("--help")
+    assert result.returncode == 0
+    for command in ("serve", "generate", "actor", "bench"):
+        assert command in result.stdout
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _wait_for_line(proc: subprocess.Popen[str], pattern: str, lines: list[str], timeout: float):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                break
+            continue
+        lines.append(line)
+        match = re.search(pattern, line)
+        if match:
+            return match
+    raise AssertionError(f"no line matching {pattern!r}; output:\n{''.join(lines)}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["sigint-group", "sigterm"])
+def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, how: str) -> None:  # type: ignore[no-untyped-def]
+    model_dir = tiny_checkpoint("llama")
+    proc = subprocess.Popen(
+        [*SHOAL, "serve", str(model_dir), "--port", "0", "--num-gpu-blocks-override", "64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    try:
+        match = _wait_for_line(proc, r"is serving .* on (http://\S+)", lines, 240)
+        url = match.group(1)
+        text = "".join(lines)
+        child_pids = [int(p) for p in re.findall(r"running \(pid (\d+)\)", text)]
+        server_pids = [int(p) for p in re.findall(r"nats-server pid (\d+)", text)]
+        assert len(child_pids) == 2 and len(server_pids) == 1, text
+        body = json.dumps({"model": str(model_dir), "prompt": "hi", "max_tokens": 3}).encode()
+        request = urllib.request.Request(
+            f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        assert answer["usage"]["completion_tokens"] == 3
+        if how == "sigint-group":
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        else:
+            proc.send_signal(signal.SIGTERM)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, "".join(lines) + rest
+        assert "Traceback" not in rest, rest
+        time.sleep(0.2)
+        leftovers = [pid for pid in [*child_pids, *server_pids] if _alive(pid)]
+        assert not leftovers, f"processes left behind: {leftovers}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
