@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import random
 import uuid
+import weakref
 
 from bus.base import (
     Bus,
@@ -97,12 +98,16 @@ class InMemoryBroker:
         return targets
 
 
-_DEFAULT_BROKERS: dict[str, InMemoryBroker] = {}
+# Weak: a named broker lives as long as some bus uses it (no leak per offline LLM instance).
+_NAMED_BROKERS: weakref.WeakValueDictionary[str, InMemoryBroker] = weakref.WeakValueDictionary()
 
 
 def named_broker(name: str) -> InMemoryBroker:
     """The process-wide broker of that name (``connect_bus("memory://name")``)."""
-    return _DEFAULT_BROKERS.setdefault(name, InMemoryBroker())
+    broker = _NAMED_BROKERS.get(name)
+    if broker is None:
+        broker = _NAMED_BROKERS[name] = InMemoryBroker()
+    return broker
 
 
 class InMemoryBus(Bus):
