@@ -9,7 +9,7 @@ GPU, the context is split (flash-decoding) and a second kernel merges the partia
 import torch
 
 from kernels._triton import require_triton, tl, triton
-from kernels.paged_common import check_paged_inputs, dot_precision
+from kernels.paged_common import check_paged_inputs, default_block_n, dot_precision, load_kv_tile
 from kernels.prefill_attention import varlen_attention_torch
 
 
@@ -47,14 +47,15 @@ def _decode_attention_kernel(
     table_stride,
     group,
     head_dim,
-    pages_per_split,
+    keys_per_split,  # a multiple of BLOCK_N
     SPLIT: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (sequence, kv head, split): its ``group`` query heads over its pages."""
+    """One program per (sequence, kv head, split): its ``group`` query heads over its keys."""
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -66,21 +67,20 @@ def _decode_attention_kernel(
     dim_ok = dims < head_dim
     q_offsets = seq * q_stride_t + heads[:, None] * q_stride_h + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
-    slots = tl.arange(0, PAGE)
-    kv_offsets = kv_head * cache_stride_head + slots[:, None] * cache_stride_slot + dims[None, :]
+    table_row = block_tables_ptr + seq * table_stride
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    first_page = split * pages_per_split
-    last_page = tl.minimum(first_page + pages_per_split, tl.cdiv(seq_len, PAGE))
-    for page in range(first_page, last_page):
-        block = tl.load(block_tables_ptr + seq * table_stride + page).to(tl.int64)
-        key_ok = page * PAGE + slots < seq_len
-        kv_mask = key_ok[:, None] & dim_ok[None, :]
-        base = block * cache_stride_block + kv_offsets
-        k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, PAGE]
+    split_start = split * keys_per_split
+    split_end = tl.minimum(split_start + keys_per_split, seq_len)
+    for tile_start in range(split_start, split_end, BLOCK_N):
+        keys = tile_start + tl.arange(0, BLOCK_N)
+        key_ok = keys < split_end
+        k, v = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, table_row, keys, key_ok, kv_head * cache_stride_head,
+            dims, dim_ok, cache_stride_block, cache_stride_slot, PAGE,
+        )  # fmt: skip
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [G, BLOCK_N]
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -131,17 +131,17 @@ def _merge_splits_kernel(
 
 
 def choose_num_splits(
-    num_seqs: int, num_kv_heads: int, max_pages: int, device: torch.device
+    num_seqs: int, num_kv_heads: int, max_tiles: int, device: torch.device
 ) -> int:
     """Split the context only when (sequence, kv head) programs cannot fill the GPU; keep at
-    least 4 pages per split."""
-    if device.type != "cuda" or max_pages < 8:
+    least 2 key tiles per split."""
+    if device.type != "cuda" or max_tiles < 4:
         return 1
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     programs = num_seqs * num_kv_heads
     if programs >= num_sms:
         return 1
-    return max(1, min(-(-2 * num_sms // programs), max_pages // 4, 64))
+    return max(1, min(-(-2 * num_sms // programs), max_tiles // 2, 64))
 
 
 def decode_attention_triton(
@@ -153,6 +153,7 @@ def decode_attention_triton(
     scale: float,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`decode_attention_torch` (one query token per sequence)."""
     require_triton()
@@ -164,12 +165,14 @@ def decode_attention_triton(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    max_pages = block_tables.shape[1]
+    block_n = block_n or default_block_n(q.device)
+    max_keys = block_tables.shape[1] * block_size
     if max_seq_len is not None:
-        max_pages = min(max_pages, triton.cdiv(max_seq_len, block_size))
+        max_keys = min(max_keys, max_seq_len)
+    max_tiles = triton.cdiv(max_keys, block_n)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_pages, q.device)
-    pages_per_split = triton.cdiv(max_pages, num_splits)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_tiles, q.device)
+    keys_per_split = triton.cdiv(max_tiles, num_splits) * block_n
     split = num_splits > 1
     shape = (num_seqs, num_q_heads, num_splits)
     partial = torch.empty(*shape, head_dim, dtype=torch.float32, device=q.device) if split else out
@@ -180,11 +183,12 @@ def decode_attention_triton(
         q, k_cache, v_cache, block_tables, seq_lens, partial, maxes, sums, scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), num_q_heads // num_kv_heads, head_dim, pages_per_split,
+        block_tables.stride(0), num_q_heads // num_kv_heads, head_dim, keys_per_split,
         SPLIT=split,
         BLOCK_G=max(16, triton.next_power_of_2(num_q_heads // num_kv_heads)),
         BLOCK_D=block_d,
         PAGE=block_size,
+        BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
     )  # fmt: skip
     if split:

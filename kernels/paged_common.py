@@ -1,9 +1,11 @@
-"""Helpers shared by the paged attention paths: input checks, the dot precision, and how the
-torch path reads each sequence's context out of the pages."""
+"""Helpers shared by the paged attention paths: input checks, the dot precision, the Triton
+key-tile loader, and how the torch path reads each sequence's context out of the pages."""
 
 from dataclasses import dataclass
 
 import torch
+
+from kernels._triton import tl, triton
 
 
 @dataclass
@@ -69,11 +71,38 @@ def check_paged_inputs(
     assert q.shape[1] % k_cache.shape[2] == 0, "num_q_heads must be a multiple of num_kv_heads"
     assert q.dtype == k_cache.dtype == v_cache.dtype, f"{q.dtype} vs cache {k_cache.dtype}"
     assert block_tables.dtype == torch.int32 and block_tables.stride(1) == 1
-    assert k_cache.shape[1] >= 16 and k_cache.shape[1] & (k_cache.shape[1] - 1) == 0, (
-        "block_size must be a power of two >= 16 for the Triton kernels"
-    )
 
 
 def dot_precision(dtype: torch.dtype) -> str:
     """Exact fp32 products for fp32 inputs (no TF32); the default for half types."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def default_block_n(device: torch.device) -> int:
+    """Keys per attention tile: 64 on the GPU; 32 in the interpreter (tests)."""
+    return 64 if device.type == "cuda" else 32
+
+
+@triton.jit
+def load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    table_row_ptr,  # this sequence's block table row
+    keys,  # [BLOCK_N] key positions
+    key_ok,  # [BLOCK_N] which positions to read
+    head_offset,  # kv_head * cache_stride_head
+    dims,  # [BLOCK_D]
+    dim_ok,
+    cache_stride_block,
+    cache_stride_slot,
+    PAGE: tl.constexpr,
+):
+    """K and V ``[BLOCK_N, BLOCK_D]`` for any key positions, each looked up in the block table
+    (so a tile may span pages of any size)."""
+    blocks = tl.load(table_row_ptr + keys // PAGE, mask=key_ok, other=0).to(tl.int64)
+    rows = blocks * cache_stride_block + (keys % PAGE) * cache_stride_slot + head_offset
+    offsets = rows[:, None] + dims[None, :]
+    mask = key_ok[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=mask, other=0.0)
+    return k, v

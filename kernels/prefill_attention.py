@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from kernels._triton import require_triton, tl, triton
 from kernels.paged_common import (
     check_paged_inputs,
+    default_block_n,
     dot_precision,
+    load_kv_tile,
     plan_context_reads,
     read_contexts,
 )
@@ -90,9 +92,10 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One program per (query tile, sequence, query head), streaming the pages it may see."""
+    """One program per (query tile, sequence, query head), streaming the keys it may see."""
     tile = tl.program_id(0)
     seq = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
@@ -110,23 +113,20 @@ def _prefill_attention_kernel(
         q = tl.load(q_ptr + q_offsets + dims[None, :], mask=q_mask, other=0.0)
         kv_end = context_len + tl.minimum(query_len, (tile + 1) * BLOCK_M)
         query_pos = context_len + rows  # absolute position of each query
-        slots = tl.arange(0, PAGE)
         kv_head = head // group
-        kv_offsets = (
-            kv_head * cache_stride_head + slots[:, None] * cache_stride_slot + dims[None, :]
-        )
+        table_row = block_tables_ptr + seq * table_stride
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for page in range(0, tl.cdiv(kv_end, PAGE)):
-            block = tl.load(block_tables_ptr + seq * table_stride + page).to(tl.int64)
-            key_pos = page * PAGE + slots
-            kv_mask = (key_pos < kv_end)[:, None] & dim_ok[None, :]
-            base = block * cache_stride_block + kv_offsets
-            k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0)
+        for tile_start in range(0, kv_end, BLOCK_N):
+            key_pos = tile_start + tl.arange(0, BLOCK_N)
+            k, v = load_kv_tile(
+                k_cache_ptr, v_cache_ptr, table_row, key_pos, key_pos < kv_end,
+                kv_head * cache_stride_head, dims, dim_ok, cache_stride_block, cache_stride_slot,
+                PAGE,
+            )  # fmt: skip
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale
-            visible = key_pos[None, :] <= query_pos[:, None]  # [BLOCK_M, PAGE]
+            visible = key_pos[None, :] <= query_pos[:, None]  # [BLOCK_M, BLOCK_N]
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -149,6 +149,7 @@ def prefill_attention_triton(
     scale: float,
     max_query_len: int,
     block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Triton varlen paged attention for a flattened batch (prefill chunks and decodes).
 
@@ -173,6 +174,7 @@ def prefill_attention_triton(
             BLOCK_M=block_m,
             BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             PAGE=k_cache.shape[1],
+            BLOCK_N=block_n or default_block_n(q.device),
             DOT_PRECISION=dot_precision(q.dtype),
         )  # fmt: skip
     return out

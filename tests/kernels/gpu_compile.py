@@ -110,11 +110,14 @@ def record_all(dtype: torch.dtype) -> list[Launch]:
     qsl = torch.arange(t + 1, dtype=torch.int32)
     with recording(launches):
         kv_write.write_kv_triton(k, k, cache, cache, torch.arange(t))
-        decode_attention.decode_attention_triton(q, cache, cache, table, lens, 0.1)
-        decode_attention.decode_attention_triton(q, cache, cache, table, lens, 0.1, num_splits=3)
+        for num_splits in (1, 3):
+            decode_args = (q, cache, cache, table, lens, 0.1)
+            decode_attention.decode_attention_triton(
+                *decode_args, num_splits=num_splits, block_n=64
+            )
         for block_m in (16, 64):
             args = (q, cache, cache, table, qsl, lens, 0.1, 1)
-            prefill_attention.prefill_attention_triton(*args, block_m=block_m)
+            prefill_attention.prefill_attention_triton(*args, block_m=block_m, block_n=64)
         x = torch.randn(t, 96, dtype=dtype)
         rms_norm.rms_norm_triton(x, torch.ones(96, dtype=dtype), 1e-6)
         rms_norm.rms_norm_triton(x, torch.ones(96, dtype=dtype), 1e-6, x)

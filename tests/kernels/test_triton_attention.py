@@ -31,6 +31,18 @@ def test_paged_attention_triton_matches_reference(gqa, head_dim, block_size, len
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("block_size", "block_n"), [(8, 16), (12, 32), (16, 64), (32, 16)])
+def test_key_tiles_may_span_or_split_pages(block_size, block_n):
+    case = make_paged_case(*MIXED, num_kv_heads=2, gqa=2, head_dim=64, block_size=block_size)
+    expected = naive_attention(case)
+    out = _run(case, prefill_attention_triton, max_query_len=17, block_n=block_n)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+    decodes = make_paged_case(*DECODE, num_kv_heads=2, gqa=2, head_dim=64, block_size=block_size)
+    args = (decodes.q, decodes.k_cache, decodes.v_cache, decodes.block_tables, decodes.seq_lens)
+    out = decode_attention_triton(*args, decodes.scale, num_splits=2, block_n=block_n)
+    torch.testing.assert_close(out, naive_attention(decodes), atol=2e-5, rtol=1e-5)
+
+
 def test_decode_kernel_directly_with_one_kv_head_and_long_context():
     case = make_paged_case([1, 1], [100, 3], num_kv_heads=1, gqa=4, head_dim=64, block_size=16)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
