@@ -12,7 +12,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from bus.actor import Actor, Inbox
 from bus.base import Bus, Msg
@@ -37,6 +37,9 @@ def load_engine_factory(target: str) -> Any:
 
 class GatewayActor(Actor):
     """Serves HTTP on ``host:port`` and the NATS API, for one engine client.
+
+    ``/metrics`` gets engine-core figures from the client's ``stats_listeners`` when it has
+    them (``engine.client.AsyncEngineClient`` does), else from the engine stats subject.
 
     Give ``engine_client`` (in-process), or ``engine_factory`` (``"module:callable"``, called as
     ``factory(bus, **engine_options)``, may be async) when running as a process.
@@ -75,7 +78,12 @@ class GatewayActor(Actor):
         self._stats_codec = Codec(EngineStats)
 
     def inboxes(self) -> Sequence[Inbox]:
+        if self._engine_reports_stats():
+            return []  # the engine client passes them on (see on_start)
         return [Inbox(self.subjects.engine_stats("*"), self._on_engine_stats, self._stats_codec)]
+
+    def _engine_reports_stats(self) -> bool:
+        return isinstance(getattr(self.engine, "stats_listeners", None), list)
 
     async def _on_engine_stats(self, stats: EngineStats, msg: Msg) -> None:
         if self.metrics is not None:
@@ -89,6 +97,8 @@ class GatewayActor(Actor):
             self.engine = engine
         name = self.served_model_name or engine.model_name
         self.metrics = Metrics(name, max_model_len=engine.max_model_len)
+        if self._engine_reports_stats():
+            cast(Any, engine).stats_listeners.append(self.metrics.update_engine_stats)
         app = create_app(engine, served_model_name=name, api_key=self.api_key, metrics=self.metrics)
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:

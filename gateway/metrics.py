@@ -230,12 +230,18 @@ class Metrics:
 
     def update_engine_stats(self, stats: SchedulerStats, engine_id: str) -> None:
         """An engine core's latest figures. Its counters are cumulative: a drop means the core
-        restarted, and the new value counts as fresh increments."""
+        restarted, and the new value counts as fresh increments. Figures of an older step than
+        the last seen arrived out of order (stats travel on two subjects) and are ignored, unless
+        the step number fell by more than half: then the core restarted."""
+        last = self._last_stats.get(engine_id)
+        if last is not None and stats.step_id < last.step_id:
+            if stats.step_id * 2 >= last.step_id:
+                return
+            last = None
         labels = (self.model_name, engine_id)
         self.num_requests_running.labels(*labels).set(stats.num_running)
         self.num_requests_waiting.labels(*labels).set(stats.num_waiting)
         self.kv_cache_usage.labels(*labels).set(stats.kv_usage)
-        last = self._last_stats.get(engine_id)
         for counter, attr in (
             (self.prefix_cache_queries, "prefix_cache_queries"),
             (self.prefix_cache_hits, "prefix_cache_hits"),

@@ -14,6 +14,7 @@ from bus.codec import encode
 from bus.memory import InMemoryBroker, InMemoryBus
 from bus.messages.engine import EngineStats, SchedulerStats
 from gateway.actor import GatewayActor
+from tests.unit.test_gateway_fake import FakeEngineClient
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,3 +72,28 @@ async def test_actor_serves_http_nats_and_engine_stats() -> None:
     async with aiohttp.ClientSession() as session:
         with pytest.raises(aiohttp.ClientConnectionError):
             await session.get(url + "/health")
+
+
+class ReportingEngine(FakeEngineClient):
+    """A fake that passes engine stats on to listeners, like engine.client.AsyncEngineClient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats_listeners: list = []  # type: ignore[type-arg]
+
+
+async def test_actor_takes_stats_from_the_engine_client_when_it_reports_them() -> None:
+    bus = InMemoryBus(InMemoryBroker())
+    engine = ReportingEngine()
+    actor = GatewayActor(bus, "gw-1", engine_client=engine, port=0, namespace="acttest2")
+    await actor.start()
+    try:
+        assert actor.inboxes() == [] and len(engine.stats_listeners) == 1
+        engine.stats_listeners[0](SchedulerStats(num_running=3), "e9")
+        assert actor.metrics is not None
+        sample = actor.metrics.registry.get_sample_value(
+            "vllm:num_requests_running", {"model_name": engine.model_name, "engine": "e9"}
+        )
+        assert sample == 3
+    finally:
+        await actor.stop()

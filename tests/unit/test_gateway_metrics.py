@@ -76,3 +76,14 @@ def test_two_gateways_in_one_process_have_separate_registries() -> None:
     first, second = Metrics("m"), Metrics("m")
     first.prompt_tokens.labels("m").inc(3)
     assert _get(second, "vllm:prompt_tokens_total") == 0
+
+
+def test_out_of_order_stats_are_ignored_but_restarts_count() -> None:
+    metrics = Metrics("m")
+    metrics.update_engine_stats(SchedulerStats(4, 0, 0.5, 100, 50, step_id=10), "e0")
+    metrics.update_engine_stats(SchedulerStats(9, 0, 0.9, 90, 40, step_id=9), "e0")  # late
+    assert _get(metrics, "vllm:num_requests_running", engine="e0") == 4
+    assert _get(metrics, "vllm:prefix_cache_queries_total", engine="e0") == 100
+    metrics.update_engine_stats(SchedulerStats(1, 0, 0.1, 30, 10, step_id=2), "e0")  # restarted
+    assert _get(metrics, "vllm:prefix_cache_queries_total", engine="e0") == 130
+    assert _get(metrics, "vllm:num_requests_running", engine="e0") == 1
