@@ -69,7 +69,8 @@ class _NatsSubscription(Subscription):
 
 class NatsBus(Bus):
     """A bus on NATS. Credentials: ``user``/``password``, ``token`` or ``creds_file``; ``tls``
-    is an ``ssl.SSLContext`` or True (system defaults)."""
+    is an ``ssl.SSLContext`` or True (system defaults). Payloads above ``chunk_size`` (default:
+    the server's max_payload less room for headers) travel chunked (``bus.chunking``)."""
 
     def __init__(
         self,
@@ -88,6 +89,7 @@ class NatsBus(Bus):
         connect_attempts: int = 3,
         drain_timeout: float = 5.0,
         chunk_ttl_s: float = 30.0,
+        chunk_size: int | None = None,
     ) -> None:
         self.servers = [servers] if isinstance(servers, str) else list(servers)
         self._options: dict[str, Any] = {
@@ -108,6 +110,7 @@ class NatsBus(Bus):
         self._connect_attempts = connect_attempts
         self._drain_timeout = drain_timeout
         self._chunk_ttl_s = chunk_ttl_s
+        self._chunk_size = chunk_size
         self._nc: Client | None = None
         self._subs: set[_NatsSubscription] = set()
         self._chunks: ChunkSender | None = None
@@ -146,6 +149,8 @@ class NatsBus(Bus):
             raise BusError(f"cannot connect to NATS at {self.servers}: {exc!r}") from exc
         self._nc.options["max_reconnect_attempts"] = self._max_reconnect_attempts
         chunk_size = max(1024, self._nc.max_payload - HEADER_RESERVE)
+        if self._chunk_size is not None:  # smaller chunks: pulled, so flow-controlled
+            chunk_size = max(1024, min(chunk_size, self._chunk_size))
         self._chunks = ChunkSender(self, chunk_size, ttl_s=self._chunk_ttl_s)
 
     async def _on_error(self, exc: Exception) -> None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from bus import connect_bus
-from bus.base import BusError
+from bus.base import BusError, Msg
 from bus.jetstream import KvBucket, KvEntry, ObjectStore
 from bus.nats_bus import NatsBus
 from bus.server import NatsServer, NatsServerNotFoundError, find_nats_server
@@ -121,3 +121,26 @@ async def test_user_password_and_token_authentication():
         await bus.close()
         with pytest.raises(BusError):
             await NatsBus([server.url], token="nope", connect_timeout=1).connect()
+
+
+async def test_lower_chunk_size_chunks_below_max_payload(nats_url: str):
+    sender = NatsBus([nats_url], chunk_size=64 * 1024)
+    receiver = NatsBus([nats_url])
+    await sender.connect()
+    await receiver.connect()
+    got: list[Msg] = []
+
+    async def take(msg: Msg) -> None:
+        got.append(msg)
+
+    await receiver.subscribe("t.chunked", take)
+    await receiver.flush()
+    payload = os.urandom(1 << 20)
+    await sender.publish("t.chunked", payload)
+    async with asyncio.timeout(10):
+        while not got:
+            await asyncio.sleep(0.01)
+    assert got[0].data == payload and got[0].headers is None
+    assert sender._chunks is not None and sender._chunks.num_held == 1  # fan-out: kept for TTL
+    await sender.close()
+    await receiver.close()
