@@ -129,7 +129,7 @@ class InputBatch:
         scheduled = np.asarray(num_scheduled, dtype=np.int64)  # [S]
         computed = self.num_computed[rows]  # [S]
         seq_lens = computed + scheduled
-        too_long = seq_lens > self.num_tokens[rows] + 0
+        too_long = seq_lens > self.num_tokens[rows]
         if too_long.any():
             bad = [req_ids[i] for i in np.flatnonzero(too_long)]
             raise ValueError(f"requests {bad} scheduled past their known tokens")
