@@ -25,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bus.messages.sampling import SamplingParams  # noqa: E402
-from engine.config import CacheConfig, SchedulerConfig  # noqa: E402
-from engine.request import Request  # noqa: E402
-from engine.scheduler import Scheduler  # noqa: E402
-from workers.model_runner import ModelRunner  # noqa: E402
+from bus.messages.sampling import SamplingParams
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request
+from engine.scheduler import Scheduler
+from workers.model_runner import ModelRunner
 
 VOCAB = 4096
 MAX_MODEL_LEN = 1024
