@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import nats.errors
@@ -73,7 +73,9 @@ class KvBucket:
     async def delete(self, key: str) -> None:
         await self._kv.delete(key)
 
-    async def watch(self, keys: str = ">", *, timeout: float = 5.0) -> AsyncIterator[KvEntry]:
+    async def watch(
+        self, keys: str = ">", *, timeout: float = 5.0
+    ) -> AsyncGenerator[KvEntry, None]:
         """Yield the current value of each matching key, then every change, as ``KvEntry``
         (value None for a delete). Stop by breaking out of the loop. ``timeout`` bounds the
         wait for each next entry (``BusTimeoutError``)."""
