@@ -148,3 +148,21 @@ def test_kernels_import_only_torch_and_triton():
                 names = [node.module]
             for name in names:
                 assert name.split(".")[0] not in shoal_packages, f"{path.name} imports {name}"
+
+
+def test_fused_moe_reference_matches_transformers_mixtral_experts_bit_for_bit():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    config = MixtralConfig(hidden_size=32, intermediate_size=24, num_local_experts=6)
+    experts = MixtralExperts(config)
+    gen = torch.Generator().manual_seed(1)
+    torch.nn.init.normal_(experts.gate_up_proj, generator=gen)
+    torch.nn.init.normal_(experts.down_proj, generator=gen)
+    x = torch.randn(11, 32, generator=gen)
+    topk_ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(11)])
+    topk_weights = torch.rand(11, 2, generator=gen)
+    with torch.no_grad():
+        expected = experts(x, topk_ids, topk_weights)
+        out = ops.fused_moe(x, experts.gate_up_proj, experts.down_proj, topk_weights, topk_ids)
+    assert torch.equal(out, expected)
