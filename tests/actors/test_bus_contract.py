@@ -238,3 +238,22 @@ async def test_close_lets_running_handlers_finish(bus_factory: BusFactory):
     await server.close()
     assert finished == [b"x"]
     assert (await pending).data == b"x"
+
+
+async def test_streamed_reply_keeps_order_across_a_chunked_message(
+    bus_factory: BusFactory, bus_kind: str
+):
+    options = {"max_payload": 1 << 20} if bus_kind == "memory" else {}
+    server, client = await bus_factory(**options), await bus_factory(**options)
+    big = os.urandom(6 << 20)  # chunked on both transports
+
+    async def stream_big_then_small(msg: Msg) -> None:
+        stream = ReplyStream(msg)
+        await stream.send(b"first")
+        await stream.send(big)
+        await stream.end(b"last")
+
+    await server.subscribe("t.bigstream", stream_big_then_small)
+    await settle(server)
+    got = [m.data async for m in client.request_stream("t.bigstream", b"", timeout=30)]
+    assert got == [b"first", big, b"last"]
