@@ -180,6 +180,11 @@ class ModelRunner:
         return DEFAULT_CPU_KV_BYTES
 
     @property
+    def num_requests(self) -> int:
+        """Requests in the persistent batch."""
+        return len(self.batch) if self._model is not None else 0
+
+    @property
     def model(self) -> DecoderForCausalLM:
         if self._model is None:
             raise RuntimeError("ModelRunner.load() has not been called")
@@ -199,6 +204,11 @@ class ModelRunner:
             return StepResult(step_id=step.step_id)
         num_scheduled = [r.num_scheduled_tokens for r in step.new_requests]
         num_scheduled += [r.num_scheduled_tokens for r in step.cached_requests]
+        if sum(num_scheduled) > self.max_num_batched_tokens:
+            raise ValueError(
+                f"step {step.step_id} schedules {sum(num_scheduled)} tokens, more "
+                f"than max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
         inputs = self.batch.prepare_inputs(req_ids, num_scheduled)
         t1 = time.perf_counter()
         hidden = self._forward(inputs)  # [T, hidden]

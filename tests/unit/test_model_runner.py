@@ -160,3 +160,13 @@ def test_empty_step_and_reset(runner):
     runner.execute(ExecuteStep(step_id=5, new_requests=[new("a", [1, 2, 3], [1], 3)]))
     runner.reset()
     assert len(runner.batch) == 0 and "a" not in runner.sampling
+
+
+def test_step_over_token_budget_is_refused(tiny_checkpoint):
+    r = ModelRunner(
+        tiny_checkpoint("llama"), num_blocks=16, block_size=BLOCK, max_num_batched_tokens=4
+    )
+    r.load()
+    with pytest.raises(ValueError, match="max_num_batched_tokens=4"):
+        r.execute(ExecuteStep(step_id=0, new_requests=[new("a", [1, 2, 3, 4, 5], [1, 2], 5)]))
+    assert r.num_requests == 1  # the diff applied; the engine finishes the request on error
