@@ -6,6 +6,8 @@ runs one program per (sequence, kv head, context split); when the batch is too s
 GPU, the context is split (flash-decoding) and a second kernel merges the partial softmaxes.
 """
 
+import functools
+
 import torch
 
 from kernels._triton import require_triton, tl, triton
@@ -130,6 +132,11 @@ def _merge_splits_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < head_dim)
 
 
+@functools.lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def choose_num_splits(
     num_seqs: int, num_kv_heads: int, max_tiles: int, device: torch.device
 ) -> int:
@@ -137,7 +144,7 @@ def choose_num_splits(
     least 2 key tiles per split."""
     if device.type != "cuda" or max_tiles < 4:
         return 1
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    num_sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     programs = num_seqs * num_kv_heads
     if programs >= num_sms:
         return 1

@@ -56,7 +56,8 @@ def paged_attention(
     """Causal attention of each sequence's last ``query_len`` positions over its paged context.
 
     Call ``write_kv`` for this step's tokens first. Pass ``max_query_len``/``max_seq_len`` when
-    known to spare a device-to-host read.
+    known to spare a device-to-host read; they must be the true maxima (a smaller
+    ``max_seq_len`` truncates the Triton decode's context).
     """
     fn = paged_attention_triton if use_triton(q) else paged_attention_torch
     return fn(
