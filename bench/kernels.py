@@ -100,6 +100,7 @@ def _cases(dev: torch.device, dtype: torch.dtype, big: bool) -> list[tuple[str, 
     prefill = _paged_inputs([chunk] * 4, [chunk] * 4, hq, hkv, dim, dev, dtype)
     x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
     weight = torch.randn(hidden, device=dev, dtype=dtype)
+    gate_up = torch.randn(tokens, 2 * inter, device=dev, dtype=dtype)
     q = torch.randn(tokens, hq, dim, device=dev, dtype=dtype)
     k = torch.randn(tokens, hkv, dim, device=dev, dtype=dtype)
     positions = torch.randint(0, 4096, (tokens,), device=dev)
@@ -120,7 +121,7 @@ def _cases(dev: torch.device, dtype: torch.dtype, big: bool) -> list[tuple[str, 
         ("paged_attention prefill", f"4x{chunk} over {chunk} prefix", prefill, None),
         ("rms_norm+residual", f"T={tokens} h={hidden}", (x, weight, 1e-6, x), rms_norm),
         ("apply_rotary", f"T={tokens} hq={hq} hkv={hkv} d={dim}", (q, k, positions, cache), rotary),
-        ("silu_and_mul", f"T={tokens} i={inter}", (torch.cat([x, x, x], 1),), activation),
+        ("silu_and_mul", f"T={tokens} i={inter}", (gate_up,), activation),
         (
             "fused_moe",
             f"T={moe_tokens} E={experts} k={top_k} h={moe_hidden} i={moe_inter}",
