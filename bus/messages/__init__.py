@@ -10,7 +10,7 @@ Schema evolution rules (every boundary):
 1. New fields are appended at the end of a struct, always with a default.
 2. Fields are never reordered, renamed or removed; a field no longer used keeps its slot.
 3. Hot-path structs (``array_like=True``) are encoded positionally, so rules 1 and 2 are what
-   keeps an old peer able to decode a new message; ``tests/unit/test_schema_layout.py`` pins
+   keeps an old peer able to decode a new message; ``tests/unit/test_bus_codec.py`` pins
    their field order.
 4. Tags are strings and never reused for another struct.
 """

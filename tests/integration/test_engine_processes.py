@@ -80,6 +80,32 @@ async def test_processes_greedy_and_load_sharing(deployment):  # type: ignore[no
     assert all(tokens > 0 for tokens in served.values()), served
 
 
+async def test_processes_stream_and_abort(deployment):  # type: ignore[no-untyped-def]
+    from bus.messages.sampling import OutputKind, SamplingParams
+
+    _, client, _ = deployment
+    whole = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    full = await _final(client, "hello there", whole, "whole")
+    delta = SamplingParams(
+        temperature=0.0, max_tokens=12, ignore_eos=True, output_kind=OutputKind.DELTA
+    )
+    pieces = [o.outputs[0].text async for o in client.generate("hello there", delta, "delta")]
+    assert "".join(pieces) == full.outputs[0].text
+    # Abort mid-generation: the engine core frees the request and its blocks.
+    endless = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    stream = client.generate([3, 4, 5], endless, "victim")
+    async for _ in stream:
+        break
+    await stream.aclose()
+    for _ in range(100):
+        await asyncio.sleep(0.1)
+        stats = [v.stats.stats for v in client.router.engines.values()]
+        if all(s.num_running == 0 and s.kv_usage == 0.0 for s in stats):
+            break
+    assert all(s.num_running == 0 and s.num_waiting == 0 for s in stats), stats
+    assert all(s.kv_usage == 0.0 for s in stats), stats
+
+
 async def test_worker_killed_mid_generation(deployment):  # type: ignore[no-untyped-def]
     from bus.messages.sampling import SamplingParams
 
