@@ -103,7 +103,9 @@ class EngineCoreActor(Actor):
     # ----- lifecycle
 
     def inboxes(self) -> Sequence[Inbox]:
-        return [Inbox(self.subjects.engine_in(self.engine_id), self._on_inbound, self._codec)]
+        # Sequential: an abort must never overtake the add it cancels.
+        subject = self.subjects.engine_in(self.engine_id)
+        return [Inbox(subject, self._on_inbound, self._codec, sequential=True)]
 
     async def on_start(self) -> None:
         await self.workers.start()
