@@ -125,11 +125,23 @@ class KVCacheManager:
         self.num_cached_blocks[request.request_id] = max(start, num_full)
 
     def free(self, request: Request, drop_cached: bool = False) -> None:
-        """Give back the request's blocks, tail first, so its head stays cached the longest."""
+        """Give back the request's blocks, tail first, so its head stays cached the longest.
+
+        Blocks are hashed when allocated, before their KV is written: those past the request's
+        ``num_computed_tokens`` (a step planned but never run) lose their hash, as do all of them
+        with ``drop_cached``.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            self.block_pool.free_blocks(reversed(blocks), drop_cached=drop_cached)
+        if not blocks:
+            return
+        num_trusted = 0 if drop_cached else request.num_computed_tokens // self.block_size
+        free_blocks = self.block_pool.free_blocks
+        if num_trusted < len(blocks):
+            free_blocks(reversed(blocks[num_trusted:]), drop_cached=True)
+            free_blocks(reversed(blocks[:num_trusted]))
+        else:
+            free_blocks(reversed(blocks))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()

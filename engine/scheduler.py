@@ -317,12 +317,16 @@ class Scheduler:
             self._finish(request, RequestStatus.FINISHED_ERROR, drop_cached=True)
             outputs.setdefault(request.client_id, []).append(request.make_final_output())
 
-    def recompute_unreported(self, request_ids: Iterable[str]) -> None:
-        """Scheduled requests a result did not mention: preempt them, to recompute from 0."""
-        for request_id in request_ids:
+    def recompute_unreported(self, num_unreported_tokens: dict[str, int]) -> None:
+        """Scheduled requests a result did not mention: preempt them, to recompute from 0.
+
+        ``num_unreported_tokens`` maps each to the tokens it was scheduled: they never ran.
+        """
+        for request_id, num_tokens in num_unreported_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.status is not RUNNING:
                 continue
+            request.num_computed_tokens -= num_tokens  # so their blocks are not cached
             self.running.remove(request)
             self._preempt(request)
             self.preempted_req_ids.append(request_id)

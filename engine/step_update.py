@@ -96,10 +96,11 @@ class StepUpdater:
             scheduler.running = [r for r in scheduler.running if r.status is RUNNING]
         if result.error is not None:
             scheduler.fail_requests(result.error, outputs)
-        if len(result.req_ids) < len(scheduler_output.num_scheduled_tokens):
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        if len(result.req_ids) < len(num_scheduled):
             reported = set(result.req_ids)
             scheduler.recompute_unreported(
-                r for r in scheduler_output.num_scheduled_tokens if r not in reported
+                {r: n for r, n in num_scheduled.items() if r not in reported}
             )
         return outputs
 

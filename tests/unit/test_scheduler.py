@@ -236,6 +236,23 @@ def test_requests_missing_from_a_result_are_recomputed() -> None:
     assert [d.req_id for d in nxt.new_requests] == ["req1"]
 
 
+def test_request_missing_from_a_result_does_not_hit_its_own_unwritten_blocks() -> None:
+    scheduler = make_scheduler()
+    worker = FakeWorker(4)
+    for request in make_requests(2, 8, max_tokens=3):
+        scheduler.add_request(request)
+    output = scheduler.schedule()
+    message = output.to_message()
+    message.new_requests = message.new_requests[:1]  # the worker never ran req1
+    scheduler.update_from_output(output, worker.execute(message))
+    assert scheduler.requests["req1"].status is RequestStatus.PREEMPTED
+    for _ in range(20):  # the worker checks every KV slot req1 reads when it resumes
+        if not scheduler.has_requests():
+            break
+        step(scheduler, worker)
+    assert not scheduler.has_requests()
+
+
 def test_step_id_mismatch_is_rejected() -> None:
     scheduler = make_scheduler()
     scheduler.add_request(make_request("r", [1]))

@@ -136,3 +136,29 @@ def test_waiting_loop_is_skipped_in_a_step_that_preempted() -> None:
     scheduler.update_from_output(output, worker.execute(output.to_message()))
     following = scheduler.schedule()
     assert [d.req_id for d in following.new_requests] == ["tiny"]
+
+
+def test_victim_unscheduled_mid_step_leaves_no_cached_hash_on_unwritten_kv() -> None:
+    """A victim already scheduled this step never runs: the blocks its chunk filled must not stay
+    findable in the prefix cache, or a later hit reads KV that was never written."""
+    scheduler = make_scheduler(
+        policy="priority",
+        block_size=2,
+        num_blocks=10,
+        max_num_batched_tokens=5,
+        long_prefill_token_threshold=4,
+    )
+    worker = FakeWorker(2)
+    scheduler.add_request(
+        make_request("victim", list(range(100, 116)), priority=1, max_tokens=2, ignore_eos=True)
+    )
+    first = scheduler.schedule()  # alone: 5 prompt tokens
+    scheduler.update_from_output(first, worker.execute(first.to_message()))
+    scheduler.add_request(
+        make_request("urgent", [50], priority=0, max_tokens=3, ignore_eos=True, arrival_time=1.0)
+    )
+    output = step_until_preemption(scheduler, worker)
+    assert output.preempted_req_ids == ["victim"]  # after its last chunk was planned
+    outputs = run_to_completion(scheduler, worker)  # the worker checks every KV slot it reads
+    assert outputs["victim"][-1].finish_reason == "length"
+    assert scheduler.kv_cache_manager.num_free_blocks == 9
