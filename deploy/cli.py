@@ -22,6 +22,8 @@ from engine.args import EngineArgs
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 ACTOR_KINDS = ("worker", "engine", "gateway")
+# Benchmark names that are not file names: `shoal bench throughput` is the end-to-end one.
+BENCH_ALIASES = {"throughput": "throughput_e2e", "runner-throughput": "throughput"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,7 +86,8 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _bench_names() -> list[str]:
-    return sorted(p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_"))
+    stems = {p.stem for p in BENCH_DIR.glob("*.py") if not p.stem.startswith("_")}
+    return sorted(stems | BENCH_ALIASES.keys())
 
 
 def _model_or_demo(model: str | None) -> str:
@@ -173,7 +176,7 @@ async def _actor(parser: argparse.ArgumentParser, args: EngineArgs, ns: argparse
 
 
 def _run_bench(parser: argparse.ArgumentParser, name: str, bench_args: list[str]) -> int:
-    path = BENCH_DIR / f"{name}.py"
+    path = BENCH_DIR / f"{BENCH_ALIASES.get(name, name)}.py"
     if not path.is_file():
         parser.error(f"unknown benchmark {name!r}; choose from {', '.join(_bench_names())}")
     sys.argv = [str(path), *bench_args]
