@@ -104,6 +104,11 @@ class CompletionState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def has_news(self) -> bool:
+        """Tokens not sent yet as a DELTA, or the end."""
+        return self.finished or len(self.token_ids) > self._num_sent_tokens
+
     def update(self, output: EngineRequestOutput) -> bool:
         """Absorb one step's output; True when a stop string ended the completion here."""
         rows = convert_logprobs(output.new_logprobs, self.tokenizer) if output.new_logprobs else []
@@ -219,7 +224,9 @@ class RequestState:
         if kind == OutputKind.FINAL_ONLY and not finished:
             return None
         if kind == OutputKind.DELTA:
-            chosen = sorted(touched, key=lambda c: c.index)
+            # A partial prefill moves nothing a consumer sees: its prompt logprobs wait for
+            # the first token, so they reach a DELTA consumer whole, as in the other kinds.
+            chosen = sorted((c for c in touched if c.has_news), key=lambda c: c.index)
         else:
             chosen = [c for c in self.children.values() if c.token_ids or c.finished]
         if not chosen and not finished:

@@ -237,6 +237,30 @@ def test_prompt_logprobs_start_with_none(tokenizer: Tokenizer) -> None:
     assert [p[t].rank for p, t in zip(prompt_logprobs[1:], [6, 7], strict=True)] == [3, 1]
 
 
+def test_delta_prompt_logprobs_of_a_chunked_prefill_arrive_whole(tokenizer: Tokenizer) -> None:
+    """A prefill split over steps sends its prompt logprobs in parts; a DELTA consumer (the
+    gateway's echo) gets all of them with the first output, not just the first part."""
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(prompt_logprobs=0, output_kind=OutputKind.DELTA)
+    processor.add_request("r", [5, 6, 7, 9], params)
+
+    def rows(*token_ids: int) -> Logprobs:
+        return Logprobs([[t] for t in token_ids], [[-1.0] for _ in token_ids], [1] * len(token_ids))
+
+    outputs = []
+    for step in (
+        StepOutput("r", [], prompt_logprobs=rows(6)),
+        StepOutput("r", [], prompt_logprobs=rows(7)),
+        StepOutput("r", [8], prompt_logprobs=rows(9)),
+        StepOutput("r", [8], "length"),
+    ):
+        outputs += processor.process_outputs(batch(step)).request_outputs
+    sent = [o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None]
+    assert len(sent) == 1
+    assert sent[0][0] is None and [list(p) for p in sent[0][1:]] == [[6], [7], [9]]
+    assert [t for o in outputs for c in o.outputs for t in c.token_ids] == [8, 8]
+
+
 def test_latency_timestamps(tokenizer: Tokenizer) -> None:
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", [1], SamplingParams(), arrival_time=100.0)
