@@ -26,6 +26,8 @@ def _type_name(type_: Any) -> str:
 class Codec(Generic[T]):
     """msgpack codec for one struct or tagged union, e.g. ``Codec(EngineInbound)``."""
 
+    _format: Any = msgspec.msgpack
+
     @overload
     def __init__(self: Codec[T], type_: type[T]) -> None: ...
     @overload
@@ -33,40 +35,25 @@ class Codec(Generic[T]):
     def __init__(self, type_: Any) -> None:
         self.type = type_
         self.type_name = _type_name(type_)
-        self._encoder = msgspec.msgpack.Encoder()
-        self._decoder: msgspec.msgpack.Decoder[T] = msgspec.msgpack.Decoder(type_)
+        self._encoder = self._format.Encoder()
+        self._decoder = self._format.Decoder(type_)
 
     def encode(self, obj: T) -> bytes:
-        return self._encoder.encode(obj)
+        data: bytes = self._encoder.encode(obj)
+        return data
 
     def decode(self, data: bytes | bytearray | memoryview) -> T:
         try:
-            return self._decoder.decode(data)
+            obj: T = self._decoder.decode(data)
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
             raise DecodeError(self.type_name, str(exc)) from None
+        return obj
 
 
-class JsonCodec(Generic[T]):
-    """JSON codec for one type (the gateway's public NATS API)."""
+class JsonCodec(Codec[T]):
+    """JSON codec for one type (the gateway's public NATS API); otherwise a ``Codec``."""
 
-    @overload
-    def __init__(self: JsonCodec[T], type_: type[T]) -> None: ...
-    @overload
-    def __init__(self: JsonCodec[Any], type_: Any) -> None: ...
-    def __init__(self, type_: Any) -> None:
-        self.type = type_
-        self.type_name = _type_name(type_)
-        self._encoder = msgspec.json.Encoder()
-        self._decoder: msgspec.json.Decoder[T] = msgspec.json.Decoder(type_)
-
-    def encode(self, obj: T) -> bytes:
-        return self._encoder.encode(obj)
-
-    def decode(self, data: bytes | bytearray | memoryview) -> T:
-        try:
-            return self._decoder.decode(data)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
-            raise DecodeError(self.type_name, str(exc)) from None
+    _format = msgspec.json
 
 
 _ANY_ENCODER = msgspec.msgpack.Encoder()
