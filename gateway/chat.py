@@ -3,14 +3,12 @@ choices, logprobs/top_logprobs, streamed (role chunk first) or answered whole.""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import msgspec
 from aiohttp import web
 
 from engine.outputs import CompletionOutput, RequestOutput
-from gateway.errors import ApiError, internal_error
 from gateway.generation import Generation
 from gateway.logprobs import TokenText, chat_logprobs
 from gateway.params import (
@@ -39,6 +37,7 @@ from gateway.serving import (
     decode_body,
     new_request_id,
     now_seconds,
+    stream_events,
 )
 
 ASSISTANT = "assistant"
@@ -139,31 +138,13 @@ class ChatView:
         )
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        outputs = self.generation.outputs()
-        async with contextlib.aclosing(outputs):
-            first = await anext(outputs, None)  # errors before the first output keep their status
-            events = EventStream(request)
-            await events.open()
-            try:
-                self._add_openers(events)
-                if first is not None:
-                    self._add(events, first[1])
-                await events.flush()  # the first token leaves at once
-                async for _, output in outputs:
-                    self._add(events, output)
-                    if not self.generation.has_pending():
-                        await events.flush()
-                options = self.body.stream_options
-                if options is not None and options.include_usage:
-                    events.add(self._chunk([], self.usage.usage()))
-            except ApiError as error:
-                await events.send_error(error)
-            except ConnectionResetError:
-                return events.response
-            except Exception as error:  # a bug: tell the client, keep serving others
-                await events.send_error(internal_error(error))
-            await events.finish()
-        return events.response
+        return await stream_events(
+            request,
+            self.generation,
+            self._add,
+            add_opening=self._add_openers,
+            add_closing=self._add_usage,
+        )
 
     def _add_openers(self, events: EventStream) -> None:
         """The role chunk of every choice, then the echoed assistant message if asked."""
@@ -175,13 +156,18 @@ class ChatView:
                 echoed = ChatChunkChoice(choice.index, DeltaMessage(content=self.echo))
                 events.add(self._chunk([echoed]))
 
-    def _add(self, events: EventStream, output: RequestOutput) -> None:
+    def _add(self, events: EventStream, prompt_index: int, output: RequestOutput) -> None:
         options = self.body.stream_options
         continuous = options is not None and options.continuous_usage_stats
         for completion in output.outputs:
             delta = self._delta(completion)
             if delta is not None:
                 events.add(self._chunk([delta], self.usage.usage() if continuous else None))
+
+    def _add_usage(self, events: EventStream) -> None:
+        options = self.body.stream_options
+        if options is not None and options.include_usage:
+            events.add(self._chunk([], self.usage.usage()))
 
     def _chunk(
         self, choices: list[ChatChunkChoice], usage: Usage | None = None

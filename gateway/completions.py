@@ -3,14 +3,13 @@ echo and logprobs, streamed as server-sent events or answered whole."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import msgspec
 from aiohttp import web
 
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from gateway.errors import ApiError, bad_request, internal_error
+from gateway.errors import bad_request
 from gateway.generation import Generation
 from gateway.logprobs import TokenText, append_completion_logprobs
 from gateway.params import (
@@ -36,6 +35,7 @@ from gateway.serving import (
     decode_body,
     new_request_id,
     now_seconds,
+    stream_events,
 )
 
 
@@ -161,28 +161,7 @@ class CompletionView:
         )
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        outputs = self.generation.outputs()
-        async with contextlib.aclosing(outputs):
-            first = await anext(outputs, None)  # errors before the first output keep their status
-            events = EventStream(request)
-            await events.open()
-            try:
-                if first is not None:
-                    self._add(events, *first)
-                await events.flush()  # the first token leaves at once
-                async for prompt_index, output in outputs:
-                    self._add(events, prompt_index, output)
-                    if not self.generation.has_pending():
-                        await events.flush()
-                self._add_usage(events)
-            except ApiError as error:
-                await events.send_error(error)
-            except ConnectionResetError:
-                return events.response
-            except Exception as error:  # a bug: tell the client, keep serving others
-                await events.send_error(internal_error(error))
-            await events.finish()
-        return events.response
+        return await stream_events(request, self.generation, self._add, add_closing=self._add_usage)
 
     def _add(self, events: EventStream, prompt_index: int, output: RequestOutput) -> None:
         self._note_prompt(prompt_index, output)

@@ -1,19 +1,22 @@
 """What the endpoint handlers share: the engine and served name, typed body decoding, the model
-check, per-choice accumulation and usage, and server-sent events."""
+check, per-choice accumulation and usage, and server-sent events (``stream_events``)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
 from aiohttp import web
 
-from engine.outputs import CompletionOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import EngineClient
-from gateway.errors import ApiError, from_decode_error, unavailable
+from gateway.errors import ApiError, from_decode_error, internal_error, unavailable
+from gateway.generation import Generation
 from gateway.metrics import Metrics
 from gateway.response_types import Usage, make_usage
 
@@ -130,3 +133,49 @@ class EventStream:
         self._buffer.append(b"data: [DONE]\n\n")
         await self.flush()
         await self.response.write_eof()
+
+
+AddEvents = Callable[[EventStream], None]
+AddOutputEvents = Callable[[EventStream, int, RequestOutput], None]
+
+
+async def stream_events(
+    request: web.Request,
+    generation: Generation,
+    add_output: AddOutputEvents,
+    *,
+    add_opening: AddEvents | None = None,
+    add_closing: AddEvents | None = None,
+) -> web.StreamResponse:
+    """Answer with a generation as server-sent events.
+
+    ``add_opening`` chunks, then ``add_output(events, prompt_index, output)`` per engine output,
+    written whenever no more outputs wait (the first at once), then ``add_closing`` chunks and
+    ``[DONE]``. An error before the first output keeps its HTTP status (the middleware answers
+    it); a later one becomes an error event. A client that went away ends the stream quietly.
+    """
+    outputs = generation.outputs()
+    async with contextlib.aclosing(outputs):
+        first = await anext(outputs, None)
+        events = EventStream(request)
+        await events.open()
+        try:
+            if add_opening is not None:
+                add_opening(events)
+            if first is not None:
+                add_output(events, *first)
+            await events.flush()
+            async for prompt_index, output in outputs:
+                add_output(events, prompt_index, output)
+                if not generation.has_pending():
+                    await events.flush()
+            if add_closing is not None:
+                add_closing(events)
+        except ApiError as error:
+            await events.send_error(error)
+        except ConnectionResetError:
+            return events.response
+        except Exception as error:  # a bug: tell the client, keep serving others
+            await events.send_error(internal_error(error))
+        await events.finish()
+    return events.response
