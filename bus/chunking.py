@@ -76,6 +76,14 @@ class ChunkSender:
         manifest += payload_digest(data)
         return {**(headers or {}), CHUNKED_HEADER: manifest}
 
+    async def wrap(
+        self, subject: str, data: bytes, headers: dict[str, str] | None
+    ) -> tuple[bytes, dict[str, str] | None]:
+        """What to publish for ``data``: itself, or (above ``chunk_size``) an empty manifest."""
+        if len(data) <= self.chunk_size:
+            return data, headers
+        return b"", await self.offer(subject, data, headers)
+
     async def _ensure_serving(self) -> None:
         async with self._lock:
             if self._sub is None:

@@ -180,9 +180,8 @@ class InMemoryBus(Bus):
     ) -> None:
         self._check_open()
         validate_subject(subject)
-        if self._chunks is not None and len(data) > self._chunks.chunk_size:
-            headers = await self._chunks.offer(subject, data, headers)
-            data = b""
+        if self._chunks is not None:
+            data, headers = await self._chunks.wrap(subject, data, headers)
         self._deliver(subject, bytes(data), reply, headers)
 
     def _deliver(

@@ -212,9 +212,8 @@ class NatsBus(Bus):
     ) -> None:
         nc = self.client
         validate_subject(subject)
-        if self._chunks is not None and len(data) > self._chunks.chunk_size:
-            headers = await self._chunks.offer(subject, data, headers)
-            data = b""
+        if self._chunks is not None:
+            data, headers = await self._chunks.wrap(subject, data, headers)
         try:
             await nc.publish(subject, data, reply=reply or "", headers=headers)
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
@@ -267,9 +266,8 @@ class NatsBus(Bus):
     ) -> Msg:
         nc = self.client
         validate_subject(subject)
-        if self._chunks is not None and len(data) > self._chunks.chunk_size:
-            headers = await self._chunks.offer(subject, data, headers)
-            data = b""
+        if self._chunks is not None:
+            data, headers = await self._chunks.wrap(subject, data, headers)
         try:
             raw = await nc.request(subject, data, timeout=timeout, headers=headers)
         except nats.errors.NoRespondersError:
