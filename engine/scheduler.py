@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from bus.messages.engine import RequestOutput, SchedulerStats
-from bus.messages.worker import StepError, StepResult
+from bus.messages.worker import StepResult
 from engine.block_hash import BlockHasher
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -126,7 +126,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue
-            self._finish(request, status)
+            self.finish_request(request, status)
             finished.append(request)
         return finished
 
@@ -138,7 +138,10 @@ class Scheduler:
             outputs.setdefault(request.client_id, []).append(request.make_final_output())
         return outputs
 
-    def _finish(self, request: Request, status: RequestStatus, drop_cached: bool = False) -> None:
+    def finish_request(
+        self, request: Request, status: RequestStatus, drop_cached: bool = False
+    ) -> None:
+        """Take a queued or running request off its queue and release it with ``status``."""
         if request.status is RUNNING:
             self.running.remove(request)
         else:
@@ -213,7 +216,7 @@ class Scheduler:
                 if victim_index < index:
                     index -= 1
                 budget += self._unschedule(plan, victim)
-                self._preempt(victim)
+                self.preempt(victim)
                 plan.preempted.append(victim.request_id)
                 if victim is request:
                     break
@@ -244,7 +247,7 @@ class Scheduler:
             del plan.cached_block_ids[position]
         return num_tokens
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
         """Free the request's blocks and queue it first, to be recomputed from token 0."""
         self.kv_cache_manager.free(request)
         request.status = PREEMPTED
@@ -305,31 +308,6 @@ class Scheduler:
     ) -> dict[str, list[RequestOutput]]:
         """Apply a step's sampled tokens; returns the outputs to publish, keyed by client id."""
         return self._updater.apply(scheduler_output, result)
-
-    def fail_requests(self, error: StepError, outputs: dict[str, list[RequestOutput]]) -> None:
-        """Finish the requests a failed step names with FINISHED_ERROR and the error text."""
-        for request_id in error.req_ids:
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
-            request.error = error.message
-            # The step's KV for these requests may be garbage: forget their cached hashes.
-            self._finish(request, RequestStatus.FINISHED_ERROR, drop_cached=True)
-            outputs.setdefault(request.client_id, []).append(request.make_final_output())
-
-    def recompute_unreported(self, num_unreported_tokens: dict[str, int]) -> None:
-        """Scheduled requests a result did not mention: preempt them, to recompute from 0.
-
-        ``num_unreported_tokens`` maps each to the tokens it was scheduled: they never ran.
-        """
-        for request_id, num_tokens in num_unreported_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status is not RUNNING:
-                continue
-            request.num_computed_tokens -= num_tokens  # so their blocks are not cached
-            self.running.remove(request)
-            self._preempt(request)
-            self.preempted_req_ids.append(request_id)
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

@@ -1,5 +1,9 @@
 """Applying a step's result to the scheduler's requests (``Scheduler.update_from_output``).
 
+A failed step (``StepResult.error``) finishes the requests it names with FINISHED_ERROR and
+forgets their cached hashes; scheduled requests the result does not mention are preempted and
+recomputed from token 0.
+
 Sampled tokens are appended one at a time, each followed by ``check_stop``; tokens after a stop
 are dropped (and their logprob rows trimmed). A request that stops is freed at once and its id
 sent to the worker with the next step. A partial prefill (no sampled token) produces no output
@@ -15,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bus.messages.engine import Logprobs, RequestOutput
-from bus.messages.worker import StepResult
+from bus.messages.worker import StepError, StepResult
 from engine.request import FINISH_REASONS, Request, RequestStatus
 from engine.stop_check import check_stop
 
@@ -95,14 +99,41 @@ class StepUpdater:
         if num_stopped:
             scheduler.running = [r for r in scheduler.running if r.status is RUNNING]
         if result.error is not None:
-            scheduler.fail_requests(result.error, outputs)
+            self._fail_requests(result.error, outputs)
         num_scheduled = scheduler_output.num_scheduled_tokens
         if len(result.req_ids) < len(num_scheduled):
             reported = set(result.req_ids)
-            scheduler.recompute_unreported(
+            self._recompute_unreported(
                 {r: n for r, n in num_scheduled.items() if r not in reported}
             )
         return outputs
+
+    def _fail_requests(self, error: StepError, outputs: dict[str, list[RequestOutput]]) -> None:
+        """Finish the requests a failed step names with FINISHED_ERROR and the error text."""
+        scheduler = self.scheduler
+        for request_id in error.req_ids:
+            request = scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            request.error = error.message
+            # The step's KV for these requests may be garbage: forget their cached hashes.
+            scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, drop_cached=True)
+            _add(outputs, request, request.make_final_output())
+
+    def _recompute_unreported(self, num_unreported_tokens: dict[str, int]) -> None:
+        """Scheduled requests a result did not mention: preempt them, to recompute from 0.
+
+        ``num_unreported_tokens`` maps each to the tokens it was scheduled: they never ran.
+        """
+        scheduler = self.scheduler
+        for request_id, num_tokens in num_unreported_tokens.items():
+            request = scheduler.requests.get(request_id)
+            if request is None or request.status is not RUNNING:
+                continue
+            request.num_computed_tokens -= num_tokens  # so their blocks are not cached
+            scheduler.running.remove(request)
+            scheduler.preempt(request)
+            scheduler.preempted_req_ids.append(request_id)
 
 
 def _append_until_stop(
