@@ -117,6 +117,10 @@ class GatewayActor(Actor):
             await self.nats_api.stop()
         if self.http is not None:
             await self.http.stop()  # lets running responses finish, up to the shutdown timeout
+        if self.metrics is not None and self._engine_reports_stats():
+            listeners = cast(Any, self.engine).stats_listeners
+            if self.metrics.update_engine_stats in listeners:
+                listeners.remove(self.metrics.update_engine_stats)
         if self.engine is not None and self.engine_factory is not None:
             close = getattr(self.engine, "close", None)
             if close is not None:

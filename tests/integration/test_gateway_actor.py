@@ -97,3 +97,4 @@ async def test_actor_takes_stats_from_the_engine_client_when_it_reports_them() -
         assert sample == 3
     finally:
         await actor.stop()
+    assert engine.stats_listeners == []  # a stopped gateway no longer listens to a shared client
