@@ -116,9 +116,10 @@ class Actor:
         await self.set_state(ActorState.DRAINING, reason)
         subs, self._subscriptions = self._subscriptions, []
         await asyncio.gather(*(s.drain(self.drain_timeout_s) for s in subs))
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            self._heartbeat_task = None
+        heartbeat, self._heartbeat_task = self._heartbeat_task, None
+        if heartbeat is not None:
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
         try:
             await self.on_stop()
         finally:

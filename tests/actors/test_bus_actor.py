@@ -95,7 +95,9 @@ async def test_heartbeats_and_status_events(bus_factory: BusFactory):
     assert [h.seq for h in heartbeats] == [1, 2, 3]  # type: ignore[union-attr]
     assert heartbeats[0].actor_id == "e1" and heartbeats[0].kind == "echo"
     assert heartbeats[0].load == {"inflight": 0.0}  # type: ignore[union-attr]
+    heartbeat_task = actor._heartbeat_task
     await actor.stop("test over")
+    assert heartbeat_task is not None and heartbeat_task.done()  # stopped, not left pending
     events = [CONTROL.decode(m.data) for m in await statuses.wait(3)]
     assert all(isinstance(e, StatusEvent) for e in events)
     assert [e.state for e in events] == [ActorState.READY, ActorState.DRAINING, ActorState.STOPPED]
