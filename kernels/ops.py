@@ -15,8 +15,7 @@ from kernels.fused_moe import fused_moe_torch, fused_moe_triton
 from kernels.kv_write import write_kv_torch, write_kv_triton
 from kernels.paged_attention import paged_attention_torch, paged_attention_triton
 from kernels.rms_norm import rms_norm_torch, rms_norm_triton
-from kernels.rotary import apply_rotary_torch, apply_rotary_triton
-from kernels.rotary import build_cos_sin_cache as _build_cos_sin_cache
+from kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
 
 __all__ = [
     "apply_rotary",
@@ -95,18 +94,6 @@ def apply_rotary(
     """Rotated copies of q and k (the inputs are left unchanged)."""
     fn = apply_rotary_triton if use_triton(q) else apply_rotary_torch
     return fn(q, k, positions, cos_sin_cache, is_neox)
-
-
-def build_cos_sin_cache(
-    rotary_dim: int,
-    max_positions: int,
-    base: float,
-    *,
-    scaling: dict[str, Any] | None = None,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:  # [max_positions, rotary_dim]
-    """cat(cos, sin) per position: default rope or ``rope_type='llama3'`` scaling (as HF)."""
-    return _build_cos_sin_cache(rotary_dim, max_positions, base, scaling=scaling, dtype=dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2 * inter] -> [T, inter]
