@@ -170,3 +170,32 @@ def test_step_over_token_budget_is_refused(tiny_checkpoint):
     with pytest.raises(ValueError, match="max_num_batched_tokens=4"):
         r.execute(ExecuteStep(step_id=0, new_requests=[new("a", [1, 2, 3, 4, 5], [1, 2], 5)]))
     assert r.num_requests == 1  # the diff applied; the engine finishes the request on error
+
+
+def test_seeded_sampling_independent_of_batch_and_chunking(tiny_checkpoint):
+    """A seeded request samples the same tokens alone and inside a chunked, mixed batch: its
+    generator advances only on steps where it really samples."""
+    from tests.fixtures.models import make_prompts
+    from tests.golden.driver import generate_with_scheduler
+
+    model_dir = tiny_checkpoint("qwen2")
+    prompts = make_prompts()
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    others = [SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)] * 7
+
+    def run(batch_prompts, params, budget):  # type: ignore[no-untyped-def]
+        runner = ModelRunner(model_dir, num_blocks=128, block_size=BLOCK)
+        runner.load()
+        return generate_with_scheduler(
+            runner,
+            batch_prompts,
+            params,
+            num_blocks=128,
+            block_size=BLOCK,
+            max_num_batched_tokens=budget,
+        )
+
+    alone = run([prompts[-1]], [seeded], 2048).outputs["r0"]
+    mixed = run(prompts, [*others, seeded], 24)
+    assert mixed.partial_prefill_steps > 0
+    assert mixed.outputs["r7"] == alone and len(alone) == 10
