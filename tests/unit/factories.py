@@ -10,7 +10,10 @@ mistake shows up), and samples ``token_for(req_id, position)`` when a request re
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from bus.messages.sampling import SamplingParams
@@ -19,6 +22,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request
 from engine.scheduler import Scheduler
 
+ROOT = Path(__file__).resolve().parents[2]
 _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 _CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
 EOS = 2
@@ -175,3 +179,19 @@ def run_to_completion(
             for output in client_outputs:
                 outputs.setdefault(output.request_id, []).append(output)
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+def run_in_fresh_python(code: str, hash_seed: str) -> str:
+    """Run ``code`` in a new interpreter with ``PYTHONHASHSEED=hash_seed``; its stripped stdout.
+
+    For checking that something (block hashes) does not depend on the process.
+    """
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={"PYTHONHASHSEED": hash_seed, "PATH": ""},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout.strip()

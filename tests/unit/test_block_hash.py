@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from engine.block_hash import BlockHasher, hash_block_tokens, token_bytes
-from tests.unit.factories import make_request
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.factories import make_request, run_in_fresh_python
 
 
 def test_hash_values_are_pinned() -> None:
@@ -68,18 +62,7 @@ def test_hashes_are_equal_across_processes(algo: str) -> None:
         "r = make_request('x', list(range(3, 40)), cache_salt='s')\n"
         "print(','.join(x.hex() for x in h(r)))\n"
     )
-    outputs = {
-        subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=ROOT,
-            env={"PYTHONHASHSEED": seed, "PATH": ""},
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout.strip()
-        for seed in ("1", "2")
-    }
+    outputs = {run_in_fresh_python(code, seed) for seed in ("1", "2")}
     local = BlockHasher(4, algo)(make_request("x", list(range(3, 40)), cache_salt="s"))
     assert outputs == {",".join(x.hex() for x in local)}
     assert len(local) == 9

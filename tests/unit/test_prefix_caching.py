@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 from engine.scheduler import Scheduler
-from tests.unit.factories import FakeWorker, make_request, make_scheduler, run_to_completion
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.unit.factories import (
+    FakeWorker,
+    make_request,
+    make_scheduler,
+    run_in_fresh_python,
+    run_to_completion,
+)
 
 
 def admit_after(
@@ -99,18 +99,7 @@ def test_block_hashes_of_a_scheduled_request_match_across_processes() -> None:
         "s.add_request(r)\n"
         "print(','.join(h.hex() for h in r.block_hashes))\n"
     )
-    runs = {
-        subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=ROOT,
-            env={"PYTHONHASHSEED": seed, "PATH": ""},
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=60,
-        ).stdout.strip()
-        for seed in ("0", "random")
-    }
+    runs = {run_in_fresh_python(code, seed) for seed in ("0", "random")}
     assert len(runs) == 1
     (hashes,) = runs
     assert len(hashes.split(",")) == 6
