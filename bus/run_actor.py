@@ -6,20 +6,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import ctypes
 import importlib
 import json
 import logging
 import os
-import signal
 import sys
 from typing import Any
 
 from bus import connect_bus
 from bus.actor import Actor
+from bus.server import die_with_parent
 
-PR_SET_PDEATHSIG = 1
 PARENT_POLL_S = 0.5
 
 
@@ -32,13 +29,6 @@ def load_target(target: str) -> type[Actor]:
     if not (isinstance(cls, type) and issubclass(cls, Actor)):
         raise TypeError(f"{target} is not an Actor subclass")
     return cls
-
-
-def die_with_parent() -> None:
-    """Ask Linux to SIGTERM this process when its parent dies (no orphans)."""
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 async def _watch_parent(actor: Actor, parent_pid: int) -> None:

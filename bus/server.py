@@ -49,10 +49,17 @@ def find_nats_server() -> str:
     )
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the launching process dies."""
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process when its parent dies (no orphans).
+
+    Called in a child before exec, or by an actor process at start. Linux ties the signal to
+    the parent *thread*: launch from the main thread, not from a worker thread that may exit.
+    """
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class NatsServer:
@@ -120,7 +127,7 @@ class NatsServer:
             stdout=log_file,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         log_file.close()
         self.port = self._wait_for_port(ports_dir)
