@@ -7,11 +7,15 @@ ignored) served by engine client → engine core → worker over two buses, besi
           supervisor runs them), the engine client in this process;
 - memory: the in-memory bus, every actor in this process (as the offline ``LLM`` runs).
 
-All requests are submitted at once after a warm-up request; the clock runs from the first submit
-to the last final output (startup excluded). Tokens are counted from the final outputs. The
-engine core reports its cumulative step wall time (step sent → result back) and the workers'
-own execute time; their difference per step is the cost of the bus and the worker shell, and
-the NATS figure minus the in-memory one is what NATS adds. Target: NATS within 10% of memory.
+Both stacks start first and get one warm-up request (startup is not timed); then each runs the
+workload ``--rounds`` times (3; 1 with ``--quick``), alternating which path goes first, every
+round with its tokens shifted so no round hits an earlier round's prefix cache; the best round
+of each path is reported (this machine is shared and noisy). A round submits every request at
+once and runs from the first submit to the last final output; tokens are counted from the final
+outputs. The engine core reports its cumulative step wall time (step sent → result back) and the
+workers' own execute time: their difference per step is the cost of the bus and the worker
+shell, and the NATS figure minus the in-memory one is what NATS adds. Target: NATS within 10% of
+the in-memory path's throughput.
 
     .venv/bin/python bench/throughput_e2e.py [--quick] [--device cpu|cuda] [--threads 1]
     shoal bench throughput [--quick] ...
@@ -110,7 +114,7 @@ def blocks_needed(prompts: list[list[int]], max_tokens: list[int], block_size: i
     return sum(-(-(len(p) + m) // block_size) for p, m in zip(prompts, max_tokens, strict=True))
 
 
-def engine_args(model_dir: Path, args: argparse.Namespace, num_blocks: int, bus: str) -> Any:
+def engine_args(model_dir: Path, args: argparse.Namespace, bus: str) -> Any:
     from bench.throughput import MAX_MODEL_LEN
     from engine.args import EngineArgs
 
@@ -122,7 +126,7 @@ def engine_args(model_dir: Path, args: argparse.Namespace, num_blocks: int, bus:
         block_size=args.block_size,
         max_num_seqs=args.num_prompts,
         max_num_batched_tokens=args.batched_tokens,
-        num_gpu_blocks_override=num_blocks,
+        num_gpu_blocks_override=args.num_blocks,
         enable_prefix_caching=True,
         bus=bus,
         namespace=f"bench-{uuid.uuid4().hex[:8]}",
@@ -164,12 +168,12 @@ async def generate_all(
 
 
 async def measure(
-    client: Any, times: StepTimes, prompts: list[list[int]], max_tokens: list[int]
+    client: Any, times: StepTimes, workload: tuple[list[list[int]], list[int]], prefix: str
 ) -> PathRun:
     """Time the whole workload on a warmed-up stack."""
     wall0, exec0, steps0, preempt0 = times.totals()
     started = time.perf_counter()
-    tokens = await asyncio.wait_for(generate_all(client, prompts, max_tokens, "r"), RUN_TIMEOUT_S)
+    tokens = await asyncio.wait_for(generate_all(client, *workload, prefix), RUN_TIMEOUT_S)
     seconds = time.perf_counter() - started
     wall1, exec1, steps1, preempt1 = times.totals()
     return PathRun(
@@ -240,11 +244,10 @@ async def run_rounds(
 ) -> dict[str, list[PathRun]]:
     """Both stacks up at once, then ``rounds`` timed runs of each, alternating which goes first."""
     prompts, max_tokens = workload
-    num_blocks = blocks_needed(prompts, max_tokens, args.block_size) + args.num_prompts
     runs: dict[str, list[PathRun]] = {"nats": [], "memory": []}
     async with AsyncExitStack() as stack:
-        nats_args = engine_args(model_dir, args, num_blocks, "nats")
-        memory_args = engine_args(model_dir, args, num_blocks, "memory")
+        nats_args = engine_args(model_dir, args, "nats")
+        memory_args = engine_args(model_dir, args, "memory")
         clients = {
             "nats": await open_nats(stack, nats_args, args.threads),
             "memory": await open_memory(stack, memory_args),
@@ -253,9 +256,8 @@ async def run_rounds(
             order = ["nats", "memory"] if r % 2 == 0 else ["memory", "nats"]
             for path in order:
                 client, times = clients[path]
-                run = await measure(
-                    client, times, round_prompts(prompts, r, args.vocab), max_tokens
-                )
+                shifted = round_prompts(prompts, r, args.vocab)
+                run = await measure(client, times, (shifted, max_tokens), f"round{r}-")
                 runs[path].append(run)
                 print_path(f"round {r} {path}:", run)
     return runs
@@ -270,6 +272,7 @@ def best(runs: list[PathRun]) -> PathRun:
 
 def figures(runs: dict[str, list[PathRun]], hf: dict[str, Any] | None, extra: dict) -> dict:
     nats, memory = best(runs["nats"]), best(runs["memory"])
+    steps = max(memory.num_steps, 1)
     hf_tok_s = hf["tokens"] / hf["seconds"] if hf else None
     return {
         "nats_tok_s": round(nats.tok_s, 1),
@@ -282,6 +285,9 @@ def figures(runs: dict[str, list[PathRun]], hf: dict[str, Any] | None, extra: di
         "nats_bus_step_us": round(nats.bus_step_us, 1),
         "memory_bus_step_us": round(memory.bus_step_us, 1),
         "bus_added_step_us": round(nats.bus_step_us - memory.bus_step_us, 1),
+        "bus_added_pct_of_step": round(
+            100 * (nats.bus_step_us - memory.bus_step_us) / (1e6 * memory.seconds / steps), 2
+        ),
         "nats_tok_s_rounds": [round(run.tok_s, 1) for run in runs["nats"]],
         "memory_tok_s_rounds": [round(run.tok_s, 1) for run in runs["memory"]],
         "nats_bus_step_us_rounds": [round(run.bus_step_us) for run in runs["nats"]],
@@ -297,11 +303,12 @@ def figures(runs: dict[str, list[PathRun]], hf: dict[str, Any] | None, extra: di
 
 def print_path(name: str, run: PathRun) -> None:
     steps = max(run.num_steps, 1)
+    loop_ms = 1e3 * (run.seconds - run.step_wall_s) / steps
     print(
         f"{name:<17} {run.tokens:6d} tokens in {run.seconds:7.2f} s = {run.tok_s:8.1f} tok/s "
-        f"({run.num_steps} steps; per step: wall {1e3 * run.seconds / steps:.2f} ms, "
-        f"worker execute {1e3 * run.execute_s / steps:.2f} ms, "
-        f"bus + worker shell {run.bus_step_us:.0f} µs)",
+        f"({run.num_steps} steps; per step {1e3 * run.seconds / steps:.2f} ms = worker execute "
+        f"{1e3 * run.execute_s / steps:.2f} + bus and worker shell {run.bus_step_us / 1e3:.2f} "
+        f"+ engine loop {loop_ms:.2f})",
         flush=True,
     )
 
@@ -318,7 +325,10 @@ def report(runs: dict[str, list[PathRun]], hf: dict[str, Any] | None, extra: dic
         )
     verdict = "met" if out["target_met"] else "NOT met"
     print(f"nats/memory throughput: {out['nats_vs_memory']:.3f} (target >= 0.90: {verdict})")
-    print(f"per-step cost NATS adds over the in-memory bus: {out['bus_added_step_us']:.0f} µs")
+    print(
+        f"per-step cost NATS adds over the in-memory bus: {out['bus_added_step_us']:.0f} µs "
+        f"({out['bus_added_pct_of_step']:.2f}% of an in-memory step)"
+    )
     print(json.dumps(out))
 
 
@@ -358,7 +368,8 @@ def main(argv: list[str] | None = None) -> None:
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.vocab = VOCAB
     prompts, max_tokens = workload(args.num_prompts, args.quick)
-    num_blocks = blocks_needed(prompts, max_tokens, args.block_size) + args.num_prompts
+    num_blocks = blocks_needed(prompts, max_tokens, args.block_size) + len(prompts)  # + slack
+    args.num_blocks = num_blocks
     print(
         f"{len(prompts)} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
         f"{sum(max_tokens)} output tokens requested, all submitted at once; engine args: "
