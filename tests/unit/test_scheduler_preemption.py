@@ -162,3 +162,17 @@ def test_victim_unscheduled_mid_step_leaves_no_cached_hash_on_unwritten_kv() -> 
     outputs = run_to_completion(scheduler, worker)  # the worker checks every KV slot it reads
     assert outputs["victim"][-1].finish_reason == "length"
     assert scheduler.kv_cache_manager.num_free_blocks == 9
+
+
+def test_preempted_request_goes_ahead_of_requests_already_waiting() -> None:
+    scheduler = make_scheduler(num_blocks=8, max_num_seqs=3)
+    worker = FakeWorker(4)
+    for index in range(4):  # r3 waits: max_num_seqs keeps it out while three run
+        scheduler.add_request(long_request(f"r{index}", 100 + 10 * index))
+    output = step_until_preemption(scheduler, worker)
+    assert output.preempted_req_ids == ["r2"]
+    assert [r.request_id for r in scheduler.waiting] == ["r2", "r3"]
+    outputs = run_to_completion(scheduler, worker)
+    assert {r: outs[-1].finish_reason for r, outs in outputs.items()} == {
+        f"r{i}": "length" for i in range(4)
+    }
