@@ -89,5 +89,10 @@ def _validate(args: EngineArgs) -> None:
     )
     if args.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
         raise ValueError(f"block_size must be a power of two up to 128, got {args.block_size}")
+    if args.bus == "memory" and args.tensor_parallel_size > 1:
+        raise ValueError(
+            "tensor_parallel_size > 1 runs one worker process per rank, which the in-memory "
+            "bus cannot reach: use the NATS bus"
+        )
     if args.seed < 0:
         raise ValueError(f"seed must be non-negative, got {args.seed}")

@@ -136,3 +136,37 @@ async def test_worker_killed_mid_generation(deployment):  # type: ignore[no-unty
     )
     assert all(r.outputs[0].finish_reason == "length" for r in results)
     assert supervisor.num_restarts(victim) >= 1
+
+
+async def test_tensor_parallel_workers_through_the_actor_path(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-def]
+    """TP=2: two worker processes share each layer (gloo) behind one engine core."""
+    from bus.messages.sampling import SamplingParams
+    from deploy.local import free_tcp_port
+
+    model_dir = tiny_checkpoint("llama")
+    args = EngineArgs(
+        model=str(model_dir),
+        tensor_parallel_size=2,
+        num_gpu_blocks_override=64,
+        namespace="tp",
+    )
+    url = nats_server.url
+    plans = plan_actors(args, tp_init_methods=[f"tcp://127.0.0.1:{free_tcp_port()}"])
+    specs = [ActorSpec(p.name, p.target, url, p.kwargs, kind=p.kind) for p in plans]
+    bus = await connect_bus(url)
+    supervisor = Supervisor(specs, status_bus=bus, namespace=args.namespace)
+    await supervisor.start()
+    client = AsyncEngineClient(bus, **client_options(args))
+    await client.start()
+    try:
+        await client.wait_until_ready(180)
+        prompts = make_prompts()[:4]
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        finals = await asyncio.gather(
+            *(_final(client, p, params, f"tp{i}") for i, p in enumerate(prompts))
+        )
+        assert [f.outputs[0].token_ids for f in finals] == hf_greedy(model_dir, prompts, 6)
+    finally:
+        await client.close()
+        await supervisor.stop()
+        await bus.close()

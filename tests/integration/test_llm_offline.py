@@ -67,5 +67,7 @@ def test_bad_arguments_are_clear_errors(tiny_checkpoint):  # type: ignore[no-unt
         LLM("/nonexistent/model")
     with pytest.raises(ValueError, match="max_num_seqs"):
         LLM(str(tiny_checkpoint("llama")), max_num_seqs=0)
+    with pytest.raises(ValueError, match="NATS bus"):
+        LLM(str(tiny_checkpoint("llama")), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
