@@ -136,12 +136,8 @@ class KVCacheManager:
         if not blocks:
             return
         num_trusted = 0 if drop_cached else request.num_computed_tokens // self.block_size
-        free_blocks = self.block_pool.free_blocks
-        if num_trusted < len(blocks):
-            free_blocks(reversed(blocks[num_trusted:]), drop_cached=True)
-            free_blocks(reversed(blocks[:num_trusted]))
-        else:
-            free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(blocks[num_trusted:]), drop_cached=True)
+        self.block_pool.free_blocks(reversed(blocks[:num_trusted]))
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
