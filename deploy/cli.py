@@ -23,6 +23,7 @@ from engine.args import EngineArgs
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 ACTOR_KINDS = ("worker", "engine", "gateway")
 # Benchmark names that are not file names: `shoal bench throughput` is the end-to-end one.
+DEMO_MODEL_NAME = "demo"  # what clients call the built-in model
 BENCH_ALIASES = {"throughput": "throughput_e2e", "runner-throughput": "throughput"}
 
 
@@ -100,6 +101,8 @@ def _model_or_demo(model: str | None) -> str:
 
 
 def _engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> EngineArgs:
+    if ns.model is None and getattr(ns, "served_model_name", None) is None:
+        ns.served_model_name = DEMO_MODEL_NAME
     try:
         return engine_args_from(ns, _model_or_demo(ns.model))
     except ValueError as exc:
