@@ -176,3 +176,19 @@ def test_preempted_request_goes_ahead_of_requests_already_waiting() -> None:
     assert {r: outs[-1].finish_reason for r, outs in outputs.items()} == {
         f"r{i}": "length" for i in range(4)
     }
+
+
+def test_requests_after_an_earlier_victim_still_run_in_the_preempting_step() -> None:
+    """Preempting a request the loop already passed must neither skip the next request nor
+    keep the victim's refunded tokens out of the budget."""
+    scheduler = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=3)
+    worker = FakeWorker(4)
+    scheduler.add_request(long_request("background", 100, priority=5))
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, worker.execute(first.to_message()))
+    scheduler.add_request(long_request("urgent", 200, priority=0))
+    scheduler.add_request(long_request("normal", 300, priority=1))
+    output = step_until_preemption(scheduler, worker)
+    assert output.preempted_req_ids == ["background"]
+    assert set(output.num_scheduled_tokens) == {"urgent", "normal"}
+    assert output.total_num_scheduled_tokens == 3
