@@ -240,6 +240,30 @@ async def test_close_lets_running_handlers_finish(bus_factory: BusFactory):
     assert (await pending).data == b"x"
 
 
+async def test_close_lets_queued_sequential_handlers_finish(bus_factory: BusFactory):
+    server, client = await bus_factory(), await bus_factory()
+    started: list[bytes] = []
+
+    async def slow_echo(msg: Msg) -> None:
+        started.append(msg.data)
+        await asyncio.sleep(0.1)
+        await msg.respond(msg.data)
+
+    sub = await server.subscribe("t.seqdrain", slow_echo, sequential=True)
+    await settle(server)
+    pending = [
+        asyncio.create_task(client.request("t.seqdrain", data, timeout=LIMIT_S))
+        for data in (b"1", b"2")
+    ]
+    dispatcher = sub.dispatcher  # type: ignore[attr-defined]
+    async with asyncio.timeout(LIMIT_S):  # the first runs, the second waits in the queue
+        while not (started and dispatcher.num_pending == 1):
+            await asyncio.sleep(0.005)
+    await server.close()
+    assert started == [b"1", b"2"]
+    assert [(await p).data for p in pending] == [b"1", b"2"]
+
+
 async def test_streamed_reply_keeps_order_across_a_chunked_message(
     bus_factory: BusFactory, bus_kind: str
 ):
