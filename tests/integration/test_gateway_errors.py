@@ -10,7 +10,7 @@ import aiohttp
 import openai
 import pytest
 
-from tests.unit.test_gateway_fake import MODEL_NAME, FakeEngineClient, serve_gateway
+from tests.unit.test_gateway_fake import MODEL_NAME, FakeEngineClient, fake_tokenizer, serve_gateway
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -238,3 +238,18 @@ async def test_client_timeout_on_non_streaming_request_aborts() -> None:
             await session.post(url + CMPL, json=body, timeout=timeout)
         await _wait_until(lambda: not engine.in_flight)
         assert len(engine.aborted) == 1 and not engine.finished
+
+
+async def test_token_ids_from_the_vocabulary_size_up_are_refused() -> None:
+    vocab_size = len(fake_tokenizer())
+    async with serve_gateway() as (url, _), aiohttp.ClientSession() as session:
+        for path, body, param in (
+            (CMPL, {"prompt": [vocab_size]}, "prompt"),
+            ("/detokenize", {"tokens": [vocab_size]}, "tokens"),
+        ):
+            async with await _post(session, url + path, body) as response:
+                assert response.status == 400, (path, await response.text())
+                _check_error_body(await response.json(), "invalid_value", param)
+        last_id = {"prompt": [vocab_size - 1], "max_tokens": 1}
+        async with await _post(session, url + CMPL, last_id) as response:
+            assert response.status == 200, await response.text()
