@@ -157,8 +157,8 @@ async def test_unready_and_overloaded_engine_answer_503() -> None:
         async with session.get(url + "/health") as response:
             assert response.status == 200
         for stream in (False, True):
-            body = {"messages": USER, "stream": stream}
-            async with session.post(url + CHAT, json=body) as response:
+            chat_body: dict[str, Any] = {"messages": USER, "stream": stream}
+            async with session.post(url + CHAT, json=chat_body) as response:
                 assert response.status == 503
                 _check_error_body(await response.json(), "engine_unavailable", None)
         engine.max_in_flight = 10
@@ -196,7 +196,7 @@ async def test_api_key_guards_v1_only() -> None:
                 assert response.status == 200
         good = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0)
         result = await good.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
-        assert result.usage.completion_tokens == 2
+        assert result.usage is not None and result.usage.completion_tokens == 2
         bad = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
             await bad.completions.create(model=MODEL_NAME, prompt="hi")
