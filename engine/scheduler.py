@@ -278,7 +278,9 @@ class Scheduler:
                 num_new,
                 hits,
                 full_sequence_must_fit=config.scheduler_reserve_full_isl,
-                reserved_blocks=self._reserved_blocks,
+                # The watermark is room for running requests to grow into: with none running
+                # it is waived, or a victim longer than usable - watermark would wait forever.
+                reserved_blocks=self._reserved_blocks if running else 0,
             )
             if new_block_ids is None:
                 break

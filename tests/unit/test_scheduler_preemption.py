@@ -192,3 +192,20 @@ def test_requests_after_an_earlier_victim_still_run_in_the_preempting_step() -> 
     assert output.preempted_req_ids == ["background"]
     assert set(output.num_scheduled_tokens) == {"urgent", "normal"}
     assert output.total_num_scheduled_tokens == 3
+
+
+def test_a_victim_longer_than_the_watermark_allows_resumes_once_nothing_runs() -> None:
+    """The watermark keeps blocks free for running requests to grow into. A victim preempted
+    after outgrowing ``usable - watermark`` blocks could never be admitted under it again; with
+    nothing running there is nothing to keep room for, so it must resume then."""
+    scheduler = make_scheduler(num_blocks=9, watermark=0.5)  # 8 usable, 4 kept free
+    worker = FakeWorker(4)
+    for index in range(2):
+        prompt = list(range(100 + 10 * index, 104 + 10 * index))
+        scheduler.add_request(make_request(f"r{index}", prompt, max_tokens=20, ignore_eos=True))
+    outputs = run_to_completion(scheduler, worker, max_steps=300)
+    assert scheduler.num_preemptions >= 1
+    assert {r: sum(len(o.new_token_ids) for o in outs) for r, outs in outputs.items()} == {
+        "r0": 20,
+        "r1": 20,
+    }

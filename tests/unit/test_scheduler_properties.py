@@ -56,6 +56,7 @@ def scenarios(draw: st.DrawFn) -> tuple[Scheduler, list[Arrival], dict[int, list
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])),
         scheduler_reserve_full_isl=draw(st.booleans()),
+        watermark=draw(st.sampled_from([0.0, 0.0, 0.2])),  # 0.2 still admits every prompt
     )
     prefixes = [[], [3, 4, 5, 6, 7, 8], [3, 4, 5, 9, 9, 9, 9, 9, 9, 9, 9]]
     arrivals = []
