@@ -17,6 +17,7 @@ from gateway.params import (
     Prompt,
     chat_messages,
     check_text_length,
+    check_wire_ints,
     resolve_max_tokens,
     text_prompt,
     token_prompt,
@@ -92,9 +93,10 @@ def request_params(
     )
     given["output_kind"] = OutputKind.DELTA
     try:
-        return SamplingParams(**given)
+        params = SamplingParams(**given)
     except ValueError as error:
         raise from_value_error(error) from None
+    return check_wire_ints(params)
 
 
 def choice_delta(completion: CompletionOutput, with_logprobs: bool) -> ChoiceOut:

@@ -167,6 +167,19 @@ def check_unsupported(request: _SamplingFields) -> None:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
 
+WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1  # the integers msgpack carries
+
+
+def check_wire_ints(params: SamplingParams) -> SamplingParams:
+    """Refuse integers the engine's wire format cannot carry: they would fail only when the
+    engine client encodes the request (an engine error, 503) instead of as bad input."""
+    if params.seed is not None and not WIRE_INT_MIN <= params.seed <= WIRE_INT_MAX:
+        raise bad_request(f"seed must be in [{WIRE_INT_MIN}, {WIRE_INT_MAX}]", param="seed")
+    if params.stop_token_ids and max(params.stop_token_ids) > WIRE_INT_MAX:
+        raise bad_request(f"stop_token_ids must be at most {WIRE_INT_MAX}", param="stop_token_ids")
+    return params
+
+
 def sampling_params(
     request: _SamplingFields,
     *,
@@ -194,7 +207,7 @@ def sampling_params(
     if vocab_size is not None and kwargs.get("top_k", 0) >= vocab_size:
         kwargs["top_k"] = 0
     try:
-        return SamplingParams(
+        params = SamplingParams(
             n=request.n,
             seed=request.seed,
             stop=request.stop,
@@ -212,3 +225,4 @@ def sampling_params(
         )
     except ValueError as error:
         raise from_value_error(error, rename=rename) from None
+    return check_wire_ints(params)

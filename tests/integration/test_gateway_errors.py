@@ -28,6 +28,10 @@ BAD_INPUTS: list[tuple[str, Any, int, str | None, str | None]] = [
     (CMPL, {"prompt": "hi", "max_tokens": "ten"}, 400, "invalid_type", "max_tokens"),
     (CMPL, {"prompt": "hi", "stream": "yes"}, 400, "invalid_type", "stream"),
     (CMPL, {"prompt": "hi", "seed": 1.5}, 400, "invalid_type", "seed"),
+    # Integers msgpack cannot carry to the engine core (it would fail there, as a 503).
+    (CMPL, {"prompt": "hi", "seed": 2**64}, 400, "invalid_value", "seed"),
+    (CMPL, {"prompt": "hi", "seed": -(2**63) - 1}, 400, "invalid_value", "seed"),
+    (CMPL, {"prompt": "hi", "stop_token_ids": [2**64]}, 400, "invalid_value", "stop_token_ids"),
     (CMPL, b'{"prompt": "hi", "temperature": 1e400}', 400, "invalid_value", "temperature"),
     (CMPL, {"prompt": "hi", "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
     (CMPL, {"prompt": "hi", "temperature": -1}, 400, "invalid_value", "temperature"),
