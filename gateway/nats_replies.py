@@ -22,6 +22,7 @@ from gateway.params import (
     text_prompt,
     token_prompt,
 )
+from gateway.request_types import MAX_N
 from gateway.response_types import Usage, make_usage
 
 _JSON_DECODER = msgspec.json.Decoder(GenerateRequest)
@@ -86,6 +87,8 @@ def request_params(
     """The request's sampling parameters with max_tokens fitted to the context, as DELTA
     (and a top_k covering the whole vocabulary turned off)."""
     given = msgspec.structs.asdict(request.sampling_params)
+    if given["n"] > MAX_N:  # as on the HTTP API: one message must not fan out without bound
+        raise bad_request(f"n must be at most {MAX_N}, got {given['n']}", param="n")
     if given["top_k"] >= vocab_size:
         given["top_k"] = 0
     given["max_tokens"] = resolve_max_tokens(

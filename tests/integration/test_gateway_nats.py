@@ -145,6 +145,7 @@ BAD_REQUESTS: list[tuple[bytes, dict[str, str] | None, str, int, bool]] = [
     (b'{"prompt": "hi", "prompt_token_ids": [1]}', None, "invalid_value", 400, True),
     (b'{"sampling_params": {}}', None, "invalid_value", 400, True),
     (b'{"prompt_token_ids": [99999]}', None, "invalid_value", 400, True),
+    (b'{"prompt": "hi", "sampling_params": {"n": 129}}', None, "invalid_value", 400, True),
     # Integers msgpack cannot carry to the engine core (it would fail there, as a 503).
     (
         b'{"prompt": "hi", "sampling_params": {"seed": 18446744073709551616}}',
