@@ -29,6 +29,18 @@ def long_request(request_id: str, first_token: int, **kwargs: object) -> Request
     )
 
 
+def preempt_background_for_later_arrivals(scheduler: Scheduler) -> SchedulerOutput:
+    """'background' (priority 5) runs first; 'urgent' (0) and 'normal' (1) arrive after it, so
+    it precedes them in the running list; returns the step that preempts."""
+    worker = FakeWorker(4)
+    scheduler.add_request(long_request("background", 100, priority=5))
+    first = scheduler.schedule()
+    scheduler.update_from_output(first, worker.execute(first.to_message()))
+    scheduler.add_request(long_request("urgent", 200, priority=0))
+    scheduler.add_request(long_request("normal", 300, priority=1))
+    return step_until_preemption(scheduler, worker)
+
+
 def test_fcfs_preempts_the_last_admitted_and_requeues_it_first() -> None:
     scheduler = make_scheduler(num_blocks=8)  # 7 usable blocks of 4 tokens
     worker = FakeWorker(4)
@@ -103,13 +115,7 @@ def test_priority_policy_admits_lowest_value_first() -> None:
 
 def test_priority_policy_preempts_the_least_urgent_even_if_scheduled_earlier() -> None:
     scheduler = make_scheduler(policy="priority", num_blocks=8)
-    worker = FakeWorker(4)
-    scheduler.add_request(long_request("background", 100, priority=5))
-    first = scheduler.schedule()
-    scheduler.update_from_output(first, worker.execute(first.to_message()))
-    scheduler.add_request(long_request("urgent", 200, priority=0))
-    scheduler.add_request(long_request("normal", 300, priority=1))
-    output = step_until_preemption(scheduler, worker)
+    output = preempt_background_for_later_arrivals(scheduler)
     assert output.preempted_req_ids == ["background"]
     assert "background" not in output.num_scheduled_tokens  # its tokens were refunded
     assert output.total_num_scheduled_tokens == sum(output.num_scheduled_tokens.values())
@@ -182,13 +188,7 @@ def test_requests_after_an_earlier_victim_still_run_in_the_preempting_step() -> 
     """Preempting a request the loop already passed must neither skip the next request nor
     keep the victim's refunded tokens out of the budget."""
     scheduler = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=3)
-    worker = FakeWorker(4)
-    scheduler.add_request(long_request("background", 100, priority=5))
-    first = scheduler.schedule()
-    scheduler.update_from_output(first, worker.execute(first.to_message()))
-    scheduler.add_request(long_request("urgent", 200, priority=0))
-    scheduler.add_request(long_request("normal", 300, priority=1))
-    output = step_until_preemption(scheduler, worker)
+    output = preempt_background_for_later_arrivals(scheduler)
     assert output.preempted_req_ids == ["background"]
     assert set(output.num_scheduled_tokens) == {"urgent", "normal"}
     assert output.total_num_scheduled_tokens == 3
