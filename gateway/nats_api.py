@@ -89,14 +89,17 @@ class NatsApi:
         ]
         await self.bus.flush()  # the server knows the subscriptions once start returns
 
-    async def stop(self) -> None:
-        """Stop taking requests and cancel those running (their callers get an error)."""
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop taking requests and cancel those running; returns once their callers have been
+        sent the ``cancelled`` error (bounded), so the bus may be closed next."""
+        running = [task for task in self.running.values() if task is not None]
         for subscription in self._subscriptions:
             await subscription.unsubscribe()
         self._subscriptions = []
-        for task in list(self.running.values()):
-            if task is not None:
-                task.cancel()
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running, timeout=timeout_s)
 
     async def _on_cancel(self, msg: Msg) -> None:
         wire = WireFormat.of(msg)

@@ -246,6 +246,37 @@ async def test_cancel_stops_a_streamed_request(nats_url: str, client) -> None:  
         await _stop(gateways)
 
 
+@pytest.mark.parametrize("bus_kind", ["nats", "memory"])
+async def test_stopping_the_api_tells_running_callers_before_the_bus_closes(
+    nats_url: str, bus_kind: str
+) -> None:
+    if bus_kind == "nats":
+        server_bus: Any = NatsBus([nats_url])
+        client_bus: Any = NatsBus([nats_url])
+    else:
+        broker = InMemoryBroker()
+        server_bus, client_bus = InMemoryBus(broker), InMemoryBus(broker)
+    await server_bus.connect()
+    await client_bus.connect()
+    api = NatsApi(server_bus, FakeEngineClient(token_delay=0.01))
+    await api.start()
+    request = {"prompt": "hi", "stream": True, "sampling_params": {"max_tokens": 500}}
+    stream = client_bus.request_stream(
+        api.subjects.api_generate(), json.dumps(request).encode(), timeout=TIMEOUT
+    )
+    try:
+        with pytest.raises(RemoteError) as caught:
+            async for _ in stream:
+                if api.running:  # streaming: stop the gateway as its owner would
+                    await api.stop()
+                    await server_bus.close()
+        assert caught.value.code == "cancelled"
+    finally:
+        await stream.aclose()
+        await client_bus.close()
+        await server_bus.close()
+
+
 async def test_in_memory_bus_request_stream() -> None:
     broker = InMemoryBroker()
     server_bus, client_bus = InMemoryBus(broker), InMemoryBus(broker)
