@@ -92,6 +92,8 @@ class RequestState:
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.error is not None:
             self.error = output.error
+        if output.scheduled_time is not None and self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = output.scheduled_time
 
     def record_times(self, has_new_tokens: bool, now: float) -> None:
         if has_new_tokens:

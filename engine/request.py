@@ -72,6 +72,7 @@ class Request:
         "client_id",
         "eos_token_ids",
         "error",
+        "first_scheduled_time",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -125,6 +126,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 before it
+        self.first_scheduled_time: float | None = None  # wall clock of the first admission
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None

@@ -27,6 +27,7 @@ feeds load-aware routing across data-parallel ranks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from bus.messages.engine import RequestOutput, SchedulerStats
@@ -290,6 +291,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.time()
                 kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             running.append(request)
             plan.num_scheduled[request.request_id] = num_new

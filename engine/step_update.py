@@ -74,7 +74,8 @@ class StepUpdater:
                     logprobs = _trim_logprobs(logprobs, len(new_token_ids))
             num_new = len(new_token_ids)
             num_generated += num_new
-            if len(request.output_token_ids) == num_new:  # its first tokens
+            first_output = len(request.output_token_ids) == num_new
+            if first_output:
                 self.num_prompt_tokens += request.num_prompt_tokens
             finish_reason = None
             if stopped:
@@ -89,6 +90,7 @@ class StepUpdater:
                 logprobs,
                 prompt_logprobs,
                 request.num_cached_tokens,
+                scheduled_time=request.first_scheduled_time if first_output else None,
             )
             client_outputs = outputs.get(request.client_id)
             if client_outputs is None:

@@ -62,6 +62,7 @@ class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fals
     prompt_logprobs: Logprobs | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    scheduled_time: float | None = None  # wall clock of first admission, on the first output
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

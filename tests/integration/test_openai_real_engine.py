@@ -120,3 +120,21 @@ async def test_disconnect_frees_the_request_in_the_engine_core(tiny_checkpoint) 
     assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
     assert 'vllm:num_requests_running{engine="e0",model_name="tiny"}' in text
     assert metrics.num_in_flight == 0
+
+
+async def test_latency_histograms_fill_from_the_real_engine(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    async with served_stack(tiny_checkpoint("llama")) as (url, _, _):
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
+        async with aiohttp.ClientSession() as session:
+            for _ in range(3):
+                async with session.post(url + "/v1/completions", json=body) as response:
+                    assert response.status == 200
+            async with session.get(url + "/metrics") as response:
+                text = await response.text()
+    for name in (
+        "request_queue_time_seconds",
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_prefill_time_seconds",
+    ):
+        assert f'vllm:{name}_count{{model_name="tiny"}} 3.0' in text, name
