@@ -35,7 +35,7 @@ from bus.messages.sampling import SamplingParams
 from bus.subjects import Subjects
 from engine.collector import RequestOutputCollector
 from engine.model_info import read_max_model_len
-from engine.output_processor import OutputProcessor
+from engine.output_processor import ChildRequest, OutputProcessor
 from engine.outputs import RequestOutput
 from engine.protocol import EngineUnavailableError, RequestValidationError
 from engine.router import EngineRouter
@@ -78,6 +78,7 @@ class AsyncEngineClient:
         self._engine_of: dict[str, str] = {}  # user request id → engine id
         self._subs: list[Subscription] = []
         self._watchdog: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
 
     # ----- lifecycle
 
@@ -105,6 +106,9 @@ class AsyncEngineClient:
     async def close(self) -> None:
         if self._watchdog is not None:
             self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+            self._watchdog = None
         for request_id in list(self._collectors):
             await self.abort(request_id)
         subs, self._subs = self._subs, []
@@ -182,7 +186,7 @@ class AsyncEngineClient:
         priority: int = 0,
     ) -> RequestOutputCollector:
         """Send a request to an engine core; its outputs arrive in the returned collector."""
-        tokenizer, processor = self.require_tokenizer(), self._require_processor()
+        processor = self._require_processor()
         prompt_text, prompt_ids = self._tokenize(prompt)
         if request_id in self._collectors:
             raise RequestValidationError(f"request id {request_id!r} is already in flight")
@@ -194,7 +198,23 @@ class AsyncEngineClient:
         collector = RequestOutputCollector(params.output_kind)
         self._collectors[request_id] = collector
         self._engine_of[request_id] = engine.engine_id
-        subject = self.subjects.engine_in(engine.engine_id)
+        try:
+            await self._send_adds(engine.engine_id, children, prompt_ids, arrival, priority)
+        except BusError as exc:
+            self._fail(request_id, EngineUnavailableError(f"request not sent: {exc!r}"))
+            raise EngineUnavailableError(f"request not sent to {engine.engine_id}: {exc}") from exc
+        return collector
+
+    async def _send_adds(
+        self,
+        engine_id: str,
+        children: list[ChildRequest],
+        prompt_ids: list[int],
+        arrival: float,
+        priority: int,
+    ) -> None:
+        tokenizer = self.require_tokenizer()
+        subject = self.subjects.engine_in(engine_id)
         for child in children:
             add = AddRequest(
                 child.request_id,
@@ -206,7 +226,6 @@ class AsyncEngineClient:
                 priority=priority,
             )
             await self.bus.publish(subject, encode(add))
-        return collector
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -294,7 +313,9 @@ class AsyncEngineClient:
         engine_id = self._engine_of.pop(request_id, None)
         engine_ids = self._require_processor().abort_request(request_id)
         if engine_id is not None and engine_ids:
-            asyncio.get_running_loop().create_task(self._send_abort(engine_id, engine_ids))
+            task = asyncio.get_running_loop().create_task(self._send_abort(engine_id, engine_ids))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         if collector is not None:
             collector.put(error)
 

@@ -118,13 +118,23 @@ class EngineCore:
         return self.scheduler.schedule()
 
     def apply_result(self, scheduler_output: SchedulerOutput, result: StepResult) -> ClientOutputs:
-        """Aborts that arrived during the step first, then the step's tokens."""
-        outputs: ClientOutputs = {}
-        if self._pending_aborts:
-            aborted = list(self._pending_aborts)
-            self._pending_aborts.clear()
-            merge_outputs(outputs, self._abort(aborted))
+        """Aborts that arrived during the step first, then the step's tokens.
+
+        A failed step goes first instead: it finishes the requests it names and forgets the
+        KV their blocks were meant to hold, which an abort applied before it would keep.
+        """
+        if result.error is not None:
+            outputs = self.scheduler.update_from_output(scheduler_output, result)
+            return merge_outputs(outputs, self._take_pending_aborts())
+        outputs = self._take_pending_aborts()
         return merge_outputs(outputs, self.scheduler.update_from_output(scheduler_output, result))
+
+    def _take_pending_aborts(self) -> ClientOutputs:
+        if not self._pending_aborts:
+            return {}
+        aborted = list(self._pending_aborts)
+        self._pending_aborts.clear()
+        return self._abort(aborted)
 
     def fail_all(self, reason: str) -> ClientOutputs:
         """Finish every request with an error (the workers lost their state) and forget the

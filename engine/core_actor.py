@@ -131,7 +131,8 @@ class EngineCoreActor(Actor):
         max_model_len = min(i.max_model_len for i in infos)
         if self.options["max_model_len"]:
             max_model_len = min(max_model_len, self.options["max_model_len"])
-        if self.core is None or num_blocks != self.num_blocks:
+        shape = (num_blocks, max_model_len)
+        if self.core is None or shape != (self.num_blocks, self.max_model_len):
             self.core = self._build_core(num_blocks, max_model_len)
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
         log.info(
