@@ -152,10 +152,14 @@ async def served_model(session: aiohttp.ClientSession, url: str) -> str:
         return str((await response.json())["data"][0]["id"])
 
 
-async def wait_healthy(url: str, timeout_s: float) -> None:
+async def wait_healthy(
+    url: str, timeout_s: float, server: subprocess.Popen[bytes] | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
+            if server is not None and server.poll() is not None:
+                raise RuntimeError(f"the server command exited with status {server.returncode}")
             try:
                 async with session.get(url.rstrip("/") + "/health") as response:
                     if response.status == 200:
@@ -166,8 +170,10 @@ async def wait_healthy(url: str, timeout_s: float) -> None:
     raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s}s")
 
 
-async def sweep(args: argparse.Namespace) -> list[dict[str, float]]:
-    await wait_healthy(args.url, args.startup_timeout)
+async def sweep(
+    args: argparse.Namespace, server: subprocess.Popen[bytes] | None = None
+) -> list[dict[str, float]]:
+    await wait_healthy(args.url, args.startup_timeout, server)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=args.request_timeout)
@@ -215,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.launch:
         server = subprocess.Popen(shlex.split(args.launch), start_new_session=True)
     try:
-        levels = asyncio.run(sweep(args))
+        levels = asyncio.run(sweep(args, server))
     finally:
         if server is not None:
             os.killpg(server.pid, signal.SIGTERM)

@@ -23,6 +23,7 @@ from engine.args import EngineArgs
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 ACTOR_KINDS = ("worker", "engine", "gateway")
 # Benchmark names that are not file names: `shoal bench throughput` is the end-to-end one.
+LOG_LEVEL_HELP = "DEBUG, INFO, WARNING or ERROR"
 DEMO_MODEL_NAME = "demo"  # what clients call the built-in model
 BENCH_ALIASES = {"throughput": "throughput_e2e", "runner-throughput": "throughput"}
 
@@ -34,10 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=__doc__,
     )
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument("--log-level", default="INFO", help=LOG_LEVEL_HELP)
+    # The same flag after the command name (``shoal serve --log-level DEBUG``).
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI API) and NATS")
+    serve = commands.add_parser(
+        "serve", parents=[common], help="serve a model over HTTP (OpenAI API) and NATS"
+    )
     serve.add_argument(
         "model",
         nargs="?",
@@ -47,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_http_arguments(serve)
     add_engine_arguments(serve)
 
-    generate = commands.add_parser("generate", help="generate one completion and print it")
+    generate = commands.add_parser(
+        "generate", parents=[common], help="generate one completion and print it"
+    )
     generate.add_argument("model", nargs="?", default=None, help="model directory (default: demo)")
     generate.add_argument("--prompt", "-p", required=True, help="the prompt text")
     generate.add_argument("--max-tokens", type=int, default=64)
@@ -55,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     add_engine_arguments(generate)
 
-    actor = commands.add_parser("actor", help="run one actor process of a NATS deployment")
+    actor = commands.add_parser(
+        "actor", parents=[common], help="run one actor process of a NATS deployment"
+    )
     actor.add_argument("kind", choices=ACTOR_KINDS, help="which actor")
     actor.add_argument("model", help="model directory (the same path on every host)")
     actor.add_argument(
@@ -72,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_http_arguments(actor)
     add_engine_arguments(actor)
 
-    bench = commands.add_parser("bench", help="run a benchmark from bench/")
+    bench = commands.add_parser("bench", parents=[common], help="run a benchmark from bench/")
     bench.add_argument("name", help="benchmark name: " + ", ".join(_bench_names()))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own arguments")
     return parser  # fmt: skip

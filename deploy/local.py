@@ -56,6 +56,11 @@ async def _log_status(msg: Msg) -> None:
     log.info("%s %s is %s%s", event.kind, event.actor_id, event.state.name.lower(), reason)
 
 
+def _log_level() -> str:
+    """The launcher's log level, for the actor processes it starts."""
+    return logging.getLevelName(logging.getLogger().getEffectiveLevel())
+
+
 def _log_child(event: ChildEvent) -> None:
     log.info("process %s: %s (pid %s)", event.name, event.state.value, event.pid)
 
@@ -64,7 +69,9 @@ def _log_child(event: ChildEvent) -> None:
 async def _nats_actors(args: EngineArgs, bus_url: str, bus: Bus) -> AsyncIterator[None]:
     tp_inits = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(args.data_parallel_size)]
     specs = [
-        ActorSpec(p.name, p.target, bus_url, p.kwargs, env={"SHOAL_LOG_LEVEL": "INFO"}, kind=p.kind)
+        ActorSpec(
+            p.name, p.target, bus_url, p.kwargs, env={"SHOAL_LOG_LEVEL": _log_level()}, kind=p.kind
+        )
         for p in plan_actors(args, tp_init_methods=tp_inits)
     ]
     supervisor = Supervisor(specs, on_event=_log_child, status_bus=bus, namespace=args.namespace)
