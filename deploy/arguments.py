@@ -38,7 +38,17 @@ def memory_size(text: str) -> int:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("engine")
+    """The engine, KV cache, parallelism and bus flags."""
+    _add_model_arguments(parser.add_argument_group("engine"))
+    _add_cache_arguments(parser.add_argument_group("KV cache"))
+    _add_parallel_arguments(parser.add_argument_group("parallelism"))
+    _add_bus_arguments(parser.add_argument_group("bus"))
+
+
+Group = argparse._ArgumentGroup
+
+
+def _add_model_arguments(g: Group) -> None:
     g.add_argument(
         "--dtype",
         default="auto",
@@ -51,7 +61,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="context length (default: the model's)",
     )
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     g.add_argument(
         "--max-num-seqs",
         type=positive_int,
@@ -65,24 +74,35 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="token budget of one step (prefill chunks plus decodes)",
     )
     g.add_argument(
+        "--max-waiting-requests",
+        type=positive_int,
+        default=1024,
+        help="queued requests per engine core before it answers 'overloaded' (503)",
+    )
+    g.add_argument("--seed", type=int, default=0, help="random seed")
+    g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")  # fmt: skip
+
+
+def _add_cache_arguments(g: Group) -> None:
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="reuse KV blocks of identical prompt prefixes",
     )
-    kv = g.add_mutually_exclusive_group()
-    kv.add_argument(
+    size = g.add_mutually_exclusive_group()
+    size.add_argument(
         "--kv-cache-memory",
         type=memory_size,
         default=None,
         help="KV cache size per worker, e.g. 2GiB",
     )
-    kv.add_argument(
-        "--num-gpu-blocks-override",
-        type=positive_int,
-        default=None,
-        help="exact number of KV blocks per worker",
-    )
+    size.add_argument("--num-gpu-blocks-override", type=positive_int, default=None,
+                      help="exact number of KV blocks per worker")  # fmt: skip
+
+
+def _add_parallel_arguments(g: Group) -> None:
     g.add_argument(
         "--data-parallel-size",
         "-dp",
@@ -90,34 +110,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="engine cores, each with its own workers",
     )
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
+                   help="workers per engine core sharing each layer")  # fmt: skip
+
+
+def _add_bus_arguments(g: Group) -> None:
     g.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=positive_int,
-        default=1,
-        help="workers per engine core sharing each layer",
-    )
-    g.add_argument("--seed", type=int, default=0, help="random seed")
-    g.add_argument(
-        "--max-waiting-requests",
-        type=positive_int,
-        default=1024,
-        help="queued requests per engine core before it answers 'overloaded' (503)",
-    )
-    g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")
-    b = parser.add_argument_group("bus")
-    b.add_argument(
         "--nats-url",
         default=None,
         help="join this NATS deployment (default: start an embedded nats-server)",
     )
-    b.add_argument(
+    g.add_argument(
         "--bus",
         default="nats",
         choices=["nats", "memory"],
         help="nats: actors as processes; memory: everything in this process",
     )
-    b.add_argument("--namespace", default="shoal",
+    g.add_argument("--namespace", default="shoal",
                    help="subject prefix, so deployments can share a NATS cluster")  # fmt: skip
 
 
