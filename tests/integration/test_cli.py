@@ -118,3 +118,36 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, how: str) -> No
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_actor_processes_join_an_existing_nats_deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-def]
+    """``shoal actor worker`` and ``shoal actor engine`` on a shared NATS: a client elsewhere
+    gets completions from them (the multi-host path, on one host)."""
+    from bus import connect_bus
+    from bus.messages.sampling import SamplingParams
+    from engine.client import AsyncEngineClient
+
+    model_dir = str(tiny_checkpoint("llama"))
+    common = ["--nats-url", nats_server.url, "--namespace", "cliactors"]
+    common += ["--num-gpu-blocks-override", "64"]
+    procs = [
+        subprocess.Popen([*SHOAL, "actor", kind, model_dir, *common], cwd=REPO)
+        for kind in ("worker", "engine")
+    ]
+    bus = await connect_bus(nats_server.url)
+    client = AsyncEngineClient(bus, model_dir, namespace="cliactors")
+    try:
+        await client.start()
+        await client.wait_until_ready(120)
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        outputs = [out async for out in client.generate("hello", params, "r1")]
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 5
+    finally:
+        await client.close()
+        await bus.close()
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            assert proc.wait(timeout=60) == 0
