@@ -6,9 +6,14 @@ Triton on the CPU means the interpreter. Each figure is the median of ``--iters`
 after warm-up; on CUDA the Triton output is also checked against the torch output.
 
     .venv/bin/python bench/kernels.py [--device cuda|cpu] [--dtype bf16|fp16|fp32] [--iters 20]
+        [--layouts-only]
 
-The last line printed is one JSON object: ``{"device", "dtype", "ops": [{"op", "shape",
-"torch_ms", "triton_ms", "speedup", "max_abs_diff"}, ...]}`` (Triton fields null on the CPU).
+First a table of the torch decode attention before/after ``decode_split`` (timed in
+alternation) for four page layouts: consecutive, a consecutive run plus a short or a long
+scattered tail, fully scattered. The last line printed
+is one JSON object: ``{"device", "dtype", "decode_layouts": [{"layout", "before_ms", "after_ms",
+"speedup", "max_abs_diff"}, ...], "ops": [{"op", "shape", "torch_ms", "triton_ms", "speedup",
+"max_abs_diff"}, ...]}`` (Triton fields null on the CPU).
 """
 
 from __future__ import annotations
@@ -47,6 +52,21 @@ def _time_ms(fn: Callable[[], Any], device: torch.device, iters: int) -> float:
     return statistics.median(samples)
 
 
+def _time_pair_ms(
+    first: Callable[[], Any], second: Callable[[], Any], iters: int
+) -> tuple[float, float]:
+    """Medians of two CPU functions timed in alternation (so drifts in load and allocator
+    state hit both alike)."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    for i in range(iters + 3):
+        for fn, out in ((first, samples[0]), (second, samples[1])):
+            start = time.perf_counter()
+            fn()
+            if i >= 3:  # warm-up
+                out.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples[0]), statistics.median(samples[1])
+
+
 def _max_diff(a: Any, b: Any) -> float:
     if isinstance(a, tuple):
         return max(_max_diff(x, y) for x, y in zip(a, b, strict=True))
@@ -64,7 +84,10 @@ def _paged_inputs(
     dev: torch.device,
     dtype: torch.dtype,
     shuffle: bool = True,
+    tail_pages: int = 0,
 ) -> tuple:
+    """Pages shuffled, or each sequence's in one consecutive run; with ``tail_pages``, each
+    sequence's last pages (up to that many) are scattered after the runs (decode growth)."""
     block_size = 16
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
     pages = [-(-n // block_size) for n in seq_lens]
@@ -74,10 +97,15 @@ def _paged_inputs(
     perm = torch.randperm(num_blocks) if shuffle else torch.arange(num_blocks)
     perm = perm.to(torch.int32).to(dev)
     table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32, device=dev)
+    tails = [min(tail_pages, n - 1) for n in pages]
     taken = 0
     for s, n in enumerate(pages):
-        table[s, :n] = perm[taken : taken + n]
-        taken += n
+        table[s, : n - tails[s]] = perm[taken : taken + n - tails[s]]
+        taken += n - tails[s]
+    scattered = perm[taken:][torch.randperm(num_blocks - taken)]  # tails, interleaved
+    for s, n in enumerate(pages):
+        table[s, n - tails[s] : n] = scattered[: tails[s]]
+        scattered = scattered[tails[s] :]
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
@@ -145,16 +173,68 @@ def _fns(name: str, module: Any) -> tuple[Callable[..., Any], Callable[..., Any]
     return getattr(module, ref), getattr(module, tri)
 
 
+def _decode_layouts(dev: torch.device, dtype: torch.dtype, iters: int) -> list[dict]:
+    """The torch decode path before (one SDPA per sequence over a view or a slice of one
+    full gather) and after (``decode_split``: run view + batched tail gather, LSE merge), for
+    the page layouts a decode batch sees, side by side."""
+    from kernels.prefill_attention import attend_sequences_torch
+
+    def before(q, k, v, table, qsl, lens, scale):  # type: ignore[no-untyped-def]
+        out = torch.empty_like(q)
+        seqs = list(range(len(lens)))
+        attend_sequences_torch(q, k, v, table, qsl, lens, seqs, scale, out)
+        return out
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    seqs, ctx = 64, 512
+    ctx_lens = torch.randint(ctx // 4, ctx, (seqs,), generator=g).tolist()
+    layouts = {
+        "consecutive": {"shuffle": False},
+        "run + 3-page tail": {"shuffle": False, "tail_pages": 3},
+        "run + 10-page tail": {"shuffle": False, "tail_pages": 10},
+        "scattered": {"shuffle": True},
+    }
+    after_fn = paged_attention.paged_attention_torch
+    rows = []
+    print(f"decode S={seqs} ctx<{ctx} hq=8 hkv=4 d=64, one layer")
+    print(f"{'layout':<22}{'before ms':>10}{'after ms':>10}{'speedup':>9}{'max diff':>10}")
+    for name, how in layouts.items():
+        inputs = _paged_inputs([1] * seqs, ctx_lens, 8, 4, 64, dev, dtype, **how)
+        before_ms, after_ms = _time_pair_ms(
+            lambda inputs=inputs: before(*inputs), lambda inputs=inputs: after_fn(*inputs), iters
+        )
+        diff = _max_diff(after_fn(*inputs), before(*inputs))
+        speedup = before_ms / after_ms
+        print(f"{name:<22}{before_ms:>10.3f}{after_ms:>10.3f}{speedup:>8.2f}x{diff:>10.2e}")
+        rows.append(
+            {
+                "layout": name,
+                "before_ms": round(before_ms, 4),
+                "after_ms": round(after_ms, 4),
+                "speedup": round(speedup, 2),
+                "max_abs_diff": diff,
+            }
+        )
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument(
+        "--layouts-only", action="store_true", help="only the torch decode page-layout table"
+    )
     args = parser.parse_args()
     dev = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if dev.type == "cuda" else "fp32")]
     run_triton = dev.type == "cuda" and HAS_TRITON
     torch.manual_seed(0)
+    layouts = _decode_layouts(dev, dtype, args.iters)
+    if args.layouts_only:
+        print(json.dumps({"device": str(dev), "dtype": str(dtype), "decode_layouts": layouts}))
+        return
     rows = []
     print(f"{'op':<26}{'shape':<44}{'torch ms':>10}{'triton ms':>11}{'speedup':>9}{'max diff':>10}")
     for name, shape, inputs, module in _cases(dev, dtype, big=dev.type == "cuda"):
@@ -179,7 +259,8 @@ def main() -> None:
         sp_text = "-" if speedup is None else f"{speedup:.2f}x"
         diff_text = "-" if diff is None else f"{diff:.2e}"
         print(f"{name:<26}{shape:<44}{torch_ms:>10.3f}{tri_text:>11}{sp_text:>9}{diff_text:>10}")
-    print(json.dumps({"device": str(dev), "dtype": str(dtype), "ops": rows}))
+    result = {"device": str(dev), "dtype": str(dtype), "decode_layouts": layouts, "ops": rows}
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """Attention over one flattened batch of prefill chunks and decodes (no padding).
 
 The keys and values of this step's tokens must already be in the cache (``write_kv`` first).
-The torch path gathers every sequence's pages at once and runs one SDPA per sequence; the Triton
-path runs the decode kernel for an all-decode batch and the varlen kernel otherwise (it handles
-decodes too).
+The torch path attends decodes as a page-run view plus a gathered tail (``decode_split``) and
+every other sequence with one SDPA over a view or one packed gather; the Triton path runs the
+decode kernel for an all-decode batch and the varlen kernel otherwise (it handles decodes too).
 """
 
 import torch

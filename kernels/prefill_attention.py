@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import require_triton, tl, triton
+from kernels.decode_split import decode_attention_torch, plan_decode_split
 from kernels.paged_common import (
     check_paged_inputs,
     default_block_n,
@@ -53,22 +54,51 @@ def varlen_attention_torch(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    """Torch reference: each sequence's context as a cache view (consecutive pages) or a slice
-    of one packed gather, then one SDPA per sequence reading those strided views directly.
+    """Torch reference: on the CPU, decodes (one query) through ``decode_split`` (a cache view
+    of each leading page run, one packed gather of the tails, merged by log-sum-exp); every other
+    sequence's context as a cache view (consecutive pages) or a slice of one packed gather, with
+    one SDPA each.
 
-    (Measured on the CPU, this beats a padded batched gather + masked matmul 3-6x for decode
-    batches: no padding, no layout copies.)
+    (Measured on the CPU, this beats a padded batched gather + masked matmul 3-6x for prefill
+    and mixed batches: no padding, no layout copies.)
     """
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_seqs]
+    out = torch.empty_like(q)
+    per_sequence = (query_lens > 0).nonzero()[:, 0]  # [m] int64
+    decodes = (query_lens == 1).nonzero()[:, 0]  # [n] int64
+    if len(decodes) and q.device.type == "cpu":  # the split needs the CPU flash op's LSE
+        split, scattered = plan_decode_split(block_tables, seq_lens, decodes, k_cache.shape[1])
+        token_rows = query_start_loc[split.rows].long()  # one query each
+        if len(token_rows):
+            out[token_rows] = decode_attention_torch(q[token_rows], k_cache, v_cache, split, scale)
+        per_sequence = torch.cat(((query_lens > 1).nonzero()[:, 0], scattered))
+    if len(per_sequence):
+        attend_sequences_torch(
+            q, k_cache, v_cache, block_tables[per_sequence], query_start_loc,
+            seq_lens[per_sequence], per_sequence.tolist(), scale, out,
+        )  # fmt: skip
+    return out
+
+
+def attend_sequences_torch(
+    q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [n, max_blocks] int32, rows of the chosen sequences
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, of the whole batch
+    seq_lens: torch.Tensor,  # [n] int32
+    seqs: list[int],  # batch index of each chosen sequence
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], written in place
+) -> None:
+    """One SDPA per chosen sequence over its context (a view or a slice of one gather)."""
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
     plan = plan_context_reads(block_tables, lengths, k_cache.shape[1])
     keys, values = read_contexts(k_cache, plan), read_contexts(v_cache, plan)
-    out = torch.empty_like(q)
-    for s in range(len(lengths)):
+    for i, s in enumerate(seqs):
         begin, end = starts[s], starts[s + 1]
-        if end > begin:
-            out[begin:end] = attend_one_sequence(q[begin:end], keys[s], values[s], scale)
-    return out
+        out[begin:end] = attend_one_sequence(q[begin:end], keys[i], values[i], scale)
 
 
 @triton.jit

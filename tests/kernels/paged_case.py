@@ -29,12 +29,15 @@ def make_paged_case(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     shuffle_pages: bool = True,
+    tail_pages: int = 0,
 ) -> PagedCase:
     """Each sequence has ``context_lens[i]`` cached tokens then ``query_lens[i]`` new ones.
 
     Pages are drawn at random (or, without ``shuffle_pages``, in consecutive runs) from a pool
     with spare pages filled with garbage; table entries past a sequence's pages hold
-    out-of-range garbage ids (holes the kernels must not read).
+    out-of-range garbage ids (holes the kernels must not read). With ``tail_pages`` (and
+    consecutive runs), each sequence's last pages, up to that many, are scattered through the
+    pool after every run, as decode growth interleaved across requests leaves them.
     """
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
@@ -43,12 +46,11 @@ def make_paged_case(
     num_blocks = sum(pages_per_seq) + 3
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 5
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen) * 5
-    perm = torch.randperm(num_blocks, generator=gen) if shuffle_pages else torch.arange(num_blocks)
+    page_lists = _page_lists(pages_per_seq, num_blocks, shuffle_pages, tail_pages, gen)
     block_tables = torch.full((len(seq_lens), max_blocks), 10_000, dtype=torch.int32)
-    dense_k, dense_v, taken = [], [], 0
+    dense_k, dense_v = [], []
     for s, n in enumerate(seq_lens):
-        pages = perm[taken : taken + pages_per_seq[s]]
-        taken += pages_per_seq[s]
+        pages = page_lists[s]
         block_tables[s, : len(pages)] = pages.to(torch.int32)
         k = torch.randn(n, num_kv_heads, head_dim, generator=gen)
         v = torch.randn(n, num_kv_heads, head_dim, generator=gen)
@@ -71,6 +73,28 @@ def make_paged_case(
         dense_v=dense_v,
         scale=head_dim**-0.5,
     )
+
+
+def _page_lists(
+    pages_per_seq: list[int],
+    num_blocks: int,
+    shuffle: bool,
+    tail_pages: int,
+    gen: torch.Generator,
+) -> list[torch.Tensor]:  # per sequence [pages] int64 block ids
+    """Block ids per sequence: shuffled, or consecutive runs then scattered tails."""
+    perm = torch.randperm(num_blocks, generator=gen) if shuffle else torch.arange(num_blocks)
+    tails = [min(tail_pages, n - 1) for n in pages_per_seq]
+    runs, taken = [], 0
+    for n, tail in zip(pages_per_seq, tails, strict=True):
+        runs.append(perm[taken : taken + n - tail])
+        taken += n - tail
+    rest = perm[taken:][torch.randperm(num_blocks - taken, generator=gen)]
+    lists = []
+    for run, tail in zip(runs, tails, strict=True):
+        lists.append(torch.cat((run, rest[:tail])))
+        rest = rest[tail:]
+    return lists
 
 
 def naive_attention(case: PagedCase) -> torch.Tensor:  # [T, num_q_heads, head_dim]

@@ -11,6 +11,7 @@ from tests.kernels.paged_case import make_paged_case, naive_attention
 
 MIXED = ([5, 1, 9, 1, 17], [0, 30, 12, 3, 40])  # query_lens, context_lens (prefill, decode, ...)
 DECODE = ([1, 1, 1, 1], [0, 33, 7, 64])
+LONG_DECODE = ([1, 1, 1, 1, 1, 0], [100, 20, 70, 5, 47, 9])  # last: no query this step
 
 
 @pytest.mark.parametrize("gqa", [1, 2, 4])
@@ -26,6 +27,23 @@ def test_paged_attention_reference_matches_dense(gqa, head_dim, block_size, lens
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
     out = paged_attention_torch(*args, case.seq_lens, case.scale)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("lens", [MIXED, DECODE, LONG_DECODE], ids=["mixed", "decode", "long"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_reference_with_run_and_scattered_tail(gqa, block_size, lens, dtype):
+    """Decode layout: a consecutive run then a few scattered pages (the run is read as a view,
+    the tail gathered, the two merged by log-sum-exp); tails longer than runs take a gather."""
+    case = make_paged_case(
+        *lens, num_kv_heads=2, gqa=gqa, head_dim=64, block_size=block_size,
+        shuffle_pages=False, tail_pages=3, dtype=dtype,
+    )  # fmt: skip
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
+    out = paged_attention_torch(*args, case.seq_lens, case.scale)
+    tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, naive_attention(case), **tol)
 
 
 def test_paged_attention_reference_with_length_hints():
@@ -166,3 +184,26 @@ def test_fused_moe_reference_matches_transformers_mixtral_experts_bit_for_bit():
         expected = experts(x, topk_ids, topk_weights)
         out = ops.fused_moe(x, experts.gate_up_proj, experts.down_proj, topk_weights, topk_ids)
     assert torch.equal(out, expected)
+
+
+def test_decode_split_plan_finds_runs_and_tails():
+    from kernels.decode_split import plan_decode_split
+
+    garbage = 10_000
+    block_tables = torch.tensor(
+        [
+            [4, 5, 6, 9, 2, garbage],  # run of 3 pages, tail of 2
+            [7, 8, garbage, garbage, garbage, garbage],  # all consecutive
+            [3, 11, 1, 0, 12, garbage],  # scattered: tail longer than run
+            [20, 21, 22, 13, 23, garbage],  # 2 tokens on its tail page; column 4 unused
+        ],
+        dtype=torch.int32,
+    )
+    seq_lens = torch.tensor([4 * 4 + 3, 8, 20, 3 * 4 + 2], dtype=torch.int32)
+    split, scattered = plan_decode_split(block_tables, seq_lens, torch.arange(4), block_size=4)
+    assert split.rows.tolist() == [0, 1, 3] and scattered.tolist() == [2]
+    assert split.run_first_page == [4, 7, 20]
+    assert split.run_tokens == [12, 8, 12]
+    assert split.tail_tokens == [7, 0, 2]
+    assert split.tail_start == [0, 8, 8]
+    assert split.tail_pages.tolist() == [9, 2, 13]
