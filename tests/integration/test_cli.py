@@ -151,3 +151,22 @@ async def test_actor_processes_join_an_existing_nats_deployment(nats_server, tin
             proc.send_signal(signal.SIGTERM)
         for proc in procs:
             assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.timeout(180)
+def test_generate_prints_the_completion(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    from tests.fixtures.models import hf_greedy
+
+    model_dir = tiny_checkpoint("llama")
+    result = _run("generate", str(model_dir), "-p", "hello", "--max-tokens", "4",
+                  "--log-level", "WARNING")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    prompt = tokenizer.encode("hello")
+    expected = hf_greedy(model_dir, [prompt], 4)[0]
+    text = tokenizer.decode(expected, skip_special_tokens=True)
+    if 2 in expected:  # the tiny model's eos ends the completion early
+        text = tokenizer.decode(expected[: expected.index(2)], skip_special_tokens=True)
+    assert result.stdout == text + "\n"
