@@ -245,11 +245,18 @@ class AsyncEngineClient:
 
     async def abort(self, request_id: str) -> None:
         """Stop a request (idempotent): the engine core frees it, the caller gets no more."""
-        self._collectors.pop(request_id, None)
-        engine_id = self._engine_of.pop(request_id, None)
-        engine_ids = self._require_processor().abort_request(request_id)
+        _, engine_id, engine_ids = self._forget(request_id)
         if engine_id is not None and engine_ids:
             await self._send_abort(engine_id, engine_ids)
+
+    def _forget(
+        self, request_id: str
+    ) -> tuple[RequestOutputCollector | None, str | None, list[str]]:
+        """Stop tracking a request: its collector, its engine core and the engine-side ids
+        still running there."""
+        collector = self._collectors.pop(request_id, None)
+        engine_id = self._engine_of.pop(request_id, None)
+        return collector, engine_id, self._require_processor().abort_request(request_id)
 
     async def _send_abort(self, engine_id: str, engine_request_ids: list[str]) -> None:
         try:
@@ -309,9 +316,7 @@ class AsyncEngineClient:
         return owner if owner in self._collectors else None
 
     def _fail(self, request_id: str, error: Exception) -> None:
-        collector = self._collectors.pop(request_id, None)
-        engine_id = self._engine_of.pop(request_id, None)
-        engine_ids = self._require_processor().abort_request(request_id)
+        collector, engine_id, engine_ids = self._forget(request_id)
         if engine_id is not None and engine_ids:
             task = asyncio.get_running_loop().create_task(self._send_abort(engine_id, engine_ids))
             self._background.add(task)
