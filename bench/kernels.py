@@ -8,11 +8,12 @@ after warm-up; on CUDA the Triton output is also checked against the torch outpu
     .venv/bin/python bench/kernels.py [--device cuda|cpu] [--dtype bf16|fp16|fp32] [--iters 20]
         [--layouts-only]
 
-First a table of the torch decode attention before/after ``decode_split`` (timed in
-alternation) for four page layouts: consecutive, a consecutive run plus a short or a long
-scattered tail, fully scattered. The last line printed
-is one JSON object: ``{"device", "dtype", "decode_layouts": [{"layout", "before_ms", "after_ms",
-"speedup", "max_abs_diff"}, ...], "ops": [{"op", "shape", "torch_ms", "triton_ms", "speedup",
+First a table of the torch decode attention, one SDPA per sequence (before) against the sparse
+products of ``sparse_decode`` (after; fp32 only, other dtypes show the same path twice), timed
+in alternation for four page layouts: consecutive, a consecutive run plus a short or a long
+scattered tail, fully scattered. The last line printed is one JSON object: ``{"device",
+"dtype", "decode_layouts": [{"layout", "before_ms", "after_ms", "plan_ms", "speedup",
+"max_abs_diff"}, ...], "ops": [{"op", "shape", "torch_ms", "triton_ms", "speedup",
 "max_abs_diff"}, ...]}`` (Triton fields null on the CPU).
 """
 
@@ -175,15 +176,15 @@ def _fns(name: str, module: Any) -> tuple[Callable[..., Any], Callable[..., Any]
 
 def _decode_layouts(dev: torch.device, dtype: torch.dtype, iters: int) -> list[dict]:
     """The torch decode path before (one SDPA per sequence over a view or a slice of one
-    full gather) and after (``decode_split``: run view + batched tail gather, LSE merge), for
-    the page layouts a decode batch sees, side by side."""
-    from kernels.prefill_attention import attend_sequences_torch
+    full gather) and after (``sparse_decode``: sampled QKᵀ and P·V over the whole cache for all
+    decodes), for the page layouts a decode batch sees, side by side."""
+    from kernels.paged_common import plan_context_reads
+    from kernels.prefill_attention import TorchAttentionPlan, varlen_attention_torch
 
     def before(q, k, v, table, qsl, lens, scale):  # type: ignore[no-untyped-def]
-        out = torch.empty_like(q)
-        seqs = list(range(len(lens)))
-        attend_sequences_torch(q, k, v, table, qsl, lens, seqs, scale, out)
-        return out
+        reads = plan_context_reads(table, lens.tolist(), k.shape[1])
+        plan = TorchAttentionPlan(None, list(range(len(lens))), qsl.tolist(), reads)
+        return varlen_attention_torch(q, k, v, table, qsl, lens, scale, plan)
 
     g = torch.Generator(device="cpu").manual_seed(0)
     seqs, ctx = 64, 512
@@ -194,23 +195,38 @@ def _decode_layouts(dev: torch.device, dtype: torch.dtype, iters: int) -> list[d
         "run + 10-page tail": {"shuffle": False, "tail_pages": 10},
         "scattered": {"shuffle": True},
     }
-    after_fn = paged_attention.paged_attention_torch
     rows = []
-    print(f"decode S={seqs} ctx<{ctx} hq=8 hkv=4 d=64, one layer")
-    print(f"{'layout':<22}{'before ms':>10}{'after ms':>10}{'speedup':>9}{'max diff':>10}")
+    print(f"decode S={seqs} ctx<{ctx} hq=8 hkv=4 d=64, one layer (the step's plan made once)")
+    print(
+        f"{'layout':<22}{'before ms':>10}{'after ms':>10}{'speedup':>9}{'max diff':>10}"
+        f"{'plan ms':>9}"
+    )
     for name, how in layouts.items():
         inputs = _paged_inputs([1] * seqs, ctx_lens, 8, 4, 64, dev, dtype, **how)
-        before_ms, after_ms = _time_pair_ms(
-            lambda inputs=inputs: before(*inputs), lambda inputs=inputs: after_fn(*inputs), iters
-        )
-        diff = _max_diff(after_fn(*inputs), before(*inputs))
+        q, k, _, table, qsl, lens, _ = inputs
+
+        def make_plan(q=q, k=k, table=table, qsl=qsl, lens=lens):  # type: ignore[no-untyped-def]
+            return paged_attention.plan_paged_attention_torch(q, k, table, qsl, lens)
+
+        plan = make_plan()
+
+        def after(inputs=inputs, plan=plan):  # type: ignore[no-untyped-def]
+            return paged_attention.paged_attention_torch(*inputs, plan=plan)
+
+        before_ms, after_ms = _time_pair_ms(lambda inputs=inputs: before(*inputs), after, iters)
+        plan_ms = _time_ms(make_plan, dev, iters)
+        diff = _max_diff(after(), before(*inputs))
         speedup = before_ms / after_ms
-        print(f"{name:<22}{before_ms:>10.3f}{after_ms:>10.3f}{speedup:>8.2f}x{diff:>10.2e}")
+        print(
+            f"{name:<22}{before_ms:>10.3f}{after_ms:>10.3f}{speedup:>8.2f}x{diff:>10.2e}"
+            f"{plan_ms:>9.3f}"
+        )
         rows.append(
             {
                 "layout": name,
                 "before_ms": round(before_ms, 4),
                 "after_ms": round(after_ms, 4),
+                "plan_ms": round(plan_ms, 4),
                 "speedup": round(speedup, 2),
                 "max_abs_diff": diff,
             }

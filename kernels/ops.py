@@ -13,7 +13,11 @@ from kernels._backend import use_triton
 from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
 from kernels.fused_moe import fused_moe_torch, fused_moe_triton
 from kernels.kv_write import write_kv_torch, write_kv_triton
-from kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from kernels.paged_attention import (
+    paged_attention_torch,
+    paged_attention_triton,
+    plan_paged_attention_torch,
+)
 from kernels.rms_norm import rms_norm_torch, rms_norm_triton
 from kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
 
@@ -22,6 +26,7 @@ __all__ = [
     "build_cos_sin_cache",
     "fused_moe",
     "paged_attention",
+    "plan_paged_attention",
     "rms_norm",
     "silu_and_mul",
     "write_kv",
@@ -51,25 +56,33 @@ def paged_attention(
     *,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    plan: Any = None,
 ) -> torch.Tensor:  # [T, num_q_heads, head_dim]
     """Causal attention of each sequence's last ``query_len`` positions over its paged context.
 
     Call ``write_kv`` for this step's tokens first. Pass ``max_query_len``/``max_seq_len`` when
     known to spare a device-to-host read; they must be the true maxima (a smaller
-    ``max_seq_len`` truncates the Triton decode's context).
+    ``max_seq_len`` truncates the Triton decode's context). ``plan``: what
+    ``plan_paged_attention`` returned for this batch (reuse it across layers), or None.
     """
-    fn = paged_attention_triton if use_triton(q) else paged_attention_torch
-    return fn(
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        scale,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-    )
+    args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+    if use_triton(q):
+        return paged_attention_triton(*args, max_query_len, max_seq_len)
+    return paged_attention_torch(*args, max_query_len, max_seq_len, plan=plan)
+
+
+def plan_paged_attention(
+    q: torch.Tensor,  # [T, num_q_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [S, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32
+    seq_lens: torch.Tensor,  # [S] int32
+) -> Any:
+    """Work ``paged_attention`` can share across the layers of one step (the torch path's
+    split of the batch and its decodes' sparse pattern); None where there is none (Triton)."""
+    if use_triton(q):
+        return None
+    return plan_paged_attention_torch(q, k_cache, block_tables, query_start_loc, seq_lens)
 
 
 def rms_norm(

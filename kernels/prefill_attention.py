@@ -4,18 +4,26 @@ A sequence's queries are its last ``query_len`` positions of ``seq_len``; query 
 keys ``0 .. seq_len - query_len + i`` (a bottom-right-aligned causal mask).
 """
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kernels._triton import require_triton, tl, triton
-from kernels.decode_split import decode_attention_torch, plan_decode_split
 from kernels.paged_common import (
+    ContextReads,
     check_paged_inputs,
     default_block_n,
     dot_precision,
     load_kv_tile,
     plan_context_reads,
     read_contexts,
+)
+from kernels.sparse_decode import (
+    SPARSE_DTYPES,
+    DecodePattern,
+    plan_decode_pattern,
+    sparse_decode_attention,
 )
 
 
@@ -45,6 +53,41 @@ def attend_one_sequence(
     return out[0].transpose(0, 1)
 
 
+@dataclass(frozen=True)
+class TorchAttentionPlan:
+    """How the torch path attends one step's batch: the same for every layer of the step."""
+
+    decode: DecodePattern | None  # decode queries, through the sparse products (fp32 on CPU)
+    seqs: list[int]  # every other sequence with queries (batch index), one SDPA each
+    query_starts: list[int]  # query_start_loc on the host
+    reads: ContextReads | None  # where the contexts of ``seqs`` lie
+
+
+def plan_varlen_torch(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    num_q_heads: int,
+) -> TorchAttentionPlan:
+    """Split the batch into sparse-product decodes and per-sequence SDPAs (a few host reads)."""
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_seqs]
+    decode = None
+    if k_cache.device.type == "cpu" and k_cache.dtype in SPARSE_DTYPES:
+        decodes = (query_lens == 1).nonzero()[:, 0]  # [n] int64
+        if len(decodes):
+            token_rows = query_start_loc[decodes].long()
+            args = (block_tables, seq_lens, decodes, token_rows, k_cache, num_q_heads)
+            decode = plan_decode_pattern(*args)
+        query_lens = torch.where(query_lens == 1, 0, query_lens)
+    others = (query_lens > 0).nonzero()[:, 0]  # [m] int64
+    reads = None
+    if len(others):
+        lengths = seq_lens[others].tolist()
+        reads = plan_context_reads(block_tables[others], lengths, k_cache.shape[1])
+    return TorchAttentionPlan(decode, others.tolist(), query_start_loc.tolist(), reads)
+
+
 def varlen_attention_torch(
     q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -53,30 +96,24 @@ def varlen_attention_torch(
     query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
+    plan: TorchAttentionPlan | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
-    """Torch reference: on the CPU, decodes (one query) through ``decode_split`` (a cache view
-    of each leading page run, one packed gather of the tails, merged by log-sum-exp); every other
-    sequence's context as a cache view (consecutive pages) or a slice of one packed gather, with
-    one SDPA each.
+    """Torch reference: fp32 decodes on the CPU through ``sparse_decode`` (two sparse-dense
+    products for all of them); every other sequence's context as a cache view (consecutive
+    pages) or a slice of one packed gather, with one SDPA each. ``plan`` (from
+    ``plan_varlen_torch``) is reused across layers; made here when not given.
 
-    (Measured on the CPU, this beats a padded batched gather + masked matmul 3-6x for prefill
-    and mixed batches: no padding, no layout copies.)
+    (Measured on the CPU, per-sequence SDPA beats a padded batched gather + masked matmul 3-6x
+    for prefill and mixed batches: no padding, no layout copies.)
     """
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_seqs]
+    if plan is None:
+        plan = plan_varlen_torch(block_tables, query_start_loc, seq_lens, k_cache, q.shape[1])
     out = torch.empty_like(q)
-    per_sequence = (query_lens > 0).nonzero()[:, 0]  # [m] int64
-    decodes = (query_lens == 1).nonzero()[:, 0]  # [n] int64
-    if len(decodes) and q.device.type == "cpu":  # the split needs the CPU flash op's LSE
-        split, scattered = plan_decode_split(block_tables, seq_lens, decodes, k_cache.shape[1])
-        token_rows = query_start_loc[split.rows].long()  # one query each
-        if len(token_rows):
-            out[token_rows] = decode_attention_torch(q[token_rows], k_cache, v_cache, split, scale)
-        per_sequence = torch.cat(((query_lens > 1).nonzero()[:, 0], scattered))
-    if len(per_sequence):
-        attend_sequences_torch(
-            q, k_cache, v_cache, block_tables[per_sequence], query_start_loc,
-            seq_lens[per_sequence], per_sequence.tolist(), scale, out,
-        )  # fmt: skip
+    if plan.decode is not None:
+        decoded = sparse_decode_attention(q, k_cache, v_cache, plan.decode, scale)
+        out.index_copy_(0, plan.decode.token_rows, decoded)
+    if plan.reads is not None:
+        attend_sequences_torch(q, k_cache, v_cache, plan, scale, out)
     return out
 
 
@@ -84,19 +121,15 @@ def attend_sequences_torch(
     q: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [n, max_blocks] int32, rows of the chosen sequences
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, of the whole batch
-    seq_lens: torch.Tensor,  # [n] int32
-    seqs: list[int],  # batch index of each chosen sequence
+    plan: TorchAttentionPlan,
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_q_heads, head_dim], written in place
 ) -> None:
-    """One SDPA per chosen sequence over its context (a view or a slice of one gather)."""
-    starts = query_start_loc.tolist()
-    lengths = seq_lens.tolist()
-    plan = plan_context_reads(block_tables, lengths, k_cache.shape[1])
-    keys, values = read_contexts(k_cache, plan), read_contexts(v_cache, plan)
-    for i, s in enumerate(seqs):
+    """One SDPA per planned sequence over its context (a view or a slice of one gather)."""
+    assert plan.reads is not None
+    keys, values = read_contexts(k_cache, plan.reads), read_contexts(v_cache, plan.reads)
+    starts = plan.query_starts
+    for i, s in enumerate(plan.seqs):
         begin, end = starts[s], starts[s + 1]
         out[begin:end] = attend_one_sequence(q[begin:end], keys[i], values[i], scale)
 

@@ -1,5 +1,7 @@
 """The torch references against plain dense computations (so the references are proven)."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -34,8 +36,8 @@ def test_paged_attention_reference_matches_dense(gqa, head_dim, block_size, lens
 @pytest.mark.parametrize("lens", [MIXED, DECODE, LONG_DECODE], ids=["mixed", "decode", "long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_paged_attention_reference_with_run_and_scattered_tail(gqa, block_size, lens, dtype):
-    """Decode layout: a consecutive run then a few scattered pages (the run is read as a view,
-    the tail gathered, the two merged by log-sum-exp); tails longer than runs take a gather."""
+    """Decode layout: a consecutive run then a few scattered pages (fp32 decodes go through the
+    sparse products, bf16 ones through a view or a gather each)."""
     case = make_paged_case(
         *lens, num_kv_heads=2, gqa=gqa, head_dim=64, block_size=block_size,
         shuffle_pages=False, tail_pages=3, dtype=dtype,
@@ -186,24 +188,21 @@ def test_fused_moe_reference_matches_transformers_mixtral_experts_bit_for_bit():
     assert torch.equal(out, expected)
 
 
-def test_decode_split_plan_finds_runs_and_tails():
-    from kernels.decode_split import plan_decode_split
+def test_sparse_decode_pattern_lists_each_query_heads_slots():
+    from kernels.sparse_decode import plan_decode_pattern
 
     garbage = 10_000
-    block_tables = torch.tensor(
-        [
-            [4, 5, 6, 9, 2, garbage],  # run of 3 pages, tail of 2
-            [7, 8, garbage, garbage, garbage, garbage],  # all consecutive
-            [3, 11, 1, 0, 12, garbage],  # scattered: tail longer than run
-            [20, 21, 22, 13, 23, garbage],  # 2 tokens on its tail page; column 4 unused
-        ],
-        dtype=torch.int32,
-    )
-    seq_lens = torch.tensor([4 * 4 + 3, 8, 20, 3 * 4 + 2], dtype=torch.int32)
-    split, scattered = plan_decode_split(block_tables, seq_lens, torch.arange(4), block_size=4)
-    assert split.rows.tolist() == [0, 1, 3] and scattered.tolist() == [2]
-    assert split.run_first_page == [4, 7, 20]
-    assert split.run_tokens == [12, 8, 12]
-    assert split.tail_tokens == [7, 0, 2]
-    assert split.tail_start == [0, 8, 8]
-    assert split.tail_pages.tolist() == [9, 2, 13]
+    block_tables = torch.tensor([[4, 9, garbage], [7, garbage, garbage]], dtype=torch.int32)
+    seq_lens = torch.tensor([6, 3], dtype=torch.int32)
+    k_cache = torch.zeros(12, 4, 2, 8)  # block_size 4, 2 kv heads: column = slot * 2 + kv_head
+    rows = torch.arange(2)
+    pattern = plan_decode_pattern(block_tables, seq_lens, rows, rows, k_cache, num_q_heads=4)
+    slots = {0: [16, 17, 18, 19, 36, 37], 1: [28, 29, 30]}
+    expected = [
+        [slot * 2 + head // 2 for slot in slots[seq]] for seq in (0, 1) for head in range(4)
+    ]  # query heads 0 and 1 read kv head 0; 2 and 3 read kv head 1
+    where = pattern.where
+    assert where.shape == (8, 12 * 4 * 2)
+    starts, columns = where.crow_indices().tolist(), where.col_indices().tolist()
+    assert [columns[a:b] for a, b in itertools.pairwise(starts)] == expected
+    assert pattern.row_lens.tolist() == [6] * 4 + [3] * 4

@@ -8,6 +8,7 @@ runner after allocation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [S] int32, computed + scheduled tokens
     max_query_len: int
     max_seq_len: int
+    attention_plan: Any = None  # ops.plan_paged_attention's, made by the first layer to run
 
 
 class PagedAttention(nn.Module):
@@ -52,6 +54,10 @@ class PagedAttention(nn.Module):
         if self.k_cache is None or self.v_cache is None:
             raise RuntimeError("attention layer has no KV cache bound (call ModelRunner.load)")
         ops.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if meta.attention_plan is None:  # every layer's cache has the same shape: plan once
+            meta.attention_plan = ops.plan_paged_attention(
+                q, self.k_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens
+            )
         out = ops.paged_attention(
             q,
             self.k_cache,
@@ -62,5 +68,6 @@ class PagedAttention(nn.Module):
             self.scale,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            plan=meta.attention_plan,
         )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
