@@ -9,7 +9,7 @@ from kernels._triton import require_triton, tl, triton
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [.., inter]
     """``silu(gate) * up`` with gate the first half of the last dim and up the second half."""
     half = x.shape[-1] // 2
-    return F.silu(x[..., :half]) * x[..., half:]
+    return F.silu(x[..., :half]).mul_(x[..., half:])
 
 
 @triton.jit

@@ -66,19 +66,22 @@ def _rotate_torch(
     sin: torch.Tensor,
     is_neox: bool,
 ) -> torch.Tensor:
-    rotary_dim = cos.shape[-1] * 2
-    rot, passthrough = x[..., :rotary_dim], x[..., rotary_dim:]
+    """Each rotated half written straight into the output (transformers' arithmetic, in its
+    order, without its concatenations)."""
+    half = cos.shape[-1]
+    rotary_dim = 2 * half
+    out = torch.empty_like(x)
     if is_neox:
-        x1, x2 = rot.chunk(2, dim=-1)
+        x1, x2 = x[..., :half], x[..., half:rotary_dim]
+        out1, out2 = out[..., :half], out[..., half:rotary_dim]
     else:
-        x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    out1 = x1 * cos - x2 * sin
-    out2 = x2 * cos + x1 * sin
-    if is_neox:
-        rotated = torch.cat((out1, out2), dim=-1)
-    else:
-        rotated = torch.stack((out1, out2), dim=-1).flatten(-2)
-    return torch.cat((rotated, passthrough), dim=-1)
+        x1, x2 = x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+        out1, out2 = out[..., 0:rotary_dim:2], out[..., 1:rotary_dim:2]
+    torch.sub(x1 * cos, x2 * sin, out=out1)
+    torch.add(x2 * cos, x1 * sin, out=out2)
+    if rotary_dim < x.shape[-1]:
+        out[..., rotary_dim:] = x[..., rotary_dim:]
+    return out
 
 
 def apply_rotary_torch(
