@@ -28,6 +28,7 @@ class DecodePattern:
     token_rows: torch.Tensor  # [n] int64, the query token of each decode in the flat batch
     where: torch.Tensor  # [n * num_q_heads, num_columns] sparse CSR of zeros: the pattern
     row_lens: torch.Tensor  # [n * num_q_heads] int64 keys per row
+    entry_rows: torch.Tensor  # [nnz] the row of each entry
 
 
 def plan_decode_pattern(
@@ -41,26 +42,39 @@ def plan_decode_pattern(
     """The sparse pattern of a batch's decodes (one host read: the longest context)."""
     num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
     num_columns = num_blocks * block_size * num_kv_heads
-    index = torch.int32 if num_columns < 2**31 else torch.int64  # CSR index dtype
     device = block_tables.device
-    tables = block_tables[decodes].to(index)  # [n, max_blocks]
+    tables = block_tables[decodes].long()  # [n, max_blocks]
     lens = seq_lens[decodes].long()  # [n]
-    positions = torch.arange(int(lens.max()), dtype=index, device=device)  # [width]
+    positions = torch.arange(int(lens.max()), device=device)  # [width]
     pages = tables.index_select(1, positions // block_size)  # [n, width]
-    slots = pages * block_size + positions % block_size  # [n, width]
-    group = num_q_heads // num_kv_heads
-    kv_head = torch.arange(num_q_heads, dtype=index, device=device) // group  # [heads]
-    columns = slots[:, None, :] * num_kv_heads + kv_head[None, :, None]  # [n, heads, width]
-    visible = (positions[None, :] < lens[:, None])[:, None, :]  # [n, 1, width]
-    col = columns.masked_select(visible)  # row by row, each row's keys in order
-    row_lens = lens.repeat_interleave(num_q_heads)  # [n * heads]
-    crow = torch.zeros(len(row_lens) + 1, dtype=index, device=device)
+    visible = positions[None, :] < lens[:, None]  # [n, width]
+    slots = (pages * block_size + positions % block_size).masked_select(visible)  # [tokens]
+    # row (sequence i, query head h) holds sequence i's slots, as columns of kv head h // group
+    row_lens = lens.repeat_interleave(num_q_heads)  # [rows]
+    crow = torch.zeros(len(row_lens) + 1, dtype=torch.int64, device=device)
     torch.cumsum(row_lens, 0, out=crow[1:])
+    first_token = (torch.cumsum(lens, 0) - lens).repeat_interleave(num_q_heads)  # [rows]
+    kv_head = torch.arange(num_q_heads, device=device) // (num_q_heads // num_kv_heads)
+    rows = torch.arange(len(row_lens), device=device)
+    per_row = torch.stack((first_token - crow[:-1], kv_head.repeat(len(lens)), rows))
+    token_shift, head, entry_rows = _spread_rows(per_row, crow)  # [nnz] each
+    token = token_shift.add_(torch.arange(len(token_shift), device=device))  # into slots
+    col = slots.index_select(0, token).mul_(num_kv_heads).add_(head)  # row by row
+    index = torch.int32 if max(num_columns, len(col)) < 2**31 else torch.int64
+    crow, col = crow.to(index), col.to(index)
     where = torch.sparse_csr_tensor(
         crow, col, torch.zeros(len(col), dtype=k_cache.dtype, device=col.device),
         (len(row_lens), num_columns), check_invariants=False,
     )  # fmt: skip
-    return DecodePattern(token_rows=token_rows, where=where, row_lens=row_lens)
+    return DecodePattern(token_rows, where, row_lens, entry_rows.to(index))
+
+
+def _spread_rows(per_row: torch.Tensor, crow: torch.Tensor) -> torch.Tensor:
+    """``[k, rows]`` values → ``[k, nnz]``, each row's value repeated over its entries (rows are
+    not empty): differences dropped at the row starts, then a running sum, with no gather."""
+    deltas = per_row.new_zeros(per_row.shape[0], int(crow[-1]))
+    deltas[:, crow[:-1]] = torch.diff(per_row, dim=1, prepend=torch.zeros_like(per_row[:, :1]))
+    return deltas.cumsum_(dim=1)
 
 
 def sparse_decode_attention(
@@ -76,12 +90,12 @@ def sparse_decode_attention(
     queries = q.index_select(0, pattern.token_rows).view(num_rows, head_dim)
     keys = k_cache.view(num_columns, head_dim)
     scores = torch.sparse.sampled_addmm(where, queries, keys.t(), beta=0.0, alpha=scale).values()
-    row_max = torch.segment_reduce(scores, "max", lengths=pattern.row_lens)
-    shift = row_max.repeat_interleave(pattern.row_lens, output_size=len(scores))
+    row_max = torch.segment_reduce(scores, "max", lengths=pattern.row_lens, unsafe=True)
+    shift = row_max.index_select(0, pattern.entry_rows)
     # unnormalised probabilities; exponents are floored where exp would leave fp32's normal
     # range: denormal weights slow exp and the product ~30x, and weigh < 1e-30 of a row's sum
     weights = scores.sub_(shift).clamp_(min=MIN_EXPONENT).exp_()
-    denominators = torch.segment_reduce(weights, "sum", lengths=pattern.row_lens)
+    denominators = torch.segment_reduce(weights, "sum", lengths=pattern.row_lens, unsafe=True)
     probs = torch.sparse_csr_tensor(
         where.crow_indices(), where.col_indices(), weights, where.shape, check_invariants=False
     )

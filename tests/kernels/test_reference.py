@@ -206,3 +206,26 @@ def test_sparse_decode_pattern_lists_each_query_heads_slots():
     starts, columns = where.crow_indices().tolist(), where.col_indices().tolist()
     assert [columns[a:b] for a, b in itertools.pairwise(starts)] == expected
     assert pattern.row_lens.tolist() == [6] * 4 + [3] * 4
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sparse_decode_pattern_matches_a_plain_loop_on_random_tables(seed):
+    from kernels.sparse_decode import plan_decode_pattern
+
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs, block_size, num_kv_heads, num_q_heads = 6, 4, 2, 8
+    seq_lens = torch.randint(1, 40, (num_seqs,), generator=gen, dtype=torch.int32)
+    block_tables = torch.randint(0, 50, (num_seqs, 10), generator=gen, dtype=torch.int32)
+    decodes = torch.tensor([0, 2, 3, 5])  # a subset of the batch, in order
+    k_cache = torch.zeros(50, block_size, num_kv_heads, 8)
+    pattern = plan_decode_pattern(block_tables, seq_lens, decodes, decodes, k_cache, num_q_heads)
+    expected = []
+    for seq in decodes.tolist():
+        slots = [
+            int(block_tables[seq, pos // block_size]) * block_size + pos % block_size
+            for pos in range(int(seq_lens[seq]))
+        ]
+        for head in range(num_q_heads):
+            expected.append([slot * num_kv_heads + head // 4 for slot in slots])
+    starts, columns = pattern.where.crow_indices().tolist(), pattern.where.col_indices().tolist()
+    assert [columns[a:b] for a, b in itertools.pairwise(starts)] == expected
