@@ -1,5 +1,6 @@
 """The torch references against plain dense computations (so the references are proven)."""
 
+import dataclasses
 import itertools
 
 import pytest
@@ -46,6 +47,36 @@ def test_paged_attention_reference_with_run_and_scattered_tail(gqa, block_size, 
     out = paged_attention_torch(*args, case.seq_lens, case.scale)
     tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out, naive_attention(case), **tol)
+
+
+def test_paged_attention_reference_with_peaked_scores_spanning_hundreds():
+    """Scores far apart (as random models with large weights give): the sparse decode floors
+    exponents at -80 to keep weights normal; that must not move the result."""
+    case = make_paged_case(*LONG_DECODE, num_kv_heads=2, gqa=2, head_dim=64, block_size=16)
+    case = dataclasses.replace(case, q=case.q * 60)  # scores of a few hundred
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
+    out = paged_attention_torch(*args, case.seq_lens, case.scale)
+    torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
+
+
+def test_paged_attention_plan_is_shared_by_layers_with_the_same_cache_shape():
+    """One plan per step serves every layer: a second layer's cache, other values."""
+    first = make_paged_case(*MIXED, num_kv_heads=2, gqa=2, head_dim=64, block_size=16)
+    second = dataclasses.replace(
+        first,
+        q=first.q.flip(0),
+        k_cache=first.k_cache * -0.5,
+        v_cache=first.v_cache * 2,
+        dense_k=[k * -0.5 for k in first.dense_k],
+        dense_v=[v * 2 for v in first.dense_v],
+    )
+    tables = (first.block_tables, first.query_start_loc, first.seq_lens)
+    plan = ops.plan_paged_attention(first.q, first.k_cache, *tables)
+    assert plan is not None and plan.decode is not None and plan.seqs  # both paths in use
+    for case in (first, second):
+        args = (case.q, case.k_cache, case.v_cache, *tables)
+        out = ops.paged_attention(*args, case.scale, plan=plan)
+        torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
 def test_paged_attention_reference_with_length_hints():
