@@ -28,7 +28,7 @@ class DecodePattern:
     token_rows: torch.Tensor  # [n] int64, the query token of each decode in the flat batch
     where: torch.Tensor  # [n * num_q_heads, num_columns] sparse CSR of zeros: the pattern
     row_lens: torch.Tensor  # [n * num_q_heads] int64 keys per row
-    entry_rows: torch.Tensor  # [nnz] the row of each entry
+    entry_rows: torch.Tensor  # [nnz] int64 the row of each entry
 
 
 def plan_decode_pattern(
@@ -66,7 +66,7 @@ def plan_decode_pattern(
         crow, col, torch.zeros(len(col), dtype=k_cache.dtype, device=col.device),
         (len(row_lens), num_columns), check_invariants=False,
     )  # fmt: skip
-    return DecodePattern(token_rows, where, row_lens, entry_rows.to(index))
+    return DecodePattern(token_rows, where, row_lens, entry_rows)
 
 
 def _spread_rows(per_row: torch.Tensor, crow: torch.Tensor) -> torch.Tensor:
@@ -90,7 +90,8 @@ def sparse_decode_attention(
     queries = q.index_select(0, pattern.token_rows).view(num_rows, head_dim)
     keys = k_cache.view(num_columns, head_dim)
     scores = torch.sparse.sampled_addmm(where, queries, keys.t(), beta=0.0, alpha=scale).values()
-    row_max = torch.segment_reduce(scores, "max", lengths=pattern.row_lens, unsafe=True)
+    row_max = scores.new_full((num_rows,), float("-inf"))  # scatter: 2x segment_reduce's speed
+    row_max.scatter_reduce_(0, pattern.entry_rows, scores, "amax")
     shift = row_max.index_select(0, pattern.entry_rows)
     # unnormalised probabilities; exponents are floored where exp would leave fp32's normal
     # range: denormal weights slow exp and the product ~30x, and weigh < 1e-30 of a row's sum
