@@ -10,11 +10,11 @@ after warm-up; on CUDA the Triton output is also checked against the torch outpu
 
 First a table of the torch decode attention, one SDPA per sequence (before) against the sparse
 products of ``sparse_decode`` (after; fp32 only, other dtypes show the same path twice), timed
-in alternation for four page layouts: consecutive, a consecutive run plus a short or a long
-scattered tail, fully scattered. The last line printed is one JSON object: ``{"device",
-"dtype", "decode_layouts": [{"layout", "before_ms", "after_ms", "plan_ms", "speedup",
-"max_abs_diff"}, ...], "ops": [{"op", "shape", "torch_ms", "triton_ms", "speedup",
-"max_abs_diff"}, ...]}`` (Triton fields null on the CPU).
+in alternation for four page layouts (consecutive, a consecutive run plus a short or a long
+scattered tail, fully scattered) and two head shapes. The last line printed is one JSON
+object: ``{"device", "dtype", "decode_layouts": [{"heads", "layout", "before_ms", "after_ms",
+"plan_ms", "speedup", "max_abs_diff"}, ...], "ops": [{"op", "shape", "torch_ms", "triton_ms",
+"speedup", "max_abs_diff"}, ...]}`` (Triton fields null on the CPU).
 """
 
 from __future__ import annotations
@@ -177,14 +177,14 @@ def _fns(name: str, module: Any) -> tuple[Callable[..., Any], Callable[..., Any]
 def _decode_layouts(dev: torch.device, dtype: torch.dtype, iters: int) -> list[dict]:
     """The torch decode path before (one SDPA per sequence over a view or a slice of one
     full gather) and after (``sparse_decode``: sampled QKᵀ and P·V over the whole cache for all
-    decodes), for the page layouts a decode batch sees, side by side."""
+    decodes), each with its plan made once per step as in serving, for the page layouts a
+    decode batch sees and two head shapes (the throughput bench's model, a Llama-3-8B layer)."""
     from kernels.paged_common import plan_context_reads
-    from kernels.prefill_attention import TorchAttentionPlan, varlen_attention_torch
+    from kernels.prefill_attention import TorchAttentionPlan
 
-    def before(q, k, v, table, qsl, lens, scale):  # type: ignore[no-untyped-def]
+    def per_sequence_plan(q, k, table, qsl, lens):  # type: ignore[no-untyped-def]
         reads = plan_context_reads(table, lens.tolist(), k.shape[1])
-        plan = TorchAttentionPlan(None, list(range(len(lens))), qsl.tolist(), reads)
-        return varlen_attention_torch(q, k, v, table, qsl, lens, scale, plan)
+        return TorchAttentionPlan(None, list(range(len(lens))), qsl.tolist(), reads)
 
     g = torch.Generator(device="cpu").manual_seed(0)
     seqs, ctx = 64, 512
@@ -196,41 +196,51 @@ def _decode_layouts(dev: torch.device, dtype: torch.dtype, iters: int) -> list[d
         "scattered": {"shuffle": True},
     }
     rows = []
-    print(f"decode S={seqs} ctx<{ctx} hq=8 hkv=4 d=64, one layer (the step's plan made once)")
+    print(f"decode S={seqs} ctx<{ctx}, one layer, the step's plan made once")
     print(
-        f"{'layout':<22}{'before ms':>10}{'after ms':>10}{'speedup':>9}{'max diff':>10}"
-        f"{'plan ms':>9}"
+        f"{'heads q/kv/d':<14}{'layout':<22}{'before ms':>10}{'after ms':>10}{'speedup':>9}"
+        f"{'max diff':>10}{'plan ms':>9}"
     )
-    for name, how in layouts.items():
-        inputs = _paged_inputs([1] * seqs, ctx_lens, 8, 4, 64, dev, dtype, **how)
-        q, k, _, table, qsl, lens, _ = inputs
-
-        def make_plan(q=q, k=k, table=table, qsl=qsl, lens=lens):  # type: ignore[no-untyped-def]
-            return paged_attention.plan_paged_attention_torch(q, k, table, qsl, lens)
-
-        plan = make_plan()
-
-        def after(inputs=inputs, plan=plan):  # type: ignore[no-untyped-def]
-            return paged_attention.paged_attention_torch(*inputs, plan=plan)
-
-        before_ms, after_ms = _time_pair_ms(lambda inputs=inputs: before(*inputs), after, iters)
-        plan_ms = _time_ms(make_plan, dev, iters)
-        diff = _max_diff(after(), before(*inputs))
-        speedup = before_ms / after_ms
-        print(
-            f"{name:<22}{before_ms:>10.3f}{after_ms:>10.3f}{speedup:>8.2f}x{diff:>10.2e}"
-            f"{plan_ms:>9.3f}"
-        )
-        rows.append(
-            {
-                "layout": name,
-                "before_ms": round(before_ms, 4),
-                "after_ms": round(after_ms, 4),
-                "plan_ms": round(plan_ms, 4),
-                "speedup": round(speedup, 2),
-                "max_abs_diff": diff,
-            }
-        )
+    for hq, hkv, dim in ((8, 4, 64), (32, 8, 128)):
+        for name, how in layouts.items():
+            inputs = _paged_inputs([1] * seqs, ctx_lens, hq, hkv, dim, dev, dtype, **how)
+            q, k, _, table, qsl, lens, _ = inputs
+            plans = [
+                make(q, k, table, qsl, lens)
+                for make in (per_sequence_plan, paged_attention.plan_paged_attention_torch)
+            ]
+            before, after = (
+                lambda plan=plan, inputs=inputs: paged_attention.paged_attention_torch(
+                    *inputs, plan=plan
+                )
+                for plan in plans
+            )
+            before_ms, after_ms = _time_pair_ms(before, after, iters)
+            plan_ms = _time_ms(
+                lambda q=q, k=k, table=table, qsl=qsl, lens=lens: (
+                    paged_attention.plan_paged_attention_torch(q, k, table, qsl, lens)
+                ),
+                dev,
+                iters,
+            )
+            diff = _max_diff(after(), before())
+            speedup = before_ms / after_ms
+            heads = f"{hq}/{hkv}/{dim}"
+            print(
+                f"{heads:<14}{name:<22}{before_ms:>10.3f}{after_ms:>10.3f}{speedup:>8.2f}x"
+                f"{diff:>10.2e}{plan_ms:>9.3f}"
+            )
+            rows.append(
+                {
+                    "heads": heads,
+                    "layout": name,
+                    "before_ms": round(before_ms, 4),
+                    "after_ms": round(after_ms, 4),
+                    "plan_ms": round(plan_ms, 4),
+                    "speedup": round(speedup, 2),
+                    "max_abs_diff": diff,
+                }
+            )
     return rows
 
 

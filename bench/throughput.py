@@ -8,6 +8,7 @@ tokens each request asked for. shoal's engine overhead is the share of its step 
 diff + input building + sampling + output update) spent outside the bare model forward.
 
     .venv/bin/python bench/throughput.py [--device cpu|cuda] [--dtype float32] [--quick]
+        [--repeat N]
 
 The last line printed is one JSON object with the figures.
 """
@@ -149,6 +150,10 @@ def run_hf(model_dir: Path, prompts, max_tokens, args) -> dict:  # type: ignore[
     return {"tokens": sum(max_tokens), "seconds": time.perf_counter() - started}
 
 
+def fastest(best: dict | None, run: dict) -> dict:
+    return run if best is None or run["seconds"] < best["seconds"] else best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -159,6 +164,13 @@ def main() -> None:
     parser.add_argument("--kv-bytes", type=int, default=512 * 1024 * 1024)
     parser.add_argument("--quick", action="store_true", help="short prompts and outputs")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run both systems this many times, alternating, and keep each one's fastest run "
+        "(damps a noisy machine)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -171,8 +183,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         num_params = build_model(model_dir, args.dtype)
-        shoal = run_shoal(model_dir, prompts, max_tokens, args)
-        hf = None if args.skip_hf else run_hf(model_dir, prompts, max_tokens, args)
+        shoal, hf = None, None
+        for _ in range(max(1, args.repeat)):
+            shoal = fastest(shoal, run_shoal(model_dir, prompts, max_tokens, args))
+            if not args.skip_hf:
+                hf = fastest(hf, run_hf(model_dir, prompts, max_tokens, args))
+        assert shoal is not None
     shoal_tok_s = shoal["tokens"] / shoal["seconds"]
     hf_tok_s = hf["tokens"] / hf["seconds"] if hf else None
     overhead = 100.0 * (shoal["step_s"] - shoal["forward_s"]) / shoal["step_s"]
@@ -210,6 +226,7 @@ def main() -> None:
                 "dtype": args.dtype,
                 "hf_batch": args.hf_batch,
                 "threads": args.threads,
+                "repeat": args.repeat,
             }
         )
     )

@@ -70,7 +70,7 @@ def _rotate_torch(
     order, without its concatenations)."""
     half = cos.shape[-1]
     rotary_dim = 2 * half
-    out = torch.empty_like(x)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if is_neox:
         x1, x2 = x[..., :half], x[..., half:rotary_dim]
         out1, out2 = out[..., :half], out[..., half:rotary_dim]

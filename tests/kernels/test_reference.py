@@ -79,6 +79,21 @@ def test_paged_attention_plan_is_shared_by_layers_with_the_same_cache_shape():
         torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 3 * 2048], ids=["page-chunks", "3-page-chunks"])
+@pytest.mark.parametrize("lens", [MIXED, LONG_DECODE], ids=["mixed", "long"])
+def test_sparse_decode_with_contexts_cut_into_chunks(monkeypatch, chunk_bytes, lens):
+    """Rows are (chunk, query head); a query's softmax and sum span all of its chunks."""
+    from kernels import sparse_decode
+
+    monkeypatch.setattr(sparse_decode, "CHUNK_BYTES", chunk_bytes)  # a page holds 2048 B of K
+    case = make_paged_case(*lens, num_kv_heads=2, gqa=4, head_dim=64, block_size=4)
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
+    plan = ops.plan_paged_attention(case.q, case.k_cache, *args[3:], case.seq_lens)
+    assert len(plan.decode.row_lens) > len(plan.decode.token_rows) * 8  # several chunks
+    out = paged_attention_torch(*args, case.seq_lens, case.scale, plan=plan)
+    torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
+
+
 def test_paged_attention_reference_with_length_hints():
     case = make_paged_case(*DECODE, num_kv_heads=2, gqa=2, head_dim=64, block_size=16)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
@@ -228,7 +243,7 @@ def test_sparse_decode_pattern_lists_each_query_heads_slots():
     k_cache = torch.zeros(12, 4, 2, 8)  # block_size 4, 2 kv heads: column = slot * 2 + kv_head
     rows = torch.arange(2)
     pattern = plan_decode_pattern(block_tables, seq_lens, rows, rows, k_cache, num_q_heads=4)
-    slots = {0: [16, 17, 18, 19, 36, 37], 1: [28, 29, 30]}
+    slots = {0: [16, 17, 18, 19, 36, 37], 1: [28, 29, 30]}  # one chunk each (small contexts)
     expected = [
         [slot * 2 + head // 2 for slot in slots[seq]] for seq in (0, 1) for head in range(4)
     ]  # query heads 0 and 1 read kv head 0; 2 and 3 read kv head 1
@@ -237,6 +252,7 @@ def test_sparse_decode_pattern_lists_each_query_heads_slots():
     starts, columns = where.crow_indices().tolist(), where.col_indices().tolist()
     assert [columns[a:b] for a, b in itertools.pairwise(starts)] == expected
     assert pattern.row_lens.tolist() == [6] * 4 + [3] * 4
+    assert pattern.row_query.tolist() == list(range(8))
 
 
 @pytest.mark.parametrize("seed", range(4))
