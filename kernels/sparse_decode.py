@@ -135,7 +135,7 @@ def sparse_decode_attention(
     query_max = scores.new_full((num_queries,), float("-inf"))
     query_max.scatter_reduce_(0, pattern.entry_query, scores, "amax")
     # unnormalised probabilities; exponents are floored where exp would leave fp32's normal
-    # range: denormal weights slow exp and the product ~30x, and weigh < 1e-30 of a row's sum
+    # range: denormal weights slow exp and the product ~30x, and weigh < 1e-30 of a query's sum
     shift = query_max.index_select(0, pattern.entry_query)
     weights = scores.sub_(shift).clamp_(min=MIN_EXPONENT).exp_()
     row_sums = torch.segment_reduce(weights, "sum", lengths=pattern.row_lens, unsafe=True)
