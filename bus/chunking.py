@@ -154,3 +154,8 @@ async def fetch_chunked(
 
 def is_chunked(msg: Msg) -> bool:
     return bool(msg.headers) and CHUNKED_HEADER in msg.headers  # type: ignore[operator]
+
+
+async def resolve_chunked(bus: Bus, msg: Msg, *, timeout: float) -> Msg:
+    """The message as it came, or, when it is a chunk manifest, the payload reassembled."""
+    return await fetch_chunked(bus, msg, timeout=timeout) if is_chunked(msg) else msg

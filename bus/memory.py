@@ -12,6 +12,7 @@ import itertools
 import random
 import uuid
 import weakref
+from functools import partial
 
 from bus.base import (
     Bus,
@@ -23,7 +24,7 @@ from bus.base import (
     NoRespondersError,
     Subscription,
 )
-from bus.chunking import ChunkSender, fetch_chunked, is_chunked
+from bus.chunking import ChunkSender, resolve_chunked
 from bus.dispatch import Dispatcher
 from bus.streams import NO_RESPONDERS_STATUS, STATUS_HEADER, is_no_responders
 from bus.subjects import validate_subject
@@ -207,7 +208,12 @@ class InMemoryBus(Bus):
     ) -> Subscription:
         self._check_open()
         validate_subject(subject, wildcards=True)
-        dispatcher = Dispatcher(subject, handler, sequential=sequential, resolve=self._resolve)
+        dispatcher = Dispatcher(
+            subject,
+            handler,
+            sequential=sequential,
+            resolve=partial(resolve_chunked, self, timeout=self._drain_timeout),
+        )
         sub = _MemorySubscription(self, subject, queue, dispatcher)
         self._subs.add(sub)
         self._broker.add(sub)
@@ -217,11 +223,6 @@ class InMemoryBus(Bus):
         reply = self._pending_replies.get(msg.subject)
         if reply is not None and not reply.done():
             reply.set_result(msg)
-
-    async def _resolve(self, msg: Msg) -> Msg:
-        if is_chunked(msg):
-            return await fetch_chunked(self, msg, timeout=self._drain_timeout)
-        return msg
 
     async def request(
         self,

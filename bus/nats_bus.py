@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from functools import partial
 from typing import Any
 
 import nats
@@ -29,7 +30,7 @@ from bus.base import (
     NoRespondersError,
     Subscription,
 )
-from bus.chunking import ChunkSender, fetch_chunked, is_chunked
+from bus.chunking import ChunkSender, resolve_chunked
 from bus.dispatch import Dispatcher
 from bus.subjects import validate_subject
 
@@ -231,7 +232,12 @@ class NatsBus(Bus):
     ) -> Subscription:
         nc = self.client
         validate_subject(subject, wildcards=True)
-        dispatcher = Dispatcher(subject, handler, sequential=sequential, resolve=self._resolve)
+        dispatcher = Dispatcher(
+            subject,
+            handler,
+            sequential=sequential,
+            resolve=partial(resolve_chunked, self, timeout=self._drain_timeout),
+        )
         sub = _NatsSubscription(subject, queue, dispatcher)
         deliver = dispatcher.deliver
 
@@ -250,11 +256,6 @@ class NatsBus(Bus):
             raise BusClosedError("NATS connection is closed") from None
         self._subs.add(sub)
         return sub
-
-    async def _resolve(self, msg: Msg) -> Msg:
-        if is_chunked(msg):
-            return await fetch_chunked(self, msg, timeout=self._drain_timeout)
-        return msg
 
     async def request(
         self,
@@ -277,6 +278,4 @@ class NatsBus(Bus):
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
             raise BusClosedError("NATS connection is closed") from None
         msg = Msg(self, raw.subject, raw.data, raw.reply, raw.headers)
-        if msg.headers and is_chunked(msg):
-            msg = await fetch_chunked(self, msg, timeout=timeout)
-        return msg
+        return await resolve_chunked(self, msg, timeout=timeout)
