@@ -23,10 +23,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats
 
-from bus.base import Msg, NoRespondersError
-from bus.memory import InMemoryBus
-from bus.nats_bus import NatsBus
-from bus.server import NatsServer
+from shoal.bus.base import Msg, NoRespondersError
+from shoal.bus.memory import InMemoryBus
+from shoal.bus.nats_bus import NatsBus
+from shoal.bus.server import NatsServer
 
 SUBJECT = "bench.echo"
 SIZES = (200, 64 * 1024)

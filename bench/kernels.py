@@ -32,8 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels import activation, fused_moe, kv_write, paged_attention, rms_norm, rotary
-from kernels._triton import HAS_TRITON
+from shoal.kernels import activation, fused_moe, kv_write, paged_attention, rms_norm, rotary
+from shoal.kernels._triton import HAS_TRITON
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -179,8 +179,8 @@ def _decode_layouts(dev: torch.device, dtype: torch.dtype, iters: int) -> list[d
     full gather) and after (``sparse_decode``: sampled QKᵀ and P·V over the whole cache for all
     decodes), each with its plan made once per step as in serving, for the page layouts a
     decode batch sees and two head shapes (the throughput bench's model, a Llama-3-8B layer)."""
-    from kernels.paged_common import plan_context_reads
-    from kernels.prefill_attention import TorchAttentionPlan
+    from shoal.kernels.paged_common import plan_context_reads
+    from shoal.kernels.prefill_attention import TorchAttentionPlan
 
     def per_sequence_plan(q, k, table, qsl, lens):  # type: ignore[no-untyped-def]
         reads = plan_context_reads(table, lens.tolist(), k.shape[1])

@@ -30,11 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bus.messages.sampling import SamplingParams
-from bus.messages.worker import ExecuteStep, StepResult
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request
-from engine.scheduler import Scheduler
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.engine.core.config import CacheConfig, SchedulerConfig
+from shoal.engine.core.request import Request
+from shoal.engine.core.scheduler import Scheduler
 
 NUM_OUTPUT_TOKENS = 128
 

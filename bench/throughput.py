@@ -26,11 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bus.messages.sampling import SamplingParams
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request
-from engine.scheduler import Scheduler
-from workers.model_runner import ModelRunner
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.engine.core.config import CacheConfig, SchedulerConfig
+from shoal.engine.core.request import Request
+from shoal.engine.core.scheduler import Scheduler
+from shoal.workers.model_runner import ModelRunner
 
 VOCAB = 4096
 MAX_MODEL_LEN = 1024

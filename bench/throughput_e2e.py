@@ -116,7 +116,7 @@ def blocks_needed(prompts: list[list[int]], max_tokens: list[int], block_size: i
 
 def engine_args(model_dir: Path, args: argparse.Namespace, bus: str) -> Any:
     from bench.throughput import MAX_MODEL_LEN
-    from engine.args import EngineArgs
+    from shoal.deploy.args import EngineArgs
 
     return EngineArgs(
         model=str(model_dir),
@@ -140,7 +140,7 @@ async def generate_all(
     client: Any, prompts: list[list[int]], max_tokens: list[int], prefix: str
 ) -> int:
     """Submit every request at once, wait for every final output; the output tokens."""
-    from bus.messages.sampling import OutputKind, SamplingParams
+    from shoal.bus.messages.sampling import OutputKind, SamplingParams
 
     collectors = []
     for i, (prompt, num) in enumerate(zip(prompts, max_tokens, strict=True)):
@@ -183,8 +183,8 @@ async def measure(
 
 async def ready_client(stack: AsyncExitStack, bus: Any, eargs: Any) -> tuple[Any, StepTimes]:
     """An engine client on ``bus``, closed with ``stack``, once one warm-up request went through."""
-    from engine.client import AsyncEngineClient
-    from engine.deployment import client_options
+    from shoal.deploy.deployment import client_options
+    from shoal.engine.client.engine_client import AsyncEngineClient
 
     client = AsyncEngineClient(bus, **client_options(eargs))
     times = StepTimes()
@@ -198,10 +198,10 @@ async def ready_client(stack: AsyncExitStack, bus: Any, eargs: Any) -> tuple[Any
 
 async def open_nats(stack: AsyncExitStack, eargs: Any, threads: int) -> tuple[Any, StepTimes]:
     """Worker and engine core as supervised processes on a fresh local nats-server."""
-    from bus import connect_bus
-    from bus.server import NatsServer
-    from bus.supervisor import ActorSpec, Supervisor
-    from engine.deployment import plan_actors
+    from shoal.bus import connect_bus
+    from shoal.bus.server import NatsServer
+    from shoal.bus.supervisor import ActorSpec, Supervisor
+    from shoal.deploy.deployment import plan_actors
 
     server = stack.enter_context(NatsServer())
     env = {"OMP_NUM_THREADS": str(threads)}
@@ -219,8 +219,8 @@ async def open_nats(stack: AsyncExitStack, eargs: Any, threads: int) -> tuple[An
 
 async def open_memory(stack: AsyncExitStack, eargs: Any) -> tuple[Any, StepTimes]:
     """Every actor in this process on the in-memory bus (the offline ``LLM``'s stack)."""
-    from bus import connect_bus
-    from engine.deployment import plan_actors, start_in_process, stop_in_process
+    from shoal.bus import connect_bus
+    from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
 
     bus = await connect_bus(f"memory://{eargs.namespace}")
     stack.push_async_callback(bus.close)

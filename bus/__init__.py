@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.base import (
+from shoal.bus.base import (
     Bus,
     BusClosedError,
     BusError,
@@ -20,7 +20,7 @@ from bus.base import (
     ReplyStream,
     Subscription,
 )
-from bus.subjects import SubjectError, Subjects
+from shoal.bus.subjects import SubjectError, Subjects
 
 __all__ = [
     "Bus",
@@ -50,12 +50,12 @@ def make_bus(url: str = "memory", **options: Any) -> Bus:
     token, creds_file, tls, name, …).
     """
     if url == "memory" or url.startswith("memory://"):
-        from bus.memory import InMemoryBus, named_broker
+        from shoal.bus.memory import InMemoryBus, named_broker
 
         name = url.removeprefix("memory").removeprefix("://") or "default"
         return InMemoryBus(named_broker(name), **options)
     if url.startswith(("nats://", "tls://", "ws://", "wss://")):
-        from bus.nats_bus import NatsBus
+        from shoal.bus.nats_bus import NatsBus
 
         return NatsBus([u.strip() for u in url.split(",") if u.strip()], **options)
     raise ValueError(

@@ -21,11 +21,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from bus.base import ERROR_CODE_HEADER, Bus, BusError, Msg, Subscription
-from bus.codec import Codec, DecodeError, encode
-from bus.messages.control import ActorState, ErrorReply, Heartbeat, StatusEvent
-from bus.streams import error_from_reply
-from bus.subjects import Subjects, validate_token
+from shoal.bus.base import ERROR_CODE_HEADER, Bus, BusError, Msg, Subscription
+from shoal.bus.codec import Codec, DecodeError, encode
+from shoal.bus.messages.control import ActorState, ErrorReply, Heartbeat, StatusEvent
+from shoal.bus.streams import error_from_reply
+from shoal.bus.subjects import Subjects, validate_token
 
 log = logging.getLogger(__name__)
 

@@ -175,7 +175,7 @@ class Bus(abc.ABC):
         ``RemoteError`` when the responder sends an error, ``NoRespondersError`` or
         ``BusTimeoutError`` like ``request``.
         """
-        from bus.streams import iterate_reply_stream
+        from shoal.bus.streams import iterate_reply_stream
 
         stream = iterate_reply_stream(self, subject, data, timeout=timeout, headers=headers)
         async for msg in stream:

@@ -18,10 +18,10 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from bus.base import ERROR_CODE_HEADER, BusError, Msg, PayloadIntegrityError
+from shoal.bus.base import ERROR_CODE_HEADER, BusError, Msg, PayloadIntegrityError
 
 if TYPE_CHECKING:
-    from bus.base import Bus, Subscription
+    from shoal.bus.base import Bus, Subscription
 
 log = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore as NatsObjectStore
 
-from bus.base import BusError, BusTimeoutError
-from bus.nats_bus import NatsBus
+from shoal.bus.base import BusError, BusTimeoutError
+from shoal.bus.nats_bus import NatsBus
 
 FETCH_BATCH = 64
 

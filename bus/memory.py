@@ -14,7 +14,7 @@ import uuid
 import weakref
 from functools import partial
 
-from bus.base import (
+from shoal.bus.base import (
     Bus,
     BusClosedError,
     BusError,
@@ -24,10 +24,10 @@ from bus.base import (
     NoRespondersError,
     Subscription,
 )
-from bus.chunking import ChunkSender, resolve_chunked
-from bus.dispatch import Dispatcher
-from bus.streams import NO_RESPONDERS_STATUS, STATUS_HEADER, is_no_responders
-from bus.subjects import validate_subject
+from shoal.bus.chunking import ChunkSender, resolve_chunked
+from shoal.bus.dispatch import Dispatcher
+from shoal.bus.streams import NO_RESPONDERS_STATUS, STATUS_HEADER, is_no_responders
+from shoal.bus.subjects import validate_subject
 
 
 def subject_matches(pattern: tuple[str, ...], subject: tuple[str, ...]) -> bool:

@@ -20,7 +20,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription as NatsSubscription
 
-from bus.base import (
+from shoal.bus.base import (
     Bus,
     BusClosedError,
     BusError,
@@ -30,9 +30,9 @@ from bus.base import (
     NoRespondersError,
     Subscription,
 )
-from bus.chunking import ChunkSender, resolve_chunked
-from bus.dispatch import Dispatcher
-from bus.subjects import validate_subject
+from shoal.bus.chunking import ChunkSender, resolve_chunked
+from shoal.bus.dispatch import Dispatcher
+from shoal.bus.subjects import validate_subject
 
 log = logging.getLogger(__name__)
 

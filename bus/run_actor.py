@@ -13,9 +13,9 @@ import os
 import sys
 from typing import Any
 
-from bus import connect_bus
-from bus.actor import Actor
-from bus.server import die_with_parent
+from shoal.bus import connect_bus
+from shoal.bus.actor import Actor
+from shoal.bus.server import die_with_parent
 
 PARENT_POLL_S = 0.5
 

@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from bus.base import (
+from shoal.bus.base import (
     ERROR_CODE_HEADER,
     STREAM_END,
     STREAM_ERROR,
@@ -18,11 +18,11 @@ from bus.base import (
     NoRespondersError,
     RemoteError,
 )
-from bus.codec import Codec, DecodeError
-from bus.messages.control import ErrorReply
+from shoal.bus.codec import Codec, DecodeError
+from shoal.bus.messages.control import ErrorReply
 
 if TYPE_CHECKING:
-    from bus.base import Bus
+    from shoal.bus.base import Bus
 
 STATUS_HEADER = "Status"
 NO_RESPONDERS_STATUS = "503"

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus.base import Bus, BusError
-from bus.codec import encode
-from bus.messages.control import ActorState, StatusEvent
-from bus.subjects import Subjects
+from shoal.bus.base import Bus, BusError
+from shoal.bus.codec import encode
+from shoal.bus.messages.control import ActorState, StatusEvent
+from shoal.bus.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ class ActorSpec:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "bus.run_actor", "--target", self.target, "--bus", self.bus_url,
+            sys.executable, "-m", "shoal.bus.run_actor", "--target", self.target,
+            "--bus", self.bus_url,
             "--kwargs", json.dumps(self.kwargs), "--bus-options", json.dumps(self.bus_options),
         ]  # fmt: skip
 

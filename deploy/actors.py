@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from engine.args import EngineArgs
-from engine.deployment import GATEWAY_TARGET, client_options, engine_id, plan_actors, worker_id
+from shoal.deploy.args import EngineArgs
+from shoal.deploy.deployment import (
+    GATEWAY_TARGET,
+    client_options,
+    engine_id,
+    plan_actors,
+    worker_id,
+)
 
 
 def actor_target(
@@ -16,7 +22,7 @@ def actor_target(
     if kind == "gateway":
         kwargs = {
             "actor_id": actor_id or "gateway-0",
-            "engine_factory": "engine.client:make_client",
+            "engine_factory": "shoal.engine.client.engine_client:make_client",
             "engine_options": client_options(args),
             "host": ns.host,
             "port": ns.port,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.args import EngineArgs
+from shoal.deploy.args import EngineArgs
 
 GIB = 1 << 30
 

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from deploy.arguments import add_engine_arguments, engine_args_from
-from engine.args import EngineArgs
+from shoal.deploy.args import EngineArgs
+from shoal.deploy.arguments import add_engine_arguments, engine_args_from
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 ACTOR_KINDS = ("worker", "engine", "gateway")
@@ -104,7 +104,7 @@ def _bench_names() -> list[str]:
 def _model_or_demo(model: str | None) -> str:
     if model is not None:
         return model
-    from workers.demo import ensure_demo_model
+    from shoal.workers.demo import ensure_demo_model
 
     logging.getLogger("shoal").info("no model given: using the built-in demo model")
     return str(ensure_demo_model())
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 async def _serve(args: EngineArgs, ns: argparse.Namespace) -> int:
-    from deploy.local import HttpOptions, serve_local
+    from shoal.deploy.local import HttpOptions, serve_local
 
     stop = _stop_on_signals()
     await serve_local(args, HttpOptions(ns.host, ns.port, ns.api_key), stop)
@@ -152,7 +152,7 @@ def _stop_on_signals() -> asyncio.Event:
 
 
 def _generate(args: EngineArgs, ns: argparse.Namespace) -> int:
-    from engine import LLM, SamplingParams
+    from shoal import LLM, SamplingParams
 
     try:
         params = SamplingParams(
@@ -175,8 +175,8 @@ def _llm_kwargs(args: EngineArgs) -> dict[str, Any]:
 
 
 async def _actor(parser: argparse.ArgumentParser, args: EngineArgs, ns: argparse.Namespace) -> int:
-    from bus.run_actor import serve
-    from deploy.actors import actor_target
+    from shoal.bus.run_actor import serve
+    from shoal.deploy.actors import actor_target
 
     if args.nats_url is None:
         parser.error("shoal actor needs --nats-url (the deployment's NATS servers)")

@@ -16,18 +16,18 @@ import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from bus import connect_bus
-from bus.actor import Actor
-from bus.base import Bus, Msg
-from bus.codec import Codec, DecodeError
-from bus.messages.control import StatusEvent
-from bus.server import NatsServer
-from bus.subjects import Subjects
-from bus.supervisor import ActorSpec, ChildEvent, Supervisor
-from engine.args import EngineArgs
-from engine.client import AsyncEngineClient
-from engine.deployment import client_options, plan_actors, start_in_process, stop_in_process
-from gateway.actor import GatewayActor
+from shoal.bus import connect_bus
+from shoal.bus.actor import Actor
+from shoal.bus.base import Bus, Msg
+from shoal.bus.codec import Codec, DecodeError
+from shoal.bus.messages.control import StatusEvent
+from shoal.bus.server import NatsServer
+from shoal.bus.subjects import Subjects
+from shoal.bus.supervisor import ActorSpec, ChildEvent, Supervisor
+from shoal.deploy.args import EngineArgs
+from shoal.deploy.deployment import client_options, plan_actors, start_in_process, stop_in_process
+from shoal.engine.client.engine_client import AsyncEngineClient
+from shoal.gateway.actor import GatewayActor
 
 log = logging.getLogger("shoal")
 

@@ -1,21 +1,9 @@
-"""The engine: request model, scheduler, KV cache manager, the engine core actor, the engine
-client and the offline API. ``from engine import LLM, SamplingParams`` as in vLLM."""
+"""The engine, split by the process each part runs in:
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING, Any
-
-from bus.messages.sampling import OutputKind, SamplingParams
-
-if TYPE_CHECKING:
-    from engine.llm import LLM
-
-__all__ = ["LLM", "OutputKind", "SamplingParams"]
-
-
-def __getattr__(name: str) -> Any:
-    if name == "LLM":  # imported lazily: it pulls in the client and tokenizers
-        from engine.llm import LLM
-
-        return LLM
-    raise AttributeError(name)
+- ``engine.core``: the pure engine core (requests, scheduler, KV cache manager, block pool,
+  block hashes, stop checks, ``EngineCore``); no I/O, no torch, no transport;
+- ``engine.actor``: the engine core actor, the thin asyncio shell that feeds the core from the
+  bus and sends its steps to the workers (``WorkerLink``);
+- ``engine.client``: the front end that runs in the gateway's or ``LLM``'s process: tokenize,
+  route, detokenize, stop strings, stream.
+"""

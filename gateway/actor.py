@@ -2,8 +2,9 @@
 ``/metrics``, started and drained together. Several may run at once behind a load balancer (the
 NATS API is a queue group); in local mode it runs as a task beside the other actors.
 
-As a process: ``python -m bus.run_actor --target gateway.actor:GatewayActor --bus nats://...
---kwargs '{"actor_id": "gw-0", "port": 8000, "engine_factory": "engine.client:make_client"}'``.
+As a process: ``python -m shoal.bus.run_actor --target shoal.gateway.actor:GatewayActor
+--bus nats://... --kwargs '{"actor_id": "gw-0", "port": 8000,
+"engine_factory": "shoal.engine.client.engine_client:make_client"}'``.
 """
 
 from __future__ import annotations
@@ -14,15 +15,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
-from bus.actor import Actor, Inbox
-from bus.base import Bus, Msg
-from bus.codec import Codec
-from bus.messages.engine import EngineStats
-from engine.protocol import EngineClient
-from gateway.app import create_app
-from gateway.metrics import Metrics
-from gateway.nats_api import NatsApi
-from gateway.server import HttpServer, start_http_server
+from shoal.bus.actor import Actor, Inbox
+from shoal.bus.base import Bus, Msg
+from shoal.bus.codec import Codec
+from shoal.bus.messages.engine import EngineStats
+from shoal.engine.client.interface import EngineClient
+from shoal.gateway.app import create_app
+from shoal.gateway.metrics import Metrics
+from shoal.gateway.nats_api import NatsApi
+from shoal.gateway.server import HttpServer, start_http_server
 
 log = logging.getLogger(__name__)
 

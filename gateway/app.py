@@ -16,20 +16,20 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from engine.protocol import EngineClient
-from gateway.chat import create_chat_completion
-from gateway.completions import create_completion
-from gateway.errors import ApiError, bad_request, internal_error
-from gateway.metrics import CONTENT_TYPE, Metrics
-from gateway.params import chat_messages
-from gateway.request_types import DetokenizeRequest, TokenizeRequest
-from gateway.response_types import (
+from shoal.engine.client.interface import EngineClient
+from shoal.gateway.chat import create_chat_completion
+from shoal.gateway.completions import create_completion
+from shoal.gateway.errors import ApiError, bad_request, internal_error
+from shoal.gateway.metrics import CONTENT_TYPE, Metrics
+from shoal.gateway.params import chat_messages
+from shoal.gateway.request_types import DetokenizeRequest, TokenizeRequest
+from shoal.gateway.response_types import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeResponse,
 )
-from gateway.serving import ServingContext, decode_body
+from shoal.gateway.serving import ServingContext, decode_body
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 CONTEXT_KEY = web.AppKey("shoal_serving_context", ServingContext)

@@ -8,18 +8,18 @@ import time
 import msgspec
 from aiohttp import web
 
-from engine.outputs import CompletionOutput, RequestOutput
-from gateway.generation import Generation
-from gateway.logprobs import TokenText, chat_logprobs
-from gateway.params import (
+from shoal.engine.client.outputs import CompletionOutput, RequestOutput
+from shoal.gateway.generation import Generation
+from shoal.gateway.logprobs import TokenText, chat_logprobs
+from shoal.gateway.params import (
     chat_prompt,
     check_unsupported,
     message_text,
     resolve_max_tokens,
     sampling_params,
 )
-from gateway.request_types import ChatCompletionRequest
-from gateway.response_types import (
+from shoal.gateway.request_types import ChatCompletionRequest
+from shoal.gateway.response_types import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -29,7 +29,7 @@ from gateway.response_types import (
     DeltaMessage,
     Usage,
 )
-from gateway.serving import (
+from shoal.gateway.serving import (
     Choice,
     EventStream,
     ServingContext,

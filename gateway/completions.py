@@ -8,26 +8,26 @@ import time
 import msgspec
 from aiohttp import web
 
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from gateway.errors import bad_request
-from gateway.generation import Generation
-from gateway.logprobs import TokenText, append_completion_logprobs
-from gateway.params import (
+from shoal.engine.client.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from shoal.gateway.errors import bad_request
+from shoal.gateway.generation import Generation
+from shoal.gateway.logprobs import TokenText, append_completion_logprobs
+from shoal.gateway.params import (
     Prompt,
     check_unsupported,
     completion_prompts,
     resolve_max_tokens,
     sampling_params,
 )
-from gateway.request_types import MAX_CHOICES, CompletionRequest
-from gateway.response_types import (
+from shoal.gateway.request_types import MAX_CHOICES, CompletionRequest
+from shoal.gateway.response_types import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionResponse,
     Usage,
 )
-from gateway.serving import (
+from shoal.gateway.serving import (
     Choice,
     EventStream,
     ServingContext,

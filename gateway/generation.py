@@ -14,12 +14,16 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
-from bus.messages.sampling import SamplingParams
-from engine.outputs import RequestOutput
-from engine.protocol import EngineClient, EngineUnavailableError, RequestValidationError
-from gateway.errors import ApiError, bad_request, unavailable
-from gateway.metrics import Metrics, RequestTimer
-from gateway.params import Prompt
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.engine.client.interface import (
+    EngineClient,
+    EngineUnavailableError,
+    RequestValidationError,
+)
+from shoal.engine.client.outputs import RequestOutput
+from shoal.gateway.errors import ApiError, bad_request, unavailable
+from shoal.gateway.metrics import Metrics, RequestTimer
+from shoal.gateway.params import Prompt
 
 log = logging.getLogger(__name__)
 

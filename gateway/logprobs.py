@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from engine.outputs import Logprob, TokenLogprobs
-from gateway.response_types import (
+from shoal.engine.client.outputs import Logprob, TokenLogprobs
+from shoal.gateway.response_types import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,

@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
 
-from bus.messages.engine import SchedulerStats
-from engine.outputs import RequestMetrics, RequestOutput
+from shoal.bus.messages.engine import SchedulerStats
+from shoal.engine.client.outputs import RequestMetrics, RequestOutput
 
 # Bucket bounds (seconds) as vLLM has them.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0]

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator
 
 import msgspec
 
-from bus.base import (
+from shoal.bus.base import (
     ERROR_CODE_HEADER,
     STREAM_ERROR,
     STREAM_HEADER,
@@ -30,20 +30,20 @@ from bus.base import (
     ReplyStream,
     Subscription,
 )
-from bus.subjects import Subjects
-from engine.outputs import RequestOutput
-from engine.protocol import EngineClient
-from gateway.errors import ApiError, internal_error, unavailable
-from gateway.generation import Generation
-from gateway.metrics import Metrics
-from gateway.nats_replies import (
+from shoal.bus.subjects import Subjects
+from shoal.engine.client.interface import EngineClient
+from shoal.engine.client.outputs import RequestOutput
+from shoal.gateway.errors import ApiError, internal_error, unavailable
+from shoal.gateway.generation import Generation
+from shoal.gateway.metrics import Metrics
+from shoal.gateway.nats_replies import (
     ReplyBuilder,
     WireFormat,
     check_model,
     request_params,
     request_prompt,
 )
-from gateway.nats_schema import (
+from shoal.gateway.nats_schema import (
     JSON_CONTENT_TYPE,
     GenerateChunk,
     GenerateError,

@@ -7,13 +7,13 @@ from typing import Any
 
 import msgspec
 
-from bus.base import Msg
-from bus.messages.sampling import OutputKind, SamplingParams
-from engine.outputs import CompletionOutput
-from engine.protocol import EngineClient
-from gateway.errors import ApiError, bad_request, from_decode_error, from_value_error
-from gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest
-from gateway.params import (
+from shoal.bus.base import Msg
+from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.engine.client.interface import EngineClient
+from shoal.engine.client.outputs import CompletionOutput
+from shoal.gateway.errors import ApiError, bad_request, from_decode_error, from_value_error
+from shoal.gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest
+from shoal.gateway.params import (
     Prompt,
     chat_messages,
     check_text_length,
@@ -22,8 +22,8 @@ from gateway.params import (
     text_prompt,
     token_prompt,
 )
-from gateway.request_types import MAX_N
-from gateway.response_types import Usage, make_usage
+from shoal.gateway.request_types import MAX_N
+from shoal.gateway.response_types import Usage, make_usage
 
 _JSON_DECODER = msgspec.json.Decoder(GenerateRequest)
 _MSGPACK_DECODER = msgspec.msgpack.Decoder(GenerateRequest)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.messages.sampling import SamplingParams
-from gateway.errors import ErrorInfo
-from gateway.request_types import ChatMessage, TokenId
-from gateway.response_types import Usage
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.gateway.errors import ErrorInfo
+from shoal.gateway.request_types import ChatMessage, TokenId
+from shoal.gateway.response_types import Usage
 
 JSON_CONTENT_TYPE = "application/json"
 MSGPACK_CONTENT_TYPE = "application/msgpack"

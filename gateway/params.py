@@ -7,9 +7,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from bus.messages.sampling import OutputKind, SamplingParams
-from gateway.errors import ApiError, bad_request, from_value_error
-from gateway.request_types import (
+from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.gateway.errors import ApiError, bad_request, from_value_error
+from shoal.gateway.request_types import (
     MAX_PROMPTS,
     ChatCompletionRequest,
     ChatMessage,

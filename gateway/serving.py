@@ -13,12 +13,12 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.protocol import EngineClient
-from gateway.errors import ApiError, from_decode_error, internal_error, unavailable
-from gateway.generation import Generation
-from gateway.metrics import Metrics
-from gateway.response_types import Usage, make_usage
+from shoal.engine.client.interface import EngineClient
+from shoal.engine.client.outputs import CompletionOutput, RequestOutput
+from shoal.gateway.errors import ApiError, from_decode_error, internal_error, unavailable
+from shoal.gateway.generation import Generation
+from shoal.gateway.metrics import Metrics
+from shoal.gateway.response_types import Usage, make_usage
 
 T = TypeVar("T")
 

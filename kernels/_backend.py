@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from kernels._triton import HAS_TRITON
+from shoal.kernels._triton import HAS_TRITON
 
 ENV_VAR = "SHOAL_KERNELS"
 _CHOICES = ("auto", "torch", "triton")

@@ -3,7 +3,7 @@
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import require_triton, tl, triton
+from shoal.kernels._triton import require_triton, tl, triton
 
 
 def silu_and_mul_torch(x: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2 * inter] -> [.., inter]

@@ -10,9 +10,14 @@ import functools
 
 import torch
 
-from kernels._triton import require_triton, tl, triton
-from kernels.paged_common import check_paged_inputs, default_block_n, dot_precision, load_kv_tile
-from kernels.prefill_attention import varlen_attention_torch
+from shoal.kernels._triton import require_triton, tl, triton
+from shoal.kernels.paged_common import (
+    check_paged_inputs,
+    default_block_n,
+    dot_precision,
+    load_kv_tile,
+)
+from shoal.kernels.prefill_attention import varlen_attention_torch
 
 
 def decode_attention_torch(

@@ -8,8 +8,8 @@ top-k, renormalisation) is the model's job: this module takes ``topk_ids``/``top
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import require_triton, tl, triton
-from kernels.activation import silu_and_mul_triton
+from shoal.kernels._triton import require_triton, tl, triton
+from shoal.kernels.activation import silu_and_mul_triton
 
 
 def sort_by_expert(

@@ -6,7 +6,7 @@ token whose KV is not kept).
 
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from shoal.kernels._triton import require_triton, tl, triton
 
 
 def write_kv_torch(

@@ -9,17 +9,17 @@ from typing import Any
 
 import torch
 
-from kernels._backend import use_triton
-from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-from kernels.fused_moe import fused_moe_torch, fused_moe_triton
-from kernels.kv_write import write_kv_torch, write_kv_triton
-from kernels.paged_attention import (
+from shoal.kernels._backend import use_triton
+from shoal.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from shoal.kernels.fused_moe import fused_moe_torch, fused_moe_triton
+from shoal.kernels.kv_write import write_kv_torch, write_kv_triton
+from shoal.kernels.paged_attention import (
     paged_attention_torch,
     paged_attention_triton,
     plan_paged_attention_torch,
 )
-from kernels.rms_norm import rms_norm_torch, rms_norm_triton
-from kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
+from shoal.kernels.rms_norm import rms_norm_torch, rms_norm_triton
+from shoal.kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
 
 __all__ = [
     "apply_rotary",

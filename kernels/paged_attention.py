@@ -9,8 +9,8 @@ otherwise (it handles decodes too).
 
 import torch
 
-from kernels.decode_attention import decode_attention_triton
-from kernels.prefill_attention import (
+from shoal.kernels.decode_attention import decode_attention_triton
+from shoal.kernels.prefill_attention import (
     TorchAttentionPlan,
     plan_varlen_torch,
     prefill_attention_triton,

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels._triton import tl, triton
+from shoal.kernels._triton import tl, triton
 
 
 @dataclass

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import require_triton, tl, triton
-from kernels.paged_common import (
+from shoal.kernels._triton import require_triton, tl, triton
+from shoal.kernels.paged_common import (
     ContextReads,
     check_paged_inputs,
     default_block_n,
@@ -19,7 +19,7 @@ from kernels.paged_common import (
     plan_context_reads,
     read_contexts,
 )
-from kernels.sparse_decode import (
+from shoal.kernels.sparse_decode import (
     SPARSE_DTYPES,
     DecodePattern,
     plan_decode_pattern,

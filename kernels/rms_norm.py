@@ -8,7 +8,7 @@ residual and what gets normalised. Works on any rank (Qwen3's per-head q/k norm 
 
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from shoal.kernels._triton import require_triton, tl, triton
 
 
 def rms_norm_torch(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from kernels._triton import require_triton, tl, triton
+from shoal.kernels._triton import require_triton, tl, triton
 
 
 def _inverse_frequencies(rotary_dim: int, base: float) -> torch.Tensor:  # [rotary_dim // 2]

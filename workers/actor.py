@@ -26,11 +26,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from bus.actor import Actor, Inbox
-from bus.base import Bus, BusError, Msg
-from bus.codec import Codec, encode
-from bus.messages.control import ActorState
-from bus.messages.worker import (
+from shoal.bus.actor import Actor, Inbox
+from shoal.bus.base import Bus, BusError, Msg
+from shoal.bus.codec import Codec, encode
+from shoal.bus.messages.control import ActorState
+from shoal.bus.messages.worker import (
     DescribeWorker,
     ExecuteStep,
     ResetDone,
@@ -232,7 +232,7 @@ class WorkerActor(Actor):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _build_runner(self) -> StepRunner:
-        from workers.model_runner import ModelRunner  # heavy imports only where a model runs
+        from shoal.workers.model_runner import ModelRunner  # heavy imports only where a model runs
 
         assert self._model_dir is not None
         return ModelRunner(self._model_dir, **self._runner_options)

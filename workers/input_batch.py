@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bus.messages.sampling import SamplingParams
+from shoal.bus.messages.sampling import SamplingParams
 
 
 @dataclass

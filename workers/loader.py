@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from workers.config import ModelConfig, ModelConfigError
-from workers.models import MOE_ARCHITECTURES, DecoderForCausalLM, model_class_for
-from workers.parallel import TPContext
+from shoal.workers.config import ModelConfig, ModelConfigError
+from shoal.workers.models import MOE_ARCHITECTURES, DecoderForCausalLM, model_class_for
+from shoal.workers.parallel import TPContext
 
 PROGRESS_MIN_BYTES = 512 * 1024 * 1024
 

@@ -16,17 +16,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bus.messages.engine import Logprobs
-from bus.messages.worker import ExecuteStep, StepResult
-from workers.config import ModelConfig, parse_dtype
-from workers.input_batch import InputBatch, StepInputs
-from workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
-from workers.layers.attention import AttentionMetadata
-from workers.loader import load_model
-from workers.models.decoder import DecoderForCausalLM
-from workers.parallel import TPContext, init_tensor_parallel
-from workers.sampler import Sampler, compute_prompt_logprobs
-from workers.sampling_metadata import SamplingBatch
+from shoal.bus.messages.engine import Logprobs
+from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.workers.config import ModelConfig, parse_dtype
+from shoal.workers.input_batch import InputBatch, StepInputs
+from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from shoal.workers.layers.attention import AttentionMetadata
+from shoal.workers.loader import load_model
+from shoal.workers.models.decoder import DecoderForCausalLM
+from shoal.workers.parallel import TPContext, init_tensor_parallel
+from shoal.workers.sampler import Sampler, compute_prompt_logprobs
+from shoal.workers.sampling_metadata import SamplingBatch
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 

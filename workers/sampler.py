@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from bus.messages.engine import Logprobs
-from workers.sampling_metadata import PenaltyTensors, SamplingMetadata
+from shoal.bus.messages.engine import Logprobs
+from shoal.workers.sampling_metadata import PenaltyTensors, SamplingMetadata
 
 _TOP_P_CANDIDATES = 256  # CPU top-p looks at this many tokens before falling back to a sort
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from bus.messages.sampling import SamplingParams
+from shoal.bus.messages.sampling import SamplingParams
 
 _SAMPLING_EPS = 1e-5
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.messages.sampling import SamplingParams
+from shoal.bus.messages.sampling import SamplingParams
 
 
 class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

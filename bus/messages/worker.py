@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import msgspec
 
-from bus.messages.engine import Logprobs
-from bus.messages.sampling import SamplingParams
+from shoal.bus.messages.engine import Logprobs
+from shoal.bus.messages.sampling import SamplingParams
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

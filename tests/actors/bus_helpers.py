@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from bus.actor import Actor, Inbox
-from bus.base import Bus, Msg, ReplyStream
-from bus.codec import Codec
+from shoal.bus.actor import Actor, Inbox
+from shoal.bus.base import Bus, Msg, ReplyStream
+from shoal.bus.codec import Codec
 
 
 class Ping(msgspec.Struct, tag="ping", array_like=True):

@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from bus.actor import call
-from bus.base import ERROR_CODE_HEADER, Msg, RemoteError
-from bus.codec import Codec, encode
-from bus.messages.control import ActorState, ControlEvent, ErrorReply, Heartbeat, StatusEvent
+from shoal.bus.actor import call
+from shoal.bus.base import ERROR_CODE_HEADER, Msg, RemoteError
+from shoal.bus.codec import Codec, encode
+from shoal.bus.messages.control import ActorState, ControlEvent, ErrorReply, Heartbeat, StatusEvent
 from tests.actors.bus_helpers import PONG_CODEC, Count, EchoActor, Note, Ping, Pong
 from tests.actors.test_bus_contract import LIMIT_S, Inbox, settle
 from tests.fixtures.nats import BusFactory

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from bus.base import (
+from shoal.bus.base import (
     Bus,
     BusTimeoutError,
     Msg,
@@ -15,7 +15,7 @@ from bus.base import (
     RemoteError,
     ReplyStream,
 )
-from bus.subjects import SubjectError
+from shoal.bus.subjects import SubjectError
 from tests.fixtures.nats import BusFactory
 
 LIMIT_S = 5.0

@@ -9,14 +9,14 @@ import signal
 
 import pytest
 
-from bus.actor import call
-from bus.base import BusError, BusTimeoutError, Msg, NoRespondersError
-from bus.codec import Codec
-from bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
-from bus.nats_bus import NatsBus
-from bus.server import NatsServer
-from bus.subjects import Subjects
-from bus.supervisor import ActorSpec, ChildState, RestartPolicy, Supervisor
+from shoal.bus.actor import call
+from shoal.bus.base import BusError, BusTimeoutError, Msg, NoRespondersError
+from shoal.bus.codec import Codec
+from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
+from shoal.bus.nats_bus import NatsBus
+from shoal.bus.server import NatsServer
+from shoal.bus.subjects import Subjects
+from shoal.bus.supervisor import ActorSpec, ChildState, RestartPolicy, Supervisor
 from tests.actors.bus_helpers import PONG_CODEC, Ping, Pong
 
 pytestmark = pytest.mark.nats

@@ -8,11 +8,11 @@ import sys
 
 import pytest
 
-from bus import connect_bus
-from bus.base import BusError, Msg
-from bus.jetstream import KvBucket, KvEntry, ObjectStore
-from bus.nats_bus import NatsBus
-from bus.server import NatsServer, NatsServerNotFoundError, find_nats_server
+from shoal.bus import connect_bus
+from shoal.bus.base import BusError, Msg
+from shoal.bus.jetstream import KvBucket, KvEntry, ObjectStore
+from shoal.bus.nats_bus import NatsBus
+from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server
 
 pytestmark = pytest.mark.nats
 

@@ -10,13 +10,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from bus.actor import call
-from bus.base import Bus
-from bus.codec import Codec
-from bus.memory import InMemoryBroker, InMemoryBus
-from bus.messages.control import ActorState, Heartbeat
-from bus.messages.sampling import SamplingParams
-from bus.messages.worker import (
+from shoal.bus.actor import call
+from shoal.bus.base import Bus
+from shoal.bus.codec import Codec
+from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.messages.control import ActorState, Heartbeat
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.worker import (
     CachedRequestData,
     DescribeWorker,
     ExecuteStep,
@@ -27,8 +27,8 @@ from bus.messages.worker import (
     WorkerInfo,
     WorkerOutbound,
 )
+from shoal.workers.actor import WorkerActor, step_req_ids
 from tests.fixtures.nats import BusFactory
-from workers.actor import WorkerActor, step_req_ids
 
 REPLY = Codec(WorkerOutbound)
 WAIT_S = 10.0

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from bus.actor import call
-from bus.codec import Codec
-from bus.memory import InMemoryBroker, InMemoryBus
-from bus.messages.sampling import SamplingParams
-from bus.messages.worker import (
+from shoal.bus.actor import call
+from shoal.bus.codec import Codec
+from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.worker import (
     CachedRequestData,
     DescribeWorker,
     ExecuteStep,
@@ -21,7 +21,7 @@ from bus.messages.worker import (
     WorkerInfo,
     WorkerOutbound,
 )
-from workers.actor import WorkerActor
+from shoal.workers.actor import WorkerActor
 
 pytest.importorskip("transformers")
 

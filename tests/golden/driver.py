@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bus.messages.sampling import SamplingParams
-from bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
-from workers.model_runner import ModelRunner
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
+from shoal.workers.model_runner import ModelRunner
 
 MAX_STEPS = 2000
 
@@ -93,9 +93,9 @@ def generate_with_scheduler(
     enable_prefix_caching: bool = True,
 ) -> SchedulerRun:
     """Run every prompt to completion through ``engine.scheduler.Scheduler``."""
-    from engine.config import CacheConfig, SchedulerConfig
-    from engine.request import Request
-    from engine.scheduler import Scheduler
+    from shoal.engine.core.config import CacheConfig, SchedulerConfig
+    from shoal.engine.core.request import Request
+    from shoal.engine.core.scheduler import Scheduler
 
     scheduler = Scheduler(
         SchedulerConfig(

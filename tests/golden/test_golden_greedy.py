@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.workers.model_runner import ModelRunner
 from tests.fixtures.models import VARIANTS, make_prompts
 from tests.golden.driver import generate_by_hand, generate_with_scheduler, greedy
-from workers.model_runner import ModelRunner
 
 MAX_NEW = 12
 BLOCK = 4

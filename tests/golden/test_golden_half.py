@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bus.messages.worker import ExecuteStep, NewRequestData
+from shoal.bus.messages.worker import ExecuteStep, NewRequestData
+from shoal.workers.model_runner import ModelRunner
 from tests.fixtures.models import VARIANTS, make_prompts
 from tests.golden.driver import greedy
-from workers.model_runner import ModelRunner
 
 BLOCK = 4
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bus.base import Bus
-from engine.client import AsyncEngineClient
-from engine.core_actor import EngineCoreActor
-from workers.actor import WorkerActor
+from shoal.bus.base import Bus
+from shoal.engine.actor.core_actor import EngineCoreActor
+from shoal.engine.client.engine_client import AsyncEngineClient
+from shoal.workers.actor import WorkerActor
 
 
 @dataclass

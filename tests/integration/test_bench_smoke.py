@@ -50,6 +50,6 @@ def test_quick_run_prints_the_figures_as_json_last():
     [("throughput", "throughput_e2e.py"), ("runner-throughput", "throughput.py")],
 )
 def test_cli_bench_aliases(name: str, script: str):
-    done = _run("-m", "deploy.cli", "bench", name, "--help", timeout=120)
+    done = _run("-m", "shoal.deploy.cli", "bench", name, "--help", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith(f"usage: {script} ")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-SHOAL = [sys.executable, "-m", "deploy.cli"]
+SHOAL = [sys.executable, "-m", "shoal.deploy.cli"]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -125,9 +125,9 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, how: str) -> No
 async def test_actor_processes_join_an_existing_nats_deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-def]
     """``shoal actor worker`` and ``shoal actor engine`` on a shared NATS: a client elsewhere
     gets completions from them (the multi-host path, on one host)."""
-    from bus import connect_bus
-    from bus.messages.sampling import SamplingParams
-    from engine.client import AsyncEngineClient
+    from shoal.bus import connect_bus
+    from shoal.bus.messages.sampling import SamplingParams
+    from shoal.engine.client.engine_client import AsyncEngineClient
 
     model_dir = str(tiny_checkpoint("llama"))
     common = ["--nats-url", nats_server.url, "--namespace", "cliactors"]

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from bus.messages.sampling import OutputKind, SamplingParams
+from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from tests.fixtures.models import hf_greedy, make_prompts
 from tests.integration.engine_stack import engine_stack
 

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from bus import connect_bus
-from bus.supervisor import ActorSpec, Supervisor
-from engine.args import EngineArgs
-from engine.client import AsyncEngineClient
-from engine.deployment import client_options, plan_actors
+from shoal.bus import connect_bus
+from shoal.bus.supervisor import ActorSpec, Supervisor
+from shoal.deploy.args import EngineArgs
+from shoal.deploy.deployment import client_options, plan_actors
+from shoal.engine.client.engine_client import AsyncEngineClient
 from tests.fixtures.models import hf_greedy, make_prompts
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.nats, pytest.mark.slow]
@@ -62,7 +62,7 @@ async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-d
 
 
 async def test_processes_greedy_and_load_sharing(deployment):  # type: ignore[no-untyped-def]
-    from bus.messages.sampling import SamplingParams
+    from shoal.bus.messages.sampling import SamplingParams
 
     model_dir, client, _ = deployment
     prompts = make_prompts()
@@ -81,7 +81,7 @@ async def test_processes_greedy_and_load_sharing(deployment):  # type: ignore[no
 
 
 async def test_processes_stream_and_abort(deployment):  # type: ignore[no-untyped-def]
-    from bus.messages.sampling import OutputKind, SamplingParams
+    from shoal.bus.messages.sampling import OutputKind, SamplingParams
 
     _, client, _ = deployment
     whole = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -107,7 +107,7 @@ async def test_processes_stream_and_abort(deployment):  # type: ignore[no-untype
 
 
 async def test_worker_killed_mid_generation(deployment):  # type: ignore[no-untyped-def]
-    from bus.messages.sampling import SamplingParams
+    from shoal.bus.messages.sampling import SamplingParams
 
     _, client, supervisor = deployment
     long = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
@@ -140,8 +140,8 @@ async def test_worker_killed_mid_generation(deployment):  # type: ignore[no-unty
 
 async def test_tensor_parallel_workers_through_the_actor_path(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-def]
     """TP=2: two worker processes share each layer (gloo) behind one engine core."""
-    from bus.messages.sampling import SamplingParams
-    from deploy.local import free_tcp_port
+    from shoal.bus.messages.sampling import SamplingParams
+    from shoal.deploy.local import free_tcp_port
 
     model_dir = tiny_checkpoint("llama")
     args = EngineArgs(

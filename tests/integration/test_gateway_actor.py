@@ -10,10 +10,10 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from bus.codec import encode
-from bus.memory import InMemoryBroker, InMemoryBus
-from bus.messages.engine import EngineStats, SchedulerStats
-from gateway.actor import GatewayActor
+from shoal.bus.codec import encode
+from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.messages.engine import EngineStats, SchedulerStats
+from shoal.gateway.actor import GatewayActor
 from tests.unit.test_gateway_fake import FakeEngineClient
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import Metrics
+from shoal.gateway.metrics import Metrics
 from tests.unit.test_gateway_fake import MODEL_NAME, FakeEngineClient, serve_gateway
 
 pytestmark = pytest.mark.timeout(120)

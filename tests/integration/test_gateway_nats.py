@@ -16,11 +16,11 @@ import msgspec
 import nats
 import pytest
 
-from bus.base import RemoteError
-from bus.memory import InMemoryBroker, InMemoryBus
-from bus.nats_bus import NatsBus
-from bus.subjects import Subjects
-from gateway.nats_api import NatsApi
+from shoal.bus.base import RemoteError
+from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.nats_bus import NatsBus
+from shoal.bus.subjects import Subjects
+from shoal.gateway.nats_api import NatsApi
 from tests.unit.test_gateway_fake import FakeEngineClient
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.nats]

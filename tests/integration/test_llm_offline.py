@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from shoal import LLM, SamplingParams
 from tests.fixtures.models import hf_greedy, make_prompts
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,7 +49,7 @@ def test_n_greater_than_one_and_seeds(llm):  # type: ignore[no-untyped-def]
 
 
 def test_chat_applies_a_template(llm):  # type: ignore[no-untyped-def]
-    from engine.tokenizer import FALLBACK_CHAT_TEMPLATE, MissingChatTemplateError
+    from shoal.engine.client.tokenizer import FALLBACK_CHAT_TEMPLATE, MissingChatTemplateError
 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     messages = [{"role": "user", "content": "hi there"}]

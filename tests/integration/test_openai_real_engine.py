@@ -14,10 +14,10 @@ import aiohttp
 import openai
 import pytest
 
-from bus.memory import InMemoryBus
-from gateway.app import create_app
-from gateway.metrics import Metrics
-from gateway.server import start_http_server
+from shoal.bus.memory import InMemoryBus
+from shoal.gateway.app import create_app
+from shoal.gateway.metrics import Metrics
+from shoal.gateway.server import start_http_server
 from tests.integration.engine_stack import EngineStack, engine_stack
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]

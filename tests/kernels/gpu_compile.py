@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels import (
+from shoal.kernels import (
     activation,
     decode_attention,
     fused_moe,

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import ops
-from kernels.fused_moe import fused_moe_torch
-from kernels.paged_attention import paged_attention_torch
+from shoal.kernels import ops
+from shoal.kernels.fused_moe import fused_moe_torch
+from shoal.kernels.paged_attention import paged_attention_torch
 from tests.kernels.paged_case import make_paged_case, naive_attention
 
 MIXED = ([5, 1, 9, 1, 17], [0, 30, 12, 3, 40])  # query_lens, context_lens (prefill, decode, ...)
@@ -83,7 +83,7 @@ def test_paged_attention_plan_is_shared_by_layers_with_the_same_cache_shape():
 @pytest.mark.parametrize("lens", [MIXED, LONG_DECODE], ids=["mixed", "long"])
 def test_sparse_decode_with_contexts_cut_into_chunks(monkeypatch, chunk_bytes, lens):
     """Rows are (chunk, query head); a query's softmax and sum span all of its chunks."""
-    from kernels import sparse_decode
+    from shoal.kernels import sparse_decode
 
     monkeypatch.setattr(sparse_decode, "CHUNK_BYTES", chunk_bytes)  # a page holds 2048 B of K
     case = make_paged_case(*lens, num_kv_heads=2, gqa=4, head_dim=64, block_size=4)
@@ -184,7 +184,7 @@ def test_rms_norm_matches_transformers_in_bf16():
 
 
 def test_backend_choice_follows_env(monkeypatch):
-    from kernels._backend import use_triton
+    from shoal.kernels._backend import use_triton
 
     cpu = torch.zeros(1)
     monkeypatch.setenv("SHOAL_KERNELS", "torch")
@@ -202,7 +202,7 @@ def test_kernels_import_only_torch_and_triton():
     import ast
     from pathlib import Path
 
-    import kernels
+    from shoal import kernels
 
     shoal_packages = {"bus", "engine", "workers", "tiers", "gateway", "deploy"}
     for path in Path(kernels.__file__).parent.glob("*.py"):
@@ -235,7 +235,7 @@ def test_fused_moe_reference_matches_transformers_mixtral_experts_bit_for_bit():
 
 
 def test_sparse_decode_pattern_lists_each_query_heads_slots():
-    from kernels.sparse_decode import plan_decode_pattern
+    from shoal.kernels.sparse_decode import plan_decode_pattern
 
     garbage = 10_000
     block_tables = torch.tensor([[4, 9, garbage], [7, garbage, garbage]], dtype=torch.int32)
@@ -257,7 +257,7 @@ def test_sparse_decode_pattern_lists_each_query_heads_slots():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_sparse_decode_pattern_matches_a_plain_loop_on_random_tables(seed):
-    from kernels.sparse_decode import plan_decode_pattern
+    from shoal.kernels.sparse_decode import plan_decode_pattern
 
     gen = torch.Generator().manual_seed(seed)
     num_seqs, block_size, num_kv_heads, num_q_heads = 6, 4, 2, 8

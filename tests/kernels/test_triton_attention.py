@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kernels import ops
-from kernels.decode_attention import decode_attention_triton
-from kernels.paged_attention import paged_attention_torch, paged_attention_triton
-from kernels.prefill_attention import prefill_attention_triton
+from shoal.kernels import ops
+from shoal.kernels.decode_attention import decode_attention_triton
+from shoal.kernels.paged_attention import paged_attention_torch, paged_attention_triton
+from shoal.kernels.prefill_attention import prefill_attention_triton
 from tests.kernels.paged_case import make_paged_case, naive_attention
 
 # (query_lens, context_lens): fresh prefill, decode, chunk over an unaligned prefix, a chunk

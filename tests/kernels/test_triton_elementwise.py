@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-from kernels.kv_write import write_kv_torch, write_kv_triton
-from kernels.rms_norm import rms_norm_torch, rms_norm_triton
-from kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
+from shoal.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from shoal.kernels.kv_write import write_kv_torch, write_kv_triton
+from shoal.kernels.rms_norm import rms_norm_torch, rms_norm_triton
+from shoal.kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
 
 LLAMA3 = {
     "rope_type": "llama3",

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.fused_moe import align_by_expert, fused_moe_torch, fused_moe_triton
+from shoal.kernels.fused_moe import align_by_expert, fused_moe_torch, fused_moe_triton
 
 
 def _moe_case(tokens: int, experts: int, top_k: int, seed: int = 0):

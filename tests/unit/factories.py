@@ -16,11 +16,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bus.messages.sampling import SamplingParams
-from bus.messages.worker import ExecuteStep, StepResult
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request
-from engine.scheduler import Scheduler
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.engine.core.config import CacheConfig, SchedulerConfig
+from shoal.engine.core.request import Request
+from shoal.engine.core.scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parents[2]
 _SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_hash import BlockHasher, hash_block_tokens, token_bytes
+from shoal.engine.core.block_hash import BlockHasher, hash_block_tokens, token_bytes
 from tests.unit.factories import make_request, run_in_fresh_python
 
 
@@ -56,7 +56,7 @@ def test_hashes_are_equal_across_processes(algo: str) -> None:
     if algo == "xxhash":
         pytest.importorskip("xxhash")
     code = (
-        "from engine.block_hash import BlockHasher\n"
+        "from shoal.engine.core.block_hash import BlockHasher\n"
         "from tests.unit.factories import make_request\n"
         f"h = BlockHasher(4, {algo!r})\n"
         "r = make_request('x', list(range(3, 40)), cache_salt='s')\n"

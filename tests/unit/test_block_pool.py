@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from shoal.engine.core.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 
 
 def ids(blocks: object) -> list[int]:

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from bus.base import Msg, PayloadIntegrityError
-from bus.chunking import CHUNKED_HEADER, ChunkSender, fetch_chunked
-from bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.base import Msg, PayloadIntegrityError
+from shoal.bus.chunking import CHUNKED_HEADER, ChunkSender, fetch_chunked
+from shoal.bus.memory import InMemoryBroker, InMemoryBus
 
 
 async def make_pair(max_payload: int = 1000) -> tuple[InMemoryBus, InMemoryBus]:

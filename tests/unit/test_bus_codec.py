@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bus.codec import Codec, DecodeError, JsonCodec, encode
-from bus.messages.control import ActorState, ControlEvent, ErrorReply, Heartbeat
-from bus.messages.engine import (
+from shoal.bus.codec import Codec, DecodeError, JsonCodec, encode
+from shoal.bus.messages.control import ActorState, ControlEvent, ErrorReply, Heartbeat
+from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
     EngineInbound,
@@ -19,8 +19,8 @@ from bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
-from bus.messages.sampling import SamplingParams
-from bus.messages.worker import (
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.worker import (
     CachedRequestData,
     ExecuteStep,
     NewRequestData,
@@ -108,9 +108,9 @@ def test_wire_layout_is_pinned(struct: type[msgspec.Struct]):
 
 def test_wire_layout_covers_every_hot_path_struct():
     """Every ``gc=False`` array_like struct (the per-step hot path) must be pinned above."""
-    import bus.messages.control as control
-    import bus.messages.engine as engine
-    import bus.messages.worker as worker
+    import shoal.bus.messages.control as control
+    import shoal.bus.messages.engine as engine
+    import shoal.bus.messages.worker as worker
 
     hot_path = {
         obj

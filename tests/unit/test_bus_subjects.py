@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bus.memory import subject_matches
-from bus.subjects import SubjectError, Subjects, validate_subject
+from shoal.bus.memory import subject_matches
+from shoal.bus.subjects import SubjectError, Subjects, validate_subject
 
 
 def test_subjects_follow_namespace_version_role_id_verb():

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.tokenizer import MissingChatTemplateError, Tokenizer
-from workers.demo import DemoSpec, ensure_demo_model
-from workers.demo import build as demo_build
-from workers.demo.corpus import iter_docstrings, zen_of_python
+from shoal.engine.client.tokenizer import MissingChatTemplateError, Tokenizer
+from shoal.workers.demo import DemoSpec, ensure_demo_model
+from shoal.workers.demo import build as demo_build
+from shoal.workers.demo.corpus import iter_docstrings, zen_of_python
 
 TINY = DemoSpec(
     vocab_size=300,
@@ -100,7 +100,7 @@ def test_a_failed_build_leaves_nothing_behind(
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("killed mid-build")
 
-    monkeypatch.setattr("workers.demo.train.build_demo_checkpoint", explode)
+    monkeypatch.setattr("shoal.workers.demo.train.build_demo_checkpoint", explode)
     with pytest.raises(RuntimeError, match="mid-build"):
         ensure_demo_model(tmp_path, spec=TINY, log=lambda _: None)
     assert [p.name for p in tmp_path.iterdir()] == [f".{demo_build.demo_dir_name(TINY)}.lock"]
@@ -114,7 +114,7 @@ def fake_build(out_dir: Path, spec: DemoSpec, log: object) -> float:
 def test_leftovers_of_a_crashed_build_are_cleared(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("workers.demo.train.build_demo_checkpoint", fake_build)
+    monkeypatch.setattr("shoal.workers.demo.train.build_demo_checkpoint", fake_build)
     name = demo_build.demo_dir_name(TINY)
     (tmp_path / f".{name}.build-crashed").mkdir()
     (tmp_path / name).mkdir()  # a final directory without its manifest
@@ -130,7 +130,7 @@ def test_concurrent_callers_build_once(tmp_path: Path, monkeypatch: pytest.Monke
         builds.append(out_dir)
         return fake_build(out_dir, spec, log)
 
-    monkeypatch.setattr("workers.demo.train.build_demo_checkpoint", counting_build)
+    monkeypatch.setattr("shoal.workers.demo.train.build_demo_checkpoint", counting_build)
     results: list[Path] = []
     threads = [
         threading.Thread(target=lambda: results.append(ensure_demo_model(tmp_path, spec=TINY)))

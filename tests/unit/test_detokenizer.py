@@ -7,14 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.detokenizer import (
+from shoal.engine.client.detokenizer import (
     FastIncrementalDetokenizer,
     OffsetIncrementalDetokenizer,
     make_detokenizer,
     prompt_context,
 )
-from engine.tokenizer import Tokenizer
-from workers.demo.tokenizer import save_tokenizer
+from shoal.engine.client.tokenizer import Tokenizer
+from shoal.workers.demo.tokenizer import save_tokenizer
 
 WORDS = ["hello", "world", "café", "naïve", "Ünïcödé", "façade", "über", "the", "and", "stop"]
 CJK = ["你好", "世界", "中文", "日本語", "한국어", "模型"]

@@ -3,11 +3,11 @@ before a step's results, admission control, and failure handling."""
 
 from __future__ import annotations
 
-from bus.messages.engine import AbortRequest, AddRequest
-from bus.messages.sampling import SamplingParams
-from bus.messages.worker import StepError, StepResult
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core import EngineCore
+from shoal.bus.messages.engine import AbortRequest, AddRequest
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.worker import StepError, StepResult
+from shoal.engine.core.config import CacheConfig, SchedulerConfig
+from shoal.engine.core.engine_core import EngineCore
 from tests.unit.factories import FakeWorker
 
 

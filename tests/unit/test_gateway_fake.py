@@ -21,10 +21,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.messages.engine import SchedulerStats
-from bus.messages.sampling import OutputKind, SamplingParams
-from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from engine.protocol import EngineUnavailableError, RequestValidationError
+from shoal.bus.messages.engine import SchedulerStats
+from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
+from shoal.engine.client.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 MODEL_NAME = "fake-model"
 CORPUS = [
@@ -307,8 +307,8 @@ async def serve_gateway(
     engine: FakeEngineClient | None = None, **app_options: Any
 ) -> AsyncIterator[tuple[str, FakeEngineClient]]:
     """A gateway over ``engine`` on a free loopback port: yields (base url, engine)."""
-    from gateway.app import create_app
-    from gateway.server import start_http_server
+    from shoal.gateway.app import create_app
+    from shoal.gateway.server import start_http_server
 
     engine = engine or FakeEngineClient()
     app = create_app(engine, served_model_name=engine.model_name, **app_options)
@@ -325,8 +325,8 @@ def make_fake_engine(bus: object, **options: Any) -> FakeEngineClient:
 
 
 async def _serve_forever(port: int, token_delay: float, max_model_len: int) -> None:
-    from gateway.app import create_app
-    from gateway.server import serve_forever
+    from shoal.gateway.app import create_app
+    from shoal.gateway.server import serve_forever
 
     engine = FakeEngineClient(token_delay=token_delay, max_model_len=max_model_len)
     stop = asyncio.Event()

@@ -3,7 +3,7 @@ it being deterministic and honouring the sampling parameters it claims to."""
 
 from __future__ import annotations
 
-from bus.messages.sampling import OutputKind, SamplingParams
+from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from tests.unit.test_gateway_fake import FakeEngineClient
 
 

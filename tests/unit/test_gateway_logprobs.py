@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from engine.outputs import Logprob
-from gateway.logprobs import (
+from shoal.engine.client.outputs import Logprob
+from shoal.gateway.logprobs import (
     MIN_LOGPROB,
     TokenText,
     append_completion_logprobs,
     chat_logprobs,
     clamp,
 )
-from gateway.response_types import CompletionLogprobs
+from shoal.gateway.response_types import CompletionLogprobs
 from tests.unit.test_gateway_fake import fake_tokenizer
 
 

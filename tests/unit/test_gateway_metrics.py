@@ -3,9 +3,9 @@ Prometheus registry."""
 
 from __future__ import annotations
 
-from bus.messages.engine import SchedulerStats
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from gateway.metrics import Metrics, one_two_five_buckets
+from shoal.bus.messages.engine import SchedulerStats
+from shoal.engine.client.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from shoal.gateway.metrics import Metrics, one_two_five_buckets
 
 
 def _get(metrics: Metrics, name: str, **labels: str) -> float | None:

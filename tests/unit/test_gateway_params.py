@@ -6,16 +6,21 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from bus.messages.sampling import OutputKind
-from gateway.errors import ApiError, from_decode_error
-from gateway.params import (
+from shoal.bus.messages.sampling import OutputKind
+from shoal.gateway.errors import ApiError, from_decode_error
+from shoal.gateway.params import (
     chat_messages,
     check_unsupported,
     completion_prompts,
     resolve_max_tokens,
     sampling_params,
 )
-from gateway.request_types import ChatCompletionRequest, ChatMessage, CompletionRequest, ContentPart
+from shoal.gateway.request_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    ContentPart,
+)
 from tests.unit.test_gateway_fake import fake_tokenizer
 
 

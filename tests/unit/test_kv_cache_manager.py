@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.block_hash import BlockHasher
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import Request
+from shoal.engine.core.block_hash import BlockHasher
+from shoal.engine.core.kv_cache_manager import KVCacheManager
+from shoal.engine.core.request import Request
 from tests.unit.factories import make_request
 
 BLOCK = 4

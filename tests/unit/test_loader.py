@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from shoal.workers.config import ModelConfigError
+from shoal.workers.loader import CheckpointError, load_model, read_safetensors
+from shoal.workers.models import UnsupportedArchitectureError
 from tests.fixtures.models import build_checkpoint
-from workers.config import ModelConfigError
-from workers.loader import CheckpointError, load_model, read_safetensors
-from workers.models import UnsupportedArchitectureError
 
 
 def hf_state(model_dir: Path) -> dict[str, torch.Tensor]:

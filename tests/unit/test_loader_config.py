@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from workers.config import ModelConfig, ModelConfigError, parse_dtype
+from shoal.workers.config import ModelConfig, ModelConfigError, parse_dtype
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],

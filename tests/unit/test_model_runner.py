@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bus.messages.sampling import SamplingParams
-from bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
-from workers.kv_cache import bytes_per_block
-from workers.model_runner import ModelRunner
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
+from shoal.workers.kv_cache import bytes_per_block
+from shoal.workers.model_runner import ModelRunner
 
 BLOCK = 4
 

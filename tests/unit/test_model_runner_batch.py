@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from bus.messages.sampling import SamplingParams
-from workers.input_batch import InputBatch
-from workers.kv_cache import bytes_per_block, num_blocks_for_budget
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.workers.input_batch import InputBatch
+from shoal.workers.kv_cache import bytes_per_block, num_blocks_for_budget
 
 P = SamplingParams(temperature=0.0)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from shoal.workers.model_runner import ModelRunner
 from tests.fixtures.models import make_prompts
 from tests.golden.driver import generate_by_hand
-from workers.model_runner import ModelRunner
 
 BLOCK = 4
 MAX_NEW = 8
@@ -48,7 +48,7 @@ def tp_rank_main(rank: int, size: int, port: int, model_dir: str, queue) -> None
     except Exception as exc:  # reported to the test, not swallowed
         queue.put((rank, None, None, None, repr(exc)))
     finally:
-        from workers.parallel import destroy_tensor_parallel
+        from shoal.workers.parallel import destroy_tensor_parallel
 
         destroy_tensor_parallel()
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from bus.messages.engine import EngineOutputs, Logprobs
-from bus.messages.engine import RequestOutput as StepOutput
-from bus.messages.sampling import OutputKind, SamplingParams
-from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
-from engine.tokenizer import Tokenizer
-from workers.demo.tokenizer import save_tokenizer
+from shoal.bus.messages.engine import EngineOutputs, Logprobs
+from shoal.bus.messages.engine import RequestOutput as StepOutput
+from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.engine.client.output_processor import OutputProcessor
+from shoal.engine.client.outputs import RequestOutput
+from shoal.engine.client.tokenizer import Tokenizer
+from shoal.workers.demo.tokenizer import save_tokenizer
 
 TEXT = "hello world, café 你好 😀 and more words"
 

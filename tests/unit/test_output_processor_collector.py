@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from bus.messages.sampling import OutputKind
-from engine.collector import RequestOutputCollector
-from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from shoal.bus.messages.sampling import OutputKind
+from shoal.engine.client.collector import RequestOutputCollector
+from shoal.engine.client.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def output(

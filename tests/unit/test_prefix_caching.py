@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.scheduler import Scheduler
+from shoal.engine.core.scheduler import Scheduler
 from tests.unit.factories import (
     FakeWorker,
     make_request,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from bus.messages.engine import AddRequest
-from engine.block_hash import BlockHasher
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import FINISH_REASONS, Request, RequestStatus
-from engine.sampling_params import OutputKind, SamplingParams
+from shoal.bus.messages.engine import AddRequest
+from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.engine.core.block_hash import BlockHasher
+from shoal.engine.core.config import CacheConfig, SchedulerConfig
+from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from tests.unit.factories import make_request
 
 

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 
-from bus.messages.sampling import SamplingParams
-from workers.sampler import (
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.workers.sampler import (
     Sampler,
     _apply_top_p_sorted,
     apply_top_k_top_p,
     compute_prompt_logprobs,
 )
-from workers.sampling_metadata import SamplingBatch
+from shoal.workers.sampling_metadata import SamplingBatch
 
 VOCAB = 32
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bus.messages.sampling import SamplingParams
-from workers.sampler import apply_penalties
-from workers.sampling_metadata import SamplingBatch
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.workers.sampler import apply_penalties
+from shoal.workers.sampling_metadata import SamplingBatch
 
 VOCAB = 16
 

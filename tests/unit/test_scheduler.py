@@ -7,11 +7,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from bus.messages.engine import Logprobs, RequestOutput
-from bus.messages.worker import ExecuteStep, StepError, StepResult
-from engine.request import RequestStatus
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
+from shoal.bus.messages.engine import Logprobs, RequestOutput
+from shoal.bus.messages.worker import ExecuteStep, StepError, StepResult
+from shoal.engine.core.request import RequestStatus
+from shoal.engine.core.scheduler import Scheduler
+from shoal.engine.core.scheduler_output import SchedulerOutput
 from tests.unit.factories import EOS, FakeWorker, make_request, make_requests, make_scheduler
 
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
+from shoal.engine.core.request import Request, RequestStatus
+from shoal.engine.core.scheduler import Scheduler
+from shoal.engine.core.scheduler_output import SchedulerOutput
 from tests.unit.factories import FakeWorker, make_request, make_scheduler, run_to_completion
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from bus.messages.engine import RequestOutput
-from engine.request import RequestStatus
-from engine.scheduler import Scheduler
+from shoal.bus.messages.engine import RequestOutput
+from shoal.engine.core.request import RequestStatus
+from shoal.engine.core.scheduler import Scheduler
 from tests.unit.factories import EOS, FakeWorker, make_request, make_scheduler
 
 MAX_MODEL_LEN = 40

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.stop_strings import StopStringMatcher, check_stop_strings
+from shoal.engine.client.stop_strings import StopStringMatcher, check_stop_strings
 
 
 def test_no_match_and_no_new_text() -> None:

@@ -5,7 +5,7 @@ model.safetensors, generation_config.json, tokenizer files with a chat template)
 caching it the first time. ``python -m workers.demo`` does the same and prints the path.
 """
 
-from workers.demo.build import DEMO_VERSION, default_cache_root, ensure_demo_model
-from workers.demo.spec import DemoSpec
+from shoal.workers.demo.build import DEMO_VERSION, default_cache_root, ensure_demo_model
+from shoal.workers.demo.spec import DemoSpec
 
 __all__ = ["DEMO_VERSION", "DemoSpec", "default_cache_root", "ensure_demo_model"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from workers.demo.build import ensure_demo_model
+from shoal.workers.demo.build import ensure_demo_model
 
 
 def main() -> None:

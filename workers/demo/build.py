@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from workers.demo.spec import DemoSpec, Log
+from shoal.workers.demo.spec import DemoSpec, Log
 
 DEMO_VERSION = "1"
 MANIFEST = "shoal-demo.json"  # written last, inside the build directory
@@ -89,7 +89,7 @@ def _remove_leftovers(root: Path, final: Path) -> None:
 def _build_into(final: Path, spec: DemoSpec, num_threads: int | None, log: Log) -> None:
     import torch
 
-    from workers.demo.train import build_demo_checkpoint
+    from shoal.workers.demo.train import build_demo_checkpoint
 
     building = Path(tempfile.mkdtemp(prefix=f".{final.name}.build-", dir=final.parent))
     previous_threads = torch.get_num_threads()

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from workers.demo.corpus import first_paragraph, iter_docstrings, zen_of_python
-from workers.demo.spec import DemoSpec, Log
-from workers.demo.tokenizer import save_tokenizer
+from shoal.workers.demo.corpus import first_paragraph, iter_docstrings, zen_of_python
+from shoal.workers.demo.spec import DemoSpec, Log
+from shoal.workers.demo.tokenizer import save_tokenizer
 
 
 def training_texts(tokenizer_free_seed: int) -> tuple[list[str], list[list[dict[str, str]]]]:

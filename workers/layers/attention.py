@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels import ops
+from shoal.kernels import ops
 
 
 @dataclass

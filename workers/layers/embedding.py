@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.layers.linear import _plain_loader, make_param
+from shoal.workers.layers.linear import _plain_loader, make_param
 
 
 class Embedding(nn.Module):

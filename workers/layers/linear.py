@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.parallel import TPContext
+from shoal.workers.parallel import TPContext
 
 
 class WeightShapeError(ValueError):

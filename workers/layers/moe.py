@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops
-from workers.config import MoeConfig
-from workers.layers.linear import ReplicatedLinear, copy_checked, make_param
+from shoal.kernels import ops
+from shoal.workers.config import MoeConfig
+from shoal.workers.layers.linear import ReplicatedLinear, copy_checked, make_param
 
 
 class FusedExperts(nn.Module):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops
-from workers.layers.linear import _plain_loader, make_param
+from shoal.kernels import ops
+from shoal.workers.layers.linear import _plain_loader, make_param
 
 
 class RMSNorm(nn.Module):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import ops
-from workers.config import RopeConfig
+from shoal.kernels import ops
+from shoal.workers.config import RopeConfig
 
 
 class RotaryEmbedding(nn.Module):

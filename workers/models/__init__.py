@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from workers.models.decoder import DecoderForCausalLM
-from workers.models.llama import LlamaForCausalLM, MistralForCausalLM
-from workers.models.mixtral import MixtralForCausalLM
-from workers.models.qwen2 import Qwen2ForCausalLM
-from workers.models.qwen3 import Qwen3ForCausalLM
-from workers.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from shoal.workers.models.decoder import DecoderForCausalLM
+from shoal.workers.models.llama import LlamaForCausalLM, MistralForCausalLM
+from shoal.workers.models.mixtral import MixtralForCausalLM
+from shoal.workers.models.qwen2 import Qwen2ForCausalLM
+from shoal.workers.models.qwen3 import Qwen3ForCausalLM
+from shoal.workers.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -13,14 +13,14 @@ from collections.abc import Hashable, Iterable
 import torch
 from torch import nn
 
-from kernels import ops
-from workers.config import ModelConfig
-from workers.layers.attention import AttentionMetadata, PagedAttention
-from workers.layers.embedding import Embedding, LMHead
-from workers.layers.linear import RowParallelLinear, column_linear, qkv_linear
-from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
-from workers.parallel import TPContext
+from shoal.kernels import ops
+from shoal.workers.config import ModelConfig
+from shoal.workers.layers.attention import AttentionMetadata, PagedAttention
+from shoal.workers.layers.embedding import Embedding, LMHead
+from shoal.workers.layers.linear import RowParallelLinear, column_linear, qkv_linear
+from shoal.workers.layers.norm import RMSNorm
+from shoal.workers.layers.rotary import RotaryEmbedding
+from shoal.workers.parallel import TPContext
 
 
 class GatedMLP(nn.Module):

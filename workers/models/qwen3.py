@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from workers.models.decoder import DecoderForCausalLM
+from shoal.workers.models.decoder import DecoderForCausalLM
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from workers.layers.moe import SparseMoeBlock
-from workers.models.decoder import DecoderForCausalLM, GatedMLP
-from workers.parallel import TPContext
+from shoal.workers.layers.moe import SparseMoeBlock
+from shoal.workers.models.decoder import DecoderForCausalLM, GatedMLP
+from shoal.workers.parallel import TPContext
 
 
 class Qwen2MoeForCausalLM(DecoderForCausalLM):

@@ -30,15 +30,15 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from bus.messages.engine import RequestOutput, SchedulerStats
-from bus.messages.worker import StepResult
-from engine.block_hash import BlockHasher
-from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import FINISH_REASONS, Request, RequestStatus
-from engine.request_queue import make_request_queue
-from engine.scheduler_output import SchedulerOutput, StepPlan, build_scheduler_output
-from engine.step_update import StepUpdater
+from shoal.bus.messages.engine import RequestOutput, SchedulerStats
+from shoal.bus.messages.worker import StepResult
+from shoal.engine.core.block_hash import BlockHasher
+from shoal.engine.core.config import CacheConfig, SchedulerConfig
+from shoal.engine.core.kv_cache_manager import KVCacheManager
+from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
+from shoal.engine.core.request_queue import make_request_queue
+from shoal.engine.core.scheduler_output import SchedulerOutput, StepPlan, build_scheduler_output
+from shoal.engine.core.step_update import StepUpdater
 
 RUNNING = RequestStatus.RUNNING
 PREEMPTED = RequestStatus.PREEMPTED

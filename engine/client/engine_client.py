@@ -19,10 +19,10 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from bus.base import Bus, BusError, Msg, Subscription
-from bus.codec import Codec, DecodeError, encode
-from bus.messages.control import ControlEvent, Heartbeat, StatusEvent
-from bus.messages.engine import (
+from shoal.bus.base import Bus, BusError, Msg, Subscription
+from shoal.bus.codec import Codec, DecodeError, encode
+from shoal.bus.messages.control import ControlEvent, Heartbeat, StatusEvent
+from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
     EngineOutbound,
@@ -31,15 +31,15 @@ from bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
-from bus.messages.sampling import SamplingParams
-from bus.subjects import Subjects
-from engine.collector import RequestOutputCollector
-from engine.model_info import read_max_model_len
-from engine.output_processor import ChildRequest, OutputProcessor
-from engine.outputs import RequestOutput
-from engine.protocol import EngineUnavailableError, RequestValidationError
-from engine.router import EngineRouter
-from engine.tokenizer import Tokenizer
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.subjects import Subjects
+from shoal.engine.client.collector import RequestOutputCollector
+from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
+from shoal.engine.client.model_info import read_max_model_len
+from shoal.engine.client.output_processor import ChildRequest, OutputProcessor
+from shoal.engine.client.outputs import RequestOutput
+from shoal.engine.client.router import EngineRouter
+from shoal.engine.client.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -366,5 +366,6 @@ class AsyncEngineClient:
 
 
 async def make_client(bus: Bus, **options: Any) -> AsyncEngineClient:
-    """Factory for ``gateway.actor.GatewayActor(engine_factory="engine.client:make_client")``."""
+    """Factory for ``GatewayActor(engine_factory=...)``: ``"shoal.engine.client.engine_client:
+    make_client"``."""
     return await AsyncEngineClient(bus, **options).start()

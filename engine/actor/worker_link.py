@@ -13,11 +13,11 @@ import logging
 import time
 from collections.abc import Sequence
 
-from bus.actor import call
-from bus.base import Bus, BusError, Msg, Subscription
-from bus.codec import Codec, DecodeError
-from bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
-from bus.messages.worker import (
+from shoal.bus.actor import call
+from shoal.bus.base import Bus, BusError, Msg, Subscription
+from shoal.bus.codec import Codec, DecodeError
+from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
+from shoal.bus.messages.worker import (
     DescribeWorker,
     ExecuteStep,
     ResetWorker,
@@ -25,7 +25,7 @@ from bus.messages.worker import (
     WorkerInfo,
     WorkerOutbound,
 )
-from bus.subjects import Subjects
+from shoal.bus.subjects import Subjects
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from bus.messages.sampling import OutputKind
-from engine.outputs import CompletionOutput, RequestOutput
+from shoal.bus.messages.sampling import OutputKind
+from shoal.engine.client.outputs import CompletionOutput, RequestOutput
 
 
 class RequestOutputCollector:

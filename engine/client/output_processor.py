@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from bus.messages.engine import EngineOutputs
-from bus.messages.engine import RequestOutput as EngineRequestOutput
-from bus.messages.sampling import OutputKind, SamplingParams
-from engine.completion_state import CompletionState, convert_logprobs
-from engine.outputs import RequestMetrics, RequestOutput, TokenLogprobs
-from engine.tokenizer import Tokenizer
+from shoal.bus.messages.engine import EngineOutputs
+from shoal.bus.messages.engine import RequestOutput as EngineRequestOutput
+from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.engine.client.completion_state import CompletionState, convert_logprobs
+from shoal.engine.client.outputs import RequestMetrics, RequestOutput, TokenLogprobs
+from shoal.engine.client.tokenizer import Tokenizer
 
 
 @dataclass(slots=True, frozen=True)

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Protocol
 
-from engine.request import Request
+from shoal.engine.core.request import Request
 
 
 class RequestQueue(Protocol):

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
-from engine.request import Request
+from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
+from shoal.engine.core.request import Request
 
 
 class SchedulerOutput:

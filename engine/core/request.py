@@ -18,8 +18,8 @@ import enum
 import sys
 from typing import Protocol
 
-from bus.messages.engine import AddRequest, RequestOutput
-from bus.messages.sampling import SamplingParams
+from shoal.bus.messages.engine import AddRequest, RequestOutput
+from shoal.bus.messages.sampling import SamplingParams
 
 
 class BlockHasherFn(Protocol):

@@ -19,7 +19,7 @@ from typing import Protocol
 
 from tokenizers.decoders import DecodeStream
 
-from engine.tokenizer import Tokenizer
+from shoal.engine.client.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
 # The prompt tokens kept as decoding context (enough for a split character or a leading space).

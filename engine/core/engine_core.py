@@ -14,18 +14,18 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from bus.messages.engine import (
+from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
     RequestOutput,
     RequestRejected,
     SchedulerStats,
 )
-from bus.messages.worker import StepResult
-from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, RequestStatus
-from engine.scheduler import Scheduler
-from engine.scheduler_output import SchedulerOutput
+from shoal.bus.messages.worker import StepResult
+from shoal.engine.core.config import CacheConfig, SchedulerConfig
+from shoal.engine.core.request import Request, RequestStatus
+from shoal.engine.core.scheduler import Scheduler
+from shoal.engine.core.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

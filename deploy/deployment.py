@@ -12,14 +12,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.actor import Actor
-from bus.base import Bus
-from bus.run_actor import load_target
-from engine.args import EngineArgs
+from shoal.bus.actor import Actor
+from shoal.bus.base import Bus
+from shoal.bus.run_actor import load_target
+from shoal.deploy.args import EngineArgs
 
-WORKER_TARGET = "workers.actor:WorkerActor"
-ENGINE_TARGET = "engine.core_actor:EngineCoreActor"
-GATEWAY_TARGET = "gateway.actor:GatewayActor"
+WORKER_TARGET = "shoal.workers.actor:WorkerActor"
+ENGINE_TARGET = "shoal.engine.actor.core_actor:EngineCoreActor"
+GATEWAY_TARGET = "shoal.gateway.actor:GatewayActor"
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_pool import BlockPool, KVCacheBlock
-from engine.request import Request
+from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
+from shoal.engine.core.request import Request
 
 _NO_BLOCKS: list[KVCacheBlock] = []
 

@@ -15,7 +15,7 @@ aborts the request. Seam: repetition detection would be step 5.
 
 from __future__ import annotations
 
-from engine.request import Request, RequestStatus
+from shoal.engine.core.request import Request, RequestStatus
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

@@ -17,14 +17,14 @@ import uuid
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from bus import make_bus
-from bus.actor import Actor
-from bus.messages.sampling import SamplingParams
-from engine.args import EngineArgs
-from engine.client import AsyncEngineClient
-from engine.deployment import client_options, plan_actors, start_in_process, stop_in_process
-from engine.outputs import RequestOutput
-from engine.progress import ProgressBar
+from shoal.bus import make_bus
+from shoal.bus.actor import Actor
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.deploy.args import EngineArgs
+from shoal.deploy.deployment import client_options, plan_actors, start_in_process, stop_in_process
+from shoal.deploy.progress import ProgressBar
+from shoal.engine.client.engine_client import AsyncEngineClient
+from shoal.engine.client.outputs import RequestOutput
 
 T = TypeVar("T")
 PromptInput = str | dict[str, Any]

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from engine.block_hash import BlockHash
+from shoal.engine.core.block_hash import BlockHash
 
 
 class KVCacheBlock:

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from shoal.engine.core.request import Request
 
 BlockHash = bytes
 HashFn = Callable[[bytes], bytes]

@@ -9,13 +9,13 @@ later tokens; the engine client then aborts it in the engine core), and logprob 
 
 from __future__ import annotations
 
-from bus.messages.engine import Logprobs
-from bus.messages.engine import RequestOutput as EngineRequestOutput
-from bus.messages.sampling import OutputKind, SamplingParams
-from engine.detokenizer import IncrementalDetokenizer, make_detokenizer
-from engine.outputs import CompletionOutput, Logprob, TokenLogprobs
-from engine.stop_strings import StopStringMatcher
-from engine.tokenizer import Tokenizer
+from shoal.bus.messages.engine import Logprobs
+from shoal.bus.messages.engine import RequestOutput as EngineRequestOutput
+from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.engine.client.detokenizer import IncrementalDetokenizer, make_detokenizer
+from shoal.engine.client.outputs import CompletionOutput, Logprob, TokenLogprobs
+from shoal.engine.client.stop_strings import StopStringMatcher
+from shoal.engine.client.tokenizer import Tokenizer
 
 
 def convert_logprobs(rows: Logprobs, tokenizer: Tokenizer | None) -> list[TokenLogprobs]:

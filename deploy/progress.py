@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engine.outputs import RequestOutput
+from shoal.engine.client.outputs import RequestOutput
 
 
 class ProgressBar:

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bus.messages.engine import Logprobs, RequestOutput
-from bus.messages.worker import StepError, StepResult
-from engine.request import FINISH_REASONS, Request, RequestStatus
-from engine.stop_check import check_stop
+from shoal.bus.messages.engine import Logprobs, RequestOutput
+from shoal.bus.messages.worker import StepError, StepResult
+from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
+from shoal.engine.core.stop_check import check_stop
 
 if TYPE_CHECKING:
-    from engine.scheduler import Scheduler
-    from engine.scheduler_output import SchedulerOutput
+    from shoal.engine.core.scheduler import Scheduler
+    from shoal.engine.core.scheduler_output import SchedulerOutput
 
 RUNNING = RequestStatus.RUNNING
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from bus.messages.control import ActorState
-from bus.messages.engine import EngineStats
+from shoal.bus.messages.control import ActorState
+from shoal.bus.messages.engine import EngineStats
 
 
 @dataclass(slots=True)

@@ -19,11 +19,11 @@ import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from bus.actor import Actor, Inbox
-from bus.base import Bus, BusError, Msg
-from bus.codec import Codec, encode
-from bus.messages.control import ActorState
-from bus.messages.engine import (
+from shoal.bus.actor import Actor, Inbox
+from shoal.bus.base import Bus, BusError, Msg
+from shoal.bus.codec import Codec, encode
+from shoal.bus.messages.control import ActorState
+from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
     EngineInbound,
@@ -32,9 +32,9 @@ from bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core import ClientOutputs, EngineCore, merge_outputs
-from engine.worker_link import WorkerFailure, WorkerLink
+from shoal.engine.actor.worker_link import WorkerFailure, WorkerLink
+from shoal.engine.core.config import CacheConfig, SchedulerConfig
+from shoal.engine.core.engine_core import ClientOutputs, EngineCore, merge_outputs
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from bus.messages.sampling import SamplingParams
-from engine.outputs import RequestOutput
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.engine.client.outputs import RequestOutput
 
 
 class EngineUnavailableError(RuntimeError):
