@@ -1,0 +1,206 @@
+"""The floor plan's import rules, read from the source with ``ast`` (every import statement,
+including the lazy ones inside functions and under ``TYPE_CHECKING``).
+
+Imports run one way: deploy → gateway → engine client → bus; engine actor → engine core → bus
+messages; workers → kernels and bus; tiers → bus. A new violation fails here with the file,
+the line and the rule it breaks.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FOLDERS = ("bus", "engine", "workers", "kernels", "tiers", "gateway", "deploy")
+TORCH = ("torch", "triton", "numpy")
+IO = ("asyncio", "nats", "aiohttp", "socket", "subprocess", "threading", "anyio")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules under ``package`` may import these shoal packages only (longest package wins)."""
+
+    package: str
+    allowed: tuple[str, ...]
+    forbidden_third_party: tuple[str, ...] = ()
+    why: str = ""
+
+
+RULES = (
+    Rule("shoal.bus", ("shoal.bus",), why="the bus knows no engine, model or GPU"),
+    Rule(
+        "shoal.bus.messages",
+        ("shoal.bus.messages",),
+        TORCH + IO,
+        "wire schemas are a leaf: msgspec only",
+    ),
+    Rule("shoal.kernels", ("shoal.kernels",), why="kernels import torch and triton only"),
+    Rule("shoal.workers", ("shoal.workers", "shoal.kernels", "shoal.bus")),
+    Rule("shoal.tiers", ("shoal.tiers", "shoal.bus")),
+    Rule(
+        "shoal.engine.core",
+        ("shoal.engine.core", "shoal.bus.messages"),
+        TORCH + IO,
+        "the engine core is pure: no I/O, no torch, no transport, no client or shell",
+    ),
+    Rule(
+        "shoal.engine.actor",
+        ("shoal.engine.actor", "shoal.engine.core", "shoal.bus"),
+        TORCH,
+        "the engine core's shell meets workers and clients through messages only",
+    ),
+    Rule(
+        "shoal.engine.client",
+        ("shoal.engine.client", "shoal.bus"),
+        TORCH,
+        "the client runs in the gateway's process: it talks to engine cores over the bus",
+    ),
+    Rule(
+        "shoal.gateway",
+        ("shoal.gateway", "shoal.engine.client", "shoal.bus"),
+        TORCH,
+        "the gateway sees the engine through the client only",
+    ),
+    Rule(
+        "shoal.deploy",
+        ("shoal",),
+        why="the composition root may start anything",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Violation:
+    path: str
+    line: int
+    imported: str
+    rule: Rule
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line} imports {self.imported} ({self.rule.why or 'not allowed'})"
+
+
+def module_name(path: Path) -> str:
+    """``engine/core/scheduler.py`` → ``shoal.engine.core.scheduler``."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["shoal", *parts])
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) of every import in ``source``."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = module.split(".")[: len(module.split(".")) - node.level + is_package]
+                base = ".".join([*parent, base]) if base else ".".join(parent)
+            if base == "shoal":  # ``from shoal import bus`` names subpackages
+                for alias in node.names:
+                    yield node.lineno, f"shoal.{alias.name}"
+            else:
+                yield node.lineno, base
+
+
+def rule_for(module: str) -> Rule | None:
+    matching = [r for r in RULES if module == r.package or module.startswith(r.package + ".")]
+    return max(matching, key=lambda r: len(r.package), default=None)
+
+
+def _within(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def check_source(source: str, module: str, path: str, is_package: bool = False) -> list[Violation]:
+    """The rule violations of one module's source."""
+    rule = rule_for(module)
+    found = []
+    for line, name in imported_modules(source, module, is_package):
+        root = name.split(".")[0]
+        if root in FOLDERS:
+            found.append(Violation(path, line, name, Rule("*", (), why="import it as shoal.*")))
+        elif rule is None:
+            continue
+        elif root in rule.forbidden_third_party or (
+            root == "shoal" and not _within(name, rule.allowed)
+        ):
+            found.append(Violation(path, line, name, rule))
+    return found
+
+
+def project_files() -> Iterator[Path]:
+    for folder in (*FOLDERS, "tests", "bench"):
+        yield from sorted((ROOT / folder).rglob("*.py"))
+    yield ROOT / "shoal" / "__init__.py"
+
+
+def test_every_module_keeps_the_floor_plan():
+    violations = []
+    for path in project_files():
+        module = module_name(path) if path.parts[-2] != "shoal" else "shoal"
+        rel = str(path.relative_to(ROOT))
+        violations += check_source(path.read_text(), module, rel, path.name == "__init__.py")
+    assert not violations, "\n".join(map(str, violations))
+
+
+def test_only_the_bus_imports_nats():
+    for path in project_files():
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("bus", "tests", "bench"):
+            continue
+        names = [name for _, name in imported_modules(path.read_text(), "x", False)]
+        assert not [n for n in names if n.split(".")[0] == "nats"], f"{rel} imports nats"
+
+
+def test_nothing_outside_the_composition_imports_gateway_or_deploy():
+    for path in project_files():
+        rel = path.relative_to(ROOT)
+        if rel.parts[0] in ("deploy", "gateway", "tests", "bench", "shoal"):
+            continue
+        module = module_name(path)
+        for line, name in imported_modules(path.read_text(), module, path.name == "__init__.py"):
+            assert not _within(name, ("shoal.gateway", "shoal.deploy")), f"{rel}:{line} {name}"
+
+
+@pytest.mark.parametrize(
+    ("module", "source", "expected"),
+    [
+        ("shoal.engine.core.scheduler", "import torch", "torch"),
+        ("shoal.engine.core.scheduler", "from shoal.bus.nats_bus import NatsBus", "nats_bus"),
+        ("shoal.engine.core.scheduler", "from shoal.engine.client import router", "client"),
+        ("shoal.engine.core.scheduler", "from ..actor import core_actor", "actor"),
+        ("shoal.engine.core.scheduler", "def f():\n    import asyncio\n", "asyncio"),
+        ("shoal.gateway.app", "from shoal.engine.core.request import Request", "core"),
+        ("shoal.gateway.app", "from shoal.deploy import llm", "deploy"),
+        ("shoal.workers.actor", "from shoal.engine.core import config", "engine"),
+        ("shoal.engine.actor.core_actor", "from shoal import workers", "workers"),
+        ("shoal.kernels.ops", "from shoal.bus.messages import worker", "bus"),
+        ("shoal.bus.messages.worker", "from shoal.bus.base import Bus", "bus.base"),
+        ("shoal.bus.base", "from engine.core import request", "engine"),
+        ("tests.unit.test_x", "import bus.codec", "bus"),
+    ],
+)
+def test_the_checker_catches_a_violation(module, source, expected):
+    found = check_source(source, module, "probe.py")
+    assert len(found) == 1 and expected in found[0].imported
+
+
+def test_the_checker_lets_allowed_imports_through():
+    allowed = [
+        ("shoal.engine.core.scheduler", "from shoal.bus.messages.worker import ExecuteStep"),
+        ("shoal.engine.actor.core_actor", "from shoal.engine.core.engine_core import EngineCore"),
+        ("shoal.gateway.app", "from shoal.engine.client.interface import EngineClientInterface"),
+        ("shoal.workers.model_runner", "from shoal.kernels import ops\nimport torch"),
+        ("shoal.deploy.llm", "from shoal.engine.actor import core_actor"),
+    ]
+    for module, source in allowed:
+        assert check_source(source, module, "probe.py") == []
