@@ -30,9 +30,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import ExecuteStep, StepResult
-from shoal.engine.core.config import CacheConfig, SchedulerConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
 
@@ -95,14 +95,12 @@ def run_case(
 ) -> dict[str, object]:
     scheduler = Scheduler(
         SchedulerConfig(
-            max_num_batched_tokens=8192,
-            max_num_seqs=max_num_seqs,
-            max_model_len=4096,
-            enable_chunked_prefill=True,
+            max_num_batched_tokens=8192, max_num_seqs=max_num_seqs, enable_chunked_prefill=True
         ),
         CacheConfig(
             block_size=16, enable_prefix_caching=prefix_caching, num_gpu_blocks_override=20000
         ),
+        max_model_len=4096,
     )
     params = SamplingParams(max_tokens=NUM_OUTPUT_TOKENS, ignore_eos=True)
     for index, prompt in enumerate(prompts):

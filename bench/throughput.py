@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.engine.core.config import CacheConfig, SchedulerConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
 from shoal.workers.model_runner import ModelRunner
@@ -70,24 +70,23 @@ def workload(num_prompts: int, quick: bool) -> tuple[list[list[int]], list[int]]
 
 
 def run_shoal(model_dir: Path, prompts, max_tokens, args) -> dict:  # type: ignore[no-untyped-def]
-    runner = ModelRunner(
-        model_dir,
+    config = ShoalConfig.from_options(
+        model=str(model_dir),
         dtype=args.dtype,
         device=args.device,
         block_size=16,
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=len(prompts),
+        max_num_batched_tokens=args.batched_tokens,
         kv_cache_memory_bytes=args.kv_bytes,
     )
+    runner = ModelRunner(config)
     facts = runner.load()
     scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=args.batched_tokens,
-            max_num_seqs=len(prompts),
-            max_model_len=MAX_MODEL_LEN,
-        ),
-        CacheConfig(block_size=16, enable_prefix_caching=True),
+        config.scheduler_config,
+        config.cache_config,
         num_blocks=facts.num_blocks,
+        max_model_len=facts.max_model_len,
     )
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

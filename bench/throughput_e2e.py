@@ -114,11 +114,11 @@ def blocks_needed(prompts: list[list[int]], max_tokens: list[int], block_size: i
     return sum(-(-(len(p) + m) // block_size) for p, m in zip(prompts, max_tokens, strict=True))
 
 
-def engine_args(model_dir: Path, args: argparse.Namespace, bus: str) -> Any:
+def engine_config(model_dir: Path, args: argparse.Namespace, bus: str) -> Any:
     from bench.throughput import MAX_MODEL_LEN
-    from shoal.deploy.args import EngineArgs
+    from shoal.deploy.deployment import build_config
 
-    return EngineArgs(
+    return build_config(
         model=str(model_dir),
         dtype=args.dtype,
         device=args.device,
@@ -181,12 +181,11 @@ async def measure(
     )
 
 
-async def ready_client(stack: AsyncExitStack, bus: Any, eargs: Any) -> tuple[Any, StepTimes]:
+async def ready_client(stack: AsyncExitStack, bus: Any, config: Any) -> tuple[Any, StepTimes]:
     """An engine client on ``bus``, closed with ``stack``, once one warm-up request went through."""
-    from shoal.deploy.deployment import client_options
     from shoal.engine.client.engine_client import AsyncEngineClient
 
-    client = AsyncEngineClient(bus, **client_options(eargs))
+    client = AsyncEngineClient(bus, config)
     times = StepTimes()
     client.stats_listeners.append(times.on_stats)
     stack.push_async_callback(client.close)
@@ -196,7 +195,7 @@ async def ready_client(stack: AsyncExitStack, bus: Any, eargs: Any) -> tuple[Any
     return client, times
 
 
-async def open_nats(stack: AsyncExitStack, eargs: Any, threads: int) -> tuple[Any, StepTimes]:
+async def open_nats(stack: AsyncExitStack, config: Any, threads: int) -> tuple[Any, StepTimes]:
     """Worker and engine core as supervised processes on a fresh local nats-server."""
     from shoal.bus import connect_bus
     from shoal.bus.server import NatsServer
@@ -207,26 +206,26 @@ async def open_nats(stack: AsyncExitStack, eargs: Any, threads: int) -> tuple[An
     env = {"OMP_NUM_THREADS": str(threads)}
     specs = [
         ActorSpec(p.name, p.target, server.url, p.kwargs, env=env, kind=p.kind)
-        for p in plan_actors(eargs)
+        for p in plan_actors(config)
     ]
     bus = await connect_bus(server.url)
     stack.push_async_callback(bus.close)
-    supervisor = Supervisor(specs, status_bus=bus, namespace=eargs.namespace)
+    supervisor = Supervisor(specs, status_bus=bus, namespace=config.bus_config.namespace)
     stack.push_async_callback(supervisor.stop)
     await supervisor.start()
-    return await ready_client(stack, bus, eargs)
+    return await ready_client(stack, bus, config)
 
 
-async def open_memory(stack: AsyncExitStack, eargs: Any) -> tuple[Any, StepTimes]:
+async def open_memory(stack: AsyncExitStack, config: Any) -> tuple[Any, StepTimes]:
     """Every actor in this process on the in-memory bus (the offline ``LLM``'s stack)."""
     from shoal.bus import connect_bus
     from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
 
-    bus = await connect_bus(f"memory://{eargs.namespace}")
+    bus = await connect_bus(f"memory://{config.bus_config.namespace}")
     stack.push_async_callback(bus.close)
-    actors = await start_in_process(bus, plan_actors(eargs))
+    actors = await start_in_process(bus, plan_actors(config))
     stack.push_async_callback(stop_in_process, actors)
-    return await ready_client(stack, bus, eargs)
+    return await ready_client(stack, bus, config)
 
 
 def round_prompts(prompts: list[list[int]], round_index: int, vocab: int) -> list[list[int]]:
@@ -246,8 +245,8 @@ async def run_rounds(
     prompts, max_tokens = workload
     runs: dict[str, list[PathRun]] = {"nats": [], "memory": []}
     async with AsyncExitStack() as stack:
-        nats_args = engine_args(model_dir, args, "nats")
-        memory_args = engine_args(model_dir, args, "memory")
+        nats_args = engine_config(model_dir, args, "nats")
+        memory_args = engine_config(model_dir, args, "memory")
         clients = {
             "nats": await open_nats(stack, nats_args, args.threads),
             "memory": await open_memory(stack, memory_args),

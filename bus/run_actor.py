@@ -1,6 +1,8 @@
-"""Runs one actor as its own OS process: ``python -m bus.run_actor --target module:Class
+"""Runs one actor as its own OS process: ``python -m shoal.bus.run_actor --target module:Class
 --bus URL [--kwargs JSON] [--bus-options JSON]``. The actor is built as ``Class(bus, **kwargs)``
-and served until SIGTERM/SIGINT (graceful drain) or until the parent process dies."""
+(``build_actor``: a keyword whose parameter is typed as a msgspec struct, such as the
+deployment's config, is decoded into it) and served until SIGTERM/SIGINT (graceful drain) or
+until the parent process dies."""
 
 from __future__ import annotations
 
@@ -11,10 +13,15 @@ import json
 import logging
 import os
 import sys
+import types
+import typing
 from typing import Any
+
+import msgspec
 
 from shoal.bus import connect_bus
 from shoal.bus.actor import Actor
+from shoal.bus.base import Bus
 from shoal.bus.server import die_with_parent
 
 PARENT_POLL_S = 0.5
@@ -31,6 +38,24 @@ def load_target(target: str) -> type[Actor]:
     return cls
 
 
+def build_actor(cls: type[Actor], bus: Bus, kwargs: dict[str, Any]) -> Actor:
+    """``cls(bus, **kwargs)``, with JSON objects given for struct-typed parameters decoded."""
+    hints = typing.get_type_hints(cls.__init__)
+    typed = {
+        name: msgspec.convert(value, hints[name])
+        if isinstance(value, dict) and _names_a_struct(hints.get(name))
+        else value
+        for name, value in kwargs.items()
+    }
+    return cls(bus, **typed)
+
+
+def _names_a_struct(hint: Any) -> bool:
+    """``SomeStruct`` or ``SomeStruct | None``."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    return any(isinstance(o, type) and issubclass(o, msgspec.Struct) for o in options)
+
+
 async def _watch_parent(actor: Actor, parent_pid: int) -> None:
     while os.getppid() == parent_pid:
         await asyncio.sleep(PARENT_POLL_S)
@@ -41,7 +66,7 @@ async def _watch_parent(actor: Actor, parent_pid: int) -> None:
 async def serve(target: str, bus_url: str, kwargs: dict[str, Any], bus_options: dict[str, Any]):
     cls = load_target(target)
     bus = await connect_bus(bus_url, **bus_options)
-    actor = cls(bus, **kwargs)
+    actor = build_actor(cls, bus, kwargs)
     actor.owns_bus = True
     watcher = asyncio.create_task(_watch_parent(actor, os.getppid()))
     try:
@@ -53,7 +78,7 @@ async def serve(target: str, bus_url: str, kwargs: dict[str, Any], bus_options: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bus.run_actor", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m shoal.bus.run_actor", description=__doc__)
     parser.add_argument("--target", required=True, help="module:Class of the actor")
     parser.add_argument("--bus", required=True, help="bus url (nats://host:port)")
     parser.add_argument("--kwargs", default="{}", help="JSON object of constructor kwargs")

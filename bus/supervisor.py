@@ -1,4 +1,4 @@
-"""Runs actors as separate OS processes (``python -m bus.run_actor``), restarts one that dies
+"""Runs actors as separate OS processes (``python -m shoal.bus.run_actor``), restarts one that dies
 (exponential backoff, a limit of restarts per time window) and stops them all cleanly (SIGTERM,
 then SIGKILL after a grace period). A restarted actor rejoins by subscribing to its subjects
 again. Every change of a child's state is reported to ``on_event`` and kept in ``events``."""
@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import json
 import logging
 import os
 import signal
@@ -19,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from shoal.bus.base import Bus, BusError
 from shoal.bus.codec import encode
 from shoal.bus.messages.control import ActorState, StatusEvent
@@ -26,7 +27,14 @@ from shoal.bus.subjects import Subjects
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+
+def _json(value: dict[str, Any]) -> str:
+    """Kwargs as JSON; msgspec structs (the deployment's config) become JSON objects."""
+    return msgspec.json.encode(value).decode()
+
+
+# The folder holding the ``shoal`` package (a checkout's root, or site-packages), for children.
+SHOAL_PARENT = Path(__file__).parents[2]
 
 
 @dataclass(frozen=True)
@@ -46,7 +54,7 @@ class ActorSpec:
         return [
             sys.executable, "-m", "shoal.bus.run_actor", "--target", self.target,
             "--bus", self.bus_url,
-            "--kwargs", json.dumps(self.kwargs), "--bus-options", json.dumps(self.bus_options),
+            "--kwargs", _json(self.kwargs), "--bus-options", _json(self.bus_options),
         ]  # fmt: skip
 
 
@@ -176,7 +184,7 @@ class Supervisor:
 
     async def _spawn(self, child: _Child) -> None:
         env = {**os.environ, **child.spec.env}
-        paths = [str(REPO_ROOT), os.getcwd(), env.get("PYTHONPATH", "")]
+        paths = [str(SHOAL_PARENT), os.getcwd(), env.get("PYTHONPATH", "")]
         env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
         child.proc = await asyncio.create_subprocess_exec(*child.spec.command(), env=env)
         await self._report(child, ChildState.RUNNING)

@@ -1,14 +1,23 @@
-"""The ``shoal`` command line's engine flags, in vLLM's spelling where they mean the same, and
-their translation into ``EngineArgs``."""
+"""The ``shoal`` command line's engine flags, in vLLM's spelling where they mean the same.
+
+Each flag's destination is the name of a ``ShoalConfig`` option and its default is read from
+that option's struct, so adding a flag means one ``_option`` line here, one config field and
+the code that uses it. ``config_from_namespace`` turns the parsed flags into the config.
+"""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
+from collections.abc import Callable
+from typing import Any
 
-from shoal.deploy.args import EngineArgs
+import msgspec
+
+from shoal.bus.messages.config import GROUPS, OPTION_GROUPS, ShoalConfig
+from shoal.deploy.deployment import build_config
 
 GIB = 1 << 30
+Group = argparse._ArgumentGroup
 
 
 def positive_int(text: str) -> int:
@@ -37,6 +46,32 @@ def memory_size(text: str) -> int:
     return int(value)
 
 
+def option_default(option: str) -> Any:
+    """The default of a config option, from its struct."""
+    struct = GROUPS[OPTION_GROUPS[option]]
+    info = msgspec.inspect.type_info(struct)
+    assert isinstance(info, msgspec.inspect.StructType)
+    field = next(f for f in info.fields if f.name == option)
+    return field.default
+
+
+def _option(
+    group: Group,
+    *flags: str,
+    dest: str,
+    help: str,
+    type: Callable[[str], Any] | None = None,
+    **extra: Any,
+) -> None:
+    """A flag for the config option ``dest``, with the option's default."""
+    default = option_default(dest)
+    if isinstance(default, bool):
+        extra.setdefault("action", argparse.BooleanOptionalAction)
+    elif type is not None:
+        extra["type"] = type
+    group.add_argument(*flags, dest=dest, default=default, help=help, **extra)
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine, KV cache, parallelism and bus flags."""
     _add_model_arguments(parser.add_argument_group("engine"))
@@ -45,112 +80,107 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     _add_bus_arguments(parser.add_argument_group("bus"))
 
 
-Group = argparse._ArgumentGroup
-
-
 def _add_model_arguments(g: Group) -> None:
-    g.add_argument(
+    _option(
+        g,
         "--dtype",
-        default="auto",
+        dest="dtype",
         choices=["auto", "float32", "float16", "bfloat16"],
         help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)",
     )
-    g.add_argument(
+    _option(
+        g,
         "--max-model-len",
+        dest="max_model_len",
         type=positive_int,
-        default=None,
         help="context length (default: the model's)",
     )
-    g.add_argument(
+    _option(
+        g,
         "--max-num-seqs",
+        dest="max_num_seqs",
         type=positive_int,
-        default=128,
         help="most requests running at once per engine core",
     )
-    g.add_argument(
+    _option(
+        g,
         "--max-num-batched-tokens",
+        dest="max_num_batched_tokens",
         type=positive_int,
-        default=2048,
         help="token budget of one step (prefill chunks plus decodes)",
     )
-    g.add_argument(
+    _option(
+        g,
         "--max-waiting-requests",
+        dest="max_waiting_requests",
         type=positive_int,
-        default=1024,
         help="queued requests per engine core before it answers 'overloaded' (503)",
     )
-    g.add_argument("--seed", type=int, default=0, help="random seed")
-    g.add_argument("--device", default="cpu", help="cpu, or cuda / cuda:N")  # fmt: skip
+    _option(
+        g,
+        "--scheduling-policy",
+        dest="policy",
+        choices=["fcfs", "priority"],
+        help="fcfs, or priority (lower value first; preempts the lowest priority)",
+    )
+    _option(g, "--seed", dest="seed", type=int, help="random seed")
+    _option(g, "--device", dest="device", help="cpu, or cuda / cuda:N")  # fmt: skip
 
 
 def _add_cache_arguments(g: Group) -> None:
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    g.add_argument(
+    _option(g, "--block-size", dest="block_size", type=positive_int, help="tokens per KV block")
+    _option(
+        g,
         "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
+        dest="enable_prefix_caching",
         help="reuse KV blocks of identical prompt prefixes",
     )
     size = g.add_mutually_exclusive_group()
-    size.add_argument(
+    _option(
+        size,
         "--kv-cache-memory",
+        dest="kv_cache_memory_bytes",
         type=memory_size,
-        default=None,
         help="KV cache size per worker, e.g. 2GiB",
     )
-    size.add_argument("--num-gpu-blocks-override", type=positive_int, default=None,
-                      help="exact number of KV blocks per worker")  # fmt: skip
+    _option(size, "--num-gpu-blocks-override", dest="num_gpu_blocks_override",
+            type=positive_int, help="exact number of KV blocks per worker")  # fmt: skip
 
 
 def _add_parallel_arguments(g: Group) -> None:
-    g.add_argument(
+    _option(
+        g,
         "--data-parallel-size",
         "-dp",
+        dest="data_parallel_size",
         type=positive_int,
-        default=1,
         help="engine cores, each with its own workers",
     )
-    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1,
-                   help="workers per engine core sharing each layer")  # fmt: skip
+    _option(g, "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=positive_int,
+            help="workers per engine core sharing each layer")  # fmt: skip
 
 
 def _add_bus_arguments(g: Group) -> None:
-    g.add_argument(
+    _option(
+        g,
         "--nats-url",
-        default=None,
+        dest="nats_url",
         help="join this NATS deployment (default: start an embedded nats-server)",
     )
-    g.add_argument(
+    _option(
+        g,
         "--bus",
-        default="nats",
+        dest="bus",
         choices=["nats", "memory"],
         help="nats: actors as processes; memory: everything in this process",
     )
-    g.add_argument("--namespace", default="shoal",
-                   help="subject prefix, so deployments can share a NATS cluster")  # fmt: skip
+    _option(g, "--namespace", dest="namespace",
+            help="subject prefix, so deployments can share a NATS cluster")  # fmt: skip
 
 
-def engine_args_from(ns: argparse.Namespace, model: str) -> EngineArgs:
-    """``EngineArgs`` from parsed flags; ``ValueError`` with a readable message if invalid."""
-    if not Path(model).is_dir():
-        raise ValueError(f"model directory not found: {model}")
-    return EngineArgs(
-        model=model,
-        served_model_name=getattr(ns, "served_model_name", None),
-        dtype=ns.dtype,
-        max_model_len=ns.max_model_len,
-        block_size=ns.block_size,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        enable_prefix_caching=ns.enable_prefix_caching,
-        kv_cache_memory=ns.kv_cache_memory,
-        num_gpu_blocks_override=ns.num_gpu_blocks_override,
-        data_parallel_size=ns.data_parallel_size,
-        tensor_parallel_size=ns.tensor_parallel_size,
-        seed=ns.seed,
-        max_waiting_requests=ns.max_waiting_requests,
-        nats_url=ns.nats_url,
-        bus=ns.bus,
-        namespace=ns.namespace,
-        device=ns.device,
-    )
+def config_from_namespace(ns: argparse.Namespace, model: str) -> ShoalConfig:
+    """The config from parsed flags (every config option among them); ``ValueError`` with a
+    readable message if invalid."""
+    options = {k: v for k, v in vars(ns).items() if k in OPTION_GROUPS}
+    options["model"] = model
+    return build_config(**options)

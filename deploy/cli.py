@@ -15,10 +15,9 @@ import runpy
 import signal
 import sys
 from pathlib import Path
-from typing import Any
 
-from shoal.deploy.args import EngineArgs
-from shoal.deploy.arguments import add_engine_arguments, engine_args_from
+from shoal.bus.messages.config import ShoalConfig
+from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 ACTOR_KINDS = ("worker", "engine", "gateway")
@@ -110,11 +109,11 @@ def _model_or_demo(model: str | None) -> str:
     return str(ensure_demo_model())
 
 
-def _engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> EngineArgs:
+def _config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ShoalConfig:
     if ns.model is None and getattr(ns, "served_model_name", None) is None:
         ns.served_model_name = DEMO_MODEL_NAME
     try:
-        return engine_args_from(ns, _model_or_demo(ns.model))
+        return config_from_namespace(ns, _model_or_demo(ns.model))
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
 
@@ -127,19 +126,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ns.command == "bench":
         return _run_bench(parser, ns.name, ns.bench_args)
-    args = _engine_args(parser, ns)
+    config = _config(parser, ns)
     if ns.command == "serve":
-        return asyncio.run(_serve(args, ns))
+        return asyncio.run(_serve(config, ns))
     if ns.command == "generate":
-        return _generate(args, ns)
-    return asyncio.run(_actor(parser, args, ns))
+        return _generate(config, ns)
+    return asyncio.run(_actor(parser, config, ns))
 
 
-async def _serve(args: EngineArgs, ns: argparse.Namespace) -> int:
+async def _serve(config: ShoalConfig, ns: argparse.Namespace) -> int:
     from shoal.deploy.local import HttpOptions, serve_local
 
     stop = _stop_on_signals()
-    await serve_local(args, HttpOptions(ns.host, ns.port, ns.api_key), stop)
+    await serve_local(config, HttpOptions(ns.host, ns.port, ns.api_key), stop)
     return 0
 
 
@@ -151,40 +150,39 @@ def _stop_on_signals() -> asyncio.Event:
     return stop
 
 
-def _generate(args: EngineArgs, ns: argparse.Namespace) -> int:
+def _generate(config: ShoalConfig, ns: argparse.Namespace) -> int:
     from shoal import LLM, SamplingParams
 
     try:
         params = SamplingParams(
-            max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p, seed=args.seed
+            max_tokens=ns.max_tokens,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            seed=config.model_config.seed,
         )
     except ValueError as exc:
         print(f"shoal generate: error: {exc}", file=sys.stderr)
         return 2
-    options = _llm_kwargs(args)
-    with LLM(options.pop("model"), **options) as llm:
+    with LLM(**config.replace(bus="memory").to_options()) as llm:
         output = llm.generate(ns.prompt, params, use_tqdm=False)[0]
     print(output.outputs[0].text)
     return 0
 
 
-def _llm_kwargs(args: EngineArgs) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return {**asdict(args), "bus": "memory"}
-
-
-async def _actor(parser: argparse.ArgumentParser, args: EngineArgs, ns: argparse.Namespace) -> int:
+async def _actor(
+    parser: argparse.ArgumentParser, config: ShoalConfig, ns: argparse.Namespace
+) -> int:
     from shoal.bus.run_actor import serve
     from shoal.deploy.actors import actor_target
 
-    if args.nats_url is None:
+    nats_url = config.bus_config.nats_url
+    if nats_url is None:
         parser.error("shoal actor needs --nats-url (the deployment's NATS servers)")
     try:
-        target, kwargs = actor_target(ns.kind, args, ns.actor_id, ns)
+        target, kwargs = actor_target(ns.kind, config, ns.actor_id, ns)
     except ValueError as exc:
         parser.error(str(exc))
-    await serve(target, args.nats_url, kwargs, {})
+    await serve(target, nats_url, kwargs, {})
     return 0
 
 

@@ -19,9 +19,9 @@ from typing import Any, TypeVar
 
 from shoal.bus import make_bus
 from shoal.bus.actor import Actor
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.deploy.args import EngineArgs
-from shoal.deploy.deployment import client_options, plan_actors, start_in_process, stop_in_process
+from shoal.deploy.deployment import build_config, plan_actors, start_in_process, stop_in_process
 from shoal.deploy.progress import ProgressBar
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.engine.client.outputs import RequestOutput
@@ -32,11 +32,11 @@ _llm_counter = itertools.count()
 
 
 class LLM:
-    """A model served in-process. Engine arguments use vLLM's names (see ``EngineArgs``)."""
+    """A model served in-process. Engine options use vLLM's names (any ``ShoalConfig`` option:
+    ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``, ...)."""
 
-    def __init__(self, model: str, *, startup_timeout_s: float = 600.0, **engine_args: Any) -> None:
-        engine_args.setdefault("bus", "memory")
-        self.args = EngineArgs(model=model, **engine_args)
+    def __init__(self, model: str, *, startup_timeout_s: float = 600.0, **options: Any) -> None:
+        self.config: ShoalConfig = build_config(model=model, **{"bus": "memory", **options})
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="shoal-llm", daemon=True
@@ -55,10 +55,10 @@ class LLM:
     async def _start(self, timeout_s: float) -> AsyncEngineClient:
         bus = make_bus(f"memory://llm-{next(_llm_counter)}-{uuid.uuid4().hex[:6]}")
         await bus.connect()
-        self._actors = await start_in_process(bus, plan_actors(self.args))
-        client = AsyncEngineClient(bus, **client_options(self.args))
+        self._actors = await start_in_process(bus, plan_actors(self.config))
+        client = AsyncEngineClient(bus, self.config)
         await client.start()
-        await client.wait_until_ready(timeout_s, self.args.data_parallel_size)
+        await client.wait_until_ready(timeout_s, self.config.parallel_config.data_parallel_size)
         return client
 
     def shutdown(self) -> None:

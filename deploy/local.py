@@ -20,12 +20,12 @@ from shoal.bus import connect_bus
 from shoal.bus.actor import Actor
 from shoal.bus.base import Bus, Msg
 from shoal.bus.codec import Codec, DecodeError
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import StatusEvent
 from shoal.bus.server import NatsServer
 from shoal.bus.subjects import Subjects
 from shoal.bus.supervisor import ActorSpec, ChildEvent, Supervisor
-from shoal.deploy.args import EngineArgs
-from shoal.deploy.deployment import client_options, plan_actors, start_in_process, stop_in_process
+from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.gateway.actor import GatewayActor
 
@@ -66,22 +66,24 @@ def _log_child(event: ChildEvent) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _nats_actors(args: EngineArgs, bus_url: str, bus: Bus) -> AsyncIterator[None]:
-    tp_inits = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(args.data_parallel_size)]
+async def _nats_actors(config: ShoalConfig, bus_url: str, bus: Bus) -> AsyncIterator[None]:
+    num_engines = config.parallel_config.data_parallel_size
+    tp_inits = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(num_engines)]
     specs = [
         ActorSpec(
             p.name, p.target, bus_url, p.kwargs, env={"SHOAL_LOG_LEVEL": _log_level()}, kind=p.kind
         )
-        for p in plan_actors(args, tp_init_methods=tp_inits)
+        for p in plan_actors(config, tp_init_methods=tp_inits)
     ]
-    supervisor = Supervisor(specs, on_event=_log_child, status_bus=bus, namespace=args.namespace)
+    namespace = config.bus_config.namespace
+    supervisor = Supervisor(specs, on_event=_log_child, status_bus=bus, namespace=namespace)
     async with supervisor:
         yield
 
 
 @contextlib.asynccontextmanager
-async def _memory_actors(args: EngineArgs, bus: Bus) -> AsyncIterator[None]:
-    actors: list[Actor] = await start_in_process(bus, plan_actors(args))
+async def _memory_actors(config: ShoalConfig, bus: Bus) -> AsyncIterator[None]:
+    actors: list[Actor] = await start_in_process(bus, plan_actors(config))
     try:
         yield
     finally:
@@ -89,11 +91,12 @@ async def _memory_actors(args: EngineArgs, bus: Bus) -> AsyncIterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def _bus_url(args: EngineArgs) -> AsyncIterator[str]:
-    if args.bus == "memory":
+async def _bus_url(config: ShoalConfig) -> AsyncIterator[str]:
+    bus_config = config.bus_config
+    if bus_config.bus == "memory":
         yield "memory://local"
-    elif args.nats_url:
-        yield args.nats_url
+    elif bus_config.nats_url:
+        yield bus_config.nats_url
     else:
         server = NatsServer()
         server.start()  # on this thread: the server's PDEATHSIG follows the starting thread
@@ -106,45 +109,45 @@ async def _bus_url(args: EngineArgs) -> AsyncIterator[str]:
 
 
 async def serve_local(
-    args: EngineArgs, http: HttpOptions, stop: asyncio.Event, *, ready_timeout_s: float = 600
+    config: ShoalConfig, http: HttpOptions, stop: asyncio.Event, *, ready_timeout_s: float = 600
 ) -> None:
     """Run the deployment until ``stop`` is set."""
     async with contextlib.AsyncExitStack() as stack:
-        url = await stack.enter_async_context(_bus_url(args))
+        url = await stack.enter_async_context(_bus_url(config))
         bus = await connect_bus(url)
         stack.push_async_callback(bus.close)
-        await bus.subscribe(Subjects(args.namespace).status("*"), _log_status)
-        if args.bus == "memory":
-            await stack.enter_async_context(_memory_actors(args, bus))
+        await bus.subscribe(Subjects(config.bus_config.namespace).status("*"), _log_status)
+        if config.bus_config.bus == "memory":
+            await stack.enter_async_context(_memory_actors(config, bus))
         else:
-            await stack.enter_async_context(_nats_actors(args, url, bus))
-        client = await AsyncEngineClient(bus, **client_options(args)).start()
+            await stack.enter_async_context(_nats_actors(config, url, bus))
+        client = await AsyncEngineClient(bus, config).start()
         stack.push_async_callback(client.close)
-        await _wait_ready(client, args, stop, ready_timeout_s)
+        await _wait_ready(client, config, stop, ready_timeout_s)
         if stop.is_set():
             return
         gateway = GatewayActor(
             bus,
             "gateway-0",
+            config=config,
             engine_client=client,
             host=http.host,
             port=http.port,
             api_key=http.api_key,
-            served_model_name=args.model_name,
-            namespace=args.namespace,
         )
         await gateway.start()
         stack.push_async_callback(gateway.stop)
         assert gateway.http is not None
-        log.info("shoal is serving %s on %s", args.model_name, gateway.http.url)
+        log.info("shoal is serving %s on %s", client.model_name, gateway.http.url)
         await stop.wait()
         log.info("shutting down")
 
 
 async def _wait_ready(
-    client: AsyncEngineClient, args: EngineArgs, stop: asyncio.Event, timeout_s: float
+    client: AsyncEngineClient, config: ShoalConfig, stop: asyncio.Event, timeout_s: float
 ) -> None:
-    waiting = asyncio.create_task(client.wait_until_ready(timeout_s, args.data_parallel_size))
+    num_engines = config.parallel_config.data_parallel_size
+    waiting = asyncio.create_task(client.wait_until_ready(timeout_s, num_engines))
     stopping = asyncio.create_task(stop.wait())
     done, pending = await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:

@@ -2,9 +2,8 @@
 ``/metrics``, started and drained together. Several may run at once behind a load balancer (the
 NATS API is a queue group); in local mode it runs as a task beside the other actors.
 
-As a process: ``python -m shoal.bus.run_actor --target shoal.gateway.actor:GatewayActor
---bus nats://... --kwargs '{"actor_id": "gw-0", "port": 8000,
-"engine_factory": "shoal.engine.client.engine_client:make_client"}'``.
+As a process (``shoal actor gateway``), it builds its own engine client from the deployment's
+config with ``engine_factory`` (by default ``AsyncEngineClient`` over the bus).
 """
 
 from __future__ import annotations
@@ -18,14 +17,16 @@ from typing import Any, cast
 from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus, Msg
 from shoal.bus.codec import Codec
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import EngineStats
-from shoal.engine.client.interface import EngineClient
+from shoal.engine.client.interface import EngineClientInterface
 from shoal.gateway.app import create_app
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.nats_api import NatsApi
 from shoal.gateway.server import HttpServer, start_http_server
 
 log = logging.getLogger(__name__)
+DEFAULT_ENGINE_FACTORY = "shoal.engine.client.engine_client:make_client"
 
 
 def load_engine_factory(target: str) -> Any:
@@ -40,10 +41,10 @@ class GatewayActor(Actor):
     """Serves HTTP on ``host:port`` and the NATS API, for one engine client.
 
     ``/metrics`` gets engine-core figures from the client's ``stats_listeners`` when it has
-    them (``engine.client.AsyncEngineClient`` does), else from the engine stats subject.
+    them (``AsyncEngineClient`` does), else from the engine stats subject.
 
-    Give ``engine_client`` (in-process), or ``engine_factory`` (``"module:callable"``, called as
-    ``factory(bus, **engine_options)``, may be async) when running as a process.
+    Give ``engine_client`` (in-process), or the deployment's ``config``: the client is then
+    built as ``engine_factory(bus, config)`` (``"module:callable"``, may be async).
     """
 
     kind = "gateway"
@@ -53,25 +54,26 @@ class GatewayActor(Actor):
         bus: Bus,
         actor_id: str,
         *,
-        engine_client: EngineClient | None = None,
-        engine_factory: str | None = None,
-        engine_options: dict[str, Any] | None = None,
+        config: ShoalConfig | None = None,
+        engine_client: EngineClientInterface | None = None,
+        engine_factory: str = DEFAULT_ENGINE_FACTORY,
         host: str = "127.0.0.1",
         port: int = 8000,
         api_key: str | None = None,
-        served_model_name: str | None = None,
         enable_nats_api: bool = True,
         **actor_options: Any,
     ) -> None:
+        if engine_client is None and config is None:
+            raise ValueError("give engine_client or the deployment's config")
+        if config is not None:
+            actor_options.setdefault("namespace", config.bus_config.namespace)
         super().__init__(bus, actor_id, **actor_options)
-        if engine_client is None and engine_factory is None:
-            raise ValueError("give engine_client or engine_factory")
-        self.engine: EngineClient | None = engine_client
+        self.engine: EngineClientInterface | None = engine_client
+        self.owns_engine = engine_client is None
+        self.config = config
         self.engine_factory = engine_factory
-        self.engine_options = engine_options or {}
         self.host, self.port = host, port
         self.api_key = api_key
-        self.served_model_name = served_model_name
         self.enable_nats_api = enable_nats_api
         self.metrics: Metrics | None = None
         self.http: HttpServer | None = None
@@ -93,10 +95,10 @@ class GatewayActor(Actor):
     async def on_start(self) -> None:
         engine = self.engine
         if engine is None:
-            built = load_engine_factory(self.engine_factory or "")(self.bus, **self.engine_options)
+            built = load_engine_factory(self.engine_factory)(self.bus, self.config)
             engine = await built if inspect.isawaitable(built) else built
             self.engine = engine
-        name = self.served_model_name or engine.model_name
+        name = engine.model_name
         self.metrics = Metrics(name, max_model_len=engine.max_model_len)
         if self._engine_reports_stats():
             cast(Any, engine).stats_listeners.append(self.metrics.update_engine_stats)
@@ -122,7 +124,7 @@ class GatewayActor(Actor):
             listeners = cast(Any, self.engine).stats_listeners
             if self.metrics.update_engine_stats in listeners:
                 listeners.remove(self.metrics.update_engine_stats)
-        if self.engine is not None and self.engine_factory is not None:
+        if self.engine is not None and self.owns_engine:
             close = getattr(self.engine, "close", None)
             if close is not None:
                 result = close()

@@ -1,7 +1,7 @@
 """The aiohttp application: routes, Bearer auth on ``/v1/*``, and the error middleware that
 turns every failure into an OpenAI-shaped error body (and never takes the server down).
 
-``create_app`` takes any ``EngineClient``; ``gateway.server`` runs the app on a socket.
+``create_app`` takes any ``EngineClientInterface``; ``gateway.server`` runs the app on a socket.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from shoal.engine.client.interface import EngineClient
+from shoal.engine.client.interface import EngineClientInterface
 from shoal.gateway.chat import create_chat_completion
 from shoal.gateway.completions import create_completion
 from shoal.gateway.errors import ApiError, bad_request, internal_error
@@ -37,7 +37,7 @@ _ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_l
 
 
 def create_app(
-    engine_client: EngineClient,
+    engine_client: EngineClientInterface,
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,

@@ -16,7 +16,7 @@ from typing import Any
 
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.interface import (
-    EngineClient,
+    EngineClientInterface,
     EngineUnavailableError,
     RequestValidationError,
 )
@@ -47,7 +47,7 @@ class Generation:
 
     def __init__(
         self,
-        engine: EngineClient,
+        engine: EngineClientInterface,
         prompts: Sequence[Prompt],
         params: Sequence[SamplingParams],
         request_id: str,

@@ -31,7 +31,7 @@ from shoal.bus.base import (
     Subscription,
 )
 from shoal.bus.subjects import Subjects
-from shoal.engine.client.interface import EngineClient
+from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import RequestOutput
 from shoal.gateway.errors import ApiError, internal_error, unavailable
 from shoal.gateway.generation import Generation
@@ -66,7 +66,7 @@ class NatsApi:
     def __init__(
         self,
         bus: Bus,
-        engine: EngineClient,
+        engine: EngineClientInterface,
         *,
         subjects: Subjects | None = None,
         served_model_name: str | None = None,

@@ -9,7 +9,7 @@ import msgspec
 
 from shoal.bus.base import Msg
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
-from shoal.engine.client.interface import EngineClient
+from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import CompletionOutput
 from shoal.gateway.errors import ApiError, bad_request, from_decode_error, from_value_error
 from shoal.gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest
@@ -60,7 +60,7 @@ def check_model(request: GenerateRequest, served_model_name: str) -> None:
         raise ApiError(404, message, code="model_not_found", param="model")
 
 
-def request_prompt(request: GenerateRequest, engine: EngineClient) -> Prompt:
+def request_prompt(request: GenerateRequest, engine: EngineClientInterface) -> Prompt:
     """The one prompt of a request: text, token ids, or chat messages through the template."""
     sources = (request.prompt, request.prompt_token_ids, request.messages)
     if sum(source is not None for source in sources) != 1:

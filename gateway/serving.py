@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
-from shoal.engine.client.interface import EngineClient
+from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import CompletionOutput, RequestOutput
 from shoal.gateway.errors import ApiError, from_decode_error, internal_error, unavailable
 from shoal.gateway.generation import Generation
@@ -31,7 +31,7 @@ SSE_HEADERS = {
 
 @dataclass(slots=True)
 class ServingContext:
-    engine: EngineClient
+    engine: EngineClientInterface
     served_model_name: str
     metrics: Metrics
 

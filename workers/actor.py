@@ -29,6 +29,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus, BusError, Msg
 from shoal.bus.codec import Codec, encode
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.worker import (
     DescribeWorker,
@@ -99,8 +100,8 @@ def execute_or_explain(runner: StepRunner, step: ExecuteStep) -> StepResult:
 
 
 class WorkerActor(Actor):
-    """Serves one model runner. Built from JSON-able kwargs (``python -m bus.run_actor``) with
-    ``model_dir`` and ``runner_options``, or, in tests and embedded use, with ``runner``."""
+    """Serves one model runner: tensor-parallel rank ``tp_rank`` of the deployment ``config``
+    (built and loaded in ``on_start``), or, in tests and embedded use, an injected ``runner``."""
 
     kind: ClassVar[str] = "worker"
 
@@ -109,30 +110,32 @@ class WorkerActor(Actor):
         bus: Bus,
         worker_id: str,
         *,
-        model_dir: str | None = None,
-        runner_options: dict[str, Any] | None = None,
+        config: ShoalConfig | None = None,
+        tp_rank: int = 0,
+        tp_init_method: str | None = None,
         runner: StepRunner | None = None,
         engine_id: str | None = None,
-        namespace: str = "shoal",
+        namespace: str | None = None,
         heartbeat_interval_s: float = 1.0,
         drain_timeout_s: float = 30.0,
     ) -> None:
+        if runner is None and config is None:
+            raise ValueError("WorkerActor needs a config or a runner")
         super().__init__(
             bus,
             worker_id,
-            namespace=namespace,
+            namespace=namespace or (config.bus_config.namespace if config else "shoal"),
             heartbeat_interval_s=heartbeat_interval_s,
             drain_timeout_s=drain_timeout_s,
         )
-        if runner is None and model_dir is None:
-            raise ValueError("WorkerActor needs a model_dir or a runner")
         self.worker_id = worker_id
         self.engine_id = engine_id
         self.incarnation = uuid.uuid4().hex
         self.runner: StepRunner | None = runner
         self.facts: RunnerFacts | None = None
-        self._model_dir = model_dir
-        self._runner_options = dict(runner_options or {})
+        self.config = config
+        self.tp_rank = tp_rank
+        self.tp_init_method = tp_init_method
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{worker_id}")
         self._codec: Codec[WorkerInbound] = Codec(WorkerInbound)
         self.num_steps = 0
@@ -234,8 +237,8 @@ class WorkerActor(Actor):
     def _build_runner(self) -> StepRunner:
         from shoal.workers.model_runner import ModelRunner  # heavy imports only where a model runs
 
-        assert self._model_dir is not None
-        return ModelRunner(self._model_dir, **self._runner_options)
+        assert self.config is not None
+        return ModelRunner(self.config, tp_rank=self.tp_rank, tp_init_method=self.tp_init_method)
 
     def _require_runner(self) -> StepRunner:
         if self.runner is None:

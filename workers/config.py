@@ -75,7 +75,7 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class CheckpointConfig:
     """What a shoal model definition needs to know about a checkpoint."""
 
     architecture: str
@@ -102,14 +102,14 @@ class ModelConfig:
     bos_token_id: int | None
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+    def from_dir(cls, model_dir: str | Path) -> CheckpointConfig:
         path = Path(model_dir)
         raw = _read_json(path / "config.json", required=True)
         gen = _read_json(path / "generation_config.json", required=False)
         return cls.from_dicts(raw, gen)
 
     @classmethod
-    def from_dicts(cls, raw: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
+    def from_dicts(cls, raw: dict[str, Any], gen: dict[str, Any] | None = None) -> CheckpointConfig:
         archs = raw.get("architectures") or []
         if not archs:
             raise ModelConfigError("config.json has no 'architectures' entry")

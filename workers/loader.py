@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shoal.workers.config import ModelConfig, ModelConfigError
+from shoal.workers.config import CheckpointConfig, ModelConfigError
 from shoal.workers.models import MOE_ARCHITECTURES, DecoderForCausalLM, model_class_for
 from shoal.workers.parallel import TPContext
 
@@ -126,7 +126,7 @@ def iter_checkpoint(
 
 
 def build_model(
-    cfg: ModelConfig,
+    cfg: CheckpointConfig,
     *,
     dtype: torch.dtype,
     device: str | torch.device,
@@ -151,10 +151,10 @@ def load_model(
     tp: TPContext | None = None,
     max_positions: int | None = None,
     progress: bool | None = None,
-) -> tuple[DecoderForCausalLM, ModelConfig]:
+) -> tuple[DecoderForCausalLM, CheckpointConfig]:
     """Build the model for ``model_dir``'s architecture and fill every parameter from disk."""
     path = Path(model_dir)
-    cfg = ModelConfig.from_dir(path)
+    cfg = CheckpointConfig.from_dir(path)
     model = build_model(
         cfg,
         dtype=dtype,

@@ -16,9 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.worker import ExecuteStep, StepResult
-from shoal.workers.config import ModelConfig, parse_dtype
+from shoal.workers.config import CheckpointConfig, parse_dtype
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shoal.workers.layers.attention import AttentionMetadata
@@ -55,36 +56,23 @@ class StepTimings:
 class ModelRunner:
     def __init__(
         self,
-        model_dir: str | Path,
+        config: ShoalConfig,
         *,
-        dtype: str | torch.dtype = "float32",
-        device: str = "cpu",
-        num_blocks: int | None = None,
-        kv_cache_memory_bytes: int | None = None,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
         tp_rank: int = 0,
-        tp_size: int = 1,
-        seed: int = 0,
-        progress: bool | None = None,
         tp_init_method: str | None = None,
+        progress: bool | None = None,
     ) -> None:
-        """``tp_init_method`` (``tcp://host:port``, the same on every rank) joins the
+        """Serves ``config.model_config.model`` as tensor-parallel rank ``tp_rank``.
+        ``tp_init_method`` (``tcp://host:port``, the same on every rank) joins the
         tensor-parallel group in ``load`` unless the process already joined one."""
-        self.model_dir = Path(model_dir)
-        self.dtype = parse_dtype(dtype)
-        self.device = torch.device(device)
-        self.requested_num_blocks = num_blocks
-        self.kv_cache_memory_bytes = kv_cache_memory_bytes
-        self.block_size = block_size
-        self.requested_max_model_len = max_model_len
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.tp = TPContext(rank=tp_rank, size=tp_size)
+        self.config = config
+        self.model_dir = Path(config.model_config.model)
+        self.dtype = parse_dtype(config.model_config.resolved_dtype)
+        self.device = torch.device(config.model_config.device)
+        self.block_size = config.cache_config.block_size
+        self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
+        self.tp = TPContext(rank=tp_rank, size=config.parallel_config.tensor_parallel_size)
         self.tp_init_method = tp_init_method
-        self.seed = seed
         self.progress = progress
         self.timings = StepTimings()
         self.facts: ModelFacts | None = None
@@ -95,10 +83,10 @@ class ModelRunner:
 
     def load(self) -> ModelFacts:
         """Load the weights, allocate the KV cache, and return the model's facts."""
-        torch.manual_seed(self.seed)
+        torch.manual_seed(self.config.model_config.seed)
         if self.tp.size > 1:
             self._join_tp_group()
-        cfg = ModelConfig.from_dir(self.model_dir)
+        cfg = CheckpointConfig.from_dir(self.model_dir)
         max_model_len = self._max_model_len(cfg)
         model, cfg = load_model(
             self.model_dir,
@@ -116,7 +104,7 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             dtype=self.dtype,
         )
-        num_blocks = self.requested_num_blocks or num_blocks_for_budget(
+        num_blocks = self.config.cache_config.num_gpu_blocks_override or num_blocks_for_budget(
             self._kv_budget_bytes(), block_bytes
         )
         self.kv_cache = KVCache.allocate(
@@ -132,9 +120,11 @@ class ModelRunner:
             model.attention_layers(), self.kv_cache.k, self.kv_cache.v, strict=True
         ):
             layer.bind_cache(k, v)
-        self._model, self.config = model, cfg
+        self._model, self.checkpoint_config = model, cfg
         self.batch = InputBatch(
-            max_num_reqs=self.max_num_seqs, max_model_len=max_model_len, block_size=self.block_size
+            max_num_reqs=self.config.scheduler_config.max_num_seqs,
+            max_model_len=max_model_len,
+            block_size=self.block_size,
         )
         self.sampling = SamplingBatch(cfg.vocab_size, self.device)
         self.facts = ModelFacts(
@@ -158,22 +148,22 @@ class ModelRunner:
             self.tp.rank, self.tp.size, self.tp_init_method, device=str(self.device)
         )
 
-    def _max_model_len(self, cfg: ModelConfig) -> int:
+    def _max_model_len(self, cfg: CheckpointConfig) -> int:
         limit = cfg.max_position_embeddings
         if cfg.sliding_window:  # attention here is full: stay inside the window
             limit = min(limit, cfg.sliding_window)
-        if self.requested_max_model_len is None:
+        requested = self.config.model_config.max_model_len
+        if requested is None:
             return limit
-        if self.requested_max_model_len > limit:
+        if requested > limit:
             raise ValueError(
-                f"max_model_len={self.requested_max_model_len} exceeds the model's "
-                f"limit of {limit} positions"
+                f"max_model_len={requested} exceeds the model's limit of {limit} positions"
             )
-        return self.requested_max_model_len
+        return requested
 
     def _kv_budget_bytes(self) -> int:
-        if self.kv_cache_memory_bytes is not None:
-            return self.kv_cache_memory_bytes
+        if self.config.cache_config.kv_cache_memory_bytes is not None:
+            return self.config.cache_config.kv_cache_memory_bytes
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * 0.8)

@@ -17,11 +17,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus, BusError, Msg
 from shoal.bus.codec import Codec, encode
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.engine import (
     AbortRequest,
@@ -33,7 +34,6 @@ from shoal.bus.messages.engine import (
     SchedulerStats,
 )
 from shoal.engine.actor.worker_link import WorkerFailure, WorkerLink
-from shoal.engine.core.config import CacheConfig, SchedulerConfig
 from shoal.engine.core.engine_core import ClientOutputs, EngineCore, merge_outputs
 
 log = logging.getLogger(__name__)
@@ -47,36 +47,20 @@ class EngineCoreActor(Actor):
         bus: Bus,
         engine_id: str,
         *,
+        config: ShoalConfig,
         worker_ids: Sequence[str],
-        namespace: str = "shoal",
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        policy: str = "fcfs",
-        num_blocks_override: int | None = None,
-        max_waiting_requests: int = 1024,
-        step_timeout_s: float = 120.0,
-        worker_dead_after_s: float = 5.0,
         startup_timeout_s: float = 600.0,
         stats_interval_s: float = 0.05,
         heartbeat_interval_s: float = 1.0,
     ) -> None:
         super().__init__(
-            bus, engine_id, namespace=namespace, heartbeat_interval_s=heartbeat_interval_s
+            bus,
+            engine_id,
+            namespace=config.bus_config.namespace,
+            heartbeat_interval_s=heartbeat_interval_s,
         )
         self.engine_id = engine_id
-        self.options: dict[str, Any] = {
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-            "max_model_len": max_model_len,
-            "block_size": block_size,
-            "enable_prefix_caching": enable_prefix_caching,
-            "policy": policy,
-            "num_blocks_override": num_blocks_override,
-        }
-        self.max_waiting_requests = max_waiting_requests
+        self.config = config
         self.startup_timeout_s = startup_timeout_s
         self.stats_interval_s = stats_interval_s
         self.workers = WorkerLink(
@@ -84,8 +68,8 @@ class EngineCoreActor(Actor):
             self.subjects,
             engine_id,
             worker_ids,
-            dead_after_s=worker_dead_after_s,
-            step_timeout_s=step_timeout_s,
+            dead_after_s=config.parallel_config.worker_dead_after_s,
+            step_timeout_s=config.parallel_config.step_timeout_s,
         )
         self.core: EngineCore | None = None
         self.num_blocks = 0
@@ -127,34 +111,23 @@ class EngineCoreActor(Actor):
 
     async def _connect_workers(self) -> None:
         infos = await self.workers.handshake(self.startup_timeout_s)
-        num_blocks = self.options["num_blocks_override"] or min(i.num_blocks for i in infos)
+        num_blocks = self.config.cache_config.num_gpu_blocks_override or min(
+            i.num_blocks for i in infos
+        )
         max_model_len = min(i.max_model_len for i in infos)
-        if self.options["max_model_len"]:
-            max_model_len = min(max_model_len, self.options["max_model_len"])
+        if self.config.model_config.max_model_len:
+            max_model_len = min(max_model_len, self.config.model_config.max_model_len)
         shape = (num_blocks, max_model_len)
         if self.core is None or shape != (self.num_blocks, self.max_model_len):
-            self.core = self._build_core(num_blocks, max_model_len)
+            self.core = EngineCore(
+                self.config.scheduler_config,
+                self.config.cache_config,
+                num_blocks=num_blocks,
+                max_model_len=max_model_len,
+            )
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
         log.info(
             "engine %s: %d workers ready, %d KV blocks", self.engine_id, len(infos), num_blocks
-        )
-
-    def _build_core(self, num_blocks: int, max_model_len: int) -> EngineCore:
-        o = self.options
-        scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=max(o["max_num_batched_tokens"], 1),
-            max_num_seqs=o["max_num_seqs"],
-            max_model_len=max_model_len,
-            policy=o["policy"],
-        )
-        cache_config = CacheConfig(
-            block_size=o["block_size"], enable_prefix_caching=o["enable_prefix_caching"]
-        )
-        return EngineCore(
-            scheduler_config,
-            cache_config,
-            num_blocks=num_blocks,
-            max_waiting_requests=self.max_waiting_requests,
         )
 
     def load(self) -> dict[str, float]:
@@ -274,7 +247,7 @@ class EngineCoreActor(Actor):
             time.time(),
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,
-            block_size=self.options["block_size"],
+            block_size=self.config.cache_config.block_size,
         )
         try:
             await self.bus.publish(self.subjects.engine_stats(self.engine_id), encode(stats))

@@ -21,6 +21,7 @@ from typing import Any
 
 from shoal.bus.base import Bus, BusError, Msg, Subscription
 from shoal.bus.codec import Codec, DecodeError, encode
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ControlEvent, Heartbeat, StatusEvent
 from shoal.bus.messages.engine import (
     AbortRequest,
@@ -51,25 +52,23 @@ StatsListener = Callable[[SchedulerStats, str], None]
 
 
 class AsyncEngineClient:
-    """Implements ``engine.protocol.EngineClient`` over the bus."""
+    """Implements ``engine.client.interface.EngineClientInterface`` over the bus."""
 
     def __init__(
         self,
         bus: Bus,
-        model_dir: str,
+        config: ShoalConfig,
         *,
-        served_model_name: str | None = None,
-        max_model_len: int | None = None,
-        namespace: str = "shoal",
         client_id: str | None = None,
         engine_stale_after_s: float = 10.0,
     ) -> None:
         self.bus = bus
-        self.model_dir = model_dir
-        self.subjects = Subjects(namespace)
+        model = config.model_config
+        self.model_dir = model.model
+        self.subjects = Subjects(config.bus_config.namespace)
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
-        self._model_name = served_model_name or model_dir
-        self._max_model_len = max_model_len or read_max_model_len(Path(model_dir))
+        self._model_name = model.name
+        self._max_model_len = model.max_model_len or read_max_model_len(Path(model.model))
         self.router = EngineRouter(engine_stale_after_s)
         self.stats_listeners: list[StatsListener] = []
         self._tokenizer: Tokenizer | None = None
@@ -126,7 +125,7 @@ class AsyncEngineClient:
                 )
             await asyncio.sleep(0.05)
 
-    # ----- EngineClient protocol
+    # ----- EngineClientInterface protocol
 
     @property
     def model_name(self) -> str:
@@ -365,7 +364,6 @@ class AsyncEngineClient:
                         collector.put(output)
 
 
-async def make_client(bus: Bus, **options: Any) -> AsyncEngineClient:
-    """Factory for ``GatewayActor(engine_factory=...)``: ``"shoal.engine.client.engine_client:
-    make_client"``."""
-    return await AsyncEngineClient(bus, **options).start()
+async def make_client(bus: Bus, config: ShoalConfig) -> AsyncEngineClient:
+    """A started client: the gateway actor's default engine factory."""
+    return await AsyncEngineClient(bus, config).start()

@@ -25,7 +25,7 @@ class RequestValidationError(ValueError):
         self.param = param
 
 
-class EngineClient(Protocol):
+class EngineClientInterface(Protocol):
     """What a front end needs from the engine."""
 
     @property

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
@@ -22,7 +23,6 @@ from shoal.bus.messages.engine import (
     SchedulerStats,
 )
 from shoal.bus.messages.worker import StepResult
-from shoal.engine.core.config import CacheConfig, SchedulerConfig
 from shoal.engine.core.request import Request, RequestStatus
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.scheduler_output import SchedulerOutput
@@ -47,10 +47,12 @@ class EngineCore:
         cache_config: CacheConfig,
         *,
         num_blocks: int,
-        max_waiting_requests: int = 1024,
+        max_model_len: int,
     ) -> None:
-        self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks=num_blocks)
-        self.max_waiting_requests = max_waiting_requests
+        self.scheduler = Scheduler(
+            scheduler_config, cache_config, num_blocks=num_blocks, max_model_len=max_model_len
+        )
+        self.max_waiting_requests = scheduler_config.max_waiting_requests
         self._inputs: deque[AddRequest | AbortRequest] = deque()
         self._pending_aborts: set[str] = set()
         self._num_pending_adds = 0

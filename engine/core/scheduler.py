@@ -30,10 +30,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import RequestOutput, SchedulerStats
 from shoal.bus.messages.worker import StepResult
 from shoal.engine.core.block_hash import BlockHasher
-from shoal.engine.core.config import CacheConfig, SchedulerConfig
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.request_queue import make_request_queue
@@ -50,14 +50,22 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         *,
+        max_model_len: int,
         num_blocks: int | None = None,
     ) -> None:
+        """``max_model_len`` and ``num_blocks`` are what the workers reported (the block
+        count defaults to ``cache_config.num_gpu_blocks_override``)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        num_blocks = num_blocks if num_blocks is not None else cache_config.resolved_num_blocks
+        num_blocks = num_blocks or cache_config.num_gpu_blocks_override
+        if num_blocks is None:
+            raise ValueError(
+                "num_gpu_blocks is not known yet: size the KV cache or set an override"
+            )
+        _check_token_budget(scheduler_config, max_model_len)
         self.num_blocks = num_blocks
         self.block_size = cache_config.block_size
-        self.max_model_len = scheduler_config.max_model_len
+        self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
             num_blocks, self.block_size, cache_config.enable_prefix_caching
         )
@@ -326,6 +334,15 @@ class Scheduler:
             num_prompt_tokens=updater.num_prompt_tokens,
             num_generation_tokens=updater.num_generation_tokens,
             step_id=self.step_id,
+        )
+
+
+def _check_token_budget(config: SchedulerConfig, max_model_len: int) -> None:
+    """Without chunked prefill a whole prompt must fit in one step."""
+    if not config.enable_chunked_prefill and config.token_budget < max_model_len:
+        raise ValueError(
+            f"max_num_batched_tokens (and max_num_scheduled_tokens) must be at least "
+            f"max_model_len={max_model_len} when chunked prefill is off, got {config.token_budget}"
         )
 
 

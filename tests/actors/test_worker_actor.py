@@ -220,6 +220,6 @@ async def test_a_runner_that_fails_to_load_marks_the_worker_dead() -> None:
     await h.actor.bus.close()
 
 
-def test_a_worker_needs_a_model_or_a_runner() -> None:
-    with pytest.raises(ValueError, match="model_dir or a runner"):
+def test_a_worker_needs_a_config_or_a_runner() -> None:
+    with pytest.raises(ValueError, match="config or a runner"):
         WorkerActor(InMemoryBus(), "w0")

@@ -11,6 +11,7 @@ import pytest
 from shoal.bus.actor import call
 from shoal.bus.codec import Codec
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import (
     CachedRequestData,
@@ -69,8 +70,12 @@ async def served(tiny_checkpoint: Callable[..., Path]) -> AsyncIterator[tuple[En
     actor = WorkerActor(
         InMemoryBus(broker),
         "w0",
-        model_dir=str(model_dir),
-        runner_options={"num_blocks": 16, "block_size": BLOCK_SIZE, "max_num_seqs": 4},
+        config=ShoalConfig.from_options(
+            model=str(model_dir),
+            num_gpu_blocks_override=16,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=4,
+        ),
         heartbeat_interval_s=0.05,
     )
     engine_bus = InMemoryBus(broker)

@@ -7,11 +7,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
 from shoal.workers.model_runner import ModelRunner
 
 MAX_STEPS = 2000
+
+
+def make_runner(
+    model_dir: object,
+    *,
+    num_blocks: int | None = None,
+    tp_rank: int = 0,
+    tp_init_method: str | None = None,
+    **options: object,
+) -> ModelRunner:
+    """A runner (not loaded) for ``model_dir`` with ``num_blocks`` KV blocks and any other
+    config options (``block_size``, ``dtype``, ``max_model_len``, ...)."""
+    config = ShoalConfig.from_options(
+        model=str(model_dir), num_gpu_blocks_override=num_blocks, **options
+    )
+    return ModelRunner(config, tp_rank=tp_rank, tp_init_method=tp_init_method)
 
 
 def greedy(max_tokens: int, **kwargs: object) -> SamplingParams:
@@ -92,19 +109,16 @@ def generate_with_scheduler(
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
 ) -> SchedulerRun:
-    """Run every prompt to completion through ``engine.scheduler.Scheduler``."""
-    from shoal.engine.core.config import CacheConfig, SchedulerConfig
+    """Run every prompt to completion through ``engine.core.scheduler.Scheduler``."""
+    from shoal.bus.messages.config import CacheConfig, SchedulerConfig
     from shoal.engine.core.request import Request
     from shoal.engine.core.scheduler import Scheduler
 
     scheduler = Scheduler(
-        SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-        ),
+        SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks=num_blocks,
+        max_model_len=max_model_len,
     )
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         scheduler.add_request(

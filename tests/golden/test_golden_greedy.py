@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.workers.model_runner import ModelRunner
 from tests.fixtures.models import VARIANTS, make_prompts
-from tests.golden.driver import generate_by_hand, generate_with_scheduler, greedy
+from tests.golden.driver import generate_by_hand, generate_with_scheduler, greedy, make_runner
 
 MAX_NEW = 12
 BLOCK = 4
@@ -17,7 +16,7 @@ BLOCK = 4
 def test_batch_matches_transformers(variant, tiny_checkpoint, hf_reference):
     model_dir = tiny_checkpoint(variant)
     prompts = make_prompts()
-    runner = ModelRunner(model_dir, num_blocks=128, block_size=BLOCK)
+    runner = make_runner(model_dir, num_blocks=128, block_size=BLOCK)
     runner.load()
     ours = generate_by_hand(runner, prompts, MAX_NEW, BLOCK)
     assert ours == hf_reference(model_dir, prompts, MAX_NEW)
@@ -29,7 +28,7 @@ def test_chunked_prefill_through_scheduler(variant, tiny_checkpoint, hf_referenc
     """A 24-token budget splits the longer prompts over several steps (partial prefills)."""
     model_dir = tiny_checkpoint(variant)
     prompts = make_prompts()
-    runner = ModelRunner(model_dir, num_blocks=128, block_size=BLOCK)
+    runner = make_runner(model_dir, num_blocks=128, block_size=BLOCK)
     runner.load()
     run = generate_with_scheduler(
         runner,
@@ -50,7 +49,7 @@ def test_prefix_cache_hits(variant, tiny_checkpoint, hf_reference):
     model_dir = tiny_checkpoint(variant)
     prefix = make_prompts([3 * BLOCK], seed=7)[0]
     prompts = make_prompts(prefix=prefix)
-    runner = ModelRunner(model_dir, num_blocks=128, block_size=BLOCK)
+    runner = make_runner(model_dir, num_blocks=128, block_size=BLOCK)
     runner.load()
     run = generate_with_scheduler(
         runner,
@@ -71,7 +70,7 @@ def test_preemption_with_tiny_kv_pool(variant, tiny_checkpoint, hf_reference):
     model_dir = tiny_checkpoint(variant)
     prompts = make_prompts()
     num_blocks = 24
-    runner = ModelRunner(model_dir, num_blocks=num_blocks, block_size=BLOCK)
+    runner = make_runner(model_dir, num_blocks=num_blocks, block_size=BLOCK)
     runner.load()
     run = generate_with_scheduler(
         runner,

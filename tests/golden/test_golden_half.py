@@ -14,15 +14,14 @@ import pytest
 import torch
 
 from shoal.bus.messages.worker import ExecuteStep, NewRequestData
-from shoal.workers.model_runner import ModelRunner
 from tests.fixtures.models import VARIANTS, make_prompts
-from tests.golden.driver import greedy
+from tests.golden.driver import greedy, make_runner
 
 BLOCK = 4
 
 
 def shoal_last_logits(model_dir, dtype, prompts):  # type: ignore[no-untyped-def]
-    runner = ModelRunner(model_dir, dtype=dtype, num_blocks=128, block_size=BLOCK)
+    runner = make_runner(model_dir, dtype=dtype, num_blocks=128, block_size=BLOCK)
     runner.load()
     new, next_block = [], 1
     for i, prompt in enumerate(prompts):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.bus.base import Bus
+from shoal.bus.messages.config import ShoalConfig
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.workers.actor import WorkerActor
@@ -33,37 +34,31 @@ async def engine_stack(
     block_size: int = 16,
     max_num_seqs: int = 32,
     max_num_batched_tokens: int = 512,
-    namespace: str = "shoal",
-    **engine_options: Any,
+    **options: Any,
 ) -> AsyncIterator[EngineStack]:
+    """Workers ``w<rank>`` and engine cores ``e<rank>`` serving ``model_dir`` in fp32, plus a
+    started client; ``options`` are more config options (``namespace``, ``max_model_len``...)."""
+    config = ShoalConfig.from_options(
+        model=str(model_dir),
+        dtype="float32",
+        num_gpu_blocks_override=num_blocks,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        **options,
+    )
     workers, engines = [], []
-    runner_options = {"dtype": "float32", "num_blocks": num_blocks, "block_size": block_size}
     try:
         for rank in range(num_engines):
-            worker = WorkerActor(
-                bus,
-                f"w{rank}",
-                model_dir=str(model_dir),
-                runner_options=runner_options,
-                namespace=namespace,
-                heartbeat_interval_s=0.2,
-            )
+            worker = WorkerActor(bus, f"w{rank}", config=config, heartbeat_interval_s=0.2)
             await worker.start()
             workers.append(worker)
             engine = EngineCoreActor(
-                bus,
-                f"e{rank}",
-                worker_ids=[f"w{rank}"],
-                namespace=namespace,
-                block_size=block_size,
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                heartbeat_interval_s=0.2,
-                **engine_options,
+                bus, f"e{rank}", config=config, worker_ids=[f"w{rank}"], heartbeat_interval_s=0.2
             )
             await engine.start()
             engines.append(engine)
-        client = AsyncEngineClient(bus, str(model_dir), namespace=namespace)
+        client = AsyncEngineClient(bus, config)
         await client.start()
         await client.wait_until_ready(30, num_engines)
         yield EngineStack(client, engines, workers)

@@ -126,6 +126,7 @@ async def test_actor_processes_join_an_existing_nats_deployment(nats_server, tin
     """``shoal actor worker`` and ``shoal actor engine`` on a shared NATS: a client elsewhere
     gets completions from them (the multi-host path, on one host)."""
     from shoal.bus import connect_bus
+    from shoal.bus.messages.config import ShoalConfig
     from shoal.bus.messages.sampling import SamplingParams
     from shoal.engine.client.engine_client import AsyncEngineClient
 
@@ -137,7 +138,8 @@ async def test_actor_processes_join_an_existing_nats_deployment(nats_server, tin
         for kind in ("worker", "engine")
     ]
     bus = await connect_bus(nats_server.url)
-    client = AsyncEngineClient(bus, model_dir, namespace="cliactors")
+    config = ShoalConfig.from_options(model=model_dir, namespace="cliactors")
+    client = AsyncEngineClient(bus, config)
     try:
         await client.start()
         await client.wait_until_ready(120)

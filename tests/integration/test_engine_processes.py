@@ -12,9 +12,9 @@ import time
 import pytest
 
 from shoal.bus import connect_bus
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.supervisor import ActorSpec, Supervisor
-from shoal.deploy.args import EngineArgs
-from shoal.deploy.deployment import client_options, plan_actors
+from shoal.deploy.deployment import build_config, plan_actors
 from shoal.engine.client.engine_client import AsyncEngineClient
 from tests.fixtures.models import hf_greedy, make_prompts
 
@@ -28,18 +28,18 @@ async def _final(client, prompt, params, request_id):  # type: ignore[no-untyped
     return final
 
 
-def _specs(args: EngineArgs, url: str) -> list[ActorSpec]:
+def _specs(config: ShoalConfig, url: str) -> list[ActorSpec]:
     fast = {"heartbeat_interval_s": 0.2}
     return [
         ActorSpec(p.name, p.target, url, {**p.kwargs, **fast}, kind=p.kind)
-        for p in plan_actors(args)
+        for p in plan_actors(config)
     ]
 
 
 @pytest.fixture
 async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-def]
     model_dir = tiny_checkpoint("llama")
-    args = EngineArgs(
+    config = build_config(
         model=str(model_dir),
         data_parallel_size=2,
         num_gpu_blocks_override=128,
@@ -48,9 +48,9 @@ async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-d
         namespace="procs",
     )
     bus = await connect_bus(nats_server.url)
-    supervisor = Supervisor(_specs(args, nats_server.url), status_bus=bus, namespace=args.namespace)
+    supervisor = Supervisor(_specs(config, nats_server.url), status_bus=bus, namespace="procs")
     await supervisor.start()
-    client = AsyncEngineClient(bus, **client_options(args))
+    client = AsyncEngineClient(bus, config)
     await client.start()
     try:
         await client.wait_until_ready(120, num_engines=2)
@@ -144,19 +144,19 @@ async def test_tensor_parallel_workers_through_the_actor_path(nats_server, tiny_
     from shoal.deploy.local import free_tcp_port
 
     model_dir = tiny_checkpoint("llama")
-    args = EngineArgs(
+    config = build_config(
         model=str(model_dir),
         tensor_parallel_size=2,
         num_gpu_blocks_override=64,
         namespace="tp",
     )
     url = nats_server.url
-    plans = plan_actors(args, tp_init_methods=[f"tcp://127.0.0.1:{free_tcp_port()}"])
+    plans = plan_actors(config, tp_init_methods=[f"tcp://127.0.0.1:{free_tcp_port()}"])
     specs = [ActorSpec(p.name, p.target, url, p.kwargs, kind=p.kind) for p in plans]
     bus = await connect_bus(url)
-    supervisor = Supervisor(specs, status_bus=bus, namespace=args.namespace)
+    supervisor = Supervisor(specs, status_bus=bus, namespace="tp")
     await supervisor.start()
-    client = AsyncEngineClient(bus, **client_options(args))
+    client = AsyncEngineClient(bus, config)
     await client.start()
     try:
         await client.wait_until_ready(180)

@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.bus.codec import encode
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.gateway.actor import GatewayActor
 from tests.unit.test_gateway_fake import FakeEngineClient
@@ -34,10 +35,9 @@ async def test_actor_serves_http_nats_and_engine_stats() -> None:
     actor = GatewayActor(
         bus,
         "gw-0",
+        config=ShoalConfig.from_options(model="fake", max_model_len=128, namespace="acttest"),
         engine_factory="tests.unit.test_gateway_fake:make_fake_engine",
-        engine_options={"max_model_len": 128},
         port=0,
-        namespace="acttest",
         heartbeat_interval_s=0.05,
     )
     await actor.start()

@@ -16,20 +16,21 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import ExecuteStep, StepResult
-from shoal.engine.core.config import CacheConfig, SchedulerConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
 
 ROOT = Path(__file__).resolve().parents[2]
-_SCHEDULER_FIELDS = {f.name for f in dataclasses.fields(SchedulerConfig)}
-_CACHE_FIELDS = {f.name for f in dataclasses.fields(CacheConfig)}
+_SCHEDULER_FIELDS = set(SchedulerConfig.__struct_fields__)
+_CACHE_FIELDS = set(CacheConfig.__struct_fields__)
 EOS = 2
 
 
 def make_scheduler(**overrides: Any) -> Scheduler:
-    """A small scheduler; any SchedulerConfig or CacheConfig field, or ``num_blocks``."""
+    """A small scheduler; any SchedulerConfig or CacheConfig field, ``num_blocks`` or
+    ``max_model_len``."""
     settings: dict[str, Any] = {
         "max_num_batched_tokens": 64,
         "max_num_seqs": 16,
@@ -39,6 +40,7 @@ def make_scheduler(**overrides: Any) -> Scheduler:
     }
     settings.update(overrides)
     num_blocks = settings.pop("num_blocks")
+    max_model_len = settings.pop("max_model_len")
     unknown = set(settings) - _SCHEDULER_FIELDS - _CACHE_FIELDS
     if unknown:
         raise TypeError(f"unknown scheduler settings: {sorted(unknown)}")
@@ -48,6 +50,7 @@ def make_scheduler(**overrides: Any) -> Scheduler:
             num_gpu_blocks_override=num_blocks,
             **{k: v for k, v in settings.items() if k in _CACHE_FIELDS},
         ),
+        max_model_len=max_model_len,
     )
 
 

@@ -3,20 +3,22 @@ before a step's results, admission control, and failure handling."""
 
 from __future__ import annotations
 
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import AbortRequest, AddRequest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import StepError, StepResult
-from shoal.engine.core.config import CacheConfig, SchedulerConfig
 from shoal.engine.core.engine_core import EngineCore
 from tests.unit.factories import FakeWorker
 
 
 def make_core(num_blocks: int = 64, max_waiting: int = 8) -> EngineCore:
     return EngineCore(
-        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256),
+        SchedulerConfig(
+            max_num_batched_tokens=64, max_num_seqs=8, max_waiting_requests=max_waiting
+        ),
         CacheConfig(block_size=4),
         num_blocks=num_blocks,
-        max_waiting_requests=max_waiting,
+        max_model_len=256,
     )
 
 

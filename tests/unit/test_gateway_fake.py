@@ -1,4 +1,4 @@
-"""A deterministic fake ``EngineClient`` for the gateway's tests (checked by
+"""A deterministic fake ``EngineClientInterface`` for the gateway's tests (checked by
 test_gateway_fake_engine).
 
 Tokens come from a tiny byte-level BPE tokenizer trained here; each next token is a pure
@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
@@ -92,7 +93,7 @@ class _Choice:
 
 
 class FakeEngineClient:
-    """Implements ``engine.protocol.EngineClient`` without a model."""
+    """Implements ``engine.client.interface.EngineClientInterface`` without a model."""
 
     def __init__(
         self,
@@ -319,9 +320,9 @@ async def serve_gateway(
         await server.stop()
 
 
-def make_fake_engine(bus: object, **options: Any) -> FakeEngineClient:
+def make_fake_engine(bus: object, config: ShoalConfig) -> FakeEngineClient:
     """An engine factory as ``gateway.actor.GatewayActor(engine_factory=...)`` calls it."""
-    return FakeEngineClient(**options)
+    return FakeEngineClient(max_model_len=config.model_config.max_model_len or 4096)
 
 
 async def _serve_forever(port: int, token_delay: float, max_model_len: int) -> None:

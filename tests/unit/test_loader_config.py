@@ -1,11 +1,11 @@
-"""``ModelConfig`` parsing: both rope spellings, null head_dim, MoE fields, eos ids."""
+"""``CheckpointConfig`` parsing: both rope spellings, null head_dim, MoE fields, eos ids."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shoal.workers.config import ModelConfig, ModelConfigError, parse_dtype
+from shoal.workers.config import CheckpointConfig, ModelConfigError, parse_dtype
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -30,7 +30,7 @@ def test_rope_parameters_of_transformers_5():
             "original_max_position_embeddings": 8192,
         },
     }
-    cfg = ModelConfig.from_dicts(raw)
+    cfg = CheckpointConfig.from_dicts(raw)
     assert cfg.rope.theta == 5e5 and cfg.rope.rope_type == "llama3"
     assert cfg.rope.scaling["factor"] == 8.0
     assert cfg.num_kv_heads == 4 and cfg.head_dim == 16
@@ -48,13 +48,13 @@ def test_older_rope_theta_and_rope_scaling():
             "original_max_position_embeddings": 64,
         },
     }
-    cfg = ModelConfig.from_dicts(raw)
+    cfg = CheckpointConfig.from_dicts(raw)
     assert cfg.rope.theta == 1e6 and cfg.rope.rope_type == "llama3"
 
 
 def test_unsupported_rope_type():
     with pytest.raises(ModelConfigError, match="yarn"):
-        ModelConfig.from_dicts({**BASE, "rope_parameters": {"rope_type": "yarn"}})
+        CheckpointConfig.from_dicts({**BASE, "rope_parameters": {"rope_type": "yarn"}})
 
 
 def test_mixtral_null_head_dim_and_moe():
@@ -66,7 +66,7 @@ def test_mixtral_null_head_dim_and_moe():
         "num_local_experts": 8,
         "num_experts_per_tok": 2,
     }
-    cfg = ModelConfig.from_dicts(raw, {"eos_token_id": [2, 7]})
+    cfg = CheckpointConfig.from_dicts(raw, {"eos_token_id": [2, 7]})
     assert cfg.head_dim == 16
     assert cfg.moe is not None and cfg.moe.num_experts == 8 and cfg.moe.norm_topk_prob
     assert cfg.eos_token_ids == (2, 7)
@@ -84,14 +84,14 @@ def test_qwen_moe_sparse_layers():
         "decoder_sparse_step": 2,
         "mlp_only_layers": [3],
     }
-    cfg = ModelConfig.from_dicts(raw)
+    cfg = CheckpointConfig.from_dicts(raw)
     assert cfg.moe is not None and cfg.attention_bias
     assert [cfg.moe.is_sparse_layer(i) for i in range(4)] == [False, True, False, False]
 
 
 def test_bad_field_is_named():
     with pytest.raises(ModelConfigError, match="hidden_size"):
-        ModelConfig.from_dicts({**BASE, "hidden_size": "big"})
+        CheckpointConfig.from_dicts({**BASE, "hidden_size": "big"})
 
 
 def test_parse_dtype():

@@ -10,13 +10,14 @@ from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
 from shoal.workers.kv_cache import bytes_per_block
 from shoal.workers.model_runner import ModelRunner
+from tests.golden.driver import make_runner
 
 BLOCK = 4
 
 
 @pytest.fixture
 def runner(tiny_checkpoint):  # type: ignore[no-untyped-def]
-    r = ModelRunner(tiny_checkpoint("llama"), num_blocks=64, block_size=BLOCK)
+    r = make_runner(tiny_checkpoint("llama"), num_blocks=64, block_size=BLOCK)
     r.load()
     return r
 
@@ -53,7 +54,7 @@ def test_facts_and_kv_sizing(tiny_checkpoint):
     per_block = bytes_per_block(
         num_layers=2, block_size=BLOCK, num_kv_heads=2, head_dim=16, dtype=torch.float32
     )
-    r = ModelRunner(
+    r = make_runner(
         model_dir, kv_cache_memory_bytes=37 * per_block + 1, block_size=BLOCK, max_model_len=256
     )
     facts = r.load()
@@ -61,7 +62,7 @@ def test_facts_and_kv_sizing(tiny_checkpoint):
     assert r.kv_cache.num_bytes == 37 * per_block
     assert facts.max_model_len == 256 and facts.vocab_size == 320 and facts.eos_token_ids == [2]
     with pytest.raises(ValueError, match="exceeds"):
-        ModelRunner(model_dir, num_blocks=8, max_model_len=10**6).load()
+        make_runner(model_dir, num_blocks=8, max_model_len=10**6).load()
 
 
 def test_partial_prefill_returns_no_token_then_continues(runner):
@@ -163,7 +164,7 @@ def test_empty_step_and_reset(runner):
 
 
 def test_step_over_token_budget_is_refused(tiny_checkpoint):
-    r = ModelRunner(
+    r = make_runner(
         tiny_checkpoint("llama"), num_blocks=16, block_size=BLOCK, max_num_batched_tokens=4
     )
     r.load()
@@ -184,7 +185,7 @@ def test_seeded_sampling_independent_of_batch_and_chunking(tiny_checkpoint):
     others = [SamplingParams(temperature=0.8, max_tokens=10, ignore_eos=True)] * 7
 
     def run(batch_prompts, params, budget):  # type: ignore[no-untyped-def]
-        runner = ModelRunner(model_dir, num_blocks=128, block_size=BLOCK)
+        runner = make_runner(model_dir, num_blocks=128, block_size=BLOCK)
         runner.load()
         return generate_with_scheduler(
             runner,

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from shoal.workers.model_runner import ModelRunner
 from tests.fixtures.models import make_prompts
-from tests.golden.driver import generate_by_hand
+from tests.golden.driver import generate_by_hand, make_runner
 
 BLOCK = 4
 MAX_NEW = 8
@@ -29,12 +28,12 @@ def tp_rank_main(rank: int, size: int, port: int, model_dir: str, queue) -> None
 
     torch.set_num_threads(1)
     try:
-        runner = ModelRunner(
+        runner = make_runner(
             model_dir,
             num_blocks=64,
             block_size=BLOCK,
             tp_rank=rank,
-            tp_size=size,
+            tensor_parallel_size=size,
             tp_init_method=f"tcp://127.0.0.1:{port}",
         )
         facts = runner.load()
@@ -85,7 +84,7 @@ def test_tp2_matches_single_process_and_transformers(variant, kv_heads, tmp_path
         variant, tmp_path / "m", num_key_value_heads=kv_heads, with_tokenizer=False
     )
     prompts = make_prompts()
-    single = ModelRunner(model_dir, num_blocks=64, block_size=BLOCK)
+    single = make_runner(model_dir, num_blocks=64, block_size=BLOCK)
     single.load()
     expected = generate_by_hand(single, prompts, MAX_NEW, BLOCK)
     assert expected == hf_reference(model_dir, prompts, MAX_NEW)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import AddRequest
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.core.block_hash import BlockHasher
-from shoal.engine.core.config import CacheConfig, SchedulerConfig
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
+from shoal.engine.core.scheduler import Scheduler
 from tests.unit.factories import make_request
 
 
@@ -118,39 +119,21 @@ def test_sampling_defaults_follow_vllm() -> None:
     assert SamplingParams(stop="x").stop == ["x"]
 
 
-def test_config_defaults_follow_vllm() -> None:
-    scheduler = SchedulerConfig()
-    assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (2048, 128)
-    assert scheduler.enable_chunked_prefill and scheduler.policy == "fcfs"
-    assert scheduler.long_prefill_token_threshold == 0 and scheduler.token_budget == 2048
-    cache = CacheConfig()
-    assert (cache.block_size, cache.enable_prefix_caching) == (16, True)
-    assert cache.prefix_caching_hash_algo == "sha256"
-
-
-@pytest.mark.parametrize(
-    ("config", "kwargs", "field"),
-    [
-        (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs"),
-        (SchedulerConfig, {"policy": "lifo"}, "policy"),
-        (SchedulerConfig, {"watermark": 1.0}, "watermark"),
-        (SchedulerConfig, {"max_num_scheduled_tokens": 4096}, "max_num_scheduled_tokens"),
-        (
-            SchedulerConfig,
-            {"enable_chunked_prefill": False, "max_num_batched_tokens": 16, "max_model_len": 32},
-            "max_num_batched_tokens",
-        ),
-        (CacheConfig, {"block_size": 12}, "block_size"),
-        (CacheConfig, {"prefix_caching_hash_algo": "md5"}, "prefix_caching_hash_algo"),
-        (CacheConfig, {"num_gpu_blocks_override": 1}, "num_gpu_blocks_override"),
-    ],
-)
-def test_invalid_config_names_the_field(config: type, kwargs: dict, field: str) -> None:
-    with pytest.raises(ValueError, match=field):
-        config(**kwargs)
+def test_a_whole_prompt_must_fit_one_step_without_chunked_prefill() -> None:
+    config = SchedulerConfig(enable_chunked_prefill=False, max_num_batched_tokens=16)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(config, CacheConfig(num_gpu_blocks_override=8), max_model_len=32)
+    assert Scheduler(config, CacheConfig(num_gpu_blocks_override=8), max_model_len=16)
 
 
 def test_block_count_must_be_known() -> None:
     with pytest.raises(ValueError, match="num_gpu_blocks"):
-        _ = CacheConfig().resolved_num_blocks
-    assert CacheConfig(num_gpu_blocks=10, num_gpu_blocks_override=20).resolved_num_blocks == 20
+        Scheduler(SchedulerConfig(), CacheConfig(), max_model_len=64)
+    scheduler = Scheduler(
+        SchedulerConfig(), CacheConfig(num_gpu_blocks_override=20), max_model_len=64
+    )
+    assert scheduler.num_blocks == 20
+    assert (
+        Scheduler(SchedulerConfig(), CacheConfig(), max_model_len=64, num_blocks=10).num_blocks
+        == 10
+    )

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shoal.kernels import ops
-from shoal.workers.config import ModelConfig
+from shoal.workers.config import CheckpointConfig
 from shoal.workers.layers.attention import AttentionMetadata, PagedAttention
 from shoal.workers.layers.embedding import Embedding, LMHead
 from shoal.workers.layers.linear import RowParallelLinear, column_linear, qkv_linear
@@ -38,7 +38,9 @@ class GatedMLP(nn.Module):
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, tp: TPContext, *, dtype, device):
+    def __init__(
+        self, cfg: CheckpointConfig, rotary: RotaryEmbedding, tp: TPContext, *, dtype, device
+    ):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.num_heads = tp.divide(cfg.num_heads, "num_attention_heads")
@@ -87,7 +89,7 @@ class DecoderAttention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: CheckpointConfig,
         mlp: nn.Module,
         rotary: RotaryEmbedding,
         tp: TPContext,
@@ -117,7 +119,7 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers: list[DecoderLayer], *, dtype, device):
+    def __init__(self, cfg: CheckpointConfig, layers: list[DecoderLayer], *, dtype, device):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(layers)
@@ -157,7 +159,13 @@ class DecoderForCausalLM(nn.Module):
     """Base of every family: ``forward`` → final hidden states; ``compute_logits`` → fp32."""
 
     def __init__(
-        self, cfg: ModelConfig, tp: TPContext, *, dtype: torch.dtype, device, max_positions: int
+        self,
+        cfg: CheckpointConfig,
+        tp: TPContext,
+        *,
+        dtype: torch.dtype,
+        device,
+        max_positions: int,
     ) -> None:
         super().__init__()
         self.config = cfg

@@ -1,4 +1,4 @@
-"""Qwen2: Llama's layout with q/k/v biases (``ModelConfig.attention_bias`` is forced on)."""
+"""Qwen2: Llama's layout with q/k/v biases (``CheckpointConfig.attention_bias`` is forced on)."""
 
 from __future__ import annotations
 

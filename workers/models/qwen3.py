@@ -1,4 +1,4 @@
-"""Qwen3: per-head RMSNorm on q and k before rotary (``ModelConfig.qk_norm``), no q/k/v bias."""
+"""Qwen3: per-head RMSNorm on q and k before rotary (``CheckpointConfig.qk_norm``), no qkv bias."""
 
 from __future__ import annotations
 

@@ -1,0 +1,222 @@
+"""The deployment's configuration: one document, built once from the command line or ``LLM(...)``
+and carried whole to every actor (as JSON to actor processes), in vLLM's grouping.
+
+``ShoalConfig`` holds one struct per concern: ``ModelConfig`` (what to serve), ``CacheConfig``
+(the paged KV cache), ``SchedulerConfig`` (what one step may carry, in what order),
+``ParallelConfig`` (engine cores, workers per engine core, how long an engine core waits for
+them) and ``BusConfig`` (the transport and namespace). A later subsystem adds its own group
+(speculative decoding, KV transfer, fault tolerance) as one more struct and one more field.
+
+Option names are unique across groups, so a flat ``max_num_seqs=64`` (a CLI flag's dest, an
+``LLM`` keyword) finds its group by name: ``ShoalConfig.from_options(model=..., **options)``.
+Invalid values raise ``ValueError`` naming the option, on construction and on decoding. Every
+group is keyword-only, immutable and strict about unknown fields.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+POLICIES = ("fcfs", "priority")
+HASH_ALGOS = ("sha256", "xxhash")
+BUS_KINDS = ("nats", "memory")
+MAX_BLOCK_SIZE = 128
+
+
+def _require(ok: bool, option: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{option} {message}")
+
+
+def _positive(group: msgspec.Struct, *options: str) -> None:
+    for option in options:
+        value = getattr(group, option)
+        _require(value is None or value >= 1, option, f"must be a positive integer, got {value}")
+
+
+def _one_of(value: str, choices: tuple[str, ...], option: str) -> None:
+    _require(value in choices, option, f"must be one of {', '.join(choices)}, got {value!r}")
+
+
+class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What to serve and how: the local HF directory, its name, dtype, context and seed."""
+
+    model: str  # a local Hugging Face directory (config.json, *.safetensors, tokenizer files)
+    served_model_name: str | None = None  # what clients call it (default: the path)
+    dtype: str = "auto"  # "auto": float32 on the CPU (fast matmuls there), bfloat16 on CUDA
+    max_model_len: int | None = None  # default: the model's own context length
+    seed: int = 0
+    device: str = "cpu"  # cpu, cuda or cuda:N
+
+    def __post_init__(self) -> None:
+        _one_of(self.dtype, DTYPES, "dtype")
+        _positive(self, "max_model_len")
+        _require(self.seed >= 0, "seed", f"must be non-negative, got {self.seed}")
+
+    @property
+    def name(self) -> str:
+        """The served model name."""
+        return self.served_model_name or self.model
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+
+class CacheConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The paged KV cache: block size, how many blocks, prefix caching."""
+
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    kv_cache_memory_bytes: int | None = None  # KV cache bytes per worker (default: measured)
+    num_gpu_blocks_override: int | None = None  # exact block count per worker
+
+    def __post_init__(self) -> None:
+        size = self.block_size
+        _require(
+            1 <= size <= MAX_BLOCK_SIZE and size & (size - 1) == 0,
+            "block_size",
+            f"must be a power of two up to {MAX_BLOCK_SIZE}, got {size}",
+        )
+        _one_of(self.prefix_caching_hash_algo, HASH_ALGOS, "prefix_caching_hash_algo")
+        _positive(self, "kv_cache_memory_bytes")
+        blocks = self.num_gpu_blocks_override
+        # Block 0 is the null block, so a usable pool needs at least two.
+        _require(
+            blocks is None or blocks >= 2,
+            "num_gpu_blocks_override",
+            f"must be at least 2, got {blocks}",
+        )
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """How many tokens and sequences one step may carry, and in what order requests run."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_num_scheduled_tokens: int | None = None  # None: max_num_batched_tokens
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0: off; ignored when one request is eligible
+    policy: str = "fcfs"
+    scheduler_reserve_full_isl: bool = True  # admit only if the whole prompt's blocks fit
+    watermark: float = 0.0  # fraction of blocks kept free when admitting waiting requests
+    max_waiting_requests: int = 1024  # past this an engine core answers "overloaded"
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests")
+        if self.max_num_scheduled_tokens is not None:
+            _require(
+                1 <= self.max_num_scheduled_tokens <= self.max_num_batched_tokens,
+                "max_num_scheduled_tokens",
+                f"must be in [1, max_num_batched_tokens={self.max_num_batched_tokens}], "
+                f"got {self.max_num_scheduled_tokens}",
+            )
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            "long_prefill_token_threshold",
+            f"must be non-negative, got {self.long_prefill_token_threshold}",
+        )
+        _one_of(self.policy, POLICIES, "policy")
+        _require(
+            0.0 <= self.watermark < 1.0, "watermark", f"must be in [0, 1), got {self.watermark}"
+        )
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may schedule."""
+        return self.max_num_scheduled_tokens or self.max_num_batched_tokens
+
+
+class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Engine cores (data parallel), workers per engine core (tensor parallel), and how long an
+    engine core waits for its workers."""
+
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    step_timeout_s: float = 120.0  # a worker step taking longer than this counts as failed
+    worker_dead_after_s: float = 5.0  # a worker silent this long counts as dead
+
+    def __post_init__(self) -> None:
+        _positive(self, "data_parallel_size", "tensor_parallel_size")
+        for option in ("step_timeout_s", "worker_dead_after_s"):
+            value = getattr(self, option)
+            _require(value > 0, option, f"must be positive, got {value}")
+
+
+class BusConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The transport the actors share and the namespace of their subjects."""
+
+    bus: str = "nats"  # nats: actors as processes; memory: everything in one process
+    nats_url: str | None = None  # join this NATS deployment (default: an embedded server)
+    namespace: str = "shoal"  # subject prefix, so deployments can share a NATS cluster
+
+    def __post_init__(self) -> None:
+        _one_of(self.bus, BUS_KINDS, "bus")
+
+
+class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Every group of the deployment's configuration (vLLM's ``VllmConfig``)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = msgspec.field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
+    bus_config: BusConfig = msgspec.field(default_factory=BusConfig)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.bus_config.bus != "memory" or self.parallel_config.tensor_parallel_size == 1,
+            "tensor_parallel_size",
+            "> 1 runs one worker process per rank, which the in-memory bus cannot reach: "
+            "use the NATS bus",
+        )
+
+    @classmethod
+    def from_options(cls, **options: Any) -> ShoalConfig:
+        """A config from flat options (``model=..., max_num_seqs=64, bus="memory"``); a name
+        that no group has is a ``ValueError`` listing the known ones."""
+        by_group: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+        for option, value in options.items():
+            group = OPTION_GROUPS.get(option)
+            if group is None:
+                known = ", ".join(sorted(OPTION_GROUPS))
+                raise ValueError(f"unknown engine option {option!r}; known options: {known}")
+            by_group[group][option] = value
+        groups: dict[str, Any] = {name: GROUPS[name](**v) for name, v in by_group.items()}
+        return cls(**groups)
+
+    def replace(self, **options: Any) -> ShoalConfig:
+        """A copy with some flat options changed."""
+        return ShoalConfig.from_options(**{**self.to_options(), **options})
+
+    def to_options(self) -> dict[str, Any]:
+        """The flat options this config was built from (``from_options``'s inverse)."""
+        options: dict[str, Any] = {}
+        for name in GROUPS:
+            options.update(msgspec.structs.asdict(getattr(self, name)))
+        return options
+
+    def to_json(self) -> bytes:
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> ShoalConfig:
+        return msgspec.json.decode(data, type=cls)
+
+
+GROUPS: dict[str, type[msgspec.Struct]] = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+    "bus_config": BusConfig,
+}
+OPTION_GROUPS: dict[str, str] = {
+    field: group for group, struct in GROUPS.items() for field in struct.__struct_fields__
+}

@@ -1,0 +1,157 @@
+"""One configuration document from the command line (or ``LLM(...)``) to every actor: flat
+options find their group by name, the document survives JSON whole, invalid values name the
+option, and an actor process gets it back typed."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, ClassVar
+
+import msgspec
+import pytest
+
+from shoal.bus.actor import Actor
+from shoal.bus.memory import InMemoryBus
+from shoal.bus.messages.config import (
+    GROUPS,
+    OPTION_GROUPS,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ShoalConfig,
+)
+from shoal.bus.run_actor import build_actor
+from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
+
+
+def test_option_names_are_unique_across_groups() -> None:
+    names = [name for struct in GROUPS.values() for name in struct.__struct_fields__]
+    assert len(names) == len(set(names)) == len(OPTION_GROUPS)
+
+
+def test_flat_options_land_in_their_groups() -> None:
+    config = ShoalConfig.from_options(
+        model="m", max_num_seqs=7, block_size=32, tensor_parallel_size=2, namespace="ns"
+    )
+    assert config.model_config == ModelConfig(model="m")
+    assert config.scheduler_config.max_num_seqs == 7
+    assert config.cache_config.block_size == 32
+    assert config.parallel_config.tensor_parallel_size == 2
+    assert config.bus_config.namespace == "ns"
+
+
+def test_an_unknown_option_is_named_with_the_known_ones() -> None:
+    with pytest.raises(
+        ValueError, match=r"unknown engine option 'max_num_sequences'.*max_num_seqs"
+    ):
+        ShoalConfig.from_options(model="m", max_num_sequences=7)
+
+
+def test_options_and_json_round_trip() -> None:
+    config = ShoalConfig.from_options(model="m", dtype="bfloat16", watermark=0.1, bus="memory")
+    assert ShoalConfig.from_options(**config.to_options()) == config
+    assert ShoalConfig.from_json(config.to_json()) == config
+    assert config.replace(max_num_seqs=3).scheduler_config.max_num_seqs == 3
+    assert config.replace(max_num_seqs=3).model_config == config.model_config
+
+
+@pytest.mark.parametrize(
+    ("options", "option"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"dtype": "float8"}, "dtype"),
+        ({"block_size": 12}, "block_size"),
+        ({"bus": "pigeon"}, "bus"),
+        ({"bus": "memory", "tensor_parallel_size": 2}, "NATS bus"),
+        ({"step_timeout_s": 0}, "step_timeout_s"),
+    ],
+)
+def test_invalid_values_name_the_option_when_built_and_when_decoded(options, option) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=option):
+        ShoalConfig.from_options(model="m", **options)
+    document = msgspec.json.encode(ShoalConfig.from_options(model="m")).decode()
+    bad = msgspec.json.decode(document)
+    for name, value in options.items():
+        bad[OPTION_GROUPS[name]][name] = value
+    with pytest.raises(msgspec.ValidationError, match=option):
+        ShoalConfig.from_json(msgspec.json.encode(bad))
+
+
+def test_resolved_dtype_follows_the_device() -> None:
+    assert ModelConfig(model="m").resolved_dtype == "float32"
+    assert ModelConfig(model="m", device="cuda:1").resolved_dtype == "bfloat16"
+    assert ModelConfig(model="m", dtype="float16", device="cuda").resolved_dtype == "float16"
+
+
+def test_config_defaults_follow_vllm() -> None:
+    scheduler = SchedulerConfig()
+    assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (2048, 128)
+    assert scheduler.enable_chunked_prefill and scheduler.policy == "fcfs"
+    assert scheduler.long_prefill_token_threshold == 0 and scheduler.token_budget == 2048
+    cache = CacheConfig()
+    assert (cache.block_size, cache.enable_prefix_caching) == (16, True)
+    assert cache.prefix_caching_hash_algo == "sha256"
+
+
+@pytest.mark.parametrize(
+    ("config", "kwargs", "field"),
+    [
+        (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs"),
+        (SchedulerConfig, {"policy": "lifo"}, "policy"),
+        (SchedulerConfig, {"watermark": 1.0}, "watermark"),
+        (SchedulerConfig, {"max_num_scheduled_tokens": 4096}, "max_num_scheduled_tokens"),
+        (CacheConfig, {"block_size": 12}, "block_size"),
+        (CacheConfig, {"prefix_caching_hash_algo": "md5"}, "prefix_caching_hash_algo"),
+        (CacheConfig, {"num_gpu_blocks_override": 1}, "num_gpu_blocks_override"),
+    ],
+)
+def test_invalid_config_names_the_field(config: type, kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        config(**kwargs)
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_flags_are_config_options_with_the_configs_defaults(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ns = _parse()
+    assert set(vars(ns)) <= set(OPTION_GROUPS)
+    assert config_from_namespace(ns, str(tmp_path)) == ShoalConfig.from_options(model=str(tmp_path))
+
+
+def test_cli_flags_reach_their_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ns = _parse(
+        "--max-num-seqs", "9", "--kv-cache-memory", "1GiB", "--no-enable-prefix-caching",
+        "--scheduling-policy", "priority", "-tp", "2", "--namespace", "x",
+    )  # fmt: skip
+    config = config_from_namespace(ns, str(tmp_path))
+    assert config.scheduler_config.max_num_seqs == 9
+    assert config.scheduler_config.policy == "priority"
+    assert config.cache_config.kv_cache_memory_bytes == 1 << 30
+    assert config.cache_config.enable_prefix_caching is False
+    assert config.parallel_config.tensor_parallel_size == 2
+    assert config.bus_config.namespace == "x"
+
+
+def test_cli_refuses_a_missing_model_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="model directory not found"):
+        config_from_namespace(_parse(), str(tmp_path / "nothing"))
+
+
+class _ConfigProbe(Actor):
+    kind: ClassVar[str] = "probe"
+
+    def __init__(self, bus: Any, actor_id: str, *, config: ShoalConfig, rank: int = 0) -> None:
+        super().__init__(bus, actor_id)
+        self.config, self.rank = config, rank
+
+
+def test_an_actor_process_gets_the_config_back_typed() -> None:
+    config = ShoalConfig.from_options(model="m", max_num_seqs=5, namespace="probe")
+    as_sent = msgspec.json.decode(msgspec.json.encode({"actor_id": "p", "config": config}))
+    actor = build_actor(_ConfigProbe, InMemoryBus(), {**as_sent, "rank": 3})
+    assert isinstance(actor, _ConfigProbe)
+    assert actor.config == config and actor.rank == 3
