@@ -180,7 +180,7 @@ def _decode_layouts(dev: torch.device, dtype: torch.dtype, iters: int) -> list[d
     decodes), each with its plan made once per step as in serving, for the page layouts a
     decode batch sees and two head shapes (the throughput bench's model, a Llama-3-8B layer)."""
     from shoal.kernels.paged_common import plan_context_reads
-    from shoal.kernels.prefill_attention import TorchAttentionPlan
+    from shoal.kernels.varlen_attention import TorchAttentionPlan
 
     def per_sequence_plan(q, k, table, qsl, lens):  # type: ignore[no-untyped-def]
         reads = plan_context_reads(table, lens.tolist(), k.shape[1])

@@ -17,7 +17,7 @@ from shoal.kernels.paged_common import (
     dot_precision,
     load_kv_tile,
 )
-from shoal.kernels.prefill_attention import varlen_attention_torch
+from shoal.kernels.varlen_attention import varlen_attention_torch
 
 
 def decode_attention_torch(

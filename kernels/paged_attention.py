@@ -10,11 +10,11 @@ otherwise (it handles decodes too).
 import torch
 
 from shoal.kernels.decode_attention import decode_attention_triton
-from shoal.kernels.prefill_attention import (
+from shoal.kernels.varlen_attention import (
     TorchAttentionPlan,
     plan_varlen_torch,
-    prefill_attention_triton,
     varlen_attention_torch,
+    varlen_attention_triton,
 )
 
 
@@ -67,6 +67,6 @@ def paged_attention_triton(
         return decode_attention_triton(
             q, k_cache, v_cache, block_tables, seq_lens, scale, max_seq_len=max_seq_len
         )
-    return prefill_attention_triton(
+    return varlen_attention_triton(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len
     )

@@ -6,7 +6,7 @@ import torch
 from shoal.kernels import ops
 from shoal.kernels.decode_attention import decode_attention_triton
 from shoal.kernels.paged_attention import paged_attention_torch, paged_attention_triton
-from shoal.kernels.prefill_attention import prefill_attention_triton
+from shoal.kernels.varlen_attention import varlen_attention_triton
 from tests.kernels.paged_case import make_paged_case, naive_attention
 
 # (query_lens, context_lens): fresh prefill, decode, chunk over an unaligned prefix, a chunk
@@ -35,7 +35,7 @@ def test_paged_attention_triton_matches_reference(gqa, head_dim, block_size, len
 def test_key_tiles_may_span_or_split_pages(block_size, block_n):
     case = make_paged_case(*MIXED, num_kv_heads=2, gqa=2, head_dim=64, block_size=block_size)
     expected = naive_attention(case)
-    out = _run(case, prefill_attention_triton, max_query_len=17, block_n=block_n)
+    out = _run(case, varlen_attention_triton, max_query_len=17, block_n=block_n)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
     decodes = make_paged_case(*DECODE, num_kv_heads=2, gqa=2, head_dim=64, block_size=block_size)
     args = (decodes.q, decodes.k_cache, decodes.v_cache, decodes.block_tables, decodes.seq_lens)
@@ -63,11 +63,11 @@ def test_split_context_decode_merges_partials(gqa, num_splits):
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
-def test_prefill_kernel_handles_decodes_and_many_query_tiles():
+def test_varlen_kernel_handles_decodes_and_many_query_tiles():
     case = make_paged_case(
         [1, 40, 2], [20, 5, 0], num_kv_heads=2, gqa=2, head_dim=64, block_size=16
     )
-    out = _run(case, prefill_attention_triton, max_query_len=40)
+    out = _run(case, varlen_attention_triton, max_query_len=40)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
