@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from shoal.kernels import ops
 from shoal.kernels.fused_moe import fused_moe_torch
-from shoal.kernels.paged_attention import paged_attention_torch
+from shoal.kernels.varlen_attention import varlen_attention_torch
 from tests.kernels.paged_case import make_paged_case, naive_attention
 
 MIXED = ([5, 1, 9, 1, 17], [0, 30, 12, 3, 40])  # query_lens, context_lens (prefill, decode, ...)
@@ -28,7 +28,7 @@ def test_paged_attention_reference_matches_dense(gqa, head_dim, block_size, lens
         shuffle_pages=shuffle_pages,
     )  # fmt: skip
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
-    out = paged_attention_torch(*args, case.seq_lens, case.scale)
+    out = varlen_attention_torch(*args, case.seq_lens, case.scale)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
@@ -44,7 +44,7 @@ def test_paged_attention_reference_with_run_and_scattered_tail(gqa, block_size, 
         shuffle_pages=False, tail_pages=3, dtype=dtype,
     )  # fmt: skip
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
-    out = paged_attention_torch(*args, case.seq_lens, case.scale)
+    out = varlen_attention_torch(*args, case.seq_lens, case.scale)
     tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out, naive_attention(case), **tol)
 
@@ -55,7 +55,7 @@ def test_paged_attention_reference_with_peaked_scores_spanning_hundreds():
     case = make_paged_case(*LONG_DECODE, num_kv_heads=2, gqa=2, head_dim=64, block_size=16)
     case = dataclasses.replace(case, q=case.q * 60)  # scores of a few hundred
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
-    out = paged_attention_torch(*args, case.seq_lens, case.scale)
+    out = varlen_attention_torch(*args, case.seq_lens, case.scale)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
@@ -90,7 +90,7 @@ def test_sparse_decode_with_contexts_cut_into_chunks(monkeypatch, chunk_bytes, l
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
     plan = ops.plan_paged_attention(case.q, case.k_cache, *args[3:], case.seq_lens)
     assert len(plan.decode.row_lens) > len(plan.decode.token_rows) * 8  # several chunks
-    out = paged_attention_torch(*args, case.seq_lens, case.scale, plan=plan)
+    out = varlen_attention_torch(*args, case.seq_lens, case.scale, plan=plan)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 

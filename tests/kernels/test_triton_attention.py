@@ -5,8 +5,7 @@ import torch
 
 from shoal.kernels import ops
 from shoal.kernels.decode_attention import decode_attention_triton
-from shoal.kernels.paged_attention import paged_attention_torch, paged_attention_triton
-from shoal.kernels.varlen_attention import varlen_attention_triton
+from shoal.kernels.varlen_attention import varlen_attention_torch, varlen_attention_triton
 from tests.kernels.paged_case import make_paged_case, naive_attention
 
 # (query_lens, context_lens): fresh prefill, decode, chunk over an unaligned prefix, a chunk
@@ -24,10 +23,13 @@ def _run(case, fn, **kwargs):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("lens", [MIXED, DECODE], ids=["mixed", "decode"])
-def test_paged_attention_triton_matches_reference(gqa, head_dim, block_size, lens):
+def test_paged_attention_triton_matches_reference(monkeypatch, gqa, head_dim, block_size, lens):
+    """``ops.paged_attention`` forced to Triton (decode kernel for the all-decode batch, varlen
+    kernel for the mixed one) against the torch path."""
+    monkeypatch.setenv("SHOAL_KERNELS", "triton")
     case = make_paged_case(*lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim, block_size=block_size)
-    expected = _run(case, paged_attention_torch)
-    out = _run(case, paged_attention_triton)
+    expected = _run(case, varlen_attention_torch)
+    out = _run(case, ops.paged_attention)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
 
 
