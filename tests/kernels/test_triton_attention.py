@@ -1,10 +1,10 @@
-"""Paged attention Triton kernels (under TRITON_INTERPRET=1) against the torch reference."""
+"""Paged attention Triton kernels (under TRITON_INTERPRET=1) against the torch references."""
 
 import pytest
 import torch
 
 from shoal.kernels import ops
-from shoal.kernels.decode_attention import decode_attention_triton
+from shoal.kernels.decode_attention import decode_attention_torch, decode_attention_triton
 from shoal.kernels.varlen_attention import varlen_attention_torch, varlen_attention_triton
 from tests.kernels.paged_case import make_paged_case, naive_attention
 
@@ -31,6 +31,18 @@ def test_paged_attention_triton_matches_reference(monkeypatch, gqa, head_dim, bl
     expected = _run(case, varlen_attention_torch)
     out = _run(case, ops.paged_attention)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_matches_decode_reference(gqa, block_size, num_splits):
+    case = make_paged_case(
+        [1, 1, 1], [70, 2, 33], num_kv_heads=2, gqa=gqa, head_dim=64, block_size=block_size
+    )
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    out = decode_attention_triton(*args, num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(out, decode_attention_torch(*args), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("block_size", "block_n"), [(8, 16), (12, 32), (16, 64), (32, 16)])
