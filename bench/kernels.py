@@ -32,8 +32,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shoal.kernels import activation, fused_moe, kv_write, paged_attention, rms_norm, rotary
+from shoal.kernels import activation, fused_moe, kv_write, rms_norm, rotary
 from shoal.kernels._triton import HAS_TRITON
+from shoal.kernels.decode_attention import decode_attention_triton
+from shoal.kernels.varlen_attention import (
+    plan_varlen_torch,
+    varlen_attention_torch,
+    varlen_attention_triton,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -116,8 +122,26 @@ def _paged_inputs(
     return q, k_cache, v_cache, table, qsl, lens, dim**-0.5
 
 
+def _decode_triton(q, k, v, table, qsl, lens, scale):  # type: ignore[no-untyped-def]
+    """The decode kernel on the attention cases' inputs (it takes no query starts)."""
+    return decode_attention_triton(q, k, v, table, lens, scale)
+
+
+def _varlen_triton(q, k, v, table, qsl, lens, scale):  # type: ignore[no-untyped-def]
+    """The varlen kernel on the attention cases' inputs."""
+    max_query_len = int((qsl[1:] - qsl[:-1]).max())
+    return varlen_attention_triton(q, k, v, table, qsl, lens, scale, max_query_len)
+
+
+def _plan_torch(q, k, table, qsl, lens):  # type: ignore[no-untyped-def]
+    """The torch varlen path's plan, made once per step in serving."""
+    return plan_varlen_torch(table, qsl, lens, k, q.shape[1])
+
+
 def _cases(dev: torch.device, dtype: torch.dtype, big: bool) -> list[tuple[str, str, tuple, Any]]:
-    """(op name, shape text, args, module pair) for every benchmarked op."""
+    """(op name, shape text, args, module or (torch, triton) functions) for every benchmarked
+    op. Attention times the kernels ``ops.paged_attention`` picks: on torch the varlen path,
+    on Triton the decode kernel for all-decode batches, else the varlen kernel."""
     hq, hkv, dim = (32, 8, 128) if big else (8, 4, 64)
     tokens, hidden, inter = (4096, 4096, 14336) if big else (512, 512, 1536)
     seqs, ctx = (64, 2048) if big else (64, 512)
@@ -142,12 +166,13 @@ def _cases(dev: torch.device, dtype: torch.dtype, big: bool) -> list[tuple[str, 
     w2 = torch.randn(experts, moe_hidden, moe_inter, device=dev, dtype=dtype) * 0.02
     topk = torch.rand(moe_tokens, experts, device=dev).topk(top_k, dim=-1)
     kv_cache_pair = (decode[1], decode[2])
+    dec, varlen = (varlen_attention_torch, _decode_triton), (varlen_attention_torch, _varlen_triton)
     slots = torch.randperm(decode[1].shape[0] * 16, device=dev)[:tokens]
     return [
         ("write_kv", f"T={tokens} hkv={hkv} d={dim}", (k, k, *kv_cache_pair, slots), kv_write),
-        ("paged_attention decode", f"S={seqs} ctx<{ctx} hq={hq} hkv={hkv} d={dim}", decode, None),
-        ("paged_attention decode", "same, pages in consecutive runs", decode_runs, None),
-        ("paged_attention prefill", f"4x{chunk} over {chunk} prefix", prefill, None),
+        ("paged_attention decode", f"S={seqs} ctx<{ctx} hq={hq} hkv={hkv} d={dim}", decode, dec),
+        ("paged_attention decode", "same, pages in consecutive runs", decode_runs, dec),
+        ("paged_attention prefill", f"4x{chunk} over {chunk} prefix", prefill, varlen),
         ("rms_norm+residual", f"T={tokens} h={hidden}", (x, weight, 1e-6, x), rms_norm),
         ("apply_rotary", f"T={tokens} hq={hq} hkv={hkv} d={dim}", (q, k, positions, cache), rotary),
         ("silu_and_mul", f"T={tokens} i={inter}", (gate_up,), activation),
@@ -161,8 +186,8 @@ def _cases(dev: torch.device, dtype: torch.dtype, big: bool) -> list[tuple[str, 
 
 
 def _fns(name: str, module: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    if module is None:
-        return paged_attention.paged_attention_torch, paged_attention.paged_attention_triton
+    if isinstance(module, tuple):
+        return module
     pairs = {
         "write_kv": ("write_kv_torch", "write_kv_triton"),
         "rms_norm+residual": ("rms_norm_torch", "rms_norm_triton"),
@@ -180,7 +205,7 @@ def _decode_layouts(dev: torch.device, dtype: torch.dtype, iters: int) -> list[d
     decodes), each with its plan made once per step as in serving, for the page layouts a
     decode batch sees and two head shapes (the throughput bench's model, a Llama-3-8B layer)."""
     from shoal.kernels.paged_common import plan_context_reads
-    from shoal.kernels.prefill_attention import TorchAttentionPlan
+    from shoal.kernels.varlen_attention import TorchAttentionPlan
 
     def per_sequence_plan(q, k, table, qsl, lens):  # type: ignore[no-untyped-def]
         reads = plan_context_reads(table, lens.tolist(), k.shape[1])
@@ -205,20 +230,15 @@ def _decode_layouts(dev: torch.device, dtype: torch.dtype, iters: int) -> list[d
         for name, how in layouts.items():
             inputs = _paged_inputs([1] * seqs, ctx_lens, hq, hkv, dim, dev, dtype, **how)
             q, k, _, table, qsl, lens, _ = inputs
-            plans = [
-                make(q, k, table, qsl, lens)
-                for make in (per_sequence_plan, paged_attention.plan_paged_attention_torch)
-            ]
+            plans = [make(q, k, table, qsl, lens) for make in (per_sequence_plan, _plan_torch)]
             before, after = (
-                lambda plan=plan, inputs=inputs: paged_attention.paged_attention_torch(
-                    *inputs, plan=plan
-                )
+                lambda plan=plan, inputs=inputs: varlen_attention_torch(*inputs, plan=plan)
                 for plan in plans
             )
             before_ms, after_ms = _time_pair_ms(before, after, iters)
             plan_ms = _time_ms(
-                lambda q=q, k=k, table=table, qsl=qsl, lens=lens: (
-                    paged_attention.plan_paged_attention_torch(q, k, table, qsl, lens)
+                lambda q=q, k=k, table=table, qsl=qsl, lens=lens: _plan_torch(
+                    q, k, table, qsl, lens
                 ),
                 dev,
                 iters,

@@ -17,7 +17,6 @@ from shoal.kernels.paged_common import (
     dot_precision,
     load_kv_tile,
 )
-from shoal.kernels.prefill_attention import varlen_attention_torch
 
 
 def decode_attention_torch(
@@ -28,11 +27,25 @@ def decode_attention_torch(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
 ) -> torch.Tensor:  # [num_seqs, num_q_heads, head_dim]
-    """Torch reference: the varlen path with one query per sequence."""
-    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
-    return varlen_attention_torch(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
-    )
+    """Torch reference, one sequence at a time: its context gathered slot by slot through its
+    block table, then softmax(q·Kᵀ·scale)·V per query head over its kv head's keys (math in
+    fp32 or wider; no mask: the query is the last position)."""
+    assert q.shape[0] == seq_lens.shape[0] == block_tables.shape[0]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads  # query heads per kv head
+    math = torch.promote_types(q.dtype, torch.float32)
+    out = torch.empty_like(q)
+    for s, seq_len in enumerate(seq_lens.tolist()):
+        positions = torch.arange(seq_len, device=q.device)  # [seq_len]
+        pages = block_tables[s].long()[positions // block_size]  # [seq_len]
+        offsets = positions % block_size
+        keys = k_cache[pages, offsets].to(math)  # [seq_len, num_kv_heads, head_dim]
+        values = v_cache[pages, offsets].to(math)
+        keys = keys.repeat_interleave(group, dim=1)  # [seq_len, num_q_heads, head_dim]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[s].to(math), keys) * scale  # [num_q_heads, seq_len]
+        out[s] = torch.einsum("hk,khd->hd", scores.softmax(dim=-1), values).to(q.dtype)
+    return out
 
 
 @triton.jit

@@ -11,15 +11,16 @@ import torch
 
 from shoal.kernels._backend import use_triton
 from shoal.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from shoal.kernels.decode_attention import decode_attention_triton
 from shoal.kernels.fused_moe import fused_moe_torch, fused_moe_triton
 from shoal.kernels.kv_write import write_kv_torch, write_kv_triton
-from shoal.kernels.paged_attention import (
-    paged_attention_torch,
-    paged_attention_triton,
-    plan_paged_attention_torch,
-)
 from shoal.kernels.rms_norm import rms_norm_torch, rms_norm_triton
 from shoal.kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
+from shoal.kernels.varlen_attention import (
+    plan_varlen_torch,
+    varlen_attention_torch,
+    varlen_attention_triton,
+)
 
 __all__ = [
     "apply_rotary",
@@ -64,11 +65,20 @@ def paged_attention(
     known to spare a device-to-host read; they must be the true maxima (a smaller
     ``max_seq_len`` truncates the Triton decode's context). ``plan``: what
     ``plan_paged_attention`` returned for this batch (reuse it across layers), or None.
+
+    Torch: the varlen path for any batch (it reads the lengths on the host, so the hints go
+    unused). Triton: the decode kernel when every query length is 1, else the varlen kernel.
     """
     args = (q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
-    if use_triton(q):
-        return paged_attention_triton(*args, max_query_len, max_seq_len)
-    return paged_attention_torch(*args, max_query_len, max_seq_len, plan=plan)
+    if not use_triton(q):
+        return varlen_attention_torch(*args, plan)
+    if max_query_len is None:
+        query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [S]
+        max_query_len = int(query_lens.max()) if len(seq_lens) else 0
+    if max_query_len <= 1:
+        decode_args = (q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return decode_attention_triton(*decode_args, max_seq_len=max_seq_len)
+    return varlen_attention_triton(*args, max_query_len)
 
 
 def plan_paged_attention(
@@ -79,10 +89,11 @@ def plan_paged_attention(
     seq_lens: torch.Tensor,  # [S] int32
 ) -> Any:
     """Work ``paged_attention`` can share across the layers of one step (the torch path's
-    split of the batch and its decodes' sparse pattern); None where there is none (Triton)."""
+    split of the batch and its decodes' sparse pattern, valid for every layer whose cache has
+    this shape); None where there is none (Triton)."""
     if use_triton(q):
         return None
-    return plan_paged_attention_torch(q, k_cache, block_tables, query_start_loc, seq_lens)
+    return plan_varlen_torch(block_tables, query_start_loc, seq_lens, k_cache, q.shape[1])
 
 
 def rms_norm(

@@ -22,13 +22,13 @@ from shoal.kernels import (
     decode_attention,
     fused_moe,
     kv_write,
-    prefill_attention,
     rms_norm,
     rotary,
+    varlen_attention,
 )
 
-KERNEL_MODULES = [activation, decode_attention, fused_moe, kv_write, prefill_attention, rms_norm]
-KERNEL_MODULES.append(rotary)
+KERNEL_MODULES = [activation, decode_attention, fused_moe, kv_write, rms_norm, rotary]
+KERNEL_MODULES.append(varlen_attention)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 POINTER_TYPES = {
     torch.float32: "*fp32",
@@ -117,7 +117,7 @@ def record_all(dtype: torch.dtype) -> list[Launch]:
             )
         for block_m in (16, 64):
             args = (q, cache, cache, table, qsl, lens, 0.1, 1)
-            prefill_attention.prefill_attention_triton(*args, block_m=block_m, block_n=64)
+            varlen_attention.varlen_attention_triton(*args, block_m=block_m, block_n=64)
         x = torch.randn(t, 96, dtype=dtype)
         rms_norm.rms_norm_triton(x, torch.ones(96, dtype=dtype), 1e-6)
         rms_norm.rms_norm_triton(x, torch.ones(96, dtype=dtype), 1e-6, x)

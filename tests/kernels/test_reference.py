@@ -1,4 +1,5 @@
-"""The torch references against plain dense computations (so the references are proven)."""
+"""The torch references against plain dense computations (so the references are proven), and the
+fast CPU attention paths against them."""
 
 import dataclasses
 import itertools
@@ -8,13 +9,20 @@ import torch
 import torch.nn.functional as F
 
 from shoal.kernels import ops
+from shoal.kernels.decode_attention import decode_attention_torch
 from shoal.kernels.fused_moe import fused_moe_torch
-from shoal.kernels.paged_attention import paged_attention_torch
+from shoal.kernels.varlen_attention import varlen_attention_torch
 from tests.kernels.paged_case import make_paged_case, naive_attention
 
 MIXED = ([5, 1, 9, 1, 17], [0, 30, 12, 3, 40])  # query_lens, context_lens (prefill, decode, ...)
 DECODE = ([1, 1, 1, 1], [0, 33, 7, 64])
 LONG_DECODE = ([1, 1, 1, 1, 1, 0], [100, 20, 70, 5, 47, 9])  # last: no query this step
+ALL_DECODE = ([1] * 5, [100, 20, 70, 4, 47])  # one query each: the decode reference's input
+
+
+def _decode_reference(case):
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    return decode_attention_torch(*args)
 
 
 @pytest.mark.parametrize("gqa", [1, 2, 4])
@@ -28,7 +36,7 @@ def test_paged_attention_reference_matches_dense(gqa, head_dim, block_size, lens
         shuffle_pages=shuffle_pages,
     )  # fmt: skip
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
-    out = paged_attention_torch(*args, case.seq_lens, case.scale)
+    out = varlen_attention_torch(*args, case.seq_lens, case.scale)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
@@ -44,7 +52,7 @@ def test_paged_attention_reference_with_run_and_scattered_tail(gqa, block_size, 
         shuffle_pages=False, tail_pages=3, dtype=dtype,
     )  # fmt: skip
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
-    out = paged_attention_torch(*args, case.seq_lens, case.scale)
+    out = varlen_attention_torch(*args, case.seq_lens, case.scale)
     tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
     torch.testing.assert_close(out, naive_attention(case), **tol)
 
@@ -55,7 +63,7 @@ def test_paged_attention_reference_with_peaked_scores_spanning_hundreds():
     case = make_paged_case(*LONG_DECODE, num_kv_heads=2, gqa=2, head_dim=64, block_size=16)
     case = dataclasses.replace(case, q=case.q * 60)  # scores of a few hundred
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
-    out = paged_attention_torch(*args, case.seq_lens, case.scale)
+    out = varlen_attention_torch(*args, case.seq_lens, case.scale)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
@@ -90,7 +98,7 @@ def test_sparse_decode_with_contexts_cut_into_chunks(monkeypatch, chunk_bytes, l
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
     plan = ops.plan_paged_attention(case.q, case.k_cache, *args[3:], case.seq_lens)
     assert len(plan.decode.row_lens) > len(plan.decode.token_rows) * 8  # several chunks
-    out = paged_attention_torch(*args, case.seq_lens, case.scale, plan=plan)
+    out = varlen_attention_torch(*args, case.seq_lens, case.scale, plan=plan)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
@@ -99,6 +107,37 @@ def test_paged_attention_reference_with_length_hints():
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
     out = ops.paged_attention(*args, case.seq_lens, case.scale, max_query_len=1, max_seq_len=65)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("lens", [DECODE, ALL_DECODE], ids=["decode", "long"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_decode_reference_matches_dense(gqa, block_size, lens, dtype):
+    """The decode reference reads the pages on its own (shuffled, garbage past each table)."""
+    case = make_paged_case(
+        *lens, num_kv_heads=2, gqa=gqa, head_dim=64, block_size=block_size, dtype=dtype
+    )
+    tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(_decode_reference(case), naive_attention(case), **tol)
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize(
+    ("shuffle_pages", "tail_pages"), [(True, 0), (False, 3)], ids=["shuffled", "run+tail"]
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_path_decodes_match_decode_reference(gqa, shuffle_pages, tail_pages, dtype):
+    """The fast CPU paths on an all-decode batch (fp32: the sparse products; bf16: one SDPA
+    per sequence over a view or a gather) against the decode reference."""
+    case = make_paged_case(
+        *ALL_DECODE, num_kv_heads=2, gqa=gqa, head_dim=64, block_size=4, dtype=dtype,
+        shuffle_pages=shuffle_pages, tail_pages=tail_pages,
+    )  # fmt: skip
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
+    out = varlen_attention_torch(*args, case.seq_lens, case.scale)
+    tol = {"atol": 2e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, _decode_reference(case), **tol)
 
 
 def test_write_kv_scatters_rows_and_skips_negative_slots():

@@ -1,12 +1,11 @@
-"""Paged attention Triton kernels (under TRITON_INTERPRET=1) against the torch reference."""
+"""Paged attention Triton kernels (under TRITON_INTERPRET=1) against the torch references."""
 
 import pytest
 import torch
 
 from shoal.kernels import ops
-from shoal.kernels.decode_attention import decode_attention_triton
-from shoal.kernels.paged_attention import paged_attention_torch, paged_attention_triton
-from shoal.kernels.prefill_attention import prefill_attention_triton
+from shoal.kernels.decode_attention import decode_attention_torch, decode_attention_triton
+from shoal.kernels.varlen_attention import varlen_attention_torch, varlen_attention_triton
 from tests.kernels.paged_case import make_paged_case, naive_attention
 
 # (query_lens, context_lens): fresh prefill, decode, chunk over an unaligned prefix, a chunk
@@ -24,18 +23,33 @@ def _run(case, fn, **kwargs):
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("lens", [MIXED, DECODE], ids=["mixed", "decode"])
-def test_paged_attention_triton_matches_reference(gqa, head_dim, block_size, lens):
+def test_paged_attention_triton_matches_reference(monkeypatch, gqa, head_dim, block_size, lens):
+    """``ops.paged_attention`` forced to Triton (decode kernel for the all-decode batch, varlen
+    kernel for the mixed one) against the torch path."""
+    monkeypatch.setenv("SHOAL_KERNELS", "triton")
     case = make_paged_case(*lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim, block_size=block_size)
-    expected = _run(case, paged_attention_torch)
-    out = _run(case, paged_attention_triton)
+    expected = _run(case, varlen_attention_torch)
+    out = _run(case, ops.paged_attention)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gqa", [1, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_matches_decode_reference(gqa, block_size, num_splits):
+    case = make_paged_case(
+        [1, 1, 1], [70, 2, 33], num_kv_heads=2, gqa=gqa, head_dim=64, block_size=block_size
+    )
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    out = decode_attention_triton(*args, num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(out, decode_attention_torch(*args), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(("block_size", "block_n"), [(8, 16), (12, 32), (16, 64), (32, 16)])
 def test_key_tiles_may_span_or_split_pages(block_size, block_n):
     case = make_paged_case(*MIXED, num_kv_heads=2, gqa=2, head_dim=64, block_size=block_size)
     expected = naive_attention(case)
-    out = _run(case, prefill_attention_triton, max_query_len=17, block_n=block_n)
+    out = _run(case, varlen_attention_triton, max_query_len=17, block_n=block_n)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-5)
     decodes = make_paged_case(*DECODE, num_kv_heads=2, gqa=2, head_dim=64, block_size=block_size)
     args = (decodes.q, decodes.k_cache, decodes.v_cache, decodes.block_tables, decodes.seq_lens)
@@ -63,11 +77,11 @@ def test_split_context_decode_merges_partials(gqa, num_splits):
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
-def test_prefill_kernel_handles_decodes_and_many_query_tiles():
+def test_varlen_kernel_handles_decodes_and_many_query_tiles():
     case = make_paged_case(
         [1, 40, 2], [20, 5, 0], num_kv_heads=2, gqa=2, head_dim=64, block_size=16
     )
-    out = _run(case, prefill_attention_triton, max_query_len=40)
+    out = _run(case, varlen_attention_triton, max_query_len=40)
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 

@@ -1,4 +1,6 @@
-"""Paged varlen attention for prefill chunks over a cached prefix: torch reference and Triton.
+"""Paged varlen attention over one flattened batch of any mix of prefill chunks and decodes:
+the torch path (planned once per step; fp32 decodes on the CPU handed to ``sparse_decode``) and
+the Triton varlen kernel.
 
 A sequence's queries are its last ``query_len`` positions of ``seq_len``; query ``i`` attends to
 keys ``0 .. seq_len - query_len + i`` (a bottom-right-aligned causal mask).
@@ -135,7 +137,7 @@ def attend_sequences_torch(
 
 
 @triton.jit
-def _prefill_attention_kernel(
+def _varlen_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
@@ -202,7 +204,7 @@ def _prefill_attention_kernel(
         tl.store(out_ptr + q_offsets + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-def prefill_attention_triton(
+def varlen_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -229,7 +231,7 @@ def prefill_attention_triton(
         block_m = 64 if q.is_cuda and max_query_len >= 128 else 16
     if num_seqs and max_query_len:
         grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_q_heads)
-        _prefill_attention_kernel[grid](
+        _varlen_attention_kernel[grid](
             q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out, scale,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
