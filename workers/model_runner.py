@@ -199,11 +199,9 @@ class ModelRunner:
         t0 = started
         self.timings = StepTimings()
         self._apply_diff(step)
-        req_ids = [r.req_id for r in step.new_requests] + [r.req_id for r in step.cached_requests]
+        req_ids, num_scheduled = step.batch_order()
         if not req_ids:
             return StepResult(step_id=step.step_id)
-        num_scheduled = [r.num_scheduled_tokens for r in step.new_requests]
-        num_scheduled += [r.num_scheduled_tokens for r in step.cached_requests]
         if sum(num_scheduled) > self.max_num_batched_tokens:
             raise ValueError(
                 f"step {step.step_id} schedules {sum(num_scheduled)} tokens, more "

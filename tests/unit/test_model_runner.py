@@ -82,6 +82,21 @@ def test_partial_prefill_returns_no_token_then_continues(runner):
     assert second.sampled_token_ids == [[int(ref[-1].argmax())]]
 
 
+def test_result_follows_the_step_batch_order(runner):
+    """A decode listed as cached and a prefill chunk listed as new: the result answers in the
+    message's batch order (new first), each request with its own token count."""
+    prompt = [11, 12, 13, 14, 15]
+    t1 = runner.execute(ExecuteStep(step_id=0, new_requests=[new("a", prompt, [1, 2], 5)]))
+    ref = full_logits(runner, [*prompt, t1.sampled_token_ids[0][0]])
+    decode = CachedRequestData("a", [], num_computed_tokens=5, num_scheduled_tokens=1)
+    step = ExecuteStep(
+        step_id=1, cached_requests=[decode], new_requests=[new("b", [4, 5, 6, 7, 8, 9], [3, 4], 4)]
+    )
+    result = runner.execute(step)
+    assert result.req_ids == step.batch_order().req_ids == ["b", "a"]
+    assert result.sampled_token_ids == [[], [int(ref[-1].argmax())]]
+
+
 def test_logprobs_and_prompt_logprobs(runner):
     prompt = [5, 17, 99, 120, 7, 8]
     ref = torch.log_softmax(full_logits(runner, prompt), dim=-1)
