@@ -79,11 +79,6 @@ def num_requests_of(runner: StepRunner) -> int | None:
     return None if count is None else int(count)
 
 
-def step_req_ids(step: ExecuteStep) -> list[str]:
-    """Every request a step touches, in batch order (new, then cached)."""
-    return [r.req_id for r in step.new_requests] + [r.req_id for r in step.cached_requests]
-
-
 def execute_or_explain(runner: StepRunner, step: ExecuteStep) -> StepResult:
     """Run one step; an exception becomes a ``StepResult`` whose error names cause and requests.
     Sets ``execute_time_s``. Synchronous: called in the worker's runner thread."""
@@ -91,7 +86,7 @@ def execute_or_explain(runner: StepRunner, step: ExecuteStep) -> StepResult:
     try:
         result = runner.execute(step)
     except Exception as exc:
-        req_ids = step_req_ids(step)
+        req_ids = step.batch_order().req_ids
         log.exception("step %d failed for requests %s", step.step_id, req_ids)
         message = f"step {step.step_id} failed in the model runner: {type(exc).__name__}: {exc}"
         result = StepResult(step_id=step.step_id, error=StepError(message, req_ids))

@@ -1,6 +1,10 @@
 """The worker's persistent batch: every request's tokens, block table and progress, kept in
 preallocated arrays between steps and updated from each step's diff.
 
+A request's other state (sampling params, token lists, generator) is its ``CachedRequestState``
+in the ``RequestStore`` the batch shares with the sampling metadata builder; its row here is the
+one the store gave it. ``add_request``/``remove_request`` are the runner's one way in and out.
+
 ``prepare_inputs`` turns one step's schedule into flat model inputs (token ids, positions, slot
 mapping, block tables, query_start_loc, seq_lens) with numpy array ops, no per-token Python loop.
 Rows are reused as requests come and go.
@@ -8,22 +12,13 @@ Rows are reused as requests come and go.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from shoal.bus.messages.sampling import SamplingParams
-
-
-@dataclass
-class RequestState:
-    """Per-request facts that are not in the arrays."""
-
-    req_id: str
-    row: int
-    sampling_params: SamplingParams
-    num_prompt_tokens: int
-    resumed: bool
+from shoal.workers.request_store import CachedRequestState, RequestStore
 
 
 @dataclass
@@ -46,10 +41,11 @@ class StepInputs:
 
 
 class InputBatch:
-    """Arrays of ``max_num_reqs`` rows; a row holds one request's whole token history."""
+    """Arrays of ``requests.max_num_reqs`` rows; a row holds one request's whole token history."""
 
-    def __init__(self, *, max_num_reqs: int, max_model_len: int, block_size: int) -> None:
-        self.max_num_reqs = max_num_reqs
+    def __init__(self, requests: RequestStore, *, max_model_len: int, block_size: int) -> None:
+        self.requests = requests
+        self.max_num_reqs = max_num_reqs = requests.max_num_reqs
         self.max_model_len = max_model_len
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
@@ -59,8 +55,6 @@ class InputBatch:
         self.num_computed = np.zeros(max_num_reqs, dtype=np.int64)
         self.block_table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int64)
-        self.requests: dict[str, RequestState] = {}
-        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
 
     def __contains__(self, req_id: str) -> bool:
         return req_id in self.requests
@@ -71,43 +65,44 @@ class InputBatch:
     def add_request(
         self,
         req_id: str,
-        token_ids: list[int],
-        num_prompt_tokens: int,
+        prompt_token_ids: Sequence[int],
         block_ids: list[int],
         num_computed_tokens: int,
         sampling_params: SamplingParams,
         *,
+        output_token_ids: Sequence[int] = (),
+        eos_token_ids: Sequence[int] = (),
         resumed: bool = False,
-    ) -> RequestState:
-        if req_id in self.requests:
-            self.remove_request(req_id)
-        if not self._free_rows:
-            raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} requests)")
-        if len(token_ids) > self.max_model_len:
+    ) -> CachedRequestState:
+        """Add the request to the store and fill its row (prompt, then outputs so far)."""
+        num_tokens = len(prompt_token_ids) + len(output_token_ids)
+        if num_tokens > self.max_model_len:
             raise ValueError(
-                f"request {req_id}: {len(token_ids)} tokens exceed "
-                f"max_model_len={self.max_model_len}"
+                f"request {req_id}: {num_tokens} tokens exceed max_model_len={self.max_model_len}"
             )
-        row = self._free_rows.pop()
-        self.token_ids[row, : len(token_ids)] = token_ids
-        self.num_tokens[row] = len(token_ids)
+        state = self.requests.add(
+            req_id,
+            sampling_params,
+            prompt_token_ids,
+            output_token_ids,
+            eos_token_ids,
+            resumed=resumed,
+        )
+        row = state.row
+        self.token_ids[row, : state.num_prompt_tokens] = state.prompt_token_ids
+        self.token_ids[row, state.num_prompt_tokens : num_tokens] = state.output_token_ids
+        self.num_tokens[row] = num_tokens
         self.num_computed[row] = num_computed_tokens
         self.num_blocks[row] = 0
         self.append_blocks(row, block_ids)
-        state = RequestState(req_id, row, sampling_params, num_prompt_tokens, resumed)
-        self.requests[req_id] = state
         return state
 
-    def remove_request(self, req_id: str) -> bool:
-        state = self.requests.pop(req_id, None)
-        if state is None:
-            return False
-        self._free_rows.append(state.row)
-        return True
+    def remove_request(self, req_id: str, *, preempted: bool = False) -> bool:
+        """Drop the request (its row is left as is until reused)."""
+        return self.requests.remove(req_id, preempted=preempted) is not None
 
     def clear(self) -> None:
-        for req_id in list(self.requests):
-            self.remove_request(req_id)
+        self.requests.clear()
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:
         begin = int(self.num_blocks[row])

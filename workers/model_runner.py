@@ -26,6 +26,7 @@ from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.loader import load_model
 from shoal.workers.models.decoder import DecoderForCausalLM
 from shoal.workers.parallel import TPContext, init_tensor_parallel
+from shoal.workers.request_store import RequestStore
 from shoal.workers.sampler import Sampler, compute_prompt_logprobs
 from shoal.workers.sampling_metadata import SamplingBatch
 
@@ -121,12 +122,15 @@ class ModelRunner:
         ):
             layer.bind_cache(k, v)
         self._model, self.checkpoint_config = model, cfg
-        self.batch = InputBatch(
+        self.requests = RequestStore(
             max_num_reqs=self.config.scheduler_config.max_num_seqs,
-            max_model_len=max_model_len,
-            block_size=self.block_size,
+            vocab_size=cfg.vocab_size,
+            device=self.device,
         )
-        self.sampling = SamplingBatch(cfg.vocab_size, self.device)
+        self.batch = InputBatch(
+            self.requests, max_model_len=max_model_len, block_size=self.block_size
+        )
+        self.sampling = SamplingBatch(self.requests)
         self.facts = ModelFacts(
             num_blocks=num_blocks,
             block_size=self.block_size,
@@ -189,11 +193,9 @@ class ModelRunner:
         t0 = started
         self.timings = StepTimings()
         self._apply_diff(step)
-        req_ids = [r.req_id for r in step.new_requests] + [r.req_id for r in step.cached_requests]
+        req_ids, num_scheduled = step.batch_order()
         if not req_ids:
             return StepResult(step_id=step.step_id)
-        num_scheduled = [r.num_scheduled_tokens for r in step.new_requests]
-        num_scheduled += [r.num_scheduled_tokens for r in step.cached_requests]
         if sum(num_scheduled) > self.max_num_batched_tokens:
             raise ValueError(
                 f"step {step.step_id} schedules {sum(num_scheduled)} tokens, more "
@@ -222,29 +224,22 @@ class ModelRunner:
 
     def _apply_diff(self, step: ExecuteStep) -> None:
         for req_id in step.finished_req_ids:
-            self._drop(req_id, preempted=False)
+            self.batch.remove_request(req_id)
         for req_id in step.preempted_req_ids:
-            self._drop(req_id, preempted=True)
+            self.batch.remove_request(req_id, preempted=True)  # a seeded generator is kept
         for new in step.new_requests:
-            tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
             self.batch.add_request(
                 new.req_id,
-                tokens,
-                len(new.prompt_token_ids),
+                new.prompt_token_ids,
                 new.block_ids,
                 new.num_computed_tokens,
                 new.sampling_params,
+                output_token_ids=new.output_token_ids,
+                eos_token_ids=new.eos_token_ids,
                 resumed=new.resumed,
             )
-            self.sampling.add_request(
-                new.req_id,
-                new.sampling_params,
-                new.prompt_token_ids,
-                new.output_token_ids,
-                new.eos_token_ids,
-            )
         for cached in step.cached_requests:
-            state = self.batch.requests.get(cached.req_id)
+            state = self.requests.get(cached.req_id)
             if state is None:
                 raise KeyError(
                     f"request {cached.req_id!r} is not in the worker's batch "
@@ -253,15 +248,9 @@ class ModelRunner:
             self.batch.append_blocks(state.row, cached.new_block_ids)
             self.batch.num_computed[state.row] = cached.num_computed_tokens
 
-    def _drop(self, req_id: str, *, preempted: bool) -> None:
-        self.batch.remove_request(req_id)
-        if req_id in self.sampling:
-            self.sampling.remove_request(req_id, preempted=preempted)
-
     def reset(self) -> None:
         """Forget every request (after an engine core restart)."""
         self.batch.clear()
-        self.sampling.clear()
 
     def prepare_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         def dev(a: np.ndarray) -> torch.Tensor:
@@ -308,17 +297,18 @@ class ModelRunner:
             if output.logprobs is not None
             else [None] * len(sampling_idx)
         )
+        requests = self.requests
         for i, req_id, token, lp in zip(sampling_idx, sampling_ids, token_list, wire, strict=True):
             sampled[i] = [token]
             logprobs[i] = lp
-            self.sampling.append_output_tokens(req_id, [token])
+            requests[req_id].output_token_ids.append(token)
         return sampled, logprobs
 
     def _prompt_logprobs(self, inputs: StepInputs, hidden: torch.Tensor) -> list[Logprobs | None]:
         """Rows for prompt positions ``p + 1`` of this chunk (the first prompt token has none)."""
         out: list[Logprobs | None] = [None] * len(inputs.req_ids)
         for i, req_id in enumerate(inputs.req_ids):
-            state = self.batch.requests[req_id]
+            state = self.requests[req_id]
             num = state.sampling_params.prompt_logprobs
             if num is None or state.resumed:
                 continue

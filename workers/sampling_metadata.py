@@ -1,12 +1,10 @@
-"""Per-step batched sampling inputs (``SamplingMetadata``) and the per-request state they are
-built from (``SamplingBatch``).
+"""Per-step batched sampling inputs (``SamplingMetadata``), built by ``SamplingBatch`` from the
+worker's per-request state (``RequestStore``, shared with the persistent batch).
 
-The model runner registers each request once (``add_request``), reports the tokens it samples
-(``append_output_tokens``) and drops finished or preempted requests (``remove_request``). Each
-step it calls ``prepare(req_ids)`` with the requests that sample this step, in row order. When
-the rows are the same as the previous step's, the cached tensors are reused and only the output
-token counts (for penalties) are bumped with the newly appended tokens: no full rebuild, and no
-device-to-host copy at all.
+Each step the model runner calls ``prepare(req_ids)`` with the requests that sample this step,
+in row order. When the rows are the same as the previous step's and no request came or went
+since, the cached tensors are reused and only the output token counts (for penalties) are bumped
+with the newly appended tokens: no full rebuild, and no device-to-host copy at all.
 
 Rows must be exactly the requests that sample a token this step (not ones part-way through a
 prompt chunk): a seeded request's generator advances only when its row is sampled.
@@ -19,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shoal.bus.messages.sampling import SamplingParams
+from shoal.workers.request_store import CachedRequestState, RequestStore
 
 _SAMPLING_EPS = 1e-5
 
@@ -62,108 +60,38 @@ class SamplingMetadata:
 
 
 @dataclass(slots=True)
-class _RequestState:
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    stop_token_ids: list[int]  # masked while below min_tokens: EOS (unless ignored) + stop ids
-    generator: torch.Generator | None
-
-    @property
-    def has_penalties(self) -> bool:
-        p = self.params
-        no_penalty = (0.0, 0.0, 1.0)
-        return (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) != no_penalty
-
-
-@dataclass(slots=True)
 class _CachedStep:
     req_ids: tuple[str, ...]
+    version: int  # of the request store when built
     metadata: SamplingMetadata
     num_outputs: list[int]  # output length of each row when the counts were last updated
 
 
 class SamplingBatch:
-    """The sampling state of every request on a worker; builds ``SamplingMetadata`` per step."""
+    """Builds ``SamplingMetadata`` per step from the requests in ``requests``."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu") -> None:
-        self.vocab_size = vocab_size
-        self.device = torch.device(device)
-        self._requests: dict[str, _RequestState] = {}
-        self._parked_generators: dict[str, torch.Generator] = {}  # of preempted requests
+    def __init__(self, requests: RequestStore) -> None:
+        self.requests = requests
+        self.vocab_size = requests.vocab_size
+        self.device = requests.device
         self._cached: _CachedStep | None = None
-
-    def __contains__(self, req_id: str) -> bool:
-        return req_id in self._requests
-
-    def __len__(self) -> int:
-        return len(self._requests)
-
-    def add_request(
-        self,
-        req_id: str,
-        params: SamplingParams,
-        prompt_token_ids: Sequence[int],
-        output_token_ids: Sequence[int] = (),
-        eos_token_ids: Sequence[int] = (),
-    ) -> None:
-        """Register a request (new, or resumed after preemption with its outputs so far)."""
-        stop_ids = [] if params.ignore_eos else list(eos_token_ids)
-        stop_ids += params.stop_token_ids or []
-        stop_ids = [t for t in dict.fromkeys(stop_ids) if t < self.vocab_size]
-        self._requests[req_id] = _RequestState(
-            params=params,
-            prompt_token_ids=list(prompt_token_ids),
-            output_token_ids=list(output_token_ids),
-            stop_token_ids=stop_ids,
-            generator=self._generator_for(req_id, params),
-        )
-        self._cached = None
-
-    def remove_request(self, req_id: str, preempted: bool = False) -> None:
-        """Forget a request. A preempted one keeps its generator's state for when it resumes."""
-        state = self._requests.pop(req_id, None)
-        self._parked_generators.pop(req_id, None)
-        if preempted and state is not None and state.generator is not None:
-            self._parked_generators[req_id] = state.generator
-        self._cached = None
-
-    def clear(self) -> None:
-        self._requests.clear()
-        self._parked_generators.clear()
-        self._cached = None
-
-    def append_output_tokens(self, req_id: str, token_ids: Sequence[int]) -> None:
-        """Record tokens sampled for a request (they feed penalties and min_tokens)."""
-        self._requests[req_id].output_token_ids.extend(token_ids)
-
-    def output_token_ids(self, req_id: str) -> list[int]:
-        return self._requests[req_id].output_token_ids
 
     def prepare(self, req_ids: Sequence[str]) -> SamplingMetadata:
         """The metadata for rows ``req_ids``, reusing the previous step's when rows are equal."""
         key = tuple(req_ids)
-        states = [self._requests[r] for r in key]
+        requests = self.requests
+        states = [requests[r] for r in key]
         cached = self._cached
-        if cached is not None and cached.req_ids == key:
+        if cached is not None and cached.req_ids == key and cached.version == requests.version:
             self._update_cached(cached, states)
             return cached.metadata
         metadata = self._build(states)
-        self._cached = _CachedStep(key, metadata, [len(s.output_token_ids) for s in states])
+        num_outputs = [len(s.output_token_ids) for s in states]
+        self._cached = _CachedStep(key, requests.version, metadata, num_outputs)
         return metadata
 
-    def _generator_for(self, req_id: str, params: SamplingParams) -> torch.Generator | None:
-        if params.seed is None or params.is_greedy:
-            return None
-        parked = self._parked_generators.pop(req_id, None)
-        if parked is not None:
-            return parked
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(params.seed)
-        return generator
-
-    def _build(self, states: list[_RequestState]) -> SamplingMetadata:
-        params = [s.params for s in states]
+    def _build(self, states: list[CachedRequestState]) -> SamplingMetadata:
+        params = [s.sampling_params for s in states]
         greedy = [p.is_greedy for p in params]
         top_ks = [p.top_k if 0 < p.top_k < self.vocab_size else self.vocab_size for p in params]
         uses_top_k = any(k < self.vocab_size for k in top_ks)
@@ -189,11 +117,12 @@ class SamplingBatch:
             max_num_logprobs=max(wanted) if wanted else None,
         )
 
-    def _build_penalties(self, states: list[_RequestState]) -> PenaltyTensors | None:
+    def _build_penalties(self, states: list[CachedRequestState]) -> PenaltyTensors | None:
         rows = [i for i, s in enumerate(states) if s.has_penalties]
         if not rows:
             return None
         chosen = [states[i] for i in rows]
+        params = [s.sampling_params for s in chosen]
         prompt_mask = torch.zeros(len(rows), self.vocab_size + 1, dtype=torch.bool)
         prompt_mask.scatter_(1, self._padded([s.prompt_token_ids for s in chosen]), True)
         counts = torch.zeros(len(rows), self.vocab_size + 1, dtype=torch.float32)
@@ -203,28 +132,28 @@ class SamplingBatch:
             row_indices=None if len(rows) == len(states) else self._tensor(rows, torch.int64),
             prompt_mask=self._move(prompt_mask[:, : self.vocab_size]),
             output_counts=self._move(counts[:, : self.vocab_size]),
-            presence=self._tensor([s.params.presence_penalty for s in chosen], torch.float32),
-            frequency=self._tensor([s.params.frequency_penalty for s in chosen], torch.float32),
-            repetition=self._tensor([s.params.repetition_penalty for s in chosen], torch.float32),
-            uses_presence=any(s.params.presence_penalty != 0.0 for s in chosen),
-            uses_frequency=any(s.params.frequency_penalty != 0.0 for s in chosen),
-            uses_repetition=any(s.params.repetition_penalty != 1.0 for s in chosen),
+            presence=self._tensor([p.presence_penalty for p in params], torch.float32),
+            frequency=self._tensor([p.frequency_penalty for p in params], torch.float32),
+            repetition=self._tensor([p.repetition_penalty for p in params], torch.float32),
+            uses_presence=any(p.presence_penalty != 0.0 for p in params),
+            uses_frequency=any(p.frequency_penalty != 0.0 for p in params),
+            uses_repetition=any(p.repetition_penalty != 1.0 for p in params),
         )
 
     def _min_tokens_blocked(
-        self, states: list[_RequestState]
+        self, states: list[CachedRequestState]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         rows: list[int] = []
         tokens: list[int] = []
         for i, s in enumerate(states):
-            if len(s.output_token_ids) < s.params.min_tokens:
+            if len(s.output_token_ids) < s.sampling_params.min_tokens:
                 rows += [i] * len(s.stop_token_ids)
                 tokens += s.stop_token_ids
         if not rows:
             return None
         return self._tensor(rows, torch.int64), self._tensor(tokens, torch.int64)
 
-    def _update_cached(self, cached: _CachedStep, states: list[_RequestState]) -> None:
+    def _update_cached(self, cached: _CachedStep, states: list[CachedRequestState]) -> None:
         metadata = cached.metadata
         if metadata.penalties is not None:
             self._bump_output_counts(metadata.penalties, cached.num_outputs, states)
@@ -232,7 +161,7 @@ class SamplingBatch:
         metadata.min_tokens_blocked = self._min_tokens_blocked(states)
 
     def _bump_output_counts(
-        self, penalties: PenaltyTensors, num_outputs: list[int], states: list[_RequestState]
+        self, penalties: PenaltyTensors, num_outputs: list[int], states: list[CachedRequestState]
     ) -> None:
         """Add the tokens appended since the last step to the cached counts (rows unchanged)."""
         rows = [i for i, s in enumerate(states) if s.has_penalties]

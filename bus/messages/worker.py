@@ -12,6 +12,9 @@ send a step before the previous one's result is back (the worker resolves placeh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import NamedTuple
+
 import msgspec
 
 from shoal.bus.messages.engine import Logprobs
@@ -43,11 +46,28 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     spec_token_ids: list[int] = []
 
 
+class BatchOrder(NamedTuple):
+    """A step's scheduled requests in batch order, and the tokens each runs (same order)."""
+
+    req_ids: list[str]
+    num_scheduled_tokens: list[int]
+
+
+def batch_order(
+    new_requests: Sequence[NewRequestData], cached_requests: Sequence[CachedRequestData]
+) -> BatchOrder:
+    """The one definition of a step's batch order: new requests, then cached ones.
+    ``StepResult`` answers in this order."""
+    scheduled: list[NewRequestData | CachedRequestData] = [*new_requests, *cached_requests]
+    return BatchOrder([r.req_id for r in scheduled], [r.num_scheduled_tokens for r in scheduled])
+
+
 class ExecuteStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=True, gc=False):
     """One scheduler step as a diff against the worker's persistent batch.
 
-    Batch order is ``new_requests`` then ``cached_requests``. ``finished_req_ids`` and
-    ``preempted_req_ids`` are dropped from the persistent batch before the step runs.
+    Batch order is ``new_requests`` then ``cached_requests`` (``batch_order()``).
+    ``finished_req_ids`` and ``preempted_req_ids`` are dropped from the persistent batch before
+    the step runs.
     """
 
     step_id: int
@@ -55,6 +75,10 @@ class ExecuteStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     cached_requests: list[CachedRequestData] = []
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
+
+    def batch_order(self) -> BatchOrder:
+        """Scheduled request ids and their token counts, in batch order."""
+        return batch_order(self.new_requests, self.cached_requests)
 
 
 class ResetWorker(msgspec.Struct, tag="reset", array_like=True, omit_defaults=True):

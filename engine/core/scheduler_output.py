@@ -3,7 +3,8 @@
 The step is a diff against the worker's persistent batch: a request's prompt and whole block
 table appear once (``NewRequestData``; again with ``resumed=True`` and prompt + outputs after a
 preemption), then only deltas (``CachedRequestData``: blocks to append, tokens to run). Batch
-order is new requests then cached ones; ``StepResult`` answers in the same order.
+order (new requests, then cached ones) is defined once, by ``bus.messages.worker.batch_order``;
+``StepResult`` answers in the same order.
 
 ``StepPlan`` is the scheduler's scratch state while it decides a step; ``build_scheduler_output``
 turns it into the ``SchedulerOutput``.
@@ -13,7 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
+from shoal.bus.messages.worker import (
+    CachedRequestData,
+    ExecuteStep,
+    NewRequestData,
+    batch_order,
+)
 from shoal.engine.core.request import Request
 
 
@@ -49,10 +55,8 @@ class SchedulerOutput:
 
     @property
     def req_ids(self) -> list[str]:
-        """Scheduled request ids in batch order."""
-        return [data.req_id for data in self.new_requests] + [
-            data.req_id for data in self.cached_requests
-        ]
+        """Scheduled request ids in batch order (the wire schema's ``batch_order``)."""
+        return batch_order(self.new_requests, self.cached_requests).req_ids
 
     @property
     def is_empty(self) -> bool:

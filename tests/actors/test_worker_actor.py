@@ -27,7 +27,7 @@ from shoal.bus.messages.worker import (
     WorkerInfo,
     WorkerOutbound,
 )
-from shoal.workers.actor import WorkerActor, step_req_ids
+from shoal.workers.actor import WorkerActor
 from tests.fixtures.nats import BusFactory
 
 REPLY = Codec(WorkerOutbound)
@@ -76,7 +76,7 @@ class FakeRunner:
             if new.req_id == "boom":
                 raise RuntimeError("CUDA out of memory (fake)")
             self.requests.add(new.req_id)
-        req_ids = step_req_ids(step)
+        req_ids = step.batch_order().req_ids
         return StepResult(step.step_id, req_ids, [[7] for _ in req_ids])
 
     def reset(self) -> None:

@@ -83,6 +83,21 @@ def test_partial_prefill_returns_no_token_then_continues(runner):
     assert second.sampled_token_ids == [[int(ref[-1].argmax())]]
 
 
+def test_result_follows_the_step_batch_order(runner):
+    """A decode listed as cached and a prefill chunk listed as new: the result answers in the
+    message's batch order (new first), each request with its own token count."""
+    prompt = [11, 12, 13, 14, 15]
+    t1 = runner.execute(ExecuteStep(step_id=0, new_requests=[new("a", prompt, [1, 2], 5)]))
+    ref = full_logits(runner, [*prompt, t1.sampled_token_ids[0][0]])
+    decode = CachedRequestData("a", [], num_computed_tokens=5, num_scheduled_tokens=1)
+    step = ExecuteStep(
+        step_id=1, cached_requests=[decode], new_requests=[new("b", [4, 5, 6, 7, 8, 9], [3, 4], 4)]
+    )
+    result = runner.execute(step)
+    assert result.req_ids == step.batch_order().req_ids == ["b", "a"]
+    assert result.sampled_token_ids == [[], [int(ref[-1].argmax())]]
+
+
 def test_logprobs_and_prompt_logprobs(runner):
     prompt = [5, 17, 99, 120, 7, 8]
     ref = torch.log_softmax(full_logits(runner, prompt), dim=-1)
@@ -139,6 +154,36 @@ def test_preempted_request_resumes_with_its_outputs(runner):
     assert len(runner.batch) == 1
 
 
+def test_preempted_seeded_request_resumes_its_random_stream(tiny_checkpoint):
+    """Preempted after its first token and recomputed, a seeded request samples the tokens it
+    would have sampled without the preemption (its generator waited in the request store)."""
+    prompt = [11, 12, 13, 14, 15]
+    params = SamplingParams(temperature=1.0, seed=21)
+
+    def first_step(runner: ModelRunner) -> int:
+        x = NewRequestData("x", prompt, params, [1, 2], 0, len(prompt))
+        return runner.execute(ExecuteStep(step_id=0, new_requests=[x])).sampled_token_ids[0][0]
+
+    def decode(runner: ModelRunner, step_id: int, num_computed: int) -> int:
+        cached = CachedRequestData("x", [], num_computed, 1)
+        step = ExecuteStep(step_id=step_id, cached_requests=[cached])
+        return runner.execute(step).sampled_token_ids[0][0]
+
+    straight = make_runner(tiny_checkpoint("llama"), num_blocks=16, block_size=BLOCK)
+    straight.load()
+    expected = [first_step(straight), decode(straight, 1, 5), decode(straight, 2, 6)]
+    runner = make_runner(tiny_checkpoint("llama"), num_blocks=16, block_size=BLOCK)
+    runner.load()
+    got = [first_step(runner)]
+    generator = runner.requests["x"].generator
+    resumed = NewRequestData("x", prompt, params, [3, 4], 0, 6, output_token_ids=got, resumed=True)
+    step = ExecuteStep(step_id=1, preempted_req_ids=["x"], new_requests=[resumed])
+    got += runner.execute(step).sampled_token_ids[0]
+    assert runner.requests["x"].generator is generator
+    got.append(decode(runner, 2, 6))
+    assert got == expected and len(set(expected)) > 1
+
+
 def test_unknown_cached_request_is_an_error(runner):
     with pytest.raises(KeyError, match="ghost"):
         runner.execute(
@@ -160,7 +205,7 @@ def test_empty_step_and_reset(runner):
     assert runner.execute(ExecuteStep(step_id=4)).req_ids == []
     runner.execute(ExecuteStep(step_id=5, new_requests=[new("a", [1, 2, 3], [1], 3)]))
     runner.reset()
-    assert len(runner.batch) == 0 and "a" not in runner.sampling
+    assert len(runner.batch) == 0 and "a" not in runner.requests
 
 
 def test_step_over_token_budget_is_refused(tiny_checkpoint):

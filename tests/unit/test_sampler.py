@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.workers.request_store import RequestStore
 from shoal.workers.sampler import (
     Sampler,
     _apply_top_p_sorted,
@@ -19,10 +20,15 @@ from shoal.workers.sampling_metadata import SamplingBatch
 VOCAB = 32
 
 
+def sampling_batch(vocab: int) -> SamplingBatch:
+    """A metadata builder over its own request store (the runner shares one with its batch)."""
+    return SamplingBatch(RequestStore(max_num_reqs=4096, vocab_size=vocab))
+
+
 def _batch(*requests: tuple[str, SamplingParams], vocab: int = VOCAB) -> SamplingBatch:
-    batch = SamplingBatch(vocab)
+    batch = sampling_batch(vocab)
     for req_id, params in requests:
-        batch.add_request(req_id, params, prompt_token_ids=[1, 2, 3], eos_token_ids=[0])
+        batch.requests.add(req_id, params, prompt_token_ids=[1, 2, 3], eos_token_ids=[0])
     return batch
 
 
@@ -56,7 +62,7 @@ def _run_seeded(order: list[str], others: dict[str, SamplingParams], steps: int)
         logits[order.index("x")] = _logits(1, seed=step)[0]  # x sees the same logits each run
         out = Sampler()(logits, batch.prepare(order))
         token = int(out.sampled_token_ids[order.index("x")])
-        batch.append_output_tokens("x", [token])
+        batch.requests["x"].output_token_ids.append(token)
         tokens.append(token)
     return tokens
 
@@ -88,8 +94,8 @@ def test_preempted_seeded_request_resumes_its_generator() -> None:
     expected = [int(Sampler()(t.clone(), straight.prepare(["x"])).sampled_token_ids) for t in steps]
     batch = _batch(("x", params))
     got = [int(Sampler()(steps[0].clone(), batch.prepare(["x"])).sampled_token_ids)]
-    batch.remove_request("x", preempted=True)
-    batch.add_request("x", params, [1, 2, 3], output_token_ids=got)
+    batch.requests.remove("x", preempted=True)
+    batch.requests.add("x", params, [1, 2, 3], output_token_ids=got)
     got += [int(Sampler()(t.clone(), batch.prepare(["x"])).sampled_token_ids) for t in steps[1:]]
     assert got == expected
 
@@ -159,9 +165,9 @@ def test_temperature_sampling_follows_the_softmax() -> None:
     torch.manual_seed(0)
     logits = torch.tensor([[1.0, 0.0, -1.0, 0.5]])
     rows = 4000
-    batch = SamplingBatch(4)
+    batch = sampling_batch(4)
     for i in range(rows):
-        batch.add_request(f"r{i}", SamplingParams(temperature=2.0), [0])
+        batch.requests.add(f"r{i}", SamplingParams(temperature=2.0), [0])
     out = Sampler()(logits.expand(rows, 4).clone(), batch.prepare([f"r{i}" for i in range(rows)]))
     counts = torch.bincount(out.sampled_token_ids, minlength=4).float() / rows
     for observed, expected in zip(counts.tolist(), _probs(logits[0], 2.0), strict=True):
@@ -172,22 +178,22 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     logits = torch.full((1, VOCAB), -5.0)
     logits[0, 0] = 5.0  # eos is best
     logits[0, 9] = 4.0  # then a stop id
-    batch = SamplingBatch(VOCAB)
+    batch = sampling_batch(VOCAB)
     params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[9])
-    batch.add_request("r", params, [1], eos_token_ids=[0])
+    batch.requests.add("r", params, [1], eos_token_ids=[0])
     assert int(Sampler()(logits.clone(), batch.prepare(["r"])).sampled_token_ids) not in (0, 9)
-    batch.append_output_tokens("r", [4])
+    batch.requests["r"].output_token_ids.append(4)
     assert int(Sampler()(logits.clone(), batch.prepare(["r"])).sampled_token_ids) not in (0, 9)
-    batch.append_output_tokens("r", [4])
+    batch.requests["r"].output_token_ids.append(4)
     assert int(Sampler()(logits.clone(), batch.prepare(["r"])).sampled_token_ids) == 0
 
 
 def test_min_tokens_with_ignore_eos_masks_only_stop_ids() -> None:
     logits = torch.full((1, VOCAB), -5.0)
     logits[0, 0], logits[0, 9] = 5.0, 6.0
-    batch = SamplingBatch(VOCAB)
+    batch = sampling_batch(VOCAB)
     params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9], ignore_eos=True)
-    batch.add_request("r", params, [1], eos_token_ids=[0])
+    batch.requests.add("r", params, [1], eos_token_ids=[0])
     assert int(Sampler()(logits, batch.prepare(["r"])).sampled_token_ids) == 0
 
 

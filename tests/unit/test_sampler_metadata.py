@@ -6,10 +6,16 @@ import pytest
 import torch
 
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.workers.request_store import RequestStore
 from shoal.workers.sampler import apply_penalties
 from shoal.workers.sampling_metadata import SamplingBatch
 
 VOCAB = 16
+
+
+def sampling_batch(vocab: int) -> SamplingBatch:
+    """A metadata builder over its own request store (the runner shares one with its batch)."""
+    return SamplingBatch(RequestStore(max_num_reqs=4096, vocab_size=vocab))
 
 
 def _reference_penalties(
@@ -42,12 +48,12 @@ CASES = [
 @pytest.mark.parametrize("rows", [list(range(len(CASES))), [4, 0, 5, 2]])
 def test_penalties_match_the_reference(rows: list[int]) -> None:
     gen = torch.Generator().manual_seed(0)
-    batch = SamplingBatch(VOCAB)
+    batch = sampling_batch(VOCAB)
     prompts, outputs = {}, {}
     for i in rows:
         prompts[i] = torch.randint(0, VOCAB, (5,), generator=gen).tolist()
         outputs[i] = torch.randint(0, VOCAB, (i + 3,), generator=gen).tolist()
-        batch.add_request(f"r{i}", CASES[i], prompts[i], output_token_ids=outputs[i])
+        batch.requests.add(f"r{i}", CASES[i], prompts[i], output_token_ids=outputs[i])
     logits = torch.randn(len(rows), VOCAB, generator=gen) * 2
     meta = batch.prepare([f"r{i}" for i in rows])
     assert meta.penalties is not None
@@ -59,8 +65,8 @@ def test_penalties_match_the_reference(rows: list[int]) -> None:
 
 
 def test_no_penalties_means_no_penalty_tensors() -> None:
-    batch = SamplingBatch(VOCAB)
-    batch.add_request("a", SamplingParams(temperature=0.0), [1, 2])
+    batch = sampling_batch(VOCAB)
+    batch.requests.add("a", SamplingParams(temperature=0.0), [1, 2])
     meta = batch.prepare(["a"])
     assert meta.penalties is None
     assert meta.top_k is None and meta.top_p is None and meta.min_p is None
@@ -69,22 +75,22 @@ def test_no_penalties_means_no_penalty_tensors() -> None:
 
 
 def test_same_rows_reuse_the_metadata_and_bump_output_counts() -> None:
-    batch = SamplingBatch(VOCAB)
-    batch.add_request("a", SamplingParams(frequency_penalty=1.0), [1], output_token_ids=[3])
-    batch.add_request("b", SamplingParams(temperature=0.5), [2])
-    batch.add_request("c", SamplingParams(presence_penalty=0.5, min_tokens=2), [4], [], [0])
+    batch = sampling_batch(VOCAB)
+    batch.requests.add("a", SamplingParams(frequency_penalty=1.0), [1], output_token_ids=[3])
+    batch.requests.add("b", SamplingParams(temperature=0.5), [2])
+    batch.requests.add("c", SamplingParams(presence_penalty=0.5, min_tokens=2), [4], [], [0])
     first = batch.prepare(["a", "b", "c"])
     assert first.min_tokens_blocked is not None
     for step_tokens in ([3, 7, 5], [9, 9, 5]):
         for req_id, token in zip("abc", step_tokens, strict=True):
-            batch.append_output_tokens(req_id, [token])
+            batch.requests[req_id].output_token_ids.append(token)
         again = batch.prepare(["a", "b", "c"])
         assert again is first
     assert first.penalties is not None
-    fresh = SamplingBatch(VOCAB)
-    fresh.add_request("a", SamplingParams(frequency_penalty=1.0), [1], [3, 3, 9])
-    fresh.add_request("b", SamplingParams(temperature=0.5), [2])
-    fresh.add_request("c", SamplingParams(presence_penalty=0.5, min_tokens=2), [4], [5, 5], [0])
+    fresh = sampling_batch(VOCAB)
+    fresh.requests.add("a", SamplingParams(frequency_penalty=1.0), [1], [3, 3, 9])
+    fresh.requests.add("b", SamplingParams(temperature=0.5), [2])
+    fresh.requests.add("c", SamplingParams(presence_penalty=0.5, min_tokens=2), [4], [5, 5], [0])
     rebuilt = fresh.prepare(["a", "b", "c"])
     assert rebuilt.penalties is not None
     torch.testing.assert_close(first.penalties.output_counts, rebuilt.penalties.output_counts)
@@ -93,25 +99,25 @@ def test_same_rows_reuse_the_metadata_and_bump_output_counts() -> None:
 
 
 def test_changed_rows_rebuild() -> None:
-    batch = SamplingBatch(VOCAB)
-    batch.add_request("a", SamplingParams(temperature=0.0), [1])
-    batch.add_request("b", SamplingParams(temperature=0.9, top_k=4, logprobs=3), [1])
+    batch = sampling_batch(VOCAB)
+    batch.requests.add("a", SamplingParams(temperature=0.0), [1])
+    batch.requests.add("b", SamplingParams(temperature=0.9, top_k=4, logprobs=3), [1])
     ab = batch.prepare(["a", "b"])
     ba = batch.prepare(["b", "a"])
     assert ba is not ab
     assert ba.is_greedy.tolist() == [False, True]
     assert ba.top_k is not None and ba.top_k.tolist() == [4, VOCAB]
     assert ba.num_logprobs == [3, None] and ba.max_num_logprobs == 3
-    batch.remove_request("a")
-    assert "a" not in batch
+    batch.requests.remove("a")
+    assert "a" not in batch.requests
     only_b = batch.prepare(["b"])
     assert only_b.all_random and only_b.temperature.tolist() == pytest.approx([0.9])
 
 
 def test_stop_ids_outside_the_vocabulary_are_ignored() -> None:
-    batch = SamplingBatch(VOCAB)
+    batch = sampling_batch(VOCAB)
     params = SamplingParams(min_tokens=1, stop_token_ids=[VOCAB + 5, 2])
-    batch.add_request("a", params, [1], eos_token_ids=[VOCAB])
+    batch.requests.add("a", params, [1], eos_token_ids=[VOCAB])
     blocked = batch.prepare(["a"]).min_tokens_blocked
     assert blocked is not None
     assert blocked[1].tolist() == [2]
