@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from shoal.bus.actor import call
 from shoal.bus.base import Bus, BusError, Msg, Subscription
 from shoal.bus.codec import Codec, DecodeError
-from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
+from shoal.bus.liveness import GONE_STATES, LivenessTable, watch_liveness
+from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.worker import (
     DescribeWorker,
     ExecuteStep,
@@ -30,9 +31,8 @@ from shoal.bus.subjects import Subjects
 log = logging.getLogger(__name__)
 
 _OUTBOUND: Codec[WorkerOutbound] = Codec(WorkerOutbound)
-_CONTROL: Codec[ControlEvent] = Codec(ControlEvent)
 _STEP: Codec[ExecuteStep] = Codec(ExecuteStep)
-_GONE = (ActorState.DRAINING, ActorState.DEAD, ActorState.STOPPED)
+_GONE = (ActorState.DRAINING, *GONE_STATES)  # a draining worker takes no more steps
 
 
 class WorkerFailure(RuntimeError):
@@ -59,14 +59,14 @@ class WorkerLink:
         self.dead_after_s = dead_after_s
         self.step_timeout_s = step_timeout_s
         self.infos: dict[str, WorkerInfo] = {}
-        self._last_seen: dict[str, float] = {}
-        self._last_seq: dict[str, int] = {}
-        self._lost: dict[str, str] = {}  # worker id → why it is considered lost
+        self.liveness = LivenessTable()
+        self._restarts_at_handshake: dict[str, int] = {}
         self._subs: list[Subscription] = []
 
     async def start(self) -> None:
-        for subject in (self.subjects.heartbeat("worker"), self.subjects.status("worker")):
-            self._subs.append(await self.bus.subscribe(subject, self._on_control))
+        self._subs = await watch_liveness(
+            self.bus, self.subjects, "worker", self.liveness, only=self.worker_ids
+        )
 
     async def stop(self) -> None:
         subs, self._subs = self._subs, []
@@ -75,37 +75,24 @@ class WorkerLink:
 
     # ----- liveness
 
-    async def _on_control(self, msg: Msg) -> None:
-        try:
-            event = _CONTROL.decode(msg.data)
-        except DecodeError:
-            return
-        if event.actor_id not in self.worker_ids:
-            return
-        match event:
-            case Heartbeat():
-                self._on_heartbeat(event)
-            case StatusEvent():
-                if event.state in _GONE:
-                    self._lost[event.actor_id] = f"worker {event.actor_id} is {event.state.name}"
-                elif event.state is ActorState.STARTING:
-                    self._lost[event.actor_id] = f"worker {event.actor_id} restarted"
-
-    def _on_heartbeat(self, beat: Heartbeat) -> None:
-        previous = self._last_seq.get(beat.actor_id)
-        if previous is not None and beat.seq < previous:
-            self._lost[beat.actor_id] = f"worker {beat.actor_id} restarted"
-        self._last_seq[beat.actor_id] = beat.seq
-        self._last_seen[beat.actor_id] = time.monotonic()
+    def lost_reason(self, worker_id: str, started: float, now: float) -> str | None:
+        """Why ``worker_id`` counts as lost for a step sent at ``started``, or None."""
+        peer = self.liveness.get(worker_id)
+        if peer is not None and peer.state in _GONE:
+            return f"worker {worker_id} is {peer.state.name}"
+        if self.liveness.num_restarts(worker_id) > self._restarts_at_handshake.get(worker_id, 0):
+            return f"worker {worker_id} restarted"
+        seen = started if peer is None else max(peer.seen_at, started)
+        if now - seen > self.dead_after_s:
+            return f"worker {worker_id} sent no heartbeat for {now - seen:.1f} s"
+        return None
 
     def _check_alive(self, started: float) -> None:
         now = time.monotonic()
         for worker_id in self.worker_ids:
-            if worker_id in self._lost:
-                raise WorkerFailure(self._lost[worker_id])
-            seen = self._last_seen.get(worker_id, started)
-            if now - max(seen, started) > self.dead_after_s:
-                raise WorkerFailure(f"worker {worker_id} sent no heartbeat for {now - seen:.1f} s")
+            reason = self.lost_reason(worker_id, started, now)
+            if reason is not None:
+                raise WorkerFailure(reason)
 
     # ----- handshake
 
@@ -119,9 +106,13 @@ class WorkerLink:
             reset = ResetWorker(f"engine {self.engine_id} (re)connected")
             await call(self.bus, self.subjects.worker_in(worker_id), reset, _OUTBOUND, timeout=30)
         self.infos = {info.worker_id: info for info in infos}
-        self._lost.clear()
-        self._last_seq.clear()
+        self.forgive_restarts()
         return infos
+
+    def forgive_restarts(self) -> None:
+        """Restarts so far are known and handled (the workers were just reset): only later
+        ones fail a step."""
+        self._restarts_at_handshake = {w: self.liveness.num_restarts(w) for w in self.worker_ids}
 
     async def _describe(self, worker_id: str, deadline: float) -> WorkerInfo:
         subject = self.subjects.worker_in(worker_id)

@@ -21,8 +21,8 @@ from typing import Any
 
 from shoal.bus.base import Bus, BusError, Msg, Subscription
 from shoal.bus.codec import Codec, DecodeError, encode
+from shoal.bus.liveness import watch_liveness
 from shoal.bus.messages.config import ShoalConfig
-from shoal.bus.messages.control import ControlEvent, Heartbeat, StatusEvent
 from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
@@ -46,7 +46,6 @@ log = logging.getLogger(__name__)
 
 _OUTBOUND: Codec[EngineOutbound] = Codec(EngineOutbound)
 _STATS: Codec[EngineStats] = Codec(EngineStats)
-_CONTROL: Codec[ControlEvent] = Codec(ControlEvent)
 
 StatsListener = Callable[[SchedulerStats, str], None]
 
@@ -95,8 +94,7 @@ class AsyncEngineClient:
                 s.engine_out(self.client_id), self._on_output, sequential=True
             ),
             await self.bus.subscribe(s.engine_stats("*"), self._on_stats),
-            await self.bus.subscribe(s.heartbeat("engine"), self._on_control),
-            await self.bus.subscribe(s.status("engine"), self._on_control),
+            *await watch_liveness(self.bus, s, "engine", self.router.liveness),
         ]
         await self.bus.flush()
         self._watchdog = asyncio.create_task(self._watch_engines())
@@ -337,14 +335,6 @@ class AsyncEngineClient:
                 listener(stats, engine_id)
             except Exception:
                 log.exception("stats listener failed")
-
-    async def _on_control(self, msg: Msg) -> None:
-        try:
-            event = _CONTROL.decode(msg.data)
-        except DecodeError:
-            return
-        if isinstance(event, Heartbeat | StatusEvent):
-            self.router.on_state(event.actor_id, event.state)
 
     async def _watch_engines(self) -> None:
         """Fail the requests of engine cores that stopped or went silent."""

@@ -1,9 +1,11 @@
 """Which engine core takes the next request: the engine cores this client has heard from, their
 last published load, and this client's own requests in flight on each.
 
-An engine core counts as ready while its heartbeats or stats keep arriving (``stale_after_s``)
-and its last state is READY. The least loaded ready one wins: waiting + running requests as last
-reported, plus what this client sent since (not yet in a report), ties broken by KV usage.
+An engine core is known once its stats arrive. It counts as ready while its heartbeats or stats
+keep arriving (``stale_after_s``) and its last state (``bus.liveness``) is READY; it counts as
+lost once DEAD or STOPPED or silent for twice that. The least loaded ready one wins: waiting +
+running requests as last reported, plus what this client sent since (not yet in a report), ties
+broken by KV usage.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from shoal.bus.liveness import GONE_STATES, LivenessTable
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.engine import EngineStats
 
@@ -19,8 +22,6 @@ from shoal.bus.messages.engine import EngineStats
 class EngineView:
     engine_id: str
     stats: EngineStats
-    seen_at: float
-    state: ActorState = ActorState.READY
     num_sent_since_stats: int = 0
 
     def score(self) -> tuple[float, float]:
@@ -29,31 +30,33 @@ class EngineView:
 
 
 class EngineRouter:
+    """Engine views by id; ``liveness`` is fed with the engine cores' heartbeats and status
+    events (``bus.liveness.watch_liveness``) and touched by their stats."""
+
     def __init__(self, stale_after_s: float = 10.0) -> None:
         self.stale_after_s = stale_after_s
         self.engines: dict[str, EngineView] = {}
+        self.liveness = LivenessTable()
 
     def on_stats(self, stats: EngineStats, now: float | None = None) -> None:
-        now = time.monotonic() if now is None else now
+        self.liveness.touch(stats.engine_id, now)
         view = self.engines.get(stats.engine_id)
         if view is None:
-            self.engines[stats.engine_id] = EngineView(stats.engine_id, stats, now)
+            self.engines[stats.engine_id] = EngineView(stats.engine_id, stats)
             return
-        view.stats, view.seen_at, view.num_sent_since_stats = stats, now, 0
+        view.stats, view.num_sent_since_stats = stats, 0
 
-    def on_state(self, engine_id: str, state: ActorState, now: float | None = None) -> None:
-        """A heartbeat or status event: the engine core is alive, in ``state``."""
-        view = self.engines.get(engine_id)
-        if view is not None:
-            view.state = state
-            view.seen_at = time.monotonic() if now is None else now
-
-    def is_ready(self, view: EngineView, now: float) -> bool:
-        return view.state is ActorState.READY and now - view.seen_at <= self.stale_after_s
+    def is_ready(self, engine_id: str, now: float | None = None) -> bool:
+        peer = self.liveness.get(engine_id)
+        return (
+            peer is not None
+            and peer.state is ActorState.READY
+            and self.liveness.is_fresh(engine_id, self.stale_after_s, now)
+        )
 
     def ready_engines(self, now: float | None = None) -> list[EngineView]:
         now = time.monotonic() if now is None else now
-        return [v for v in self.engines.values() if self.is_ready(v, now)]
+        return [v for v in self.engines.values() if self.is_ready(v.engine_id, now)]
 
     def pick(self, now: float | None = None) -> EngineView | None:
         ready = self.ready_engines(now)
@@ -67,12 +70,13 @@ class EngineRouter:
         lens = [v.stats.max_model_len for v in self.engines.values() if v.stats.max_model_len]
         return min(lens) if lens else None
 
+    def is_lost(self, engine_id: str, now: float | None = None) -> bool:
+        """Stopped, dead or silent: its requests will never finish."""
+        peer = self.liveness.get(engine_id)
+        if peer is None or peer.state in GONE_STATES:
+            return True
+        return not self.liveness.is_fresh(engine_id, 2 * self.stale_after_s, now)
+
     def lost_engines(self, now: float | None = None) -> list[str]:
-        """Engines that stopped, died or went silent (their requests will never finish)."""
         now = time.monotonic() if now is None else now
-        return [
-            v.engine_id
-            for v in self.engines.values()
-            if v.state in (ActorState.DEAD, ActorState.STOPPED)
-            or now - v.seen_at > 2 * self.stale_after_s
-        ]
+        return [engine_id for engine_id in self.engines if self.is_lost(engine_id, now)]
