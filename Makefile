@@ -7,13 +7,16 @@ PYTEST_ARGS ?=
 
 .PHONY: install run test lint typecheck unit bench clean
 
+# Quiet on success (pip's and setuptools' chatter goes to the log); the log's tail on failure.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	# Pin the CPU build of torch first: an unpinned resolve pulls a multi-GB CUDA build.
-	$(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[test]'
-	touch $(STAMP)
+	@echo "shoal: installing into $(VENV) (the first time takes a few minutes; log: $(VENV)/install.log)"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# Pin the CPU build of torch first: an unpinned resolve pulls a multi-GB CUDA build.
+	@{ $(BIN)/python -m pip install --upgrade pip && \
+	   $(BIN)/python -m pip install torch==2.13.0 && \
+	   $(BIN)/python -m pip install -e '.[test]'; } > $(VENV)/install.log 2>&1 || \
+	 { tail -n 40 $(VENV)/install.log; echo "shoal: install failed; full log: $(VENV)/install.log"; exit 1; }
+	@touch $(STAMP)
 
 install: $(STAMP)
 

@@ -3,7 +3,7 @@ heartbeat, status events, and ``run_forever`` with graceful drain on SIGTERM/SIG
 
 The same class runs as a task in a shared event loop (``asyncio.create_task(actor.run_forever(
 install_signals=False))``, stopped by ``actor.request_stop()``) or as its own OS process
-(``python -m bus.run_actor``, usually started by ``bus.supervisor.Supervisor``).
+(``python -m shoal.bus.run_actor``, usually started by ``bus.supervisor.Supervisor``).
 
 A handler receives the decoded message and the raw ``Msg``. For a request, a returned struct (or
 bytes) is the reply; an undecodable payload or a failing handler gets an ``ErrorReply`` (flagged
@@ -67,7 +67,6 @@ class Actor:
         self.drain_timeout_s = drain_timeout_s
         self.owns_bus = False  # close the bus on stop (set when the actor runs as a process)
         self.state = ActorState.STARTING
-        self.num_handled = 0
         self.num_decode_errors = 0
         self.num_handler_errors = 0
         self._heartbeat_seq = 0
@@ -169,7 +168,6 @@ class Actor:
                 log.exception("%r: handler for %s failed", self, msg.subject)
                 await self._reply_error(msg, "internal", f"{type(exc).__name__}: {exc}")
                 return
-            self.num_handled += 1
             if result is not None and msg.reply:
                 data = result if isinstance(result, bytes | bytearray) else encode(result)
                 await msg.respond(bytes(data))

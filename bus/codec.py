@@ -50,12 +50,6 @@ class Codec(Generic[T]):
         return obj
 
 
-class JsonCodec(Codec[T]):
-    """JSON codec for one type (the gateway's public NATS API); otherwise a ``Codec``."""
-
-    _format = msgspec.json
-
-
 _ANY_ENCODER = msgspec.msgpack.Encoder()
 
 

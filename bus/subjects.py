@@ -111,19 +111,6 @@ class Subjects:
         """Queue group of the gateways serving the public API (one gateway per request)."""
         return f"{self.namespace.replace('.', '-')}-api"
 
-    # KV offload tiers (seams for later work)
-    def tier_in(self, tier_id: str) -> str:
-        """One tier actor's inbox."""
-        return self._build("tier", tier_id, "in")
-
-    def tier_pool(self, tier_kind: str) -> str:
-        """The shared inbox of a stateless pool of tiers of one kind (use ``tier_queue``)."""
-        return self._build("tierpool", tier_kind, "in")
-
-    def tier_queue(self, tier_kind: str) -> str:
-        validate_token(tier_kind, "tier kind")
-        return f"{self.namespace.replace('.', '-')}-tier-{tier_kind}"
-
     def all(self) -> str:
         """Every subject of this deployment (for debugging taps)."""
         return f"{self._root}.>"

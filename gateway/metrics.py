@@ -14,7 +14,6 @@ Each ``Metrics`` has its own registry, so several gateways may live in one proce
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -189,11 +188,6 @@ class Metrics:
             self.histograms["itl"].labels(self.model_name).observe(now - previous)
         timer.last_token_time[index] = now
 
-    def observe_request(self, output: RequestOutput, timer: RequestTimer, n: int = 1) -> None:
-        """The request's last output: observe it, then finish the request."""
-        self.observe_output(timer, output)
-        self.finish_request(timer, n)
-
     def finish_request(self, timer: RequestTimer, n: int, now: float | None = None) -> None:
         """Count the request as done; completions with no finish reason count as aborted."""
         if timer.finished:
@@ -252,14 +246,6 @@ class Metrics:
             increment = value - previous if value >= previous else value
             counter.labels(*labels).inc(increment)
         self._last_stats[engine_id] = stats
-
-    def remove_engine(self, engine_id: str) -> None:
-        """Drop a departed engine core's gauges (its counters stay, as Prometheus expects)."""
-        labels = (self.model_name, engine_id)
-        self._last_stats.pop(engine_id, None)
-        for gauge in (self.num_requests_running, self.num_requests_waiting, self.kv_cache_usage):
-            with contextlib.suppress(KeyError):
-                gauge.remove(*labels)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

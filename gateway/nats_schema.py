@@ -15,7 +15,6 @@ from shoal.gateway.request_types import ChatMessage, TokenId
 from shoal.gateway.response_types import Usage
 
 JSON_CONTENT_TYPE = "application/json"
-MSGPACK_CONTENT_TYPE = "application/msgpack"
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -82,6 +81,3 @@ class GenerateError(msgspec.Struct, tag="error", tag_field="type"):
     error: ErrorInfo
     status: int
     request_id: str | None = None
-
-
-GenerateReply = GenerateResult | GenerateChunk | GenerateFinal | GenerateError

@@ -6,7 +6,6 @@ engine iterators and so aborts its requests in the engine cores at once.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import socket
 
@@ -43,17 +42,6 @@ async def start_http_server(
     site = web.SockSite(runner, sock)
     await site.start()
     return HttpServer(runner, host, sock.getsockname()[1])
-
-
-def add_http_arguments(parser: argparse.ArgumentParser) -> None:
-    """The gateway's command-line options (the ``shoal`` CLI adds them to its serve command)."""
-    group = parser.add_argument_group("gateway")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
-    group.add_argument(
-        "--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*"
-    )
-    group.add_argument("--served-model-name", default=None, help="model name clients use")
 
 
 async def serve_forever(app: web.Application, host: str, port: int, stop: asyncio.Event) -> None:

@@ -134,7 +134,7 @@ class CheckpointConfig:
             attention_bias=_attention_bias(raw, model_type),
             mlp_bias=bool(raw.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            hidden_act=str(raw.get("hidden_act", "silu")),
+            hidden_act=_hidden_act(raw),
             checkpoint_dtype=parse_dtype(str(raw.get("dtype") or raw.get("torch_dtype") or "fp32")),
             sliding_window=_sliding_window(raw),
             moe=_parse_moe(raw, model_type),
@@ -178,6 +178,14 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     return RopeConfig(
         theta=float(params.get("rope_theta", 10000.0)), rope_type=rope_type, scaling=scaling
     )
+
+
+def _hidden_act(raw: dict[str, Any]) -> str:
+    """The MLP's activation: every supported family gates with SiLU (``silu_and_mul``)."""
+    act = str(raw.get("hidden_act") or raw.get("hidden_activation") or "silu")
+    if act != "silu":
+        raise ModelConfigError(f"hidden_act {act!r} is not supported (silu)")
+    return act
 
 
 def _attention_bias(raw: dict[str, Any], model_type: str) -> bool:

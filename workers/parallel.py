@@ -31,14 +31,6 @@ class TPContext:
             dist.all_reduce(x)
         return x
 
-    def min_int(self, value: int) -> int:
-        """The smallest ``value`` over all ranks (so every rank sizes its KV cache alike)."""
-        if self.size == 1:
-            return value
-        box = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(box, op=dist.ReduceOp.MIN)
-        return int(box.item())
-
     def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank, in place."""
         if self.size > 1:

@@ -1,7 +1,7 @@
 """The engine client's interface, as the gateway and the offline API see it.
 
-``engine.client.AsyncEngineClient`` implements it over the bus; tests may implement it with a
-fake. Nothing here talks to the bus itself.
+``AsyncEngineClient`` (``engine_client.py``) implements it over the bus; tests may implement it
+with a fake. Nothing here talks to the bus itself.
 """
 
 from __future__ import annotations

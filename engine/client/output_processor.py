@@ -174,9 +174,6 @@ class OutputProcessor:
             self._owner_of[child.request_id] = request_id
         return list(state.child_params)
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     @property
     def num_requests(self) -> int:
         return len(self._requests)

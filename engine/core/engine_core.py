@@ -1,6 +1,6 @@
 """The engine core's synchronous heart: the scheduler plus its pending inputs, with no I/O.
 
-``EngineCoreActor`` (``engine/core_actor.py``) is the thin async shell: it feeds inputs in,
+``EngineCoreActor`` (``engine/actor/core_actor.py``) is the thin async shell: it feeds inputs in,
 asks for a step, sends it to the workers and hands the result back. Keeping this part pure
 leaves room for the later wrappers: a fault-tolerance sentinel around ``step`` and a batch
 queue that holds two steps in flight (async scheduling) both sit in the shell.

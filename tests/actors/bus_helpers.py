@@ -52,7 +52,7 @@ class EchoActor(Actor):
         return self.subjects.control(self.kind, self.actor_id)
 
     def event_subject(self) -> str:
-        return self.subjects.tier_in(self.actor_id)
+        return self.subjects.status(self.actor_id)  # any second subject of its own
 
     def inboxes(self) -> Sequence[Inbox]:
         return [

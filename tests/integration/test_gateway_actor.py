@@ -75,7 +75,7 @@ async def test_actor_serves_http_nats_and_engine_stats() -> None:
 
 
 class ReportingEngine(FakeEngineClient):
-    """A fake that passes engine stats on to listeners, like engine.client.AsyncEngineClient."""
+    """A fake that passes engine stats on to listeners, like AsyncEngineClient."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shoal.bus.codec import Codec, DecodeError, JsonCodec, encode
+from shoal.bus.codec import Codec, DecodeError, encode
 from shoal.bus.messages.control import ActorState, ControlEvent, ErrorReply, Heartbeat
 from shoal.bus.messages.engine import (
     AbortRequest,
@@ -52,16 +52,6 @@ def test_decode_errors_are_readable_and_typed():
     raw[3] = {"temperature": -1.0}
     with pytest.raises(DecodeError, match="temperature"):
         codec.decode(msgspec.msgpack.encode(raw))
-
-
-def test_json_codec_for_the_public_api():
-    codec = JsonCodec(SamplingParams)
-    params = codec.decode(b'{"temperature": 0.0, "max_tokens": 3, "stop": "x"}')
-    assert params.max_tokens == 3 and params.stop == ["x"] and params.is_greedy
-    with pytest.raises(DecodeError, match="top_p"):
-        codec.decode(b'{"top_p": 0}')
-    with pytest.raises(DecodeError):
-        codec.decode(b'{"max_tokens": "many"}')
 
 
 # Field order of every array_like struct: encoded positionally, so a reorder or an insertion

@@ -22,8 +22,6 @@ def test_subjects_follow_namespace_version_role_id_verb():
     assert s.control("engine", "e0") == "shoal.v1.engine.e0.control"
     assert s.api_generate() == "shoal.v1.api.generate"
     assert s.api_queue() == "shoal-api"
-    assert s.tier_in("cpu0") == "shoal.v1.tier.cpu0.in"
-    assert s.tier_pool("fs") == "shoal.v1.tierpool.fs.in"
 
 
 def test_two_namespaces_never_share_a_subject():

@@ -52,6 +52,13 @@ def test_older_rope_theta_and_rope_scaling():
     assert cfg.rope.theta == 1e6 and cfg.rope.rope_type == "llama3"
 
 
+def test_unsupported_activation():
+    """An MLP activation the models do not implement is refused, never silently replaced."""
+    with pytest.raises(ModelConfigError, match="gelu_pytorch_tanh"):
+        CheckpointConfig.from_dicts({**BASE, "hidden_act": "gelu_pytorch_tanh"})
+    assert CheckpointConfig.from_dicts({**BASE, "hidden_act": "silu"}).hidden_act == "silu"
+
+
 def test_unsupported_rope_type():
     with pytest.raises(ModelConfigError, match="yarn"):
         CheckpointConfig.from_dicts({**BASE, "rope_parameters": {"rope_type": "yarn"}})

@@ -279,7 +279,7 @@ def test_abort_and_fail(tokenizer: Tokenizer) -> None:
     processor.process_outputs(batch(StepOutput("0_r", [10], "length")))
     assert processor.engine_request_ids("r") == ["1_r"]
     assert processor.abort_request("r") == ["1_r"]
-    assert not processor.has_request("r") and processor.abort_request("r") == []
+    assert processor.num_requests == 0 and processor.abort_request("r") == []
     processor.add_request("f", [1], SamplingParams())
     failed = processor.fail_request("f", "engine core died")
     assert failed is not None and failed.finished and failed.error == "engine core died"
