@@ -130,6 +130,7 @@ class EngineCoreActor(Actor):
         if self.core is not None:
             await self._publish(self.core.fail_all(f"engine {self.engine_id} stopped"))
         await self.workers.stop()
+        gc.unfreeze()  # collectable again, e.g. by the collection at interpreter exit
 
     async def _connect_workers(self) -> None:
         infos = await self.workers.handshake(self.startup_timeout_s)
