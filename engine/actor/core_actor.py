@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -94,6 +95,11 @@ class EngineCoreActor(Actor):
     async def on_start(self) -> None:
         await self.workers.start()
         await self._connect_workers()
+        # Start-up is done: what is alive now (the block pool above all) lives as long as the
+        # process, so keep it out of every later collection (vLLM freezes its start-up heap
+        # too); a full collection then pauses a step for the requests' objects only.
+        gc.collect()
+        gc.freeze()
 
     async def start(self) -> None:
         await super().start()
@@ -108,6 +114,7 @@ class EngineCoreActor(Actor):
         if self.core is not None:
             await self._publish(self.core.fail_all(f"engine {self.engine_id} stopped"))
         await self.workers.stop()
+        gc.unfreeze()  # collectable again, e.g. by the collection at interpreter exit
 
     async def _connect_workers(self) -> None:
         infos = await self.workers.handshake(self.startup_timeout_s)

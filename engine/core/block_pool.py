@@ -101,16 +101,14 @@ class BlockPool:
             raise ValueError(f"cannot take {count} blocks, only {len(self.free_queue)} free")
         popitem = self.free_queue._blocks.popitem
         cached = self.cached_blocks
-        blocks = []
-        for _ in range(count):
-            block = popitem(False)[1]
+        blocks = [popitem(False)[1] for _ in range(count)]
+        for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:
                 if cached.get(block_hash) is block:
                     del cached[block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
-            blocks.append(block)
         return blocks
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -120,6 +118,15 @@ class BlockPool:
         """Mark a full block as holding the tokens ``block_hash`` names (first one wins)."""
         block.block_hash = block_hash
         self.cached_blocks.setdefault(block_hash, block)
+
+    def cache_blocks(
+        self, blocks: Iterable[KVCacheBlock], block_hashes: Iterable[BlockHash]
+    ) -> None:
+        """``cache_block`` for each pair, in order."""
+        setdefault = self.cached_blocks.setdefault
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            block.block_hash = block_hash
+            setdefault(block_hash, block)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits; free ones leave the free queue."""
@@ -135,17 +142,16 @@ class BlockPool:
         ``drop_cached`` forgets the hashes of blocks that become free (their KV is not trusted,
         e.g. after a failed step).
         """
-        queue = self.free_queue
+        queue = self.free_queue._blocks
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt:
                 continue
             if drop_cached and block.block_hash is not None:
                 self._evict_hash(block)
+            queue[block.block_id] = block  # to the back (hashed: evicted last) ...
             if block.block_hash is None:
-                queue.prepend(block)
-            else:
-                queue.append(block)
+                queue.move_to_end(block.block_id, last=False)  # ... or the front
 
     def _evict_hash(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash

@@ -119,10 +119,9 @@ class KVCacheManager:
         hashes = request.block_hashes
         num_full = min(num_full, len(hashes))
         start = self.num_cached_blocks[request.request_id]
-        cache_block = self.block_pool.cache_block
-        for index in range(start, num_full):
-            cache_block(blocks[index], hashes[index])
-        self.num_cached_blocks[request.request_id] = max(start, num_full)
+        if start < num_full:
+            self.block_pool.cache_blocks(blocks[start:num_full], hashes[start:num_full])
+            self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request, drop_cached: bool = False) -> None:
         """Give back the request's blocks, tail first, so its head stays cached the longest.

@@ -189,12 +189,15 @@ class Request:
         if hasher is not None and len(self.all_token_ids) % hasher.block_size == 0:
             self.block_hashes.extend(hasher(self))
 
-    def make_final_output(self) -> RequestOutput:
-        """The output that tells a client this request ended without new tokens (abort, error)."""
+    def make_final_output(self, status: RequestStatus | None = None) -> RequestOutput:
+        """The output that tells a client this request ended without new tokens (abort, error).
+
+        ``status``: the finished status it is about to get, when that is not set yet.
+        """
         return RequestOutput(
             self.request_id,
             [],
-            finish_reason=self.finish_reason,
+            finish_reason=self.finish_reason if status is None else FINISH_REASONS[status],
             stop_reason=self.stop_reason,
             num_cached_tokens=max(self.num_cached_tokens, 0),
             error=self.error,

@@ -13,10 +13,11 @@ with its tokens. Each ``schedule()``:
    does not fit stops admission (no preemption from the waiting loop);
 3. advances ``num_computed_tokens`` optimistically and returns the step as a diff.
 
-``update_from_output`` appends sampled tokens one at a time with stop checks, frees finished
-requests and returns per-client outputs (none for a partial prefill). ``finish_requests`` aborts
-(idempotent). A failed step (``StepResult.error``) finishes the named requests with
-FINISHED_ERROR; scheduled requests the result does not mention are preempted and recomputed.
+``update_from_output`` reads the step's result into a ``StepOutcome`` (``step_outcome.py``:
+tokens appended with stop checks, per-client outputs, none for a partial prefill) and applies it:
+frees stopped requests, finishes those a failed step names with FINISHED_ERROR (forgetting their
+cached hashes), preempts scheduled requests the result does not mention (recomputed from 0), and
+counts tokens. ``finish_requests`` aborts (idempotent).
 
 Seams, not built yet: async scheduling would schedule step N+1 before N's tokens return, counting
 ``Request.num_output_placeholders`` as computed; speculative decoding would schedule
@@ -38,7 +39,7 @@ from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.request_queue import make_request_queue
 from shoal.engine.core.scheduler_output import SchedulerOutput, StepPlan, build_scheduler_output
-from shoal.engine.core.step_update import StepUpdater
+from shoal.engine.core.step_outcome import StepOutcome, make_step_outcome
 
 RUNNING = RequestStatus.RUNNING
 PREEMPTED = RequestStatus.PREEMPTED
@@ -81,8 +82,9 @@ class Scheduler:
         self.preempted_req_ids: list[str] = []  # likewise (recovered from a failed step)
         self.step_id = 0
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # prompts of requests that got their first token
+        self.num_generation_tokens = 0
         self._reserved_blocks = int(scheduler_config.watermark * num_blocks)
-        self._updater = StepUpdater(self)
 
     # ----- requests in and out
 
@@ -319,11 +321,30 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, result: StepResult
     ) -> dict[str, list[RequestOutput]]:
         """Apply a step's sampled tokens; returns the outputs to publish, keyed by client id."""
-        return self._updater.apply(scheduler_output, result)
+        outcome = make_step_outcome(self.requests, scheduler_output, result, self.max_model_len)
+        self._apply_outcome(outcome)
+        return outcome.outputs
+
+    def _apply_outcome(self, outcome: StepOutcome) -> None:
+        """Free stopped requests, finish failed ones, preempt unreported ones, count tokens."""
+        stopped = outcome.stopped
+        if stopped:
+            for request in stopped:
+                self.release_finished(request, was_on_worker=True)
+            self.running = [r for r in self.running if r.status is RUNNING]
+        for request in outcome.failed:
+            # The step's KV for these requests may be garbage: forget their cached hashes.
+            self.finish_request(request, RequestStatus.FINISHED_ERROR, drop_cached=True)
+        for request, num_unrun_tokens in outcome.to_recompute:
+            request.num_computed_tokens -= num_unrun_tokens  # so their blocks are not cached
+            self.running.remove(request)
+            self.preempt(request)
+            self.preempted_req_ids.append(request.request_id)
+        self.num_prompt_tokens += outcome.num_prompt_tokens
+        self.num_generation_tokens += outcome.num_generation_tokens
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        updater = self._updater
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -331,8 +352,8 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
-            num_prompt_tokens=updater.num_prompt_tokens,
-            num_generation_tokens=updater.num_generation_tokens,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
             step_id=self.step_id,
         )
 

@@ -57,6 +57,14 @@ def test_freed_hashed_blocks_go_back_lru_and_unhashed_go_first() -> None:
     assert pool.get_cached_block(bytes([1])) is blocks[0]  # still cached while free
 
 
+def test_cache_blocks_caches_each_pair_in_order_and_the_first_of_a_hash_wins() -> None:
+    pool = BlockPool(5)
+    first, second, third = pool.get_new_blocks(3)
+    pool.cache_blocks([first, second, third], [b"a", b"b", b"a"])
+    assert [block.block_hash for block in (first, second, third)] == [b"a", b"b", b"a"]
+    assert pool.get_cached_block(b"a") is first and pool.get_cached_block(b"b") is second
+
+
 def test_touch_takes_a_reference_and_protects_from_eviction() -> None:
     pool = BlockPool(4)
     blocks = pool.get_new_blocks(3)
