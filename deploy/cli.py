@@ -126,6 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ns.command == "bench":
         return _run_bench(parser, ns.name, ns.bench_args)
+    try:
+        return _run(parser, ns)
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers are set (the demo build)
+        print("shoal: interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     config = _config(parser, ns)
     if ns.command == "serve":
         return asyncio.run(_serve(config, ns))

@@ -241,11 +241,14 @@ class Scheduler:
         plan.token_budget = budget
 
     def _victim_index(self) -> int:
+        """FCFS: the last running. Priority: the highest (priority, arrival), the later in the
+        running list on a tie, so two equal requests never take turns preempting the one ahead
+        (each recomputing more than it advances)."""
         running = self.running
         if self.scheduler_config.policy == "fcfs":
             return len(running) - 1
         return max(
-            range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time)
+            range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time, i)
         )
 
     @staticmethod

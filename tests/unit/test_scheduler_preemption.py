@@ -209,3 +209,30 @@ def test_a_victim_longer_than_the_watermark_allows_resumes_once_nothing_runs() -
         "r0": 20,
         "r1": 20,
     }
+
+
+def test_priority_ties_do_not_take_turns_preempting_each_other() -> None:
+    """Two requests of equal priority and arrival that cannot both fit: the one behind in the
+    running list is the victim, so the one ahead finishes. Picking the first of the tie made
+    them preempt each other in turn, recomputing more than they advanced, forever (found by
+    the property test)."""
+    scheduler = make_scheduler(
+        max_num_batched_tokens=40,
+        max_num_seqs=2,
+        max_model_len=40,
+        long_prefill_token_threshold=3,
+        policy="priority",
+        scheduler_reserve_full_isl=False,
+        block_size=1,
+        enable_prefix_caching=False,
+        num_blocks=33,
+    )
+    for index, prompt in enumerate(([3, 4, 5, 6, 7, 8, *[3] * 10], [3, 4, 5, *[9] * 8, *[3] * 6])):
+        request = make_request(f"r{index}", prompt, max_tokens=7, priority=1, arrival_time=7.0)
+        scheduler.add_request(request)
+    outputs = run_to_completion(scheduler, FakeWorker(1), max_steps=200)
+    assert scheduler.num_preemptions >= 1
+    assert {r: sum(len(o.new_token_ids) for o in outs) for r, outs in outputs.items()} == {
+        "r0": 7,
+        "r1": 7,
+    }
