@@ -47,7 +47,7 @@ class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=T
 EngineInbound = AddRequest | AbortRequest
 
 
-class RequestOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """What one step produced for one request: new tokens and, at the end, why it stopped.
 
     ``finish_reason`` is one of ``stop``, ``length``, ``abort``, ``error`` or None while running;
@@ -89,7 +89,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_default
     """One step's outputs for one client of one engine core."""
 
     engine_id: str
-    outputs: list[RequestOutput]
+    outputs: list[EngineCoreOutput]
     timestamp: float
     stats: SchedulerStats | None = None
 

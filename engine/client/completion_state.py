@@ -9,8 +9,7 @@ later tokens; the engine client then aborts it in the engine core), and logprob 
 
 from __future__ import annotations
 
-from shoal.bus.messages.engine import Logprobs
-from shoal.bus.messages.engine import RequestOutput as EngineRequestOutput
+from shoal.bus.messages.engine import EngineCoreOutput, Logprobs
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.client.detokenizer import IncrementalDetokenizer, make_detokenizer
 from shoal.engine.client.outputs import CompletionOutput, Logprob, TokenLogprobs
@@ -75,7 +74,7 @@ class CompletionState:
         """Tokens not sent yet as a DELTA, or the end."""
         return self.finished or len(self.token_ids) > self._num_sent_tokens
 
-    def update(self, output: EngineRequestOutput) -> bool:
+    def update(self, output: EngineCoreOutput) -> bool:
         """Absorb one step's output; True when a stop string ended the completion here."""
         rows = convert_logprobs(output.new_logprobs, self.tokenizer) if output.new_logprobs else []
         stop_terminated = output.finish_reason == "stop"

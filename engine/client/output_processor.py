@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shoal.bus.messages.engine import EngineOutputs
-from shoal.bus.messages.engine import RequestOutput as EngineRequestOutput
+from shoal.bus.messages.engine import EngineCoreOutput, EngineOutputs
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.client.completion_state import CompletionState, convert_logprobs
 from shoal.engine.client.outputs import RequestMetrics, RequestOutput, TokenLogprobs
@@ -86,7 +85,7 @@ class RequestState:
     def finished(self) -> bool:
         return all(c.finished for c in self.children.values())
 
-    def absorb_request_fields(self, output: EngineRequestOutput, child: CompletionState) -> None:
+    def absorb_request_fields(self, output: EngineCoreOutput, child: CompletionState) -> None:
         if output.prompt_logprobs is not None and child.index == 0:
             self.prompt_logprob_rows += convert_logprobs(output.prompt_logprobs, self.tokenizer)
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
@@ -186,7 +185,7 @@ class OutputProcessor:
         return [eid for eid, c in state.children.items() if not c.finished]
 
     def process_outputs(
-        self, outputs: EngineOutputs | list[EngineRequestOutput], now: float | None = None
+        self, outputs: EngineOutputs | list[EngineCoreOutput], now: float | None = None
     ) -> ProcessedOutputs:
         """Absorb one step's outputs (unknown or already finished ids are ignored)."""
         now = time.time() if now is None else now

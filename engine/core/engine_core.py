@@ -18,7 +18,7 @@ from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
-    RequestOutput,
+    EngineCoreOutput,
     RequestRejected,
     SchedulerStats,
 )
@@ -29,7 +29,7 @@ from shoal.engine.core.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-ClientOutputs = dict[str, list[RequestOutput]]
+ClientOutputs = dict[str, list[EngineCoreOutput]]
 
 
 def merge_outputs(into: ClientOutputs, more: ClientOutputs) -> ClientOutputs:

@@ -7,9 +7,9 @@ with the first. ``block_hashes`` grows through the block hasher as blocks fill u
 Statuses are ordered as in vLLM: everything above ``PREEMPTED`` is finished, and each finished
 status maps to a wire finish reason (``stop``, ``length``, ``abort``, ``error``).
 
-Seams: ``spec_token_ids`` holds draft tokens to verify (speculative decoding) and
-``num_output_placeholders`` counts tokens scheduled whose values are not back yet (async
-scheduling); both stay empty/zero until those features land.
+Seam: ``spec_token_ids`` holds draft tokens to verify (speculative decoding); it stays empty
+until that feature lands. Async scheduling will add a count of output placeholders (tokens
+scheduled whose values are not back yet).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import enum
 import sys
 from typing import Protocol
 
-from shoal.bus.messages.engine import AddRequest, RequestOutput
+from shoal.bus.messages.engine import AddRequest, EngineCoreOutput
 from shoal.bus.messages.sampling import SamplingParams
 
 
@@ -76,7 +76,6 @@ class Request:
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
-        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
@@ -131,7 +130,6 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.spec_token_ids: list[int] = []  # seam: draft tokens to verify
-        self.num_output_placeholders = 0  # seam: async scheduling
         self.block_hashes: list[bytes] = []
         self._block_hasher: BlockHasherFn | None = None
         if block_hasher is not None:
@@ -189,12 +187,12 @@ class Request:
         if hasher is not None and len(self.all_token_ids) % hasher.block_size == 0:
             self.block_hashes.extend(hasher(self))
 
-    def make_final_output(self, status: RequestStatus | None = None) -> RequestOutput:
+    def make_final_output(self, status: RequestStatus | None = None) -> EngineCoreOutput:
         """The output that tells a client this request ended without new tokens (abort, error).
 
         ``status``: the finished status it is about to get, when that is not set yet.
         """
-        return RequestOutput(
+        return EngineCoreOutput(
             self.request_id,
             [],
             finish_reason=self.finish_reason if status is None else FINISH_REASONS[status],

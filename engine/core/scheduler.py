@@ -20,7 +20,7 @@ cached hashes), preempts scheduled requests the result does not mention (recompu
 counts tokens. ``finish_requests`` aborts (idempotent).
 
 Seams, not built yet: async scheduling would schedule step N+1 before N's tokens return, counting
-``Request.num_output_placeholders`` as computed; speculative decoding would schedule
+placeholders for them as computed; speculative decoding would schedule
 ``Request.spec_token_ids`` as extra tokens and roll back rejected ones in ``update_from_output``;
 the KV manager would ask an offload connector for external hits during admission; ``make_stats``
 feeds load-aware routing across data-parallel ranks.
@@ -32,7 +32,7 @@ import time
 from collections.abc import Iterable
 
 from shoal.bus.messages.config import CacheConfig, SchedulerConfig
-from shoal.bus.messages.engine import RequestOutput, SchedulerStats
+from shoal.bus.messages.engine import EngineCoreOutput, SchedulerStats
 from shoal.bus.messages.worker import StepResult
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.kv_cache_manager import KVCacheManager
@@ -142,9 +142,9 @@ class Scheduler:
         return finished
 
     @staticmethod
-    def group_final_outputs(requests: Iterable[Request]) -> dict[str, list[RequestOutput]]:
+    def group_final_outputs(requests: Iterable[Request]) -> dict[str, list[EngineCoreOutput]]:
         """Final outputs of finished requests, keyed by client id."""
-        outputs: dict[str, list[RequestOutput]] = {}
+        outputs: dict[str, list[EngineCoreOutput]] = {}
         for request in requests:
             outputs.setdefault(request.client_id, []).append(request.make_final_output())
         return outputs
@@ -267,7 +267,6 @@ class Scheduler:
         request.status = PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids.clear()
-        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
@@ -322,7 +321,7 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, result: StepResult
-    ) -> dict[str, list[RequestOutput]]:
+    ) -> dict[str, list[EngineCoreOutput]]:
         """Apply a step's sampled tokens; returns the outputs to publish, keyed by client id."""
         outcome = make_step_outcome(self.requests, scheduler_output, result, self.max_model_len)
         self._apply_outcome(outcome)

@@ -15,14 +15,14 @@ the step ran, are skipped.
 
 Seam: speculative decoding would first roll back rejected draft tokens here
 (``num_computed_tokens -= num_drafts - (len(sampled) - 1)``); async scheduling would resolve
-``num_output_placeholders`` and skip stale outputs of preempted requests.
+output placeholders and skip stale outputs of preempted requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shoal.bus.messages.engine import Logprobs, RequestOutput
+from shoal.bus.messages.engine import EngineCoreOutput, Logprobs
 from shoal.bus.messages.worker import StepError, StepResult
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.scheduler_output import SchedulerOutput
@@ -44,7 +44,7 @@ class StepOutcome:
     )
 
     def __init__(self) -> None:
-        self.outputs: dict[str, list[RequestOutput]] = {}  # client id → outputs to publish
+        self.outputs: dict[str, list[EngineCoreOutput]] = {}  # client id → outputs to publish
         self.stopped: list[Request] = []  # finished by a stop check: free them
         self.failed: list[Request] = []  # named by a failed step: finish them with an error
         self.to_recompute: list[tuple[Request, int]] = []  # unreported, with their unrun tokens
@@ -109,7 +109,7 @@ def _read_sampled_tokens(
         if is_stopped:
             stopped.append(request)
             finish_reason = FINISH_REASONS[request.status]
-        output = RequestOutput(
+        output = EngineCoreOutput(
             request_id,
             new_token_ids,
             finish_reason,
@@ -178,11 +178,13 @@ def _trim_logprobs(logprobs: Logprobs, num_rows: int) -> Logprobs:
     )
 
 
-def _progress_output(request: Request, prompt_logprobs: Logprobs) -> RequestOutput:
-    return RequestOutput(
+def _progress_output(request: Request, prompt_logprobs: Logprobs) -> EngineCoreOutput:
+    return EngineCoreOutput(
         request.request_id, [], prompt_logprobs=prompt_logprobs, num_cached_tokens=0
     )
 
 
-def _add(outputs: dict[str, list[RequestOutput]], request: Request, output: RequestOutput) -> None:
+def _add(
+    outputs: dict[str, list[EngineCoreOutput]], request: Request, output: EngineCoreOutput
+) -> None:
     outputs.setdefault(request.client_id, []).append(output)

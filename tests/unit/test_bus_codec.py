@@ -10,12 +10,12 @@ from shoal.bus.messages.control import ActorState, ControlEvent, ErrorReply, Hea
 from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
+    EngineCoreOutput,
     EngineInbound,
     EngineOutbound,
     EngineOutputs,
     EngineStats,
     Logprobs,
-    RequestOutput,
     RequestRejected,
     SchedulerStats,
 )
@@ -61,7 +61,7 @@ WIRE_LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
                  "arrival_time", "eos_token_ids", "priority", "cache_salt"),
     AbortRequest: ("request_ids",),
     Logprobs: ("token_ids", "logprobs", "ranks"),
-    RequestOutput: ("request_id", "new_token_ids", "finish_reason", "stop_reason",
+    EngineCoreOutput: ("request_id", "new_token_ids", "finish_reason", "stop_reason",
                     "new_logprobs", "prompt_logprobs", "num_cached_tokens", "error"),
     SchedulerStats: ("num_running", "num_waiting", "kv_usage", "prefix_cache_queries",
                      "prefix_cache_hits", "num_preemptions", "num_prompt_tokens",
@@ -141,5 +141,5 @@ def test_control_union_and_hot_path_round_trip():
         [CachedRequestData("q", [4], 10, 1)],
     )
     assert Codec(WorkerInbound).decode(encode(step)) == step
-    outputs = EngineOutputs("e0", [RequestOutput("r", [3], "stop", 2)], 1.0)
+    outputs = EngineOutputs("e0", [EngineCoreOutput("r", [3], "stop", 2)], 1.0)
     assert Codec(EngineOutbound).decode(encode(outputs)) == outputs

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.messages.engine import EngineOutputs, Logprobs
-from shoal.bus.messages.engine import RequestOutput as StepOutput
+from shoal.bus.messages.engine import EngineCoreOutput, EngineOutputs, Logprobs
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.client.output_processor import OutputProcessor
 from shoal.engine.client.outputs import RequestOutput
@@ -24,7 +23,7 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     return Tokenizer.from_pretrained(model_dir)
 
 
-def batch(*outputs: StepOutput) -> EngineOutputs:
+def batch(*outputs: EngineCoreOutput) -> EngineOutputs:
     return EngineOutputs(engine_id="e0", outputs=list(outputs), timestamp=0.0)
 
 
@@ -39,7 +38,7 @@ def run_tokens(
     outputs: list[RequestOutput] = []
     for i, token in enumerate(ids):
         last = i == len(ids) - 1
-        step = StepOutput(
+        step = EngineCoreOutput(
             request_id, [token], finish if last else None, stop_reason if last else None
         )
         outputs += processor.process_outputs(batch(step), now=float(i)).request_outputs
@@ -103,7 +102,7 @@ def test_stop_string_finishes_trims_and_asks_for_an_engine_abort(
     processor = OutputProcessor(tokenizer)
     add(processor, tokenizer, stop=["world"], include_stop_str_in_output=include)
     # All tokens in one step: the ones after the stop string are dropped.
-    result = processor.process_outputs(batch(StepOutput("r", ids)))
+    result = processor.process_outputs(batch(EngineCoreOutput("r", ids)))
     assert result.reqs_to_abort == ["r"] and result.finished_request_ids == ["r"]
     final = result.request_outputs[0]
     completion = final.outputs[0]
@@ -113,14 +112,14 @@ def test_stop_string_finishes_trims_and_asks_for_an_engine_abort(
     assert tokenizer.decode(completion.token_ids).endswith("world")
     assert len(completion.token_ids) < len(ids)
     # The engine core's next output for it (sent before the abort landed) is ignored.
-    assert processor.process_outputs(batch(StepOutput("r", ids[:1]))).request_outputs == []
+    assert processor.process_outputs(batch(EngineCoreOutput("r", ids[:1]))).request_outputs == []
 
 
 def test_stop_string_in_the_engines_final_step_needs_no_abort(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("hello world", add_special_tokens=False)
     processor = OutputProcessor(tokenizer)
     add(processor, tokenizer, stop=["world"])
-    result = processor.process_outputs(batch(StepOutput("r", ids, "length")))
+    result = processor.process_outputs(batch(EngineCoreOutput("r", ids, "length")))
     assert result.reqs_to_abort == []
     assert result.request_outputs[0].outputs[0].stop_reason == "world"
 
@@ -165,9 +164,9 @@ def test_n_children_have_their_own_ids_and_seeds(tokenizer: Tokenizer) -> None:
 def run_two_children(processor: OutputProcessor, ids: list[int]) -> list[RequestOutput]:
     """Child 0 finishes at step 1, child 1 at step 2; both move at step 0."""
     steps = [
-        [StepOutput("0_r", ids[:1]), StepOutput("1_r", ids[:1])],
-        [StepOutput("0_r", ids[1:2], "length")],
-        [StepOutput("1_r", ids[1:3], "length")],
+        [EngineCoreOutput("0_r", ids[:1]), EngineCoreOutput("1_r", ids[:1])],
+        [EngineCoreOutput("0_r", ids[1:2], "length")],
+        [EngineCoreOutput("1_r", ids[1:3], "length")],
     ]
     outputs = []
     for step in steps:
@@ -205,8 +204,10 @@ def test_logprobs_become_dicts_with_ranks_and_decoded_tokens(tokenizer: Tokenize
     add(processor, tokenizer, logprobs=2, output_kind=OutputKind.DELTA)
     rows1 = Logprobs(token_ids=[[a, b, a]], logprobs=[[-1.5, -0.5, -1.5]], ranks=[2])
     rows2 = Logprobs(token_ids=[[c, c, a]], logprobs=[[-0.25, -0.25, -2.0]], ranks=[1])
-    out1 = processor.process_outputs(batch(StepOutput("r", [a], new_logprobs=rows1)))
-    out2 = processor.process_outputs(batch(StepOutput("r", [c], "length", new_logprobs=rows2)))
+    out1 = processor.process_outputs(batch(EngineCoreOutput("r", [a], new_logprobs=rows1)))
+    out2 = processor.process_outputs(
+        batch(EngineCoreOutput("r", [c], "length", new_logprobs=rows2))
+    )
     first = out1.request_outputs[0].outputs[0]
     assert first.logprobs is not None
     position = first.logprobs[0]
@@ -231,7 +232,9 @@ def test_prompt_logprobs_start_with_none(tokenizer: Tokenizer) -> None:
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", [5, 6, 7], SamplingParams(prompt_logprobs=0))
     rows = Logprobs(token_ids=[[6], [7]], logprobs=[[-1.0], [-2.0]], ranks=[3, 1])
-    result = processor.process_outputs(batch(StepOutput("r", [8], "length", prompt_logprobs=rows)))
+    result = processor.process_outputs(
+        batch(EngineCoreOutput("r", [8], "length", prompt_logprobs=rows))
+    )
     prompt_logprobs = result.request_outputs[0].prompt_logprobs
     assert prompt_logprobs is not None and prompt_logprobs[0] is None
     assert [p[t].rank for p, t in zip(prompt_logprobs[1:], [6, 7], strict=True)] == [3, 1]
@@ -249,10 +252,10 @@ def test_delta_prompt_logprobs_of_a_chunked_prefill_arrive_whole(tokenizer: Toke
 
     outputs = []
     for step in (
-        StepOutput("r", [], prompt_logprobs=rows(6)),
-        StepOutput("r", [], prompt_logprobs=rows(7)),
-        StepOutput("r", [8], prompt_logprobs=rows(9)),
-        StepOutput("r", [8], "length"),
+        EngineCoreOutput("r", [], prompt_logprobs=rows(6)),
+        EngineCoreOutput("r", [], prompt_logprobs=rows(7)),
+        EngineCoreOutput("r", [8], prompt_logprobs=rows(9)),
+        EngineCoreOutput("r", [8], "length"),
     ):
         outputs += processor.process_outputs(batch(step)).request_outputs
     sent = [o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None]
@@ -264,9 +267,9 @@ def test_delta_prompt_logprobs_of_a_chunked_prefill_arrive_whole(tokenizer: Toke
 def test_latency_timestamps(tokenizer: Tokenizer) -> None:
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", [1], SamplingParams(), arrival_time=100.0)
-    processor.process_outputs(batch(StepOutput("r", [10])), now=101.0)
-    processor.process_outputs(batch(StepOutput("r", [11])), now=102.0)
-    final = processor.process_outputs(batch(StepOutput("r", [12], "length")), now=103.0)
+    processor.process_outputs(batch(EngineCoreOutput("r", [10])), now=101.0)
+    processor.process_outputs(batch(EngineCoreOutput("r", [11])), now=102.0)
+    final = processor.process_outputs(batch(EngineCoreOutput("r", [12], "length")), now=103.0)
     metrics = final.request_outputs[0].metrics
     assert metrics is not None
     assert (metrics.arrival_time, metrics.first_token_time) == (100.0, 101.0)
@@ -276,7 +279,7 @@ def test_latency_timestamps(tokenizer: Tokenizer) -> None:
 def test_abort_and_fail(tokenizer: Tokenizer) -> None:
     processor = OutputProcessor(tokenizer)
     processor.add_request("r", [1], SamplingParams(n=2))
-    processor.process_outputs(batch(StepOutput("0_r", [10], "length")))
+    processor.process_outputs(batch(EngineCoreOutput("0_r", [10], "length")))
     assert processor.engine_request_ids("r") == ["1_r"]
     assert processor.abort_request("r") == ["1_r"]
     assert processor.num_requests == 0 and processor.abort_request("r") == []
@@ -293,7 +296,9 @@ def test_engine_error_and_unknown_ids(tokenizer: Tokenizer) -> None:
     with pytest.raises(ValueError, match="already in flight"):
         processor.add_request("r", [1], SamplingParams())
     result = processor.process_outputs(
-        batch(StepOutput("ghost", [1]), StepOutput("r", [], "error", error="worker lost"))
+        batch(
+            EngineCoreOutput("ghost", [1]), EngineCoreOutput("r", [], "error", error="worker lost")
+        )
     )
     (output,) = result.request_outputs
     assert output.finished and output.error == "worker lost"

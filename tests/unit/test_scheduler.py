@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from shoal.bus.messages.engine import Logprobs, RequestOutput
+from shoal.bus.messages.engine import EngineCoreOutput, Logprobs
 from shoal.bus.messages.worker import ExecuteStep, StepError, StepResult
 from shoal.engine.core.request import RequestStatus
 from shoal.engine.core.scheduler import Scheduler
@@ -17,12 +17,12 @@ from tests.unit.factories import EOS, FakeWorker, make_request, make_requests, m
 
 def step(
     scheduler: Scheduler, worker: FakeWorker
-) -> tuple[SchedulerOutput, dict[str, list[RequestOutput]]]:
+) -> tuple[SchedulerOutput, dict[str, list[EngineCoreOutput]]]:
     output = scheduler.schedule()
     return output, scheduler.update_from_output(output, worker.execute(output.to_message()))
 
 
-def flat(outputs: dict[str, list[RequestOutput]]) -> dict[str, RequestOutput]:
+def flat(outputs: dict[str, list[EngineCoreOutput]]) -> dict[str, EngineCoreOutput]:
     return {o.request_id: o for client in outputs.values() for o in client}
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from shoal.bus.messages.engine import RequestOutput
+from shoal.bus.messages.engine import EngineCoreOutput
 from shoal.engine.core.request import RequestStatus
 from shoal.engine.core.scheduler import Scheduler
 from tests.unit.factories import EOS, FakeWorker, make_request, make_scheduler
@@ -132,7 +132,7 @@ def test_random_workloads_keep_invariants_and_produce_the_model_tokens(
 ) -> None:
     scheduler, arrivals, aborts = scenario
     worker = FakeWorker(scheduler.block_size, token_for)
-    outputs: dict[str, list[RequestOutput]] = {}
+    outputs: dict[str, list[EngineCoreOutput]] = {}
     last_arrival = max(a.step for a in arrivals)
     budget = scheduler.scheduler_config.token_budget
     for step in range(MAX_STEPS):
