@@ -121,7 +121,7 @@ class ModelRunner:
             model.attention_layers(), self.kv_cache.k, self.kv_cache.v, strict=True
         ):
             layer.bind_cache(k, v)
-        self._model, self.checkpoint_config = model, cfg
+        self._model = model
         self.requests = RequestStore(
             max_num_reqs=self.config.scheduler_config.max_num_seqs,
             vocab_size=cfg.vocab_size,

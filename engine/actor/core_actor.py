@@ -75,7 +75,6 @@ class EngineCoreActor(Actor):
         self.core: EngineCore | None = None
         self.num_blocks = 0
         self.max_model_len = 0
-        self.num_worker_failures = 0
         self._codec: Codec[EngineInbound] = Codec(EngineInbound)
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
@@ -209,7 +208,6 @@ class EngineCoreActor(Actor):
 
     async def _recover(self, core: EngineCore, reason: str) -> None:
         """Fail every request, then wait for the workers to be back and reset."""
-        self.num_worker_failures += 1
         log.error("engine %s: %s; failing all requests", self.engine_id, reason)
         await self.set_state(ActorState.UNHEALTHY, reason)
         await self._publish(core.fail_all(reason))
