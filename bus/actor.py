@@ -13,6 +13,7 @@ with the ``Shoal-Error`` header); for an event, it is logged and counted. The ac
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import threading
@@ -105,6 +106,12 @@ class Actor:
             )
             self._subscriptions.append(sub)
         await self.bus.flush()
+        if self.owns_bus:
+            # This process is the actor's own: what start-up made (an engine core's block
+            # pool, a worker's model) lives as long as it, so keep it out of every later
+            # collection, as vLLM does; a full collection then pauses for newer objects only.
+            gc.collect()
+            gc.freeze()
         await self.set_state(ActorState.READY, "started")
         self._heartbeat_task = asyncio.create_task(self._heartbeat_loop())
 
@@ -125,6 +132,7 @@ class Actor:
             await self.set_state(ActorState.STOPPED, reason)
             if self.owns_bus:
                 await self.bus.close()
+                gc.unfreeze()  # collectable again by the collection at interpreter exit
 
     def request_stop(self) -> None:
         """Ask ``run_forever`` to drain and return (safe from a signal handler)."""

@@ -70,6 +70,19 @@ class LivenessTable:
         else:
             peer.seen_at = now
 
+    def reset(
+        self, actor_id: str, now: float | None = None, state: ActorState = ActorState.READY
+    ) -> None:
+        """The caller has just talked to the peer (a handshake): it is alive in ``state``, and
+        its heartbeat sequence counts from its next heartbeat (a restart before this point is
+        known; its restart count is kept)."""
+        now = time.monotonic() if now is None else now
+        peer = self.peers.get(actor_id)
+        if peer is None:
+            self.peers[actor_id] = PeerLiveness(state, now)
+        else:
+            peer.state, peer.seen_at, peer.seq = state, now, -1
+
     def get(self, actor_id: str) -> PeerLiveness | None:
         return self.peers.get(actor_id)
 

@@ -13,7 +13,14 @@ from typing import Any
 
 import msgspec
 
-from shoal.bus.messages.config import GROUPS, OPTION_GROUPS, ShoalConfig
+from shoal.bus.messages.config import (
+    BUS_KINDS,
+    DTYPES,
+    GROUPS,
+    OPTION_GROUPS,
+    POLICIES,
+    ShoalConfig,
+)
 from shoal.deploy.deployment import build_config
 
 GIB = 1 << 30
@@ -83,9 +90,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_model_arguments(g: Group) -> None:
     _option(
         g,
+        "--served-model-name",
+        dest="served_model_name",
+        help="the model name clients use (default: the model's path)",
+    )
+    _option(
+        g,
         "--dtype",
         dest="dtype",
-        choices=["auto", "float32", "float16", "bfloat16"],
+        choices=DTYPES,
         help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)",
     )
     _option(
@@ -119,8 +132,8 @@ def _add_model_arguments(g: Group) -> None:
     _option(
         g,
         "--scheduling-policy",
-        dest="policy",
-        choices=["fcfs", "priority"],
+        dest="scheduling_policy",
+        choices=POLICIES,
         help="fcfs, or priority (lower value first; preempts the lowest priority)",
     )
     _option(g, "--seed", dest="seed", type=int, help="random seed")
@@ -171,7 +184,7 @@ def _add_bus_arguments(g: Group) -> None:
         g,
         "--bus",
         dest="bus",
-        choices=["nats", "memory"],
+        choices=BUS_KINDS,
         help="nats: actors as processes; memory: everything in this process",
     )
     _option(g, "--namespace", dest="namespace",

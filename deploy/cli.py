@@ -92,7 +92,6 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    g.add_argument("--served-model-name", default=None, help="the model name clients use")
 
 
 def _bench_names() -> list[str]:
@@ -171,7 +170,7 @@ def _generate(config: ShoalConfig, ns: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"shoal generate: error: {exc}", file=sys.stderr)
         return 2
-    with LLM(**config.replace(bus="memory").to_options()) as llm:
+    with LLM(config=config.replace(bus="memory")) as llm:
         output = llm.generate(ns.prompt, params, use_tqdm=False)[0]
     print(output.outputs[0].text)
     return 0

@@ -35,8 +35,25 @@ class LLM:
     """A model served in-process. Engine options use vLLM's names (any ``ShoalConfig`` option:
     ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``, ...)."""
 
-    def __init__(self, model: str, *, startup_timeout_s: float = 600.0, **options: Any) -> None:
-        self.config: ShoalConfig = build_config(model=model, **{"bus": "memory", **options})
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        config: ShoalConfig | None = None,
+        startup_timeout_s: float = 600.0,
+        **options: Any,
+    ) -> None:
+        """``LLM(model, **options)`` as in vLLM, or ``LLM(config=...)`` with a config built
+        elsewhere (the in-memory bus, where everything here runs)."""
+        if config is None:
+            if model is None:
+                raise TypeError("LLM needs a model directory (or a config)")
+            config = build_config(model=model, **{"bus": "memory", **options})
+        elif model is not None or options:
+            raise TypeError("give LLM a model and options, or a config, not both")
+        elif config.bus_config.bus != "memory":
+            raise ValueError("LLM runs every actor in this process: its config needs bus='memory'")
+        self.config = config
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="shoal-llm", daemon=True

@@ -65,8 +65,8 @@ class GatewayActor(Actor):
     ) -> None:
         if engine_client is None and config is None:
             raise ValueError("give engine_client or the deployment's config")
-        if config is not None:
-            actor_options.setdefault("namespace", config.bus_config.namespace)
+        if config is not None:  # the deployment's namespace, whatever else was passed
+            actor_options["namespace"] = config.bus_config.namespace
         super().__init__(bus, actor_id, **actor_options)
         self.engine: EngineClientInterface | None = engine_client
         self.owns_engine = engine_client is None

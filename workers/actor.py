@@ -110,7 +110,7 @@ class WorkerActor(Actor):
         tp_init_method: str | None = None,
         runner: StepRunner | None = None,
         engine_id: str | None = None,
-        namespace: str | None = None,
+        namespace: str = "shoal",  # without a config (an injected runner); else the config's
         heartbeat_interval_s: float = 1.0,
         drain_timeout_s: float = 30.0,
     ) -> None:
@@ -119,7 +119,7 @@ class WorkerActor(Actor):
         super().__init__(
             bus,
             worker_id,
-            namespace=namespace or (config.bus_config.namespace if config else "shoal"),
+            namespace=config.bus_config.namespace if config is not None else namespace,
             heartbeat_interval_s=heartbeat_interval_s,
             drain_timeout_s=drain_timeout_s,
         )

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 
-class ModelConfigError(ValueError):
+class CheckpointConfigError(ValueError):
     """A checkpoint directory whose config cannot be served (missing file, bad field)."""
 
 
@@ -35,12 +35,14 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"bfloat16"``/``"bf16"``/``torch.bfloat16`` → ``torch.bfloat16``; raises on others."""
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
-            raise ModelConfigError(f"unsupported dtype {dtype}; use float32, bfloat16 or float16")
+            raise CheckpointConfigError(
+                f"unsupported dtype {dtype}; use float32, bfloat16 or float16"
+            )
         return dtype
     try:
         return _DTYPES[dtype.lower()]
     except KeyError:
-        raise ModelConfigError(
+        raise CheckpointConfigError(
             f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16"
         ) from None
 
@@ -112,7 +114,7 @@ class CheckpointConfig:
     def from_dicts(cls, raw: dict[str, Any], gen: dict[str, Any] | None = None) -> CheckpointConfig:
         archs = raw.get("architectures") or []
         if not archs:
-            raise ModelConfigError("config.json has no 'architectures' entry")
+            raise CheckpointConfigError("config.json has no 'architectures' entry")
         model_type = str(raw.get("model_type", ""))
         hidden = _req(raw, "hidden_size")
         num_heads = _req(raw, "num_attention_heads")
@@ -146,21 +148,23 @@ class CheckpointConfig:
 def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
     if not path.exists():
         if required:
-            raise ModelConfigError(f"{path} not found: not a Hugging Face checkpoint directory")
+            raise CheckpointConfigError(
+                f"{path} not found: not a Hugging Face checkpoint directory"
+            )
         return {}
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ModelConfigError(f"{path} is not valid JSON: {exc}") from exc
+        raise CheckpointConfigError(f"{path} is not valid JSON: {exc}") from exc
     if not isinstance(data, dict):
-        raise ModelConfigError(f"{path} must hold a JSON object")
+        raise CheckpointConfigError(f"{path} must hold a JSON object")
     return data
 
 
 def _req(raw: dict[str, Any], key: str) -> int:
     value = raw.get(key)
     if not isinstance(value, int) or value <= 0:
-        raise ModelConfigError(
+        raise CheckpointConfigError(
             f"config.json field {key!r} must be a positive integer, got {value!r}"
         )
     return value
@@ -173,7 +177,7 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
     if rope_type not in ("default", "llama3"):
-        raise ModelConfigError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+        raise CheckpointConfigError(f"rope_type {rope_type!r} is not supported (default, llama3)")
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type", "type")}
     return RopeConfig(
         theta=float(params.get("rope_theta", 10000.0)), rope_type=rope_type, scaling=scaling
@@ -184,7 +188,7 @@ def _hidden_act(raw: dict[str, Any]) -> str:
     """The MLP's activation: every supported family gates with SiLU (``silu_and_mul``)."""
     act = str(raw.get("hidden_act") or raw.get("hidden_activation") or "silu")
     if act != "silu":
-        raise ModelConfigError(f"hidden_act {act!r} is not supported (silu)")
+        raise CheckpointConfigError(f"hidden_act {act!r} is not supported (silu)")
     return act
 
 

@@ -45,8 +45,8 @@ class InputBatch:
 
     def __init__(self, requests: RequestStore, *, max_model_len: int, block_size: int) -> None:
         self.requests = requests
-        self.max_num_reqs = max_num_reqs = requests.max_num_reqs
         self.max_model_len = max_model_len
+        max_num_reqs = requests.max_num_reqs
         self.block_size = block_size
         max_blocks = -(-max_model_len // block_size)
         # zero pages are mapped lazily by the OS: only rows in use cost memory

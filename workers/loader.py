@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from shoal.workers.config import CheckpointConfig, ModelConfigError
+from shoal.workers.config import CheckpointConfig, CheckpointConfigError
 from shoal.workers.models import MOE_ARCHITECTURES, DecoderForCausalLM, model_class_for
 from shoal.workers.parallel import TPContext
 
@@ -135,7 +135,7 @@ def build_model(
 ) -> DecoderForCausalLM:
     cls = model_class_for(cfg.architecture)
     if tp.size > 1 and cfg.architecture in MOE_ARCHITECTURES:
-        raise ModelConfigError(
+        raise CheckpointConfigError(
             f"tensor parallelism is offered for dense models only, not {cfg.architecture}"
         )
     with torch.device(device):

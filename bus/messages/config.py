@@ -103,7 +103,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     max_num_scheduled_tokens: int | None = None  # None: max_num_batched_tokens
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0  # 0: off; ignored when one request is eligible
-    policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"
     scheduler_reserve_full_isl: bool = True  # admit only if the whole prompt's blocks fit
     watermark: float = 0.0  # fraction of blocks kept free when admitting waiting requests
     max_waiting_requests: int = 1024  # past this an engine core answers "overloaded"
@@ -122,7 +122,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
             "long_prefill_token_threshold",
             f"must be non-negative, got {self.long_prefill_token_threshold}",
         )
-        _one_of(self.policy, POLICIES, "policy")
+        _one_of(self.scheduling_policy, POLICIES, "scheduling_policy")
         _require(
             0.0 <= self.watermark < 1.0, "watermark", f"must be in [0, 1), got {self.watermark}"
         )
@@ -201,13 +201,6 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         for name in GROUPS:
             options.update(msgspec.structs.asdict(getattr(self, name)))
         return options
-
-    def to_json(self) -> bytes:
-        return msgspec.json.encode(self)
-
-    @classmethod
-    def from_json(cls, data: bytes | str) -> ShoalConfig:
-        return msgspec.json.decode(data, type=cls)
 
 
 GROUPS: dict[str, type[msgspec.Struct]] = {

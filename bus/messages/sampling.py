@@ -1,7 +1,7 @@
 """Sampling parameters, with vLLM's names and defaults, validated on construction and on decode.
 
 They are part of the wire schema (the engine client sends them to the engine core, which hands
-them to the worker's sampler), so they live here; ``engine.SamplingParams`` re-exports them.
+them to the worker's sampler), so they live here; ``shoal.SamplingParams`` re-exports them.
 """
 
 from __future__ import annotations

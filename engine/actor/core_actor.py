@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -35,7 +34,7 @@ from shoal.bus.messages.engine import (
     SchedulerStats,
 )
 from shoal.engine.actor.worker_link import WorkerFailure, WorkerLink
-from shoal.engine.core.engine_core import ClientOutputs, EngineCore, merge_outputs
+from shoal.engine.core.engine_core import ClientOutputs, EngineCore, kv_cache_shape, merge_outputs
 
 log = logging.getLogger(__name__)
 
@@ -94,11 +93,6 @@ class EngineCoreActor(Actor):
     async def on_start(self) -> None:
         await self.workers.start()
         await self._connect_workers()
-        # Start-up is done: what is alive now (the block pool above all) lives as long as the
-        # process, so keep it out of every later collection (vLLM freezes its start-up heap
-        # too); a full collection then pauses a step for the requests' objects only.
-        gc.collect()
-        gc.freeze()
 
     async def start(self) -> None:
         await super().start()
@@ -113,17 +107,10 @@ class EngineCoreActor(Actor):
         if self.core is not None:
             await self._publish(self.core.fail_all(f"engine {self.engine_id} stopped"))
         await self.workers.stop()
-        gc.unfreeze()  # collectable again, e.g. by the collection at interpreter exit
 
     async def _connect_workers(self) -> None:
         infos = await self.workers.handshake(self.startup_timeout_s)
-        num_blocks = self.config.cache_config.num_gpu_blocks_override or min(
-            i.num_blocks for i in infos
-        )
-        max_model_len = min(i.max_model_len for i in infos)
-        if self.config.model_config.max_model_len:
-            max_model_len = min(max_model_len, self.config.model_config.max_model_len)
-        shape = (num_blocks, max_model_len)
+        num_blocks, max_model_len = shape = kv_cache_shape(self.config, infos)
         if self.core is None or shape != (self.num_blocks, self.max_model_len):
             self.core = EngineCore(
                 self.config.scheduler_config,

@@ -58,7 +58,6 @@ class WorkerLink:
         self.worker_ids = list(worker_ids)
         self.dead_after_s = dead_after_s
         self.step_timeout_s = step_timeout_s
-        self.infos: dict[str, WorkerInfo] = {}
         self.liveness = LivenessTable()
         self._restarts_at_handshake: dict[str, int] = {}
         self._subs: list[Subscription] = []
@@ -105,13 +104,14 @@ class WorkerLink:
         for worker_id in self.worker_ids:
             reset = ResetWorker(f"engine {self.engine_id} (re)connected")
             await call(self.bus, self.subjects.worker_in(worker_id), reset, _OUTBOUND, timeout=30)
-        self.infos = {info.worker_id: info for info in infos}
-        self.forgive_restarts()
+        self.mark_connected()
         return infos
 
-    def forgive_restarts(self) -> None:
-        """Restarts so far are known and handled (the workers were just reset): only later
-        ones fail a step."""
+    def mark_connected(self) -> None:
+        """The workers just answered and were reset: they are alive and READY, and a restart
+        or a state seen before now is handled; only later ones fail a step."""
+        for worker_id in self.worker_ids:
+            self.liveness.reset(worker_id)
         self._restarts_at_handshake = {w: self.liveness.num_restarts(w) for w in self.worker_ids}
 
     async def _describe(self, worker_id: str, deadline: float) -> WorkerInfo:

@@ -1,5 +1,5 @@
 """The engine client (shoal's AsyncLLM): tokenizes, routes each request to an engine core by
-load, streams its outputs as ``engine.outputs.RequestOutput`` and aborts it when the consumer
+load, streams its outputs as ``outputs.RequestOutput`` and aborts it when the consumer
 goes away.
 
 It listens on its own output subject for every engine core's ``EngineOutputs`` (fed to the pure

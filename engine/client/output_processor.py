@@ -1,4 +1,4 @@
-"""Turns the engine core's per-step outputs into the user-facing ``engine.outputs`` objects.
+"""Turns the engine core's per-step outputs into the user-facing ``outputs`` objects.
 
 A pure synchronous core (no bus, no asyncio): the engine client registers each request with
 ``add_request`` (which fans ``n > 1`` out into children ``f"{i}_{request_id}"`` with seed + i and
@@ -6,7 +6,7 @@ returns what to send to the engine core), feeds every ``EngineOutputs`` to ``pro
 routes the returned ``RequestOutput`` objects to their collectors, and tells the engine core to
 abort ``reqs_to_abort`` (requests that ended on a stop string, which only this side can see).
 
-Per completion (``engine.completion_state``) it detokenizes incrementally, applies stop strings
+Per completion (``completion_state``) it detokenizes incrementally, applies stop strings
 with hold-back, converts logprobs and tracks what was already sent; per request it aggregates the
 children into one output in the request's output kind and keeps latency timestamps.
 """

@@ -86,7 +86,7 @@ class Tokenizer:
         if chat_template is None and not self.has_chat_template:
             raise MissingChatTemplateError(
                 "this model's tokenizer has no chat template; pass chat_template= "
-                "(engine.tokenizer.FALLBACK_CHAT_TEMPLATE is a plain one) or use a "
+                "(shoal.engine.client.tokenizer.FALLBACK_CHAT_TEMPLATE is a plain one) or use a "
                 "completion prompt instead"
             )
         rendered = self.hf.apply_chat_template(

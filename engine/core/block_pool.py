@@ -2,10 +2,11 @@
 
 - Block 0 is the **null block**: taken out at start, never handed out nor freed, so a pool of
   ``num_blocks`` offers ``num_blocks - 1``; ``usage = 1 - num_free / (num_blocks - 1)``.
-- The **free queue** is ordered, front evicted first, with O(1) removal from anywhere (an
-  ``OrderedDict``, a C doubly linked list keyed by block id). A freed block keeps its hash and its
-  KV: hashed blocks go to the back (least recently used evicted first), unhashed ones to the front
-  (reused first, nothing worth keeping in them).
+- The **free queue** (``free_queue``) is an ``OrderedDict`` of block id → block, front evicted
+  first: a C doubly linked list with O(1) append, prepend, pop and removal from anywhere, used
+  directly on the hot paths. A freed block keeps its hash and its KV: hashed blocks go to the back
+  (least recently used evicted first), unhashed ones to the front (reused first, nothing worth
+  keeping in them).
 - A **cached** block (``block_hash`` set, in ``cached_blocks``) stays findable while free; taking a
   free block for new data **evicts** its hash. A hit **touches** the block: a free one leaves the
   queue, and every touch adds a reference, so a block in use is never evicted.
@@ -19,7 +20,7 @@ lower tier; KV events for routers would be emitted where hashes are set and evic
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from shoal.engine.core.block_hash import BlockHash
 
@@ -39,39 +40,6 @@ class KVCacheBlock:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
 
 
-class FreeBlockQueue:
-    """Free blocks in eviction order (front first), with O(1) append, prepend, pop and remove."""
-
-    __slots__ = ("_blocks",)
-
-    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._blocks: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (block.block_id, block) for block in blocks
-        )
-
-    def popleft(self) -> KVCacheBlock:
-        return self._blocks.popitem(last=False)[1]
-
-    def append(self, block: KVCacheBlock) -> None:
-        self._blocks[block.block_id] = block
-
-    def prepend(self, block: KVCacheBlock) -> None:
-        self._blocks[block.block_id] = block
-        self._blocks.move_to_end(block.block_id, last=False)
-
-    def remove(self, block: KVCacheBlock) -> None:
-        del self._blocks[block.block_id]
-
-    def __contains__(self, block: KVCacheBlock) -> bool:
-        return block.block_id in self._blocks
-
-    def __len__(self) -> int:
-        return len(self._blocks)
-
-    def __iter__(self) -> Iterator[KVCacheBlock]:
-        return iter(self._blocks.values())
-
-
 class BlockPool:
     """Hands out blocks, takes them back and keeps the hash → block map of cached blocks."""
 
@@ -84,7 +52,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.null_block = self.blocks[0]
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (block.block_id, block) for block in self.blocks[1:]
+        )
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
 
     @property
@@ -99,7 +69,7 @@ class BlockPool:
         """Take ``count`` blocks from the front of the free queue, evicting their old hashes."""
         if count > len(self.free_queue):
             raise ValueError(f"cannot take {count} blocks, only {len(self.free_queue)} free")
-        popitem = self.free_queue._blocks.popitem
+        popitem = self.free_queue.popitem
         cached = self.cached_blocks
         blocks = [popitem(False)[1] for _ in range(count)]
         for block in blocks:
@@ -114,15 +84,11 @@ class BlockPool:
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
-        """Mark a full block as holding the tokens ``block_hash`` names (first one wins)."""
-        block.block_hash = block_hash
-        self.cached_blocks.setdefault(block_hash, block)
-
     def cache_blocks(
         self, blocks: Iterable[KVCacheBlock], block_hashes: Iterable[BlockHash]
     ) -> None:
-        """``cache_block`` for each pair, in order."""
+        """Mark each full block as holding the tokens its hash names, in order (for a hash
+        already cached, the first block keeps it)."""
         setdefault = self.cached_blocks.setdefault
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             block.block_hash = block_hash
@@ -130,7 +96,7 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits; free ones leave the free queue."""
-        queue = self.free_queue._blocks
+        queue = self.free_queue
         for block in blocks:
             if block.ref_cnt == 0:
                 del queue[block.block_id]
@@ -142,7 +108,7 @@ class BlockPool:
         ``drop_cached`` forgets the hashes of blocks that become free (their KV is not trusted,
         e.g. after a failed step).
         """
-        queue = self.free_queue._blocks
+        queue = self.free_queue
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt:

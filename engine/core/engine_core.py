@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig, ShoalConfig
 from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
@@ -22,7 +23,7 @@ from shoal.bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
-from shoal.bus.messages.worker import StepResult
+from shoal.bus.messages.worker import StepResult, WorkerInfo
 from shoal.engine.core.request import Request, RequestStatus
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.scheduler_output import SchedulerOutput
@@ -36,6 +37,17 @@ def merge_outputs(into: ClientOutputs, more: ClientOutputs) -> ClientOutputs:
     for client_id, outputs in more.items():
         into.setdefault(client_id, []).extend(outputs)
     return into
+
+
+def kv_cache_shape(config: ShoalConfig, infos: Sequence[WorkerInfo]) -> tuple[int, int]:
+    """(KV blocks, context length) of an engine core whose workers reported ``infos``: a
+    configured block count wins over the smallest worker's; the context is the smallest of the
+    workers' and the configured one."""
+    num_blocks = config.cache_config.num_gpu_blocks_override or min(i.num_blocks for i in infos)
+    max_model_len = min(i.max_model_len for i in infos)
+    if config.model_config.max_model_len:
+        max_model_len = min(max_model_len, config.model_config.max_model_len)
+    return num_blocks, max_model_len
 
 
 class EngineCore:

@@ -23,7 +23,7 @@ from shoal.bus.messages.sampling import SamplingParams
 
 
 class BlockHasherFn(Protocol):
-    """What a request needs from its block hasher (``engine.block_hash.BlockHasher``)."""
+    """What a request needs from its block hasher (``block_hash.BlockHasher``)."""
 
     block_size: int
 

@@ -76,7 +76,7 @@ class Scheduler:
             else None
         )
         self.requests: dict[str, Request] = {}
-        self.waiting = make_request_queue(scheduler_config.policy)
+        self.waiting = make_request_queue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []
         self.finished_req_ids: list[str] = []  # for the worker, sent with the next step
         self.preempted_req_ids: list[str] = []  # likewise (recovered from a failed step)
@@ -245,7 +245,7 @@ class Scheduler:
         running list on a tie, so two equal requests never take turns preempting the one ahead
         (each recomputing more than it advances)."""
         running = self.running
-        if self.scheduler_config.policy == "fcfs":
+        if self.scheduler_config.scheduling_policy == "fcfs":
             return len(running) - 1
         return max(
             range(len(running)), key=lambda i: (running[i].priority, running[i].arrival_time, i)

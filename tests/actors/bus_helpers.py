@@ -52,7 +52,7 @@ class EchoActor(Actor):
         return self.subjects.control(self.kind, self.actor_id)
 
     def event_subject(self) -> str:
-        return self.subjects.status(self.actor_id)  # any second subject of its own
+        return f"{self.subjects.namespace}.test.echo.{self.actor_id}.notes"  # a test's own
 
     def inboxes(self) -> Sequence[Inbox]:
         return [

@@ -27,8 +27,15 @@ from shoal.kernels import (
     varlen_attention,
 )
 
-KERNEL_MODULES = [activation, decode_attention, fused_moe, kv_write, rms_norm, rotary]
-KERNEL_MODULES.append(varlen_attention)
+KERNEL_MODULES = [
+    activation,
+    decode_attention,
+    fused_moe,
+    kv_write,
+    rms_norm,
+    rotary,
+    varlen_attention,
+]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 POINTER_TYPES = {
     torch.float32: "*fp32",

@@ -31,10 +31,16 @@ def test_option_names_are_unique_across_groups() -> None:
 
 def test_flat_options_land_in_their_groups() -> None:
     config = ShoalConfig.from_options(
-        model="m", max_num_seqs=7, block_size=32, tensor_parallel_size=2, namespace="ns"
+        model="m",
+        max_num_seqs=7,
+        block_size=32,
+        tensor_parallel_size=2,
+        namespace="ns",
+        scheduling_policy="priority",
     )
     assert config.model_config == ModelConfig(model="m")
     assert config.scheduler_config.max_num_seqs == 7
+    assert config.scheduler_config.scheduling_policy == "priority"
     assert config.cache_config.block_size == 32
     assert config.parallel_config.tensor_parallel_size == 2
     assert config.bus_config.namespace == "ns"
@@ -50,7 +56,7 @@ def test_an_unknown_option_is_named_with_the_known_ones() -> None:
 def test_options_and_json_round_trip() -> None:
     config = ShoalConfig.from_options(model="m", dtype="bfloat16", watermark=0.1, bus="memory")
     assert ShoalConfig.from_options(**config.to_options()) == config
-    assert ShoalConfig.from_json(config.to_json()) == config
+    assert msgspec.json.decode(msgspec.json.encode(config), type=ShoalConfig) == config
     assert config.replace(max_num_seqs=3).scheduler_config.max_num_seqs == 3
     assert config.replace(max_num_seqs=3).model_config == config.model_config
 
@@ -74,7 +80,7 @@ def test_invalid_values_name_the_option_when_built_and_when_decoded(options, opt
     for name, value in options.items():
         bad[OPTION_GROUPS[name]][name] = value
     with pytest.raises(msgspec.ValidationError, match=option):
-        ShoalConfig.from_json(msgspec.json.encode(bad))
+        msgspec.json.decode(msgspec.json.encode(bad), type=ShoalConfig)
 
 
 def test_resolved_dtype_follows_the_device() -> None:
@@ -86,7 +92,7 @@ def test_resolved_dtype_follows_the_device() -> None:
 def test_config_defaults_follow_vllm() -> None:
     scheduler = SchedulerConfig()
     assert (scheduler.max_num_batched_tokens, scheduler.max_num_seqs) == (2048, 128)
-    assert scheduler.enable_chunked_prefill and scheduler.policy == "fcfs"
+    assert scheduler.enable_chunked_prefill and scheduler.scheduling_policy == "fcfs"
     assert scheduler.long_prefill_token_threshold == 0 and scheduler.token_budget == 2048
     cache = CacheConfig()
     assert (cache.block_size, cache.enable_prefix_caching) == (16, True)
@@ -97,7 +103,7 @@ def test_config_defaults_follow_vllm() -> None:
     ("config", "kwargs", "field"),
     [
         (SchedulerConfig, {"max_num_seqs": 0}, "max_num_seqs"),
-        (SchedulerConfig, {"policy": "lifo"}, "policy"),
+        (SchedulerConfig, {"scheduling_policy": "lifo"}, "scheduling_policy"),
         (SchedulerConfig, {"watermark": 1.0}, "watermark"),
         (SchedulerConfig, {"max_num_scheduled_tokens": 4096}, "max_num_scheduled_tokens"),
         (CacheConfig, {"block_size": 12}, "block_size"),
@@ -129,7 +135,7 @@ def test_cli_flags_reach_their_options(tmp_path) -> None:  # type: ignore[no-unt
     )  # fmt: skip
     config = config_from_namespace(ns, str(tmp_path))
     assert config.scheduler_config.max_num_seqs == 9
-    assert config.scheduler_config.policy == "priority"
+    assert config.scheduler_config.scheduling_policy == "priority"
     assert config.cache_config.kv_cache_memory_bytes == 1 << 30
     assert config.cache_config.enable_prefix_caching is False
     assert config.parallel_config.tensor_parallel_size == 2

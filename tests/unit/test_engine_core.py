@@ -3,11 +3,11 @@ before a step's results, admission control, and failure handling."""
 
 from __future__ import annotations
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig, ShoalConfig
 from shoal.bus.messages.engine import AbortRequest, AddRequest
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.bus.messages.worker import StepError, StepResult
-from shoal.engine.core.engine_core import EngineCore
+from shoal.bus.messages.worker import StepError, StepResult, WorkerInfo
+from shoal.engine.core.engine_core import EngineCore, kv_cache_shape
 from tests.unit.factories import FakeWorker
 
 
@@ -135,3 +135,16 @@ def test_fail_all_errors_everything_and_forgets_the_prefix_cache() -> None:
     scheduler_output = core.schedule()
     assert scheduler_output is not None
     assert scheduler_output.new_requests[0].num_computed_tokens == 0  # no stale prefix hit
+
+
+def _info(num_blocks: int, max_model_len: int) -> WorkerInfo:
+    return WorkerInfo("w", num_blocks, 16, max_model_len, 100, [2], "x")
+
+
+def test_kv_cache_shape_takes_the_override_else_the_smallest_worker() -> None:
+    infos = [_info(300, 4096), _info(200, 2048)]
+    assert kv_cache_shape(ShoalConfig.from_options(model="m"), infos) == (200, 2048)
+    overridden = ShoalConfig.from_options(model="m", num_gpu_blocks_override=64, max_model_len=512)
+    assert kv_cache_shape(overridden, infos) == (64, 512)
+    longer = ShoalConfig.from_options(model="m", max_model_len=8192)
+    assert kv_cache_shape(longer, infos) == (200, 2048)  # never past what a worker can hold

@@ -59,14 +59,30 @@ def _link() -> WorkerLink:
 def test_worker_link_reads_a_gone_or_restarted_worker_as_lost() -> None:
     link = _link()
     link.liveness.on_event(beat("w0", 3), now=100.0)
-    link.forgive_restarts()
+    link.mark_connected()
+    link.liveness.on_event(beat("w0", 4), now=100.5)
     assert link.lost_reason("w0", started=100.0, now=101.0) is None
     link.liveness.on_event(beat("w0", 0), now=101.5)  # restarted after the handshake
     assert link.lost_reason("w0", started=100.0, now=102.0) == "worker w0 restarted"
-    link.forgive_restarts()  # the next handshake reset it
+    link.mark_connected()  # the next handshake handled it
     assert link.lost_reason("w0", started=102.0, now=103.0) is None
     link.liveness.on_event(status("w0", ActorState.DRAINING), now=103.0)
     assert link.lost_reason("w0", started=102.0, now=103.0) == "worker w0 is DRAINING"
+
+
+def test_a_restarted_workers_first_heartbeat_after_the_handshake_is_not_a_restart() -> None:
+    """Recovery: the old process beat up to seq 40 and died; the new one answered the
+    handshake before its first heartbeat (seq 1) arrived. That heartbeat is the restart the
+    handshake already handled, not a new one; a late DEAD of the old process is forgotten too."""
+    link = _link()
+    link.liveness.on_event(beat("w0", 40), now=10.0)
+    link.liveness.on_event(status("w0", ActorState.DEAD), now=11.0)
+    link.mark_connected()
+    assert link.lost_reason("w0", started=20.0, now=20.5) is None
+    link.liveness.on_event(beat("w0", 1), now=21.0)
+    assert link.lost_reason("w0", started=20.0, now=21.5) is None
+    link.liveness.on_event(beat("w0", 0), now=22.0)  # and now it really restarted again
+    assert link.lost_reason("w0", started=20.0, now=22.5) == "worker w0 restarted"
 
 
 def test_worker_link_reads_a_silent_worker_as_lost_from_the_step_start() -> None:

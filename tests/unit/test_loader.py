@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from shoal.workers.config import ModelConfigError
+from shoal.workers.config import CheckpointConfigError
 from shoal.workers.loader import CheckpointError, load_model, read_safetensors
 from shoal.workers.models import UnsupportedArchitectureError
 from tests.fixtures.models import build_checkpoint
@@ -164,7 +164,7 @@ def test_corrupt_file_is_named(llama_dir, damage):
 
 
 def test_not_a_checkpoint_dir(tmp_path):
-    with pytest.raises(ModelConfigError, match=r"config\.json not found"):
+    with pytest.raises(CheckpointConfigError, match=r"config\.json not found"):
         load_model(tmp_path, dtype=torch.float32)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.workers.config import CheckpointConfig, ModelConfigError, parse_dtype
+from shoal.workers.config import CheckpointConfig, CheckpointConfigError, parse_dtype
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -54,13 +54,13 @@ def test_older_rope_theta_and_rope_scaling():
 
 def test_unsupported_activation():
     """An MLP activation the models do not implement is refused, never silently replaced."""
-    with pytest.raises(ModelConfigError, match="gelu_pytorch_tanh"):
+    with pytest.raises(CheckpointConfigError, match="gelu_pytorch_tanh"):
         CheckpointConfig.from_dicts({**BASE, "hidden_act": "gelu_pytorch_tanh"})
     assert CheckpointConfig.from_dicts({**BASE, "hidden_act": "silu"}).hidden_act == "silu"
 
 
 def test_unsupported_rope_type():
-    with pytest.raises(ModelConfigError, match="yarn"):
+    with pytest.raises(CheckpointConfigError, match="yarn"):
         CheckpointConfig.from_dicts({**BASE, "rope_parameters": {"rope_type": "yarn"}})
 
 
@@ -97,11 +97,11 @@ def test_qwen_moe_sparse_layers():
 
 
 def test_bad_field_is_named():
-    with pytest.raises(ModelConfigError, match="hidden_size"):
+    with pytest.raises(CheckpointConfigError, match="hidden_size"):
         CheckpointConfig.from_dicts({**BASE, "hidden_size": "big"})
 
 
 def test_parse_dtype():
     assert parse_dtype("bf16") is torch.bfloat16 and parse_dtype(torch.float16) is torch.float16
-    with pytest.raises(ModelConfigError, match="int8"):
+    with pytest.raises(CheckpointConfigError, match="int8"):
         parse_dtype("int8")

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.workers.request_store import RequestStore
 from shoal.workers.sampler import (
     Sampler,
     _apply_top_p_sorted,
@@ -16,13 +15,9 @@ from shoal.workers.sampler import (
     compute_prompt_logprobs,
 )
 from shoal.workers.sampling_metadata import SamplingBatch
+from tests.unit.test_sampler_metadata import sampling_batch
 
 VOCAB = 32
-
-
-def sampling_batch(vocab: int) -> SamplingBatch:
-    """A metadata builder over its own request store (the runner shares one with its batch)."""
-    return SamplingBatch(RequestStore(max_num_reqs=4096, vocab_size=vocab))
 
 
 def _batch(*requests: tuple[str, SamplingParams], vocab: int = VOCAB) -> SamplingBatch:

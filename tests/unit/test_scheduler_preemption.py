@@ -98,7 +98,7 @@ def test_outputs_with_preemption_equal_outputs_without() -> None:
 
 
 def test_priority_policy_admits_lowest_value_first() -> None:
-    scheduler = make_scheduler(policy="priority", max_num_seqs=1)
+    scheduler = make_scheduler(scheduling_policy="priority", max_num_seqs=1)
     scheduler.add_request(make_request("late-urgent", [1, 2], priority=-1, arrival_time=5.0))
     scheduler.add_request(make_request("early", [3, 4], priority=0, arrival_time=1.0))
     scheduler.add_request(make_request("earliest", [5, 6], priority=0, arrival_time=0.0))
@@ -114,7 +114,7 @@ def test_priority_policy_admits_lowest_value_first() -> None:
 
 
 def test_priority_policy_preempts_the_least_urgent_even_if_scheduled_earlier() -> None:
-    scheduler = make_scheduler(policy="priority", num_blocks=8)
+    scheduler = make_scheduler(scheduling_policy="priority", num_blocks=8)
     output = preempt_background_for_later_arrivals(scheduler)
     assert output.preempted_req_ids == ["background"]
     assert "background" not in output.num_scheduled_tokens  # its tokens were refunded
@@ -123,7 +123,7 @@ def test_priority_policy_preempts_the_least_urgent_even_if_scheduled_earlier() -
 
 
 def test_waiting_loop_is_skipped_in_a_step_that_preempted() -> None:
-    scheduler = make_scheduler(policy="priority", num_blocks=8)
+    scheduler = make_scheduler(scheduling_policy="priority", num_blocks=8)
     worker = FakeWorker(4)
     scheduler.add_request(long_request("a", 100, priority=0))
     scheduler.add_request(long_request("b", 200, priority=1))
@@ -148,7 +148,7 @@ def test_victim_unscheduled_mid_step_leaves_no_cached_hash_on_unwritten_kv() -> 
     """A victim already scheduled this step never runs: the blocks its chunk filled must not stay
     findable in the prefix cache, or a later hit reads KV that was never written."""
     scheduler = make_scheduler(
-        policy="priority",
+        scheduling_policy="priority",
         block_size=2,
         num_blocks=10,
         max_num_batched_tokens=5,
@@ -187,7 +187,7 @@ def test_preempted_request_goes_ahead_of_requests_already_waiting() -> None:
 def test_requests_after_an_earlier_victim_still_run_in_the_preempting_step() -> None:
     """Preempting a request the loop already passed must neither skip the next request nor
     keep the victim's refunded tokens out of the budget."""
-    scheduler = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=3)
+    scheduler = make_scheduler(scheduling_policy="priority", num_blocks=8, max_num_batched_tokens=3)
     output = preempt_background_for_later_arrivals(scheduler)
     assert output.preempted_req_ids == ["background"]
     assert set(output.num_scheduled_tokens) == {"urgent", "normal"}
@@ -221,7 +221,7 @@ def test_priority_ties_do_not_take_turns_preempting_each_other() -> None:
         max_num_seqs=2,
         max_model_len=40,
         long_prefill_token_threshold=3,
-        policy="priority",
+        scheduling_policy="priority",
         scheduler_reserve_full_isl=False,
         block_size=1,
         enable_prefix_caching=False,

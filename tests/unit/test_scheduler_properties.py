@@ -53,7 +53,7 @@ def scenarios(draw: st.DrawFn) -> tuple[Scheduler, list[Arrival], dict[int, list
         max_model_len=MAX_MODEL_LEN,
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
-        policy=draw(st.sampled_from(["fcfs", "priority"])),
+        scheduling_policy=draw(st.sampled_from(["fcfs", "priority"])),
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])),
         scheduler_reserve_full_isl=draw(st.booleans()),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.2])),  # 0.2 still admits every prompt
@@ -109,7 +109,7 @@ def check_invariants(scheduler: Scheduler) -> None:
                 assert request.block_hashes[index] == block.block_hash, "wrong cached block"
     for block in pool.blocks[1:]:
         assert block.ref_cnt == owners[block.block_id], "ref count differs from owners"
-        assert (block in pool.free_queue) == (block.ref_cnt == 0)
+        assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
         if owners[block.block_id] > 1:
             assert block.block_hash is not None, "block shared without the prefix cache"
     num_used = sum(1 for block in pool.blocks[1:] if block.ref_cnt > 0)

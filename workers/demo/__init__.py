@@ -2,7 +2,7 @@
 
 ``ensure_demo_model()`` returns the directory of a ready HF checkpoint (config.json,
 model.safetensors, generation_config.json, tokenizer files with a chat template), building and
-caching it the first time. ``python -m workers.demo`` does the same and prints the path.
+caching it the first time. ``python -m shoal.workers.demo`` does the same and prints the path.
 """
 
 from shoal.workers.demo.build import DEMO_VERSION, default_cache_root, ensure_demo_model

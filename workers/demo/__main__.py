@@ -1,4 +1,5 @@
-"""``python -m workers.demo [--cache-dir DIR] [--threads N]``: build if needed, print the path."""
+"""``python -m shoal.workers.demo [--cache-dir DIR] [--threads N]``: build the demo model if
+needed and print its path."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from shoal.workers.demo.build import ensure_demo_model
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m workers.demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m shoal.workers.demo", description=__doc__)
     parser.add_argument("--cache-dir", default=None, help="cache root (default ~/.cache/shoal)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for training")
     args = parser.parse_args()
