@@ -27,7 +27,7 @@ from shoal.kernels import (
     varlen_attention,
 )
 
-KERNEL_MODULES = [
+KERNEL_MODULES = (
     activation,
     decode_attention,
     fused_moe,
@@ -35,7 +35,7 @@ KERNEL_MODULES = [
     rms_norm,
     rotary,
     varlen_attention,
-]
+)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 POINTER_TYPES = {
     torch.float32: "*fp32",
