@@ -17,6 +17,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from shoal.engine.client.interface import EngineClientInterface
+from shoal.engine.client.tokenizer import tokenizer_config
 from shoal.gateway.chat import create_chat_completion
 from shoal.gateway.completions import create_completion
 from shoal.gateway.errors import ApiError, bad_request, internal_error
@@ -61,6 +62,7 @@ def create_app(
     app.router.add_get("/metrics", _with_context(render_metrics))
     app.router.add_post("/tokenize", _with_context(tokenize))
     app.router.add_post("/detokenize", _with_context(detokenize))
+    app.router.add_get("/tokenizer_info", _with_context(tokenizer_info))
     app.router.add_get("/version", version)
     return app
 
@@ -174,6 +176,11 @@ async def detokenize(ctx: ServingContext, request: web.Request) -> web.Response:
     if body.tokens and max(body.tokens) >= len(tokenizer):
         raise bad_request(f"token id {max(body.tokens)} is out of range", param="tokens")
     return json_response(DetokenizeResponse(tokenizer.decode(body.tokens)))
+
+
+async def tokenizer_info(ctx: ServingContext, request: web.Request) -> web.Response:
+    """vLLM's ``/tokenizer_info``: the tokenizer's configuration (``tokenizer_config``)."""
+    return json_response(tokenizer_config(ctx.engine.tokenizer))
 
 
 async def version(request: web.Request) -> web.Response:

@@ -84,7 +84,7 @@ class ChatView:
         self.ctx = ctx
         self.body = body
         self.generation = generation
-        self.choices = [Choice(i) for i in range(body.n)]
+        self.choices = [Choice(i) for i in range(body.num_choices)]
         self.logprobs = [ChatLogprobs() for _ in self.choices] if body.logprobs else None
         self.usage = UsageCounter([len(p.token_ids) for p in generation.prompts])
         self.token_text = TokenText(ctx.engine.tokenizer)

@@ -1,8 +1,15 @@
 """``POST /v1/completions``: text or token-id prompts (one or a batch), ``n`` choices each,
-echo and logprobs, streamed as server-sent events or answered whole."""
+echo and logprobs, streamed as server-sent events or answered whole.
+
+``echo`` with ``max_tokens: 0`` scores a prompt (as evaluation harnesses do): the answer is the
+prompt's text and, with ``logprobs``, its prompt logprobs, with no generated token. The engine
+cannot run a request that generates nothing, so it runs one that asks for the prompt logprobs
+and one token, and that token is dropped here (vLLM does the same).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import msgspec
@@ -45,17 +52,19 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     ctx.check_model(body.model)
     check_unsupported(body)
     max_model_len = ctx.engine.max_model_len
-    prompts = completion_prompts(body.prompt, ctx.engine.tokenizer, max_model_len)
-    if len(prompts) * body.n > MAX_CHOICES:
+    prompts = completion_prompts(
+        body.prompt, ctx.engine.tokenizer, max_model_len, body.add_special_tokens
+    )
+    if len(prompts) * body.num_choices > MAX_CHOICES:
         raise bad_request(f"at most {MAX_CHOICES} choices (prompts × n) per request", param="n")
     echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    prompt_only = is_prompt_only(body)
+    requested = 1 if prompt_only else body.max_tokens
     params = [
         sampling_params(
             body,
-            max_tokens=resolve_max_tokens(
-                body.max_tokens, len(p.token_ids), max_model_len, "prompt"
-            ),
-            logprobs=body.logprobs,
+            max_tokens=resolve_max_tokens(requested, len(p.token_ids), max_model_len, "prompt"),
+            logprobs=None if prompt_only else body.logprobs,
             prompt_logprobs=echo_logprobs,
             vocab_size=len(ctx.engine.tokenizer),
         )
@@ -73,6 +82,24 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
         return web.Response(body=msgspec.json.encode(response), content_type="application/json")
 
 
+def is_prompt_only(body: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens: 0``: the prompt (and its logprobs) without generation."""
+    return bool(body.echo) and body.max_tokens == 0
+
+
+def without_generation(completion: CompletionOutput) -> CompletionOutput:
+    """The completion with its generated token dropped; a finished one ends at its length."""
+    finish_reason = None if completion.finish_reason is None else "length"
+    return dataclasses.replace(
+        completion,
+        text="",
+        token_ids=[],
+        logprobs=None,
+        finish_reason=finish_reason,
+        stop_reason=None,
+    )
+
+
 class CompletionView:
     """Turns the engine's DELTA outputs into completions choices and chunks."""
 
@@ -87,8 +114,9 @@ class CompletionView:
         self.body = body
         self.prompts = prompts
         self.generation = generation
-        self.n = body.n
-        self.choices = [Choice(i) for i in range(len(prompts) * body.n)]
+        self.n = body.num_choices
+        self.prompt_only = is_prompt_only(body)
+        self.choices = [Choice(i) for i in range(len(prompts) * self.n)]
         self.offsets = [0] * len(self.choices)
         self.usage = UsageCounter([len(p.token_ids) for p in prompts])
         self.prompt_logprobs: list[list[TokenLogprobs | None] | None] = [None] * len(prompts)
@@ -101,6 +129,8 @@ class CompletionView:
         choice = self.choices[prompt_index * self.n + completion.index]
         if choice.finish_reason is not None:
             return None
+        if self.prompt_only:
+            completion = without_generation(completion)
         text = completion.text
         logprobs = CompletionLogprobs() if self.body.logprobs is not None else None
         if not choice.started and self.body.echo:

@@ -25,8 +25,9 @@ from shoal.gateway.params import (
 from shoal.gateway.request_types import MAX_N
 from shoal.gateway.response_types import Usage, make_usage
 
-_JSON_DECODER = msgspec.json.Decoder(GenerateRequest)
-_MSGPACK_DECODER = msgspec.msgpack.Decoder(GenerateRequest)
+# Lax, as the HTTP API decodes: 14.0 is the integer 14 (see gateway.request_types).
+_JSON_DECODER = msgspec.json.Decoder(GenerateRequest, strict=False)
+_MSGPACK_DECODER = msgspec.msgpack.Decoder(GenerateRequest, strict=False)
 
 
 class WireFormat:
@@ -67,15 +68,21 @@ def request_prompt(request: GenerateRequest, engine: EngineClientInterface) -> P
         raise bad_request(
             "give exactly one of prompt, prompt_token_ids and messages", param="prompt"
         )
+    special = request.add_special_tokens
     if request.prompt is not None:
-        return text_prompt(request.prompt, engine.tokenizer, engine.max_model_len)
+        add_special = True if special is None else special
+        return text_prompt(request.prompt, engine.tokenizer, engine.max_model_len, add_special)
     if request.prompt_token_ids is not None:
         return token_prompt(request.prompt_token_ids, engine.tokenizer)
     assert request.messages is not None
     messages = chat_messages(request.messages)
     check_text_length("".join(m["content"] for m in messages), engine.max_model_len, "messages")
     try:
-        ids = engine.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
+        ids = engine.encode_chat(
+            messages,
+            add_generation_prompt=request.add_generation_prompt,
+            add_special_tokens=bool(special),
+        )
     except Exception as error:  # the chat template is user-driven: its failures are the input's
         raise bad_request(f"cannot apply the chat template: {error}", param="messages") from None
     return Prompt(list(ids))

@@ -22,6 +22,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     ``sampling_params`` takes vLLM's names and defaults (``max_tokens`` 16; None: all the room
     left in the context); its ``output_kind`` is ignored (chunks are always deltas).
+    ``add_special_tokens`` (None: vLLM's default, true for ``prompt``, false for ``messages``)
+    says whether text is tokenized with the tokenizer's special tokens (BOS).
     """
 
     prompt: str | None = None
@@ -32,6 +34,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: str | None = None
     model: str | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None
 
 
 class ChoiceOut(msgspec.Struct, omit_defaults=True):

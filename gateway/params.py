@@ -18,7 +18,8 @@ from shoal.gateway.request_types import (
     _SamplingFields,
 )
 
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# OpenAI's message roles; "function" is its deprecated form of "tool", accepted as vLLM does.
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -48,11 +49,15 @@ def check_text_length(text: str, max_model_len: int | None, param: str) -> None:
 
 
 def completion_prompts(
-    prompt: PromptInput, tokenizer: Any, max_model_len: int | None = None
+    prompt: PromptInput,
+    tokenizer: Any,
+    max_model_len: int | None = None,
+    add_special_tokens: bool = True,
 ) -> list[Prompt]:
-    """A completions ``prompt`` (text, ids, or a batch of either) as a list of prompts."""
+    """A completions ``prompt`` (text, ids, or a batch of either) as a list of prompts; text is
+    tokenized with or without the tokenizer's special tokens (BOS), ids are taken as they are."""
     if isinstance(prompt, str):
-        return [text_prompt(prompt, tokenizer, max_model_len)]
+        return [text_prompt(prompt, tokenizer, max_model_len, add_special_tokens)]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
@@ -60,7 +65,8 @@ def completion_prompts(
     if len(prompt) > MAX_PROMPTS:  # a list of ids is one prompt, handled above
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     if all(isinstance(p, str) for p in prompt):
-        return [text_prompt(p, tokenizer, max_model_len) for p in prompt]  # type: ignore[arg-type]
+        texts: list[str] = prompt  # type: ignore[assignment]
+        return [text_prompt(t, tokenizer, max_model_len, add_special_tokens) for t in texts]
     if all(isinstance(p, list) for p in prompt):
         return [token_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
     raise bad_request(
@@ -70,9 +76,11 @@ def completion_prompts(
     )
 
 
-def text_prompt(text: str, tokenizer: Any, max_model_len: int | None = None) -> Prompt:
+def text_prompt(
+    text: str, tokenizer: Any, max_model_len: int | None = None, add_special_tokens: bool = True
+) -> Prompt:
     check_text_length(text, max_model_len, "prompt")
-    ids = list(tokenizer.encode(text))
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
     if not ids:
         raise bad_request("prompt must not be empty", param="prompt")
     return Prompt(ids, text)
@@ -90,14 +98,17 @@ def token_prompt(ids: list[int], tokenizer: Any) -> Prompt:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them, with text parts joined."""
+    """Messages as the chat template takes them: text parts joined, a ``name`` kept."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
     out: list[dict[str, Any]] = []
     for message in messages:
         if message.role not in CHAT_ROLES:
             raise bad_request(f"unknown message role {message.role!r}", param="messages")
-        out.append({"role": message.role, "content": message_text(message)})
+        rendered = {"role": message.role, "content": message_text(message)}
+        if message.name is not None:
+            rendered["name"] = message.name
+        out.append(rendered)
     return out
 
 
@@ -120,7 +131,11 @@ def chat_prompt(engine: Any, request: ChatCompletionRequest) -> Prompt:
     check_text_length(text, engine.max_model_len, "messages")
     try:
         ids = list(
-            engine.encode_chat(messages, add_generation_prompt=request.add_generation_prompt)
+            engine.encode_chat(
+                messages,
+                add_generation_prompt=request.add_generation_prompt,
+                add_special_tokens=request.add_special_tokens,
+            )
         )
     except ApiError:
         raise
@@ -208,7 +223,7 @@ def sampling_params(
         kwargs["top_k"] = 0
     try:
         params = SamplingParams(
-            n=request.n,
+            n=request.num_choices,
             seed=request.seed,
             stop=request.stop,
             stop_token_ids=request.stop_token_ids,

@@ -1,12 +1,18 @@
 """Typed request bodies of the OpenAI-compatible API (decoded with msgspec, so a wrong type or an
 out-of-range value is a 400 naming the field). Unknown fields are ignored, as OpenAI clients
-send extras; unsupported features that change semantics are refused in ``gateway.params``."""
+send extras; unsupported features that change semantics are refused in ``gateway.params``.
+
+Decoding is lax, as vLLM's pydantic models are: ``14.0`` is the integer 14, ``"2"`` the integer
+2, ``"true"`` a bool. Every field OpenAI's schema marks nullable takes ``null`` for its default.
+"""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
+
+T = TypeVar("T")
 
 MAX_N = 128  # completions per prompt; bounds the work one request may ask for
 MAX_PROMPTS = 1024  # prompts in one completions request
@@ -17,6 +23,11 @@ TokenId = Annotated[int, msgspec.Meta(ge=0)]
 # A prompt: text, token ids, or a batch of either (checked for homogeneity in gateway.params).
 PromptInput = str | list[str | TokenId | list[TokenId]]
 StopInput = str | list[str] | None
+
+
+def decode_json_body(raw: bytes, body_type: type[T]) -> T:
+    """A JSON request body as ``body_type``, laxly (raises ``msgspec.DecodeError``)."""
+    return msgspec.json.decode(raw, type=body_type, strict=False)
 
 
 class StreamOptions(msgspec.Struct):
@@ -43,8 +54,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
-    n: PositiveN = 1
-    stream: bool = False
+    n: PositiveN | None = None  # None: 1
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: StopInput = None
     stop_token_ids: list[TokenId] | None = None
@@ -60,13 +71,19 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
+    @property
+    def num_choices(self) -> int:
+        """``n``, 1 when not given."""
+        return 1 if self.n is None else self.n
+
 
 class CompletionRequest(_SamplingFields, kw_only=True):
     prompt: PromptInput
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # None: all the room left; 0 with echo: score the prompt only
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's default for completions (BOS, if the model has one)
 
 
 class ResponseFormat(msgspec.Struct):
@@ -77,10 +94,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # vLLM's default for chat: the template supplies any BOS
     response_format: ResponseFormat | None = None
     tools: list[dict[str, object]] | None = None
 

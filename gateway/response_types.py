@@ -1,4 +1,9 @@
-"""Response bodies and stream chunks of the OpenAI-compatible API, in OpenAI's exact shapes."""
+"""Response bodies and stream chunks of the OpenAI-compatible API, in OpenAI's exact shapes.
+
+They follow OpenAI's published OpenAPI schema (tests/fixtures/openai_schema.py states it): an
+``object`` constant on every body and chunk (a msgspec tag, so it is sent even where defaults are
+omitted), ``refusal`` on chat messages and chat logprobs, and no ``system_fingerprint`` (the
+schema wants a string or nothing; shoal has none to give)."""
 
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ class ChatTokenLogprob(msgspec.Struct):
 
 class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob] = msgspec.field(default_factory=list)
+    refusal: list[ChatTokenLogprob] | None = None  # required by the schema; never any here
 
 
 # --- completions ----------------------------------------------------------------------------
@@ -55,14 +61,14 @@ class CompletionChoice(msgspec.Struct):
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(msgspec.Struct):
+class CompletionResponse(
+    msgspec.Struct, omit_defaults=True, tag_field="object", tag="text_completion"
+):
     id: str
     created: int
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
-    object: str = "text_completion"
-    system_fingerprint: str | None = None
 
 
 # --- chat -----------------------------------------------------------------------------------
@@ -71,6 +77,7 @@ class CompletionResponse(msgspec.Struct):
 class ChatMessageOut(msgspec.Struct):
     role: str
     content: str | None
+    refusal: str | None = None  # required by the schema (nullable); shoal never refuses
 
 
 class ChatChoice(msgspec.Struct):
@@ -81,14 +88,14 @@ class ChatChoice(msgspec.Struct):
     stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(msgspec.Struct):
+class ChatCompletionResponse(
+    msgspec.Struct, omit_defaults=True, tag_field="object", tag="chat.completion"
+):
     id: str
     created: int
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
-    object: str = "chat.completion"
-    system_fingerprint: str | None = None
 
 
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
@@ -107,40 +114,40 @@ class ChatChunkChoice(msgspec.Struct):
 # --- stream chunks (usage is omitted unless set) --------------------------------------------
 
 
-class CompletionChunk(msgspec.Struct, omit_defaults=True):
+class CompletionChunk(
+    msgspec.Struct, omit_defaults=True, tag_field="object", tag="text_completion"
+):
     id: str
     created: int
     model: str
     choices: list[CompletionChoice]
-    object: str = "text_completion"
     usage: Usage | None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, omit_defaults=True):
+class ChatCompletionChunk(
+    msgspec.Struct, omit_defaults=True, tag_field="object", tag="chat.completion.chunk"
+):
     id: str
     created: int
     model: str
     choices: list[ChatChunkChoice]
-    object: str = "chat.completion.chunk"
     usage: Usage | None = None
 
 
 # --- models, tokenizer, version -------------------------------------------------------------
 
 
-class ModelCard(msgspec.Struct):
+class ModelCard(msgspec.Struct, tag_field="object", tag="model"):
     id: str
     created: int
     max_model_len: int
-    object: str = "model"
     owned_by: str = "shoal"
     root: str | None = None
     parent: str | None = None
 
 
-class ModelList(msgspec.Struct):
+class ModelList(msgspec.Struct, tag_field="object", tag="list"):
     data: list[ModelCard]
-    object: str = "list"
 
 
 class TokenizeResponse(msgspec.Struct, omit_defaults=True):

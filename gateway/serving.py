@@ -18,6 +18,7 @@ from shoal.engine.client.outputs import CompletionOutput, RequestOutput
 from shoal.gateway.errors import ApiError, from_decode_error, internal_error, unavailable
 from shoal.gateway.generation import Generation
 from shoal.gateway.metrics import Metrics
+from shoal.gateway.request_types import decode_json_body
 from shoal.gateway.response_types import Usage, make_usage
 
 T = TypeVar("T")
@@ -47,10 +48,11 @@ class ServingContext:
 
 
 async def decode_body(request: web.Request, body_type: type[T]) -> T:
-    """The JSON body as ``body_type``; malformed or mistyped input is a 400 naming the field."""
+    """The JSON body as ``body_type`` (laxly, as ``decode_json_body`` says); malformed or
+    mistyped input is a 400 naming the field."""
     raw = await request.read()
     try:
-        return msgspec.json.decode(raw, type=body_type)
+        return decode_json_body(raw, body_type)
     except msgspec.DecodeError as error:
         raise from_decode_error(error) from None
 

@@ -151,9 +151,13 @@ class AsyncEngineClient:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        *,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         tokenizer = self.require_tokenizer()
-        return tokenizer.encode_chat(messages, add_generation_prompt, chat_template)
+        return tokenizer.encode_chat(
+            messages, add_generation_prompt, chat_template, add_special_tokens=add_special_tokens
+        )
 
     async def generate(
         self,

@@ -63,7 +63,12 @@ class EngineClientInterface(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Apply the model's chat template and tokenize."""
+        """Apply the model's chat template and tokenize (with the tokenizer's special tokens
+        only if ``add_special_tokens``: the template supplies any BOS itself)."""
         ...

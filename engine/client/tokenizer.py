@@ -1,7 +1,8 @@
 """The engine client's tokenizer: a local HF tokenizer directory, loaded offline.
 
 Owns encoding, decoding, the end-of-sequence ids (``generation_config.json`` plus the tokenizer's
-own ``eos_token_id``) and chat templating. A model without a chat template gets a clear
+own ``eos_token_id``), chat templating and the tokenizer's configuration as served by
+``/tokenizer_info`` (``tokenizer_config``). A model without a chat template gets a clear
 ``MissingChatTemplateError`` unless a template is passed in (``FALLBACK_CHAT_TEMPLATE`` is a plain
 role-tagged one that callers may opt into).
 """
@@ -103,10 +104,60 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        *,
+        add_special_tokens: bool = False,
     ) -> list[int]:
-        """Apply the chat template and tokenize; the template supplies any BOS itself."""
+        """Apply the chat template and tokenize. The template supplies any BOS itself, so the
+        tokenizer's special tokens are added only when asked (vLLM's chat default: not)."""
         text = self.apply_chat_template(messages, add_generation_prompt, chat_template)
-        return self.encode(text, add_special_tokens=False)
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+
+# init_kwargs that say where and how the tokenizer was loaded, not what it is.
+_LOADING_KEYS = frozenset(
+    {"vocab_file", "merges_file", "tokenizer_file", "name_or_path", "is_local", "local_files_only"}
+)
+# Settings every tokenizer has, read from the tokenizer itself when its init_kwargs lack them.
+_ALWAYS = (
+    "model_max_length",
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "pad_token",
+    "added_tokens_decoder",
+)
+
+
+def tokenizer_config(hf_tokenizer: Any) -> dict[str, Any]:
+    """A ``transformers`` tokenizer's configuration as JSON values (vLLM's ``/tokenizer_info``):
+    its ``tokenizer_config.json`` settings (special tokens as their text, ``added_tokens_decoder``
+    as id → text), ``tokenizer_class``, and ``chat_template`` when it has one. Where the files it
+    was loaded from lie is left out."""
+    init_kwargs = getattr(hf_tokenizer, "init_kwargs", None) or {}
+    config = {k: _json_value(v) for k, v in init_kwargs.items() if k not in _LOADING_KEYS}
+    for name in _ALWAYS:
+        value = getattr(hf_tokenizer, name, None)
+        if config.get(name) is None and value is not None:
+            config[name] = _json_value(value)
+    config["tokenizer_class"] = type(hf_tokenizer).__name__
+    chat_template = getattr(hf_tokenizer, "chat_template", None)
+    if chat_template:
+        config["chat_template"] = _json_value(chat_template)
+    return config
+
+
+def _json_value(value: object) -> Any:
+    """``value`` with added tokens as their text and mapping keys as strings."""
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    content = getattr(value, "content", None)
+    if isinstance(content, str):  # an AddedToken
+        return content
+    if isinstance(value, dict):
+        return {str(k): _json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set | frozenset):
+        return [_json_value(v) for v in value]
+    return str(value)
 
 
 def read_generation_eos_ids(model_dir: Path) -> list[int]:

@@ -123,12 +123,16 @@ class FakeEngineClient:
         return self.ready
 
     def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        add_special_tokens: bool = False,
     ) -> list[int]:
         text = self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False
         )
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.in_flight and request_id not in self.aborted:

@@ -1,7 +1,11 @@
 """Request → engine inputs: prompts, max_tokens, sampling parameters and the error each bad
-value becomes (status, code, param)."""
+value becomes (status, code, param); the lax decoding (14.0 as an integer, null as the default),
+the function role and add_special_tokens."""
 
 from __future__ import annotations
+
+import copy
+from typing import Any
 
 import msgspec
 import pytest
@@ -20,13 +24,14 @@ from shoal.gateway.request_types import (
     ChatMessage,
     CompletionRequest,
     ContentPart,
+    decode_json_body,
 )
 from tests.unit.test_gateway_fake import fake_tokenizer
 
 
-def _decode(body: bytes, kind: type) -> object:
+def _decode(body: bytes, kind: type) -> Any:
     try:
-        return msgspec.json.decode(body, type=kind)
+        return decode_json_body(body, kind)
     except msgspec.DecodeError as error:
         raise from_decode_error(error) from None
 
@@ -122,3 +127,88 @@ def test_chat_messages_join_text_parts() -> None:
         {"role": "user", "content": "ab"},
         {"role": "assistant", "content": ""},
     ]
+
+
+def bos_tokenizer() -> Any:
+    """The fake's tokenizer, made to add BOS (``<s>``) when asked for special tokens."""
+    from tokenizers import processors
+
+    tokenizer = copy.deepcopy(fake_tokenizer())
+    bos = tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", bos)]
+    )
+    return tokenizer
+
+
+def test_integers_may_come_as_floats_or_numeric_strings() -> None:
+    body = _decode(
+        b'{"prompt": [5.0, 6], "n": 2.0, "max_tokens": 14.0, "logprobs": 1.0, "seed": 7.0,'
+        b' "top_k": "5", "min_tokens": 1.0, "stop_token_ids": [9.0], "echo": "true"}',
+        CompletionRequest,
+    )
+    assert body.prompt == [5, 6] and body.echo is True
+    values = (body.n, body.max_tokens, body.logprobs, body.seed, body.top_k, body.min_tokens)
+    assert values == (2, 14, 1, 7, 5, 1) and body.stop_token_ids == [9]
+    assert all(type(v) is int for v in values)
+    chat = _decode(
+        b'{"messages": [], "top_logprobs": 3.0, "max_completion_tokens": 8.0}',
+        ChatCompletionRequest,
+    )
+    assert (chat.top_logprobs, chat.max_completion_tokens) == (3, 8)
+    for bad in (b'{"prompt": "x", "n": 1.5}', b'{"prompt": "x", "max_tokens": "ten"}'):
+        with pytest.raises(ApiError) as caught:
+            _decode(bad, CompletionRequest)
+        assert caught.value.code == "invalid_type", bad
+
+
+COMPLETION_NULLS = (
+    b'{"prompt": "x", "n": null, "echo": null, "stream": null, "logprobs": null,'
+    b' "max_tokens": null, "temperature": null, "top_p": null, "stop": null, "seed": null,'
+    b' "suffix": null, "stream_options": null, "logit_bias": null, "presence_penalty": null,'
+    b' "frequency_penalty": null, "user": null}'
+)
+CHAT_NULLS = (
+    b'{"messages": [{"role": "user", "content": null}], "n": null, "stream": null,'
+    b' "logprobs": null, "top_logprobs": null, "max_tokens": null, "echo": null,'
+    b' "max_completion_tokens": null, "stop": null, "seed": null, "stream_options": null,'
+    b' "temperature": null, "top_p": null, "presence_penalty": null, "frequency_penalty": null,'
+    b' "logit_bias": null}'
+)
+
+
+def test_null_is_the_default() -> None:
+    body = _decode(COMPLETION_NULLS, CompletionRequest)
+    check_unsupported(body)
+    assert body.num_choices == 1 and not body.stream and not body.echo and body.logprobs is None
+    params = sampling_params(body, max_tokens=4, logprobs=body.logprobs)
+    assert params.n == 1 and params.temperature == 1.0 and params.top_p == 1.0
+    chat = _decode(CHAT_NULLS, ChatCompletionRequest)
+    check_unsupported(chat)
+    assert chat.num_choices == 1 and not chat.stream and not chat.logprobs
+    assert chat_messages(chat.messages) == [{"role": "user", "content": ""}]
+
+
+def test_the_function_role_is_accepted_with_its_name() -> None:
+    chat = _decode(
+        b'{"messages": [{"role": "user", "content": "x"},'
+        b' {"role": "function", "name": "lookup", "content": "42"}]}',
+        ChatCompletionRequest,
+    )
+    assert chat_messages(chat.messages)[1] == {
+        "role": "function",
+        "content": "42",
+        "name": "lookup",
+    }
+
+
+def test_add_special_tokens_both_ways() -> None:
+    tokenizer = bos_tokenizer()
+    bos, ids = tokenizer.bos_token_id, fake_tokenizer().encode("the fox")
+    with_bos = completion_prompts("the fox", tokenizer)
+    assert with_bos[0].token_ids == [bos, *ids]  # the completions default: True
+    batch = completion_prompts(["the fox", "a"], tokenizer, add_special_tokens=False)
+    assert batch[0].token_ids == ids
+    assert completion_prompts([ids], tokenizer, add_special_tokens=True)[0].token_ids == ids
+    assert _decode(b'{"prompt": "x"}', CompletionRequest).add_special_tokens is True
+    assert _decode(b'{"messages": []}', ChatCompletionRequest).add_special_tokens is False
