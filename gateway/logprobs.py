@@ -69,7 +69,10 @@ def append_completion_logprobs(
             target.top_logprobs.append(None)
             continue
         target.token_logprobs.append(clamp(chosen.logprob) if chosen else MIN_LOGPROB)
-        top = {token_text(tid, lp): clamp(lp.logprob) for tid, lp in _ranked(position, num_top)}
+        # Tokens may share a text (partial UTF-8 decodes to "\ufffd"): keep the likelier.
+        top: dict[str, float] = {}
+        for tid, lp in _ranked(position, num_top):
+            top.setdefault(token_text(tid, lp), clamp(lp.logprob))
         if chosen is not None:
             top.setdefault(text, clamp(chosen.logprob))
         target.top_logprobs.append(top)

@@ -44,3 +44,16 @@ def test_chat_shape_lists_top_alternatives_most_likely_first() -> None:
     assert [(t.token, t.logprob) for t in entry.top_logprobs] == [("<9>", -0.1), ("<10>", -0.2)]
     missing = chat_logprobs([8], [{}], 2, TokenText(fake_tokenizer()))
     assert missing.content[0].logprob == MIN_LOGPROB and missing.content[0].top_logprobs == []
+
+
+def test_tokens_sharing_a_text_keep_the_likelier_logprob() -> None:
+    """Byte-level tokens that are partial UTF-8 all decode to "\ufffd": the top entry for that
+    text is the most likely of them, not the last one listed."""
+    position = {
+        7: Logprob(-3.0, 3, "\ufffd"),
+        8: Logprob(-0.5, 1, "\ufffd"),
+        9: Logprob(-1.0, 2, "a"),
+    }
+    target = CompletionLogprobs()
+    append_completion_logprobs(target, [9], [position], 3, TokenText(fake_tokenizer()), 0)
+    assert target.top_logprobs == [{"\ufffd": -0.5, "a": -1.0}]
