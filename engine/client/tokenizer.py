@@ -147,12 +147,10 @@ def tokenizer_config(hf_tokenizer: Any) -> dict[str, Any]:
 
 
 def _json_value(value: object) -> Any:
-    """``value`` with added tokens as their text and mapping keys as strings."""
+    """``value`` as JSON: mapping keys as strings, other objects (an ``AddedToken``: its text)
+    as their ``str``."""
     if value is None or isinstance(value, str | int | float | bool):
         return value
-    content = getattr(value, "content", None)
-    if isinstance(content, str):  # an AddedToken
-        return content
     if isinstance(value, dict):
         return {str(k): _json_value(v) for k, v in value.items()}
     if isinstance(value, list | tuple | set | frozenset):

@@ -1,7 +1,8 @@
 """OpenAI schema conformance and the accepted inputs through the real engine (worker, engine
 core, engine client; a tiny random Llama whose tokenizer adds BOS, in-memory bus): every body
 and stream chunk fits OpenAI's schema, ``echo`` with ``max_tokens: 0`` returns the prompt with
-the logprobs transformers computes for it, and ``add_special_tokens`` goes both ways."""
+the logprobs transformers computes for it, ``add_special_tokens`` goes both ways, and
+``/tokenizer_info`` describes the served tokenizer."""
 
 from __future__ import annotations
 
@@ -62,9 +63,13 @@ async def test_schema_and_inputs_through_the_real_engine(tiny_checkpoint, tmp_pa
             function = {"role": "function", "name": "lookup", "content": "42"}
             chat = {"messages": [{"role": "user", "content": "hi"}, function], "max_tokens": 2}
             await post_checked(session, url, CHAT, chat)
+            async with session.get(url + "/tokenizer_info") as response:
+                info = await response.json()
         tokenizer = stack.client.tokenizer
         ids = tokenizer.encode(PROMPT)
     assert ids[0] == tokenizer.bos_token_id
+    assert info["chat_template"] == CHAT_TEMPLATE and info["bos_token"] == "<s>"
+    assert info["tokenizer_class"] == type(tokenizer).__name__ and "name_or_path" not in info
     (choice,) = whole["choices"]
     assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
     assert whole["usage"]["prompt_tokens"] == len(ids) == len(choice["logprobs"]["tokens"])
