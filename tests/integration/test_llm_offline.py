@@ -71,3 +71,33 @@ def test_bad_arguments_are_clear_errors(tiny_checkpoint):  # type: ignore[no-unt
         LLM(str(tiny_checkpoint("llama")), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+EARLY_EOS_PROMPT = [60, 12, 186]  # greedy on the tiny llama: [274, 2] (eos second)
+
+
+def _hf_generate(model_dir, prompt: list[int], **kwargs) -> list[int]:  # type: ignore[no-untyped-def]
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.eval().generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=3, **kwargs
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_min_tokens_masks_eos_as_transformers_min_new_tokens(llm, tiny_checkpoint, ignore_eos):  # type: ignore[no-untyped-def]
+    model_dir = tiny_checkpoint("llama")
+    assert _hf_generate(model_dir, EARLY_EOS_PROMPT, max_new_tokens=8, eos_token_id=2) == [274, 2]
+    want = _hf_generate(
+        model_dir, EARLY_EOS_PROMPT, max_new_tokens=8, min_new_tokens=8, eos_token_id=2
+    )
+    assert len(want) == 8 and 2 not in want
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, ignore_eos=ignore_eos)
+    result = llm.generate({"prompt_token_ids": EARLY_EOS_PROMPT}, params, use_tqdm=False)[0]
+    assert result.outputs[0].token_ids == want
+    assert result.outputs[0].finish_reason == "length"
