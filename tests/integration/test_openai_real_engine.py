@@ -4,7 +4,6 @@ blocks in the engine core, and engine-core figures in /metrics."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
 from collections.abc import AsyncIterator
@@ -18,9 +17,11 @@ from shoal.bus.memory import InMemoryBus
 from shoal.gateway.app import create_app
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.server import start_http_server
+from tests.integration.conditions import CONTEXT_LEN, assert_ended_by_abort, wait_for
 from tests.integration.engine_stack import EngineStack, engine_stack
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+NUM_BLOCKS = 256  # engine_stack's default
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant: {% endif %}"
@@ -100,21 +101,21 @@ async def test_openai_client_over_the_real_engine(tiny_checkpoint, tmp_path) -> 
 
 
 async def test_disconnect_frees_the_request_in_the_engine_core(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The victim could only end by abort: no eos, and room for ~1000 more tokens."""
     async with served_stack(tiny_checkpoint("llama")) as (url, stack, metrics):
-        scheduler = stack.engines[0].core.scheduler  # type: ignore[union-attr]
-        body = {"prompt": "a long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        core = stack.engines[0].core
+        assert core is not None
+        room = CONTEXT_LEN - len(stack.client.tokenizer.encode("a long story"))
+        body = {"prompt": "a long story", "max_tokens": room, "ignore_eos": True, "stream": True}
         session = aiohttp.ClientSession()
         response = await session.post(url + "/v1/completions", json=body)
         for _ in range(3):
             assert (await response.content.readline()).startswith(b"data: ")
             await response.content.readline()
-        assert scheduler.requests and scheduler.kv_cache_manager.usage > 0
+        assert core.scheduler.requests and core.scheduler.kv_cache_manager.usage > 0
         await session.close()  # the client goes away mid-stream
-        for _ in range(300):
-            if not scheduler.requests and scheduler.kv_cache_manager.usage == 0.0:
-                break
-            await asyncio.sleep(0.02)
-        assert not scheduler.requests and scheduler.kv_cache_manager.usage == 0.0
+        await wait_for(lambda: not core.scheduler.requests, 120, "the victim leaves the core")
+        assert_ended_by_abort(core.stats(), num_blocks=NUM_BLOCKS, max_tokens=room)
         async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
             text = await response.text()
     assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
