@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
+from collections.abc import Callable
+
 import pytest
 
 from shoal import LLM, SamplingParams
+from shoal.engine.actor.core_actor import EngineCoreActor
+from shoal.engine.core.engine_core import EngineCore
 from tests.fixtures.models import hf_greedy, make_prompts
+from tests.integration.conditions import CONTEXT_LEN, assert_ended_by_abort
 
 pytestmark = pytest.mark.timeout(180)
+NUM_BLOCKS = 128
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):  # type: ignore[no-untyped-def]
-    engine = LLM(str(tiny_checkpoint("llama")), num_gpu_blocks_override=128, max_num_seqs=16)
+    engine = LLM(str(tiny_checkpoint("llama")), num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=16)
     yield engine
     engine.shutdown()
 
@@ -101,3 +110,48 @@ def test_min_tokens_masks_eos_as_transformers_min_new_tokens(llm, tiny_checkpoin
     result = llm.generate({"prompt_token_ids": EARLY_EOS_PROMPT}, params, use_tqdm=False)[0]
     assert result.outputs[0].token_ids == want
     assert result.outputs[0].finish_reason == "length"
+
+
+def _engine_core(llm: LLM) -> EngineCore:
+    (actor,) = [a for a in llm._actors if isinstance(a, EngineCoreActor)]
+    assert actor.core is not None
+    return actor.core
+
+
+def _poll(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll from a plain thread, bounded; True once ``predicate`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_an_interrupted_generate_aborts_its_requests_in_the_engine_core(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    """Ctrl-C while ``generate`` waits: the requests (which could only end by abort: no eos,
+    room for ~1000 tokens) are aborted in the engine core, not left running."""
+    with LLM(str(tiny_checkpoint("llama")), num_gpu_blocks_override=NUM_BLOCKS) as llm:
+        core = _engine_core(llm)
+        prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9, 10]}]
+        max_tokens = CONTEXT_LEN - 3
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+        def both_running() -> bool:
+            return core.scheduler.num_running == 2 and core.stats().num_generation_tokens > 4
+
+        def interrupt_once_both_run() -> None:
+            if _poll(both_running, 60):
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+        interrupter = threading.Thread(target=interrupt_once_both_run)
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params, use_tqdm=False)
+        interrupter.join()
+        assert _poll(lambda: not core.scheduler.requests, 120), "requests still in the core"
+        stats = core.stats()
+        assert_ended_by_abort(stats, num_blocks=NUM_BLOCKS, max_tokens=max_tokens, num_aborted=2)
+        # The LLM still serves after the interrupt.
+        short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        assert len(llm.generate(prompts[0], short, use_tqdm=False)[0].outputs[0].token_ids) == 3
