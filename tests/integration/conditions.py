@@ -31,3 +31,13 @@ def assert_ended_by_abort(
     assert stats.num_generation_tokens < max_tokens, stats
     assert (stats.num_running, stats.num_waiting) == (0, 0), stats
     assert stats.num_free_blocks == num_blocks - 1, stats  # all but the null block
+
+
+def pick_stop_string(text: str, min_start: int = 4) -> str:
+    """Three ASCII letters or digits that really occur in ``text`` (a greedy run's output),
+    found after its first ``min_start`` characters so the cut output is not empty."""
+    for start in range(min_start, len(text) - 2):
+        piece = text[start : start + 3]
+        if piece.isascii() and piece.isalnum():
+            return piece
+    raise AssertionError(f"no ASCII stop string in {text!r}")
