@@ -13,7 +13,7 @@ from shoal import LLM, SamplingParams
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.engine.core.engine_core import EngineCore
 from tests.fixtures.models import hf_greedy, make_prompts
-from tests.integration.conditions import CONTEXT_LEN, assert_ended_by_abort
+from tests.integration.conditions import CONTEXT_LEN, assert_ended_by_abort, pick_stop_string
 
 pytestmark = pytest.mark.timeout(180)
 NUM_BLOCKS = 128
@@ -155,3 +155,31 @@ def test_an_interrupted_generate_aborts_its_requests_in_the_engine_core(tiny_che
         # The LLM still serves after the interrupt.
         short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
         assert len(llm.generate(prompts[0], short, use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_cut_the_text_and_end_the_request_in_the_engine_core(llm, include):  # type: ignore[no-untyped-def]
+    core = _engine_core(llm)
+    prompt = "a long story"
+    room = CONTEXT_LEN - len(llm.get_tokenizer().encode(prompt))
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+    stop = pick_stop_string(full)
+    cut = full.index(stop) + (len(stop) if include else 0)
+    assert _poll(lambda: not core.scheduler.requests, 30)
+    before = core.stats()
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=room,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=include,
+    )
+    got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (full[:cut], "stop", stop)
+    assert _poll(lambda: not core.scheduler.requests, 60), "the request is still in the core"
+    after = core.stats()
+    assert after.num_finished_abort == before.num_finished_abort + 1, after
+    assert after.num_finished_length == before.num_finished_length, after
+    assert after.num_generation_tokens - before.num_generation_tokens < room // 4, after
+    assert after.num_free_blocks == NUM_BLOCKS - 1
