@@ -39,7 +39,9 @@ async def test_64_concurrent_streams_each_equal_the_request_run_alone(tiny_check
             for p in prompts
         ]
         async with aiohttp.ClientSession() as session:
-            together = await asyncio.gather(*(complete(session, url, b) for b in bodies))
+            together = await asyncio.wait_for(
+                asyncio.gather(*(complete(session, url, b) for b in bodies)), 120
+            )
             peak_together, peak_running = peak_running, 0
             alone = [await complete(session, url, b) for b in bodies]
     assert peak_together >= 8 and peak_running == 1, (peak_together, peak_running)
