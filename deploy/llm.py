@@ -5,6 +5,10 @@ engine client live in one event loop on a background thread, and the blocking me
 work to it. A prompt is a string or ``{"prompt_token_ids": [...]}``; results come back in the
 order of the prompts, each a ``RequestOutput`` with ``.outputs[i].text``, ``.token_ids`` and
 ``.finish_reason``.
+
+A blocking call interrupted while it waits (Ctrl-C, or its future failing) cancels its work on
+the loop thread and aborts its requests in the engine core before the exception goes on, so
+nothing keeps generating behind the caller's back.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class LLM:
         self._thread.start()
         self._actors: list[Actor] = []
         self._client: AsyncEngineClient | None = None
+        self._request_counter = itertools.count()  # request ids, unique per LLM as in vLLM
         try:
             self._client = self._run(self._start(startup_timeout_s))
         except BaseException:
@@ -124,7 +129,7 @@ class LLM:
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         inputs = [_prompt_input(p) for p in prompt_list]
         params = _params_per_prompt(sampling_params, len(inputs))
-        return self._run(self._generate_all(inputs, params, use_tqdm))
+        return self._run_requests(inputs, params, use_tqdm)
 
     def chat(
         self,
@@ -144,17 +149,42 @@ class LLM:
             for conv in conversations
         ]
         params = _params_per_prompt(sampling_params, len(inputs))
-        return self._run(self._generate_all(inputs, params, use_tqdm))
+        return self._run_requests(inputs, params, use_tqdm)
+
+    def _run_requests(
+        self, inputs: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        """Run the requests to the end; if the wait is interrupted, abort them in the engine."""
+        request_ids = [str(next(self._request_counter)) for _ in inputs]
+        future = asyncio.run_coroutine_threadsafe(
+            self._generate_all(inputs, params, request_ids, use_tqdm), self._loop
+        )
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            with contextlib.suppress(Exception):
+                self._run(self._abort(request_ids), timeout=30)
+            raise
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        client = self._require_client()
+        for request_id in request_ids:
+            await client.abort(request_id)  # idempotent: finished ids are ignored
 
     async def _generate_all(
-        self, inputs: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool
+        self,
+        inputs: list[str | list[int]],
+        params: list[SamplingParams],
+        request_ids: list[str],
+        use_tqdm: bool,
     ) -> list[RequestOutput]:
         client = self._require_client()
         progress = ProgressBar(len(inputs), enabled=use_tqdm, desc="Processed prompts")
 
         async def one(index: int) -> RequestOutput:
             final = None
-            async for output in client.generate(inputs[index], params[index], f"{index}"):
+            async for output in client.generate(inputs[index], params[index], request_ids[index]):
                 final = output
             progress.update(final)
             assert final is not None

@@ -29,7 +29,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # every output so far (resumed: the engine's, then sampled)
-    stop_token_ids: list[int]  # masked while below min_tokens: EOS (unless ignored) + stop ids
+    stop_token_ids: list[int]  # masked while below min_tokens: EOS (even if ignored) + stop ids
     generator: torch.Generator | None  # seeded, non-greedy requests only
     resumed: bool  # re-added after preemption (prompt logprobs were already sent)
 
@@ -86,8 +86,9 @@ class RequestStore:
             self.remove(req_id)
         if not self._free_rows:
             raise RuntimeError(f"persistent batch is full ({self.max_num_reqs} requests)")
-        stop_ids = [] if sampling_params.ignore_eos else list(eos_token_ids)
-        stop_ids += sampling_params.stop_token_ids or []
+        # EOS is masked below min_tokens whatever ignore_eos says (vLLM's MinTokens rule), so
+        # min_tokens=max_tokens with ignore_eos is transformers' min_new_tokens.
+        stop_ids = [*eos_token_ids, *(sampling_params.stop_token_ids or [])]
         state = CachedRequestState(
             req_id=req_id,
             row=self._free_rows.pop(),

@@ -83,6 +83,13 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     step_wall_s: float = 0.0
     worker_execute_s: float = 0.0
     num_worker_steps: int = 0
+    # Requests finished, by finish reason (cumulative), and the KV blocks free now: what the
+    # engine core itself saw of aborts and stops, readable from another process.
+    num_finished_stop: int = 0
+    num_finished_length: int = 0
+    num_finished_abort: int = 0
+    num_finished_error: int = 0
+    num_free_blocks: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):

@@ -23,7 +23,8 @@ Seams, not built yet: async scheduling would schedule step N+1 before N's tokens
 placeholders for them as computed; speculative decoding would schedule
 ``Request.spec_token_ids`` as extra tokens and roll back rejected ones in ``update_from_output``;
 the KV manager would ask an offload connector for external hits during admission; ``make_stats``
-feeds load-aware routing across data-parallel ranks.
+feeds load-aware routing across data-parallel ranks and reports requests finished by reason and
+the free KV blocks, so a client in another process sees what the core did with an abort.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0  # prompts of requests that got their first token
         self.num_generation_tokens = 0
+        self.num_finished = dict.fromkeys(FINISH_REASONS.values(), 0)  # by finish reason
         self._reserved_blocks = int(scheduler_config.watermark * num_blocks)
 
     # ----- requests in and out
@@ -166,6 +168,7 @@ class Scheduler:
     ) -> None:
         """Free a finished request's blocks and forget it (it is already off the queues)."""
         self.kv_cache_manager.free(request, drop_cached=drop_cached)
+        self.num_finished[FINISH_REASONS[request.status]] += 1
         if was_on_worker:
             self.finished_req_ids.append(request.request_id)
         del self.requests[request.request_id]
@@ -357,6 +360,11 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             step_id=self.step_id,
+            num_finished_stop=self.num_finished["stop"],
+            num_finished_length=self.num_finished["length"],
+            num_finished_abort=self.num_finished["abort"],
+            num_finished_error=self.num_finished["error"],
+            num_free_blocks=kv.num_free_blocks,
         )
 
 

@@ -10,11 +10,13 @@ import pytest
 
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from tests.fixtures.models import hf_greedy, make_prompts
+from tests.integration.conditions import CONTEXT_LEN, assert_ended_by_abort, wait_for
 from tests.integration.engine_stack import engine_stack
 
 pytestmark = pytest.mark.timeout(180)
 
 MAX_TOKENS = 12
+NUM_BLOCKS = 256
 
 
 async def _collect(client, prompt, params, request_id):  # type: ignore[no-untyped-def]
@@ -58,24 +60,24 @@ async def test_streamed_deltas_join_to_the_final_text(bus_factory, tiny_checkpoi
 
 
 async def test_abort_mid_generation_frees_blocks(bus_factory, tiny_checkpoint):  # type: ignore[no-untyped-def]
+    """The victim could only end by abort: no eos, and room for ~1000 more tokens."""
     model_dir = tiny_checkpoint("llama")
     bus = await bus_factory()
-    async with engine_stack(bus, model_dir) as stack:
-        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        stream = stack.client.generate("a long story", params, "victim")
+    prompt = [5, 6, 7]
+    max_tokens = CONTEXT_LEN - len(prompt)
+    async with engine_stack(bus, model_dir, num_blocks=NUM_BLOCKS) as stack:
+        core = stack.engines[0].core
+        assert core is not None
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        stream = stack.client.generate(prompt, params, "victim")
         seen = 0
         async for _ in stream:
             seen += 1
             if seen == 3:
                 break
         await stream.aclose()
-        scheduler = stack.engines[0].core.scheduler  # type: ignore[union-attr]
-        for _ in range(200):
-            if not scheduler.requests and scheduler.kv_cache_manager.usage == 0.0:
-                break
-            await asyncio.sleep(0.02)
-        assert not scheduler.requests
-        assert scheduler.kv_cache_manager.usage == 0.0
+        await wait_for(lambda: not core.scheduler.requests, 120, "the victim leaves the core")
+        assert_ended_by_abort(core.stats(), num_blocks=NUM_BLOCKS, max_tokens=max_tokens)
 
 
 async def test_two_engine_cores_share_load(bus_factory, tiny_checkpoint):  # type: ignore[no-untyped-def]

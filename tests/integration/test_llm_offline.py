@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import signal
+import threading
+import time
+from collections.abc import Callable
+
 import pytest
 
 from shoal import LLM, SamplingParams
+from shoal.engine.actor.core_actor import EngineCoreActor
+from shoal.engine.core.engine_core import EngineCore
 from tests.fixtures.models import hf_greedy, make_prompts
+from tests.integration.conditions import CONTEXT_LEN, assert_ended_by_abort, pick_stop_string
 
 pytestmark = pytest.mark.timeout(180)
+NUM_BLOCKS = 128
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint):  # type: ignore[no-untyped-def]
-    engine = LLM(str(tiny_checkpoint("llama")), num_gpu_blocks_override=128, max_num_seqs=16)
+    engine = LLM(str(tiny_checkpoint("llama")), num_gpu_blocks_override=NUM_BLOCKS, max_num_seqs=16)
     yield engine
     engine.shutdown()
 
@@ -71,3 +80,106 @@ def test_bad_arguments_are_clear_errors(tiny_checkpoint):  # type: ignore[no-unt
         LLM(str(tiny_checkpoint("llama")), tensor_parallel_size=2)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+
+
+EARLY_EOS_PROMPT = [60, 12, 186]  # greedy on the tiny llama: [274, 2] (eos second)
+
+
+def _hf_generate(model_dir, prompt: list[int], **kwargs) -> list[int]:  # type: ignore[no-untyped-def]
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.eval().generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, pad_token_id=3, **kwargs
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_min_tokens_masks_eos_as_transformers_min_new_tokens(llm, tiny_checkpoint, ignore_eos):  # type: ignore[no-untyped-def]
+    model_dir = tiny_checkpoint("llama")
+    assert _hf_generate(model_dir, EARLY_EOS_PROMPT, max_new_tokens=8, eos_token_id=2) == [274, 2]
+    want = _hf_generate(
+        model_dir, EARLY_EOS_PROMPT, max_new_tokens=8, min_new_tokens=8, eos_token_id=2
+    )
+    assert len(want) == 8 and 2 not in want
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8, ignore_eos=ignore_eos)
+    result = llm.generate({"prompt_token_ids": EARLY_EOS_PROMPT}, params, use_tqdm=False)[0]
+    assert result.outputs[0].token_ids == want
+    assert result.outputs[0].finish_reason == "length"
+
+
+def _engine_core(llm: LLM) -> EngineCore:
+    (actor,) = [a for a in llm._actors if isinstance(a, EngineCoreActor)]
+    assert actor.core is not None
+    return actor.core
+
+
+def _poll(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll from a plain thread, bounded; True once ``predicate`` holds."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_an_interrupted_generate_aborts_its_requests_in_the_engine_core(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    """Ctrl-C while ``generate`` waits: the requests (which could only end by abort: no eos,
+    room for ~1000 tokens) are aborted in the engine core, not left running."""
+    with LLM(str(tiny_checkpoint("llama")), num_gpu_blocks_override=NUM_BLOCKS) as llm:
+        core = _engine_core(llm)
+        prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [8, 9, 10]}]
+        max_tokens = CONTEXT_LEN - 3
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+        def both_running() -> bool:
+            return core.scheduler.num_running == 2 and core.stats().num_generation_tokens > 4
+
+        def interrupt_once_both_run() -> None:
+            if _poll(both_running, 60):
+                signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+        interrupter = threading.Thread(target=interrupt_once_both_run)
+        interrupter.start()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, params, use_tqdm=False)
+        interrupter.join()
+        assert _poll(lambda: not core.scheduler.requests, 120), "requests still in the core"
+        stats = core.stats()
+        assert_ended_by_abort(stats, num_blocks=NUM_BLOCKS, max_tokens=max_tokens, num_aborted=2)
+        # The LLM still serves after the interrupt.
+        short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        assert len(llm.generate(prompts[0], short, use_tqdm=False)[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_cut_the_text_and_end_the_request_in_the_engine_core(llm, include):  # type: ignore[no-untyped-def]
+    core = _engine_core(llm)
+    prompt = "a long story"
+    room = CONTEXT_LEN - len(llm.get_tokenizer().encode(prompt))
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
+    stop = pick_stop_string(full)
+    cut = full.index(stop) + (len(stop) if include else 0)
+    assert _poll(lambda: not core.scheduler.requests, 30)
+    before = core.stats()
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=room,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=include,
+    )
+    got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.finish_reason, got.stop_reason) == (full[:cut], "stop", stop)
+    assert _poll(lambda: not core.scheduler.requests, 60), "the request is still in the core"
+    after = core.stats()
+    assert after.num_finished_abort == before.num_finished_abort + 1, after
+    assert after.num_finished_length == before.num_finished_length, after
+    assert after.num_generation_tokens - before.num_generation_tokens < room // 4, after
+    assert after.num_free_blocks == NUM_BLOCKS - 1

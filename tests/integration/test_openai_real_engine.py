@@ -1,26 +1,26 @@
 """The gateway over the real engine stack (worker, engine core, engine client; tiny random Llama,
-in-memory bus): the openai client streaming and not, a disconnect that frees the request's KV
-blocks in the engine core, and engine-core figures in /metrics."""
+in-memory bus): the openai client streaming and not, a disconnect and a stop string that end the
+request in the engine core (freeing its KV blocks), and engine-core figures in /metrics."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import shutil
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
 
-from shoal.bus.memory import InMemoryBus
-from shoal.gateway.app import create_app
-from shoal.gateway.metrics import Metrics
-from shoal.gateway.server import start_http_server
-from tests.integration.engine_stack import EngineStack, engine_stack
+from tests.integration.conditions import (
+    CONTEXT_LEN,
+    assert_ended_by_abort,
+    pick_stop_string,
+    wait_for,
+)
+from tests.integration.served_stack import complete, served_stack
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+NUM_BLOCKS = 256  # engine_stack's default
 CHAT_TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<s>assistant: {% endif %}"
@@ -35,24 +35,6 @@ def _with_chat_template(model_dir: Path, out_dir: Path) -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
-
-
-@contextlib.asynccontextmanager
-async def served_stack(model_dir: Path) -> AsyncIterator[tuple[str, EngineStack, Metrics]]:
-    bus = InMemoryBus()
-    await bus.connect()
-    try:
-        async with engine_stack(bus, model_dir) as stack:
-            metrics = Metrics("tiny", max_model_len=stack.client.max_model_len)
-            stack.client.stats_listeners.append(metrics.update_engine_stats)
-            app = create_app(stack.client, served_model_name="tiny", metrics=metrics)
-            server = await start_http_server(app)
-            try:
-                yield server.url, stack, metrics
-            finally:
-                await server.stop()
-    finally:
-        await bus.close()
 
 
 async def test_openai_client_over_the_real_engine(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -100,21 +82,21 @@ async def test_openai_client_over_the_real_engine(tiny_checkpoint, tmp_path) -> 
 
 
 async def test_disconnect_frees_the_request_in_the_engine_core(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The victim could only end by abort: no eos, and room for ~1000 more tokens."""
     async with served_stack(tiny_checkpoint("llama")) as (url, stack, metrics):
-        scheduler = stack.engines[0].core.scheduler  # type: ignore[union-attr]
-        body = {"prompt": "a long story", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        core = stack.engines[0].core
+        assert core is not None
+        room = CONTEXT_LEN - len(stack.client.tokenizer.encode("a long story"))
+        body = {"prompt": "a long story", "max_tokens": room, "ignore_eos": True, "stream": True}
         session = aiohttp.ClientSession()
         response = await session.post(url + "/v1/completions", json=body)
         for _ in range(3):
             assert (await response.content.readline()).startswith(b"data: ")
             await response.content.readline()
-        assert scheduler.requests and scheduler.kv_cache_manager.usage > 0
+        assert core.scheduler.requests and core.scheduler.kv_cache_manager.usage > 0
         await session.close()  # the client goes away mid-stream
-        for _ in range(300):
-            if not scheduler.requests and scheduler.kv_cache_manager.usage == 0.0:
-                break
-            await asyncio.sleep(0.02)
-        assert not scheduler.requests and scheduler.kv_cache_manager.usage == 0.0
+        await wait_for(lambda: not core.scheduler.requests, 120, "the victim leaves the core")
+        assert_ended_by_abort(core.stats(), num_blocks=NUM_BLOCKS, max_tokens=room)
         async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
             text = await response.text()
     assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in text
@@ -138,3 +120,35 @@ async def test_latency_histograms_fill_from_the_real_engine(tiny_checkpoint) -> 
         "request_prefill_time_seconds",
     ):
         assert f'vllm:{name}_count{{model_name="tiny"}} 3.0' in text, name
+
+
+async def test_stop_strings_end_the_request_in_the_engine_core(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """The text is cut as vLLM cuts it (at the first occurrence, the string itself kept only with
+    include_stop_str_in_output), streamed and not, and the engine core stops generating: the
+    client aborts the request there once the string matches, far before max_tokens."""
+    async with served_stack(tiny_checkpoint("llama")) as (url, stack, _):
+        core = stack.engines[0].core
+        assert core is not None
+        room = CONTEXT_LEN - len(stack.client.tokenizer.encode("a long story"))
+        common = {"prompt": "a long story", "temperature": 0, "ignore_eos": True}
+        async with aiohttp.ClientSession() as session:
+            full = await complete(session, url, {**common, "max_tokens": 40})
+            stop = pick_stop_string(full.text)
+            cut = full.text.index(stop)
+            for stream in (False, True):
+                for include in (False, True):
+                    before = core.stats()
+                    body = {**common, "max_tokens": room, "stop": [stop], "stream": stream}
+                    body["include_stop_str_in_output"] = include
+                    got = await complete(session, url, body)
+                    want = full.text[: cut + len(stop)] if include else full.text[:cut]
+                    case = f"stream={stream} include={include}"
+                    assert (got.text, got.finish_reason, got.stop_reason) == (want, "stop", stop)
+                    assert got.num_chunks > 1 or not stream, case
+                    await wait_for(lambda: not core.scheduler.requests, 60, case)
+                    after = core.stats()
+                    assert after.num_finished_abort == before.num_finished_abort + 1, case
+                    assert after.num_finished_length == before.num_finished_length, case
+                    generated = after.num_generation_tokens - before.num_generation_tokens
+                    assert generated < room // 4, (case, generated)
+                    assert after.num_free_blocks == NUM_BLOCKS - 1, case

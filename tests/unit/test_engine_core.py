@@ -148,3 +148,24 @@ def test_kv_cache_shape_takes_the_override_else_the_smallest_worker() -> None:
     assert kv_cache_shape(overridden, infos) == (64, 512)
     longer = ShoalConfig.from_options(model="m", max_model_len=8192)
     assert kv_cache_shape(longer, infos) == (200, 2048)  # never past what a worker can hold
+
+
+def test_stats_count_finished_requests_by_reason_and_the_free_blocks() -> None:
+    core, worker = make_core(num_blocks=64), FakeWorker(block_size=4)
+    stopper = add("stop", max_tokens=50)
+    stopper.sampling_params = SamplingParams(
+        temperature=0.0, max_tokens=50, stop_token_ids=list(range(10, 60))
+    )
+    for msg in (add("len", max_tokens=2), stopper, add("ab", max_tokens=50), add("err", 6, 50)):
+        core.admit(msg)
+    _, _, scheduler_output, result = step(core, worker)
+    core.apply_result(scheduler_output, result)
+    assert core.stats().num_free_blocks < 63
+    core.queue_abort(AbortRequest(["ab"]))
+    _, _, scheduler_output, result = step(core, worker)
+    core.apply_result(scheduler_output, result)
+    core.fail_all("worker lost")
+    stats = core.stats()
+    counts = (stats.num_finished_stop, stats.num_finished_length, stats.num_finished_abort)
+    assert (*counts, stats.num_finished_error) == (1, 1, 1, 1)
+    assert stats.num_free_blocks == 63  # every block but the null block

@@ -183,13 +183,16 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
     assert int(Sampler()(logits.clone(), batch.prepare(["r"])).sampled_token_ids) == 0
 
 
-def test_min_tokens_with_ignore_eos_masks_only_stop_ids() -> None:
+def test_min_tokens_masks_eos_even_with_ignore_eos() -> None:
+    """vLLM masks the model's eos below min_tokens whatever ignore_eos says."""
     logits = torch.full((1, VOCAB), -5.0)
-    logits[0, 0], logits[0, 9] = 5.0, 6.0
+    logits[0, 0], logits[0, 9], logits[0, 4] = 6.0, 5.0, 4.0  # eos, then a stop id, then 4
     batch = sampling_batch(VOCAB)
-    params = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[9], ignore_eos=True)
+    params = SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[9], ignore_eos=True)
     batch.requests.add("r", params, [1], eos_token_ids=[0])
-    assert int(Sampler()(logits, batch.prepare(["r"])).sampled_token_ids) == 0
+    assert int(Sampler()(logits.clone(), batch.prepare(["r"])).sampled_token_ids) == 4
+    batch.requests["r"].output_token_ids.append(4)
+    assert int(Sampler()(logits.clone(), batch.prepare(["r"])).sampled_token_ids) == 0
 
 
 def test_logprobs_are_the_raw_log_softmax() -> None:

@@ -1,0 +1,43 @@
+"""Waiting on a condition with a bound (never a bare sleep), and what the engine core must have
+seen of an aborted request: the checks the abort and stop-string tests share."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from shoal.bus.messages.engine import SchedulerStats
+
+CONTEXT_LEN = 1024  # the tiny checkpoints' max_position_embeddings
+
+
+async def wait_for(predicate: Callable[[], object], timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` until it is true; AssertionError after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: not reached within {timeout_s} s")
+        await asyncio.sleep(0.01)
+
+
+def assert_ended_by_abort(
+    stats: SchedulerStats, *, num_blocks: int, max_tokens: int, num_aborted: int = 1
+) -> None:
+    """The engine core finished ``num_aborted`` requests as aborted and none by itself, generated
+    fewer tokens than asked for, runs nothing and has every KV block back in its free pool."""
+    finished = (stats.num_finished_stop, stats.num_finished_length, stats.num_finished_error)
+    assert (stats.num_finished_abort, finished) == (num_aborted, (0, 0, 0)), stats
+    assert stats.num_generation_tokens < max_tokens, stats
+    assert (stats.num_running, stats.num_waiting) == (0, 0), stats
+    assert stats.num_free_blocks == num_blocks - 1, stats  # all but the null block
+
+
+def pick_stop_string(text: str, min_start: int = 4) -> str:
+    """Three ASCII letters or digits that really occur in ``text`` (a greedy run's output),
+    found after its first ``min_start`` characters so the cut output is not empty."""
+    for start in range(min_start, len(text) - 2):
+        piece = text[start : start + 3]
+        if piece.isascii() and piece.isalnum():
+            return piece
+    raise AssertionError(f"no ASCII stop string in {text!r}")
