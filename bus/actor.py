@@ -8,6 +8,10 @@ install_signals=False))``, stopped by ``actor.request_stop()``) or as its own OS
 A handler receives the decoded message and the raw ``Msg``. For a request, a returned struct (or
 bytes) is the reply; an undecodable payload or a failing handler gets an ``ErrorReply`` (flagged
 with the ``Shoal-Error`` header); for an event, it is logged and counted. The actor keeps running.
+
+Heartbeats and status events carry the actor's ``incarnation``, fixed when the actor object is
+made: a restarted actor keeps its id but not its incarnation, so peers (``bus.liveness``) know
+that what the old one held is lost.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
+import secrets
 import signal
 import threading
 import time
@@ -31,6 +37,12 @@ from shoal.bus.subjects import Subjects, validate_token
 log = logging.getLogger(__name__)
 
 TypedHandler = Callable[[Any, Msg], Awaitable[Any]]
+
+
+def new_incarnation() -> str:
+    """An id for one life of an actor: its process id and a random token (unique even when a
+    restarted process is given the same pid, or several actors share a process)."""
+    return f"{os.getpid()}-{secrets.token_hex(6)}"
 
 
 @dataclass(frozen=True)
@@ -68,6 +80,7 @@ class Actor:
         self.drain_timeout_s = drain_timeout_s
         self.owns_bus = False  # close the bus on stop (set when the actor runs as a process)
         self.state = ActorState.STARTING
+        self.incarnation = new_incarnation()  # sent with every heartbeat and status event
         self.num_decode_errors = 0
         self.num_handler_errors = 0
         self._heartbeat_seq = 0
@@ -194,7 +207,7 @@ class Actor:
     async def set_state(self, state: ActorState, reason: str = "") -> None:
         """Change state and publish a ``StatusEvent`` (best effort)."""
         self.state = state
-        event = StatusEvent(self.actor_id, self.kind, state, time.time(), reason)
+        event = StatusEvent(self.actor_id, self.kind, state, time.time(), reason, self.incarnation)
         try:
             await self.bus.publish(self.subjects.status(self.kind), encode(event))
         except BusError as exc:
@@ -203,7 +216,13 @@ class Actor:
     def make_heartbeat(self) -> Heartbeat:
         self._heartbeat_seq += 1
         return Heartbeat(
-            self.actor_id, self.kind, self._heartbeat_seq, self.state, time.time(), self.load()
+            self.actor_id,
+            self.kind,
+            self._heartbeat_seq,
+            self.state,
+            time.time(),
+            self.load(),
+            self.incarnation,
         )
 
     async def _heartbeat_loop(self) -> None:

@@ -25,6 +25,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, omit_defaults=
     state: ActorState
     timestamp: float
     load: dict[str, float] = {}
+    incarnation: str = ""  # fixed when the actor starts: a new one means a new process
 
 
 class StatusEvent(msgspec.Struct, tag="status", array_like=True, omit_defaults=True):
@@ -35,6 +36,7 @@ class StatusEvent(msgspec.Struct, tag="status", array_like=True, omit_defaults=T
     state: ActorState
     timestamp: float
     reason: str = ""
+    incarnation: str = ""  # the sender's (see Heartbeat); "" when another reports it (DEAD)
 
 
 class ErrorReply(msgspec.Struct, tag="error", array_like=True, omit_defaults=True):

@@ -118,6 +118,7 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=Tr
     max_model_len: int = 0
     num_blocks: int = 0
     block_size: int = 0
+    incarnation: str = ""  # the engine core actor's (see control.Heartbeat)
 
 
 EngineOutbound = EngineOutputs | RequestRejected

@@ -240,6 +240,7 @@ class EngineCoreActor(Actor):
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,
             block_size=self.config.cache_config.block_size,
+            incarnation=self.incarnation,
         )
         try:
             await self.bus.publish(self.subjects.engine_stats(self.engine_id), encode(stats))

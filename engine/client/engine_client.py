@@ -4,8 +4,10 @@ goes away.
 
 It listens on its own output subject for every engine core's ``EngineOutputs`` (fed to the pure
 ``OutputProcessor``, which detokenizes and applies stop strings) and ``RequestRejected``; on
-engine stats, heartbeats and status events for routing (``EngineRouter``). A watchdog fails the
-requests of an engine core that went silent or stopped, so no caller waits forever.
+engine stats, heartbeats and status events for routing (``EngineRouter``). The requests of an
+engine core that stopped, died or came back as a new incarnation (a restarted process: what
+the old one held is lost) end at once with finish reason "error"; a watchdog does the same for
+one that went silent, so no caller waits forever.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class AsyncEngineClient:
         self._processor: OutputProcessor | None = None
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._engine_of: dict[str, str] = {}  # user request id → engine id
+        self._epoch_of: dict[str, int] = {}  # user request id → its engine's epoch when sent
+        self._epochs_checked: dict[str, int] = {}  # engine id → last epoch acted upon
         self._subs: list[Subscription] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -94,7 +98,9 @@ class AsyncEngineClient:
                 s.engine_out(self.client_id), self._on_output, sequential=True
             ),
             await self.bus.subscribe(s.engine_stats("*"), self._on_stats),
-            *await watch_liveness(self.bus, s, "engine", self.router.liveness),
+            *await watch_liveness(
+                self.bus, s, "engine", self.router.liveness, on_change=self._check_engine
+            ),
         ]
         await self.bus.flush()
         self._watchdog = asyncio.create_task(self._watch_engines())
@@ -199,6 +205,7 @@ class AsyncEngineClient:
         collector = RequestOutputCollector(params.output_kind)
         self._collectors[request_id] = collector
         self._engine_of[request_id] = engine.engine_id
+        self._epoch_of[request_id] = self.router.epoch(engine.engine_id)
         try:
             await self._send_adds(engine.engine_id, children, prompt_ids, arrival, priority)
         except BusError as exc:
@@ -256,8 +263,13 @@ class AsyncEngineClient:
         """Stop tracking a request: its collector, its engine core and the engine-side ids
         still running there."""
         collector = self._collectors.pop(request_id, None)
-        engine_id = self._engine_of.pop(request_id, None)
+        engine_id = self._untrack(request_id)
         return collector, engine_id, self._require_processor().abort_request(request_id)
+
+    def _untrack(self, request_id: str) -> str | None:
+        """Forget which engine core (and epoch) a request went to; that engine's id."""
+        self._epoch_of.pop(request_id, None)
+        return self._engine_of.pop(request_id, None)
 
     async def _send_abort(self, engine_id: str, engine_request_ids: list[str]) -> None:
         try:
@@ -296,7 +308,7 @@ class AsyncEngineClient:
                 collector.put(output)
         for request_id in processed.finished_request_ids:
             self._collectors.pop(request_id, None)
-            self._engine_of.pop(request_id, None)
+            self._untrack(request_id)
         if processed.reqs_to_abort:
             await self._send_abort(message.engine_id, processed.reqs_to_abort)
 
@@ -319,19 +331,25 @@ class AsyncEngineClient:
     def _fail(self, request_id: str, error: Exception) -> None:
         collector, engine_id, engine_ids = self._forget(request_id)
         if engine_id is not None and engine_ids:
-            task = asyncio.get_running_loop().create_task(self._send_abort(engine_id, engine_ids))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self._abort_later(engine_id, engine_ids)
         if collector is not None:
             collector.put(error)
+
+    def _abort_later(self, engine_id: str, engine_request_ids: list[str]) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._send_abort(engine_id, engine_request_ids)
+        )
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _on_stats(self, msg: Msg) -> None:
         try:
             stats = _STATS.decode(msg.data)
         except DecodeError:
             return
-        self.router.on_stats(stats)
-        self._notify_stats(stats.stats, stats.engine_id)
+        if self.router.on_stats(stats):
+            self._check_engine(stats.engine_id)
+            self._notify_stats(stats.stats, stats.engine_id)
 
     def _notify_stats(self, stats: SchedulerStats, engine_id: str) -> None:
         for listener in self.stats_listeners:
@@ -340,22 +358,41 @@ class AsyncEngineClient:
             except Exception:
                 log.exception("stats listener failed")
 
+    def _check_engine(self, engine_id: str) -> None:
+        """End this client's requests on ``engine_id`` if it is lost, or restarted since they
+        were sent: no output of theirs can come any more."""
+        lost, epoch = self.router.is_lost(engine_id), self.router.epoch(engine_id)
+        if not lost and self._epochs_checked.get(engine_id, 0) == epoch:
+            return
+        self._epochs_checked[engine_id] = epoch
+        doomed = [
+            request_id
+            for request_id, engine in self._engine_of.items()
+            if engine == engine_id and (lost or self._epoch_of.get(request_id, epoch) < epoch)
+        ]
+        reason = "is gone" if lost else "restarted"
+        for request_id in doomed:
+            self._end_with_error(request_id, engine_id, f"engine core {engine_id} {reason}")
+
+    def _end_with_error(self, request_id: str, engine_id: str, error: str) -> None:
+        """Finish a request with reason "error"; abort it on the engine core in case a new
+        incarnation of it did get it."""
+        processor = self._require_processor()
+        engine_ids = processor.engine_request_ids(request_id)
+        output = processor.fail_request(request_id, error)
+        collector = self._collectors.pop(request_id, None)
+        self._untrack(request_id)
+        if collector is not None and output is not None:
+            collector.put(output)
+        if engine_ids:
+            self._abort_later(engine_id, engine_ids)
+
     async def _watch_engines(self) -> None:
-        """Fail the requests of engine cores that stopped or went silent."""
+        """Fail the requests of engine cores that went silent (or whose end was missed)."""
         while True:
             await asyncio.sleep(1.0)
-            lost = set(self.router.lost_engines())
-            if not lost:
-                continue
-            for request_id, engine_id in list(self._engine_of.items()):
-                if engine_id in lost:
-                    output = self._require_processor().fail_request(
-                        request_id, f"engine core {engine_id} is gone"
-                    )
-                    collector = self._collectors.pop(request_id, None)
-                    self._engine_of.pop(request_id, None)
-                    if collector is not None and output is not None:
-                        collector.put(output)
+            for engine_id in self.router.lost_engines():
+                self._check_engine(engine_id)
 
 
 async def make_client(bus: Bus, config: ShoalConfig) -> AsyncEngineClient:

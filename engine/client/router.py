@@ -3,9 +3,10 @@ last published load, and this client's own requests in flight on each.
 
 An engine core is known once its stats arrive. It counts as ready while its heartbeats or stats
 keep arriving (``stale_after_s``) and its last state (``bus.liveness``) is READY; it counts as
-lost once DEAD or STOPPED or silent for twice that. The least loaded ready one wins: waiting +
-running requests as last reported, plus what this client sent since (not yet in a report), ties
-broken by KV usage.
+lost once DEAD or STOPPED or silent for twice that. Its ``epoch`` counts its restarts (new
+incarnations): a request sent in an earlier epoch died with the process that had it. The least
+loaded ready one wins: waiting + running requests as last reported, plus what this client sent
+since (not yet in a report), ties broken by KV usage.
 """
 
 from __future__ import annotations
@@ -38,13 +39,20 @@ class EngineRouter:
         self.engines: dict[str, EngineView] = {}
         self.liveness = LivenessTable()
 
-    def on_stats(self, stats: EngineStats, now: float | None = None) -> None:
-        self.liveness.touch(stats.engine_id, now)
+    def on_stats(self, stats: EngineStats, now: float | None = None) -> bool:
+        """Take an engine core's stats; False if ignored (sent by a retired incarnation)."""
+        if not self.liveness.touch(stats.engine_id, now, incarnation=stats.incarnation):
+            return False
         view = self.engines.get(stats.engine_id)
         if view is None:
             self.engines[stats.engine_id] = EngineView(stats.engine_id, stats)
-            return
-        view.stats, view.num_sent_since_stats = stats, 0
+        else:
+            view.stats, view.num_sent_since_stats = stats, 0
+        return True
+
+    def epoch(self, engine_id: str) -> int:
+        """How many times this engine core restarted, as far as this client knows."""
+        return self.liveness.num_restarts(engine_id)
 
     def is_ready(self, engine_id: str, now: float | None = None) -> bool:
         peer = self.liveness.get(engine_id)

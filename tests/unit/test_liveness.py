@@ -119,3 +119,55 @@ def test_router_skips_an_unhealthy_or_stale_engine_and_reads_dead_or_silent_as_l
     assert router.lost_engines(now=3.0) == ["e0"]
     assert router.ready_engines(now=10.5) == []  # e1 silent for more than 10 s
     assert router.lost_engines(now=20.5) == ["e0", "e1"]
+
+
+def beat_of(actor_id: str, seq: int, incarnation: str, state: ActorState = READY) -> Heartbeat:
+    return Heartbeat(actor_id, "engine", seq, state, 0.0, incarnation=incarnation)
+
+
+def test_a_new_incarnation_is_a_restart_even_when_its_sequence_is_higher() -> None:
+    """Heartbeats missed (a bus outage) hide a sequence reset; the incarnation does not."""
+    table = LivenessTable()
+    table.on_event(beat_of("e", 3, "a"), now=0.0)
+    table.on_event(beat_of("e", 2, "a"), now=0.5)  # reordered, same life: not a restart
+    assert table.num_restarts("e") == 0
+    table.on_event(beat_of("e", 9, "b"), now=1.0)
+    assert table.num_restarts("e") == 1 and table.get("e").incarnation == "b"  # type: ignore[union-attr]
+    table.on_event(StatusEvent("e", "engine", STARTING, 0.0, incarnation="b"), now=1.1)
+    assert table.num_restarts("e") == 1  # the same life saying STARTING again
+
+
+def test_late_messages_of_a_retired_incarnation_are_ignored() -> None:
+    table = LivenessTable()
+    table.on_event(beat_of("e", 5, "a"), now=0.0)
+    table.on_event(beat_of("e", 1, "b"), now=1.0)
+    dead_a = StatusEvent("e", "engine", ActorState.DEAD, 0.0, incarnation="a")
+    assert not table.on_event(dead_a, now=2.0)
+    assert not table.touch("e", now=2.0, incarnation="a")
+    peer = table.get("e")
+    assert peer is not None and peer.state is READY and peer.seen_at == 1.0
+    assert table.num_restarts("e") == 1
+
+
+def test_a_handshake_forgets_the_incarnation_so_the_new_processs_first_beat_is_no_restart() -> None:
+    link = _link()
+    link.liveness.on_event(beat_of("w0", 40, "old"), now=10.0)
+    link.mark_connected()  # the new process answered before its first heartbeat came
+    link.liveness.on_event(beat_of("w0", 1, "new"), now=21.0)
+    assert link.lost_reason("w0", started=20.0, now=21.5) is None
+    link.liveness.on_event(beat_of("w0", 2, "newer"), now=22.0)  # restarted again
+    assert link.lost_reason("w0", started=20.0, now=22.5) == "worker w0 restarted"
+
+
+def test_router_epoch_counts_new_incarnations_and_ignores_stale_stats() -> None:
+    router = EngineRouter(stale_after_s=10.0)
+    first = EngineStats("e0", SchedulerStats(num_running=1), 0.0, incarnation="a")
+    router.on_stats(first, now=0.0)
+    assert router.epoch("e0") == 0
+    router.liveness.on_event(StatusEvent("e0", "engine", ActorState.DEAD, 0.0), now=1.0)
+    assert router.is_lost("e0", now=1.0)
+    again = EngineStats("e0", SchedulerStats(num_running=0), 0.0, incarnation="b")
+    assert router.on_stats(again, now=2.0)
+    assert router.epoch("e0") == 1 and router.is_ready("e0", now=2.0)  # back, in a new life
+    assert not router.on_stats(first, now=3.0)  # a late report of the old life
+    assert router.engines["e0"].stats.incarnation == "b"

@@ -1,0 +1,156 @@
+"""The engine client against a fake engine core on the in-memory bus: the requests it sent to an
+engine core end with finish reason "error" as soon as that engine core shows a new incarnation
+(a restarted process) or is reported dead, and only those; late messages of the old
+incarnation change nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from shoal.bus.base import Msg
+from shoal.bus.codec import Codec, encode
+from shoal.bus.memory import InMemoryBus
+from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.messages.control import ActorState, Heartbeat, StatusEvent
+from shoal.bus.messages.engine import (
+    AbortRequest,
+    AddRequest,
+    EngineInbound,
+    EngineStats,
+    SchedulerStats,
+)
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.subjects import Subjects
+from shoal.engine.client.collector import RequestOutputCollector
+from shoal.engine.client.engine_client import AsyncEngineClient
+from shoal.engine.client.outputs import RequestOutput
+
+NAMESPACE = "restarts"
+SUBJECTS = Subjects(NAMESPACE)
+INBOUND: Codec[EngineInbound] = Codec(EngineInbound)
+LIMIT_S = 5.0
+PARAMS = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+
+
+async def wait_for(condition: Callable[[], bool], timeout_s: float = LIMIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)  # paces the polling
+
+
+@dataclass
+class FakeEngine:
+    """Publishes stats and control events as one engine core would; records its inbox."""
+
+    bus: InMemoryBus
+    engine_id: str
+    adds: list[str] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
+    seq: int = 0
+
+    async def start(self) -> None:
+        await self.bus.subscribe(SUBJECTS.engine_in(self.engine_id), self._on_inbound)
+
+    async def _on_inbound(self, msg: Msg) -> None:
+        match INBOUND.decode(msg.data):
+            case AddRequest(request_id=request_id):
+                self.adds.append(request_id)
+            case AbortRequest(request_ids=ids):
+                self.aborts.extend(ids)
+
+    async def stats(self, incarnation: str) -> None:
+        stats = EngineStats(self.engine_id, SchedulerStats(), time.time(), 1024, 64, 16)
+        stats.incarnation = incarnation
+        await self.bus.publish(SUBJECTS.engine_stats(self.engine_id), encode(stats))
+
+    async def heartbeat(self, incarnation: str) -> None:
+        self.seq += 1
+        beat = Heartbeat(
+            self.engine_id, "engine", self.seq, ActorState.READY, time.time(), {}, incarnation
+        )
+        await self.bus.publish(SUBJECTS.heartbeat("engine"), encode(beat))
+
+    async def status(self, state: ActorState, incarnation: str = "") -> None:
+        event = StatusEvent(self.engine_id, "engine", state, time.time(), "", incarnation)
+        await self.bus.publish(SUBJECTS.status("engine"), encode(event))
+
+
+@pytest.fixture
+async def setup(tiny_checkpoint) -> AsyncIterator[tuple[AsyncEngineClient, FakeEngine, FakeEngine]]:  # type: ignore[no-untyped-def]
+    bus = InMemoryBus()
+    await bus.connect()
+    config = ShoalConfig.from_options(model=str(tiny_checkpoint("llama")), namespace=NAMESPACE)
+    engines = (FakeEngine(bus, "e0"), FakeEngine(bus, "e1"))
+    client = AsyncEngineClient(bus, config)
+    await client.start()
+    for engine in engines:
+        await engine.start()
+        await engine.stats("a")
+    await client.wait_until_ready(LIMIT_S, num_engines=2)
+    yield client, *engines
+    await client.close()
+    await bus.close()
+
+
+async def send(
+    client: AsyncEngineClient, engine: FakeEngine, request_id: str
+) -> RequestOutputCollector:
+    """A request that the router sent to ``engine`` (the other one is made to look busier)."""
+    for view in client.router.engines.values():
+        view.num_sent_since_stats = 0 if view.engine_id == engine.engine_id else 1000
+    collector = await client.add_request([5, 6, 7], PARAMS, request_id)
+    assert client._engine_of[request_id] == engine.engine_id
+    await wait_for(lambda: request_id in engine.adds)
+    return collector
+
+
+async def error_of(collector: RequestOutputCollector) -> RequestOutput:
+    output = await asyncio.wait_for(collector.get(), LIMIT_S)
+    assert output.finished and output.outputs[0].finish_reason == "error", output
+    assert output.error is not None
+    return output
+
+
+async def test_a_new_incarnation_fails_the_requests_sent_to_the_old_one(setup) -> None:  # type: ignore[no-untyped-def]
+    client, e0, e1 = setup
+    doomed = [await send(client, e0, f"old{i}") for i in range(3)]
+    survivor = await send(client, e1, "other")
+    await e0.heartbeat("a")  # the same life: nothing happens
+    await e0.heartbeat("b")  # a restarted process
+    for collector in doomed:
+        assert "restarted" in (await error_of(collector)).error  # type: ignore[operator]
+    await wait_for(lambda: {"old0", "old1", "old2"} <= set(e0.aborts))
+    assert set(client._engine_of) == {"other"} and survivor.get_nowait() is None
+    # The new life takes requests, and late messages of the old one fail nothing.
+    fresh = await send(client, e0, "new")
+    await e0.heartbeat("a")
+    await e0.stats("a")
+    await e0.heartbeat("b")
+    await e0.stats("b")
+    await client.bus.flush()
+    assert set(client._engine_of) == {"other", "new"} and fresh.get_nowait() is None
+
+
+async def test_stats_of_a_new_incarnation_fail_the_requests_too(setup) -> None:  # type: ignore[no-untyped-def]
+    client, e0, _ = setup
+    collector = await send(client, e0, "r")
+    await e0.stats("b")
+    await error_of(collector)
+
+
+async def test_a_dead_status_fails_the_requests_at_once(setup) -> None:  # type: ignore[no-untyped-def]
+    """The supervisor's DEAD (no incarnation): no wait for the watchdog's next round."""
+    client, e0, e1 = setup
+    assert client._watchdog is not None
+    client._watchdog.cancel()  # what follows owes nothing to the watchdog's rounds
+    collector = await send(client, e0, "r")
+    survivor = await send(client, e1, "s")
+    await e0.status(ActorState.DEAD)
+    assert "gone" in (await error_of(collector)).error  # type: ignore[operator]
+    assert set(client._engine_of) == {"s"} and survivor.get_nowait() is None
