@@ -4,14 +4,18 @@ single-node mode.
 
 ``NatsServer().start()`` picks a free port (``-p -1``, read back from ``--ports_file_dir``) and
 returns once the server accepts clients; ``restart()`` comes back on the same port and store dir.
+``keep_running`` starts it again that way whenever its process dies (local mode's launcher):
+the clients' ``NatsBus`` reconnects and resubscribes by itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import glob
 import json
+import logging
 import os
 import shutil
 import signal
@@ -20,7 +24,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_PAYLOAD = 4 * 1024 * 1024
 ENV_BINARY = "SHOAL_NATS_SERVER"
@@ -197,3 +204,31 @@ class NatsServer:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+async def keep_running(
+    server: NatsServer,
+    *,
+    poll_s: float = 0.1,
+    max_backoff_s: float = 2.0,
+    on_restart: Callable[[NatsServer], None] | None = None,
+) -> None:
+    """Start ``server`` again (same port, same store dir) whenever its process is gone, until
+    cancelled; cancel before stopping it on purpose. Run it on the thread that started the
+    server: a restarted server dies with that thread (``die_with_parent``)."""
+    delay = poll_s
+    while True:
+        await asyncio.sleep(delay)  # paces the checks (and the retries of a failed start)
+        if server.is_running:
+            delay = poll_s
+            continue
+        log.warning("nats-server on port %s is gone; starting it again", server.port)
+        try:
+            server.start()  # blocks until it accepts clients (well under a second)
+        except NatsServerError as exc:
+            log.warning("nats-server did not start again: %s", exc)
+            delay = min(max(delay, poll_s) * 2, max_backoff_s)
+            continue
+        delay = poll_s
+        if on_restart is not None:
+            on_restart(server)

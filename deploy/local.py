@@ -1,10 +1,11 @@
 """Local single-node mode: the whole deployment on this host, started and stopped as one.
 
 With the NATS bus, an embedded nats-server is started (unless ``--nats-url`` names one to
-join), the workers and engine cores run as supervised processes (restarted if they die) and
-the gateway serves in this process. With the in-memory bus everything is one process. Status
-events of every actor are logged, so the log shows each one becoming ready; ``stop`` (set from
-SIGINT/SIGTERM) drains the gateway, then stops the actors and the server: no orphans.
+join) and started again on the same address and store if it dies (every actor's bus reconnects
+and resubscribes), the workers and engine cores run as supervised processes (restarted if they
+die) and the gateway serves in this process. With the in-memory bus everything is one process.
+Status events of every actor are logged, so the log shows each one becoming ready; ``stop`` (set
+from SIGINT/SIGTERM) drains the gateway, then stops the actors and the server: no orphans.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from shoal.bus.base import Bus, Msg
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import StatusEvent
-from shoal.bus.server import NatsServer
+from shoal.bus.server import NatsServer, keep_running
 from shoal.bus.subjects import Subjects
 from shoal.bus.supervisor import ActorSpec, ChildEvent, Supervisor
 from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
@@ -101,11 +102,18 @@ async def _bus_url(config: ShoalConfig) -> AsyncIterator[str]:
         server = NatsServer()
         server.start()  # on this thread: the server's PDEATHSIG follows the starting thread
         log.info("embedded nats-server pid %s listening on %s", server.pid, server.url)
+        watcher = asyncio.create_task(keep_running(server, on_restart=_log_server_restart))
         try:
             yield server.url
         finally:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
             server.stop()
             server.cleanup()
+
+
+def _log_server_restart(server: NatsServer) -> None:
+    log.warning("embedded nats-server restarted: pid %s listening on %s", server.pid, server.url)
 
 
 async def serve_local(

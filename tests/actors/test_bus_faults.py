@@ -140,9 +140,14 @@ async def test_supervisor_stop_drains_children_and_leaves_no_orphans(nats_url: s
             os.kill(pid, 0)
     stopped = [e for e in supervisor.events if e.state == ChildState.STOPPED]
     assert [e.returncode for e in stopped] == [0, 0]  # drained on SIGTERM, clean exit
-    await client.flush()
-    await asyncio.sleep(0.05)
-    assert {e.actor_id for e in statuses if e.state == ActorState.STOPPED} == {"p2", "p3"}
+
+    def stopped() -> set[str]:
+        return {e.actor_id for e in statuses if e.state == ActorState.STOPPED}
+
+    async with asyncio.timeout(10):  # sent before each child exited; still on their way here
+        while stopped() != {"p2", "p3"}:
+            await asyncio.sleep(0.01)  # paces the polling
+    assert stopped() == {"p2", "p3"}
     await client.close()
 
 

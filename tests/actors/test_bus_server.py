@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 
 import pytest
@@ -12,7 +13,7 @@ from shoal.bus import connect_bus
 from shoal.bus.base import BusError, Msg
 from shoal.bus.jetstream import KvBucket, KvEntry, ObjectStore
 from shoal.bus.nats_bus import NatsBus
-from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server
+from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server, keep_running
 
 pytestmark = pytest.mark.nats
 
@@ -37,6 +38,35 @@ def test_server_restarts_on_the_same_port():
         assert not server.is_running
         server.start()
         assert server.url == url
+    assert not server.is_running
+
+
+async def test_keep_running_brings_a_killed_server_back_with_its_store():
+    """SIGKILLed: started again on the same port and JetStream store; a client reconnects by
+    itself and finds what it stored before."""
+    with NatsServer() as server:
+        url, first = server.url, server.pid
+        restarted: list[NatsServer] = []
+        watcher = asyncio.create_task(keep_running(server, on_restart=restarted.append))
+        bus = NatsBus([url])
+        await bus.connect()
+        await (await KvBucket.open(bus, "test_survives")).put("key", b"kept")
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        async with asyncio.timeout(20):
+            while not restarted:
+                await asyncio.sleep(0.01)  # paces the polling
+            assert server.url == url and server.pid != first and server.is_running
+            while True:  # bounded by the timeout: until the client is back and JetStream up
+                try:
+                    value = await (await KvBucket.open(bus, "test_survives")).get("key")
+                    break
+                except BusError:
+                    await asyncio.sleep(0.05)  # paces the retries
+        assert value == b"kept" and bus.num_reconnects >= 1
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await bus.close()
     assert not server.is_running
 
 

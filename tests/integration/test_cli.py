@@ -1,6 +1,7 @@
 """The ``shoal`` command line: bad flags exit with status 2 and a clear message; ``shoal serve``
 starts a whole local deployment in a subprocess, answers, and stops cleanly on Ctrl-C (SIGINT
-to its process group) or SIGTERM, leaving no process behind."""
+to its process group) or SIGTERM, leaving no process behind; it answers again after its
+embedded nats-server is killed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -58,6 +61,14 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _wait_gone(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """The pids still alive after waiting (bounded) for them to exit and be reaped."""
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)  # paces the polling
+    return [pid for pid in pids if _alive(pid)]
 
 
 def _wait_for_line(proc: subprocess.Popen[str], pattern: str, lines: list[str], timeout: float):  # type: ignore[no-untyped-def]
@@ -111,9 +122,89 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, how: str) -> No
         rest, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, "".join(lines) + rest
         assert "Traceback" not in rest, rest
-        time.sleep(0.2)
-        leftovers = [pid for pid in [*child_pids, *server_pids] if _alive(pid)]
+        leftovers = _wait_gone([*child_pids, *server_pids])
         assert not leftovers, f"processes left behind: {leftovers}"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _complete(url: str, model: str, timeout: float) -> dict:  # type: ignore[type-arg]
+    body = json.dumps({"model": model, "prompt": "hi", "max_tokens": 3}).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())  # type: ignore[no-any-return]
+
+
+class _Output:
+    """A process's merged stdout read by a thread (a full pipe would stall the process)."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(proc.stdout,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:  # type: ignore[no-untyped-def]
+        for line in stream:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = re.search(pattern, self.text)
+            if match:
+                return match
+            time.sleep(0.05)  # paces the polling
+        raise AssertionError(f"no line matching {pattern!r}; output:\n{self.text}")
+
+    def join(self, timeout: float) -> str:
+        self._thread.join(timeout)
+        return self.text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_serve_answers_again_after_its_nats_server_is_killed(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    model_dir = tiny_checkpoint("llama")
+    proc = subprocess.Popen(
+        [*SHOAL, "serve", str(model_dir), "--port", "0", "--num-gpu-blocks-override", "64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    output = _Output(proc)
+    try:
+        url = output.wait_for(r"is serving .* on (http://\S+)", 240).group(1)
+        assert _complete(url, str(model_dir), 60)["usage"]["completion_tokens"] == 3
+        first = int(output.wait_for(r"nats-server pid (\d+)", 1).group(1))
+        os.kill(first, signal.SIGKILL)
+        answer, deadline = None, time.monotonic() + 60
+        while answer is None:  # bounded: until a completion succeeds again
+            assert time.monotonic() < deadline, output.text
+            try:
+                answer = _complete(url, str(model_dir), 30)
+            except (urllib.error.URLError, TimeoutError, ConnectionError):
+                time.sleep(0.2)  # a 503 while the actors reconnect: paces the retries
+        assert answer["usage"]["completion_tokens"] == 3
+        output.wait_for(r"nats-server restarted: pid \d+", 10)
+        server_pids = re.findall(r"nats-server (?:restarted: )?pid (\d+)", output.text)
+        assert len(server_pids) == 2, output.text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, output.text
+        text = output.join(10)
+        assert "Traceback" not in text, text
+        child_pids = [int(p) for p in re.findall(r"running \(pid (\d+)\)", text)]
+        assert not _wait_gone([*child_pids, *map(int, server_pids)]), text
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
