@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -26,6 +25,7 @@ from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.engine.client.outputs import RequestOutput
 from tests.fixtures.models import hf_greedy, make_prompts
+from tests.integration.conditions import wait_for
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -44,13 +44,6 @@ async def _final(client, prompt, params, request_id):  # type: ignore[no-untyped
     async for output in client.generate(prompt, params, request_id):
         final = output
     return final
-
-
-async def wait_for(condition: Callable[[], bool], timeout_s: float = LIMIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)  # paces the polling
 
 
 def _specs(config: ShoalConfig, url: str) -> list[ActorSpec]:
@@ -113,7 +106,7 @@ async def _send_long(client: AsyncEngineClient, n: int) -> dict[str, Tracked]:
         request_id = f"long{i}-{time.monotonic_ns()}"
         collector = await client.add_request([5, 6, 7, 8 + i], LONG, request_id)
         tracked[request_id] = Tracked(collector, client._engine_of[request_id])
-    await wait_for(lambda: all(t.num_outputs > 0 for t in tracked.values()))
+    await wait_for(lambda: all(t.num_outputs > 0 for t in tracked.values()), LIMIT_S, "outputs")
     return tracked
 
 
@@ -169,7 +162,8 @@ async def test_processes_greedy_and_load_sharing(deployment):  # type: ignore[no
     )
     assert [f.outputs[0].token_ids for f in finals] == expected
     # Both engine cores report generated tokens (their stats follow their steps).
-    await wait_for(lambda: all(served()[e] > before.get(e, 0) for e in ("engine-0", "engine-1")))
+    both = ("engine-0", "engine-1")
+    await wait_for(lambda: all(served()[e] > before.get(e, 0) for e in both), 30, "stats")
     assert set(served()) == {"engine-0", "engine-1"}
 
 
@@ -198,7 +192,7 @@ async def test_worker_killed_mid_generation(deployment):  # type: ignore[no-unty
     os.kill(pid, signal.SIGKILL)
     await _outcomes(on_victim, others)
     # The supervisor restarts the worker; its engine core reconnects and serves again.
-    await wait_for(lambda: supervisor.num_restarts(worker) > restarts)
+    await wait_for(lambda: supervisor.num_restarts(worker) > restarts, LIMIT_S, "restart")
     await _serves_on(client, victim)
 
 
