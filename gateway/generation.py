@@ -28,6 +28,7 @@ from shoal.gateway.params import Prompt
 log = logging.getLogger(__name__)
 
 _DONE = object()
+_CLOSING: set[asyncio.Task[None]] = set()  # aborts under way, referenced until they end
 
 
 def engine_error(error: BaseException) -> ApiError:
@@ -126,19 +127,36 @@ class Generation:
             self.metrics.finish_request(timer, self.params[index].n)
 
     async def close(self) -> None:
-        """Stop every engine request still running (aborting it) and settle the metrics."""
+        """Settle the metrics, then stop every engine request still running (aborting it).
+
+        The accounting is settled before the first await, and the aborts run in a task of their
+        own that a cancellation of the caller (a client hanging up while this waits) does not
+        interrupt: neither the in-flight count nor an engine core is left holding the request.
+        """
+        self._settle_metrics()
         for task in self._tasks:
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if not self._tasks:
+            return
+        closing = asyncio.create_task(self._stop_engine_requests())
+        _CLOSING.add(closing)
+        closing.add_done_callback(_CLOSING.discard)
+        await asyncio.shield(closing)
+
+    def _settle_metrics(self) -> None:
+        """Count every request as finished (unfinished completions as aborted); idempotent."""
+        if self.metrics is None:
+            return
+        for index, timer in enumerate(self.timers):
+            if timer is not None:
+                self.metrics.finish_request(timer, self.params[index].n)
+
+    async def _stop_engine_requests(self) -> None:
+        await asyncio.wait(self._tasks)  # unlike gather, a cancelled caller leaves them be
         for index in range(len(self._tasks)):
             if index not in self._finished:  # closing the iterator aborts; this makes sure
                 with contextlib.suppress(Exception):
                     await self.engine.abort(self.engine_request_id(index))
-        if self.metrics is not None:
-            for index, timer in enumerate(self.timers):
-                if timer is not None:
-                    self.metrics.finish_request(timer, self.params[index].n)
 
     async def __aenter__(self) -> Generation:
         self.start()

@@ -1,0 +1,79 @@
+"""Many clients hanging up at random points of their streams, through the real engine: after
+every round the gateway's in-flight count (``/load``) is back to 0, every completion it started
+is counted as finished (by some reason), and the engine core is idle with its KV blocks free."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.integration.gateway_stack import ServedStack, served_engine, with_chat_template
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+NUM_CLIENTS = 64
+NUM_ROUNDS = 3
+PROMPTS = ["the quick brown fox", "paged attention reads", "shoal serves tiny", "0123 + 45"]
+
+
+async def _client(session: aiohttp.ClientSession, url: str, rng: random.Random) -> None:
+    """One client: a streamed completion or chat, dropped after a random number of lines (or
+    read to the end); a few are non-streaming and dropped after a random short wait."""
+    max_tokens = rng.randint(1, 24)
+    body: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True, "n": rng.choice([1, 2])}
+    prompt = rng.choice(PROMPTS)
+    if rng.random() < 0.5:
+        path, body["prompt"] = "/v1/completions", prompt
+    else:
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    body["stream"] = rng.random() < 0.85
+    num_lines = rng.randint(0, 2 * (max_tokens + 3))  # beyond the end: read it all
+    try:
+        response = await session.post(url + path, json=body)
+    except aiohttp.ClientError:
+        return
+    try:
+        if not body["stream"]:
+            await asyncio.wait_for(response.read(), timeout=rng.random() * 0.2)
+            return
+        for _ in range(num_lines):
+            if not await response.content.readline():
+                return
+    except (TimeoutError, aiohttp.ClientError):
+        return
+    finally:
+        response.close()  # drops the connection unless the body was read to the end
+
+
+async def _round(served: ServedStack, seed: int) -> None:
+    rng = random.Random(seed)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        seeds = [rng.random() for _ in range(NUM_CLIENTS)]
+        await asyncio.gather(*(_client(session, served.url, random.Random(s)) for s in seeds))
+
+
+async def _load(session: aiohttp.ClientSession, url: str) -> int:
+    async with session.get(url + "/load") as response:
+        return int((await response.json())["server_load"])
+
+
+async def test_random_disconnects_leave_nothing_in_flight(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
+    async with served_engine(model_dir) as served:
+        for seed in range(NUM_ROUNDS):
+            await _round(served, seed)
+            await served.wait_until_idle()
+            async with aiohttp.ClientSession() as session:
+                assert await _load(session, served.url) == 0
+        assert served.num_started() > NUM_CLIENTS * NUM_ROUNDS  # n = 2 for some
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": "hello", "max_tokens": 3, "ignore_eos": True}
+            async with session.post(served.url + "/v1/completions", json=body) as response:
+                assert response.status == 200
+                assert (await response.json())["choices"][0]["finish_reason"] == "length"
+            assert await _load(session, served.url) == 0
