@@ -241,6 +241,8 @@ class AsyncEngineClient:
             text: str | None = prompt
         else:
             prompt_ids, text = list(prompt), None
+            if invalid := self.require_tokenizer().invalid_token_id(prompt_ids):
+                raise RequestValidationError(invalid, "prompt")
         if not prompt_ids:
             raise RequestValidationError("the prompt must not be empty", "prompt")
         if len(prompt_ids) >= self.max_model_len:

@@ -51,6 +51,9 @@ class ServedStack:
         scheduler = self.scheduler
         return not scheduler.requests and scheduler.kv_cache_manager.usage == 0.0
 
+    def is_idle(self) -> bool:
+        return self.engine_is_idle() and self.accounting_is_settled()
+
     def accounting_is_settled(self) -> bool:
         return self.metrics.num_in_flight == 0 and self.num_started() == self.num_finished()
 
@@ -71,7 +74,18 @@ class ServedStack:
 
     async def wait_until_idle(self, timeout_s: float = 30.0) -> None:
         """Until the engine core is idle and the accounting settled; fails after the bound."""
-        await wait_for(lambda: self.engine_is_idle() and self.accounting_is_settled(), timeout_s)
+        try:
+            await wait_for(self.is_idle, timeout_s)
+        except AssertionError as error:
+            raise AssertionError(f"{error}: {self.describe()}") from None
+
+    def describe(self) -> str:
+        scheduler = self.scheduler
+        return (
+            f"engine requests {len(scheduler.requests)}, KV usage "
+            f"{scheduler.kv_cache_manager.usage}, gateway in flight {self.metrics.num_in_flight}, "
+            f"completions started {self.num_started()}, finished {self.num_finished()}"
+        )
 
 
 @contextlib.asynccontextmanager

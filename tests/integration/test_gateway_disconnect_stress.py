@@ -5,12 +5,16 @@ is counted as finished (by some reason), and the engine core is idle with its KV
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 from typing import Any
 
 import aiohttp
 import pytest
 
+from shoal.bus.messages.sampling import SamplingParams
+from shoal.gateway.generation import Generation
+from shoal.gateway.params import Prompt
 from tests.integration.gateway_stack import ServedStack, served_engine, with_chat_template
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -77,3 +81,42 @@ async def test_random_disconnects_leave_nothing_in_flight(tiny_checkpoint, tmp_p
                 assert response.status == 200
                 assert (await response.json())["choices"][0]["finish_reason"] == "length"
             assert await _load(session, served.url) == 0
+
+
+async def _consume(served: ServedStack, request_id: str, num_outputs: int) -> None:
+    """A handler's part: run a generation and read ``num_outputs`` of its outputs."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True, n=1 + num_outputs % 2)
+    prompt = Prompt([5 + num_outputs, 6, 7])
+    generation = Generation(served.stack.client, [prompt], [params], request_id, served.metrics)
+    async with generation:
+        outputs = generation.outputs()
+        async with contextlib.aclosing(outputs):
+            for _ in range(num_outputs):
+                if await anext(outputs, None) is None:
+                    return
+
+
+async def _hang_up(task: asyncio.Task[None], rng: random.Random) -> None:
+    """Cancel ``task`` after a random number of loop turns, then once more a few turns later,
+    as aiohttp does when a write fails on a closing connection and ``connection_lost`` follows
+    while the handler cleans up. The yields pick the point; they wait for nothing."""
+    for _ in range(rng.randint(0, 60)):
+        await asyncio.sleep(0)
+    task.cancel()
+    for _ in range(rng.randint(0, 4)):
+        await asyncio.sleep(0)
+    task.cancel()
+
+
+async def test_cancellations_during_cleanup_leave_nothing_in_flight(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    async with served_engine(tiny_checkpoint("llama")) as served:
+        for seed in range(NUM_ROUNDS):
+            rng = random.Random(seed)
+            tasks = [
+                asyncio.create_task(_consume(served, f"r{seed}-{i}", rng.randint(0, 30)))
+                for i in range(NUM_CLIENTS)
+            ]
+            await asyncio.gather(*(_hang_up(task, rng) for task in tasks))
+            await asyncio.wait(tasks)
+            await served.wait_until_idle()
+        assert served.num_started() > NUM_CLIENTS * NUM_ROUNDS

@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.unit.test_gateway_fake import MODEL_NAME, FakeEngineClient, fake_tokenizer, serve_gateway
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -119,21 +120,30 @@ async def _post(session: aiohttp.ClientSession, url: str, body: Any) -> aiohttp.
     return await session.post(url, json=body)
 
 
+async def check_bad_inputs(
+    session: aiohttp.ClientSession,
+    url: str,
+    table: list[tuple[str, Any, int, str | None, str | None]],
+) -> None:
+    """Every row of ``table``, streamed and not, gets its status and an OpenAI error body."""
+    for stream in (False, True):
+        for path, body, status, code, param in table:
+            if (
+                stream
+                and isinstance(body, dict)
+                and path.startswith("/v1/c")
+                and "stream" not in body
+            ):
+                body = {**body, "stream": True}
+            async with await _post(session, url + path, body) as response:
+                assert response.status == status, (path, body, await response.text())
+                assert response.content_type == "application/json"
+                _check_error_body(await response.json(), code, param)
+
+
 async def test_bad_inputs_get_openai_errors_and_server_stays_healthy() -> None:
     async with serve_gateway() as (url, engine), aiohttp.ClientSession() as session:
-        for stream in (False, True):
-            for path, body, status, code, param in BAD_INPUTS:
-                if (
-                    stream
-                    and isinstance(body, dict)
-                    and path.startswith("/v1/c")
-                    and "stream" not in body
-                ):
-                    body = {**body, "stream": True}
-                async with await _post(session, url + path, body) as response:
-                    assert response.status == status, (path, body, await response.text())
-                    assert response.content_type == "application/json"
-                    _check_error_body(await response.json(), code, param)
+        await check_bad_inputs(session, url, BAD_INPUTS)
         async with session.get(url + CMPL) as response:
             assert response.status == 405
             _check_error_body(await response.json(), "method_not_allowed", None)
@@ -206,14 +216,6 @@ async def test_api_key_guards_v1_only() -> None:
             await bad.completions.create(model=MODEL_NAME, prompt="hi")
 
 
-async def _wait_until(predicate, attempts: int = 500) -> None:  # type: ignore[no-untyped-def]
-    for _ in range(attempts):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
-
-
 @pytest.mark.parametrize("path", [CMPL, CHAT])
 async def test_client_disconnect_mid_stream_aborts(path: str) -> None:
     engine = FakeEngineClient(token_delay=0.01)
@@ -227,7 +229,7 @@ async def test_client_disconnect_mid_stream_aborts(path: str) -> None:
             await response.content.readline()
         assert len(engine.in_flight) == 1
         response.close()  # drop the connection mid-stream
-        await _wait_until(lambda: not engine.in_flight)
+        await wait_for(lambda: not engine.in_flight, 5.0)
         assert len(engine.aborted) == 1 and not engine.finished
         async with session.post(url + CMPL, json={"prompt": "hi", "max_tokens": 2}) as response:
             assert response.status == 200
@@ -240,7 +242,7 @@ async def test_client_timeout_on_non_streaming_request_aborts() -> None:
             timeout = aiohttp.ClientTimeout(total=0.3)
             body = {"prompt": "x", "max_tokens": 200}
             await session.post(url + CMPL, json=body, timeout=timeout)
-        await _wait_until(lambda: not engine.in_flight)
+        await wait_for(lambda: not engine.in_flight, 5.0)
         assert len(engine.aborted) == 1 and not engine.finished
 
 

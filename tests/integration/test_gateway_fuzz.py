@@ -98,26 +98,34 @@ def mutate(rng: random.Random, base: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-async def test_random_bodies_never_500() -> None:
-    rng = random.Random(1234)
-    engine = FakeEngineClient(max_model_len=512)
+async def fuzz(
+    session: aiohttp.ClientSession, url: str, rng: random.Random, num_requests: int
+) -> dict[int, int]:
+    """Send ``num_requests`` mutated bodies (chat and completions in turn); every answer is a
+    success or an OpenAI-shaped 4xx, a stream ends with [DONE] and no error. The statuses seen."""
     statuses: dict[int, int] = {}
+    for number in range(num_requests):
+        path, base = (
+            ("/v1/completions", COMPLETION) if number % 2 else ("/v1/chat/completions", CHAT)
+        )
+        body = mutate(rng, base)
+        data = json.dumps(body, allow_nan=False).encode()
+        async with session.post(url + path, data=data) as response:
+            text = await response.text()
+            statuses[response.status] = statuses.get(response.status, 0) + 1
+            assert response.status in (200, 400, 404), (body, text)
+            if response.status != 200:
+                error = json.loads(text)["error"]
+                assert set(error) == {"message", "type", "param", "code"}, text
+            elif body["stream"]:
+                assert text.endswith("data: [DONE]\n\n") and '"error"' not in text, (body, text)
+    return statuses
+
+
+async def test_random_bodies_never_500() -> None:
+    engine = FakeEngineClient(max_model_len=512)
     async with serve_gateway(engine) as (url, _), aiohttp.ClientSession() as session:
-        for number in range(240):
-            path, base = (
-                ("/v1/completions", COMPLETION) if number % 2 else ("/v1/chat/completions", CHAT)
-            )
-            body = mutate(rng, base)
-            data = json.dumps(body, allow_nan=False).encode()
-            async with session.post(url + path, data=data) as response:
-                text = await response.text()
-                statuses[response.status] = statuses.get(response.status, 0) + 1
-                assert response.status in (200, 400, 404), (body, text)
-                if response.status != 200:
-                    error = json.loads(text)["error"]
-                    assert set(error) == {"message", "type", "param", "code"}, text
-                elif body["stream"]:
-                    assert text.endswith("data: [DONE]\n\n") and '"error"' not in text, (body, text)
+        statuses = await fuzz(session, url, random.Random(1234), 240)
         async with session.get(url + "/health") as response:
             assert response.status == 200
         async with session.post(url + "/v1/completions", json={"prompt": "hi"}) as response:
