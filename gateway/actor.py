@@ -24,6 +24,7 @@ from shoal.gateway.app import create_app
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.nats_api import NatsApi
 from shoal.gateway.server import HttpServer, start_http_server
+from shoal.gateway.serving import DEFAULT_SSE_KEEP_ALIVE_S
 
 log = logging.getLogger(__name__)
 DEFAULT_ENGINE_FACTORY = "shoal.engine.client.engine_client:make_client"
@@ -61,6 +62,7 @@ class GatewayActor(Actor):
         port: int = 8000,
         api_key: str | None = None,
         enable_nats_api: bool = True,
+        sse_keep_alive_s: float | None = DEFAULT_SSE_KEEP_ALIVE_S,
         **actor_options: Any,
     ) -> None:
         if engine_client is None and config is None:
@@ -75,6 +77,7 @@ class GatewayActor(Actor):
         self.host, self.port = host, port
         self.api_key = api_key
         self.enable_nats_api = enable_nats_api
+        self.sse_keep_alive_s = sse_keep_alive_s
         self.metrics: Metrics | None = None
         self.http: HttpServer | None = None
         self.nats_api: NatsApi | None = None
@@ -102,7 +105,13 @@ class GatewayActor(Actor):
         self.metrics = Metrics(name, max_model_len=engine.max_model_len)
         if self._engine_reports_stats():
             cast(Any, engine).stats_listeners.append(self.metrics.update_engine_stats)
-        app = create_app(engine, served_model_name=name, api_key=self.api_key, metrics=self.metrics)
+        app = create_app(
+            engine,
+            served_model_name=name,
+            api_key=self.api_key,
+            metrics=self.metrics,
+            sse_keep_alive_s=self.sse_keep_alive_s,
+        )
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:
             self.nats_api = NatsApi(

@@ -30,10 +30,14 @@ from shoal.gateway.response_types import (
     ModelList,
     TokenizeResponse,
 )
-from shoal.gateway.serving import ServingContext, decode_body
+from shoal.gateway.serving import (
+    CONTEXT_KEY,
+    DEFAULT_SSE_KEEP_ALIVE_S,
+    ServingContext,
+    decode_body,
+)
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
-CONTEXT_KEY = web.AppKey("shoal_serving_context", ServingContext)
 _ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -43,8 +47,10 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     metrics: Metrics | None = None,
+    sse_keep_alive_s: float | None = DEFAULT_SSE_KEEP_ALIVE_S,
 ) -> web.Application:
-    """The OpenAI-compatible app for one engine client (real or fake)."""
+    """The OpenAI-compatible app for one engine client (real or fake); a stream that waits
+    ``sse_keep_alive_s`` for output gets a keep-alive comment (None: never)."""
     name = served_model_name or engine_client.model_name
     if metrics is None:
         metrics = Metrics(name, max_model_len=engine_client.max_model_len)
@@ -52,7 +58,7 @@ def create_app(
     if api_key:
         middlewares.append(bearer_auth(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
-    app[CONTEXT_KEY] = ServingContext(engine_client, name, metrics)
+    app[CONTEXT_KEY] = ServingContext(engine_client, name, metrics, sse_keep_alive_s)
     app.router.add_post("/v1/completions", _with_context(create_completion))
     app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))
     app.router.add_get("/v1/models", _with_context(list_models))

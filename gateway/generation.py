@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
 from shoal.bus.messages.sampling import SamplingParams
@@ -28,6 +28,7 @@ from shoal.gateway.params import Prompt
 log = logging.getLogger(__name__)
 
 _DONE = object()
+OnIdle = Callable[[], Awaitable[None]]
 _CLOSING: set[asyncio.Task[None]] = set()  # aborts under way, referenced until they end
 
 
@@ -98,10 +99,13 @@ class Generation:
                 with contextlib.suppress(Exception):
                     await aclose()
 
-    async def outputs(self) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-        """``(prompt_index, output)`` in arrival order until every prompt has finished."""
+    async def outputs(
+        self, idle_s: float | None = None, on_idle: OnIdle | None = None
+    ) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+        """``(prompt_index, output)`` in arrival order until every prompt has finished;
+        ``on_idle`` is awaited each time ``idle_s`` pass without one."""
         while self._num_open:
-            index, item = await self._queue.get()
+            index, item = await self._next(idle_s, on_idle)
             if item is _DONE:
                 self._num_open -= 1
                 continue
@@ -111,6 +115,15 @@ class Generation:
             if item.error is not None and item.finished:
                 raise ApiError(503, f"the engine failed: {item.error}", code="engine_error")
             yield index, item
+
+    async def _next(self, idle_s: float | None, on_idle: OnIdle | None) -> tuple[int, Any]:
+        if on_idle is None or not idle_s or not self._queue.empty():
+            return await self._queue.get()
+        while True:
+            try:  # a get cut short by the timeout leaves its item in the queue
+                return await asyncio.wait_for(self._queue.get(), idle_s)
+            except TimeoutError:
+                await on_idle()
 
     def has_pending(self) -> bool:
         """Whether more outputs (or an end) are already waiting to be read."""

@@ -1,12 +1,13 @@
 """What the endpoint handlers share: the engine and served name, typed body decoding, the model
-check, per-choice accumulation and usage, and server-sent events (``stream_events``)."""
+check, per-choice accumulation and usage, and server-sent events (``stream_events``) with
+keep-alive comments while no output comes."""
 
 from __future__ import annotations
 
 import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -23,6 +24,8 @@ from shoal.gateway.response_types import Usage, make_usage
 
 T = TypeVar("T")
 
+DEFAULT_SSE_KEEP_ALIVE_S = 15.0
+KEEP_ALIVE_EVENT = b": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see traffic
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -35,6 +38,7 @@ class ServingContext:
     engine: EngineClientInterface
     served_model_name: str
     metrics: Metrics
+    sse_keep_alive_s: float | None = DEFAULT_SSE_KEEP_ALIVE_S  # None or 0: no keep-alive
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -45,6 +49,9 @@ class ServingContext:
     def check_ready(self) -> None:
         if not self.engine.is_ready():
             raise unavailable("no engine core is ready")
+
+
+CONTEXT_KEY = web.AppKey("shoal_serving_context", ServingContext)
 
 
 async def decode_body(request: web.Request, body_type: type[T]) -> T:
@@ -115,8 +122,20 @@ class EventStream:
         self._buffer: list[bytes] = []
         self.response = web.StreamResponse(headers=SSE_HEADERS)
 
+    @property
+    def is_open(self) -> bool:
+        """Whether the 200 and its headers have gone out (an error is then an event)."""
+        return self.response.prepared
+
     async def open(self) -> None:
-        await self.response.prepare(self._request)
+        if not self.response.prepared:
+            await self.response.prepare(self._request)
+
+    async def keep_alive(self) -> None:
+        """A comment line, so proxies do not cut a stream that waits; opens the stream first."""
+        await self.open()
+        self._buffer.append(KEEP_ALIVE_EVENT)
+        await self.flush()
 
     def add(self, chunk: Any) -> None:
         self._buffer.append(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
@@ -153,31 +172,52 @@ async def stream_events(
 
     ``add_opening`` chunks, then ``add_output(events, prompt_index, output)`` per engine output,
     written whenever no more outputs wait (the first at once), then ``add_closing`` chunks and
-    ``[DONE]``. An error before the first output keeps its HTTP status (the middleware answers
-    it); a later one becomes an error event. A client that went away ends the stream quietly.
+    ``[DONE]``. Whenever no output comes for the serving context's ``sse_keep_alive_s`` (a long
+    queue wait or prefill), a keep-alive comment goes out. An error before anything was sent
+    keeps its HTTP status (the middleware answers it); a later one becomes an error event. A
+    client that went away ends the stream quietly.
     """
-    outputs = generation.outputs()
+    events = EventStream(request)
+    ctx = request.app.get(CONTEXT_KEY)
+    idle_s = ctx.sse_keep_alive_s if ctx is not None else None
+    outputs = generation.outputs(idle_s, events.keep_alive)
     async with contextlib.aclosing(outputs):
-        first = await anext(outputs, None)
-        events = EventStream(request)
-        await events.open()
         try:
-            if add_opening is not None:
-                add_opening(events)
-            if first is not None:
-                add_output(events, *first)
-            await events.flush()
-            async for prompt_index, output in outputs:
-                add_output(events, prompt_index, output)
-                if not generation.has_pending():
-                    await events.flush()
-            if add_closing is not None:
-                add_closing(events)
+            await _write_events(events, generation, outputs, add_output, add_opening, add_closing)
         except ApiError as error:
+            if not events.is_open:
+                raise
             await events.send_error(error)
         except ConnectionResetError:
+            if not events.is_open:
+                raise
             return events.response
         except Exception as error:  # a bug: tell the client, keep serving others
+            if not events.is_open:
+                raise
             await events.send_error(internal_error(error))
         await events.finish()
     return events.response
+
+
+async def _write_events(
+    events: EventStream,
+    generation: Generation,
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    add_output: AddOutputEvents,
+    add_opening: AddEvents | None,
+    add_closing: AddEvents | None,
+) -> None:
+    first = await anext(outputs, None)
+    await events.open()
+    if add_opening is not None:
+        add_opening(events)
+    if first is not None:
+        add_output(events, *first)
+    await events.flush()
+    async for prompt_index, output in outputs:
+        add_output(events, prompt_index, output)
+        if not generation.has_pending():
+            await events.flush()
+    if add_closing is not None:
+        add_closing(events)
