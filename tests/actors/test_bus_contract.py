@@ -17,6 +17,7 @@ from shoal.bus.base import (
 )
 from shoal.bus.subjects import SubjectError
 from tests.fixtures.nats import BusFactory
+from tests.waiting import wait_for
 
 LIMIT_S = 5.0
 
@@ -48,10 +49,11 @@ async def echo(msg: Msg) -> None:
     await msg.respond(msg.data, headers=msg.headers)
 
 
-async def settle(bus: Bus) -> None:
-    """Let everything published so far be delivered."""
-    await bus.flush()
-    await asyncio.sleep(0.05)
+async def settle(*buses: Bus) -> None:
+    """Every subscription and unsubscription made on ``buses`` so far is known to the server (a
+    round trip to it), so what is published next is routed by them."""
+    for bus in buses:
+        await bus.flush()
 
 
 async def test_publish_reaches_every_subscriber_until_unsubscribed(bus_factory: BusFactory):
@@ -59,7 +61,7 @@ async def test_publish_reaches_every_subscriber_until_unsubscribed(bus_factory: 
     first, second = Inbox(), Inbox()
     sub = await bus.subscribe("t.pub", first)
     await other.subscribe("t.pub", second)
-    await settle(other)
+    await settle(bus, other)
     await other.publish("t.pub", b"one", headers={"X-Trace": "7"})
     assert [m.data for m in await first.wait(1)] == [b"one"]
     assert (await second.wait(1))[0].headers == {"X-Trace": "7"}
@@ -67,8 +69,7 @@ async def test_publish_reaches_every_subscriber_until_unsubscribed(bus_factory: 
     await settle(bus)
     await other.publish("t.pub", b"two")
     await second.wait(2)
-    await settle(other)
-    assert first.data == [b"one"]
+    assert first.data == [b"one"]  # the unsubscription was known before "two" was published
 
 
 async def test_wildcards_match_one_token_and_the_rest(bus_factory: BusFactory):
@@ -77,30 +78,34 @@ async def test_wildcards_match_one_token_and_the_rest(bus_factory: BusFactory):
     await bus.subscribe("w.*.stats", star)
     await bus.subscribe("w.>", rest)
     await settle(bus)
-    for subject in ("w.e1.stats", "w.e2.stats", "w.e1.stats.extra", "w", "w.e1"):
+    for subject in ("w.e1.stats", "w.e2.stats", "w.e1.stats.extra", "w", "w.e1", "w.end.stats"):
         await bus.publish(subject, subject.encode())
-    await rest.wait(4)
-    await star.wait(2)
-    await settle(bus)
-    assert sorted(star.data) == [b"w.e1.stats", b"w.e2.stats"]
-    assert sorted(rest.data) == [b"w.e1", b"w.e1.stats", b"w.e1.stats.extra", b"w.e2.stats"]
+    # "w.end.stats", published last, matches both: once it is in, nothing else is on its way
+    await wait_for(lambda: b"w.end.stats" in star.data and b"w.end.stats" in rest.data, LIMIT_S)
+    assert sorted(star.data) == [b"w.e1.stats", b"w.e2.stats", b"w.end.stats"]
+    assert sorted(rest.data) == [
+        b"w.e1",
+        b"w.e1.stats",
+        b"w.e1.stats.extra",
+        b"w.e2.stats",
+        b"w.end.stats",
+    ]
 
 
 async def test_queue_group_gives_each_message_to_one_member(bus_factory: BusFactory):
     publisher = await bus_factory()
     members = [Inbox() for _ in range(3)]
-    for member in members:
-        await (await bus_factory()).subscribe("t.q", member, queue="pool")
+    member_buses = [await bus_factory() for _ in members]
+    for bus, member in zip(member_buses, members, strict=True):
+        await bus.subscribe("t.q", member, queue="pool")
     plain = Inbox()
     await publisher.subscribe("t.q", plain)
-    await settle(publisher)
+    await settle(publisher, *member_buses)
     num_messages = 90
     for i in range(num_messages):
         await publisher.publish("t.q", str(i).encode())
     await plain.wait(num_messages)
-    async with asyncio.timeout(LIMIT_S):
-        while sum(len(m.msgs) for m in members) < num_messages:
-            await asyncio.sleep(0.01)
+    await wait_for(lambda: sum(len(m.msgs) for m in members) >= num_messages, LIMIT_S)
     received = sorted(int(d) for m in members for d in m.data)
     assert received == list(range(num_messages))  # each exactly once
     assert all(m.msgs for m in members)  # the load is spread
@@ -187,7 +192,7 @@ async def test_sequential_subscription_keeps_arrival_order(bus_factory: BusFacto
     seen = Inbox()
 
     async def handler(msg: Msg) -> None:
-        await asyncio.sleep(0.001 * (int(msg.data) % 3))
+        await asyncio.sleep(0.001 * (int(msg.data) % 3))  # uneven handler times, to keep order
         await seen(msg)
 
     await bus.subscribe("t.seq", handler, sequential=True)
@@ -224,17 +229,18 @@ async def test_invalid_subjects_are_rejected(bus_factory: BusFactory):
 
 async def test_close_lets_running_handlers_finish(bus_factory: BusFactory):
     server, client = await bus_factory(), await bus_factory()
-    finished = []
+    started, finished = [], []
 
     async def slow_echo(msg: Msg) -> None:
-        await asyncio.sleep(0.2)
+        started.append(msg.data)
+        await asyncio.sleep(0.2)  # paces the handler: it is still running when close begins
         finished.append(msg.data)
         await msg.respond(msg.data)
 
     await server.subscribe("t.drain", slow_echo)
     await settle(server)
     pending = asyncio.create_task(client.request("t.drain", b"x", timeout=LIMIT_S))
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: bool(started), LIMIT_S)
     await server.close()
     assert finished == [b"x"]
     assert (await pending).data == b"x"
@@ -246,7 +252,7 @@ async def test_close_lets_queued_sequential_handlers_finish(bus_factory: BusFact
 
     async def slow_echo(msg: Msg) -> None:
         started.append(msg.data)
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # paces the handler, so the second waits behind it
         await msg.respond(msg.data)
 
     sub = await server.subscribe("t.seqdrain", slow_echo, sequential=True)
@@ -256,9 +262,8 @@ async def test_close_lets_queued_sequential_handlers_finish(bus_factory: BusFact
         for data in (b"1", b"2")
     ]
     dispatcher = sub.dispatcher  # type: ignore[attr-defined]
-    async with asyncio.timeout(LIMIT_S):  # the first runs, the second waits in the queue
-        while not (started and dispatcher.num_pending == 1):
-            await asyncio.sleep(0.005)
+    # the first runs, the second waits in the queue
+    await wait_for(lambda: bool(started) and dispatcher.num_pending == 1, LIMIT_S)
     await server.close()
     assert started == [b"1", b"2"]
     assert [(await p).data for p in pending] == [b"1", b"2"]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.gateway.metrics import Metrics
 from tests.unit.test_gateway_fake import MODEL_NAME, FakeEngineClient, serve_gateway
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,10 +113,7 @@ async def test_aborted_requests_are_counted_as_abort() -> None:
         await response.content.readline()
         assert metrics.num_in_flight == 1
         await session.close()  # the client goes away mid-stream
-        for _ in range(500):
-            if not engine.in_flight and metrics.num_in_flight == 0:
-                break
-            await asyncio.sleep(0.01)
+        await wait_for(lambda: not engine.in_flight and metrics.num_in_flight == 0, 5.0)
         async with (
             aiohttp.ClientSession() as session,
             session.get(url + "/metrics") as metrics_response,
