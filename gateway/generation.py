@@ -2,7 +2,9 @@
 
 ``Generation`` is shared by the HTTP endpoints and the NATS API. It maps engine errors to
 ``ApiError`` (400/503), feeds the metrics, and on ``close`` (normal end, client gone, or error)
-closes every engine iterator still open, which aborts those requests in their engine cores.
+settles the metrics at once, then closes every engine iterator still open, which aborts those
+requests in their engine cores, in a task that a second cancellation cannot interrupt. A reader
+may ask to be called back while no output comes (the SSE keep-alive).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ PROMPTS = ["the quick brown fox", "paged attention reads", "shoal serves tiny", 
 
 
 async def _client(session: aiohttp.ClientSession, url: str, rng: random.Random) -> None:
-    """One client: a streamed completion or chat, dropped after a random number of lines (or
-    read to the end); a few are non-streaming and dropped after a random short wait."""
+    """One client: a completion or chat, streamed or not, dropped at a random moment or after a
+    random number of lines (or read to the end). The moments are random, not waited for."""
     max_tokens = rng.randint(1, 24)
     body: dict[str, Any] = {"max_tokens": max_tokens, "ignore_eos": True, "n": rng.choice([1, 2])}
     prompt = rng.choice(PROMPTS)
@@ -41,10 +41,10 @@ async def _client(session: aiohttp.ClientSession, url: str, rng: random.Random) 
     except aiohttp.ClientError:
         return
     try:
-        if not body["stream"]:
-            await asyncio.wait_for(response.read(), timeout=rng.random() * 0.2)
+        if not body["stream"] or rng.random() < 0.5:  # hang up at a random moment
+            await asyncio.wait_for(response.read(), timeout=rng.random() * 0.3)
             return
-        for _ in range(num_lines):
+        for _ in range(num_lines):  # or after a random number of lines
             if not await response.content.readline():
                 return
     except (TimeoutError, aiohttp.ClientError):
