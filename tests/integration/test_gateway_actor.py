@@ -16,6 +16,7 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.gateway.actor import GatewayActor
 from tests.unit.test_gateway_fake import FakeEngineClient
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,12 +57,18 @@ async def test_actor_serves_http_nats_and_engine_stats() -> None:
             stats = SchedulerStats(num_running=5, num_waiting=2, kv_usage=0.25)
             event = EngineStats("e0", stats, time.time())
             await client_bus.publish(actor.subjects.engine_stats("e0"), encode(event))
-            text = ""
-            for _ in range(200):
-                async with session.get(url + "/metrics") as response:
-                    text = await response.text()
-                if _gauge(text, "vllm:num_requests_running", "e0") is not None:
-                    break
+            metrics = actor.metrics
+            assert metrics is not None
+            running = {"model_name": "fake-model", "engine": "e0"}
+            await wait_for(
+                lambda: (
+                    metrics.registry.get_sample_value("vllm:num_requests_running", running)
+                    is not None
+                ),
+                10.0,
+            )
+            async with session.get(url + "/metrics") as response:
+                text = await response.text()
             assert _gauge(text, "vllm:num_requests_running", "e0") == 5
             assert _gauge(text, "vllm:num_requests_waiting", "e0") == 2
             assert _gauge(text, "vllm:kv_cache_usage_perc", "e0") == 0.25
