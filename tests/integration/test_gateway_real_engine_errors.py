@@ -63,6 +63,7 @@ def _engine_only_inputs(served: ServedStack) -> list[tuple[str, Any, int, str | 
         (CMPL, {"prompt": [-1, 5]}, 400, "invalid_value", "prompt"),
         (CMPL, over, 400, "context_length_exceeded", "prompt"),
         (CMPL, {**over, "max_tokens": 1}, 400, "context_length_exceeded", "prompt"),
+        (CMPL, {"prompt": [[5], over["prompt"]]}, 400, "context_length_exceeded", "prompt"),
         (CMPL, {"prompt": "hi", "n": 129}, 400, "invalid_value", "n"),
         (CMPL, {"prompt": "hi", "n": 2**62}, 400, "invalid_value", "n"),
         (CMPL, {"prompt": ["hi"] * 9, "n": 128}, 400, "invalid_value", "n"),
