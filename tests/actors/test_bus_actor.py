@@ -13,7 +13,7 @@ from shoal.bus.messages.control import ActorState, ControlEvent, ErrorReply, Hea
 from tests.actors.bus_helpers import PONG_CODEC, Count, EchoActor, Note, Ping, Pong
 from tests.actors.test_bus_contract import LIMIT_S, Inbox, settle
 from tests.fixtures.nats import BusFactory
-from tests.waiting import wait_for
+from tests.integration.conditions import wait_for
 
 CONTROL = Codec(ControlEvent)
 ERROR = Codec(ErrorReply)
@@ -60,7 +60,7 @@ async def test_undecodable_event_is_counted_and_good_events_still_handled(
     client = await bus_factory()
     await client.publish(actor.event_subject(), b"garbage")
     await client.publish(actor.event_subject(), encode(Note("hello")))
-    await wait_for(lambda: bool(actor.notes), LIMIT_S)
+    await wait_for(lambda: actor.notes, LIMIT_S, "the note handled")
     assert actor.notes == ["hello"]
     assert actor.num_decode_errors == 1
 
@@ -107,10 +107,10 @@ async def test_run_forever_as_a_task_drains_in_flight_requests(bus_factory: BusF
     actor = EchoActor(await bus_factory(), "e2")
     client = await bus_factory()
     task = asyncio.create_task(actor.run_forever(install_signals=False))
-    await wait_for(lambda: actor.state == ActorState.READY, LIMIT_S)
+    await wait_for(lambda: actor.state == ActorState.READY, LIMIT_S, "the actor ready")
     subject = actor.request_subject()
     slow = asyncio.create_task(call(client, subject, Ping(9, 0.2), PONG_CODEC, timeout=LIMIT_S))
-    await wait_for(lambda: actor.inflight > 0, LIMIT_S)
+    await wait_for(lambda: actor.inflight > 0, LIMIT_S, "the request in flight")
     actor.request_stop()
     await asyncio.wait_for(task, LIMIT_S)
     assert (await slow).seq == 9  # answered before the actor stopped

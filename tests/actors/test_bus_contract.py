@@ -17,7 +17,7 @@ from shoal.bus.base import (
 )
 from shoal.bus.subjects import SubjectError
 from tests.fixtures.nats import BusFactory
-from tests.waiting import wait_for
+from tests.integration.conditions import wait_for
 
 LIMIT_S = 5.0
 
@@ -81,7 +81,9 @@ async def test_wildcards_match_one_token_and_the_rest(bus_factory: BusFactory):
     for subject in ("w.e1.stats", "w.e2.stats", "w.e1.stats.extra", "w", "w.e1", "w.end.stats"):
         await bus.publish(subject, subject.encode())
     # "w.end.stats", published last, matches both: once it is in, nothing else is on its way
-    await wait_for(lambda: b"w.end.stats" in star.data and b"w.end.stats" in rest.data, LIMIT_S)
+    await wait_for(
+        lambda: b"w.end.stats" in star.data and b"w.end.stats" in rest.data, LIMIT_S, "the marker"
+    )
     assert sorted(star.data) == [b"w.e1.stats", b"w.e2.stats", b"w.end.stats"]
     assert sorted(rest.data) == [
         b"w.e1",
@@ -105,7 +107,9 @@ async def test_queue_group_gives_each_message_to_one_member(bus_factory: BusFact
     for i in range(num_messages):
         await publisher.publish("t.q", str(i).encode())
     await plain.wait(num_messages)
-    await wait_for(lambda: sum(len(m.msgs) for m in members) >= num_messages, LIMIT_S)
+    await wait_for(
+        lambda: sum(len(m.msgs) for m in members) >= num_messages, LIMIT_S, "every message"
+    )
     received = sorted(int(d) for m in members for d in m.data)
     assert received == list(range(num_messages))  # each exactly once
     assert all(m.msgs for m in members)  # the load is spread
@@ -240,7 +244,7 @@ async def test_close_lets_running_handlers_finish(bus_factory: BusFactory):
     await server.subscribe("t.drain", slow_echo)
     await settle(server)
     pending = asyncio.create_task(client.request("t.drain", b"x", timeout=LIMIT_S))
-    await wait_for(lambda: bool(started), LIMIT_S)
+    await wait_for(lambda: started, LIMIT_S, "the handler started")
     await server.close()
     assert finished == [b"x"]
     assert (await pending).data == b"x"
@@ -263,7 +267,9 @@ async def test_close_lets_queued_sequential_handlers_finish(bus_factory: BusFact
     ]
     dispatcher = sub.dispatcher  # type: ignore[attr-defined]
     # the first runs, the second waits in the queue
-    await wait_for(lambda: bool(started) and dispatcher.num_pending == 1, LIMIT_S)
+    await wait_for(
+        lambda: started and dispatcher.num_pending == 1, LIMIT_S, "one running, one queued"
+    )
     await server.close()
     assert started == [b"1", b"2"]
     assert [(await p).data for p in pending] == [b"1", b"2"]

@@ -29,7 +29,7 @@ from shoal.bus.messages.worker import (
 )
 from shoal.workers.actor import WorkerActor
 from tests.fixtures.nats import BusFactory
-from tests.waiting import wait_for
+from tests.integration.conditions import wait_for
 
 REPLY = Codec(WorkerOutbound)
 WAIT_S = 10.0
@@ -159,6 +159,7 @@ async def test_heartbeats_keep_flowing_during_a_slow_step(harness: Harness) -> N
     await wait_for(
         lambda: len([b for b in beats[seen_before:] if b.load.get("step_running") == 1.0]) >= 3,
         WAIT_S,
+        "three beats during the step",
     )
     assert not pending.done()  # the step is still blocked while the beats arrived
     harness.runner.gate.set()
@@ -171,7 +172,7 @@ async def test_stop_drains_the_step_in_flight(harness: Harness) -> None:
     pending = asyncio.create_task(harness.ask(_step(1, "a")))
     assert await asyncio.to_thread(harness.runner.step_started.wait, WAIT_S)
     stopping = asyncio.create_task(harness.actor.stop("test"))
-    await wait_for(lambda: harness.actor.state is ActorState.DRAINING, WAIT_S)
+    await wait_for(lambda: harness.actor.state is ActorState.DRAINING, WAIT_S, "draining")
     assert not stopping.done()  # it waits for the step, held by the gate
     harness.runner.gate.set()
     result = await pending
@@ -191,7 +192,7 @@ async def test_steps_run_in_order_on_one_dedicated_thread(harness: Harness) -> N
     step_codec = Codec(ExecuteStep)
     for step_id in range(1, 6):  # published without a reply subject: results go to e0
         await harness.engine_bus.publish(harness.subject, step_codec.encode(_step(step_id, "a")))
-    await wait_for(lambda: len(results) >= 5, WAIT_S)
+    await wait_for(lambda: len(results) >= 5, WAIT_S, "five results")
     assert [r.step_id for r in results] == [1, 2, 3, 4, 5]
     assert harness.runner.step_order == [1, 2, 3, 4, 5]
     assert len(harness.runner.thread_ids) == 1  # load and every step: the same runner thread

@@ -1,6 +1,6 @@
-"""The gateway over the real engine stack (worker, engine core, engine client on an in-memory
-bus), for tests that start it once per module, plus bounded waits on its state: the engine core
-idle (no requests, every KV block free) and the gateway's accounting settled."""
+"""``served_stack`` seen as one ``ServedStack``, with a bounded wait on its state: the engine core
+idle (no requests, every KV block free) and the gateway's accounting settled (nothing in flight,
+every completion started counted as finished). Also a copy of a checkpoint with a chat template."""
 
 from __future__ import annotations
 
@@ -11,12 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.bus.memory import InMemoryBus
-from shoal.gateway.app import create_app
 from shoal.gateway.metrics import FINISH_REASONS, Metrics
-from shoal.gateway.server import start_http_server
-from tests.integration.engine_stack import EngineStack, engine_stack
-from tests.waiting import wait_for
+from tests.integration.conditions import wait_for
+from tests.integration.engine_stack import EngineStack
+from tests.integration.served_stack import served_stack
 
 MODEL_NAME = "tiny"
 CHAT_TEMPLATE = (
@@ -75,7 +73,7 @@ class ServedStack:
     async def wait_until_idle(self, timeout_s: float = 30.0) -> None:
         """Until the engine core is idle and the accounting settled; fails after the bound."""
         try:
-            await wait_for(self.is_idle, timeout_s)
+            await wait_for(self.is_idle, timeout_s, "engine idle, accounting settled")
         except AssertionError as error:
             raise AssertionError(f"{error}: {self.describe()}") from None
 
@@ -92,22 +90,10 @@ class ServedStack:
 async def served_engine(
     model_dir: Path, *, sse_keep_alive_s: float | None = None, **stack_options: Any
 ) -> AsyncIterator[ServedStack]:
-    """The app served on a free port in front of a one-engine stack; ``stack_options`` go to
-    ``engine_stack`` (``max_num_seqs``, ``max_model_len``...)."""
-    bus = InMemoryBus()
-    await bus.connect()
-    try:
-        async with engine_stack(bus, model_dir, **stack_options) as stack:
-            metrics = Metrics(MODEL_NAME, max_model_len=stack.client.max_model_len)
-            stack.client.stats_listeners.append(metrics.update_engine_stats)
-            options: dict[str, Any] = {}
-            if sse_keep_alive_s is not None:
-                options["sse_keep_alive_s"] = sse_keep_alive_s
-            app = create_app(stack.client, served_model_name=MODEL_NAME, metrics=metrics, **options)
-            server = await start_http_server(app)
-            try:
-                yield ServedStack(server.url, stack, metrics)
-            finally:
-                await server.stop()
-    finally:
-        await bus.close()
+    """``served_stack`` as a ``ServedStack``; ``stack_options`` go to ``engine_stack``
+    (``max_num_seqs``, ``max_model_len``...)."""
+    app_options: dict[str, Any] = {}
+    if sse_keep_alive_s is not None:
+        app_options["sse_keep_alive_s"] = sse_keep_alive_s
+    async with served_stack(model_dir, app_options=app_options, **stack_options) as served:
+        yield ServedStack(*served)

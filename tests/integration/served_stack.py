@@ -22,16 +22,19 @@ from tests.integration.engine_stack import EngineStack, engine_stack
 
 @contextlib.asynccontextmanager
 async def served_stack(
-    model_dir: Path, **options: Any
+    model_dir: Path, *, app_options: dict[str, Any] | None = None, **options: Any
 ) -> AsyncIterator[tuple[str, EngineStack, Metrics]]:
-    """(base url, the stack, the gateway's metrics); ``options`` go to ``engine_stack``."""
+    """(base url, the stack, the gateway's metrics); ``options`` go to ``engine_stack``,
+    ``app_options`` to ``create_app``."""
     bus = InMemoryBus()
     await bus.connect()
     try:
         async with engine_stack(bus, model_dir, **options) as stack:
             metrics = Metrics("tiny", max_model_len=stack.client.max_model_len)
             stack.client.stats_listeners.append(metrics.update_engine_stats)
-            app = create_app(stack.client, served_model_name="tiny", metrics=metrics)
+            app = create_app(
+                stack.client, served_model_name="tiny", metrics=metrics, **(app_options or {})
+            )
             server = await start_http_server(app)
             try:
                 yield server.url, stack, metrics

@@ -15,8 +15,8 @@ from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.gateway.actor import GatewayActor
+from tests.integration.conditions import wait_for
 from tests.unit.test_gateway_fake import FakeEngineClient
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -66,6 +66,7 @@ async def test_actor_serves_http_nats_and_engine_stats() -> None:
                     is not None
                 ),
                 10.0,
+                "the engine stats in the registry",
             )
             async with session.get(url + "/metrics") as response:
                 text = await response.text()

@@ -10,8 +10,8 @@ import aiohttp
 import openai
 import pytest
 
+from tests.integration.conditions import wait_for
 from tests.unit.test_gateway_fake import MODEL_NAME, FakeEngineClient, fake_tokenizer, serve_gateway
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -229,7 +229,7 @@ async def test_client_disconnect_mid_stream_aborts(path: str) -> None:
             await response.content.readline()
         assert len(engine.in_flight) == 1
         response.close()  # drop the connection mid-stream
-        await wait_for(lambda: not engine.in_flight, 5.0)
+        await wait_for(lambda: not engine.in_flight, 5.0, "the request aborted")
         assert len(engine.aborted) == 1 and not engine.finished
         async with session.post(url + CMPL, json={"prompt": "hi", "max_tokens": 2}) as response:
             assert response.status == 200
@@ -242,7 +242,7 @@ async def test_client_timeout_on_non_streaming_request_aborts() -> None:
             timeout = aiohttp.ClientTimeout(total=0.3)
             body = {"prompt": "x", "max_tokens": 200}
             await session.post(url + CMPL, json=body, timeout=timeout)
-        await wait_for(lambda: not engine.in_flight, 5.0)
+        await wait_for(lambda: not engine.in_flight, 5.0, "the request aborted")
         assert len(engine.aborted) == 1 and not engine.finished
 
 

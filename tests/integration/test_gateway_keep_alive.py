@@ -14,9 +14,9 @@ import openai
 import pytest
 import pytest_asyncio
 
+from tests.integration.conditions import wait_for
 from tests.integration.gateway_stack import ServedStack, served_engine, with_chat_template
 from tests.unit.test_gateway_fake import FakeEngineClient, serve_gateway
-from tests.waiting import wait_for
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -46,7 +46,7 @@ async def _start_long_request(
     await served.wait_until_idle()
     ahead = await session.post(served.url + CMPL, json=LONG)
     assert ahead.status == 200
-    await wait_for(lambda: len(served.scheduler.running) == 1, 10.0)
+    await wait_for(lambda: len(served.scheduler.running) == 1, 10.0, "the long one running")
     return ahead
 
 

@@ -7,8 +7,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.gateway.metrics import Metrics
+from tests.integration.conditions import wait_for
 from tests.unit.test_gateway_fake import MODEL_NAME, FakeEngineClient, serve_gateway
-from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -113,7 +113,9 @@ async def test_aborted_requests_are_counted_as_abort() -> None:
         await response.content.readline()
         assert metrics.num_in_flight == 1
         await session.close()  # the client goes away mid-stream
-        await wait_for(lambda: not engine.in_flight and metrics.num_in_flight == 0, 5.0)
+        await wait_for(
+            lambda: not engine.in_flight and metrics.num_in_flight == 0, 5.0, "request aborted"
+        )
         async with (
             aiohttp.ClientSession() as session,
             session.get(url + "/metrics") as metrics_response,

@@ -13,8 +13,8 @@ from shoal.engine.client.outputs import RequestOutput
 from shoal.gateway.generation import Generation
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.params import Prompt
+from tests.integration.conditions import wait_for
 from tests.unit.test_gateway_fake import FakeEngineClient
-from tests.waiting import wait_for
 
 
 class SlowAbortEngine:
@@ -64,12 +64,12 @@ async def test_close_cancelled_while_it_waits_still_settles_and_aborts() -> None
     await outputs.aclose()
     assert metrics.num_in_flight == 1
     closing = asyncio.create_task(generation.close())
-    await wait_for(lambda: engine.num_waiting > 0, 5.0)  # the close waits on the abort
+    await wait_for(lambda: engine.num_waiting > 0, 5.0, "the close waiting on the abort")
     closing.cancel()  # the client hangs up just then
     await asyncio.wait([closing])
     assert closing.cancelled()
     assert metrics.num_in_flight == 0
     assert _success(metrics, "abort") == 1.0
     engine.gate.set()
-    await wait_for(lambda: bool(engine.aborted), 5.0)
+    await wait_for(lambda: engine.aborted, 5.0, "the abort delivered")
     assert engine.aborted[0] == "r-0"
