@@ -54,7 +54,11 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     if body.max_completion_tokens is not None:
         requested, max_param = body.max_completion_tokens, "max_completion_tokens"
     max_tokens = resolve_max_tokens(
-        requested, len(prompt.token_ids), ctx.engine.max_model_len, "messages"
+        requested,
+        len(prompt.token_ids),
+        ctx.engine.max_model_len,
+        "messages",
+        max_tokens_param=max_param,
     )
     params = sampling_params(
         body,

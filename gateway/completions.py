@@ -63,7 +63,9 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     params = [
         sampling_params(
             body,
-            max_tokens=resolve_max_tokens(requested, len(p.token_ids), max_model_len, "prompt"),
+            max_tokens=resolve_max_tokens(
+                requested, len(p.token_ids), max_model_len, "prompt", max_tokens_param="max_tokens"
+            ),
             logprobs=None if prompt_only else body.logprobs,
             prompt_logprobs=echo_logprobs,
             vocab_size=len(ctx.engine.tokenizer),

@@ -147,9 +147,16 @@ def chat_prompt(engine: Any, request: ChatCompletionRequest) -> Prompt:
 
 
 def resolve_max_tokens(
-    requested: int | None, prompt_len: int, max_model_len: int, param: str
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    param: str,
+    *,
+    max_tokens_param: str | None = None,
 ) -> int:
-    """Tokens the request may generate: requested (or all room left), capped by the context."""
+    """Tokens the request may generate: all the room left when unset. A requested number
+    beyond the room is a 400 naming ``max_tokens_param`` (vLLM's and OpenAI's answer), or is
+    fitted to the room when that is None (shoal's NATS API)."""
     if prompt_len >= max_model_len:
         raise ApiError(
             400,
@@ -159,7 +166,18 @@ def resolve_max_tokens(
             param=param,
         )
     room = max_model_len - prompt_len
-    return room if requested is None else min(requested, room)
+    if requested is None or requested <= room:
+        return room if requested is None else requested
+    if max_tokens_param is None:
+        return room
+    raise ApiError(
+        400,
+        f"'{max_tokens_param}' is too large: {requested}. This model's maximum context length "
+        f"is {max_model_len} tokens and your request has {prompt_len} input tokens "
+        f"({requested} > {max_model_len} - {prompt_len}).",
+        code="context_length_exceeded",
+        param=max_tokens_param,
+    )
 
 
 def check_unsupported(request: _SamplingFields) -> None:

@@ -86,7 +86,11 @@ async def test_prompt_at_the_context_limit_and_huge_n_are_served(
     served: ServedStack, session: aiohttp.ClientSession
 ) -> None:
     max_len = served.stack.client.max_model_len
-    at_limit = {"prompt": [5] * (max_len - 1), "max_tokens": 50, "ignore_eos": True}
+    at_limit = {"prompt": [5] * (max_len - 1), "max_tokens": 2, "ignore_eos": True}
+    async with session.post(served.url + CMPL, json=at_limit) as response:
+        assert response.status == 400  # vLLM's answer: max_tokens beyond the room left
+        assert (await response.json())["error"]["param"] == "max_tokens"
+    at_limit["max_tokens"] = 1  # exactly the room left
     async with session.post(served.url + CMPL, json=at_limit) as response:
         assert response.status == 200, await response.text()
         body = await response.json()

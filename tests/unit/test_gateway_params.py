@@ -57,10 +57,21 @@ def test_bad_prompts_name_the_prompt(prompt: object) -> None:
 def test_max_tokens_fits_the_context() -> None:
     assert resolve_max_tokens(None, 10, 64, "prompt") == 54
     assert resolve_max_tokens(16, 10, 64, "prompt") == 16
-    assert resolve_max_tokens(100, 10, 64, "prompt") == 54
+    assert resolve_max_tokens(54, 10, 64, "prompt", max_tokens_param="max_tokens") == 54
+    assert resolve_max_tokens(100, 10, 64, "prompt") == 54  # fitted (the NATS API)
     with pytest.raises(ApiError) as caught:
         resolve_max_tokens(1, 64, 64, "messages")
     assert caught.value.code == "context_length_exceeded" and caught.value.param == "messages"
+
+
+def test_max_tokens_beyond_the_room_is_refused_as_vllm_does() -> None:
+    with pytest.raises(ApiError) as caught:
+        resolve_max_tokens(55, 10, 64, "messages", max_tokens_param="max_completion_tokens")
+    error = caught.value
+    assert error.status == 400 and error.code == "context_length_exceeded"
+    assert error.param == "max_completion_tokens"
+    assert "'max_completion_tokens' is too large: 55" in error.message
+    assert "(55 > 64 - 10)" in error.message
 
 
 def test_sampling_params_keep_defaults_and_force_delta() -> None:
