@@ -211,6 +211,9 @@ class AsyncEngineClient:
         except BusError as exc:
             self._fail(request_id, EngineUnavailableError(f"request not sent: {exc!r}"))
             raise EngineUnavailableError(f"request not sent to {engine.engine_id}: {exc}") from exc
+        except BaseException as exc:  # e.g. a value the wire cannot encode, or a cancellation
+            self._fail(request_id, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
+            raise
         return collector
 
     async def _send_adds(

@@ -166,3 +166,18 @@ async def test_engine_client_refuses_token_ids_out_of_range(served: ServedStack)
     outputs = [output async for output in client.generate([0, last], params, "edges")]
     assert outputs[-1].finished and outputs[-1].error is None
     await served.wait_until_idle()
+
+
+async def test_a_request_the_wire_cannot_carry_leaves_nothing_tracked(served: ServedStack) -> None:
+    """A seed past 64 bits fails to encode: the caller gets the error, the client forgets the
+    request (its id is free again) and the engine stays idle."""
+    client = served.stack.client
+    with pytest.raises(OverflowError):
+        async for _ in client.generate([5, 6], SamplingParams(max_tokens=2, seed=2**64), "huge"):
+            pass
+    assert "huge" not in client._collectors and "huge" not in client._engine_of
+    outputs = [
+        output async for output in client.generate([5, 6], SamplingParams(max_tokens=2), "huge")
+    ]
+    assert outputs[-1].finished and outputs[-1].error is None
+    await served.wait_until_idle()
