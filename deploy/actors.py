@@ -14,12 +14,12 @@ def actor_target(
 ) -> tuple[str, dict[str, Any]]:
     """The import path and constructor kwargs of the actor ``kind``/``actor_id``."""
     if kind == "gateway":
+        from shoal.deploy.local import HttpOptions
+
         kwargs = {
             "actor_id": actor_id or "gateway-0",
             "config": config,
-            "host": ns.host,
-            "port": ns.port,
-            "api_key": ns.api_key,
+            **HttpOptions.from_namespace(ns).gateway_kwargs(),
         }
         return GATEWAY_TARGET, kwargs
     default_id = worker_id(0, 0) if kind == "worker" else engine_id(0)

@@ -92,6 +92,13 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free port)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    g.add_argument(
+        "--sse-keep-alive-s",
+        type=float,
+        default=None,
+        help="seconds without output before a stream gets a keep-alive comment (default 15; "
+        "0: never)",
+    )
 
 
 def _bench_names() -> list[str]:
@@ -145,7 +152,7 @@ async def _serve(config: ShoalConfig, ns: argparse.Namespace) -> int:
     from shoal.deploy.local import HttpOptions, serve_local
 
     stop = _stop_on_signals()
-    await serve_local(config, HttpOptions(ns.host, ns.port, ns.api_key), stop)
+    await serve_local(config, HttpOptions.from_namespace(ns), stop)
     return 0
 
 

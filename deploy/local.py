@@ -10,12 +10,14 @@ from SIGINT/SIGTERM) drains the gateway, then stops the actors and the server: n
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from shoal.bus import connect_bus
 from shoal.bus.actor import Actor
@@ -40,6 +42,18 @@ class HttpOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None
+    sse_keep_alive_s: float | None = None  # None: the gateway's default
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> HttpOptions:
+        return cls(ns.host, ns.port, ns.api_key, ns.sse_keep_alive_s)
+
+    def gateway_kwargs(self) -> dict[str, Any]:
+        """``GatewayActor`` keyword arguments (its defaults for what is not set here)."""
+        kwargs = {"host": self.host, "port": self.port, "api_key": self.api_key}
+        if self.sse_keep_alive_s is not None:
+            kwargs["sse_keep_alive_s"] = self.sse_keep_alive_s
+        return kwargs
 
 
 def free_tcp_port() -> int:
@@ -139,9 +153,7 @@ async def serve_local(
             "gateway-0",
             config=config,
             engine_client=client,
-            host=http.host,
-            port=http.port,
-            api_key=http.api_key,
+            **http.gateway_kwargs(),
         )
         await gateway.start()
         stack.push_async_callback(gateway.stop)

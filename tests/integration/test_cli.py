@@ -55,6 +55,23 @@ def test_help_lists_the_commands() -> None:
         assert command in result.stdout
 
 
+def test_http_flags_reach_the_gateway(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from shoal.deploy.actors import actor_target
+    from shoal.deploy.cli import build_parser
+    from shoal.deploy.deployment import build_config
+
+    model = str(tiny_checkpoint("llama"))
+    config = build_config(model=model)
+    flags = ["actor", "gateway", model, "--port", "0", "--api-key", "k"]
+    _, given = actor_target("gateway", config, None, build_parser().parse_args(flags))
+    _, keep_alive = actor_target(
+        "gateway", config, None, build_parser().parse_args([*flags, "--sse-keep-alive-s", "2"])
+    )
+    assert given["port"] == 0 and given["api_key"] == "k"
+    assert "sse_keep_alive_s" not in given  # the gateway's own default
+    assert keep_alive["sse_keep_alive_s"] == 2.0
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
