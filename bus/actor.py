@@ -11,7 +11,9 @@ with the ``Shoal-Error`` header); for an event, it is logged and counted. The ac
 
 Heartbeats and status events carry the actor's ``incarnation``, fixed when the actor object is
 made: a restarted actor keeps its id but not its incarnation, so peers (``bus.liveness``) know
-that what the old one held is lost.
+that what the old one held is lost. An actor whose peers must also learn that messages in flight
+across a lost bus connection may be gone (an engine core's clients: an add or an output)
+takes a new incarnation at each reconnect too (``new_incarnation_on_reconnect``).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Actor:
     ``on_stop`` and ``load``."""
 
     kind: ClassVar[str] = "actor"
+    new_incarnation_on_reconnect: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -80,13 +83,21 @@ class Actor:
         self.drain_timeout_s = drain_timeout_s
         self.owns_bus = False  # close the bus on stop (set when the actor runs as a process)
         self.state = ActorState.STARTING
-        self.incarnation = new_incarnation()  # sent with every heartbeat and status event
+        self._life = new_incarnation()
         self.num_decode_errors = 0
         self.num_handler_errors = 0
         self._heartbeat_seq = 0
         self._subscriptions: list[Subscription] = []
         self._heartbeat_task: asyncio.Task[None] | None = None
         self._stop_requested: asyncio.Event | None = None
+
+    @property
+    def incarnation(self) -> str:
+        """Sent with every heartbeat and status event: this life of the actor (and, with
+        ``new_incarnation_on_reconnect``, this connection of it)."""
+        if self.new_incarnation_on_reconnect and self.bus.num_reconnects:
+            return f"{self._life}.{self.bus.num_reconnects}"
+        return self._life
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.kind}/{self.actor_id}, {self.state.name})"

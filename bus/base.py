@@ -9,7 +9,10 @@ Semantics (identical on ``InMemoryBus`` and ``NatsBus``; ``tests/actors/test_bus
   at a time in arrival order instead.
 - ``queue=`` groups: each message goes to one member of the group.
 - ``request`` raises ``NoRespondersError`` at once when nobody listens, ``BusTimeoutError`` when
-  nobody answers in time.
+  nobody answers in time, ``ConnectionLostError`` at once when the connection drops while it
+  waits (the reply could be lost with it).
+- A transport that reconnects by itself (NATS) counts ``num_reconnects`` and calls the
+  ``on_reconnect`` listeners: what was in flight across the loss may be gone.
 - Streamed replies: the responder sends any number of chunks then one final message or an error
   (``ReplyStream``); the caller iterates ``request_stream``.
 - Payloads larger than the transport's ``max_payload`` are chunked and reassembled transparently.
@@ -18,8 +21,11 @@ Semantics (identical on ``InMemoryBus`` and ``NatsBus``; ``tests/actors/test_bus
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Header carrying the streamed-reply protocol; values below.
 STREAM_HEADER = "Shoal-Stream"
@@ -44,6 +50,11 @@ class NoRespondersError(BusError):
 
 class BusClosedError(BusError):
     """The bus is closed (or not connected yet)."""
+
+
+class ConnectionLostError(BusError):
+    """The connection dropped while a request waited for its reply: it may or may not have been
+    handled, and its reply will not come."""
 
 
 class RemoteError(BusError):
@@ -111,6 +122,30 @@ class Subscription(abc.ABC):
 
 class Bus(abc.ABC):
     """A message bus: publish/subscribe, queue groups, request/reply, streamed replies."""
+
+    num_reconnects: int = 0  # connections re-established after a loss
+    _reconnect_listeners: tuple[Callable[[], None], ...] = ()
+
+    def on_reconnect(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` whenever the connection is back after a loss; returns the
+        function that removes it."""
+        self._reconnect_listeners = (*self._reconnect_listeners, listener)
+
+        def remove() -> None:
+            self._reconnect_listeners = tuple(
+                each for each in self._reconnect_listeners if each is not listener
+            )
+
+        return remove
+
+    def _reconnected(self) -> None:
+        """For transports: count a reconnect and tell the listeners."""
+        self.num_reconnects += 1
+        for listener in self._reconnect_listeners:
+            try:
+                listener()
+            except Exception:
+                log.exception("reconnect listener failed")
 
     @abc.abstractmethod
     async def connect(self) -> None: ...

@@ -25,6 +25,7 @@ from shoal.bus.base import (
     BusClosedError,
     BusError,
     BusTimeoutError,
+    ConnectionLostError,
     Handler,
     Msg,
     NoRespondersError,
@@ -115,7 +116,8 @@ class NatsBus(Bus):
         self._nc: Client | None = None
         self._subs: set[_NatsSubscription] = set()
         self._chunks: ChunkSender | None = None
-        self.num_reconnects = 0
+        self._waiting: set[asyncio.Task[Any]] = set()  # tasks awaiting a reply in ``request``
+        self._cut_off: set[asyncio.Task[Any]] = set()  # of those, cancelled by a lost connection
 
     @property
     def client(self) -> Client:
@@ -159,9 +161,14 @@ class NatsBus(Bus):
 
     async def _on_disconnected(self) -> None:
         log.info("NATS disconnected from %s", self.servers)
+        # nats-py keeps waiting for replies that went down with the connection: end each
+        # waiting request now (ConnectionLostError) rather than at its timeout.
+        for task in self._waiting - self._cut_off:
+            self._cut_off.add(task)
+            task.cancel()
 
     async def _on_reconnected(self) -> None:
-        self.num_reconnects += 1
+        self._reconnected()
         log.info("NATS reconnected (%d)", self.num_reconnects)
 
     async def close(self) -> None:
@@ -269,13 +276,25 @@ class NatsBus(Bus):
         validate_subject(subject)
         if self._chunks is not None:
             data, headers = await self._chunks.wrap(subject, data, headers)
+        task = asyncio.current_task()
+        assert task is not None
+        self._waiting.add(task)
         try:
             raw = await nc.request(subject, data, timeout=timeout, headers=headers)
+        except asyncio.CancelledError:
+            if task not in self._cut_off:
+                raise
+            self._cut_off.discard(task)
+            task.uncancel()
+            raise ConnectionLostError(f"connection lost awaiting a reply on {subject!r}") from None
         except nats.errors.NoRespondersError:
             raise NoRespondersError(f"no responders on {subject!r}") from None
         except nats.errors.TimeoutError:
             raise BusTimeoutError(f"no reply on {subject!r} within {timeout}s") from None
         except (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError):
             raise BusClosedError("NATS connection is closed") from None
+        finally:
+            self._waiting.discard(task)
+            self._cut_off.discard(task)
         msg = Msg(self, raw.subject, raw.data, raw.reply, raw.headers)
         return await resolve_chunked(self, msg, timeout=timeout)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, TypeVar
@@ -125,7 +124,6 @@ class WorkerActor(Actor):
         )
         self.worker_id = worker_id
         self.engine_id = engine_id
-        self.incarnation = uuid.uuid4().hex
         self.runner: StepRunner | None = runner
         self.facts: RunnerFacts | None = None
         self.config = config

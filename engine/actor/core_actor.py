@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 class EngineCoreActor(Actor):
     kind: ClassVar[str] = "engine"
+    # A reconnect may have lost adds and outputs in flight: clients end the requests that
+    # straddle it, as after a restart.
+    new_incarnation_on_reconnect: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -5,9 +5,10 @@ goes away.
 It listens on its own output subject for every engine core's ``EngineOutputs`` (fed to the pure
 ``OutputProcessor``, which detokenizes and applies stop strings) and ``RequestRejected``; on
 engine stats, heartbeats and status events for routing (``EngineRouter``). The requests of an
-engine core that stopped, died or came back as a new incarnation (a restarted process: what
-the old one held is lost) end at once with finish reason "error"; a watchdog does the same for
-one that went silent, so no caller waits forever.
+engine core that stopped, died or came back as a new incarnation (a restarted process, or one
+whose bus connection dropped: what was in flight may be lost) end at once with finish reason
+"error", and so do all of them when this client's own bus connection drops and comes back; a
+watchdog does the same for an engine core that went silent, so no caller waits forever.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class AsyncEngineClient:
         self._subs: list[Subscription] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._stop_listening: Callable[[], None] | None = None
 
     # ----- lifecycle
 
@@ -102,11 +104,15 @@ class AsyncEngineClient:
                 self.bus, s, "engine", self.router.liveness, on_change=self._check_engine
             ),
         ]
+        self._stop_listening = self.bus.on_reconnect(self._on_bus_reconnected)
         await self.bus.flush()
         self._watchdog = asyncio.create_task(self._watch_engines())
         return self
 
     async def close(self) -> None:
+        if self._stop_listening is not None:
+            self._stop_listening()
+            self._stop_listening = None
         if self._watchdog is not None:
             self._watchdog.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -391,6 +397,12 @@ class AsyncEngineClient:
             collector.put(output)
         if engine_ids:
             self._abort_later(engine_id, engine_ids)
+
+    def _on_bus_reconnected(self) -> None:
+        """This client's bus connection dropped and came back: outputs (or adds) of every
+        request in flight may have gone with it, so each ends with an error now."""
+        for request_id, engine_id in list(self._engine_of.items()):
+            self._end_with_error(request_id, engine_id, "the bus connection was lost")
 
     async def _watch_engines(self) -> None:
         """Fail the requests of engine cores that went silent (or whose end was missed)."""

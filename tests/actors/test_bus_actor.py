@@ -115,3 +115,39 @@ async def test_run_forever_as_a_task_drains_in_flight_requests(bus_factory: BusF
     await asyncio.wait_for(task, LIMIT_S)
     assert (await slow).seq == 9  # answered before the actor stopped
     assert actor.state == ActorState.STOPPED
+
+
+class SessionEcho(EchoActor):
+    new_incarnation_on_reconnect = True
+
+
+async def test_an_incarnation_is_a_life_and_for_some_actors_a_connection() -> None:
+    """A bus reconnect gives a new incarnation only to actors whose peers must learn that
+    messages in flight may be lost (engine cores); others keep theirs (workers: state intact)."""
+    from shoal.bus.memory import InMemoryBus
+
+    bus = InMemoryBus()
+    plain, session = EchoActor(bus, "p"), SessionEcho(bus, "s")
+    assert plain.incarnation != EchoActor(bus, "p").incarnation  # a new life: a new one
+    before = (plain.incarnation, session.incarnation)
+    bus._reconnected()
+    assert plain.incarnation == before[0]
+    assert session.incarnation not in (before[1], "") and session.incarnation.startswith(before[1])
+    assert plain.make_heartbeat().incarnation == before[0]
+    assert session.make_heartbeat().incarnation == session.incarnation
+
+
+def test_an_engine_core_takes_a_new_incarnation_at_each_reconnect(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """So its clients end the requests whose adds or outputs a reconnect may have lost."""
+    from shoal.bus.memory import InMemoryBus
+    from shoal.bus.messages.config import ShoalConfig
+    from shoal.engine.actor.core_actor import EngineCoreActor
+    from shoal.workers.actor import WorkerActor
+
+    bus = InMemoryBus()
+    config = ShoalConfig.from_options(model=str(tiny_checkpoint("llama")))
+    engine = EngineCoreActor(bus, "e0", config=config, worker_ids=["w0"])
+    worker = WorkerActor(bus, "w0", config=config)
+    before = (engine.incarnation, worker.incarnation)
+    bus._reconnected()
+    assert engine.incarnation != before[0] and worker.incarnation == before[1]

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from shoal.bus.actor import call
-from shoal.bus.base import BusError, BusTimeoutError, Msg, NoRespondersError
+from shoal.bus.base import BusError, BusTimeoutError, ConnectionLostError, Msg, NoRespondersError
 from shoal.bus.codec import Codec
 from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
 from shoal.bus.nats_bus import NatsBus
@@ -182,9 +182,50 @@ async def test_clients_resume_subscriptions_after_server_restart(
         try:
             reply = await client.request("t.restart", f"after{attempt}".encode(), timeout=0.5)
             break
-        except (BusTimeoutError, NoRespondersError):
+        except (BusTimeoutError, NoRespondersError, ConnectionLostError):
             await asyncio.sleep(0.05)
     assert reply is not None and reply.data.startswith(b"after")
     assert responder.num_reconnects >= 1 and client.num_reconnects >= 1
+    await responder.close()
+    await client.close()
+
+
+async def test_a_request_waiting_when_the_connection_drops_ends_at_once(
+    fresh_nats_server: NatsServer,
+):
+    """The reply cannot come over a lost connection: the request ends with ConnectionLostError
+    at once (not at its timeout), listeners learn of the reconnect, and later requests work."""
+    url = fresh_nats_server.url
+    responder, client = await connected_bus(url), await connected_bus(url)
+    received = asyncio.Event()
+    reconnects: list[int] = []
+    client.on_reconnect(lambda: reconnects.append(client.num_reconnects))
+    remove = responder.on_reconnect(lambda: reconnects.append(-1))
+    remove()  # a removed listener is not called
+
+    async def never_answers(msg: Msg) -> None:
+        received.set()
+
+    async def echo(msg: Msg) -> None:
+        await msg.respond(msg.data)
+
+    await responder.subscribe("t.silent", never_answers)
+    await responder.subscribe("t.echo", echo)
+    await responder.flush()
+    waiting = asyncio.create_task(client.request("t.silent", b"x", timeout=60))
+    await asyncio.wait_for(received.wait(), 10)
+    fresh_nats_server.stop()
+    fresh_nats_server.start()  # back at once: nats-py reconnects and still awaits the reply
+    with pytest.raises(ConnectionLostError):
+        await asyncio.wait_for(waiting, 10)  # well before its 60 s timeout
+    reply = None
+    for attempt in range(100):  # bounded retries while both clients reconnect (~0.2 s each)
+        try:
+            reply = await client.request("t.echo", f"after{attempt}".encode(), timeout=0.5)
+            break
+        except (BusTimeoutError, NoRespondersError, ConnectionLostError):
+            await asyncio.sleep(0.05)  # paces the retries
+    assert reply is not None and reply.data.startswith(b"after")
+    assert reconnects == [1]
     await responder.close()
     await client.close()

@@ -1,7 +1,8 @@
 """The engine client against a fake engine core on the in-memory bus: the requests it sent to an
 engine core end with finish reason "error" as soon as that engine core shows a new incarnation
 (a restarted process) or is reported dead, and only those; late messages of the old
-incarnation change nothing."""
+incarnation change nothing. When the client's own bus connection comes back after a loss, every
+request it had in flight ends the same way."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from shoal.bus.subjects import Subjects
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.engine.client.outputs import RequestOutput
+from tests.integration.conditions import wait_for as wait_until
 
 NAMESPACE = "restarts"
 SUBJECTS = Subjects(NAMESPACE)
@@ -37,11 +39,8 @@ LIMIT_S = 5.0
 PARAMS = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
 
-async def wait_for(condition: Callable[[], bool], timeout_s: float = LIMIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)  # paces the polling
+async def wait_for(condition: Callable[[], bool]) -> None:
+    await wait_until(condition, LIMIT_S, "the engine client's view")
 
 
 @dataclass
@@ -154,3 +153,16 @@ async def test_a_dead_status_fails_the_requests_at_once(setup) -> None:  # type:
     await e0.status(ActorState.DEAD)
     assert "gone" in (await error_of(collector)).error  # type: ignore[operator]
     assert set(client._engine_of) == {"s"} and survivor.get_nowait() is None
+
+
+async def test_the_clients_own_reconnect_fails_every_request_in_flight(setup) -> None:  # type: ignore[no-untyped-def]
+    """Outputs in flight went down with the connection: no request may wait for them."""
+    client, e0, e1 = setup
+    doomed = [await send(client, e0, "r0"), await send(client, e1, "r1")]
+    client.bus._reconnected()  # what NatsBus does when its connection is back
+    for collector in doomed:
+        assert "connection was lost" in (await error_of(collector)).error  # type: ignore[operator]
+    await wait_for(lambda: "r0" in e0.aborts and "r1" in e1.aborts)
+    assert not client._engine_of
+    fresh = await send(client, e0, "after")
+    assert fresh.get_nowait() is None and set(client._engine_of) == {"after"}
