@@ -1,11 +1,15 @@
-"""The gateway over a real engine stack (worker, engine core, engine client; in-memory bus), and
-a plain-HTTP completions call that reads streamed and whole answers alike: the harness of the
-tests that check the gateway against what the engine core did."""
+"""The gateway over a real engine stack (worker, engine core, engine client; in-memory bus) as
+one ``ServedStack``, with a bounded wait on its state (the engine core idle: no requests, every
+KV block free; the gateway's accounting settled: nothing in flight, every completion started
+counted as finished); a copy of a checkpoint with a chat template; and a plain-HTTP completions
+call that reads streamed and whole answers alike. The harness of the tests that check the gateway
+against what the engine core did."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,29 +19,99 @@ import aiohttp
 
 from shoal.bus.memory import InMemoryBus
 from shoal.gateway.app import create_app
-from shoal.gateway.metrics import Metrics
+from shoal.gateway.metrics import FINISH_REASONS, Metrics
 from shoal.gateway.server import start_http_server
+from tests.integration.conditions import wait_for
 from tests.integration.engine_stack import EngineStack, engine_stack
+
+MODEL_NAME = "tiny"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+
+
+def with_chat_template(model_dir: Path, out_dir: Path) -> Path:
+    """A copy of the checkpoint at ``out_dir`` whose tokenizer has a chat template."""
+    from transformers import AutoTokenizer
+
+    shutil.copytree(model_dir, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+@dataclass
+class ServedStack:
+    url: str
+    stack: EngineStack
+    metrics: Metrics
+
+    @property
+    def scheduler(self) -> Any:
+        return self.stack.engines[0].core.scheduler  # type: ignore[union-attr]
+
+    def engine_is_idle(self) -> bool:
+        """No request left in the engine core and every KV block back in the free pool."""
+        scheduler = self.scheduler
+        return not scheduler.requests and scheduler.kv_cache_manager.usage == 0.0
+
+    def is_idle(self) -> bool:
+        return self.engine_is_idle() and self.accounting_is_settled()
+
+    def accounting_is_settled(self) -> bool:
+        return self.metrics.num_in_flight == 0 and self.num_started() == self.num_finished()
+
+    def num_started(self) -> float:
+        """Completions the gateway started (the sum of ``n`` over its engine requests)."""
+        return self._sample("vllm:request_params_n_sum")
+
+    def num_finished(self) -> float:
+        """Completions the gateway counted as finished, over every finish reason."""
+        return sum(
+            self._sample("vllm:request_success_total", finished_reason=reason)
+            for reason in FINISH_REASONS
+        )
+
+    def _sample(self, name: str, **labels: str) -> float:
+        value = self.metrics.registry.get_sample_value(name, {"model_name": MODEL_NAME, **labels})
+        return value or 0.0
+
+    async def wait_until_idle(self, timeout_s: float = 30.0) -> None:
+        """Until the engine core is idle and the accounting settled; fails after the bound."""
+        try:
+            await wait_for(self.is_idle, timeout_s, "engine idle, accounting settled")
+        except AssertionError as error:
+            raise AssertionError(f"{error}: {self.describe()}") from None
+
+    def describe(self) -> str:
+        scheduler = self.scheduler
+        return (
+            f"engine requests {len(scheduler.requests)}, KV usage "
+            f"{scheduler.kv_cache_manager.usage}, gateway in flight {self.metrics.num_in_flight}, "
+            f"completions started {self.num_started()}, finished {self.num_finished()}"
+        )
 
 
 @contextlib.asynccontextmanager
 async def served_stack(
     model_dir: Path, *, app_options: dict[str, Any] | None = None, **options: Any
-) -> AsyncIterator[tuple[str, EngineStack, Metrics]]:
-    """(base url, the stack, the gateway's metrics); ``options`` go to ``engine_stack``,
-    ``app_options`` to ``create_app``."""
+) -> AsyncIterator[ServedStack]:
+    """The gateway serving ``model_dir`` as ``MODEL_NAME``; ``options`` go to ``engine_stack``
+    (``max_num_seqs``, ``max_model_len``...), ``app_options`` to ``create_app``."""
     bus = InMemoryBus()
     await bus.connect()
     try:
         async with engine_stack(bus, model_dir, **options) as stack:
-            metrics = Metrics("tiny", max_model_len=stack.client.max_model_len)
+            metrics = Metrics(MODEL_NAME, max_model_len=stack.client.max_model_len)
             stack.client.stats_listeners.append(metrics.update_engine_stats)
             app = create_app(
-                stack.client, served_model_name="tiny", metrics=metrics, **(app_options or {})
+                stack.client, served_model_name=MODEL_NAME, metrics=metrics, **(app_options or {})
             )
             server = await start_http_server(app)
             try:
-                yield server.url, stack, metrics
+                yield ServedStack(server.url, stack, metrics)
             finally:
                 await server.stop()
     finally:

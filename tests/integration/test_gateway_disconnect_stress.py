@@ -20,7 +20,7 @@ import pytest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.gateway.generation import Generation
 from shoal.gateway.params import Prompt
-from tests.integration.gateway_stack import ServedStack, served_engine, with_chat_template
+from tests.integration.served_stack import ServedStack, served_stack, with_chat_template
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
@@ -82,7 +82,7 @@ async def _load(session: aiohttp.ClientSession, url: str) -> int:
 
 async def test_random_disconnects_leave_nothing_in_flight(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
     model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
-    async with served_engine(model_dir) as served:
+    async with served_stack(model_dir) as served:
         for seed in range(NUM_ROUNDS):
             await _round_apart(served, seed)
             await served.wait_until_idle()
@@ -123,7 +123,7 @@ async def _hang_up(task: asyncio.Task[None], rng: random.Random) -> None:
 
 
 async def test_cancellations_during_cleanup_leave_nothing_in_flight(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    async with served_engine(tiny_checkpoint("llama")) as served:
+    async with served_stack(tiny_checkpoint("llama")) as served:
         for seed in range(NUM_ROUNDS):
             rng = random.Random(seed)
             tasks = [

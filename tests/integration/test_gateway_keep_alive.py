@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 
 from tests.integration.conditions import wait_for
-from tests.integration.gateway_stack import ServedStack, served_engine, with_chat_template
+from tests.integration.served_stack import ServedStack, served_stack, with_chat_template
 from tests.unit.test_gateway_fake import FakeEngineClient, serve_gateway
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -29,7 +29,9 @@ LONG = {"prompt": "the quick brown fox", "max_tokens": 900, "ignore_eos": True, 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tiny_checkpoint, tmp_path_factory) -> AsyncIterator[ServedStack]:  # type: ignore[no-untyped-def]
     model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path_factory.mktemp("m") / "m")
-    async with served_engine(model_dir, sse_keep_alive_s=KEEP_ALIVE_S, max_num_seqs=1) as stack:
+    async with served_stack(
+        model_dir, app_options={"sse_keep_alive_s": KEEP_ALIVE_S}, max_num_seqs=1
+    ) as stack:
         yield stack
 
 

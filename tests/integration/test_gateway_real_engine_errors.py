@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.interface import RequestValidationError
-from tests.integration.gateway_stack import ServedStack, served_engine, with_chat_template
+from tests.integration.served_stack import ServedStack, served_stack, with_chat_template
 from tests.integration.test_gateway_errors import BAD_INPUTS, check_bad_inputs
 from tests.integration.test_gateway_fuzz import fuzz
 
@@ -31,7 +31,7 @@ TIMEOUT = aiohttp.ClientTimeout(total=60)  # no request may hang
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tiny_checkpoint, tmp_path_factory) -> AsyncIterator[ServedStack]:  # type: ignore[no-untyped-def]
     model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path_factory.mktemp("m") / "m")
-    async with served_engine(model_dir) as stack:
+    async with served_stack(model_dir) as stack:
         yield stack
 
 

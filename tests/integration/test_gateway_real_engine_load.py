@@ -28,7 +28,8 @@ def distinct_prompts(count: int, seed: int = 3) -> list[list[int]]:
 async def test_64_concurrent_streams_each_equal_the_request_run_alone(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     prompts = distinct_prompts(NUM_STREAMS)
     options = {"max_num_seqs": NUM_STREAMS, "num_blocks": 512}
-    async with served_stack(tiny_checkpoint("llama"), **options) as (url, stack, _):
+    async with served_stack(tiny_checkpoint("llama"), **options) as served:
+        url, stack = served.url, served.stack
         peak_running = 0
 
         def track(stats, engine_id: str) -> None:  # type: ignore[no-untyped-def]
@@ -71,7 +72,8 @@ def tiny(name: str, **labels: str) -> tuple[str, frozenset[tuple[str, str]]]:
 async def test_metrics_count_what_was_sent_and_received(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """Requests ending by length, by a stop string, by eos and by a client disconnect: the
     success counters by reason and the token counters equal the answers' own usage."""
-    async with served_stack(tiny_checkpoint("llama")) as (url, stack, metrics):
+    async with served_stack(tiny_checkpoint("llama")) as served:
+        url, stack, metrics = served.url, served.stack, served.metrics
         core = stack.engines[0].core
         assert core is not None
         greedy = {"temperature": 0, "ignore_eos": True}

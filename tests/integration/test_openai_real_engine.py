@@ -4,9 +4,6 @@ request in the engine core (freeing its KV blocks), and engine-core figures in /
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import aiohttp
 import openai
 import pytest
@@ -17,29 +14,16 @@ from tests.integration.conditions import (
     pick_stop_string,
     wait_for,
 )
-from tests.integration.served_stack import complete, served_stack
+from tests.integration.served_stack import complete, served_stack, with_chat_template
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 NUM_BLOCKS = 256  # engine_stack's default
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
-)
-
-
-def _with_chat_template(model_dir: Path, out_dir: Path) -> Path:
-    from transformers import AutoTokenizer
-
-    shutil.copytree(model_dir, out_dir)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(str(out_dir))
-    return out_dir
 
 
 async def test_openai_client_over_the_real_engine(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    model_dir = _with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
-    async with served_stack(model_dir) as (url, stack, _):
+    model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
+    async with served_stack(model_dir) as served:
+        url, stack = served.url, served.stack
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         common = {"model": "tiny", "prompt": "a long story", "max_tokens": 10, "temperature": 0}
         whole = await client.completions.create(**common, extra_body={"ignore_eos": True})
@@ -83,7 +67,8 @@ async def test_openai_client_over_the_real_engine(tiny_checkpoint, tmp_path) -> 
 
 async def test_disconnect_frees_the_request_in_the_engine_core(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """The victim could only end by abort: no eos, and room for ~1000 more tokens."""
-    async with served_stack(tiny_checkpoint("llama")) as (url, stack, metrics):
+    async with served_stack(tiny_checkpoint("llama")) as served:
+        url, stack, metrics = served.url, served.stack, served.metrics
         core = stack.engines[0].core
         assert core is not None
         room = CONTEXT_LEN - len(stack.client.tokenizer.encode("a long story"))
@@ -105,7 +90,8 @@ async def test_disconnect_frees_the_request_in_the_engine_core(tiny_checkpoint) 
 
 
 async def test_latency_histograms_fill_from_the_real_engine(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
-    async with served_stack(tiny_checkpoint("llama")) as (url, _, _):
+    async with served_stack(tiny_checkpoint("llama")) as served:
+        url = served.url
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "ignore_eos": True}
         async with aiohttp.ClientSession() as session:
             for _ in range(3):
@@ -126,7 +112,8 @@ async def test_stop_strings_end_the_request_in_the_engine_core(tiny_checkpoint) 
     """The text is cut as vLLM cuts it (at the first occurrence, the string itself kept only with
     include_stop_str_in_output), streamed and not, and the engine core stops generating: the
     client aborts the request there once the string matches, far before max_tokens."""
-    async with served_stack(tiny_checkpoint("llama")) as (url, stack, _):
+    async with served_stack(tiny_checkpoint("llama")) as served:
+        url, stack = served.url, served.stack
         core = stack.engines[0].core
         assert core is not None
         room = CONTEXT_LEN - len(stack.client.tokenizer.encode("a long story"))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.fixtures.openai_schema import CHAT, COMPLETIONS, post_checked
-from tests.integration.test_openai_real_engine import CHAT_TEMPLATE, served_stack
+from tests.integration.served_stack import CHAT_TEMPLATE, served_stack
 from tests.integration.test_openai_schema import check_every_shape
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -50,7 +50,8 @@ def _hf_prompt_logprobs(model_dir: Path, ids: list[int]) -> torch.Tensor:
 async def test_schema_and_inputs_through_the_real_engine(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
     model_dir = _with_bos_and_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
     body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 3}
-    async with served_stack(model_dir) as (url, stack, _):
+    async with served_stack(model_dir) as served:
+        url, stack = served.url, served.stack
         await check_every_shape(url)
         async with aiohttp.ClientSession() as session:
             whole = await post_checked(session, url, COMPLETIONS, body)
