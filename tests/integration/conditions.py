@@ -4,7 +4,7 @@ seen of an aborted request: the checks the abort and stop-string tests share."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 
 from shoal.bus.messages.engine import SchedulerStats
 
@@ -19,6 +19,17 @@ async def wait_for(predicate: Callable[[], object], timeout_s: float, what: str)
         if loop.time() > deadline:
             raise AssertionError(f"{what}: not reached within {timeout_s} s")
         await asyncio.sleep(0.01)
+
+
+async def read_then_hang_up(stream: AsyncGenerator[object, None], num_outputs: int = 3) -> None:
+    """Take ``num_outputs`` outputs of a running generation, then drop it (its consumer goes
+    away: the engine client aborts it)."""
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen == num_outputs:
+            break
+    await stream.aclose()
 
 
 def assert_ended_by_abort(

@@ -22,6 +22,7 @@ from tests.integration.conditions import (
     CONTEXT_LEN,
     assert_ended_by_abort,
     pick_stop_string,
+    read_then_hang_up,
     wait_for,
 )
 
@@ -93,13 +94,7 @@ async def test_abort_reaches_the_engine_core_process(deployment):  # type: ignor
     before = published.stats
     assert published.num_finished() == 0
     params = SamplingParams(temperature=0.0, max_tokens=ROOM, ignore_eos=True)
-    stream = client.generate(PROMPT, params, "victim")
-    seen = 0
-    async for _ in stream:
-        seen += 1
-        if seen == 3:
-            break
-    await stream.aclose()
+    await read_then_hang_up(client.generate(PROMPT, params, "victim"))
     await wait_for(
         lambda: published.num_finished() == 1 and published.stats.num_running == 0,
         120,

@@ -72,6 +72,18 @@ def test_http_flags_reach_the_gateway(tiny_checkpoint) -> None:  # type: ignore[
     assert keep_alive["sse_keep_alive_s"] == 2.0
 
 
+def _serve(model_dir: Path) -> subprocess.Popen[str]:
+    """``shoal serve`` on a free port in its own process group, output on one pipe."""
+    return subprocess.Popen(
+        [*SHOAL, "serve", str(model_dir), "--port", "0", "--num-gpu-blocks-override", "64"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+    )
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -109,14 +121,7 @@ def _wait_for_line(proc: subprocess.Popen[str], pattern: str, lines: list[str], 
 @pytest.mark.parametrize("how", ["sigint-group", "sigterm"])
 def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, how: str) -> None:  # type: ignore[no-untyped-def]
     model_dir = tiny_checkpoint("llama")
-    proc = subprocess.Popen(
-        [*SHOAL, "serve", str(model_dir), "--port", "0", "--num-gpu-blocks-override", "64"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        start_new_session=True,
-    )
+    proc = _serve(model_dir)
     lines: list[str] = []
     try:
         match = _wait_for_line(proc, r"is serving .* on (http://\S+)", lines, 240)
@@ -191,14 +196,7 @@ class _Output:
 @pytest.mark.timeout(300)
 def test_serve_answers_again_after_its_nats_server_is_killed(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     model_dir = tiny_checkpoint("llama")
-    proc = subprocess.Popen(
-        [*SHOAL, "serve", str(model_dir), "--port", "0", "--num-gpu-blocks-override", "64"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-        start_new_session=True,
-    )
+    proc = _serve(model_dir)
     output = _Output(proc)
     try:
         url = output.wait_for(r"is serving .* on (http://\S+)", 240).group(1)

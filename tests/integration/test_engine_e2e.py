@@ -10,7 +10,12 @@ import pytest
 
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from tests.fixtures.models import hf_greedy, make_prompts
-from tests.integration.conditions import CONTEXT_LEN, assert_ended_by_abort, wait_for
+from tests.integration.conditions import (
+    CONTEXT_LEN,
+    assert_ended_by_abort,
+    read_then_hang_up,
+    wait_for,
+)
 from tests.integration.engine_stack import engine_stack
 
 pytestmark = pytest.mark.timeout(180)
@@ -69,13 +74,7 @@ async def test_abort_mid_generation_frees_blocks(bus_factory, tiny_checkpoint): 
         core = stack.engines[0].core
         assert core is not None
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        stream = stack.client.generate(prompt, params, "victim")
-        seen = 0
-        async for _ in stream:
-            seen += 1
-            if seen == 3:
-                break
-        await stream.aclose()
+        await read_then_hang_up(stack.client.generate(prompt, params, "victim"))
         await wait_for(lambda: not core.scheduler.requests, 120, "the victim leaves the core")
         assert_ended_by_abort(core.stats(), num_blocks=NUM_BLOCKS, max_tokens=max_tokens)
 
