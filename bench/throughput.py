@@ -262,15 +262,19 @@ class Sides:
         self.cb = cb_settings(work, args) if self.hf is not None and args.hf_cb else None
         self.batches = sorted({min(b, len(work[0])) for b in args.hf_batches})
         self.runs: dict[str, list[dict]] = {}
+        self.warmed_up: list[str] = []
 
     def warm_up(self) -> None:
         """One untimed small run of every mode (and static batch size) that is timed later."""
         small = warmup_workload(self.work, max(self.batches))
         run_shoal(self.shoal, small, "warmup")
+        self.warmed_up.append("shoal")
         for batch in self.batches if self.hf is not None else []:
             run_hf_static(self.hf, small, batch, self.args.device)
+            self.warmed_up.append(f"hf_static_{batch}")
         if self.cb is not None:
             run_hf_continuous(self.hf, small, self.cb, self.args.device)
+            self.warmed_up.append("hf_continuous")
 
     def best_batch(self) -> int:
         return max(self.batches, key=lambda b: tok_s(fastest(self.runs[f"hf_static_{b}"])))
@@ -342,7 +346,7 @@ def figures(sides: Sides, num_params: int) -> dict:
         "hf_batches": sides.batches,
         "threads": args.threads,
         "rounds": args.rounds,
-        "warmup": True,
+        "warmed_up": sides.warmed_up,
         "rounds_per_mode": {mode: len(mode_runs) for mode, mode_runs in runs.items()},
     }
 

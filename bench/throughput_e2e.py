@@ -268,14 +268,15 @@ async def run_hf_round(model: Any, workload: Workload, args: argparse.Namespace)
 
 async def run_rounds(
     args: argparse.Namespace, model_dir: Path, workload: Workload
-) -> tuple[dict[str, list[PathRun]], list[HfRun]]:
+) -> tuple[dict[str, list[PathRun]], list[HfRun], list[str]]:
     """Both stacks and transformers up at once, one warm-up each, then ``rounds`` timed runs of
-    each, rotating which goes first."""
+    each, rotating which goes first; the timed runs and the sides that had their warm-up."""
     from bench.throughput import load_hf, warmup_workload
 
     prompts, max_tokens = workload
     runs: dict[str, list[PathRun]] = {"nats": [], "memory": []}
     hf_runs: list[HfRun] = []
+    warmed_up: list[str] = []
     async with AsyncExitStack() as stack:
         nats_args = engine_config(model_dir, args, "nats")
         memory_args = engine_config(model_dir, args, "memory")
@@ -287,10 +288,12 @@ async def run_rounds(
         warm = warmup_workload(
             (round_prompts(prompts, args.rounds, args.vocab), max_tokens), args.hf_batch
         )
-        for client, _ in clients.values():
+        for side, (client, _) in clients.items():
             await generate_all(client, *warm, "warmup")
+            warmed_up.append(side)
         if model is not None:
             await run_hf_round(model, warm, args)
+            warmed_up.append("hf")
         sides = ["nats", "memory"] + ([] if model is None else ["hf"])
         for r in range(args.rounds):
             shifted = (round_prompts(prompts, r, args.vocab), max_tokens)
@@ -302,7 +305,7 @@ async def run_rounds(
                 client, times = clients[side]
                 runs[side].append(await measure(client, times, shifted, f"round{r}-"))
                 print_path(f"round {r} {side}:", runs[side][-1])
-    return runs, hf_runs
+    return runs, hf_runs, warmed_up
 
 
 # ----- report
@@ -454,7 +457,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.device}, {args.threads} torch thread(s) per process",
             flush=True,
         )
-        runs, hf_runs = asyncio.run(run_rounds(args, model_dir, (prompts, max_tokens)))
+        runs, hf_runs, warmed_up = asyncio.run(run_rounds(args, model_dir, (prompts, max_tokens)))
     extra = {
         "num_params": num_params,
         "num_prompts": len(prompts),
@@ -466,7 +469,7 @@ def main(argv: list[str] | None = None) -> None:
         "processes": processes(args),
         "hf_batch": args.hf_batch,
         "rounds": args.rounds,
-        "warmup": True,
+        "warmed_up": warmed_up,
         "quick": args.quick,
     }
     report(runs, hf_runs, extra)
