@@ -16,6 +16,7 @@ import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -235,9 +236,32 @@ async def test_serve_counts_and_reports_failed_requests(tiny_checkpoint, capsys)
     assert "4 failed with HTTP 400" in capsys.readouterr().err
 
 
-async def test_serve_connection_errors_are_failed_requests_not_a_crash() -> None:
-    import aiohttp
+async def test_serve_cut_streams_and_error_chunks_are_failed_requests() -> None:
+    async def cut(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        if request.query.get("error"):
+            await response.write(b'data: {"error": {"message": "engine died"}}\n\n')
+            await response.write(b"data: [DONE]\n\n")
+        return response
 
+    app = web.Application()
+    app.router.add_post("/v1/completions", cut)
+    server = await start_http_server(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"{server.url}/v1/completions"
+            results = [await serve.one_request(session, url + q, {}) for q in ("", "?error=1")]
+    finally:
+        await server.stop()
+    assert [(r.ok, r.error) for r in results] == [
+        (False, "stream cut: no [DONE]"),
+        (False, "error chunk: engine died"),
+    ]
+
+
+async def test_serve_connection_errors_are_failed_requests_not_a_crash() -> None:
     async with aiohttp.ClientSession() as session:
         result = await serve.one_request(session, "http://127.0.0.1:9/v1/completions", {})
     assert not result.ok and result.error.startswith("ClientConnectorError")
