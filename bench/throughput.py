@@ -13,7 +13,9 @@ eos ignored. The two transformers modes:
   attention (no flash kernel there); its cache is sized here (``num_blocks`` for the whole
   workload, ``max_batch_tokens`` = shoal's token budget) because without ``psutil`` it would try
   to size itself from the host's whole memory. The manager persists across rounds, as shoal's
-  runner does, so neither side's timed rounds pay for allocating its cache.
+  runner does, so neither side's timed rounds pay for allocating its cache; its block sharing
+  (prefix cache) is off, as its cached blocks would outlive a round (shoal's scheduler, with the
+  prefix cache, is new every round; the prompts share no prefix within a round).
 
 Every side loads once and gets one untimed warm-up, then ``--rounds`` timed rounds (3; 1 with
 ``--quick``), alternating which side goes first; each keeps its best round. The batch sweep runs
@@ -211,6 +213,7 @@ def cb_settings(full: Workload, args: argparse.Namespace) -> tuple[Any, Any]:
         num_blocks=blocks + len(prompts),
         max_batch_tokens=args.batched_tokens,
         max_requests_per_batch=len(prompts),
+        allow_block_sharing=False,  # its prefix cache outlives a round; shoal's does not
     )
     return generation, batching
 
