@@ -9,13 +9,15 @@ eos ignored. The two transformers modes:
   (``--hf-batches``, 8,16,32,64) and the best one kept.
 - continuous: transformers' own continuous batching (the paged path behind ``generate_batch``),
   driven through ``continuous_batching_context_manager`` so each request keeps its own
-  ``max_new_tokens`` (``generate_batch`` takes one for all). On the CPU it runs with ``sdpa``
-  attention (no flash kernel there); its cache is sized here (``num_blocks`` for the whole
-  workload, ``max_batch_tokens`` = shoal's token budget) because without ``psutil`` it would try
-  to size itself from the host's whole memory. The manager persists across rounds, as shoal's
-  runner does, so neither side's timed rounds pay for allocating its cache; its block sharing
-  (prefix cache) is off, as its cached blocks would outlive a round (shoal's scheduler, with the
-  prefix cache, is new every round; the prompts share no prefix within a round).
+  ``max_new_tokens`` (``generate_batch`` takes one for all). On the CPU in fp32 it works with
+  ``sdpa`` attention (used here; ``eager`` becomes its ``paged|eager`` and works too, no faster;
+  no flash kernel there; its greedy tokens matched ``generate()``'s when checked); its cache is
+  sized here (``num_blocks`` for the whole workload, ``max_batch_tokens`` = shoal's token
+  budget) because without ``psutil`` it would try to size itself from the host's whole memory.
+  The manager persists across rounds, as shoal's runner does, so neither side's timed rounds pay
+  for allocating its cache; its block sharing (prefix cache) is off, as its cached blocks would
+  outlive a round (shoal's scheduler, with the prefix cache, is new every round; the prompts
+  share no prefix within a round).
 
 Every side loads once and gets one untimed warm-up, then ``--rounds`` timed rounds (3; 1 with
 ``--quick``), alternating which side goes first; each keeps its best round. The batch sweep runs
