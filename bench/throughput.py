@@ -1,14 +1,33 @@
-"""Offline generation throughput: shoal (real scheduler + model runner) against transformers'
-``generate()`` on the same random Llama of about 25M parameters.
+"""Offline generation throughput: shoal (real scheduler + model runner) against transformers on
+the same random Llama of about 25M parameters, in two transformers modes.
 
 64 prompts of 32..512 random tokens, max_tokens drawn per request from 16..256 (seed 0), greedy,
-eos ignored. transformers gets the same prompts in left-padded batches of ``--hf-batch`` (16 by
-default), grouped by max_tokens so each batch wastes few steps; it is credited only with the
-tokens each request asked for. shoal's engine overhead is the share of its step time (schedule +
-diff + input building + sampling + output update) spent outside the bare model forward.
+eos ignored. The two transformers modes:
+
+- static: ``generate()`` on left-padded batches grouped by max_tokens so each batch wastes few
+  steps, credited only with the tokens each request asked for. The batch size is swept
+  (``--hf-batches``, 8,16,32,64) and the best one kept.
+- continuous: transformers' own continuous batching (the paged path behind ``generate_batch``),
+  driven through ``continuous_batching_context_manager`` so each request keeps its own
+  ``max_new_tokens`` (``generate_batch`` takes one for all). On the CPU in fp32 it works with
+  ``sdpa`` attention (used here; ``eager`` becomes its ``paged|eager`` and works too, no faster;
+  no flash kernel there; its greedy tokens matched ``generate()``'s when checked); its cache is
+  sized here (``num_blocks`` for the whole workload, ``max_batch_tokens`` = shoal's token
+  budget) because without ``psutil`` it would try to size itself from the host's whole memory.
+  The manager persists across rounds, as shoal's runner does, so neither side's timed rounds pay
+  for allocating its cache; its block sharing (prefix cache) is off, as its cached blocks would
+  outlive a round (shoal's scheduler, with the prefix cache, is new every round; the prompts
+  share no prefix within a round).
+
+Every side loads once and gets one untimed warm-up, then ``--rounds`` timed rounds (3; 1 with
+``--quick``), alternating which side goes first; each keeps its best round. The batch sweep runs
+in round 0; later rounds rerun only the best batch size so far, so the best static batch gets as
+many rounds as shoal. ``ratio`` is shoal over the faster transformers mode. shoal's engine
+overhead is the share of its step time (schedule + diff + input building + sampling + output
+update) spent outside the bare model forward.
 
     .venv/bin/python bench/throughput.py [--device cpu|cuda] [--dtype float32] [--quick]
-        [--repeat N]
+        [--rounds N] [--hf-batches 8,16,32,64] [--skip-hf-cb]
 
 The last line printed is one JSON object with the figures.
 """
@@ -21,6 +40,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,17 +54,21 @@ from shoal.workers.model_runner import ModelRunner
 
 VOCAB = 4096
 MAX_MODEL_LEN = 1024
+WARMUP_TOKENS = 4
+Workload = tuple[list[list[int]], list[int]]
 
 
-def build_model(out_dir: Path, dtype: str) -> int:
-    """A random Llama of ~25M parameters saved with save_pretrained; returns its size."""
+def build_model(out_dir: Path, dtype: str, tiny: bool = False) -> int:
+    """A random Llama of ~25M parameters (~0.6M when ``tiny``, for smoke tests) saved with
+    save_pretrained; returns its size."""
     import transformers
 
+    hidden, ffn, layers = (64, 128, 2) if tiny else (512, 1536, 6)
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=512,
-        intermediate_size=1536,
-        num_hidden_layers=6,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=4,
         max_position_embeddings=MAX_MODEL_LEN,
@@ -60,7 +84,7 @@ def build_model(out_dir: Path, dtype: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def workload(num_prompts: int, quick: bool) -> tuple[list[list[int]], list[int]]:
+def workload(num_prompts: int, quick: bool) -> Workload:
     gen = torch.Generator().manual_seed(0)
     hi_len, hi_out = (128, 32) if quick else (512, 256)
     lengths = torch.randint(32, hi_len + 1, (num_prompts,), generator=gen).tolist()
@@ -69,29 +93,44 @@ def workload(num_prompts: int, quick: bool) -> tuple[list[list[int]], list[int]]
     return prompts, max_tokens
 
 
-def run_shoal(model_dir: Path, prompts, max_tokens, args) -> dict:  # type: ignore[no-untyped-def]
+def warmup_workload(work: Workload, num: int) -> Workload:
+    """The first ``num`` prompts with a few output tokens each: touches every code path once."""
+    prompts = work[0][:num]
+    return prompts, [WARMUP_TOKENS] * len(prompts)
+
+
+# ----- shoal
+
+
+def open_shoal(model_dir: Path, args: argparse.Namespace, num_seqs: int) -> tuple[Any, Any]:
+    """A loaded model runner and its config; each round builds a fresh scheduler on them."""
     config = ShoalConfig.from_options(
         model=str(model_dir),
         dtype=args.dtype,
         device=args.device,
         block_size=16,
         max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=len(prompts),
+        max_num_seqs=num_seqs,
         max_num_batched_tokens=args.batched_tokens,
         kv_cache_memory_bytes=args.kv_bytes,
     )
     runner = ModelRunner(config)
-    facts = runner.load()
+    return runner, (config, runner.load())
+
+
+def run_shoal(shoal: tuple[Any, Any], work: Workload, tag: str) -> dict:
+    """The whole workload through a fresh scheduler (empty prefix cache) on the loaded runner."""
+    runner, (config, facts) = shoal
     scheduler = Scheduler(
         config.scheduler_config,
         config.cache_config,
         num_blocks=facts.num_blocks,
         max_model_len=facts.max_model_len,
     )
-    for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+    for i, (prompt, n) in enumerate(zip(*work, strict=True)):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         scheduler.add_request(
-            Request(f"r{i}", prompt, params, client_id="bench", arrival_time=float(i))
+            Request(f"{tag}{i}", prompt, params, client_id="bench", arrival_time=float(i))
         )
     num_out = step_s = forward_s = 0.0
     num_steps = 0
@@ -115,21 +154,33 @@ def run_shoal(model_dir: Path, prompts, max_tokens, args) -> dict:  # type: igno
     }
 
 
-def run_hf(model_dir: Path, prompts, max_tokens, args) -> dict:  # type: ignore[no-untyped-def]
+# ----- transformers
+
+
+def load_hf(model_dir: Path, args: argparse.Namespace) -> Any:
+    """The checkpoint in transformers with eos disabled (every request runs to its max_tokens)."""
     import transformers
 
-    model = (
-        transformers.AutoModelForCausalLM.from_pretrained(
-            str(model_dir), dtype=getattr(torch, args.dtype)
-        )
-        .to(args.device)
-        .eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=getattr(torch, args.dtype)
     )
+    model = model.to(args.device).eval()
     model.generation_config.eos_token_id = None
+    return model
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_hf_static(model: Any, work: Workload, batch: int, device: str) -> dict:
+    """``generate()`` on left-padded batches of ``batch`` requests grouped by max_tokens."""
+    prompts, max_tokens = work
     order = sorted(range(len(prompts)), key=lambda i: max_tokens[i])
     started = time.perf_counter()
-    for begin in range(0, len(order), args.hf_batch):
-        chunk = order[begin : begin + args.hf_batch]
+    for begin in range(0, len(order), batch):
+        chunk = order[begin : begin + batch]
         width = max(len(prompts[i]) for i in chunk)
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros(len(chunk), width, dtype=torch.long)
@@ -138,37 +189,227 @@ def run_hf(model_dir: Path, prompts, max_tokens, args) -> dict:  # type: ignore[
             mask[row, width - len(prompts[i]) :] = 1
         with torch.inference_mode():
             model.generate(
-                ids.to(args.device),
-                attention_mask=mask.to(args.device),
+                ids.to(device),
+                attention_mask=mask.to(device),
                 do_sample=False,
                 max_new_tokens=max(max_tokens[i] for i in chunk),
                 pad_token_id=0,
             )
-    if args.device.startswith("cuda"):
-        torch.cuda.synchronize()
+    synchronize(device)
     return {"tokens": sum(max_tokens), "seconds": time.perf_counter() - started}
 
 
-def fastest(best: dict | None, run: dict) -> dict:
-    return run if best is None or run["seconds"] < best["seconds"] else best
+def cb_settings(full: Workload, args: argparse.Namespace) -> tuple[Any, Any]:
+    """(generation config, continuous batching config) for the whole workload resident at once."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    prompts, max_tokens = full
+    page = args.hf_cb_page_size
+    blocks = sum(-(-(len(p) + m) // page) for p, m in zip(prompts, max_tokens, strict=True))
+    generation = GenerationConfig(
+        do_sample=False, eos_token_id=-1, max_new_tokens=max(max_tokens), pad_token_id=0
+    )
+    batching = ContinuousBatchingConfig(
+        page_size=page,
+        num_blocks=blocks + len(prompts),
+        max_batch_tokens=args.batched_tokens,
+        max_requests_per_batch=len(prompts),
+        allow_block_sharing=False,  # its prefix cache outlives a round; shoal's does not
+    )
+    return generation, batching
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_hf_continuous(model: Any, work: Workload, settings: tuple[Any, Any], device: str) -> dict:
+    """Every request submitted at once to transformers' continuous batching manager, each with
+    its own max_new_tokens; tokens counted from the finished outputs."""
+    generation, batching = settings
+    started = time.perf_counter()
+    with model.continuous_batching_context_manager(
+        generation_config=generation,
+        continuous_batching_config=batching,
+        block=True,
+        persistent_manager=True,
+    ) as manager:
+        ids = [manager.add_request(p, max_new_tokens=n) for p, n in zip(*work, strict=True)]
+        done: dict[str, Any] = {}
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped early")
+    synchronize(device)
+    tokens = sum(len(done[i].generated_tokens) for i in ids)
+    if tokens != sum(work[1]):
+        raise RuntimeError(f"continuous batching made {tokens} of {sum(work[1])} tokens")
+    return {"tokens": tokens, "seconds": time.perf_counter() - started}
+
+
+# ----- rounds
+
+
+def tok_s(run: dict) -> float:
+    return float(run["tokens"] / run["seconds"])
+
+
+def fastest(runs: list[dict]) -> dict:
+    return min(runs, key=lambda run: run["seconds"])
+
+
+class Sides:
+    """Each side's loaded model and every timed run it made, keyed by mode."""
+
+    def __init__(self, model_dir: Path, args: argparse.Namespace, work: Workload) -> None:
+        self.args, self.work = args, work
+        self.shoal = open_shoal(model_dir, args, len(work[0]))
+        self.hf = None if args.skip_hf else load_hf(model_dir, args)
+        self.cb = cb_settings(work, args) if self.hf is not None and args.hf_cb else None
+        self.batches = sorted({min(b, len(work[0])) for b in args.hf_batches})
+        self.runs: dict[str, list[dict]] = {}
+        self.warmed_up: list[str] = []
+
+    def warm_up(self) -> None:
+        """One untimed small run of every mode (and static batch size) that is timed later."""
+        small = warmup_workload(self.work, max(self.batches))
+        run_shoal(self.shoal, small, "warmup")
+        self.warmed_up.append("shoal")
+        for batch in self.batches if self.hf is not None else []:
+            run_hf_static(self.hf, small, batch, self.args.device)
+            self.warmed_up.append(f"hf_static_{batch}")
+        if self.cb is not None:
+            run_hf_continuous(self.hf, small, self.cb, self.args.device)
+            self.warmed_up.append("hf_continuous")
+
+    def best_batch(self) -> int:
+        return max(self.batches, key=lambda b: tok_s(fastest(self.runs[f"hf_static_{b}"])))
+
+    def run_round(self, index: int) -> None:
+        """shoal, then transformers (the other way round on odd rounds)."""
+        steps = [self.shoal_round, self.hf_round]
+        for step in steps if index % 2 == 0 else steps[::-1]:
+            step(index)
+
+    def shoal_round(self, index: int) -> None:
+        self.record("shoal", run_shoal(self.shoal, self.work, f"round{index}-"))
+
+    def hf_round(self, index: int) -> None:
+        if self.hf is None:
+            return
+        for batch in self.batches if index == 0 else [self.best_batch()]:
+            self.record(
+                f"hf_static_{batch}", run_hf_static(self.hf, self.work, batch, self.args.device)
+            )
+        if self.cb is not None:
+            self.record(
+                "hf_continuous", run_hf_continuous(self.hf, self.work, self.cb, self.args.device)
+            )
+
+    def record(self, mode: str, run: dict) -> None:
+        self.runs.setdefault(mode, []).append(run)
+        print(f"  {mode:<16} {run['tokens']:6d} tokens in {run['seconds']:7.2f} s", flush=True)
+
+
+# ----- report
+
+
+def figures(sides: Sides, num_params: int) -> dict:
+    """The JSON line: best round of every mode; ``ratio`` is shoal over the faster transformers
+    mode (static at its best batch size, or continuous batching)."""
+    args, runs = sides.args, sides.runs
+    shoal = fastest(runs["shoal"])
+    shoal_tok_s = tok_s(shoal)
+    static_tok_s = {b: tok_s(fastest(runs[f"hf_static_{b}"])) for b in sides.batches if sides.hf}
+    best_batch = sides.best_batch() if static_tok_s else None
+    cb_tok_s = tok_s(fastest(runs["hf_continuous"])) if "hf_continuous" in runs else None
+    hf_modes = [x for x in (static_tok_s.get(best_batch or 0), cb_tok_s) if x is not None]
+    hf_best = max(hf_modes) if hf_modes else None
+    return {
+        "shoal_tok_s": round(shoal_tok_s, 1),
+        "hf_tok_s": round(static_tok_s[best_batch], 1) if best_batch else None,
+        "hf_batch_best": best_batch,
+        "hf_cb_tok_s": round(cb_tok_s, 1) if cb_tok_s else None,
+        "hf_best_tok_s": round(hf_best, 1) if hf_best else None,
+        "hf_best_mode": None
+        if hf_best is None
+        else "continuous"
+        if hf_best == cb_tok_s
+        else "static",
+        "ratio": round(shoal_tok_s / hf_best, 3) if hf_best else None,
+        "hf_batch_tok_s": {str(b): round(v, 1) for b, v in static_tok_s.items()},
+        "engine_overhead_pct": round(
+            100 * (shoal["step_s"] - shoal["forward_s"]) / shoal["step_s"], 2
+        ),
+        "shoal_steps": shoal["steps"],
+        "step_s": round(shoal["step_s"], 3),
+        "forward_s": round(shoal["forward_s"], 3),
+        "num_params": num_params,
+        "num_prompts": len(sides.work[0]),
+        "tokens": sum(sides.work[1]),
+        "device": args.device,
+        "dtype": args.dtype,
+        "hf_batches": sides.batches,
+        "threads": args.threads,
+        "rounds": args.rounds,
+        "warmed_up": sides.warmed_up,
+        "rounds_per_mode": {mode: len(mode_runs) for mode, mode_runs in runs.items()},
+    }
+
+
+def report(out: dict, work: Workload) -> None:
+    prompts, max_tokens = work
+    print(
+        f"model: random Llama, {out['num_params'] / 1e6:.1f}M params, {out['dtype']} on "
+        f"{out['device']}; {len(prompts)} prompts of {min(map(len, prompts))}.."
+        f"{max(map(len, prompts))} tokens, {sum(max_tokens)} output tokens requested; "
+        f"best of {out['rounds']} round(s) after a warm-up"
+    )
+    print(
+        f"shoal:                     {out['shoal_tok_s']:8.1f} tok/s ({out['shoal_steps']} steps)"
+    )
+    for batch, value in out["hf_batch_tok_s"].items():
+        print(f"transformers static b={batch:<3}: {value:8.1f} tok/s (left padded)")
+    if out["hf_cb_tok_s"] is not None:
+        print(f"transformers continuous:   {out['hf_cb_tok_s']:8.1f} tok/s (paged, sdpa)")
+    if out["ratio"] is not None:
+        print(f"ratio shoal/best transformers ({out['hf_best_mode']}): {out['ratio']:.2f}x")
+    print(
+        f"engine step time {out['step_s']:.2f} s vs bare forward {out['forward_s']:.2f} s: "
+        f"overhead {out['engine_overhead_pct']:.1f}%"
+    )
+    print(json.dumps(out))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument(
+        "--hf-batches",
+        default="8,16,32,64",
+        type=lambda text: [int(x) for x in text.split(",")],
+        help="static batch sizes swept for transformers' generate() (best kept)",
+    )
+    parser.add_argument("--hf-cb-page-size", type=int, default=256, help="its default page size")
     parser.add_argument("--batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-bytes", type=int, default=512 * 1024 * 1024)
-    parser.add_argument("--quick", action="store_true", help="short prompts and outputs")
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="short prompts and outputs, 1 round")
+    parser.add_argument("--tiny", action="store_true", help="a ~0.6M-parameter model (smoke tests)")
+    parser.add_argument("--skip-hf", action="store_true", help="shoal only")
     parser.add_argument(
+        "--skip-hf-cb",
+        dest="hf_cb",
+        action="store_false",
+        help="no continuous-batching baseline",
+    )
+    parser.add_argument(
+        "--rounds",
         "--repeat",
         type=int,
-        default=1,
-        help="run both systems this many times, alternating, and keep each one's fastest run "
-        "(damps a noisy machine)",
+        default=None,
+        help="timed rounds per side after one warm-up, alternating, best kept (default 3; "
+        "1 with --quick)",
     )
     parser.add_argument(
         "--threads",
@@ -176,59 +417,25 @@ def main() -> None:
         default=1,
         help="torch CPU threads for both systems (1: fastest on a shared box)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 3
+    args.rounds = max(1, args.rounds)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    prompts, max_tokens = workload(args.num_prompts, args.quick)
+    work = workload(args.num_prompts, args.quick)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp)
-        num_params = build_model(model_dir, args.dtype)
-        shoal, hf = None, None
-        for _ in range(max(1, args.repeat)):
-            shoal = fastest(shoal, run_shoal(model_dir, prompts, max_tokens, args))
-            if not args.skip_hf:
-                hf = fastest(hf, run_hf(model_dir, prompts, max_tokens, args))
-        assert shoal is not None
-    shoal_tok_s = shoal["tokens"] / shoal["seconds"]
-    hf_tok_s = hf["tokens"] / hf["seconds"] if hf else None
-    overhead = 100.0 * (shoal["step_s"] - shoal["forward_s"]) / shoal["step_s"]
-    print(
-        f"model: random Llama, {num_params / 1e6:.1f}M params, {args.dtype} on {args.device}; "
-        f"{len(prompts)} prompts of {min(map(len, prompts))}..{max(map(len, prompts))} tokens, "
-        f"{sum(max_tokens)} output tokens requested"
-    )
-    print(
-        f"shoal:        {shoal['tokens']:6d} tokens in {shoal['seconds']:7.2f} s = "
-        f"{shoal_tok_s:8.1f} tok/s ({shoal['steps']} steps)"
-    )
-    if hf is not None:
-        print(
-            f"transformers: {hf['tokens']:6d} tokens in {hf['seconds']:7.2f} s = "
-            f"{hf_tok_s:8.1f} tok/s (batches of {args.hf_batch}, left padded)"
-        )
-        print(f"ratio shoal/transformers: {shoal_tok_s / hf_tok_s:.2f}x")  # type: ignore[operator]
-    print(
-        f"engine step time {shoal['step_s']:.2f} s vs bare forward {shoal['forward_s']:.2f} s: "
-        f"overhead {overhead:.1f}%"
-    )
-    print(
-        json.dumps(
-            {
-                "shoal_tok_s": round(shoal_tok_s, 1),
-                "hf_tok_s": round(hf_tok_s, 1) if hf_tok_s else None,
-                "ratio": round(shoal_tok_s / hf_tok_s, 3) if hf_tok_s else None,
-                "engine_overhead_pct": round(overhead, 2),
-                "shoal_steps": shoal["steps"],
-                "step_s": round(shoal["step_s"], 3),
-                "forward_s": round(shoal["forward_s"], 3),
-                "num_params": num_params,
-                "device": args.device,
-                "dtype": args.dtype,
-                "hf_batch": args.hf_batch,
-                "threads": args.threads,
-                "repeat": args.repeat,
-            }
-        )
-    )
+        num_params = build_model(Path(tmp), args.dtype, args.tiny)
+        sides = Sides(Path(tmp), args, work)
+        sides.warm_up()
+        for index in range(args.rounds):
+            print(f"round {index}:", flush=True)
+            sides.run_round(index)
+    report(figures(sides, num_params), work)
 
 
 if __name__ == "__main__":

@@ -7,15 +7,21 @@ ignored) served by engine client → engine core → worker over two buses, besi
           supervisor runs them), the engine client in this process;
 - memory: the in-memory bus, every actor in this process (as the offline ``LLM`` runs).
 
-Both stacks start first and get one warm-up request (startup is not timed); then each runs the
-workload ``--rounds`` times (3; 1 with ``--quick``), alternating which path goes first, every
-round with its tokens shifted so no round hits an earlier round's prefix cache; the best round
-of each path is reported (this machine is shared and noisy). A round submits every request at
-once and runs from the first submit to the last final output; tokens are counted from the final
-outputs. The engine core reports its cumulative step wall time (step sent → result back) and the
-workers' own execute time: their difference per step is the cost of the bus and the worker
-shell, and the NATS figure minus the in-memory one is what NATS adds. Target: NATS within 10% of
-the in-memory path's throughput.
+Both stacks start first and transformers loads its model in this process (startup is not
+timed); each of the three gets the same untimed warm-up (the first ``--hf-batch`` prompts, 4
+output tokens each). Then each runs the workload ``--rounds`` times (3; 1 with ``--quick``),
+rotating which goes first, every round with its tokens shifted so no round hits an earlier
+round's prefix cache; the best round of each is reported (this machine is shared and noisy).
+transformers runs ``generate()`` on left-padded batches of ``--hf-batch`` in a worker thread of
+this process, so the stacks' event loop stays live (heartbeats) while it computes;
+``bench/throughput.py`` sweeps its batch size and adds its continuous-batching mode. The JSON
+says how many processes each side used (``processes``) and the torch threads of each.
+
+A shoal round submits every request at once and runs from the first submit to the last final
+output; tokens are counted from the final outputs. The engine core reports its cumulative step
+wall time (step sent → result back) and the workers' own execute time: their difference per step
+is the cost of the bus and the worker shell, and the NATS figure minus the in-memory one is what
+NATS adds. Target: NATS within 10% of the in-memory path's throughput.
 
     .venv/bin/python bench/throughput_e2e.py [--quick] [--device cpu|cuda] [--threads 1]
     shoal bench throughput [--quick] ...
@@ -41,8 +47,23 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 FIRST_TOKEN = 3  # workload() draws prompt tokens from [3, VOCAB)
-WARMUP_PROMPT = list(range(3, 19))  # 16 tokens shared with no workload prompt
 RUN_TIMEOUT_S = 3600.0
+STARTUP_TIMEOUT_S = 600.0
+
+
+Workload = tuple[list[list[int]], list[int]]
+
+
+@dataclass(frozen=True)
+class HfRun:
+    """One timed transformers round: the tokens the requests asked for and the wall time."""
+
+    tokens: int
+    seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
 
 
 @dataclass(frozen=True)
@@ -190,8 +211,7 @@ async def ready_client(stack: AsyncExitStack, bus: Any, config: Any) -> tuple[An
     client.stats_listeners.append(times.on_stats)
     stack.push_async_callback(client.close)
     await client.start()
-    await client.wait_until_ready(600)
-    await generate_all(client, [WARMUP_PROMPT], [4], "warmup")
+    await client.wait_until_ready(STARTUP_TIMEOUT_S)
     return client, times
 
 
@@ -238,12 +258,25 @@ def round_prompts(prompts: list[list[int]], round_index: int, vocab: int) -> lis
     ]
 
 
+async def run_hf_round(model: Any, workload: Workload, args: argparse.Namespace) -> HfRun:
+    """transformers' static batches in a worker thread (the event loop keeps serving)."""
+    from bench.throughput import run_hf_static
+
+    run = await asyncio.to_thread(run_hf_static, model, workload, args.hf_batch, args.device)
+    return HfRun(run["tokens"], run["seconds"])
+
+
 async def run_rounds(
-    args: argparse.Namespace, model_dir: Path, workload: tuple[list[list[int]], list[int]]
-) -> dict[str, list[PathRun]]:
-    """Both stacks up at once, then ``rounds`` timed runs of each, alternating which goes first."""
+    args: argparse.Namespace, model_dir: Path, workload: Workload
+) -> tuple[dict[str, list[PathRun]], list[HfRun], list[str]]:
+    """Both stacks and transformers up at once, one warm-up each, then ``rounds`` timed runs of
+    each, rotating which goes first; the timed runs and the sides that had their warm-up."""
+    from bench.throughput import load_hf, warmup_workload
+
     prompts, max_tokens = workload
     runs: dict[str, list[PathRun]] = {"nats": [], "memory": []}
+    hf_runs: list[HfRun] = []
+    warmed_up: list[str] = []
     async with AsyncExitStack() as stack:
         nats_args = engine_config(model_dir, args, "nats")
         memory_args = engine_config(model_dir, args, "memory")
@@ -251,28 +284,41 @@ async def run_rounds(
             "nats": await open_nats(stack, nats_args, args.threads),
             "memory": await open_memory(stack, memory_args),
         }
+        model = None if args.skip_hf else await asyncio.to_thread(load_hf, model_dir, args)
+        warm = warmup_workload(
+            (round_prompts(prompts, args.rounds, args.vocab), max_tokens), args.hf_batch
+        )
+        for side, (client, _) in clients.items():
+            await generate_all(client, *warm, "warmup")
+            warmed_up.append(side)
+        if model is not None:
+            await run_hf_round(model, warm, args)
+            warmed_up.append("hf")
+        sides = ["nats", "memory"] + ([] if model is None else ["hf"])
         for r in range(args.rounds):
-            order = ["nats", "memory"] if r % 2 == 0 else ["memory", "nats"]
-            for path in order:
-                client, times = clients[path]
-                shifted = round_prompts(prompts, r, args.vocab)
-                run = await measure(client, times, (shifted, max_tokens), f"round{r}-")
-                runs[path].append(run)
-                print_path(f"round {r} {path}:", run)
-    return runs
+            shifted = (round_prompts(prompts, r, args.vocab), max_tokens)
+            for side in sides[r % len(sides) :] + sides[: r % len(sides)]:
+                if side == "hf":
+                    hf_runs.append(await run_hf_round(model, shifted, args))
+                    print_hf(f"round {r} hf:", hf_runs[-1], args.hf_batch)
+                    continue
+                client, times = clients[side]
+                runs[side].append(await measure(client, times, shifted, f"round{r}-"))
+                print_path(f"round {r} {side}:", runs[side][-1])
+    return runs, hf_runs, warmed_up
 
 
 # ----- report
 
 
-def best(runs: list[PathRun]) -> PathRun:
+def best(runs: list[Any]) -> Any:
     return max(runs, key=lambda run: run.tok_s)
 
 
-def figures(runs: dict[str, list[PathRun]], hf: dict[str, Any] | None, extra: dict) -> dict:
+def figures(runs: dict[str, list[PathRun]], hf_runs: list[HfRun], extra: dict) -> dict:
     nats, memory = best(runs["nats"]), best(runs["memory"])
     steps = max(memory.num_steps, 1)
-    hf_tok_s = hf["tokens"] / hf["seconds"] if hf else None
+    hf_tok_s = best(hf_runs).tok_s if hf_runs else None
     return {
         "nats_tok_s": round(nats.tok_s, 1),
         "memory_tok_s": round(memory.tok_s, 1),
@@ -289,6 +335,7 @@ def figures(runs: dict[str, list[PathRun]], hf: dict[str, Any] | None, extra: di
         ),
         "nats_tok_s_rounds": [round(run.tok_s, 1) for run in runs["nats"]],
         "memory_tok_s_rounds": [round(run.tok_s, 1) for run in runs["memory"]],
+        "hf_tok_s_rounds": [round(run.tok_s, 1) for run in hf_runs],
         "nats_bus_step_us_rounds": [round(run.bus_step_us) for run in runs["nats"]],
         "memory_bus_step_us_rounds": [round(run.bus_step_us) for run in runs["memory"]],
         "steps": nats.num_steps,
@@ -312,16 +359,21 @@ def print_path(name: str, run: PathRun) -> None:
     )
 
 
-def report(runs: dict[str, list[PathRun]], hf: dict[str, Any] | None, extra: dict) -> None:
-    out = figures(runs, hf, extra)
-    print(f"best of {extra['rounds']} round(s):")
+def print_hf(name: str, run: HfRun, batch: int) -> None:
+    print(
+        f"{name:<17} {run.tokens:6d} tokens in {run.seconds:7.2f} s = {run.tok_s:8.1f} tok/s "
+        f"(batches of {batch}, left padded)",
+        flush=True,
+    )
+
+
+def report(runs: dict[str, list[PathRun]], hf_runs: list[HfRun], extra: dict) -> None:
+    out = figures(runs, hf_runs, extra)
+    print(f"best of {extra['rounds']} round(s) after one warm-up each:")
     print_path("shoal nats:", best(runs["nats"]))
     print_path("shoal memory:", best(runs["memory"]))
-    if hf is not None:
-        print(
-            f"{'transformers:':<17} {hf['tokens']:6d} tokens in {hf['seconds']:7.2f} s = "
-            f"{out['hf_tok_s']:8.1f} tok/s (batches of {extra['hf_batch']}, left padded)"
-        )
+    if hf_runs:
+        print_hf("transformers:", best(hf_runs), extra["hf_batch"])
     verdict = "met" if out["target_met"] else "NOT met"
     print(f"nats/memory throughput: {out['nats_vs_memory']:.3f} (target >= 0.90: {verdict})")
     print(
@@ -332,6 +384,24 @@ def report(runs: dict[str, list[PathRun]], hf: dict[str, Any] | None, extra: dic
 
 
 # ----- main
+
+
+def processes(args: argparse.Namespace) -> dict[str, Any]:
+    """How many OS processes each side ran on, and the torch threads of each."""
+    from shoal.deploy.deployment import plan_actors
+
+    actors = len(plan_actors(engine_config(Path("."), args, "nats")))
+    return {
+        "nats": 1 + actors + 1,  # this process (engine client), the actors, nats-server
+        "memory": 1,  # every actor in this process
+        "hf": 1,  # a worker thread of this process
+        "torch_threads_per_process": args.threads,
+        "layout": {
+            "nats": "engine client here; worker and engine core in own processes; nats-server",
+            "memory": "engine client, engine core and worker in this process",
+            "hf": "generate() in a worker thread of this process",
+        },
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -346,6 +416,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--rounds", type=int, default=None, help="timed runs per path, best kept (default 3)"
     )
+    parser.add_argument("--tiny", action="store_true", help="a ~0.6M-parameter model (smoke tests)")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads per process (all three systems)"
@@ -361,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads; actors inherit it
     import torch
 
-    from bench.throughput import VOCAB, build_model, run_hf, workload
+    from bench.throughput import VOCAB, build_model, workload
 
     torch.set_num_threads(args.threads)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -379,15 +450,14 @@ def main(argv: list[str] | None = None) -> None:
     )
     with tempfile.TemporaryDirectory(prefix="shoal-bench-") as tmp:
         model_dir = Path(tmp)
-        num_params = build_model(model_dir, args.dtype)
+        num_params = build_model(model_dir, args.dtype, args.tiny)
         save_tokenizer(model_dir, VOCAB)
         print(
             f"model: random Llama, {num_params / 1e6:.1f}M params, {args.dtype} on "
             f"{args.device}, {args.threads} torch thread(s) per process",
             flush=True,
         )
-        runs = asyncio.run(run_rounds(args, model_dir, (prompts, max_tokens)))
-        hf = None if args.skip_hf else run_hf(model_dir, prompts, max_tokens, args)
+        runs, hf_runs, warmed_up = asyncio.run(run_rounds(args, model_dir, (prompts, max_tokens)))
     extra = {
         "num_params": num_params,
         "num_prompts": len(prompts),
@@ -396,11 +466,13 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device,
         "dtype": args.dtype,
         "threads": args.threads,
+        "processes": processes(args),
         "hf_batch": args.hf_batch,
         "rounds": args.rounds,
+        "warmed_up": warmed_up,
         "quick": args.quick,
     }
-    report(runs, hf, extra)
+    report(runs, hf_runs, extra)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,33 @@
-"""Smoke test of the end-to-end throughput benchmark (``bench/throughput_e2e.py``): a short run
-over NATS (actor processes), the in-memory bus and transformers ends with one JSON line of
-positive figures. No timing is asserted; the machine is shared."""
+"""Smoke tests of the benchmarks at tiny sizes: ``bench/throughput.py`` (shoal beside
+transformers' static batches at each swept size and its continuous batching, one warm-up and the
+same rounds each), ``bench/throughput_e2e.py`` (NATS, in-memory bus and transformers, the same
+warm-up and rounds, processes per side) and ``bench/serve.py`` (distinct or shared-prefix
+prompts, a warm-up, fixed concurrency and Poisson rate levels, failed requests counted) against
+the real engine stack. Each ends with one JSON line; no timing is asserted (the machine is
+shared)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
+
+from bench import serve
+from shoal.bus.memory import InMemoryBus
+from shoal.gateway.app import create_app
+from shoal.gateway.server import start_http_server
+from tests.integration.engine_stack import engine_stack
 
 REPO = Path(__file__).resolve().parents[2]
-BENCH = REPO / "bench" / "throughput_e2e.py"
-
-pytestmark = [pytest.mark.timeout(300), pytest.mark.nats, pytest.mark.slow]
+BENCH = REPO / "bench"
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -30,18 +42,76 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_quick_run_prints_the_figures_as_json_last():
-    done = _run(str(BENCH), "--quick", "--num-prompts", "16", timeout=280)
+def _last_json(done: subprocess.CompletedProcess[str]) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = done.stdout.strip().splitlines()
-    figures = json.loads(lines[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# ----- bench/throughput.py
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_throughput_sweeps_hf_batches_and_adds_continuous_batching():
+    done = _run(
+        str(BENCH / "throughput.py"),
+        "--quick",
+        "--tiny",
+        "--num-prompts",
+        "4",
+        "--hf-batches",
+        "2,4,8",
+        "--rounds",
+        "2",
+        timeout=280,
+    )
+    out = _last_json(done)
+    # Sizes above the number of prompts are clipped to it; each swept size has a figure.
+    assert out["hf_batches"] == [2, 4] and set(out["hf_batch_tok_s"]) == {"2", "4"}
+    best = out["hf_batch_best"]
+    assert out["hf_batch_tok_s"][str(best)] == max(out["hf_batch_tok_s"].values())
+    assert out["hf_tok_s"] == out["hf_batch_tok_s"][str(best)]
+    assert out["hf_cb_tok_s"] > 0 and out["shoal_tok_s"] > 0
+    assert out["hf_best_tok_s"] == max(out["hf_tok_s"], out["hf_cb_tok_s"])
+    assert out["ratio"] == pytest.approx(out["shoal_tok_s"] / out["hf_best_tok_s"], rel=0.01)
+    # The same rounds for shoal, the best static batch and continuous batching, after a warm-up.
+    rounds = out["rounds_per_mode"]
+    assert rounds["shoal"] == rounds[f"hf_static_{best}"] == rounds["hf_continuous"] == 2
+    assert set(out["warmed_up"]) == set(rounds) and out["tokens"] >= 4 * 16
+
+
+# ----- bench/throughput_e2e.py
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.nats
+@pytest.mark.slow
+def test_e2e_gives_transformers_the_same_warmup_and_rounds():
+    done = _run(
+        str(BENCH / "throughput_e2e.py"),
+        "--quick",
+        "--tiny",
+        "--num-prompts",
+        "4",
+        "--hf-batch",
+        "2",
+        "--rounds",
+        "2",
+        timeout=280,
+    )
+    figures = _last_json(done)
     for key in ("nats_tok_s", "memory_tok_s", "hf_tok_s", "nats_vs_memory", "nats_vs_hf"):
         assert isinstance(figures[key], int | float) and figures[key] > 0, (key, figures)
-    for key in ("nats_bus_step_us", "memory_bus_step_us", "bus_added_step_us"):
-        assert isinstance(figures[key], int | float), (key, figures)
     assert figures["nats_bus_step_us"] > 0 and figures["memory_bus_step_us"] > 0
+    for key in ("nats_tok_s_rounds", "memory_tok_s_rounds", "hf_tok_s_rounds"):
+        assert len(figures[key]) == 2, (key, figures)
+    assert figures["hf_tok_s"] == max(figures["hf_tok_s_rounds"])
+    assert figures["warmed_up"] == ["nats", "memory", "hf"]
+    processes = figures["processes"]
+    assert (processes["nats"], processes["memory"], processes["hf"]) == (4, 1, 1)
+    assert processes["torch_threads_per_process"] == figures["threads"] == 1
     # Every requested token came back through both paths, with the whole workload resident.
-    assert figures["num_prompts"] == 16 and figures["tokens"] >= 16 * 16
+    assert figures["num_prompts"] == 4 and figures["tokens"] >= 4 * 16
     assert figures["steps"] > 0 and figures["preemptions"] == 0
 
 
@@ -53,3 +123,145 @@ def test_cli_bench_aliases(name: str, script: str):
     done = _run("-m", "shoal.deploy.cli", "bench", name, "--help", timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith(f"usage: {script} ")
+
+
+# ----- bench/serve.py: the workload
+
+
+def test_serve_prompts_are_distinct_unless_a_shared_prefix_is_asked_for():
+    args = serve.parse_args(["--prompt-words", "8"])
+    prompts = [serve.make_prompt(i, args) for i in range(200)]
+    assert len(set(prompts)) == 200
+    assert len({p.split()[0] for p in prompts}) > 10  # no common first word either
+    assert prompts == [serve.make_prompt(i, args) for i in range(200)]  # seeded
+    shared = serve.parse_args(["--prompt-words", "8", "--shared-prefix-words", "5"])
+    prompts = [serve.make_prompt(i, shared).split() for i in range(50)]
+    assert len({tuple(p[:5]) for p in prompts}) == 1
+    assert len({tuple(p[5:]) for p in prompts}) == 50 and all(len(p) == 13 for p in prompts)
+
+
+def test_serve_poisson_arrivals_are_seeded_and_keep_the_rate():
+    offsets = serve.arrival_offsets(4.0, 2000, seed=0)
+    assert offsets == serve.arrival_offsets(4.0, 2000, seed=0)
+    assert offsets != serve.arrival_offsets(4.0, 2000, seed=1)
+    gaps = [b - a for a, b in zip([0.0, *offsets], offsets, strict=False)]
+    assert all(gap > 0 for gap in gaps)
+    mean = sum(gaps) / len(gaps)
+    assert 0.2 < mean < 0.3  # 1/rate (seeded, so not flaky)
+    # Exponential gaps: about 1 - 1/e of them are shorter than the mean (even spacing: none).
+    assert 0.58 < sum(gap < mean for gap in gaps) / len(gaps) < 0.68
+
+
+def test_serve_parse_args_defaults_to_a_concurrency_sweep_only_without_rates():
+    assert serve.parse_args([]).concurrency == [1, 8, 32, 64]
+    args = serve.parse_args(["--request-rate", "2,8.5"])
+    assert args.concurrency == [] and args.request_rate == [2.0, 8.5]
+
+
+# ----- bench/serve.py against the real engine stack
+
+
+@contextlib.asynccontextmanager
+async def _gateway(model_dir: Path, prompts: list[str]) -> AsyncIterator[str]:
+    """The gateway over a tiny real engine; every request's prompt is appended to ``prompts``."""
+
+    @web.middleware
+    async def record(request: web.Request, handler):  # type: ignore[no-untyped-def]
+        if request.method == "POST":
+            prompts.append((await request.json())["prompt"])
+        return await handler(request)
+
+    bus = InMemoryBus()
+    await bus.connect()
+    try:
+        async with engine_stack(bus, model_dir) as stack:
+            app = create_app(stack.client, served_model_name="tiny")
+            app.middlewares.append(record)
+            server = await start_http_server(app)
+            try:
+                yield server.url
+            finally:
+                await server.stop()
+    finally:
+        await bus.close()
+
+
+def _serve_args(url: str) -> list[str]:
+    return ["--url", url, "--num-requests", "4", "--max-tokens", "4", "--prompt-words", "6"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+async def test_serve_warms_up_then_runs_concurrency_and_rate_levels(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    sent: list[str] = []
+    async with _gateway(tiny_checkpoint("llama"), sent) as url:
+        args = serve.parse_args(
+            [
+                *_serve_args(url),
+                *("--warmup-requests", "2", "--concurrency", "2"),
+                *("--request-rate", "50", "--max-concurrency", "3"),
+            ]
+        )
+        summary = await serve.sweep(args)
+    json.dumps(summary)  # the printed line is plain JSON
+    by_mode = {level["mode"]: level for level in summary["levels"]}
+    assert by_mode["concurrency"]["concurrency"] == 2 and by_mode["rate"]["request_rate"] == 50
+    for level in by_mode.values():
+        assert level["num_requests"] == 4 and level["num_failed"] == 0, level
+        assert level["tok_s"] > 0 and level["ttft_ms_p50"] is not None, level
+    assert summary["warmup"] == {"num_requests": 2, "num_failed": 0, "errors": {}}
+    assert summary["num_failed"] == 0 and summary["prompts"] == "distinct"
+    # Warm-up and both levels reached the server, each request with its own prompt.
+    assert len(sent) == 2 + 4 + 4 and len(set(sent)) == len(sent)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+async def test_serve_counts_and_reports_failed_requests(tiny_checkpoint, capsys) -> None:  # type: ignore[no-untyped-def]
+    sent: list[str] = []
+    async with _gateway(tiny_checkpoint("llama"), sent) as url:
+        # Prompts over the model's 1024-token context: every request is refused.
+        args = serve.parse_args(
+            [
+                *_serve_args(url),
+                *("--warmup-requests", "0", "--concurrency", "2"),
+                *("--request-rate", "100", "--prompt-words", "1500"),
+            ]
+        )
+        summary = await serve.sweep(args)
+    for level in summary["levels"]:
+        assert level["num_requests"] == level["num_failed"] == 4, level
+        assert level["errors"] == {"HTTP 400": 4} and level["req_s"] == 0, level
+    assert summary["num_failed"] == 8 and len(sent) == 8
+    assert "4 failed with HTTP 400" in capsys.readouterr().err
+
+
+async def test_serve_cut_streams_and_error_chunks_are_failed_requests() -> None:
+    async def cut(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b'data: {"choices": [{"text": "a"}]}\n\n')
+        if request.query.get("error"):
+            await response.write(b'data: {"error": {"message": "engine died"}}\n\n')
+            await response.write(b"data: [DONE]\n\n")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", cut)
+    server = await start_http_server(app)
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"{server.url}/v1/completions"
+            results = [await serve.one_request(session, url + q, {}) for q in ("", "?error=1")]
+    finally:
+        await server.stop()
+    assert [(r.ok, r.error) for r in results] == [
+        (False, "stream cut: no [DONE]"),
+        (False, "error chunk: engine died"),
+    ]
+
+
+async def test_serve_connection_errors_are_failed_requests_not_a_crash() -> None:
+    async with aiohttp.ClientSession() as session:
+        result = await serve.one_request(session, "http://127.0.0.1:9/v1/completions", {})
+    assert not result.ok and result.error.startswith("ClientConnectorError")
