@@ -2,11 +2,16 @@
 
 ``EngineCoreActor`` (``engine/actor/core_actor.py``) is the thin async shell: it feeds inputs in,
 asks for a step, sends it to the workers and hands the result back. Keeping this part pure
-leaves room for the later wrappers: a fault-tolerance sentinel around ``step`` and a batch
-queue that holds two steps in flight (async scheduling) both sit in the shell.
+leaves room for the later wrappers: a fault-tolerance sentinel around ``step`` sits in the shell.
+
+Steps in flight: every non-empty step ``schedule()`` returns is outstanding until its result is
+applied; results must come back strictly in step order (``ValueError`` otherwise). One step may be
+outstanding, two with ``async_scheduling`` (the shell then schedules step N+1 while N runs).
+``fail_all`` also abandons the outstanding steps.
 
 Inputs are queued as they arrive and applied all together before each step; aborts are also
-applied just before a step's results (so a request aborted mid-step gets no more tokens).
+applied just before a step's results (so a request aborted mid-step gets no more tokens), once
+the step has landed (so the blocks of a request in no other step in flight are freed at once).
 """
 
 from __future__ import annotations
@@ -65,6 +70,8 @@ class EngineCore:
             scheduler_config, cache_config, num_blocks=num_blocks, max_model_len=max_model_len
         )
         self.max_waiting_requests = scheduler_config.max_waiting_requests
+        self.max_steps_in_flight = 2 if scheduler_config.async_scheduling else 1
+        self.outstanding: deque[SchedulerOutput] = deque()  # steps sent, oldest first
         self._inputs: deque[AddRequest | AbortRequest] = deque()
         self._pending_aborts: set[str] = set()
         self._num_pending_adds = 0
@@ -93,7 +100,12 @@ class EngineCore:
         return bool(self._inputs)
 
     def has_work(self) -> bool:
-        return bool(self._inputs) or self.scheduler.has_requests()
+        return bool(self._inputs or self.outstanding) or self.scheduler.has_requests()
+
+    @property
+    def can_schedule(self) -> bool:
+        """Room for one more step in flight."""
+        return len(self.outstanding) < self.max_steps_in_flight
 
     # ----- the step
 
@@ -126,17 +138,39 @@ class EngineCore:
         return Scheduler.group_final_outputs(finished)
 
     def schedule(self) -> SchedulerOutput | None:
-        """The next step, or None when there is nothing to run."""
+        """The next step, or None when there is nothing to run. A non-empty step is outstanding
+        until its result is applied; ``RuntimeError`` past ``max_steps_in_flight``."""
+        if not self.can_schedule:
+            raise RuntimeError(
+                f"{len(self.outstanding)} steps already in flight "
+                f"(at most {self.max_steps_in_flight}): apply a result first"
+            )
         if not self.scheduler.has_requests():
             return None
-        return self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule()
+        if not scheduler_output.is_empty:
+            self.outstanding.append(scheduler_output)
+        return scheduler_output
 
     def apply_result(self, scheduler_output: SchedulerOutput, result: StepResult) -> ClientOutputs:
         """Aborts that arrived during the step first, then the step's tokens.
 
         A failed step goes first instead: it finishes the requests it names and forgets the
         KV their blocks were meant to hold, which an abort applied before it would keep.
+        ``ValueError`` unless this is the oldest outstanding step.
         """
+        if not self.outstanding or self.outstanding[0] is not scheduler_output:
+            expected = self.outstanding[0].step_id if self.outstanding else None
+            raise ValueError(
+                f"result for step {scheduler_output.step_id} applied out of order "
+                f"(next outstanding step: {expected})"
+            )
+        if result.step_id != scheduler_output.step_id:
+            raise ValueError(
+                f"result is for step {result.step_id}, expected {scheduler_output.step_id}"
+            )
+        self.outstanding.popleft()
+        self.scheduler.land_step(scheduler_output)
         if result.error is not None:
             outputs = self.scheduler.update_from_output(scheduler_output, result)
             return merge_outputs(outputs, self._take_pending_aborts())
@@ -152,7 +186,10 @@ class EngineCore:
 
     def fail_all(self, reason: str) -> ClientOutputs:
         """Finish every request with an error (the workers lost their state) and forget the
-        prefix cache, whose blocks no longer hold what their hashes say."""
+        prefix cache, whose blocks no longer hold what their hashes say. Outstanding steps are
+        abandoned: their results, if they come, are not applied."""
+        while self.outstanding:
+            self.scheduler.land_step(self.outstanding.popleft(), wrote_kv=False)
         requests = list(self.scheduler.requests.values())
         for request in requests:
             request.error = reason

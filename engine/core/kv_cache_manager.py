@@ -6,6 +6,9 @@ block hashes, capped so that at least the last token is computed (its logits are
 computed, or returns None, changing nothing, when the pool cannot hold them. Full blocks are
 cached (hashed into the pool's map) as soon as they are allocated: a worker writes every KV slot
 of a step before attention reads any, so a request admitted in the same step may already hit them.
+With an earlier step of the request still in flight (async scheduling), only blocks whose KV has
+landed are cached at allocation; the rest are cached by ``cache_blocks`` when their step's result
+arrives. A block is thus never findable while another in-flight step is yet to write it.
 Prefix-cache counters count tokens (queries, hits), recorded once per request at admission.
 
 Seams: an offload connector would be asked, after the local lookup, for more blocks held outside
@@ -109,9 +112,18 @@ class KVCacheManager:
             new_block_ids = [block.block_id for block in new_blocks]
         else:
             new_block_ids = []
+        if request.num_in_flight_tokens:  # an earlier step is still writing: landed KV only
+            num_tokens = request.num_landed_tokens
         if self.enable_caching and num_tokens // block_size > self.num_cached_blocks[request_id]:
             self._cache_full_blocks(request, blocks, num_tokens // block_size)
         return new_block_ids
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Cache the request's full blocks within its first ``num_tokens`` (KV known written)."""
+        num_full = num_tokens // self.block_size
+        request_id = request.request_id
+        if self.enable_caching and num_full > self.num_cached_blocks.get(request_id, num_full):
+            self._cache_full_blocks(request, self.req_to_blocks[request_id], num_full)
 
     def _cache_full_blocks(
         self, request: Request, blocks: list[KVCacheBlock], num_full: int
@@ -124,17 +136,26 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request, drop_cached: bool = False) -> None:
-        """Give back the request's blocks, tail first, so its head stays cached the longest.
+        """Give back the request's blocks now (``take_blocks`` then ``free_blocks``)."""
+        self.free_blocks(self.take_blocks(request), request.num_landed_tokens, drop_cached)
 
-        Blocks are hashed when allocated, before their KV is written: those past the request's
-        ``num_computed_tokens`` (a step planned but never run) lose their hash, as do all of them
-        with ``drop_cached``.
-        """
-        blocks = self.req_to_blocks.pop(request.request_id, None)
+    def take_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Detach the request's block table (still referenced) to free it later."""
         self.num_cached_blocks.pop(request.request_id, None)
+        return self.req_to_blocks.pop(request.request_id, None) or []
+
+    def free_blocks(
+        self, blocks: list[KVCacheBlock], num_trusted_tokens: int, drop_cached: bool = False
+    ) -> None:
+        """Give back a detached table, tail first, so its head stays cached the longest.
+
+        Blocks are hashed when allocated, before their KV is written: those past
+        ``num_trusted_tokens`` (KV never written, or written by a step that was not reported)
+        lose their hash, as do all of them with ``drop_cached``.
+        """
         if not blocks:
             return
-        num_trusted = 0 if drop_cached else request.num_computed_tokens // self.block_size
+        num_trusted = 0 if drop_cached else max(num_trusted_tokens, 0) // self.block_size
         self.block_pool.free_blocks(reversed(blocks[num_trusted:]), drop_cached=True)
         self.block_pool.free_blocks(reversed(blocks[:num_trusted]))
 

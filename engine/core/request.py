@@ -7,9 +7,15 @@ with the first. ``block_hashes`` grows through the block hasher as blocks fill u
 Statuses are ordered as in vLLM: everything above ``PREEMPTED`` is finished, and each finished
 status maps to a wire finish reason (``stop``, ``length``, ``abort``, ``error``).
 
+Async scheduling: ``num_output_placeholders`` counts tokens already scheduled for sampling whose
+values are not back yet (the scheduler treats them as computed); ``num_in_flight_steps`` and
+``num_in_flight_tokens`` count the steps (and their tokens) sent with this request whose results
+have not been applied; ``num_stale_steps`` counts the oldest of those whose output is to be
+ignored (the request was preempted after they were sent). All stay zero between steps when one
+step at a time is in flight.
+
 Seam: ``spec_token_ids`` holds draft tokens to verify (speculative decoding); it stays empty
-until that feature lands. Async scheduling will add a count of output placeholders (tokens
-scheduled whose values are not back yet).
+until that feature lands.
 """
 
 from __future__ import annotations
@@ -76,8 +82,12 @@ class Request:
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_in_flight_steps",
+        "num_in_flight_tokens",
+        "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_stale_steps",
         "output_token_ids",
         "priority",
         "prompt_token_ids",
@@ -124,6 +134,10 @@ class Request:
         self.output_token_ids: list[int] = []
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0  # scheduled for sampling, values not back yet
+        self.num_in_flight_steps = 0  # steps sent with this request, results not applied
+        self.num_in_flight_tokens = 0  # their scheduled tokens (not stale)
+        self.num_stale_steps = 0  # the oldest in-flight steps, sent before a preemption
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 before it
         self.first_scheduled_time: float | None = None  # wall clock of the first admission
         self.num_preemptions = 0
@@ -161,6 +175,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_landed_tokens(self) -> int:
+        """Tokens whose KV a step has written and reported (computed, not in flight)."""
+        return self.num_computed_tokens - self.num_in_flight_tokens
 
     @property
     def num_output_tokens(self) -> int:

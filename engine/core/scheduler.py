@@ -19,8 +19,18 @@ frees stopped requests, finishes those a failed step names with FINISHED_ERROR (
 cached hashes), preempts scheduled requests the result does not mention (recomputed from 0), and
 counts tokens. ``finish_requests`` aborts (idempotent).
 
-Seams, not built yet: async scheduling would schedule step N+1 before N's tokens return, counting
-placeholders for them as computed; speculative decoding would schedule
+Async scheduling (``SchedulerConfig.async_scheduling``) uses this same code: step N+1 may be
+scheduled before N's result lands. A request scheduled to sample books an output placeholder
+(``Request.num_output_placeholders``), counted as a known token, so it is scheduled again at once;
+it is skipped once its tokens plus placeholders reach ``max_tokens`` or ``max_model_len`` (each
+request runs exactly ``prompt + max_tokens - 1`` tokens). ``land_step`` (the start of applying a
+result, steps strictly in order) gives the placeholders back and ends the step's flight. A request
+that finishes, or is preempted, while a step that may write its blocks is in flight keeps its
+blocks until that step lands (``pending_frees``); a preemption marks the in-flight outputs stale
+(the worker still delivers them; they are ignored). With one step in flight at a time the
+placeholder and in-flight counts are zero whenever ``schedule()`` runs, so nothing changes.
+
+Seams, not built yet: speculative decoding would schedule
 ``Request.spec_token_ids`` as extra tokens and roll back rejected ones in ``update_from_output``;
 the KV manager would ask an offload connector for external hits during admission; ``make_stats``
 feeds load-aware routing across data-parallel ranks and reports requests finished by reason and
@@ -36,6 +46,7 @@ from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import EngineCoreOutput, SchedulerStats
 from shoal.bus.messages.worker import StepResult
 from shoal.engine.core.block_hash import BlockHasher
+from shoal.engine.core.block_pool import KVCacheBlock
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.request_queue import make_request_queue
@@ -87,6 +98,12 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.num_finished = dict.fromkeys(FINISH_REASONS.values(), 0)  # by finish reason
         self._reserved_blocks = int(scheduler_config.watermark * num_blocks)
+        # Output placeholders a sampling request books per step: none when results always land
+        # before the next schedule() (then the counts stay zero), one with async scheduling.
+        self.num_placeholders_per_step = 1 if scheduler_config.async_scheduling else 0
+        # Blocks of finished or preempted requests that an in-flight step may still write:
+        # freed (trusted tokens, drop the hashes) when the request's last in-flight step lands.
+        self.pending_frees: dict[Request, tuple[list[KVCacheBlock], int, bool]] = {}
 
     # ----- requests in and out
 
@@ -167,11 +184,21 @@ class Scheduler:
         self, request: Request, was_on_worker: bool, drop_cached: bool = False
     ) -> None:
         """Free a finished request's blocks and forget it (it is already off the queues)."""
-        self.kv_cache_manager.free(request, drop_cached=drop_cached)
+        self._free_blocks(request, drop_cached)
         self.num_finished[FINISH_REASONS[request.status]] += 1
         if was_on_worker:
             self.finished_req_ids.append(request.request_id)
         del self.requests[request.request_id]
+
+    def _free_blocks(self, request: Request, drop_cached: bool = False) -> None:
+        """Free the request's blocks now, or once no in-flight step may write them."""
+        kv = self.kv_cache_manager
+        blocks = kv.take_blocks(request)
+        if request.num_in_flight_steps:
+            if blocks:
+                self.pending_frees[request] = (blocks, request.num_landed_tokens, drop_cached)
+        else:
+            kv.free_blocks(blocks, request.num_landed_tokens, drop_cached)
 
     def has_requests(self) -> bool:
         """Work to do: unfinished requests, or finished/preempted ids the worker must drop."""
@@ -214,7 +241,13 @@ class Scheduler:
             request = running[index]
             index += 1
             num_computed = request.num_computed_tokens
-            num_new = len(request.all_token_ids) - num_computed
+            num_known = len(request.all_token_ids) + request.num_output_placeholders
+            if request.num_output_placeholders and (
+                num_known - request.num_prompt_tokens >= request.max_tokens
+                or num_known >= max_model_len
+            ):
+                continue  # its last token is already scheduled (async scheduling)
+            num_new = num_known - num_computed
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
@@ -232,8 +265,8 @@ class Scheduler:
                 budget += self._unschedule(plan, victim)
                 self.preempt(victim)
                 plan.preempted.append(victim.request_id)
-                if victim is request:
-                    break
+                if victim is request or victim in self.pending_frees:
+                    break  # (its blocks come back when its in-flight step lands)
                 new_block_ids = allocate_slots(request, num_new)
             if new_block_ids is None:
                 break
@@ -265,10 +298,14 @@ class Scheduler:
         return num_tokens
 
     def preempt(self, request: Request) -> None:
-        """Free the request's blocks and queue it first, to be recomputed from token 0."""
-        self.kv_cache_manager.free(request)
+        """Free the request's blocks and queue it first, to be recomputed from token 0; the
+        outputs of its steps in flight become stale."""
+        self._free_blocks(request)
         request.status = PREEMPTED
         request.num_computed_tokens = 0
+        request.num_stale_steps = request.num_in_flight_steps
+        request.num_in_flight_tokens = 0
+        request.num_output_placeholders = 0
         request.spec_token_ids.clear()
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -317,7 +354,12 @@ class Scheduler:
         finished, self.finished_req_ids = self.finished_req_ids, []
         preempted, self.preempted_req_ids = self.preempted_req_ids + plan.preempted, []
         return build_scheduler_output(
-            self.step_id, plan, self.kv_cache_manager.get_block_ids, finished, preempted
+            self.step_id,
+            plan,
+            self.kv_cache_manager.get_block_ids,
+            finished,
+            preempted,
+            self.num_placeholders_per_step,
         )
 
     # ----- results
@@ -326,9 +368,53 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, result: StepResult
     ) -> dict[str, list[EngineCoreOutput]]:
         """Apply a step's sampled tokens; returns the outputs to publish, keyed by client id."""
-        outcome = make_step_outcome(self.requests, scheduler_output, result, self.max_model_len)
+        if result.step_id != scheduler_output.step_id:
+            raise ValueError(
+                f"result is for step {result.step_id}, expected {scheduler_output.step_id}"
+            )
+        skipped = self.land_step(scheduler_output)
+        outcome = make_step_outcome(
+            self.requests, scheduler_output, result, self.max_model_len, skipped
+        )
         self._apply_outcome(outcome)
+        self._cache_landed_blocks(scheduler_output)
         return outcome.outputs
+
+    def land_step(self, scheduler_output: SchedulerOutput, wrote_kv: bool = True) -> set[str]:
+        """The step's result arrived: end its flight on each of its requests (placeholders
+        back, pending frees done) and return the ids whose output to ignore (stale, or the
+        request finished). Idempotent. ``wrote_kv=False``: a step abandoned with its result
+        unknown (its requests are about to fail): pending frees forget their hashes."""
+        if scheduler_output.landed:
+            return scheduler_output.skipped_req_ids
+        scheduler_output.landed = True
+        skipped = scheduler_output.skipped_req_ids
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        num_placeholders = scheduler_output.num_placeholders
+        for request_id, request in scheduler_output.requests.items():
+            request.num_in_flight_steps -= 1
+            if request.num_stale_steps:
+                request.num_stale_steps -= 1
+                skipped.add(request_id)
+            else:
+                request.num_in_flight_tokens -= num_scheduled[request_id]
+                request.num_output_placeholders -= num_placeholders.get(request_id, 0)
+                if self.requests.get(request_id) is not request:
+                    skipped.add(request_id)
+            if not request.num_in_flight_steps and request in self.pending_frees:
+                blocks, num_trusted, drop_cached = self.pending_frees.pop(request)
+                self.kv_cache_manager.free_blocks(blocks, num_trusted, drop_cached or not wrote_kv)
+        return skipped
+
+    def _cache_landed_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Cache full blocks whose KV has now landed (not cached at allocation because an
+        earlier step of the request was still in flight then)."""
+        if self.block_hasher is None:
+            return
+        cache_blocks = self.kv_cache_manager.cache_blocks
+        for request in scheduler_output.requests.values():
+            if request.status is RUNNING:
+                cache_blocks(request, request.num_landed_tokens)
 
     def _apply_outcome(self, outcome: StepOutcome) -> None:
         """Free stopped requests, finish failed ones, preempt unreported ones, count tokens."""

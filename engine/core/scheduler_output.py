@@ -7,7 +7,10 @@ order (new requests, then cached ones) is defined once, by ``bus.messages.worker
 ``StepResult`` answers in the same order.
 
 ``StepPlan`` is the scheduler's scratch state while it decides a step; ``build_scheduler_output``
-turns it into the ``SchedulerOutput``.
+turns it into the ``SchedulerOutput`` and books the step on its requests: ``num_computed_tokens``
+advances (optimistically), the step counts as in flight for each, and a request whose tokens reach
+its end this step (it samples) gets ``num_placeholders_per_step`` output placeholders (1 with
+async scheduling, 0 without), given back when the result lands.
 """
 
 from __future__ import annotations
@@ -29,9 +32,13 @@ class SchedulerOutput:
     __slots__ = (
         "cached_requests",
         "finished_req_ids",
+        "landed",
         "new_requests",
+        "num_placeholders",
         "num_scheduled_tokens",
         "preempted_req_ids",
+        "requests",
+        "skipped_req_ids",
         "step_id",
         "total_num_scheduled_tokens",
     )
@@ -52,6 +59,10 @@ class SchedulerOutput:
         self.total_num_scheduled_tokens = sum(num_scheduled_tokens.values())
         self.finished_req_ids = finished_req_ids
         self.preempted_req_ids = preempted_req_ids
+        self.requests: dict[str, Request] = {}  # req_id → the request scheduled
+        self.num_placeholders: dict[str, int] = {}  # req_id → output placeholders it booked
+        self.landed = False  # its result arrived (``Scheduler.land_step``)
+        self.skipped_req_ids: set[str] = set()  # whose output is stale or for a finished one
 
     @property
     def req_ids(self) -> list[str]:
@@ -100,8 +111,9 @@ def build_scheduler_output(
     get_block_ids: Callable[[str], list[int]],
     finished_req_ids: list[str],
     preempted_req_ids: list[str],
+    num_placeholders_per_step: int = 0,
 ) -> SchedulerOutput:
-    """The step's diff; advances each scheduled request's ``num_computed_tokens`` (optimistic)."""
+    """The step's diff; books it on each scheduled request (see the module docstring)."""
     num_scheduled = plan.num_scheduled
     new_requests = []
     for request, resumed in plan.new:
@@ -120,7 +132,6 @@ def build_scheduler_output(
                 request.eos_token_ids,
             )
         )
-        request.num_computed_tokens += num_tokens
     cached_requests = []
     for request, new_block_ids in zip(plan.cached, plan.cached_block_ids, strict=True):
         num_tokens = num_scheduled[request.request_id]
@@ -128,7 +139,20 @@ def build_scheduler_output(
         cached_requests.append(
             CachedRequestData(request.request_id, new_block_ids, num_computed, num_tokens)
         )
-        request.num_computed_tokens = num_computed + num_tokens
-    return SchedulerOutput(
+    output = SchedulerOutput(
         step_id, new_requests, cached_requests, num_scheduled, finished_req_ids, preempted_req_ids
     )
+    requests, num_placeholders = output.requests, output.num_placeholders
+    for request in [request for request, _ in plan.new] + plan.cached:
+        request_id = request.request_id
+        requests[request_id] = request
+        num_tokens = num_scheduled[request_id]
+        request.num_computed_tokens += num_tokens
+        request.num_in_flight_steps += 1
+        request.num_in_flight_tokens += num_tokens
+        if num_placeholders_per_step and request.num_computed_tokens >= (
+            request.num_tokens + request.num_output_placeholders
+        ):
+            request.num_output_placeholders += num_placeholders_per_step
+            num_placeholders[request_id] = num_placeholders_per_step
+    return output

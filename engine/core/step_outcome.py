@@ -11,16 +11,16 @@ prompt logprobs. Outputs are grouped by ``Request.client_id``.
 A failed step (``StepResult.error``) lists the requests it names in ``failed``, with the error
 set and their final output made; scheduled requests the result does not mention are listed in
 ``to_recompute`` with the tokens that never ran. Requests already finished, or aborted while
-the step ran, are skipped.
+the step ran, are skipped, as are the ``skipped`` ids ``Scheduler.land_step`` names (stale outputs
+of requests preempted while the step was in flight, and requests finished meanwhile).
 
 Seam: speculative decoding would first roll back rejected draft tokens here
-(``num_computed_tokens -= num_drafts - (len(sampled) - 1)``); async scheduling would resolve
-output placeholders and skip stale outputs of preempted requests.
+(``num_computed_tokens -= num_drafts - (len(sampled) - 1)``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 
 from shoal.bus.messages.engine import EngineCoreOutput, Logprobs
 from shoal.bus.messages.worker import StepError, StepResult
@@ -57,6 +57,7 @@ def make_step_outcome(
     scheduler_output: SchedulerOutput,
     result: StepResult,
     max_model_len: int,
+    skipped: Set[str] = frozenset(),
 ) -> StepOutcome:
     """Advance ``requests`` by ``result`` (the answer to ``scheduler_output``)."""
     if result.step_id != scheduler_output.step_id:
@@ -64,17 +65,21 @@ def make_step_outcome(
             f"result is for step {result.step_id}, expected {scheduler_output.step_id}"
         )
     outcome = StepOutcome()
-    _read_sampled_tokens(outcome, requests, result, max_model_len)
+    _read_sampled_tokens(outcome, requests, result, max_model_len, skipped)
     if result.error is not None:
         _read_failure(outcome, requests, result.error)
     num_scheduled = scheduler_output.num_scheduled_tokens
     if len(result.req_ids) < len(num_scheduled):
-        _read_unreported(outcome, requests, num_scheduled, result.req_ids)
+        _read_unreported(outcome, requests, num_scheduled, result.req_ids, skipped)
     return outcome
 
 
 def _read_sampled_tokens(
-    outcome: StepOutcome, requests: Mapping[str, Request], result: StepResult, max_model_len: int
+    outcome: StepOutcome,
+    requests: Mapping[str, Request],
+    result: StepResult,
+    max_model_len: int,
+    skipped: Set[str],
 ) -> None:
     outputs, stopped = outcome.outputs, outcome.stopped
     all_logprobs = result.logprobs
@@ -84,8 +89,8 @@ def _read_sampled_tokens(
         zip(result.req_ids, result.sampled_token_ids, strict=True)
     ):
         request = requests.get(request_id)
-        if request is None or request.status is not RUNNING:
-            continue  # aborted or finished while the step ran
+        if request is None or request.status is not RUNNING or request_id in skipped:
+            continue  # aborted or finished while the step ran, or preempted since it was sent
         logprobs = all_logprobs[index] if all_logprobs else None
         prompt_logprobs = all_prompt_logprobs[index] if all_prompt_logprobs else None
         if not sampled:
@@ -148,13 +153,14 @@ def _read_unreported(
     requests: Mapping[str, Request],
     num_scheduled_tokens: dict[str, int],
     reported_req_ids: list[str],
+    skipped: Set[str],
 ) -> None:
     """Running requests scheduled but not in the result: their scheduled tokens never ran."""
     reported = set(reported_req_ids)
     failed = {request.request_id for request in outcome.failed}
     to_recompute = outcome.to_recompute
     for request_id, num_tokens in num_scheduled_tokens.items():
-        if request_id in reported or request_id in failed:
+        if request_id in reported or request_id in failed or request_id in skipped:
             continue
         request = requests.get(request_id)
         if request is None or request.status is not RUNNING:
