@@ -6,9 +6,10 @@ block hashes, capped so that at least the last token is computed (its logits are
 computed, or returns None, changing nothing, when the pool cannot hold them. Full blocks are
 cached (hashed into the pool's map) as soon as they are allocated: a worker writes every KV slot
 of a step before attention reads any, so a request admitted in the same step may already hit them.
-With an earlier step of the request still in flight (async scheduling), only blocks whose KV has
-landed are cached at allocation; the rest are cached by ``cache_blocks`` when their step's result
-arrives. A block is thus never findable while another in-flight step is yet to write it.
+With ``cache_on_allocation=False`` (async scheduling: a later step may be scheduled, and read a
+hit, before this one's result is back, and a failed step would leave garbage behind a hash)
+nothing is cached at allocation: ``cache_blocks`` caches a block once the step that fills it has
+come back.
 Prefix-cache counters count tokens (queries, hits), recorded once per request at admission.
 
 Seams: an offload connector would be asked, after the local lookup, for more blocks held outside
@@ -27,9 +28,16 @@ _NO_BLOCKS: list[KVCacheBlock] = []
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_caching: bool = True,
+        cache_on_allocation: bool = True,
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.cache_on_allocation = enable_caching and cache_on_allocation
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already hashed, per request
@@ -112,9 +120,10 @@ class KVCacheManager:
             new_block_ids = [block.block_id for block in new_blocks]
         else:
             new_block_ids = []
-        if request.num_in_flight_tokens:  # an earlier step is still writing: landed KV only
-            num_tokens = request.num_landed_tokens
-        if self.enable_caching and num_tokens // block_size > self.num_cached_blocks[request_id]:
+        if (
+            self.cache_on_allocation
+            and num_tokens // block_size > self.num_cached_blocks[request_id]
+        ):
             self._cache_full_blocks(request, blocks, num_tokens // block_size)
         return new_block_ids
 

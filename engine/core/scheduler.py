@@ -5,8 +5,9 @@ with its tokens. Each ``schedule()``:
 
 1. serves **running** requests in order, each up to its missing tokens (chunked by the budget,
    ``long_prefill_token_threshold`` and ``max_model_len``); when blocks run out it **preempts**
-   (FCFS: the last running; priority: the highest (priority, arrival)) until the allocation fits
-   or the victim is the request itself. A victim frees its blocks, goes to the **front** of the
+   (FCFS: the last running; priority: the highest (priority, arrival)) until the allocation fits,
+   the victim is the request itself, or the victim's blocks must wait for a step in flight (the
+   request then waits a step). A victim frees its blocks, goes to the **front** of the
    waiting queue and is recomputed from token 0 (its cached blocks usually make that cheap);
 2. only if nothing was preempted this step, admits **waiting** requests while the budget,
    ``max_num_seqs`` and free blocks allow, taking prefix-cache hits first; a waiting request that
@@ -27,8 +28,10 @@ request runs exactly ``prompt + max_tokens - 1`` tokens). ``land_step`` (the sta
 result, steps strictly in order) gives the placeholders back and ends the step's flight. A request
 that finishes, or is preempted, while a step that may write its blocks is in flight keeps its
 blocks until that step lands (``pending_frees``); a preemption marks the in-flight outputs stale
-(the worker still delivers them; they are ignored). With one step in flight at a time the
-placeholder and in-flight counts are zero whenever ``schedule()`` runs, so nothing changes.
+(the worker still delivers them; they are ignored). Blocks are cached only once the step that
+fills them has landed (not at allocation, so no later step can hit KV that is not written yet).
+With one step in flight at a time the placeholder and in-flight counts are zero whenever
+``schedule()`` runs, and blocks are cached at allocation as before, so nothing changes.
 
 Seams, not built yet: speculative decoding would schedule
 ``Request.spec_token_ids`` as extra tokens and roll back rejected ones in ``update_from_output``;
@@ -80,7 +83,11 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, self.block_size, cache_config.enable_prefix_caching
+            num_blocks,
+            self.block_size,
+            cache_config.enable_prefix_caching,
+            # With async scheduling a block is cached only once the step filling it is back.
+            cache_on_allocation=not scheduler_config.async_scheduling,
         )
         self.block_hasher: BlockHasher | None = (
             BlockHasher(self.block_size, cache_config.prefix_caching_hash_algo)
@@ -103,7 +110,7 @@ class Scheduler:
         self.num_placeholders_per_step = 1 if scheduler_config.async_scheduling else 0
         # Blocks of finished or preempted requests that an in-flight step may still write:
         # freed (trusted tokens, drop the hashes) when the request's last in-flight step lands.
-        self.pending_frees: dict[Request, tuple[list[KVCacheBlock], int, bool]] = {}
+        self.pending_frees: dict[Request, list[tuple[list[KVCacheBlock], int, bool]]] = {}
 
     # ----- requests in and out
 
@@ -196,7 +203,8 @@ class Scheduler:
         blocks = kv.take_blocks(request)
         if request.num_in_flight_steps:
             if blocks:
-                self.pending_frees[request] = (blocks, request.num_landed_tokens, drop_cached)
+                entry = (blocks, request.num_landed_tokens, drop_cached)
+                self.pending_frees.setdefault(request, []).append(entry)
         else:
             kv.free_blocks(blocks, request.num_landed_tokens, drop_cached)
 
@@ -391,6 +399,7 @@ class Scheduler:
         skipped = scheduler_output.skipped_req_ids
         num_scheduled = scheduler_output.num_scheduled_tokens
         num_placeholders = scheduler_output.num_placeholders
+        free_blocks = self.kv_cache_manager.free_blocks
         for request_id, request in scheduler_output.requests.items():
             request.num_in_flight_steps -= 1
             if request.num_stale_steps:
@@ -402,13 +411,13 @@ class Scheduler:
                 if self.requests.get(request_id) is not request:
                     skipped.add(request_id)
             if not request.num_in_flight_steps and request in self.pending_frees:
-                blocks, num_trusted, drop_cached = self.pending_frees.pop(request)
-                self.kv_cache_manager.free_blocks(blocks, num_trusted, drop_cached or not wrote_kv)
+                for blocks, num_trusted, drop_cached in self.pending_frees.pop(request):
+                    free_blocks(blocks, num_trusted, drop_cached or not wrote_kv)
         return skipped
 
     def _cache_landed_blocks(self, scheduler_output: SchedulerOutput) -> None:
-        """Cache full blocks whose KV has now landed (not cached at allocation because an
-        earlier step of the request was still in flight then)."""
+        """Cache full blocks whose KV has now landed (without async scheduling they were
+        cached at allocation already: nothing to do)."""
         if self.block_hasher is None:
             return
         cache_blocks = self.kv_cache_manager.cache_blocks
