@@ -5,6 +5,9 @@ it keeps a persistent batch (new requests once, then deltas), writes a fake KV e
 ``(position, token id)`` into each slot it computes, checks that every slot a request reads holds
 that request's own token at that position (so a wrong prefix-cache hit or a block shared by
 mistake shows up), and samples ``token_for(req_id, position)`` when a request reaches its end.
+Like the real worker it appends its own sampled tokens to its copy of each request, so a step
+sent before the previous one's result is applied (async scheduling) finds its input token.
+``Pipeline`` drives a scheduler with several steps in flight.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
+from shoal.engine.core.scheduler_output import SchedulerOutput
 
 ROOT = Path(__file__).resolve().parents[2]
 _SCHEDULER_FIELDS = set(SchedulerConfig.__struct_fields__)
@@ -182,6 +186,73 @@ def run_to_completion(
             for output in client_outputs:
                 outputs.setdefault(output.request_id, []).append(output)
     raise AssertionError(f"requests still unfinished after {max_steps} steps")
+
+
+class Pipeline:
+    """Drives a scheduler with up to ``depth`` steps in flight, as an async engine shell would:
+    schedule until ``depth`` steps are outstanding, then let the worker run the oldest (steps
+    run in order) and apply its result. ``depth=1`` is today's lock-step loop.
+
+    Records each request's outputs and its total scheduled tokens; ``outstanding`` holds the
+    steps in flight with the block ids each of their requests will write.
+    """
+
+    def __init__(self, scheduler: Scheduler, worker: FakeWorker, depth: int = 2) -> None:
+        self.scheduler = scheduler
+        self.worker = worker
+        self.depth = depth
+        self.outputs: dict[str, list[Any]] = {}
+        self.num_scheduled: dict[str, int] = {}
+        self.outstanding: list[tuple[SchedulerOutput, dict[str, list[int]]]] = []
+
+    def schedule(self) -> SchedulerOutput | None:
+        """One more step in flight (None if it would be empty)."""
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            return None
+        written: dict[str, list[int]] = {}
+        block_size = self.scheduler.block_size
+        for request_id, num_tokens in step.num_scheduled_tokens.items():
+            end = step.requests[request_id].num_computed_tokens
+            block_ids = self.scheduler.get_block_ids(request_id)
+            first, last = (end - num_tokens) // block_size, -(-end // block_size)
+            written[request_id] = block_ids[first:last]
+            self.num_scheduled[request_id] = self.num_scheduled.get(request_id, 0) + num_tokens
+        self.outstanding.append((step, written))
+        return step
+
+    def land(self) -> dict[str, list[Any]]:
+        """The worker runs the oldest step in flight; its result is applied."""
+        step, _ = self.outstanding.pop(0)
+        result = self.worker.execute(step.to_message())
+        outputs = self.scheduler.update_from_output(step, result)
+        self.record(outputs)
+        return outputs
+
+    def record(self, outputs: dict[str, list[Any]]) -> None:
+        for client_outputs in outputs.values():
+            for output in client_outputs:
+                self.outputs.setdefault(output.request_id, []).append(output)
+
+    def advance(self) -> None:
+        """Fill the pipeline, or land its oldest step when full or nothing more is runnable."""
+        if (
+            len(self.outstanding) < self.depth
+            and self.scheduler.has_requests()
+            and self.schedule() is not None
+            and len(self.outstanding) < self.depth
+        ):
+            return
+        if not self.outstanding:
+            raise AssertionError("nothing runnable and nothing in flight")
+        self.land()
+
+    def run(self, max_steps: int = 2000) -> dict[str, list[Any]]:
+        for _ in range(max_steps):
+            if not self.scheduler.has_requests() and not self.outstanding:
+                return self.outputs
+            self.advance()
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
 
 def run_in_fresh_python(code: str, hash_seed: str) -> str:

@@ -3,6 +3,10 @@
 After every step the block accounting and queue invariants hold; every request finishes; each
 request's tokens equal what the fake model produced for it (the fake worker also checks every KV
 slot a request reads, so a wrong prefix-cache hit or a block shared by mistake fails the test).
+
+The same workloads run with async scheduling and two steps in flight, checking as well that no
+block an in-flight step may write is free or someone else's, that no cached block is still to be
+written by a step in flight, and that the in-flight counts match the steps outstanding.
 """
 
 from __future__ import annotations
@@ -14,9 +18,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from shoal.bus.messages.engine import EngineCoreOutput
-from shoal.engine.core.request import RequestStatus
+from shoal.engine.core.request import Request, RequestStatus
 from shoal.engine.core.scheduler import Scheduler
-from tests.unit.factories import EOS, FakeWorker, make_request, make_scheduler
+from tests.unit.factories import EOS, FakeWorker, Pipeline, make_request, make_scheduler
 
 MAX_MODEL_LEN = 40
 MAX_PROMPT = 24
@@ -40,7 +44,9 @@ class Arrival:
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[Scheduler, list[Arrival], dict[int, list[int]]]:
+def scenarios(
+    draw: st.DrawFn, async_scheduling: bool = False
+) -> tuple[Scheduler, list[Arrival], dict[int, list[int]]]:
     block_size = draw(st.sampled_from([1, 2, 4]))
     min_blocks = -(-(MAX_PROMPT + MAX_OUTPUT) // block_size) + 1
     chunked = draw(st.booleans())
@@ -57,6 +63,7 @@ def scenarios(draw: st.DrawFn) -> tuple[Scheduler, list[Arrival], dict[int, list
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])),
         scheduler_reserve_full_isl=draw(st.booleans()),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.2])),  # 0.2 still admits every prompt
+        async_scheduling=async_scheduling,
     )
     prefixes = [[], [3, 4, 5, 6, 7, 8], [3, 4, 5, 9, 9, 9, 9, 9, 9, 9, 9]]
     arrivals = []
@@ -107,6 +114,10 @@ def check_invariants(scheduler: Scheduler) -> None:
             owners[block.block_id] += 1
             if block.block_hash is not None and index < len(request.block_hashes):
                 assert request.block_hashes[index] == block.block_hash, "wrong cached block"
+    for entries in scheduler.pending_frees.values():  # finished or preempted, a step in flight
+        for blocks, _, _ in entries:
+            for block in blocks:
+                owners[block.block_id] += 1
     for block in pool.blocks[1:]:
         assert block.ref_cnt == owners[block.block_id], "ref count differs from owners"
         assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
@@ -185,3 +196,94 @@ def test_random_workloads_keep_invariants_and_produce_the_model_tokens(
             assert tokens == expected
             last = expected[-1]
             assert reasons[-1] == ("stop" if last == EOS and not arrival.ignore_eos else "length")
+
+
+def check_in_flight(pipeline: Pipeline) -> bool:
+    """No block an outstanding step writes is free or another's; none of them is cached; each
+    request's in-flight counts match the outstanding steps that carry it."""
+    scheduler = pipeline.scheduler
+    kv = scheduler.kv_cache_manager
+    num_steps: Counter[Request] = Counter()
+    for step, written in pipeline.outstanding:
+        for request_id, block_ids in written.items():
+            request = step.requests[request_id]
+            num_steps[request] += 1
+            held = {
+                block.block_id
+                for blocks, _, _ in scheduler.pending_frees.get(request, [])
+                for block in blocks
+            }
+            if scheduler.requests.get(request_id) is request:
+                held.update(kv.get_block_ids(request_id))
+            for block_id in block_ids:
+                block = kv.block_pool.blocks[block_id]
+                assert block_id in held, "a block freed while an in-flight step may write it"
+                assert block.ref_cnt > 0 and block_id not in kv.block_pool.free_queue
+                assert block.block_hash is None, "a block cached before its KV landed"
+    for request in list(scheduler.requests.values()) + list(scheduler.pending_frees):
+        assert request.num_in_flight_steps == num_steps[request]
+        assert 0 <= request.num_stale_steps <= request.num_in_flight_steps
+        assert 0 <= request.num_output_placeholders <= request.num_in_flight_steps
+    for request in scheduler.pending_frees:
+        assert request.num_in_flight_steps > 0, "blocks kept with no step in flight"
+    return any(request.num_stale_steps for request in num_steps)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios(async_scheduling=True))
+def test_random_workloads_with_two_steps_in_flight(
+    scenario: tuple[Scheduler, list[Arrival], dict[int, list[int]]],
+) -> None:
+    scheduler, arrivals, aborts = scenario
+    pipeline = Pipeline(scheduler, FakeWorker(scheduler.block_size, token_for), depth=2)
+    last_arrival = max(a.step for a in arrivals)
+    stale = False
+    for step in range(MAX_STEPS):
+        for index, arrival in enumerate(arrivals):
+            if arrival.step == step:
+                scheduler.add_request(
+                    make_request(
+                        f"r{index}",
+                        arrival.prompt,
+                        max_tokens=arrival.max_tokens,
+                        priority=arrival.priority,
+                        arrival_time=float(step),
+                        ignore_eos=arrival.ignore_eos,
+                        cache_salt=arrival.cache_salt,
+                    )
+                )
+        abort_ids = [f"r{i}" for i in aborts.get(step, [])]
+        finished = scheduler.finish_requests(abort_ids, RequestStatus.FINISHED_ABORTED)
+        pipeline.record(Scheduler.group_final_outputs(finished))
+        check_invariants(scheduler)
+        stale |= check_in_flight(pipeline)
+        if step > last_arrival and not scheduler.has_requests() and not pipeline.outstanding:
+            break
+        if len(pipeline.outstanding) < 2 and scheduler.has_requests():  # as Pipeline.advance
+            scheduled = pipeline.schedule()
+            check_invariants(scheduler)
+            stale |= check_in_flight(pipeline)
+            if scheduled is not None and len(pipeline.outstanding) < 2:
+                continue
+        if pipeline.outstanding:
+            pipeline.land()
+            check_invariants(scheduler)
+            stale |= check_in_flight(pipeline)
+    else:
+        raise AssertionError("requests did not finish")
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.num_blocks - 1
+    assert not scheduler.pending_frees
+    event(f"preempted: {scheduler.num_preemptions > 0}")
+    event(f"preempted with a step in flight: {stale}")
+    event(f"prefix hits: {scheduler.kv_cache_manager.prefix_cache_hits > 0}")
+    for index, arrival in enumerate(arrivals):
+        request_id = f"r{index}"
+        request_outputs = pipeline.outputs[request_id]
+        reasons = [o.finish_reason for o in request_outputs]
+        assert reasons[-1] is not None and all(r is None for r in reasons[:-1])
+        tokens = [t for o in request_outputs for t in o.new_token_ids]
+        expected = expected_tokens(request_id, arrival)
+        if reasons[-1] == "abort":
+            assert tokens == expected[: len(tokens)]
+        else:
+            assert tokens == expected
