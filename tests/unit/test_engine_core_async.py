@@ -153,3 +153,29 @@ def test_fail_all_with_two_steps_in_flight_errors_every_request_and_drops_both()
     assert core.scheduler.kv_cache_manager.block_pool.cached_blocks == {}
     with pytest.raises(ValueError, match="out of order"):  # a late result is refused
         core.apply_result(second, worker.execute(second.to_message()))
+
+
+def test_without_async_scheduling_an_abort_during_a_step_frees_its_blocks_at_once() -> None:
+    """The step lands before the aborts that came during it, so nothing waits (as before)."""
+    core, worker = make_core(async_scheduling=False), FakeWorker(block_size=4)
+    core.admit(add("a"))
+    first = schedule(core)
+    core.queue_abort(AbortRequest(["a"]))
+    core.apply_result(first, worker.execute(first.to_message()))
+    assert_all_blocks_free(core)
+    assert core.scheduler.kv_cache_manager.block_pool.cached_blocks  # its prompt stays cached
+
+
+def test_a_reused_request_id_does_not_get_the_tokens_of_the_request_it_replaces() -> None:
+    core, worker = make_core(), FakeWorker(block_size=4)
+    core.admit(add("a"))
+    first, second = schedule(core), schedule(core)
+    core.queue_abort(AbortRequest(["a"]))
+    core.apply_result(first, worker.execute(first.to_message()))
+    core.admit(add("a", max_tokens=3))  # a client reuses the id while `second` is in flight
+    third = schedule(core)
+    assert third.new_requests[0].req_id == "a" and third.finished_req_ids == ["a"]
+    assert core.apply_result(second, worker.execute(second.to_message())) == {}
+    assert core.scheduler.requests["a"].num_output_tokens == 0
+    outputs = by_request(core.apply_result(third, worker.execute(third.to_message())))
+    assert len(outputs["a"][0].new_token_ids) == 1
