@@ -25,11 +25,11 @@ scheduled before N's result lands. A request scheduled to sample books an output
 (``Request.num_output_placeholders``), counted as a known token, so it is scheduled again at once;
 it is skipped once its tokens plus placeholders reach ``max_tokens`` or ``max_model_len`` (each
 request runs exactly ``prompt + max_tokens - 1`` tokens). ``land_step`` (the start of applying a
-result, steps strictly in order) gives the placeholders back and ends the step's flight. A request
-that finishes, or is preempted, while a step that may write its blocks is in flight keeps its
-blocks until that step lands (``pending_frees``); a preemption marks the in-flight outputs stale
-(the worker still delivers them; they are ignored). Blocks are cached only once the step that
-fills them has landed (not at allocation, so no later step can hit KV that is not written yet).
+result, steps strictly in order) ends the step's flight; ``InFlightSteps`` (``in_flight.py``)
+keeps the blocks of a request that finishes or is preempted while a step that may write them is
+in flight until that step lands, and ignores the stale outputs of a preempted request. Blocks
+are cached only once the step that fills them has landed (not at allocation, so no later step
+can hit KV that is not written yet).
 With one step in flight at a time the placeholder and in-flight counts are zero whenever
 ``schedule()`` runs, and blocks are cached at allocation as before, so nothing changes.
 
@@ -49,7 +49,7 @@ from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import EngineCoreOutput, SchedulerStats
 from shoal.bus.messages.worker import StepResult
 from shoal.engine.core.block_hash import BlockHasher
-from shoal.engine.core.block_pool import KVCacheBlock
+from shoal.engine.core.in_flight import InFlightSteps, PendingFree
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.request_queue import make_request_queue
@@ -108,9 +108,7 @@ class Scheduler:
         # Output placeholders a sampling request books per step: none when results always land
         # before the next schedule() (then the counts stay zero), one with async scheduling.
         self.num_placeholders_per_step = 1 if scheduler_config.async_scheduling else 0
-        # Blocks of finished or preempted requests that an in-flight step may still write:
-        # freed (trusted tokens, drop the hashes) when the request's last in-flight step lands.
-        self.pending_frees: dict[Request, list[tuple[list[KVCacheBlock], int, bool]]] = {}
+        self.in_flight = InFlightSteps(self.kv_cache_manager)
 
     # ----- requests in and out
 
@@ -191,22 +189,11 @@ class Scheduler:
         self, request: Request, was_on_worker: bool, drop_cached: bool = False
     ) -> None:
         """Free a finished request's blocks and forget it (it is already off the queues)."""
-        self._free_blocks(request, drop_cached)
+        self.in_flight.free(request, drop_cached)
         self.num_finished[FINISH_REASONS[request.status]] += 1
         if was_on_worker:
             self.finished_req_ids.append(request.request_id)
         del self.requests[request.request_id]
-
-    def _free_blocks(self, request: Request, drop_cached: bool = False) -> None:
-        """Free the request's blocks now, or once no in-flight step may write them."""
-        kv = self.kv_cache_manager
-        blocks = kv.take_blocks(request)
-        if request.num_in_flight_steps:
-            if blocks:
-                entry = (blocks, request.num_landed_tokens, drop_cached)
-                self.pending_frees.setdefault(request, []).append(entry)
-        else:
-            kv.free_blocks(blocks, request.num_landed_tokens, drop_cached)
 
     def has_requests(self) -> bool:
         """Work to do: unfinished requests, or finished/preempted ids the worker must drop."""
@@ -273,7 +260,7 @@ class Scheduler:
                 budget += self._unschedule(plan, victim)
                 self.preempt(victim)
                 plan.preempted.append(victim.request_id)
-                if victim is request or victim in self.pending_frees:
+                if victim is request or self.in_flight.is_pending(victim):
                     break  # (its blocks come back when its in-flight step lands)
                 new_block_ids = allocate_slots(request, num_new)
             if new_block_ids is None:
@@ -308,7 +295,7 @@ class Scheduler:
     def preempt(self, request: Request) -> None:
         """Free the request's blocks and queue it first, to be recomputed from token 0; the
         outputs of its steps in flight become stale."""
-        self._free_blocks(request)
+        self.in_flight.free(request)
         request.status = PREEMPTED
         request.num_computed_tokens = 0
         request.num_stale_steps = request.num_in_flight_steps
@@ -385,45 +372,18 @@ class Scheduler:
             self.requests, scheduler_output, result, self.max_model_len, skipped
         )
         self._apply_outcome(outcome)
-        self._cache_landed_blocks(scheduler_output)
+        self.in_flight.cache_landed(scheduler_output)
         return outcome.outputs
 
     def land_step(self, scheduler_output: SchedulerOutput, wrote_kv: bool = True) -> set[str]:
-        """The step's result arrived: end its flight on each of its requests (placeholders
-        back, pending frees done) and return the ids whose output to ignore (stale, or the
-        request finished). Idempotent. ``wrote_kv=False``: a step abandoned with its result
-        unknown (its requests are about to fail): pending frees forget their hashes."""
-        if scheduler_output.landed:
-            return scheduler_output.skipped_req_ids
-        scheduler_output.landed = True
-        skipped = scheduler_output.skipped_req_ids
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        num_placeholders = scheduler_output.num_placeholders
-        free_blocks = self.kv_cache_manager.free_blocks
-        for request_id, request in scheduler_output.requests.items():
-            request.num_in_flight_steps -= 1
-            if request.num_stale_steps:
-                request.num_stale_steps -= 1
-                skipped.add(request_id)
-            else:
-                request.num_in_flight_tokens -= num_scheduled[request_id]
-                request.num_output_placeholders -= num_placeholders.get(request_id, 0)
-                if self.requests.get(request_id) is not request:
-                    skipped.add(request_id)
-            if not request.num_in_flight_steps and request in self.pending_frees:
-                for blocks, num_trusted, drop_cached in self.pending_frees.pop(request):
-                    free_blocks(blocks, num_trusted, drop_cached or not wrote_kv)
-        return skipped
+        """The step's result arrived (``InFlightSteps.land``): returns the ids whose output to
+        ignore."""
+        return self.in_flight.land(scheduler_output, self.requests, wrote_kv)
 
-    def _cache_landed_blocks(self, scheduler_output: SchedulerOutput) -> None:
-        """Cache full blocks whose KV has now landed (without async scheduling they were
-        cached at allocation already: nothing to do)."""
-        if self.block_hasher is None:
-            return
-        cache_blocks = self.kv_cache_manager.cache_blocks
-        for request in scheduler_output.requests.values():
-            if request.status is RUNNING:
-                cache_blocks(request, request.num_landed_tokens)
+    @property
+    def pending_frees(self) -> dict[Request, list[PendingFree]]:
+        """Blocks of finished or preempted requests waiting for a step in flight."""
+        return self.in_flight.pending_frees
 
     def _apply_outcome(self, outcome: StepOutcome) -> None:
         """Free stopped requests, finish failed ones, preempt unreported ones, count tokens."""
