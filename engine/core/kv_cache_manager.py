@@ -158,8 +158,8 @@ class KVCacheManager:
     ) -> None:
         """Give back a detached table, tail first, so its head stays cached the longest.
 
-        Blocks are hashed when allocated, before their KV is written: those past
-        ``num_trusted_tokens`` (KV never written, or written by a step that was not reported)
+        Blocks may be hashed when allocated, before their KV is written: those past
+        ``num_trusted_tokens`` (KV never written, or by a step whose result has not landed)
         lose their hash, as do all of them with ``drop_cached``.
         """
         if not blocks:
