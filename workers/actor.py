@@ -4,6 +4,9 @@ Inbox ``subjects.worker_in(worker_id)`` takes ``WorkerInbound`` messages one at 
 arrival order: ``ExecuteStep`` → ``StepResult``, ``ResetWorker`` → ``ResetDone``,
 ``DescribeWorker`` → ``WorkerInfo``. The answer is the reply to a request; a step that arrives
 without a reply subject has its result published on ``subjects.engine_results(engine_id)``.
+With async scheduling the next step arrives while one runs: it waits in the inbox and runs
+after it, on the tokens the runner sampled in the step before (``bus/messages/worker.py``).
+Each ``StepResult`` says how long the worker sat idle before the step (``idle_before_s``).
 
 Everything that touches the runner (load, execute, reset) runs in ONE dedicated thread, so the
 event loop keeps sending heartbeats during a long prefill and the runner never sees two threads.
@@ -134,6 +137,7 @@ class WorkerActor(Actor):
         self.num_steps = 0
         self.num_step_errors = 0
         self._step_running = False
+        self._last_result_at: float | None = None  # perf_counter() when the last step ended
 
     # -- lifecycle -----------------------------------------------------------------------------
     def inboxes(self) -> Sequence[Inbox]:
@@ -187,10 +191,14 @@ class WorkerActor(Actor):
     async def _execute(self, step: ExecuteStep, msg: Msg) -> StepResult | None:
         runner = self._require_runner()
         self._step_running = True
+        started = time.perf_counter()
         try:
             result = await self._in_runner_thread(execute_or_explain, runner, step)
         finally:
             self._step_running = False
+            self._last_result_at, last = time.perf_counter(), self._last_result_at
+        if last is not None:
+            result.idle_before_s = started - last
         self.num_steps += 1
         self.num_step_errors += result.error is not None
         if msg.reply:

@@ -107,9 +107,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
     scheduler_reserve_full_isl: bool = True  # admit only if the whole prompt's blocks fit
     watermark: float = 0.0  # fraction of blocks kept free when admitting waiting requests
     max_waiting_requests: int = 1024  # past this an engine core answers "overloaded"
-    # Schedule step N+1 while step N runs (output placeholders; vLLM's name). Off until the
-    # engine actor keeps two steps in flight; only engine.core reads it so far.
-    async_scheduling: bool = False
+    # Schedule and send step N+1 while step N runs (output placeholders, two steps in flight;
+    # vLLM's name and default).
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _positive(self, "max_num_batched_tokens", "max_num_seqs", "max_waiting_requests")

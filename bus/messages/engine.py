@@ -90,6 +90,15 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_finished_abort: int = 0
     num_finished_error: int = 0
     num_free_blocks: int = 0
+    # Async scheduling, from the engine core actor: the worker's idle time between steps while
+    # this engine core had work (cumulative, as the worker measures it: its previous result
+    # handed back → next step started), the steps in flight now and the most seen at once, and
+    # every token scheduled (cumulative; exactly prompt + max_tokens - 1 per request run to its
+    # length without preemption or cache hits).
+    worker_idle_s: float = 0.0
+    num_steps_in_flight: int = 0
+    max_steps_in_flight: int = 0
+    num_scheduled_tokens: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):

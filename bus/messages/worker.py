@@ -6,8 +6,11 @@ resumed arrives again as ``NewRequestData`` with ``resumed=True`` and every toke
 (prompt plus outputs), to be recomputed from ``num_computed_tokens``. The worker appends the
 tokens it samples to its own copy of each request, so decodes need no token ids on the wire.
 
-Seams for later work: ``spec_token_ids`` carries draft tokens to verify; async scheduling may
-send a step before the previous one's result is back (the worker resolves placeholders).
+Async scheduling: the engine core may send step N+1 before step N's result is back. The worker
+runs steps one at a time in arrival order (a step arriving while another runs waits its turn)
+and has appended the token it sampled in step N before N+1 runs, so a decode scheduled with an
+output placeholder reads that token from the worker's own copy; nothing is resolved on the wire.
+Seam for later work: ``spec_token_ids`` carries draft tokens to verify.
 """
 
 from __future__ import annotations
@@ -117,6 +120,9 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     prompt_logprobs: list[Logprobs | None] = []
     error: StepError | None = None
     execute_time_s: float = 0.0
+    # The worker's idle time before this step: from handing back its previous result to
+    # starting this one (includes any time with no work at all; the engine core filters).
+    idle_before_s: float = 0.0
 
 
 class WorkerInfo(msgspec.Struct, tag="info", array_like=True, omit_defaults=True):

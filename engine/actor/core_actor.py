@@ -1,13 +1,20 @@
 """The engine core actor: a thin async shell around ``EngineCore`` (one per data-parallel rank).
 
 Inbox ``engine_in(engine_id)``: ``AddRequest`` / ``AbortRequest``, queued and applied together
-before each step. The step loop sleeps while there is nothing to do, then: schedule, send the
-step to the workers (``WorkerLink``), apply aborts that arrived meanwhile, apply the result and
-publish one ``EngineOutputs`` per client. ``EngineStats`` go out after steps (at most every
-``stats_interval_s``) and on every heartbeat, so clients can discover and route by load.
+before each step. The step loop sleeps while there is nothing to do, then: apply inputs,
+schedule and send a step to the workers (``WorkerLink.submit``) while the core has room for one
+more in flight, else await the oldest step's result, apply it (aborts that arrived meanwhile
+first) and publish one ``EngineOutputs`` per client. With ``async_scheduling`` the core allows
+two steps in flight, so step N+1 is sent before step N's result is back and the worker never
+waits for this loop; without it each step is awaited before the next is scheduled. The order
+rules (results applied strictly in step order, placeholders) live in ``EngineCore``.
+``EngineStats`` go out after steps (at most every ``stats_interval_s``) and on every heartbeat,
+so clients can discover and route by load.
 
-A worker failure fails every request of this engine core with a clean error, resets the prefix
-cache, and waits for the worker to come back (the supervisor restarts it) before serving again.
+A worker failure (or a bus error, or an exception in a step) fails every request of this
+engine core with a clean error, abandons the steps in flight (a late result is dropped), resets
+the prefix cache, and waits for the worker to come back (the supervisor restarts it) before
+serving again.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -33,8 +41,9 @@ from shoal.bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
-from shoal.engine.actor.worker_link import WorkerFailure, WorkerLink
+from shoal.engine.actor.worker_link import SentStep, WorkerFailure, WorkerLink
 from shoal.engine.core.engine_core import ClientOutputs, EngineCore, kv_cache_shape, merge_outputs
+from shoal.engine.core.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +94,12 @@ class EngineCoreActor(Actor):
         self.step_wall_s = 0.0  # sending a step to having its result
         self.worker_execute_s = 0.0  # the workers' own StepResult.execute_time_s
         self.num_worker_steps = 0
+        # Steps sent, oldest first, and whether the worker's idle time before each counts.
+        self._in_flight: deque[tuple[SchedulerOutput, SentStep, bool]] = deque()
+        self._busy = False  # had work since the last step was sent
+        self.worker_idle_s = 0.0
+        self.max_steps_in_flight = 0
+        self.num_scheduled_tokens = 0
 
     # ----- lifecycle
 
@@ -107,6 +122,7 @@ class EngineCoreActor(Actor):
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
+        self._abandon_in_flight()
         if self.core is not None:
             await self._publish(self.core.fail_all(f"engine {self.engine_id} stopped"))
         await self.workers.stop()
@@ -165,6 +181,7 @@ class EngineCoreActor(Actor):
             core = self.core
             assert core is not None
             if not core.has_work():
+                self._busy = False  # the worker's wait for the next step is not idleness
                 self._wake.clear()
                 await self._publish_stats(force=True)  # also lets new clients discover us
                 with contextlib.suppress(TimeoutError):
@@ -182,23 +199,51 @@ class EngineCoreActor(Actor):
         outputs, rejected = core.apply_inputs()
         for client_id, rejection in rejected:
             await self._send(client_id, rejection)
-        scheduler_output = core.schedule()
-        if scheduler_output is not None and not scheduler_output.is_empty:
-            step = scheduler_output.to_message()
-            sent = time.perf_counter()
-            result = await self.workers.execute(step)
-            self.step_wall_s += time.perf_counter() - sent
-            self.worker_execute_s += result.execute_time_s
-            self.num_worker_steps += 1
-            merge_outputs(outputs, core.apply_result(scheduler_output, result))
-        elif not outputs and not core.has_inputs:
+        sent = core.can_schedule and await self._submit_next(core)
+        if self._in_flight and not (sent and core.can_schedule):
+            merge_outputs(outputs, await self._land_oldest(core))
+        elif not sent and not outputs and not core.has_inputs:
             await asyncio.sleep(0.001)  # nothing runnable yet: do not spin
         await self._publish(outputs)
         await self._publish_stats()
 
+    async def _submit_next(self, core: EngineCore) -> bool:
+        """Schedule a step and send it; False when there was nothing to run."""
+        scheduler_output = core.schedule()
+        if scheduler_output is None or scheduler_output.is_empty:
+            return False
+        self.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
+        sent = await self.workers.submit(scheduler_output.to_message())
+        self._in_flight.append((scheduler_output, sent, self._busy))
+        self._busy = True
+        self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._in_flight))
+        return True
+
+    async def _land_oldest(self, core: EngineCore) -> ClientOutputs:
+        """Await the oldest step's result and apply it."""
+        scheduler_output, sent, count_idle = self._in_flight[0]
+        result = await self.workers.wait(sent)
+        self._in_flight.popleft()
+        self.step_wall_s += time.monotonic() - sent.sent_at
+        self.worker_execute_s += result.execute_time_s
+        self.num_worker_steps += 1
+        if count_idle:
+            self.worker_idle_s += result.idle_before_s
+        if not any(step is scheduler_output for step in core.outstanding):
+            log.warning("engine %s: step %d was abandoned", self.engine_id, result.step_id)
+            return {}
+        return core.apply_result(scheduler_output, result)
+
+    def _abandon_in_flight(self) -> None:
+        """Stop waiting for the steps sent (``EngineCore.fail_all`` abandons them too)."""
+        while self._in_flight:
+            self.workers.forget(self._in_flight.popleft()[1])
+        self._busy = False
+
     async def _recover(self, core: EngineCore, reason: str) -> None:
         """Fail every request, then wait for the workers to be back and reset."""
         log.error("engine %s: %s; failing all requests", self.engine_id, reason)
+        self._abandon_in_flight()
         await self.set_state(ActorState.UNHEALTHY, reason)
         await self._publish(core.fail_all(reason))
         while True:
@@ -217,6 +262,10 @@ class EngineCoreActor(Actor):
         stats = core.stats()
         stats.step_wall_s, stats.worker_execute_s = self.step_wall_s, self.worker_execute_s
         stats.num_worker_steps = self.num_worker_steps
+        stats.worker_idle_s = self.worker_idle_s
+        stats.num_steps_in_flight = len(self._in_flight)
+        stats.max_steps_in_flight = self.max_steps_in_flight
+        stats.num_scheduled_tokens = self.num_scheduled_tokens
         return stats
 
     async def _publish(self, outputs: ClientOutputs) -> None:

@@ -1,17 +1,22 @@
 """An engine core's link to its workers (one per tensor-parallel rank): the handshake, steps
 sent to every rank, and liveness from their heartbeats.
 
-A worker that stops heartbeating, restarts (its heartbeat sequence starts again) or answers a
-step with an error fails the step with ``WorkerFailure`` within a bounded time: a killed
-worker never leaves the engine core waiting for a reply that cannot come.
+Steps go out with ``submit`` (published to every rank in call order, so each worker receives
+them in step order; up to two may be in flight with async scheduling) and come back with
+``wait``, on one reply subscription of this link. A worker that stops heartbeating, restarts
+(its heartbeat sequence starts again) or answers a step with an error fails the step with
+``WorkerFailure`` within a bounded time: a killed worker never leaves the engine core waiting
+for a reply that cannot come.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from shoal.bus.actor import call
 from shoal.bus.base import Bus, BusError, Msg, Subscription
@@ -26,6 +31,7 @@ from shoal.bus.messages.worker import (
     WorkerInfo,
     WorkerOutbound,
 )
+from shoal.bus.streams import is_no_responders
 from shoal.bus.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -37,6 +43,16 @@ _GONE = (ActorState.DRAINING, *GONE_STATES)  # a draining worker takes no more s
 
 class WorkerFailure(RuntimeError):
     """A worker died, restarted or failed to answer; its persistent batch is lost."""
+
+
+@dataclass(eq=False)
+class SentStep:
+    """A step published to every rank, its replies (one future per rank) still to come."""
+
+    step: ExecuteStep
+    sent_at: float  # time.monotonic()
+    replies: list[asyncio.Future[Msg]] = field(default_factory=list)
+    reply_tokens: list[str] = field(default_factory=list)
 
 
 class WorkerLink:
@@ -61,11 +77,22 @@ class WorkerLink:
         self.liveness = LivenessTable()
         self._restarts_at_handshake: dict[str, int] = {}
         self._subs: list[Subscription] = []
+        self._reply_prefix = ""
+        self._reply_ids = itertools.count()
+        self._replies: dict[str, asyncio.Future[Msg]] = {}
 
     async def start(self) -> None:
         self._subs = await watch_liveness(
             self.bus, self.subjects, "worker", self.liveness, only=self.worker_ids
         )
+        self._reply_prefix = self.bus.new_inbox()
+        self._subs.append(await self.bus.subscribe(f"{self._reply_prefix}.*", self._on_reply))
+        await self.bus.flush()
+
+    async def _on_reply(self, msg: Msg) -> None:
+        future = self._replies.pop(msg.subject.rsplit(".", 1)[-1], None)
+        if future is not None and not future.done():
+            future.set_result(msg)
 
     async def stop(self) -> None:
         subs, self._subs = self._subs, []
@@ -141,29 +168,54 @@ class WorkerLink:
 
     async def execute(self, step: ExecuteStep) -> StepResult:
         """Run a step on every rank; rank 0's result is the step's result."""
+        return await self.wait(await self.submit(step))
+
+    async def submit(self, step: ExecuteStep) -> SentStep:
+        """Publish the step to every rank (in order: a later ``submit`` arrives after it)."""
         data = _STEP.encode(step)
-        started = time.monotonic()
-        tasks = [
-            asyncio.create_task(
-                self.bus.request(self.subjects.worker_in(w), data, timeout=self.step_timeout_s)
-            )
-            for w in self.worker_ids
-        ]
+        sent = SentStep(step, time.monotonic())
+        loop = asyncio.get_running_loop()
+        for worker_id in self.worker_ids:
+            token = str(next(self._reply_ids))
+            sent.replies.append(self._replies.setdefault(token, loop.create_future()))
+            sent.reply_tokens.append(token)
+            try:
+                await self.bus.publish(
+                    self.subjects.worker_in(worker_id), data, reply=f"{self._reply_prefix}.{token}"
+                )
+            except BusError as exc:
+                self.forget(sent)
+                raise WorkerFailure(f"step {step.step_id} not sent: {exc!r}") from exc
+        return sent
+
+    async def wait(self, sent: SentStep) -> StepResult:
+        """Every rank's reply to ``sent``; ``WorkerFailure`` on a lost worker or after
+        ``step_timeout_s`` counted from now (a queued step waits for the one before it)."""
+        deadline = time.monotonic() + self.step_timeout_s
         try:
             while True:
-                done, _ = await asyncio.wait(tasks, timeout=0.25)
-                for task in done:
-                    task.result()  # raises the first failure
-                if len(done) == len(tasks):
+                _, pending = await asyncio.wait(sent.replies, timeout=0.25)
+                if not pending:
                     break
-                self._check_alive(started)
-            replies = [t.result() for t in tasks]
-        except (TimeoutError, BusError) as exc:
-            raise WorkerFailure(f"step {step.step_id} failed on the bus: {exc!r}") from exc
+                if time.monotonic() > deadline:
+                    raise WorkerFailure(
+                        f"step {sent.step.step_id}: no reply within {self.step_timeout_s} s"
+                    )
+                self._check_alive(sent.sent_at)
         finally:
-            for task in tasks:
-                task.cancel()
-        return self._decode_result(step, replies)
+            self.forget(sent)
+        replies = [future.result() for future in sent.replies]
+        for worker_id, reply in zip(self.worker_ids, replies, strict=True):
+            if is_no_responders(reply):
+                raise WorkerFailure(f"worker {worker_id} is not listening")
+        return self._decode_result(sent.step, replies)
+
+    def forget(self, sent: SentStep) -> None:
+        """Stop waiting for ``sent``'s replies (a late one is dropped)."""
+        for token in sent.reply_tokens:
+            future = self._replies.pop(token, None)
+            if future is not None:
+                future.cancel()
 
     def _decode_result(self, step: ExecuteStep, replies: list[Msg]) -> StepResult:
         results = []
