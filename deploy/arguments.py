@@ -136,6 +136,12 @@ def _add_model_arguments(g: Group) -> None:
         choices=POLICIES,
         help="fcfs, or priority (lower value first; preempts the lowest priority)",
     )
+    _option(
+        g,
+        "--async-scheduling",
+        dest="async_scheduling",
+        help="send step N+1 to the workers while step N runs (two steps in flight)",
+    )
     _option(g, "--seed", dest="seed", type=int, help="random seed")
     _option(g, "--device", dest="device", help="cpu, or cuda / cuda:N")  # fmt: skip
 
