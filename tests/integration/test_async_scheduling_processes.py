@@ -1,0 +1,84 @@
+"""Async scheduling with every actor in its own process over a real nats-server (the supervisor
+runs them): the workload of ``async_workload`` gives the same outputs as with async off in one
+process, and the engine core's published stats show two steps in flight."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from shoal.bus import connect_bus
+from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.subjects import Subjects
+from shoal.bus.supervisor import ActorSpec, Supervisor
+from shoal.deploy.deployment import build_config, plan_actors
+from shoal.engine.client.engine_client import AsyncEngineClient
+from tests.integration.async_workload import run_all
+from tests.integration.conditions import wait_for
+from tests.integration.engine_stack import engine_stack
+from tests.integration.test_abort_real_engine import PublishedStats
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.nats,
+    pytest.mark.slow,
+    pytest.mark.asyncio(loop_scope="module"),
+]
+NAMESPACE = "asyncprocs"
+OPTIONS = {"num_gpu_blocks_override": 256, "max_num_seqs": 32, "max_num_batched_tokens": 64}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-def]
+    config = build_config(
+        model=str(tiny_checkpoint("llama")), namespace=NAMESPACE, async_scheduling=True, **OPTIONS
+    )
+    fast = {"heartbeat_interval_s": 0.2}
+    specs = [
+        ActorSpec(p.name, p.target, nats_server.url, {**p.kwargs, **fast}, kind=p.kind)
+        for p in plan_actors(config)
+    ]
+    bus = await connect_bus(nats_server.url)
+    published = PublishedStats()
+    await bus.subscribe(Subjects(NAMESPACE).engine_stats("engine-0"), published.on_msg)
+    supervisor = Supervisor(specs, status_bus=bus, namespace=NAMESPACE)
+    await supervisor.start()
+    client = AsyncEngineClient(bus, config)
+    await client.start()
+    try:
+        await client.wait_until_ready(120)
+        await wait_for(lambda: published.latest is not None, 30, "engine stats")
+        yield client, published
+    finally:
+        await client.close()
+        await supervisor.stop()
+        await bus.close()
+
+
+async def test_outputs_equal_async_off_in_one_process(deployment, tiny_checkpoint):  # type: ignore[no-untyped-def]
+    client, published = deployment
+    memory = InMemoryBus(InMemoryBroker())
+    await memory.connect()
+    try:
+        async with engine_stack(
+            memory,
+            tiny_checkpoint("llama"),
+            async_scheduling=False,
+            num_blocks=OPTIONS["num_gpu_blocks_override"],
+            max_num_seqs=OPTIONS["max_num_seqs"],
+            max_num_batched_tokens=OPTIONS["max_num_batched_tokens"],
+        ) as stack:
+            want = await run_all(stack.client)
+    finally:
+        await memory.close()
+    got = await run_all(client)
+    assert got == want
+    await wait_for(
+        lambda: published.stats.num_running == 0 and published.stats.num_steps_in_flight == 0,
+        60,
+        "the engine core settles",
+    )
+    stats = published.stats
+    assert stats.max_steps_in_flight == 2
+    assert stats.num_finished_error == 0 and stats.prefix_cache_hits > 0
+    assert stats.num_free_blocks == OPTIONS["num_gpu_blocks_override"] - 1
