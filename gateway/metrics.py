@@ -145,6 +145,17 @@ class Metrics:
         )
         self.prefix_cache_hits = self._counter("vllm:prefix_cache_hits", "Prefix cache hits", le)
         self.num_preemptions = self._counter("vllm:num_preemptions", "Preemptions", le)
+        self.steps_in_flight = self._gauge(
+            "shoal:engine_steps_in_flight", "Steps sent to the workers, result not applied", le
+        )
+        self.worker_idle = self._counter(
+            "shoal:worker_idle_seconds",
+            "Worker idle time between steps while its engine core had work (worker-measured)",
+            le,
+        )
+        self.worker_execute = self._counter(
+            "shoal:worker_execute_seconds", "Worker time executing steps", le
+        )
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -236,10 +247,13 @@ class Metrics:
         self.num_requests_running.labels(*labels).set(stats.num_running)
         self.num_requests_waiting.labels(*labels).set(stats.num_waiting)
         self.kv_cache_usage.labels(*labels).set(stats.kv_usage)
+        self.steps_in_flight.labels(*labels).set(stats.num_steps_in_flight)
         for counter, attr in (
             (self.prefix_cache_queries, "prefix_cache_queries"),
             (self.prefix_cache_hits, "prefix_cache_hits"),
             (self.num_preemptions, "num_preemptions"),
+            (self.worker_idle, "worker_idle_s"),
+            (self.worker_execute, "worker_execute_s"),
         ):
             value = getattr(stats, attr)
             previous = getattr(last, attr) if last is not None else 0

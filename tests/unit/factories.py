@@ -34,8 +34,9 @@ EOS = 2
 
 def make_scheduler(**overrides: Any) -> Scheduler:
     """A small scheduler; any SchedulerConfig or CacheConfig field, ``num_blocks`` or
-    ``max_model_len``."""
+    ``max_model_len``. One step in flight at a time unless ``async_scheduling=True``."""
     settings: dict[str, Any] = {
+        "async_scheduling": False,
         "max_num_batched_tokens": 64,
         "max_num_seqs": 16,
         "max_model_len": 256,
