@@ -6,7 +6,8 @@ them in step order; up to two may be in flight with async scheduling) and come b
 ``wait``, on one reply subscription of this link. A worker that stops heartbeating, restarts
 (its heartbeat sequence starts again) or answers a step with an error fails the step with
 ``WorkerFailure`` within a bounded time: a killed worker never leaves the engine core waiting
-for a reply that cannot come.
+for a reply that cannot come. So does a lost bus connection (once it is back), since replies
+sent across the loss may be gone.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from shoal.bus.actor import call
@@ -80,6 +81,7 @@ class WorkerLink:
         self._reply_prefix = ""
         self._reply_ids = itertools.count()
         self._replies: dict[str, asyncio.Future[Msg]] = {}
+        self._stop_listening: Callable[[], None] | None = None
 
     async def start(self) -> None:
         self._subs = await watch_liveness(
@@ -88,6 +90,14 @@ class WorkerLink:
         self._reply_prefix = self.bus.new_inbox()
         self._subs.append(await self.bus.subscribe(f"{self._reply_prefix}.*", self._on_reply))
         await self.bus.flush()
+        self._stop_listening = self.bus.on_reconnect(self._fail_waiting)
+
+    def _fail_waiting(self) -> None:
+        """The connection was lost and is back: every reply still awaited may be gone."""
+        replies, self._replies = self._replies, {}
+        for future in replies.values():
+            if not future.done():
+                future.set_exception(WorkerFailure("the bus connection was lost mid-step"))
 
     async def _on_reply(self, msg: Msg) -> None:
         future = self._replies.pop(msg.subject.rsplit(".", 1)[-1], None)
@@ -95,6 +105,9 @@ class WorkerLink:
             future.set_result(msg)
 
     async def stop(self) -> None:
+        if self._stop_listening is not None:
+            self._stop_listening()
+            self._stop_listening = None
         subs, self._subs = self._subs, []
         for sub in subs:
             await sub.unsubscribe()

@@ -265,3 +265,31 @@ async def test_serve_connection_errors_are_failed_requests_not_a_crash() -> None
     async with aiohttp.ClientSession() as session:
         result = await serve.one_request(session, "http://127.0.0.1:9/v1/completions", {})
     assert not result.ok and result.error.startswith("ClientConnectorError")
+
+
+# ----- bench/async_sched.py
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.nats
+@pytest.mark.slow
+def test_async_sched_runs_both_sides_on_both_models():
+    done = _run(
+        str(BENCH / "async_sched.py"),
+        "--quick",
+        "--tiny",
+        "--num-prompts",
+        "4",
+        "--max-tokens",
+        "8",
+        timeout=280,
+    )
+    figures = _last_json(done)
+    for key in ("async_tok_s", "sync_tok_s", "ratio"):
+        assert isinstance(figures[key], int | float) and figures[key] > 0, (key, figures)
+    for key in ("worker_idle_pct_async", "worker_idle_pct_sync"):
+        assert isinstance(figures[key], int | float) and figures[key] >= 0, (key, figures)
+    assert set(figures["models"]) == {"demo", "llama"} and figures["model"] == "demo"
+    for model in figures["models"].values():
+        assert model["max_steps_in_flight"] == {"async": 2, "sync": 1}, model
+        assert model["tokens"] == 4 * 8, model
