@@ -159,10 +159,11 @@ async def test_a_failed_step_with_another_in_flight(tiny_checkpoint) -> None:  #
                 return real_execute(step)
 
             runner.execute = execute  # type: ignore[method-assign]
-            finals = await asyncio.gather(
+            both = asyncio.gather(
                 complete(stack.client, [5, 6, 7], greedy(40), "a"),
                 complete(stack.client, [8, 9, 10, 11], greedy(40), "b"),
             )
+            finals = await asyncio.wait_for(both, 60)  # nothing hangs
             for final in finals:
                 assert final.outputs[0].finish_reason == "error", final
                 assert len(final.outputs[0].token_ids) < 40
