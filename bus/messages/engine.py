@@ -79,7 +79,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     step_id: int = 0
     # Step timing at the engine core (cumulative): wall time from sending a step to having its
     # result, the workers' own execute time, and the number of steps sent. Their difference per
-    # step is what the bus and the worker shell cost.
+    # step is what the bus and the worker shell cost (with async scheduling it also holds the
+    # time a step waits on the worker behind the one before it).
     step_wall_s: float = 0.0
     worker_execute_s: float = 0.0
     num_worker_steps: int = 0
