@@ -9,15 +9,9 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from shoal.bus import connect_bus
-from shoal.bus.base import Msg
-from shoal.bus.codec import Codec
-from shoal.bus.messages.engine import EngineStats, SchedulerStats
+from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.bus.subjects import Subjects
-from shoal.bus.supervisor import ActorSpec, Supervisor
-from shoal.deploy.deployment import build_config, plan_actors
-from shoal.engine.client.engine_client import AsyncEngineClient
+from shoal.deploy.deployment import build_config
 from tests.integration.conditions import (
     CONTEXT_LEN,
     assert_ended_by_abort,
@@ -25,6 +19,7 @@ from tests.integration.conditions import (
     read_then_hang_up,
     wait_for,
 )
+from tests.integration.process_deployment import process_deployment
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -38,26 +33,6 @@ PROMPT = [5, 6, 7]
 ROOM = CONTEXT_LEN - len(PROMPT)
 
 
-class PublishedStats:
-    """The latest ``EngineStats`` an engine core published on its stats subject."""
-
-    def __init__(self) -> None:
-        self.latest: EngineStats | None = None
-        self._codec: Codec[EngineStats] = Codec(EngineStats)
-
-    async def on_msg(self, msg: Msg) -> None:
-        self.latest = self._codec.decode(msg.data)
-
-    @property
-    def stats(self) -> SchedulerStats:
-        assert self.latest is not None
-        return self.latest.stats
-
-    def num_finished(self) -> int:
-        s = self.stats
-        return s.num_finished_stop + s.num_finished_length + s.num_finished_abort
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-def]
     config = build_config(
@@ -67,26 +42,8 @@ async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-d
         max_num_batched_tokens=256,
         namespace=NAMESPACE,
     )
-    fast = {"heartbeat_interval_s": 0.2}
-    specs = [
-        ActorSpec(p.name, p.target, nats_server.url, {**p.kwargs, **fast}, kind=p.kind)
-        for p in plan_actors(config)
-    ]
-    bus = await connect_bus(nats_server.url)
-    published = PublishedStats()
-    await bus.subscribe(Subjects(NAMESPACE).engine_stats("engine-0"), published.on_msg)
-    supervisor = Supervisor(specs, status_bus=bus, namespace=NAMESPACE)
-    await supervisor.start()
-    client = AsyncEngineClient(bus, config)
-    await client.start()
-    try:
-        await client.wait_until_ready(120)
-        await wait_for(lambda: published.latest is not None, 30, "engine stats")
-        yield client, published
-    finally:
-        await client.close()
-        await supervisor.stop()
-        await bus.close()
+    async with process_deployment(nats_server.url, config) as deployed:
+        yield deployed.client, deployed.published
 
 
 async def test_abort_reaches_the_engine_core_process(deployment):  # type: ignore[no-untyped-def]

@@ -7,16 +7,12 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from shoal.bus import connect_bus
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.subjects import Subjects
-from shoal.bus.supervisor import ActorSpec, Supervisor
-from shoal.deploy.deployment import build_config, plan_actors
-from shoal.engine.client.engine_client import AsyncEngineClient
+from shoal.deploy.deployment import build_config
 from tests.integration.async_workload import run_all
 from tests.integration.conditions import wait_for
 from tests.integration.engine_stack import engine_stack
-from tests.integration.test_abort_real_engine import PublishedStats
+from tests.integration.process_deployment import process_deployment
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -33,26 +29,8 @@ async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-d
     config = build_config(
         model=str(tiny_checkpoint("llama")), namespace=NAMESPACE, async_scheduling=True, **OPTIONS
     )
-    fast = {"heartbeat_interval_s": 0.2}
-    specs = [
-        ActorSpec(p.name, p.target, nats_server.url, {**p.kwargs, **fast}, kind=p.kind)
-        for p in plan_actors(config)
-    ]
-    bus = await connect_bus(nats_server.url)
-    published = PublishedStats()
-    await bus.subscribe(Subjects(NAMESPACE).engine_stats("engine-0"), published.on_msg)
-    supervisor = Supervisor(specs, status_bus=bus, namespace=NAMESPACE)
-    await supervisor.start()
-    client = AsyncEngineClient(bus, config)
-    await client.start()
-    try:
-        await client.wait_until_ready(120)
-        await wait_for(lambda: published.latest is not None, 30, "engine stats")
-        yield client, published
-    finally:
-        await client.close()
-        await supervisor.stop()
-        await bus.close()
+    async with process_deployment(nats_server.url, config) as deployed:
+        yield deployed.client, deployed.published
 
 
 async def test_outputs_equal_async_off_in_one_process(deployment, tiny_checkpoint):  # type: ignore[no-untyped-def]
