@@ -137,6 +137,27 @@ def check_invariants(scheduler: Scheduler) -> None:
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def arrive_and_abort(
+    scheduler: Scheduler, arrivals: list[Arrival], aborts: dict[int, list[int]], step: int
+) -> list[Request]:
+    """Add the requests arriving at ``step``, then abort those due; returns the aborted ones."""
+    for index, arrival in enumerate(arrivals):
+        if arrival.step == step:
+            scheduler.add_request(
+                make_request(
+                    f"r{index}",
+                    arrival.prompt,
+                    max_tokens=arrival.max_tokens,
+                    priority=arrival.priority,
+                    arrival_time=float(step),
+                    ignore_eos=arrival.ignore_eos,
+                    cache_salt=arrival.cache_salt,
+                )
+            )
+    abort_ids = [f"r{i}" for i in aborts.get(step, [])]
+    return scheduler.finish_requests(abort_ids, RequestStatus.FINISHED_ABORTED)
+
+
 @given(scenarios())
 def test_random_workloads_keep_invariants_and_produce_the_model_tokens(
     scenario: tuple[Scheduler, list[Arrival], dict[int, list[int]]],
@@ -147,21 +168,7 @@ def test_random_workloads_keep_invariants_and_produce_the_model_tokens(
     last_arrival = max(a.step for a in arrivals)
     budget = scheduler.scheduler_config.token_budget
     for step in range(MAX_STEPS):
-        for index, arrival in enumerate(arrivals):
-            if arrival.step == step:
-                scheduler.add_request(
-                    make_request(
-                        f"r{index}",
-                        arrival.prompt,
-                        max_tokens=arrival.max_tokens,
-                        priority=arrival.priority,
-                        arrival_time=float(step),
-                        ignore_eos=arrival.ignore_eos,
-                        cache_salt=arrival.cache_salt,
-                    )
-                )
-        abort_ids = [f"r{i}" for i in aborts.get(step, [])]
-        finished = scheduler.finish_requests(abort_ids, RequestStatus.FINISHED_ABORTED)
+        finished = arrive_and_abort(scheduler, arrivals, aborts, step)
         for client_outputs in Scheduler.group_final_outputs(finished).values():
             for output in client_outputs:
                 outputs.setdefault(output.request_id, []).append(output)
@@ -239,21 +246,7 @@ def test_random_workloads_with_two_steps_in_flight(
     last_arrival = max(a.step for a in arrivals)
     stale = False
     for step in range(MAX_STEPS):
-        for index, arrival in enumerate(arrivals):
-            if arrival.step == step:
-                scheduler.add_request(
-                    make_request(
-                        f"r{index}",
-                        arrival.prompt,
-                        max_tokens=arrival.max_tokens,
-                        priority=arrival.priority,
-                        arrival_time=float(step),
-                        ignore_eos=arrival.ignore_eos,
-                        cache_salt=arrival.cache_salt,
-                    )
-                )
-        abort_ids = [f"r{i}" for i in aborts.get(step, [])]
-        finished = scheduler.finish_requests(abort_ids, RequestStatus.FINISHED_ABORTED)
+        finished = arrive_and_abort(scheduler, arrivals, aborts, step)
         pipeline.record(Scheduler.group_final_outputs(finished))
         check_invariants(scheduler)
         stale |= check_in_flight(pipeline)
