@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncGenerator, Callable
 
 from shoal.bus.messages.engine import SchedulerStats
+from shoal.engine.core.engine_core import EngineCore
 
 CONTEXT_LEN = 1024  # the tiny checkpoints' max_position_embeddings
 
@@ -30,6 +31,12 @@ async def read_then_hang_up(stream: AsyncGenerator[object, None], num_outputs: i
         if seen == num_outputs:
             break
     await stream.aclose()
+
+
+def core_is_settled(core: EngineCore) -> bool:
+    """No request left in the engine core and no step in flight: with async scheduling the
+    blocks of a request that ended wait for the step that may still write them."""
+    return not core.scheduler.requests and not core.outstanding
 
 
 def assert_ended_by_abort(

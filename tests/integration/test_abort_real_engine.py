@@ -46,6 +46,11 @@ async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-d
         yield deployed.client, deployed.published
 
 
+def _idle(stats: SchedulerStats) -> bool:
+    """Nothing running and no step in flight (whose blocks a finished request may still hold)."""
+    return stats.num_running == 0 and stats.num_steps_in_flight == 0
+
+
 async def test_abort_reaches_the_engine_core_process(deployment):  # type: ignore[no-untyped-def]
     client, published = deployment
     before = published.stats
@@ -53,7 +58,7 @@ async def test_abort_reaches_the_engine_core_process(deployment):  # type: ignor
     params = SamplingParams(temperature=0.0, max_tokens=ROOM, ignore_eos=True)
     await read_then_hang_up(client.generate(PROMPT, params, "victim"))
     await wait_for(
-        lambda: published.num_finished() == 1 and published.stats.num_running == 0,
+        lambda: published.num_finished() == 1 and _idle(published.stats),
         120,
         "the engine core publishes the victim's end",
     )
@@ -67,7 +72,7 @@ async def test_a_stop_string_ends_the_request_in_the_engine_core_process(deploym
     async def settled(num_finished: int, what: str) -> SchedulerStats:
         """The engine core's figures once it has finished ``num_finished`` requests and is idle."""
         await wait_for(
-            lambda: published.num_finished() >= num_finished and published.stats.num_running == 0,
+            lambda: published.num_finished() >= num_finished and _idle(published.stats),
             120,
             what,
         )

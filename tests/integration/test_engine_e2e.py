@@ -13,6 +13,7 @@ from tests.fixtures.models import hf_greedy, make_prompts
 from tests.integration.conditions import (
     CONTEXT_LEN,
     assert_ended_by_abort,
+    core_is_settled,
     read_then_hang_up,
     wait_for,
 )
@@ -75,7 +76,7 @@ async def test_abort_mid_generation_frees_blocks(bus_factory, tiny_checkpoint): 
         assert core is not None
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         await read_then_hang_up(stack.client.generate(prompt, params, "victim"))
-        await wait_for(lambda: not core.scheduler.requests, 120, "the victim leaves the core")
+        await wait_for(lambda: core_is_settled(core), 120, "the victim leaves the core")
         assert_ended_by_abort(core.stats(), num_blocks=NUM_BLOCKS, max_tokens=max_tokens)
 
 

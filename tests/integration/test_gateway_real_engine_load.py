@@ -11,7 +11,7 @@ import aiohttp
 import pytest
 import torch
 
-from tests.integration.conditions import pick_stop_string, wait_for
+from tests.integration.conditions import core_is_settled, pick_stop_string, wait_for
 from tests.integration.served_stack import complete, served_stack
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
@@ -102,7 +102,7 @@ async def test_metrics_count_what_was_sent_and_received(tiny_checkpoint) -> None
                 assert (await response.content.readline()).startswith(b"data: ")
                 await response.content.readline()
         await wait_for(lambda: metrics.num_in_flight == 0, 60, "every request counted")
-        await wait_for(lambda: not core.scheduler.requests, 60, "the engine core idle")
+        await wait_for(lambda: core_is_settled(core), 60, "the engine core idle")
         engine_generated = core.stats().num_generation_tokens
         async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
             samples = read_metrics(await response.text())

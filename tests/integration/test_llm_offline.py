@@ -13,7 +13,12 @@ from shoal import LLM, SamplingParams
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.engine.core.engine_core import EngineCore
 from tests.fixtures.models import hf_greedy, make_prompts
-from tests.integration.conditions import CONTEXT_LEN, assert_ended_by_abort, pick_stop_string
+from tests.integration.conditions import (
+    CONTEXT_LEN,
+    assert_ended_by_abort,
+    core_is_settled,
+    pick_stop_string,
+)
 
 pytestmark = pytest.mark.timeout(180)
 NUM_BLOCKS = 128
@@ -149,7 +154,7 @@ def test_an_interrupted_generate_aborts_its_requests_in_the_engine_core(tiny_che
         with pytest.raises(KeyboardInterrupt):
             llm.generate(prompts, params, use_tqdm=False)
         interrupter.join()
-        assert _poll(lambda: not core.scheduler.requests, 120), "requests still in the core"
+        assert _poll(lambda: core_is_settled(core), 120), "requests still in the core"
         stats = core.stats()
         assert_ended_by_abort(stats, num_blocks=NUM_BLOCKS, max_tokens=max_tokens, num_aborted=2)
         # The LLM still serves after the interrupt.
@@ -166,7 +171,7 @@ def test_stop_strings_cut_the_text_and_end_the_request_in_the_engine_core(llm, i
     full = llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].text
     stop = pick_stop_string(full)
     cut = full.index(stop) + (len(stop) if include else 0)
-    assert _poll(lambda: not core.scheduler.requests, 30)
+    assert _poll(lambda: core_is_settled(core), 30)
     before = core.stats()
     params = SamplingParams(
         temperature=0,
@@ -177,7 +182,7 @@ def test_stop_strings_cut_the_text_and_end_the_request_in_the_engine_core(llm, i
     )
     got = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     assert (got.text, got.finish_reason, got.stop_reason) == (full[:cut], "stop", stop)
-    assert _poll(lambda: not core.scheduler.requests, 60), "the request is still in the core"
+    assert _poll(lambda: core_is_settled(core), 60), "the request is still in the core"
     after = core.stats()
     assert after.num_finished_abort == before.num_finished_abort + 1, after
     assert after.num_finished_length == before.num_finished_length, after

@@ -11,6 +11,7 @@ import pytest
 from tests.integration.conditions import (
     CONTEXT_LEN,
     assert_ended_by_abort,
+    core_is_settled,
     pick_stop_string,
     wait_for,
 )
@@ -80,7 +81,7 @@ async def test_disconnect_frees_the_request_in_the_engine_core(tiny_checkpoint) 
             await response.content.readline()
         assert core.scheduler.requests and core.scheduler.kv_cache_manager.usage > 0
         await session.close()  # the client goes away mid-stream
-        await wait_for(lambda: not core.scheduler.requests, 120, "the victim leaves the core")
+        await wait_for(lambda: core_is_settled(core), 120, "the victim leaves the core")
         assert_ended_by_abort(core.stats(), num_blocks=NUM_BLOCKS, max_tokens=room)
         async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
             text = await response.text()
@@ -132,7 +133,7 @@ async def test_stop_strings_end_the_request_in_the_engine_core(tiny_checkpoint) 
                     case = f"stream={stream} include={include}"
                     assert (got.text, got.finish_reason, got.stop_reason) == (want, "stop", stop)
                     assert got.num_chunks > 1 or not stream, case
-                    await wait_for(lambda: not core.scheduler.requests, 60, case)
+                    await wait_for(lambda: core_is_settled(core), 60, case)
                     after = core.stats()
                     assert after.num_finished_abort == before.num_finished_abort + 1, case
                     assert after.num_finished_length == before.num_finished_length, case
