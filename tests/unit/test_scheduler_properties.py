@@ -158,6 +158,24 @@ def arrive_and_abort(
     return scheduler.finish_requests(abort_ids, RequestStatus.FINISHED_ABORTED)
 
 
+def check_model_tokens(arrivals: list[Arrival], outputs: dict[str, list[EngineCoreOutput]]) -> None:
+    """Every request streamed the fake model's tokens, one final output last, and ended as it
+    should: aborted (a prefix of them), by eos (stop) or by its length."""
+    for index, arrival in enumerate(arrivals):
+        request_id = f"r{index}"
+        request_outputs = outputs[request_id]
+        reasons = [o.finish_reason for o in request_outputs]
+        assert reasons[-1] is not None and all(r is None for r in reasons[:-1])
+        tokens = [t for o in request_outputs for t in o.new_token_ids]
+        expected = expected_tokens(request_id, arrival)
+        if reasons[-1] == "abort":
+            assert tokens == expected[: len(tokens)]
+        else:
+            assert tokens == expected
+            last = expected[-1]
+            assert reasons[-1] == ("stop" if last == EOS and not arrival.ignore_eos else "length")
+
+
 @given(scenarios())
 def test_random_workloads_keep_invariants_and_produce_the_model_tokens(
     scenario: tuple[Scheduler, list[Arrival], dict[int, list[int]]],
@@ -190,19 +208,7 @@ def test_random_workloads_keep_invariants_and_produce_the_model_tokens(
     stats = scheduler.make_stats()
     event(f"preempted: {stats.num_preemptions > 0}")
     event(f"prefix hits: {stats.prefix_cache_hits > 0}")
-    for index, arrival in enumerate(arrivals):
-        request_id = f"r{index}"
-        request_outputs = outputs[request_id]
-        reasons = [o.finish_reason for o in request_outputs]
-        assert reasons[-1] is not None and all(r is None for r in reasons[:-1])
-        tokens = [t for o in request_outputs for t in o.new_token_ids]
-        expected = expected_tokens(request_id, arrival)
-        if reasons[-1] == "abort":
-            assert tokens == expected[: len(tokens)]
-        else:
-            assert tokens == expected
-            last = expected[-1]
-            assert reasons[-1] == ("stop" if last == EOS and not arrival.ignore_eos else "length")
+    check_model_tokens(arrivals, outputs)
 
 
 def check_in_flight(pipeline: Pipeline) -> bool:
@@ -269,14 +275,4 @@ def test_random_workloads_with_two_steps_in_flight(
     event(f"preempted: {scheduler.num_preemptions > 0}")
     event(f"preempted with a step in flight: {stale}")
     event(f"prefix hits: {scheduler.kv_cache_manager.prefix_cache_hits > 0}")
-    for index, arrival in enumerate(arrivals):
-        request_id = f"r{index}"
-        request_outputs = pipeline.outputs[request_id]
-        reasons = [o.finish_reason for o in request_outputs]
-        assert reasons[-1] is not None and all(r is None for r in reasons[:-1])
-        tokens = [t for o in request_outputs for t in o.new_token_ids]
-        expected = expected_tokens(request_id, arrival)
-        if reasons[-1] == "abort":
-            assert tokens == expected[: len(tokens)]
-        else:
-            assert tokens == expected
+    check_model_tokens(arrivals, pipeline.outputs)
