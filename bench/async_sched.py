@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import tempfile
 import time
@@ -220,11 +219,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads; actors inherit it
-    import torch
+    from bench.throughput_e2e import init_torch
 
-    torch.set_num_threads(args.threads)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    init_torch(args)
     models: dict[str, Any] = {}
     print(
         f"{args.num_prompts} prompts of {args.prompt_len} tokens, {args.max_tokens} greedy output "

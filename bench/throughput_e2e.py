@@ -427,15 +427,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch loads; actors inherit it
+def init_torch(args: argparse.Namespace) -> None:
+    """``args.threads`` torch threads here and in every actor process started later (set before
+    torch loads), and ``args.device`` resolved (cuda if present)."""
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)  # actor processes inherit it
     import torch
-
-    from bench.throughput import VOCAB, build_model, workload
 
     torch.set_num_threads(args.threads)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    init_torch(args)
+    from bench.throughput import VOCAB, build_model, workload
+
     args.vocab = VOCAB
     prompts, max_tokens = workload(args.num_prompts, args.quick)
     num_blocks = blocks_needed(prompts, max_tokens, args.block_size) + len(prompts)  # + slack

@@ -160,6 +160,20 @@ async def test_child_that_keeps_dying_is_given_up_after_the_restart_limit(nats_u
         assert [e.state for e in supervisor.events].count(ChildState.EXITED) == 3
 
 
+async def echo_after_reconnect(client: NatsBus, subject: str) -> None:
+    """Request on ``subject`` (an echo) until it answers while the clients reconnect (~0.2 s
+    each); bounded to 100 tries."""
+    for attempt in range(100):
+        try:
+            reply = await client.request(subject, f"after{attempt}".encode(), timeout=0.5)
+        except (BusTimeoutError, NoRespondersError, ConnectionLostError):
+            await asyncio.sleep(0.05)  # paces the retries
+            continue
+        assert reply.data == f"after{attempt}".encode()
+        return
+    raise AssertionError(f"no answer on {subject!r} after the server restart")
+
+
 async def test_clients_resume_subscriptions_after_server_restart(
     fresh_nats_server: NatsServer,
 ):
@@ -177,14 +191,7 @@ async def test_clients_resume_subscriptions_after_server_restart(
     fresh_nats_server.stop()
     fresh_nats_server.start()
     assert fresh_nats_server.url == url
-    reply = None
-    for attempt in range(100):  # bounded retries while both clients reconnect (~0.2 s each)
-        try:
-            reply = await client.request("t.restart", f"after{attempt}".encode(), timeout=0.5)
-            break
-        except (BusTimeoutError, NoRespondersError, ConnectionLostError):
-            await asyncio.sleep(0.05)
-    assert reply is not None and reply.data.startswith(b"after")
+    await echo_after_reconnect(client, "t.restart")
     assert responder.num_reconnects >= 1 and client.num_reconnects >= 1
     await responder.close()
     await client.close()
@@ -218,14 +225,7 @@ async def test_a_request_waiting_when_the_connection_drops_ends_at_once(
     fresh_nats_server.start()  # back at once: nats-py reconnects and still awaits the reply
     with pytest.raises(ConnectionLostError):
         await asyncio.wait_for(waiting, 10)  # well before its 60 s timeout
-    reply = None
-    for attempt in range(100):  # bounded retries while both clients reconnect (~0.2 s each)
-        try:
-            reply = await client.request("t.echo", f"after{attempt}".encode(), timeout=0.5)
-            break
-        except (BusTimeoutError, NoRespondersError, ConnectionLostError):
-            await asyncio.sleep(0.05)  # paces the retries
-    assert reply is not None and reply.data.startswith(b"after")
+    await echo_after_reconnect(client, "t.echo")
     assert reconnects == [1]
     await responder.close()
     await client.close()
