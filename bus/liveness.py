@@ -37,6 +37,7 @@ class PeerLiveness:
     num_restarts: int = 0
     incarnation: str = ""  # the current one; "" until one is seen (or after a reset)
     retired: set[str] = field(default_factory=set)  # earlier incarnations
+    reason: str = ""  # of the last status event (an engine core's fault, while it lasts)
 
     def is_new(self, incarnation: str) -> bool:
         """``incarnation`` replaces a known, different one."""
@@ -65,7 +66,11 @@ class LivenessTable:
         if peer is None:
             seq = -1 if beat is None else beat.seq
             self.peers[event.actor_id] = PeerLiveness(
-                event.state, now, seq, incarnation=event.incarnation
+                event.state,
+                now,
+                seq,
+                incarnation=event.incarnation,
+                reason="" if beat is not None else event.reason,
             )
             return True
         if event.incarnation in peer.retired:
@@ -77,6 +82,8 @@ class LivenessTable:
         peer.incarnation = event.incarnation or peer.incarnation
         if beat is not None:
             peer.seq = beat.seq
+        else:
+            peer.reason = event.reason
         peer.state, peer.seen_at = event.state, now
         return True
 

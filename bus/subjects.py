@@ -111,6 +111,11 @@ class Subjects:
         """Queue group of the gateways serving the public API (one gateway per request)."""
         return f"{self.namespace.replace('.', '-')}-api"
 
+    # JetStream buckets (names of [A-Za-z0-9_-])
+    def group_ports_bucket(self) -> str:
+        """KV bucket of the tensor-parallel groups' rendezvous addresses, keyed by epoch."""
+        return f"{self.namespace.replace('.', '-')}-group-ports"
+
     def all(self) -> str:
         """Every subject of this deployment (for debugging taps)."""
         return f"{self._root}.>"

@@ -19,6 +19,7 @@ from shoal.bus.messages.config import (
     GROUPS,
     OPTION_GROUPS,
     POLICIES,
+    FaultToleranceConfig,
     ShoalConfig,
 )
 from shoal.deploy.deployment import build_config
@@ -85,6 +86,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     _add_cache_arguments(parser.add_argument_group("KV cache"))
     _add_parallel_arguments(parser.add_argument_group("parallelism"))
     _add_bus_arguments(parser.add_argument_group("bus"))
+    _add_fault_tolerance_arguments(parser.add_argument_group("fault tolerance"))
 
 
 def _add_model_arguments(g: Group) -> None:
@@ -197,9 +199,41 @@ def _add_bus_arguments(g: Group) -> None:
             help="subject prefix, so deployments can share a NATS cluster")  # fmt: skip
 
 
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = msgspec.json.decode(text)
+    except msgspec.DecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _add_fault_tolerance_arguments(g: Group) -> None:
+    _option(
+        g,
+        "--enable-fault-tolerance",
+        dest="enable_fault_tolerance",
+        help="an engine core that faults waits for recovery (retried by the recovery "
+        "controller) instead of failing, and its requests resume on a healthy engine core",
+    )
+    g.add_argument(
+        "--fault-tolerance-config",
+        dest="fault_tolerance_config",
+        type=json_object,
+        default=None,
+        help="JSON, e.g. '{\"engine_recovery_timeout_sec\": 120}' (turns fault tolerance on); "
+        "fields: " + ", ".join(FaultToleranceConfig.__struct_fields__),
+    )
+
+
 def config_from_namespace(ns: argparse.Namespace, model: str) -> ShoalConfig:
     """The config from parsed flags (every config option among them); ``ValueError`` with a
     readable message if invalid."""
     options = {k: v for k, v in vars(ns).items() if k in OPTION_GROUPS}
+    if getattr(ns, "fault_tolerance_config", None) is not None:
+        options["fault_tolerance_config"] = ns.fault_tolerance_config
+        if not ns.enable_fault_tolerance:  # the flag's default: let the JSON turn it on
+            del options["enable_fault_tolerance"]
     options["model"] = model
     return build_config(**options)

@@ -4,7 +4,8 @@ and carried whole to every actor (as JSON to actor processes), in vLLM's groupin
 ``ShoalConfig`` holds one struct per concern: ``ModelConfig`` (what to serve), ``CacheConfig``
 (the paged KV cache), ``SchedulerConfig`` (what one step may carry, in what order),
 ``ParallelConfig`` (engine cores, workers per engine core, how long an engine core waits for
-them) and ``BusConfig`` (the transport and namespace). A later subsystem adds its own group
+them), ``BusConfig`` (the transport and namespace) and ``FaultToleranceConfig`` (what happens
+when an engine core or a worker fails). A later subsystem adds its own group
 (speculative decoding, KV transfer, fault tolerance) as one more struct and one more field.
 
 Option names are unique across groups, so a flat ``max_num_seqs=64`` (a CLI flag's dest, an
@@ -163,6 +164,43 @@ class BusConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields
         _one_of(self.bus, BUS_KINDS, "bus")
 
 
+class FaultToleranceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Engine-core fault tolerance (vLLM's ``--enable-fault-tolerance`` and
+    ``--fault-tolerance-config``, whose JSON sets any field here and turns it on).
+
+    Off: today's behaviour (an engine core fails its requests and waits for its workers). On: an
+    engine core that faults aborts its requests, reports UNHEALTHY or DEAD with the fault and
+    waits up to ``engine_recovery_timeout_sec`` for a ``retry`` command, else exits so its
+    supervisor restarts it; the recovery controller sends that retry (unless turned off, for an
+    operator to drive recovery by hand), and the engine client resumes the aborted requests on a
+    healthy engine core (unless turned off: then they end with a clean error).
+    """
+
+    enable_fault_tolerance: bool = False
+    engine_recovery_timeout_sec: int = 120
+    # The engine client: resume requests cut by a fault on a healthy engine core, each at most
+    # ``max_request_resumptions`` times and waiting at most ``request_resume_timeout_s`` for one.
+    enable_request_resumption: bool = True
+    max_request_resumptions: int = 3
+    request_resume_timeout_s: float = 60.0
+    # The recovery controller: retries per fault, with exponential backoff between them.
+    enable_recovery_controller: bool = True
+    recovery_max_retries: int = 5
+    recovery_backoff_s: float = 0.5
+    recovery_max_backoff_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        _positive(self, "engine_recovery_timeout_sec", "recovery_max_retries")
+        _require(
+            self.max_request_resumptions >= 0,
+            "max_request_resumptions",
+            f"must be non-negative, got {self.max_request_resumptions}",
+        )
+        for option in ("request_resume_timeout_s", "recovery_backoff_s", "recovery_max_backoff_s"):
+            value = getattr(self, option)
+            _require(value > 0, option, f"must be positive, got {value}")
+
+
 class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Every group of the deployment's configuration (vLLM's ``VllmConfig``)."""
 
@@ -171,6 +209,9 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     scheduler_config: SchedulerConfig = msgspec.field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = msgspec.field(default_factory=ParallelConfig)
     bus_config: BusConfig = msgspec.field(default_factory=BusConfig)
+    fault_tolerance_config: FaultToleranceConfig = msgspec.field(
+        default_factory=FaultToleranceConfig
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -183,7 +224,11 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     @classmethod
     def from_options(cls, **options: Any) -> ShoalConfig:
         """A config from flat options (``model=..., max_num_seqs=64, bus="memory"``); a name
-        that no group has is a ``ValueError`` listing the known ones."""
+        that no group has is a ``ValueError`` listing the known ones. ``fault_tolerance_config``
+        (a dict, as vLLM's JSON flag) sets that group's fields and turns fault tolerance on."""
+        ft = options.pop("fault_tolerance_config", None)
+        if ft is not None:
+            options = {**fault_tolerance_options(ft), **options}
         by_group: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
         for option, value in options.items():
             group = OPTION_GROUPS.get(option)
@@ -206,12 +251,25 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         return options
 
 
+def fault_tolerance_options(value: dict[str, Any] | FaultToleranceConfig) -> dict[str, Any]:
+    """Flat options from ``--fault-tolerance-config`` / ``LLM(fault_tolerance_config=...)``:
+    passing it turns fault tolerance on unless it says otherwise."""
+    if isinstance(value, FaultToleranceConfig):
+        return msgspec.structs.asdict(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"fault_tolerance_config must be a JSON object, got {value!r}")
+    unknown = sorted(set(value) - set(FaultToleranceConfig.__struct_fields__))
+    _require(not unknown, "fault_tolerance_config", f"has unknown fields: {', '.join(unknown)}")
+    return {"enable_fault_tolerance": True, **value}
+
+
 GROUPS: dict[str, type[msgspec.Struct]] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
     "scheduler_config": SchedulerConfig,
     "parallel_config": ParallelConfig,
     "bus_config": BusConfig,
+    "fault_tolerance_config": FaultToleranceConfig,
 }
 OPTION_GROUPS: dict[str, str] = {
     field: group for group, struct in GROUPS.items() for field in struct.__struct_fields__

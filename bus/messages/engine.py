@@ -36,6 +36,10 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True,
     eos_token_ids: list[int] = []
     priority: int = 0
     cache_salt: str | None = None
+    # A request resumed after a fault: the tokens already generated (and streamed) elsewhere.
+    # The engine core takes them as the request's output so far (recomputed with the prompt,
+    # counted against max_tokens, seen by stop checks and penalties) and continues after them.
+    output_token_ids: list[int] = []
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True, gc=False):
@@ -63,6 +67,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     error: str | None = None
     scheduled_time: float | None = None  # wall clock of first admission, on the first output
+    # Ended by a fault of the engine core (its sentinel aborted everything), not by anything in
+    # the request: the client may resume it on a healthy engine core.
+    resumable: bool = False
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -112,7 +119,8 @@ class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_default
 
 
 class RequestRejected(msgspec.Struct, tag="rejected", array_like=True, omit_defaults=True):
-    """An add the engine core could not take. ``code``: ``overloaded`` | ``invalid`` | ``dead``."""
+    """An add the engine core could not take. ``code``: ``overloaded`` | ``invalid`` |
+    ``unavailable`` (faulted or recovering: the client may send it to another engine core)."""
 
     request_id: str
     code: str

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import msgspec
 
 from shoal.bus.messages.engine import Logprobs
+from shoal.bus.messages.fault import FaultInjected, InjectFault
 from shoal.bus.messages.sampling import SamplingParams
 
 
@@ -96,14 +97,39 @@ class DescribeWorker(msgspec.Struct, tag="describe", array_like=True, omit_defau
     engine_id: str = ""
 
 
-WorkerInbound = ExecuteStep | ResetWorker | DescribeWorker
+class JoinGroup(msgspec.Struct, tag="join_group", array_like=True, omit_defaults=True):
+    """(Re)build this engine core's tensor-parallel process group for ``epoch``: drop the old
+    group, then join a new one on a fresh port that rank 0 mints and publishes under the epoch's
+    key in the deployment's group-ports KV bucket (the other ranks read it). Sent to every rank
+    at once at each handshake when fault tolerance is on. Answered with ``GroupJoined``."""
+
+    epoch: str
+    timeout_s: float = 60.0
+
+
+class GroupJoined(msgspec.Struct, tag="group_joined", array_like=True, omit_defaults=True):
+    """Reply to ``JoinGroup``: this rank is in the group of ``epoch`` at ``init_method``."""
+
+    worker_id: str
+    epoch: str
+    init_method: str = ""
+
+
+WorkerInbound = ExecuteStep | ResetWorker | DescribeWorker | JoinGroup | InjectFault
 
 
 class StepError(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Why a step failed, and which requests it failed."""
+    """Why a step failed, and which requests it failed.
+
+    ``fatal``: the worker's state is suspect (the forward pass raised for the whole batch, or
+    the persistent batch could not be updated): with fault tolerance on, the engine core's
+    sentinel takes over. Not fatal: only ``req_ids`` are failed (their inputs were at fault)
+    and the engine core goes on serving the others.
+    """
 
     message: str
     req_ids: list[str]
+    fatal: bool = True
 
 
 class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True, gc=False):
@@ -149,4 +175,4 @@ class ResetDone(msgspec.Struct, tag="reset_done", array_like=True, omit_defaults
     worker_id: str
 
 
-WorkerOutbound = StepResult | WorkerInfo | ResetDone
+WorkerOutbound = StepResult | WorkerInfo | ResetDone | GroupJoined | FaultInjected

@@ -124,8 +124,54 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_cli_flags_are_config_options_with_the_configs_defaults(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ns = _parse()
-    assert set(vars(ns)) <= set(OPTION_GROUPS)
+    assert set(vars(ns)) <= {*OPTION_GROUPS, "fault_tolerance_config"}  # the JSON of a group
     assert config_from_namespace(ns, str(tmp_path)) == ShoalConfig.from_options(model=str(tmp_path))
+
+
+def test_fault_tolerance_is_off_by_default_and_the_flag_turns_it_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    assert not config_from_namespace(
+        _parse(), str(tmp_path)
+    ).fault_tolerance_config.enable_fault_tolerance
+    ft = config_from_namespace(_parse("--enable-fault-tolerance"), str(tmp_path))
+    assert ft.fault_tolerance_config.enable_fault_tolerance
+    assert ft.fault_tolerance_config.engine_recovery_timeout_sec == 120  # vLLM's default
+
+
+def test_fault_tolerance_config_json_turns_it_on_and_sets_its_fields(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ns = _parse(
+        "--fault-tolerance-config",
+        '{"engine_recovery_timeout_sec": 7, "max_request_resumptions": 0}',
+    )
+    ft = config_from_namespace(ns, str(tmp_path)).fault_tolerance_config
+    assert (
+        ft.enable_fault_tolerance,
+        ft.engine_recovery_timeout_sec,
+        ft.max_request_resumptions,
+    ) == (True, 7, 0)
+    offline = ShoalConfig.from_options(
+        model=str(tmp_path), fault_tolerance_config={"recovery_max_retries": 2}
+    )
+    assert offline.fault_tolerance_config.enable_fault_tolerance
+    assert offline.fault_tolerance_config.recovery_max_retries == 2
+    assert msgspec.json.decode(msgspec.json.encode(offline), type=ShoalConfig) == offline
+
+
+@pytest.mark.parametrize(
+    ("text", "problem"),
+    [
+        ('{"engine_recovery_timeout_sec": 0}', "engine_recovery_timeout_sec must be a positive"),
+        ('{"no_such_field": 1}', "unknown fields: no_such_field"),
+        ('{"recovery_backoff_s": -1}', "recovery_backoff_s must be positive"),
+    ],
+)
+def test_fault_tolerance_config_errors_name_the_field(tmp_path, text: str, problem: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=problem):
+        config_from_namespace(_parse("--fault-tolerance-config", text), str(tmp_path))
+
+
+def test_fault_tolerance_config_flag_refuses_what_is_not_a_json_object() -> None:
+    with pytest.raises(SystemExit):
+        _parse("--fault-tolerance-config", "[1, 2]")
 
 
 def test_cli_flags_reach_their_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
