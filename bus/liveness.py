@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from shoal.bus.base import Bus, Msg, Subscription
 from shoal.bus.codec import Codec, DecodeError
-from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat
+from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
 from shoal.bus.subjects import Subjects
 
 GONE_STATES = (ActorState.DEAD, ActorState.STOPPED)
@@ -70,7 +70,7 @@ class LivenessTable:
                 now,
                 seq,
                 incarnation=event.incarnation,
-                reason="" if beat is not None else event.reason,
+                reason=_reason(event),
             )
             return True
         if event.incarnation in peer.retired:
@@ -83,7 +83,7 @@ class LivenessTable:
         if beat is not None:
             peer.seq = beat.seq
         else:
-            peer.reason = event.reason
+            peer.reason = _reason(event)
         peer.state, peer.seen_at = event.state, now
         return True
 
@@ -140,6 +140,10 @@ class LivenessTable:
     def is_fresh(self, actor_id: str, within_s: float, now: float | None = None) -> bool:
         silent = self.silent_for(actor_id, now)
         return silent is not None and silent <= within_s
+
+
+def _reason(event: ControlEvent) -> str:
+    return event.reason if isinstance(event, StatusEvent) else ""
 
 
 def _looks_restarted(peer: PeerLiveness, event: ControlEvent) -> bool:
