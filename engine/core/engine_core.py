@@ -110,7 +110,8 @@ class EngineCore:
     # ----- the step
 
     def apply_inputs(self) -> tuple[ClientOutputs, list[tuple[str, RequestRejected]]]:
-        """Apply every queued add and abort in arrival order."""
+        """Apply every queued add and abort in arrival order. A resumed request already at its
+        end finishes here (its final output, no new tokens)."""
         outputs: ClientOutputs = {}
         rejected: list[tuple[str, RequestRejected]] = []
         while self._inputs:
@@ -118,20 +119,25 @@ class EngineCore:
             match msg:
                 case AddRequest():
                     self._num_pending_adds -= 1
-                    error = self._add(msg)
-                    if error is not None:
-                        rejected.append((msg.client_id, error))
+                    result = self._add(msg)
+                    if isinstance(result, RequestRejected):
+                        rejected.append((msg.client_id, result))
+                    elif result is not None:
+                        outputs.setdefault(msg.client_id, []).append(result)
                 case AbortRequest():
                     merge_outputs(outputs, self._abort(msg.request_ids))
         self._pending_aborts.clear()
         return outputs, rejected
 
-    def _add(self, msg: AddRequest) -> RequestRejected | None:
+    def _add(self, msg: AddRequest) -> RequestRejected | EngineCoreOutput | None:
+        """None once queued; the rejection, or the final output of a resumed request already
+        at its end."""
+        request = Request.from_add(msg)
         try:
-            self.scheduler.add_request(Request.from_add(msg))
+            queued = self.scheduler.add_request(request)
         except ValueError as exc:
             return RequestRejected(msg.request_id, "invalid", str(exc))
-        return None
+        return None if queued else request.make_final_output()
 
     def _abort(self, request_ids: list[str]) -> ClientOutputs:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)

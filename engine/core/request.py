@@ -4,6 +4,12 @@ A request holds ``all_token_ids`` (prompt then outputs) and ``num_computed_token
 of them whose KV is in the cache (or scheduled to be); the scheduler makes the second catch up
 with the first. ``block_hashes`` grows through the block hasher as blocks fill up.
 
+Resumption after a fault: a request may arrive with output tokens generated elsewhere
+(``AddRequest.output_token_ids``). They are its output so far (``num_resumed_tokens`` of them):
+recomputed with the prompt like a preempted request's, counted against ``max_tokens`` and
+``max_model_len``, seen by stop checks, penalties and min_tokens; only tokens after them are
+published.
+
 Statuses are ordered as in vLLM: everything above ``PREEMPTED`` is finished, and each finished
 status maps to a wire finish reason (``stop``, ``length``, ``abort``, ``error``).
 
@@ -87,6 +93,7 @@ class Request:
         "num_output_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
+        "num_resumed_tokens",
         "num_stale_steps",
         "output_token_ids",
         "priority",
@@ -112,6 +119,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         block_hasher: BlockHasherFn | None = None,
+        output_token_ids: list[int] | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -130,8 +138,10 @@ class Request:
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids or ())
         self.max_tokens = sampling_params.max_tokens or NO_TOKEN_LIMIT
         self.status = RequestStatus.WAITING
-        self.all_token_ids: list[int] = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        # A request resumed after a fault arrives with its output so far (generated elsewhere).
+        self.output_token_ids: list[int] = list(output_token_ids or ())
+        self.all_token_ids: list[int] = [*prompt_token_ids, *self.output_token_ids]
+        self.num_resumed_tokens = len(self.output_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0  # scheduled for sampling, values not back yet
@@ -162,6 +172,7 @@ class Request:
             priority=msg.priority,
             cache_salt=msg.cache_salt,
             block_hasher=block_hasher,
+            output_token_ids=msg.output_token_ids,
         )
 
     def set_block_hasher(self, block_hasher: BlockHasherFn) -> None:
@@ -194,9 +205,16 @@ class Request:
         return FINISH_REASONS.get(self.status)
 
     @property
+    def is_resumed(self) -> bool:
+        """Recomputed with outputs it already has (preempted, or resumed after a fault): the
+        worker gets them with the prompt and produces no prompt logprobs again."""
+        return self.status is RequestStatus.PREEMPTED or self.num_resumed_tokens > 0
+
+    @property
     def skip_reading_prefix_cache(self) -> bool:
-        """Prompt logprobs need every prompt position computed, so no cache hit is taken."""
-        return self.sampling_params.prompt_logprobs is not None
+        """Prompt logprobs need every prompt position computed, so no cache hit is taken (a
+        request resumed after a fault produces none: its first run did)."""
+        return self.sampling_params.prompt_logprobs is not None and not self.num_resumed_tokens
 
     def append_output_token_id(self, token_id: int) -> None:
         """Add one sampled token; hash the block it fills, if it fills one."""

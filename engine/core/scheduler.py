@@ -12,6 +12,8 @@ with its tokens. Each ``schedule()``:
 2. only if nothing was preempted this step, admits **waiting** requests while the budget,
    ``max_num_seqs`` and free blocks allow, taking prefix-cache hits first; a waiting request that
    does not fit stops admission (no preemption from the waiting loop);
+   a request resumed after a fault (it arrives with outputs) is admitted like a preempted one:
+   prompt + outputs recomputed, prefix-cache hits taken on both;
 3. advances ``num_computed_tokens`` optimistically and returns the step as a diff.
 
 ``update_from_output`` reads the step's result into a ``StepOutcome`` (``step_outcome.py``:
@@ -55,6 +57,7 @@ from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.request_queue import make_request_queue
 from shoal.engine.core.scheduler_output import SchedulerOutput, StepPlan, build_scheduler_output
 from shoal.engine.core.step_outcome import StepOutcome, make_step_outcome
+from shoal.engine.core.stop_check import check_stop
 
 RUNNING = RequestStatus.RUNNING
 PREEMPTED = RequestStatus.PREEMPTED
@@ -112,8 +115,12 @@ class Scheduler:
 
     # ----- requests in and out
 
-    def add_request(self, request: Request) -> None:
-        """Queue a request. ``ValueError`` if its id is taken or it could never fit."""
+    def add_request(self, request: Request) -> bool:
+        """Queue a request. ``ValueError`` if its id is taken or it could never fit.
+
+        False when a request resumed after a fault is already done (at ``max_tokens`` or
+        ``max_model_len``, or its last token stops it): it is finished at once, with its
+        status set, and not queued; the caller publishes its final output."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         if request.num_prompt_tokens > self.max_model_len:
@@ -122,10 +129,14 @@ class Scheduler:
                 f"max_model_len={self.max_model_len}"
             )
         self._check_fits(request)
+        if request.num_resumed_tokens and check_stop(request, self.max_model_len):
+            self.num_finished[FINISH_REASONS[request.status]] += 1
+            return False
         if self.block_hasher is not None and not request.has_block_hasher:
             request.set_block_hasher(self.block_hasher)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        return True
 
     def _check_fits(self, request: Request) -> None:
         """A request that could not run even alone would wait (or preempt itself) forever."""
@@ -333,7 +344,7 @@ class Scheduler:
             if new_block_ids is None:
                 break
             waiting.pop()
-            plan.new.append((request, request.status is PREEMPTED))
+            plan.new.append((request, request.is_resumed))
             request.status = RUNNING
             request.num_computed_tokens = num_hit_tokens
             if request.num_cached_tokens < 0:

@@ -107,7 +107,7 @@ def _read_sampled_tokens(
                 logprobs = _trim_logprobs(logprobs, len(new_token_ids))
         num_new = len(new_token_ids)
         num_generated += num_new
-        first_output = len(request.output_token_ids) == num_new
+        first_output = request.num_output_tokens - request.num_resumed_tokens == num_new
         if first_output:
             num_prompt_tokens += request.num_prompt_tokens
         finish_reason = None
