@@ -4,6 +4,8 @@ and a greedy continuation equals the run that was never interrupted (lock-step a
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from shoal.bus.messages.config import CacheConfig, SchedulerConfig
@@ -39,14 +41,12 @@ def history_worker() -> FakeWorker:
     return worker
 
 
-def add(
-    request_id: str, outputs: list[int] | None = None, prompt: list[int] = PROMPT, **params: object
-) -> AddRequest:
+def add(request_id: str, outputs: list[int] | None = None, **params: Any) -> AddRequest:
     params = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, **params}
     return AddRequest(
         request_id,
-        prompt,
-        SamplingParams(**params),  # type: ignore[arg-type]
+        PROMPT,
+        SamplingParams(**params),
         "c",
         0.0,
         eos_token_ids=[EOS],
@@ -168,7 +168,7 @@ def test_resumed_tokens_count_against_max_tokens() -> None:
 )
 def test_a_resumed_request_already_at_its_end_finishes_at_once(
     outputs: list[int],
-    params: dict[str, object],
+    params: dict[str, Any],
     max_model_len: int,
     reason: str,
     stop_reason: int | None,
