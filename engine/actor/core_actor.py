@@ -124,7 +124,9 @@ class EngineCoreActor(Actor):
                 await self._loop_task
         self._abandon_in_flight()
         if self.core is not None:
-            await self._publish(self.core.fail_all(f"engine {self.engine_id} stopped"))
+            resumable = self.config.fault_tolerance_config.enable_fault_tolerance
+            reason = f"engine {self.engine_id} stopped"
+            await self._publish(self.core.fail_all(reason, resumable))
         await self.workers.stop()
 
     async def _connect_workers(self) -> None:

@@ -9,6 +9,14 @@ engine core that stopped, died or came back as a new incarnation (a restarted pr
 whose bus connection dropped: what was in flight may be lost) end at once with finish reason
 "error", and so do all of them when this client's own bus connection drops and comes back; a
 watchdog does the same for an engine core that went silent, so no caller waits forever.
+
+Resumption (fault tolerance with ``enable_request_resumption``): instead of ending such a request
+(or one its engine core's sentinel ended with a ``resumable`` error, or turned away as
+``unavailable``), the client parks it (``resumption.Resumptions``) and sends its unfinished
+completions again, under fresh ids, to a ready engine core with the tokens already received as
+``output_token_ids``; the caller's stream goes on where it was. Outputs of the old attempt are
+dropped and the old engine core gets an abort. Greedy output equals the uninterrupted run; seeded
+random sampling is not bit-exact across a resume (the sampler's generator starts afresh).
 """
 
 from __future__ import annotations
@@ -18,7 +26,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +48,9 @@ from shoal.bus.subjects import Subjects
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
 from shoal.engine.client.model_info import read_max_model_len
-from shoal.engine.client.output_processor import ChildRequest, OutputProcessor
+from shoal.engine.client.output_processor import ChildRequest, OutputProcessor, ResumeRequest
 from shoal.engine.client.outputs import RequestOutput
+from shoal.engine.client.resumption import Resumptions
 from shoal.engine.client.router import EngineRouter
 from shoal.engine.client.tokenizer import Tokenizer
 
@@ -83,6 +92,8 @@ class AsyncEngineClient:
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._stop_listening: Callable[[], None] | None = None
+        self.resumptions = Resumptions(config.fault_tolerance_config)
+        self._ready_seen: set[str] = set()  # engine cores last seen ready (for transitions)
 
     # ----- lifecycle
 
@@ -91,7 +102,7 @@ class AsyncEngineClient:
         self._tokenizer = await loop.run_in_executor(
             None, Tokenizer.from_pretrained, self.model_dir
         )
-        self._processor = OutputProcessor(self._tokenizer)
+        self._processor = OutputProcessor(self._tokenizer, resume_on_fault=self.resumptions.enabled)
         if not self.bus.is_connected:
             await self.bus.connect()
         s = self.subjects
@@ -207,13 +218,16 @@ class AsyncEngineClient:
         if engine is None:
             raise EngineUnavailableError("no engine core is ready to take requests")
         arrival = time.time()
-        children = processor.add_request(request_id, prompt_ids, params, prompt_text, arrival)
+        children = processor.add_request(
+            request_id, prompt_ids, params, prompt_text, arrival, priority
+        )
         collector = RequestOutputCollector(params.output_kind)
         self._collectors[request_id] = collector
         self._engine_of[request_id] = engine.engine_id
         self._epoch_of[request_id] = self.router.epoch(engine.engine_id)
         try:
-            await self._send_adds(engine.engine_id, children, prompt_ids, arrival, priority)
+            sends: list[tuple[ChildRequest, list[int]]] = [(child, []) for child in children]
+            await self._send_adds(engine.engine_id, sends, prompt_ids, arrival, priority)
         except BusError as exc:
             self._fail(request_id, EngineUnavailableError(f"request not sent: {exc!r}"))
             raise EngineUnavailableError(f"request not sent to {engine.engine_id}: {exc}") from exc
@@ -225,14 +239,15 @@ class AsyncEngineClient:
     async def _send_adds(
         self,
         engine_id: str,
-        children: list[ChildRequest],
+        children: list[tuple[ChildRequest, list[int]]],
         prompt_ids: list[int],
         arrival: float,
         priority: int,
     ) -> None:
+        """One add per completion, with the tokens it already has (resumed) or none."""
         tokenizer = self.require_tokenizer()
         subject = self.subjects.engine_in(engine_id)
-        for child in children:
+        for child, output_token_ids in children:
             add = AddRequest(
                 child.request_id,
                 prompt_ids,
@@ -241,6 +256,7 @@ class AsyncEngineClient:
                 arrival,
                 eos_token_ids=tokenizer.eos_token_ids,
                 priority=priority,
+                output_token_ids=output_token_ids,
             )
             await self.bus.publish(subject, encode(add))
 
@@ -278,6 +294,11 @@ class AsyncEngineClient:
         return collector, engine_id, self._require_processor().abort_request(request_id)
 
     def _untrack(self, request_id: str) -> str | None:
+        """Forget a request that ended: its engine core (returned), epoch and resumptions."""
+        self.resumptions.forget(request_id)
+        return self._detach(request_id)
+
+    def _detach(self, request_id: str) -> str | None:
         """Forget which engine core (and epoch) a request went to; that engine's id."""
         self._epoch_of.pop(request_id, None)
         return self._engine_of.pop(request_id, None)
@@ -322,22 +343,23 @@ class AsyncEngineClient:
             self._untrack(request_id)
         if processed.reqs_to_abort:
             await self._send_abort(message.engine_id, processed.reqs_to_abort)
+        for request_id, error in processed.to_resume.items():
+            engine_id = message.engine_id
+            self._resume_or_fail(request_id, engine_id, f"engine core {engine_id}: {error}")
 
     def _on_rejected(self, rejected: RequestRejected) -> None:
-        owner = self._owner_of(rejected.request_id)
-        if owner is None:
+        owner = self._require_processor().owner_of(rejected.request_id)
+        if owner is None or owner not in self._collectors:
+            return
+        if rejected.code == "unavailable" and self.resumptions.may_resume(owner, counts=False):
+            engine_id = self._engine_of.get(owner)
+            self._resume_or_fail(owner, engine_id, rejected.message, counts=False)
             return
         if rejected.code == "invalid":
             error: Exception = RequestValidationError(rejected.message)
         else:
             error = EngineUnavailableError(f"{rejected.code}: {rejected.message}")
         self._fail(owner, error)
-
-    def _owner_of(self, engine_request_id: str) -> str | None:
-        if engine_request_id in self._collectors:
-            return engine_request_id
-        owner = engine_request_id.partition("_")[2]  # n > 1 children are "{i}_{request_id}"
-        return owner if owner in self._collectors else None
 
     def _fail(self, request_id: str, error: Exception) -> None:
         collector, engine_id, engine_ids = self._forget(request_id)
@@ -347,9 +369,10 @@ class AsyncEngineClient:
             collector.put(error)
 
     def _abort_later(self, engine_id: str, engine_request_ids: list[str]) -> None:
-        task = asyncio.get_running_loop().create_task(
-            self._send_abort(engine_id, engine_request_ids)
-        )
+        self._spawn(self._send_abort(engine_id, engine_request_ids))
+
+    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -371,7 +394,8 @@ class AsyncEngineClient:
 
     def _check_engine(self, engine_id: str) -> None:
         """End this client's requests on ``engine_id`` if it is lost, or restarted since they
-        were sent: no output of theirs can come any more."""
+        were sent: no output of theirs can come any more (or resume them elsewhere)."""
+        self._note_readiness(engine_id)
         lost, epoch = self.router.is_lost(engine_id), self.router.epoch(engine_id)
         if not lost and self._epochs_checked.get(engine_id, 0) == epoch:
             return
@@ -383,9 +407,9 @@ class AsyncEngineClient:
         ]
         reason = "is gone" if lost else "restarted"
         for request_id in doomed:
-            self._end_with_error(request_id, engine_id, f"engine core {engine_id} {reason}")
+            self._resume_or_fail(request_id, engine_id, f"engine core {engine_id} {reason}")
 
-    def _end_with_error(self, request_id: str, engine_id: str, error: str) -> None:
+    def _end_with_error(self, request_id: str, engine_id: str | None, error: str) -> None:
         """Finish a request with reason "error"; abort it on the engine core in case a new
         incarnation of it did get it."""
         processor = self._require_processor()
@@ -395,21 +419,103 @@ class AsyncEngineClient:
         self._untrack(request_id)
         if collector is not None and output is not None:
             collector.put(output)
-        if engine_ids:
+        if engine_ids and engine_id is not None:
             self._abort_later(engine_id, engine_ids)
 
     def _on_bus_reconnected(self) -> None:
         """This client's bus connection dropped and came back: outputs (or adds) of every
-        request in flight may have gone with it, so each ends with an error now."""
+        request in flight may have gone with it, so each ends with an error now (or resumes)."""
         for request_id, engine_id in list(self._engine_of.items()):
-            self._end_with_error(request_id, engine_id, "the bus connection was lost")
+            error = "the bus connection was lost"
+            self._resume_or_fail(request_id, engine_id, error, avoid=False)
 
     async def _watch_engines(self) -> None:
-        """Fail the requests of engine cores that went silent (or whose end was missed)."""
+        """Fail (or resume) the requests of engine cores that went silent (or whose end was
+        missed); send parked requests to engine cores that became ready, end expired ones."""
+        interval = min(1.0, self.resumptions.timeout_s / 4)
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(interval)
+            for engine_id in list(self.router.engines):
+                self._note_readiness(engine_id)
             for engine_id in self.router.lost_engines():
                 self._check_engine(engine_id)
+            self._resume_parked()
+
+    # ----- resumption (see resumption.py)
+
+    def _resume_or_fail(
+        self,
+        request_id: str,
+        engine_id: str | None,
+        error: str,
+        *,
+        counts: bool = True,
+        avoid: bool = True,
+    ) -> None:
+        """A request its engine core will not finish: park it to resume on a ready engine core
+        (``avoid``: not this one until it is ready again), or end it with ``error``.
+        ``counts``: a fault (counted against max resumptions), not a rejection."""
+        if request_id not in self._collectors:
+            return
+        if not self.resumptions.may_resume(request_id, counts):
+            self._end_with_error(request_id, engine_id, error)
+            return
+        processor = self._require_processor()
+        old_ids = processor.engine_request_ids(request_id)
+        payload = processor.prepare_resume(request_id)
+        if payload is None:
+            return
+        self._detach(request_id)
+        if engine_id is not None and old_ids:
+            self._abort_later(engine_id, old_ids)
+        log.info("resuming %s (%s)", request_id, error)
+        now = time.monotonic()
+        self.resumptions.park(request_id, payload, engine_id if avoid else None, now, counts)
+        self._resume_parked()
+
+    def _resume_parked(self) -> None:
+        """Send parked requests to ready engine cores; end those that waited too long."""
+        resumptions = self.resumptions
+        if not resumptions.parked:
+            return
+        for request_id in resumptions.take_expired(time.monotonic()):
+            timeout = resumptions.timeout_s
+            self._end_with_error(
+                request_id, None, f"no engine core ready to resume it within {timeout:g} s"
+            )
+        for request_id, parked in list(resumptions.parked.items()):
+            engine = self.router.pick(exclude=parked.avoid)
+            if engine is None:
+                continue
+            resumptions.unpark(request_id)
+            self._engine_of[request_id] = engine.engine_id
+            self._epoch_of[request_id] = self.router.epoch(engine.engine_id)
+            self._spawn(self._send_resumed(request_id, engine.engine_id, parked.payload))
+
+    async def _send_resumed(self, request_id: str, engine_id: str, payload: ResumeRequest) -> None:
+        if self._engine_of.get(request_id) != engine_id:
+            return  # aborted, or moved again, before this ran
+        try:
+            await self._send_adds(
+                engine_id,
+                payload.children,
+                payload.prompt_token_ids,
+                payload.arrival_time,
+                payload.priority,
+            )
+        except BusError as exc:
+            if self._engine_of.get(request_id) == engine_id:
+                error = f"resumed request not sent to {engine_id}: {exc!r}"
+                self._resume_or_fail(request_id, engine_id, error, counts=False)
+
+    def _note_readiness(self, engine_id: str) -> None:
+        """Track engine cores becoming ready: requests parked away from one may go back."""
+        if not self.router.is_ready(engine_id):
+            self._ready_seen.discard(engine_id)
+        elif engine_id not in self._ready_seen:
+            self._ready_seen.add(engine_id)
+            self.resumptions.engine_ready_again(engine_id)
+            self._resume_parked()
 
 
 async def make_client(bus: Bus, config: ShoalConfig) -> AsyncEngineClient:

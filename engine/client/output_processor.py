@@ -6,6 +6,12 @@ returns what to send to the engine core), feeds every ``EngineOutputs`` to ``pro
 routes the returned ``RequestOutput`` objects to their collectors, and tells the engine core to
 abort ``reqs_to_abort`` (requests that ended on a stop string, which only this side can see).
 
+Resumption (``resume_on_fault``): an output that says its engine core's fault ended it
+(``resumable``) neither reaches the caller nor finishes the completion; its request is listed in
+``to_resume``. ``prepare_resume`` then gives each unfinished completion a fresh engine-side id
+(``"{id}@{attempt}"``, so late outputs of the old attempt are dropped as unknown) and returns what
+to send again: the prompt and, per completion, the tokens received so far.
+
 Per completion (``completion_state``) it detokenizes incrementally, applies stop strings
 with hold-back, converts logprobs and tracks what was already sent; per request it aggregates the
 children into one output in the request's output kind and keeps latency timestamps.
@@ -44,6 +50,20 @@ class ProcessedOutputs:
     reqs_to_abort: list[str] = field(default_factory=list)
     # Requests (user ids) that finished in this batch and are no longer tracked.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Requests (user ids) whose completions a fault ended, to resume (``resume_on_fault``),
+    # with the fault's error text.
+    to_resume: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True, frozen=True)
+class ResumeRequest:
+    """What to send again for a request cut by a fault: per unfinished completion, its new
+    engine-side request and the tokens it already produced."""
+
+    prompt_token_ids: list[int]
+    arrival_time: float
+    priority: int
+    children: list[tuple[ChildRequest, list[int]]]
 
 
 def child_request_id(index: int, request_id: str) -> str:
@@ -61,8 +81,11 @@ class RequestState:
         params: SamplingParams,
         tokenizer: Tokenizer | None,
         arrival_time: float,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
+        self.priority = priority
+        self.num_attempts = 1  # sent once, plus one per resumption
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -148,8 +171,9 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
 class OutputProcessor:
     """All in-flight requests of one engine client."""
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, resume_on_fault: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.resume_on_fault = resume_on_fault
         self._requests: dict[str, RequestState] = {}
         self._owner_of: dict[str, str] = {}  # engine-side id → user request id
 
@@ -160,13 +184,14 @@ class OutputProcessor:
         params: SamplingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> list[ChildRequest]:
         """Track a request; returns the engine-side requests to send (one per completion)."""
         if request_id in self._requests:
             raise ValueError(f"request id already in flight: {request_id!r}")
         arrival = time.time() if arrival_time is None else arrival_time
         state = RequestState(
-            request_id, prompt, list(prompt_token_ids), params, self.tokenizer, arrival
+            request_id, prompt, list(prompt_token_ids), params, self.tokenizer, arrival, priority
         )
         self._requests[request_id] = state
         for child in state.child_params:
@@ -200,6 +225,9 @@ class OutputProcessor:
             child = state.children[item.request_id]
             if child.finished:
                 continue
+            if item.resumable and self.resume_on_fault:
+                result.to_resume.setdefault(owner, item.error or "engine core fault")
+                continue
             stopped_here = child.update(item)
             state.absorb_request_fields(item, child)
             state.record_times(bool(item.new_token_ids), now)
@@ -217,6 +245,34 @@ class OutputProcessor:
                 self._drop(owner)
                 result.finished_request_ids.append(owner)
         return result
+
+    def owner_of(self, engine_request_id: str) -> str | None:
+        """The user request an engine-side id belongs to (None once finished or replaced)."""
+        return self._owner_of.get(engine_request_id)
+
+    def prepare_resume(self, request_id: str) -> ResumeRequest | None:
+        """Re-key the request's unfinished completions for one more attempt (outputs under
+        their old ids are ignored from now on); what to send. None if not tracked."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        attempt, state.num_attempts = state.num_attempts, state.num_attempts + 1
+        children: list[tuple[ChildRequest, list[int]]] = []
+        for old_id, child in list(state.children.items()):
+            if child.finished:
+                continue
+            base_id = state.child_params[child.index].request_id
+            new_id = f"{base_id}@{attempt}"
+            del state.children[old_id]
+            self._owner_of.pop(old_id, None)
+            state.children[new_id] = child
+            self._owner_of[new_id] = request_id
+            children.append((ChildRequest(new_id, child.params), list(child.token_ids)))
+            if child.index == 0 and not child.token_ids:
+                state.prompt_logprob_rows = []  # the prompt is run whole again, with its rows
+        return ResumeRequest(
+            state.prompt_token_ids, state.metrics.arrival_time, state.priority, children
+        )
 
     def abort_request(self, request_id: str) -> list[str]:
         """Stop tracking a request; returns its engine-side ids that were still running."""

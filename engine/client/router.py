@@ -66,8 +66,9 @@ class EngineRouter:
         now = time.monotonic() if now is None else now
         return [v for v in self.engines.values() if self.is_ready(v.engine_id, now)]
 
-    def pick(self, now: float | None = None) -> EngineView | None:
-        ready = self.ready_engines(now)
+    def pick(self, now: float | None = None, exclude: str | None = None) -> EngineView | None:
+        """The least loaded ready engine core (other than ``exclude``), counted as sent one more."""
+        ready = [v for v in self.ready_engines(now) if v.engine_id != exclude]
         if not ready:
             return None
         best = min(ready, key=EngineView.score)

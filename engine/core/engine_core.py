@@ -190,10 +190,11 @@ class EngineCore:
         self._pending_aborts.clear()
         return self._abort(aborted)
 
-    def fail_all(self, reason: str) -> ClientOutputs:
+    def fail_all(self, reason: str, resumable: bool = False) -> ClientOutputs:
         """Finish every request with an error (the workers lost their state) and forget the
         prefix cache, whose blocks no longer hold what their hashes say. Outstanding steps are
-        abandoned: their results, if they come, are not applied."""
+        abandoned: their results, if they come, are not applied. ``resumable``: the fault is the
+        engine core's, not the requests' (a client may resume them elsewhere)."""
         while self.outstanding:
             self.scheduler.land_step(self.outstanding.popleft(), wrote_kv=False)
         requests = list(self.scheduler.requests.values())
@@ -204,7 +205,12 @@ class EngineCore:
         self.scheduler.preempted_req_ids.clear()
         if not self.scheduler.reset_prefix_cache():
             log.error("prefix cache not reset after a failure: blocks still in use")
-        return Scheduler.group_final_outputs(finished)
+        outputs = Scheduler.group_final_outputs(finished)
+        if resumable:
+            for client_outputs in outputs.values():
+                for output in client_outputs:
+                    output.resumable = True
+        return outputs
 
     def stats(self) -> SchedulerStats:
         stats = self.scheduler.make_stats()
