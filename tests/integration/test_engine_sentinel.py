@@ -80,7 +80,7 @@ async def test_retry_is_rejected_unless_unhealthy(bus_factory, tiny_checkpoint):
         assert stack.engines[0].state is ActorState.READY
 
 
-async def test_fault_tolerance_off_rejects_commands_and_recovers_by_itself(
+async def test_ft_off_rejects_commands_and_recovers_by_itself(
     bus_factory, tiny_checkpoint
 ):  # type: ignore[no-untyped-def]
     bus = await bus_factory()
@@ -98,7 +98,7 @@ async def test_fault_tolerance_off_rejects_commands_and_recovers_by_itself(
         assert len(await _greedy(stack.client, PROMPT, 8, "after")) == 8
 
 
-async def test_idle_engine_core_notices_a_dead_worker_then_recovers_with_a_new_one(
+async def test_idle_engine_notices_a_dead_worker_then_recovers(
     bus_factory, tiny_checkpoint
 ):  # type: ignore[no-untyped-def]
     bus = await bus_factory()
@@ -121,7 +121,7 @@ async def test_idle_engine_core_notices_a_dead_worker_then_recovers_with_a_new_o
         assert await _greedy(stack.client, PROMPT, 16, "after") == before
 
 
-async def test_no_retry_within_the_timeout_restarts_the_engine_core_in_place(
+async def test_no_retry_in_time_restarts_the_engine_in_place(
     bus_factory, tiny_checkpoint
 ):  # type: ignore[no-untyped-def]
     bus = await bus_factory()
