@@ -14,15 +14,19 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from shoal.bus.actor import call
+from shoal.bus.codec import Codec
+from shoal.bus.messages.fault import EngineControlReply, FaultInjected, InjectFault
 from shoal.gateway.app import create_app
 from shoal.gateway.server import start_http_server
-from tests.integration.served_stack import ServedStack, served_stack
+from tests.integration.served_stack import ServedStack, complete, served_stack
 from tests.unit.test_gateway_fake import FakeEngineClient
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 TIMEOUT = aiohttp.ClientTimeout(total=60)  # no request may hang
 LIMIT_S = 30.0
+REPLY: Codec[EngineControlReply] = Codec(EngineControlReply)
 FT_CONFIG = {"enable_request_resumption": False, "enable_recovery_controller": False}
 
 
@@ -156,3 +160,39 @@ async def test_fault_tolerance_endpoints_need_the_api_key() -> None:
                 assert (await r.json())["error"]["code"] == "not_supported"
     finally:
         await server.stop()
+
+
+async def test_injected_fault_shows_unhealthy_and_retry_brings_the_engine_core_back(
+    served: ServedStack, session: aiohttp.ClientSession
+) -> None:
+    """An injected fault → the engine core unhealthy with its fault, ``/health`` 503 (the only
+    one), its request failed cleanly; ``retry`` → 202 → healthy again, the earlier rejection
+    cleared, one fault and one recovery counted, and it serves."""
+    subject = served.stack.client.subjects.control("engine", "e0")
+    injected = await call(served.stack.client.bus, subject, InjectFault(0), REPLY, timeout=LIMIT_S)
+    assert isinstance(injected, FaultInjected), injected
+    body = {"prompt": "the quick", "max_tokens": 8, "ignore_eos": True}
+    async with session.post(served.url + "/v1/completions", json=body) as response:
+        assert response.status == 503, await response.text()  # its step raised
+        assert (await response.json())["error"]["code"] == "engine_error"
+    entry = await engine_status_until(served, session, lambda e: e["status"] == "unhealthy")
+    assert "injected fault" in entry["fault_info"]
+    async with session.get(served.url + "/health") as response:
+        assert response.status == 503
+    assert _metric(served, "shoal:engine_status") == 2
+
+    status, answer = await apply(served, session, {"instruction": "retry", "params": {}})
+    assert status == 202, answer
+    entry = await engine_status_until(served, session, lambda e: e["status"] == "healthy")
+    assert entry == {"id": "e0", "status": "healthy"}  # no fault, no failed command
+    async with session.get(served.url + "/health") as response:
+        assert response.status == 200
+    assert _metric(served, "shoal:engine_faults_total") == 1
+    assert _metric(served, "shoal:engine_recoveries_total") == 1
+    assert _metric(served, "shoal:engine_status") == 0
+    assert (await complete(session, served.url, body)).finish_reason == "length"
+    await served.wait_until_idle()
+
+
+def _metric(served: ServedStack, name: str) -> float | None:
+    return served.metrics.registry.get_sample_value(name, {"model_name": "tiny", "engine": "e0"})
