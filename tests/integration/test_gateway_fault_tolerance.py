@@ -14,11 +14,10 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from shoal.bus.actor import call
-from shoal.bus.codec import Codec
-from shoal.bus.messages.fault import EngineControlReply, FaultInjected, InjectFault
 from shoal.gateway.app import create_app
 from shoal.gateway.server import start_http_server
+from shoal.workers.actor import WorkerActor
+from tests.integration.fault_tools import inject_engine_fault
 from tests.integration.served_stack import ServedStack, complete, served_stack
 from tests.unit.test_gateway_fake import FakeEngineClient
 
@@ -26,13 +25,13 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.slow, pytest.mark.asyncio(lo
 
 TIMEOUT = aiohttp.ClientTimeout(total=60)  # no request may hang
 LIMIT_S = 30.0
-REPLY: Codec[EngineControlReply] = Codec(EngineControlReply)
 FT_CONFIG = {"enable_request_resumption": False, "enable_recovery_controller": False}
+FT_OPTIONS = {"fault_tolerance_config": FT_CONFIG}
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tiny_checkpoint) -> AsyncIterator[ServedStack]:  # type: ignore[no-untyped-def]
-    async with served_stack(tiny_checkpoint("llama"), fault_tolerance_config=FT_CONFIG) as stack:
+    async with served_stack(tiny_checkpoint("llama"), **FT_OPTIONS) as stack:
         yield stack
 
 
@@ -105,7 +104,7 @@ async def test_retry_while_healthy_is_accepted_and_the_engine_rejection_recorded
         served, session, lambda e: e.get("last_ft_request_id") == request_id
     )
     assert entry["status"] == "healthy"
-    assert entry["ft_error"]
+    assert entry["ft_error"] == "[FT] Rejecting instruction 'retry': engine e0 is healthy"
     async with session.get(served.url + "/health") as response:
         assert response.status == 200
 
@@ -168,9 +167,8 @@ async def test_injected_fault_shows_unhealthy_and_retry_brings_the_engine_core_b
     """An injected fault → the engine core unhealthy with its fault, ``/health`` 503 (the only
     one), its request failed cleanly; ``retry`` → 202 → healthy again, the earlier rejection
     cleared, one fault and one recovery counted, and it serves."""
-    subject = served.stack.client.subjects.control("engine", "e0")
-    injected = await call(served.stack.client.bus, subject, InjectFault(0), REPLY, timeout=LIMIT_S)
-    assert isinstance(injected, FaultInjected), injected
+    client = served.stack.client
+    await inject_engine_fault(client.bus, client.subjects, "e0")
     body = {"prompt": "the quick", "max_tokens": 8, "ignore_eos": True}
     async with session.post(served.url + "/v1/completions", json=body) as response:
         assert response.status == 503, await response.text()  # its step raised
@@ -194,5 +192,67 @@ async def test_injected_fault_shows_unhealthy_and_retry_brings_the_engine_core_b
     await served.wait_until_idle()
 
 
-def _metric(served: ServedStack, name: str) -> float | None:
-    return served.metrics.registry.get_sample_value(name, {"model_name": "tiny", "engine": "e0"})
+def _metric(served: ServedStack, name: str, engine_id: str = "e0") -> float | None:
+    labels = {"model_name": "tiny", "engine": engine_id}
+    return served.metrics.registry.get_sample_value(name, labels)
+
+
+async def test_two_engine_cores_a_dead_worker_then_its_replacement_and_retry(
+    tiny_checkpoint,  # type: ignore[no-untyped-def]
+) -> None:
+    """DP=2, w1 stopped: e1 dead with its fault while e0 serves (``/health`` 200); a ``retry``
+    is rejected by both (healthy, dead) and recorded per engine core; once w1 is back, e1 is
+    unhealthy by itself, and a ``retry`` brings it back healthy (its record cleared; e0's
+    rejection recorded again): one fault and one recovery counted for e1, none for e0."""
+    async with (
+        served_stack(
+            tiny_checkpoint("llama"), num_engines=2, worker_dead_after_s=1.0, **FT_OPTIONS
+        ) as served,
+        aiohttp.ClientSession(timeout=TIMEOUT) as session,
+    ):
+        await served.stack.workers[1].stop("killed by the test")
+        e1 = await engine_status_until(served, session, lambda e: e["status"] == "dead", "e1")
+        assert "w1" in e1["fault_info"]
+        assert (await get_status(served, session))["engines"][0]["status"] == "healthy"
+        async with session.get(served.url + "/health") as response:
+            assert response.status == 200  # e0 still serves
+
+        first = await apply_retry(served, session)
+        e1 = await engine_status_until(
+            served, session, lambda e: e.get("last_ft_request_id") == first, "e1"
+        )
+        assert e1["ft_error"] == "[FT] Rejecting instruction 'retry': engine e1 is dead"
+        e0 = await engine_status_until(
+            served, session, lambda e: e.get("last_ft_request_id") == first
+        )
+        assert e0["ft_error"] == "[FT] Rejecting instruction 'retry': engine e0 is healthy"
+
+        engine = served.stack.engines[1]
+        replacement = WorkerActor(served.stack.client.bus, "w1", config=engine.config)
+        await replacement.start()
+        served.stack.workers[1] = replacement
+        e1 = await engine_status_until(served, session, lambda e: e["status"] == "unhealthy", "e1")
+        assert "w1" in e1["fault_info"]
+        second = await apply_retry(served, session)
+        e1 = await engine_status_until(served, session, lambda e: e["status"] == "healthy", "e1")
+        assert e1 == {"id": "e1", "status": "healthy"}
+        e0 = await engine_status_until(
+            served, session, lambda e: e.get("last_ft_request_id") == second
+        )
+        assert e0["status"] == "healthy"
+        counts = {
+            engine_id: (
+                _metric(served, "shoal:engine_faults_total", engine_id),
+                _metric(served, "shoal:engine_recoveries_total", engine_id),
+            )
+            for engine_id in ("e0", "e1")
+        }
+        assert counts == {"e0": (0, 0), "e1": (1, 1)}
+        body = {"prompt": "the quick", "max_tokens": 4, "ignore_eos": True}
+        assert (await complete(session, served.url, body)).finish_reason == "length"
+
+
+async def apply_retry(served: ServedStack, session: aiohttp.ClientSession) -> str:
+    status, answer = await apply(served, session, {"instruction": "retry", "params": {}})
+    assert status == 202, answer
+    return str(answer["request_id"])
