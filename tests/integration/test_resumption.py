@@ -31,6 +31,7 @@ from shoal.engine.client.engine_client import AsyncEngineClient
 from tests.fixtures.models import make_prompts
 from tests.integration.conditions import wait_for
 from tests.integration.engine_stack import engine_stack
+from tests.integration.fault_tools import inject_engine_fault, send_instruction
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -249,3 +250,29 @@ async def test_a_request_turned_away_as_unavailable_goes_to_another_engine_core(
             assert stream.tokens[0] == reference[0][0] and stream.text[0] == reference[0][1]
         await sub.unsubscribe()
     assert seen == ["r"]
+
+
+async def test_requests_cut_by_an_injected_fault_resume_on_the_same_engine_core_after_retry(
+    bus_factory: Any, tiny_checkpoint: Any
+) -> None:
+    """DP=1: the sentinel ends the requests resumable, the engine core is UNHEALTHY (they wait,
+    parked), a retry makes it READY and they continue there with the no-fault output."""
+    bus = await bus_factory()
+    model_dir = tiny_checkpoint("llama")
+    async with engine_stack(bus, model_dir, num_engines=1, fault_tolerance_config=FT) as stack:
+        engine, subjects = stack.engines[0], stack.engines[0].subjects
+        reference = await reference_run(stack.client)
+        await inject_engine_fault(bus, subjects, "e0", after_steps=6)
+        streams, tasks = await start_streams(stack.client, n=2)
+        await wait_for(lambda: engine.state is ActorState.UNHEALTHY, 60, "the fault")
+        await wait_for(lambda: stack.client.resumptions.parked, 30, "requests parked")
+        assert engine.core is not None and not engine.core.scheduler.requests
+        assert all(s.num_tokens < MAX_TOKENS for s in streams)
+        result = await send_instruction(bus, subjects, "e0")
+        assert result.success, result
+        await asyncio.wait_for(tasks, 120)
+        assert stack.client.resumptions.num_resumptions_total == len(PROMPTS)
+    for stream, (tokens, text) in zip(streams, reference, strict=True):
+        for i in range(2):
+            assert stream.tokens[i] == tokens and stream.text[i] == text
+            assert stream.finish_reasons[i] == "length"
