@@ -409,8 +409,10 @@ class AsyncEngineClient:
             if engine == engine_id and (lost or self._epoch_of.get(request_id, epoch) < epoch)
         ]
         reason = "is gone" if lost else "restarted"
+        error = f"engine core {engine_id} {reason}"
         for request_id in doomed:
-            self._resume_or_fail(request_id, engine_id, f"engine core {engine_id} {reason}")
+            # A new incarnation is a fresh process: the requests may go back to it at once.
+            self._resume_or_fail(request_id, engine_id, error, avoid=lost)
 
     def _end_with_error(self, request_id: str, engine_id: str | None, error: str) -> None:
         """Finish a request with reason "error"; abort it on the engine core in case a new

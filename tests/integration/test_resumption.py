@@ -17,6 +17,7 @@ import pytest
 
 from shoal.bus.base import Bus, Msg
 from shoal.bus.codec import Codec, encode
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState, Heartbeat
 from shoal.bus.messages.engine import (
     AddRequest,
@@ -29,7 +30,7 @@ from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.engine.client.engine_client import AsyncEngineClient
 from tests.fixtures.models import make_prompts
-from tests.integration.conditions import wait_for
+from tests.integration.conditions import core_is_settled, wait_for
 from tests.integration.engine_stack import engine_stack
 from tests.integration.fault_tools import inject_engine_fault, send_instruction
 
@@ -136,7 +137,7 @@ async def test_without_resumption_requests_on_a_stopped_engine_core_end_with_an_
 ) -> None:
     bus = await bus_factory()
     model_dir = tiny_checkpoint("llama")
-    options = {} if ft is None else {"fault_tolerance_config": ft}
+    options: dict[str, Any] = {} if ft is None else {"fault_tolerance_config": ft}
     async with engine_stack(bus, model_dir, num_engines=2, **options) as stack:
         reference = await reference_run(stack.client)
         streams, tasks = await start_streams(stack.client)
@@ -276,3 +277,30 @@ async def test_requests_cut_by_an_injected_fault_resume_on_the_same_engine_core_
         for i in range(2):
             assert stream.tokens[i] == tokens and stream.text[i] == text
             assert stream.finish_reasons[i] == "length"
+
+
+async def test_the_clients_own_reconnect_resumes_its_requests(
+    bus_factory: Any, tiny_checkpoint: Any
+) -> None:
+    """Outputs in flight may have gone with the connection: every request is sent again (the
+    old attempts are aborted) and still streams the no-fault output once."""
+    bus = await bus_factory()
+    model_dir = tiny_checkpoint("llama")
+    async with engine_stack(bus, model_dir, num_engines=2, fault_tolerance_config=FT) as stack:
+        reference = await reference_run(stack.client)
+        config = ShoalConfig.from_options(model=str(model_dir), fault_tolerance_config=FT)
+        client = await AsyncEngineClient(await bus_factory(), config).start()
+        await client.wait_until_ready(30, num_engines=2)
+        streams, tasks = await start_streams(client)
+        await busiest(stack.engines)
+        in_flight = len(client._engine_of)
+        client.bus._reconnected()  # what NatsBus does when its connection is back
+        await asyncio.wait_for(tasks, 120)
+        assert client.resumptions.num_resumptions_total == in_flight >= 1
+        cores = [engine.core for engine in stack.engines if engine.core is not None]
+        for core in cores:
+            await wait_for(functools.partial(core_is_settled, core), 30, "settled")
+        assert sum(core.stats().num_finished_abort for core in cores) >= 1  # old attempts
+        await client.close()
+    for stream, (tokens, text) in zip(streams, reference, strict=True):
+        assert stream.tokens[0] == tokens and stream.text[0] == text
