@@ -304,3 +304,22 @@ async def test_the_clients_own_reconnect_resumes_its_requests(
         await client.close()
     for stream, (tokens, text) in zip(streams, reference, strict=True):
         assert stream.tokens[0] == tokens and stream.text[0] == text
+
+
+async def test_requests_cut_by_an_injected_fault_finish_on_the_other_engine_core(
+    bus_factory: Any, tiny_checkpoint: Any
+) -> None:
+    """DP=2, no retry: the faulted engine core's requests move to the healthy one."""
+    bus = await bus_factory()
+    model_dir = tiny_checkpoint("llama")
+    async with engine_stack(bus, model_dir, num_engines=2, fault_tolerance_config=FT) as stack:
+        reference = await reference_run(stack.client)
+        streams, tasks = await start_streams(stack.client)
+        victim = await busiest(stack.engines)
+        await inject_engine_fault(bus, victim.subjects, victim.engine_id)
+        await asyncio.wait_for(tasks, 120)
+        assert victim.state is ActorState.UNHEALTHY
+        assert stack.client.resumptions.num_resumptions_total >= 1
+    for stream, (tokens, text) in zip(streams, reference, strict=True):
+        assert stream.tokens[0] == tokens and stream.text[0] == text
+        assert stream.finish_reasons[0] == "length"
