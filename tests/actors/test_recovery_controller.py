@@ -36,7 +36,7 @@ from tests.integration.conditions import wait_for as wait_until
 
 LIMIT_S = 10.0
 BACKOFF_S = 0.05
-FAST = {"heartbeat_interval_s": 0.05}
+HEARTBEAT_S = 0.05
 
 
 async def wait_for(condition: Callable[[], object], what: str) -> None:
@@ -51,7 +51,13 @@ class StandInEngine(Actor):
     kind = "engine"
 
     def __init__(self, bus: Bus, actor_id: str, namespace: str, script: Sequence[str] = ()):
-        super().__init__(bus, actor_id, namespace=namespace, drain_timeout_s=0.2, **FAST)
+        super().__init__(
+            bus,
+            actor_id,
+            namespace=namespace,
+            drain_timeout_s=0.2,
+            heartbeat_interval_s=HEARTBEAT_S,
+        )
         self.script = list(script)
         self.retries: list[tuple[float, FaultToleranceRequest]] = []  # (monotonic, request)
 
@@ -95,7 +101,11 @@ class Deployment:
             model="unused", namespace=self.namespace, enable_fault_tolerance=True, **ft
         )
         controller = RecoveryControllerActor(
-            self.bus, config=config, retry_timeout_s=0.3, tick_s=0.02, **FAST
+            self.bus,
+            config=config,
+            retry_timeout_s=0.3,
+            tick_s=0.02,
+            heartbeat_interval_s=HEARTBEAT_S,
         )
         await controller.start()
         self.actors.append(controller)

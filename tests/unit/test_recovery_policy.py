@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from shoal.bus.messages.config import FaultToleranceConfig
 from shoal.bus.messages.control import ActorState
-from shoal.engine.recovery.policy import GiveUp, RecoveryPolicy, RetryLimits, SendRetry
+from shoal.engine.recovery.policy import Decision, GiveUp, RecoveryPolicy, RetryLimits, SendRetry
 
 READY, UNHEALTHY, DEAD = ActorState.READY, ActorState.UNHEALTHY, ActorState.DEAD
 LIMITS = RetryLimits(max_retries=3, backoff_s=1.0, max_backoff_s=3.0, settle_s=0.5)
@@ -22,7 +22,7 @@ def fresh(limits: RetryLimits = LIMITS) -> RecoveryPolicy:
     return RecoveryPolicy(limits)
 
 
-def only_retry(decisions: list[object], engine_id: str = E0) -> SendRetry:
+def only_retry(decisions: list[Decision], engine_id: str = E0) -> SendRetry:
     assert len(decisions) == 1 and isinstance(decisions[0], SendRetry), decisions
     assert decisions[0].engine_id == engine_id
     return decisions[0]
