@@ -196,8 +196,7 @@ async def _actor(
         target, kwargs = actor_target(ns.kind, config, ns.actor_id, ns)
     except ValueError as exc:
         parser.error(str(exc))
-    await serve(target, nats_url, kwargs, {})
-    return 0
+    return await serve(target, nats_url, kwargs, {})
 
 
 def _run_bench(parser: argparse.ArgumentParser, name: str, bench_args: list[str]) -> int:
