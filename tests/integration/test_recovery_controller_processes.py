@@ -5,6 +5,8 @@ as before the fault."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from shoal.bus.base import Msg
@@ -81,3 +83,42 @@ async def test_an_injected_fault_is_recovered_by_the_controller(nats_server, tin
         after = await _generate(client, "after")
         assert (after.finish_reason, after.token_ids) == ("length", before.token_ids)
         assert supervisor.num_restarts("engine-0") == 0  # recovered in place
+
+
+async def test_dp2_fault_in_rank_1_is_recovered_while_rank_0_serves(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-def]
+    namespace = f"{NAMESPACE}dp"
+    config = build_config(
+        model=str(tiny_checkpoint("llama")),
+        num_gpu_blocks_override=96,
+        max_num_seqs=8,
+        namespace=namespace,
+        data_parallel_size=2,
+        enable_fault_tolerance=True,
+        recovery_backoff_s=0.2,
+    )
+    subjects = Subjects(namespace)
+    async with process_deployment(nats_server.url, config) as deployed:
+        client, supervisor = deployed.client, deployed.supervisor
+        states: dict[str, list[ActorState]] = {"engine-0": [], "engine-1": []}
+        codec: Codec[ControlEvent] = Codec(ControlEvent)
+
+        async def on_status(msg: Msg) -> None:
+            event = codec.decode(msg.data)
+            if isinstance(event, StatusEvent) and event.actor_id in states:
+                states[event.actor_id].append(event.state)
+
+        await client.bus.subscribe(subjects.status("engine"), on_status)
+        before = await _generate(client, "before")
+        await inject_engine_fault(client.bus, subjects, "engine-1")
+        # Enough requests that some land on engine-1 (least loaded first): its next step faults.
+        finals = await asyncio.gather(*(_generate(client, f"r{i}") for i in range(4)))
+        await wait_for(lambda: ActorState.UNHEALTHY in states["engine-1"], 30, "engine-1 faulted")
+        peer = client.router.liveness.get("engine-1")
+        assert peer is not None and "injected fault" in peer.reason
+        await wait_for(lambda: len(client.router.ready_engines()) == 2, 60, "both ready again")
+        faulted = states["engine-1"].index(ActorState.UNHEALTHY)
+        assert ActorState.READY in states["engine-1"][faulted:]
+        assert states["engine-0"] == []  # rank 0 never left READY
+        # Resumption is on: the requests cut by the fault completed elsewhere, unchanged.
+        assert all((f.finish_reason, f.token_ids) == ("length", before.token_ids) for f in finals)
+        assert (supervisor.num_restarts("engine-0"), supervisor.num_restarts("engine-1")) == (0, 0)
