@@ -80,9 +80,7 @@ async def test_retry_is_rejected_unless_unhealthy(bus_factory, tiny_checkpoint):
         assert stack.engines[0].state is ActorState.READY
 
 
-async def test_ft_off_rejects_commands_and_recovers_by_itself(
-    bus_factory, tiny_checkpoint
-):  # type: ignore[no-untyped-def]
+async def test_ft_off_rejects_commands_and_recovers_by_itself(bus_factory, tiny_checkpoint):  # type: ignore[no-untyped-def]
     bus = await bus_factory()
     async with engine_stack(bus, tiny_checkpoint("llama")) as stack:
         engine, subjects = stack.engines[0], stack.engines[0].subjects
@@ -98,9 +96,7 @@ async def test_ft_off_rejects_commands_and_recovers_by_itself(
         assert len(await _greedy(stack.client, PROMPT, 8, "after")) == 8
 
 
-async def test_idle_engine_notices_a_dead_worker_then_recovers(
-    bus_factory, tiny_checkpoint
-):  # type: ignore[no-untyped-def]
+async def test_idle_engine_notices_a_dead_worker_then_recovers(bus_factory, tiny_checkpoint):  # type: ignore[no-untyped-def]
     bus = await bus_factory()
     model_dir = tiny_checkpoint("llama")
     async with engine_stack(bus, model_dir, worker_dead_after_s=1.0, **NO_RESUME) as stack:
@@ -121,9 +117,7 @@ async def test_idle_engine_notices_a_dead_worker_then_recovers(
         assert await _greedy(stack.client, PROMPT, 16, "after") == before
 
 
-async def test_no_retry_in_time_restarts_the_engine_in_place(
-    bus_factory, tiny_checkpoint
-):  # type: ignore[no-untyped-def]
+async def test_no_retry_in_time_restarts_the_engine_in_place(bus_factory, tiny_checkpoint):  # type: ignore[no-untyped-def]
     bus = await bus_factory()
     options = {**NO_RESUME, "engine_recovery_timeout_sec": 1}
     async with engine_stack(bus, tiny_checkpoint("llama"), **options) as stack:
