@@ -217,7 +217,10 @@ class AsyncEngineClient:
         if request_id in self._collectors:
             raise RequestValidationError(f"request id {request_id!r} is already in flight")
         engine = self.router.pick()
-        if engine is None:
+        # With resumption on, a request that finds every known engine core faulted waits for one
+        # as a cut request would (parked); with none known, or resumption off, it is refused.
+        may_wait = self.resumptions.enabled and bool(self.router.engines)
+        if engine is None and not may_wait:
             raise EngineUnavailableError("no engine core is ready to take requests")
         arrival = time.time()
         children = processor.add_request(
@@ -225,6 +228,10 @@ class AsyncEngineClient:
         )
         collector = RequestOutputCollector(params.output_kind)
         self._collectors[request_id] = collector
+        if engine is None:
+            payload = ResumeRequest(prompt_ids, arrival, priority, [(c, []) for c in children])
+            self.resumptions.park(request_id, payload, None, time.monotonic(), counts=False)
+            return collector
         self._engine_of[request_id] = engine.engine_id
         self._epoch_of[request_id] = self.router.epoch(engine.engine_id)
         try:

@@ -173,3 +173,17 @@ async def test_a_new_incarnation_takes_its_requests_back_when_it_is_the_only_one
     collector = await started_on(client, e0, e1)
     e0.incarnation = "b"  # restarted: a fresh process, ready at once
     await finishes_after_resume(client, collector, e0, e0)
+
+
+async def test_a_new_request_waits_for_an_engine_core_while_every_one_is_down(stack) -> None:  # type: ignore[no-untyped-def]
+    client, e0, e1 = stack
+    e0.beating = e1.beating = False
+    await wait_for(lambda: not client.is_ready(), LIMIT_S, "no engine core ready")
+    collector = await client.add_request([5, 6, 7], PARAMS, "r")  # not refused: parked
+    assert "r" in client.resumptions.parked
+    e1.beating = True
+    await wait_for(lambda: "r" in e1.adds, LIMIT_S, "sent once e1 is back")
+    assert e1.adds["r"].output_token_ids == [] and "r" not in e0.adds
+    await e1.emit(client, "r", [11], "length")
+    last = await asyncio.wait_for(collector.get(), LIMIT_S)
+    assert last.finished and last.outputs[0].token_ids == [11]
