@@ -258,18 +258,19 @@ class OutputProcessor:
             return None
         attempt, state.num_attempts = state.num_attempts, state.num_attempts + 1
         children: list[tuple[ChildRequest, list[int]]] = []
-        for old_id, child in list(state.children.items()):
+        rekeyed: dict[str, CompletionState] = {}  # in the same (index) order
+        for old_id, child in state.children.items():
             if child.finished:
+                rekeyed[old_id] = child
                 continue
-            base_id = state.child_params[child.index].request_id
-            new_id = f"{base_id}@{attempt}"
-            del state.children[old_id]
+            new_id = f"{state.child_params[child.index].request_id}@{attempt}"
+            rekeyed[new_id] = child
             self._owner_of.pop(old_id, None)
-            state.children[new_id] = child
             self._owner_of[new_id] = request_id
             children.append((ChildRequest(new_id, child.params), list(child.token_ids)))
             if child.index == 0 and not child.token_ids:
                 state.prompt_logprob_rows = []  # the prompt is run whole again, with its rows
+        state.children = rekeyed
         return ResumeRequest(
             state.prompt_token_ids, state.metrics.arrival_time, state.priority, children
         )

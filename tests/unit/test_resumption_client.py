@@ -79,6 +79,16 @@ def test_only_unfinished_children_are_resumed_each_with_its_own_tokens() -> None
     again = processor.prepare_resume("r")  # a second fault: attempt 2
     assert again is not None
     assert [c.request_id for c, _ in again.children] == ["1_r@2", "2_r@2"]
+    processor.process_outputs([EngineCoreOutput("2_r@2", [31], "length")])
+    result = processor.process_outputs([EngineCoreOutput("1_r@2", [23], "length")])
+    (out,) = result.request_outputs
+    assert [c.index for c in out.outputs] == [1]  # DELTA: only what moved
+    final = OutputProcessor(None, resume_on_fault=True)
+    final.add_request("f", PROMPT, SamplingParams(temperature=0.0, max_tokens=10, n=2))
+    final.process_outputs([EngineCoreOutput("1_f", [21], "length"), fault("0_f")])
+    final.prepare_resume("f")
+    (done,) = final.process_outputs([EngineCoreOutput("0_f@1", [11], "length")]).request_outputs
+    assert [c.index for c in done.outputs] == [0, 1]  # in index order after re-keying
 
 
 def test_prompt_logprobs_come_once_when_the_first_child_is_resumed_before_its_first_token() -> None:
