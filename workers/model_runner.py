@@ -25,7 +25,7 @@ from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budg
 from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.loader import load_model
 from shoal.workers.models.decoder import DecoderForCausalLM
-from shoal.workers.parallel import TPContext, init_tensor_parallel
+from shoal.workers.parallel import TPContext, TPGroup, init_tensor_parallel
 from shoal.workers.request_store import RequestStore
 from shoal.workers.sampler import Sampler, compute_prompt_logprobs
 from shoal.workers.sampling_metadata import SamplingBatch
@@ -65,7 +65,9 @@ class ModelRunner:
     ) -> None:
         """Serves ``config.model_config.model`` as tensor-parallel rank ``tp_rank``.
         ``tp_init_method`` (``tcp://host:port``, the same on every rank) joins the
-        tensor-parallel group in ``load`` unless the process already joined one."""
+        tensor-parallel group in ``load`` unless the process already joined one. With fault
+        tolerance on, ``load`` joins no group: ``group`` (a ``TPGroup``) joins one per epoch
+        when the worker is told to (``JoinGroup``), and can leave it for a new one."""
         self.config = config
         self.model_dir = Path(config.model_config.model)
         self.dtype = parse_dtype(config.model_config.resolved_dtype)
@@ -73,6 +75,10 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.tp = TPContext(rank=tp_rank, size=config.parallel_config.tensor_parallel_size)
+        rebuildable = config.fault_tolerance_config.enable_fault_tolerance and self.tp.size > 1
+        self.group = (
+            TPGroup(tp_rank, self.tp.size, device=str(self.device)) if rebuildable else None
+        )
         self.tp_init_method = tp_init_method
         self.progress = progress
         self.timings = StepTimings()
@@ -85,7 +91,7 @@ class ModelRunner:
     def load(self) -> ModelFacts:
         """Load the weights, allocate the KV cache, and return the model's facts."""
         torch.manual_seed(self.config.model_config.seed)
-        if self.tp.size > 1:
+        if self.tp.size > 1 and self.group is None:
             self._join_tp_group()
         cfg = CheckpointConfig.from_dir(self.model_dir)
         max_model_len = self._max_model_len(cfg)
