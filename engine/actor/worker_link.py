@@ -80,6 +80,7 @@ class WorkerLink:
         self.step_timeout_s = step_timeout_s
         self.liveness = LivenessTable()
         self._restarts_at_handshake: dict[str, int] = {}
+        self.group_init_methods: dict[str, str] = {}  # the group each rank joined last
         self._subs: list[Subscription] = []
         self._reply_prefix = ""
         self._reply_ids = itertools.count()
@@ -167,6 +168,7 @@ class WorkerLink:
     async def _join_group(self, epoch: str, timeout_s: float) -> None:
         """Every rank joins the group of ``epoch`` at once (they wait for each other)."""
         join = JoinGroup(epoch, timeout_s)
+        self.group_init_methods = {}
 
         async def join_one(worker_id: str) -> None:
             subject = self.subjects.worker_in(worker_id)
@@ -178,6 +180,7 @@ class WorkerLink:
                 ) from exc
             if not isinstance(reply, GroupJoined) or reply.epoch != epoch:
                 raise WorkerFailure(f"worker {worker_id} answered {reply!r} to JoinGroup")
+            self.group_init_methods[worker_id] = reply.init_method
 
         try:
             async with asyncio.TaskGroup() as tasks:
