@@ -6,6 +6,7 @@ joins every rank at its handshake and names a rank that cannot join."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,8 +15,10 @@ import pytest
 
 from shoal.bus.actor import call
 from shoal.bus.base import Bus
+from shoal.bus.jetstream import KvBucket
 from shoal.bus.messages.fault import FaultInjected, InjectFault
 from shoal.bus.messages.worker import GroupJoined, JoinGroup, StepResult
+from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
 from shoal.engine.actor.worker_link import WorkerFailure, WorkerLink
 from shoal.workers.actor import WorkerActor
@@ -108,8 +111,6 @@ class Ranks:
         self.subjects = Subjects(self.namespace)
 
     async def join(self, epoch: str) -> list[Any]:
-        import asyncio
-
         return list(
             await asyncio.gather(
                 *(  # rank 1 asked first: it waits for rank 0's address
@@ -154,10 +155,8 @@ async def test_every_rank_leaves_its_group_and_joins_the_epochs_new_one(ranks: R
         ]
         assert threading.get_ident() not in group.thread_ids  # joined in the runner thread
     assert [a.group_epoch for a in ranks.actors] == ["e2", "e2"]
-    if ranks.engine_bus.__class__.__name__ == "NatsBus":  # the address went through the bucket
-        from shoal.bus.jetstream import KvBucket
-
-        bucket = await KvBucket.open(ranks.engine_bus, ranks.subjects.group_ports_bucket())  # type: ignore[arg-type]
+    if isinstance(ranks.engine_bus, NatsBus):  # the address went through the bucket
+        bucket = await KvBucket.open(ranks.engine_bus, ranks.subjects.group_ports_bucket())
         assert await bucket.get(group_key("e0", "e1")) == address.encode()
 
 

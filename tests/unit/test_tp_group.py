@@ -96,7 +96,7 @@ async def test_rank_zero_publishes_the_address_the_other_ranks_join() -> None:
 
 
 async def test_a_rank_gives_up_when_no_address_comes() -> None:
-    with pytest.raises(TimeoutError, match="engine-0.e9"):
+    with pytest.raises(TimeoutError, match=r"engine-0\.e9"):
         await rejoin_group(
             FakeMember(1, []),
             MemoryPortBoard(),
