@@ -82,6 +82,7 @@ class Actor:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.drain_timeout_s = drain_timeout_s
         self.owns_bus = False  # close the bus on stop (set when the actor runs as a process)
+        self.exit_code = 0  # of its process, once ``run_forever`` returns (non-zero: restart me)
         self.state = ActorState.STARTING
         self._life = new_incarnation()
         self.num_decode_errors = 0

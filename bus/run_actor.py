@@ -1,8 +1,9 @@
 """Runs one actor as its own OS process: ``python -m shoal.bus.run_actor --target module:Class
 --bus URL [--kwargs JSON] [--bus-options JSON]``. The actor is built as ``Class(bus, **kwargs)``
 (``build_actor``: a keyword whose parameter is typed as a msgspec struct, such as the
-deployment's config, is decoded into it) and served until SIGTERM/SIGINT (graceful drain) or
-until the parent process dies."""
+deployment's config, is decoded into it) and served until SIGTERM/SIGINT (graceful drain),
+until the parent process dies, or until the actor stops itself; the process exits with the
+actor's ``exit_code``."""
 
 from __future__ import annotations
 
@@ -63,7 +64,10 @@ async def _watch_parent(actor: Actor, parent_pid: int) -> None:
     actor.request_stop()
 
 
-async def serve(target: str, bus_url: str, kwargs: dict[str, Any], bus_options: dict[str, Any]):
+async def serve(
+    target: str, bus_url: str, kwargs: dict[str, Any], bus_options: dict[str, Any]
+) -> int:
+    """Run the actor until it stops; its exit code (non-zero asks the supervisor to restart)."""
     cls = load_target(target)
     bus = await connect_bus(bus_url, **bus_options)
     actor = build_actor(cls, bus, kwargs)
@@ -75,6 +79,7 @@ async def serve(target: str, bus_url: str, kwargs: dict[str, Any], bus_options: 
         watcher.cancel()
         if bus.is_connected:
             await bus.close()
+    return actor.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     die_with_parent()
     kwargs, bus_options = json.loads(args.kwargs), json.loads(args.bus_options)
-    asyncio.run(serve(args.target, args.bus, kwargs, bus_options))
-    return 0
+    return asyncio.run(serve(args.target, args.bus, kwargs, bus_options))
 
 
 if __name__ == "__main__":

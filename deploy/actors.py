@@ -6,7 +6,15 @@ import argparse
 from typing import Any
 
 from shoal.bus.messages.config import ShoalConfig
-from shoal.deploy.deployment import GATEWAY_TARGET, engine_id, plan_actors, worker_id
+from shoal.deploy.deployment import (
+    GATEWAY_TARGET,
+    RECOVERY_ID,
+    engine_id,
+    plan_actors,
+    worker_id,
+)
+
+DEFAULT_IDS = {"worker": worker_id(0, 0), "engine": engine_id(0), "recovery": RECOVERY_ID}
 
 
 def actor_target(
@@ -22,8 +30,7 @@ def actor_target(
             **HttpOptions.from_namespace(ns).gateway_kwargs(),
         }
         return GATEWAY_TARGET, kwargs
-    default_id = worker_id(0, 0) if kind == "worker" else engine_id(0)
-    wanted = actor_id or default_id
+    wanted = actor_id or DEFAULT_IDS[kind]
     inits = [ns.tp_init_method or ""] * config.parallel_config.data_parallel_size
     for plan in plan_actors(config, tp_init_methods=inits):
         if plan.name == wanted and plan.kind == kind:

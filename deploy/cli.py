@@ -20,7 +20,7 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
-ACTOR_KINDS = ("worker", "engine", "gateway")
+ACTOR_KINDS = ("worker", "engine", "gateway", "recovery")
 # Benchmark names that are not file names: `shoal bench throughput` is the end-to-end one.
 LOG_LEVEL_HELP = "DEBUG, INFO, WARNING or ERROR"
 DEMO_MODEL_NAME = "demo"  # what clients call the built-in model
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--id",
         dest="actor_id",
         default=None,
-        help="actor id: worker-D-T, engine-D or gateway-N (default: rank 0's)",
+        help="actor id: worker-D-T, engine-D, gateway-N or recovery-0 (default: rank 0's)",
     )
     actor.add_argument(
         "--tp-init-method",
@@ -196,8 +196,7 @@ async def _actor(
         target, kwargs = actor_target(ns.kind, config, ns.actor_id, ns)
     except ValueError as exc:
         parser.error(str(exc))
-    await serve(target, nats_url, kwargs, {})
-    return 0
+    return await serve(target, nats_url, kwargs, {})
 
 
 def _run_bench(parser: argparse.ArgumentParser, name: str, bench_args: list[str]) -> int:

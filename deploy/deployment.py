@@ -3,9 +3,11 @@ offline ``LLM`` (tasks in one loop), local single-node mode (supervised processe
 ``shoal actor`` (one process on some host).
 
 Per data-parallel rank ``d`` there is one engine core ``engine-d`` and ``tensor_parallel_size``
-workers ``worker-d-t`` (rank 0 answers for the group). Every actor is given the whole config
-plus its place in the deployment (its id, its rank, its peers); it reads what it needs. Actor
-classes are named by import path, so a plan can cross a process boundary.
+workers ``worker-d-t`` (rank 0 answers for the group); with fault tolerance on (and its recovery
+controller not turned off), one recovery controller ``recovery-0`` sends them ``retry``. Every
+actor is given the whole config plus its place in the deployment (its id, its rank, its peers);
+it reads what it needs. Actor classes are named by import path, so a plan can cross a process
+boundary.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from shoal.bus.run_actor import build_actor, load_target
 WORKER_TARGET = "shoal.workers.actor:WorkerActor"
 ENGINE_TARGET = "shoal.engine.actor.core_actor:EngineCoreActor"
 GATEWAY_TARGET = "shoal.gateway.actor:GatewayActor"
+RECOVERY_TARGET = "shoal.engine.recovery.actor:RecoveryControllerActor"
+RECOVERY_ID = "recovery-0"
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,8 @@ def worker_id(dp_rank: int, tp_rank: int) -> str:
 def plan_actors(
     config: ShoalConfig, *, tp_init_methods: list[str] | None = None
 ) -> list[ActorPlan]:
-    """Workers first (they load the model), then the engine cores that wait for them.
+    """Workers first (they load the model), then the engine cores that wait for them, then
+    the recovery controller that watches the engine cores (if the config runs one).
 
     ``tp_init_methods[d]`` is the torch.distributed rendezvous (``tcp://host:port``) of data
     parallel rank d's tensor-parallel group; needed when ``tensor_parallel_size > 1``.
@@ -72,7 +77,15 @@ def plan_actors(
             plans.append(ActorPlan(wid, WORKER_TARGET, kwargs, "worker"))
         kwargs = {"engine_id": engine_id(d), "config": config, "worker_ids": ids}
         plans.append(ActorPlan(engine_id(d), ENGINE_TARGET, kwargs, "engine"))
+    if runs_recovery_controller(config):
+        kwargs = {"actor_id": RECOVERY_ID, "config": config}
+        plans.append(ActorPlan(RECOVERY_ID, RECOVERY_TARGET, kwargs, "recovery"))
     return plans
+
+
+def runs_recovery_controller(config: ShoalConfig) -> bool:
+    ft = config.fault_tolerance_config
+    return ft.enable_fault_tolerance and ft.enable_recovery_controller
 
 
 async def start_in_process(bus: Bus, plans: list[ActorPlan]) -> list[Actor]:

@@ -5,5 +5,7 @@
 - ``engine.actor``: the engine core actor, the thin asyncio shell that feeds the core from the
   bus and sends its steps to the workers (``WorkerLink``);
 - ``engine.client``: the front end that runs in the gateway's or ``LLM``'s process: tokenize,
-  route, detokenize, stop strings, stream.
+  route, detokenize, stop strings, stream;
+- ``engine.recovery``: the recovery controller, its own actor: a pure retry policy per engine
+  core and the shell that sends them ``retry`` over the bus.
 """

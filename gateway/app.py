@@ -1,5 +1,6 @@
-"""The aiohttp application: routes, Bearer auth on ``/v1/*``, and the error middleware that
-turns every failure into an OpenAI-shaped error body (and never takes the server down).
+"""The aiohttp application: routes, Bearer auth on ``/v1/*`` and ``/fault_tolerance/*``, and
+the error middleware that turns every failure into an OpenAI-shaped error body (and never takes
+the server down).
 
 ``create_app`` takes any ``EngineClientInterface``; ``gateway.server`` runs the app on a socket.
 """
@@ -16,11 +17,12 @@ import msgspec
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
-from shoal.engine.client.interface import EngineClientInterface
+from shoal.engine.client.interface import EngineClientInterface, FaultToleranceApi
 from shoal.engine.client.tokenizer import tokenizer_config
 from shoal.gateway.chat import create_chat_completion
 from shoal.gateway.completions import create_completion
 from shoal.gateway.errors import ApiError, bad_request, internal_error
+from shoal.gateway.fault_tolerance import FaultToleranceEndpoints
 from shoal.gateway.metrics import CONTENT_TYPE, Metrics
 from shoal.gateway.params import chat_messages
 from shoal.gateway.request_types import DetokenizeRequest, TokenizeRequest
@@ -38,6 +40,7 @@ from shoal.gateway.serving import (
 )
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
+PROTECTED_PREFIXES = ("/v1/", "/fault_tolerance/")  # behind the API key, when there is one
 _ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -48,10 +51,15 @@ def create_app(
     api_key: str | None = None,
     metrics: Metrics | None = None,
     sse_keep_alive_s: float | None = DEFAULT_SSE_KEEP_ALIVE_S,
+    fault_tolerance: FaultToleranceApi | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app for one engine client (real or fake); a stream that waits
-    ``sse_keep_alive_s`` for output gets a keep-alive comment (None: never)."""
+    ``sse_keep_alive_s`` for output gets a keep-alive comment (None: never). The
+    ``/fault_tolerance/*`` endpoints use ``fault_tolerance`` (default: the client's own
+    ``fault_tolerance`` attribute, if it has one)."""
     name = served_model_name or engine_client.model_name
+    if fault_tolerance is None:
+        fault_tolerance = getattr(engine_client, "fault_tolerance", None)
     if metrics is None:
         metrics = Metrics(name, max_model_len=engine_client.max_model_len)
     middlewares: list[Middleware] = [error_middleware]
@@ -70,6 +78,7 @@ def create_app(
     app.router.add_post("/detokenize", _with_context(detokenize))
     app.router.add_get("/tokenizer_info", _with_context(tokenizer_info))
     app.router.add_get("/version", version)
+    FaultToleranceEndpoints(fault_tolerance, metrics).install(app)
     return app
 
 
@@ -113,12 +122,12 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def bearer_auth(api_key: str) -> Middleware:
-    """Middleware: ``/v1/*`` needs ``Authorization: Bearer <api_key>``."""
+    """Middleware: ``/v1/*`` and ``/fault_tolerance/*`` need ``Authorization: Bearer <api_key>``."""
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path.startswith("/v1/"):
+        if request.path.startswith(PROTECTED_PREFIXES):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 raise ApiError(401, "Invalid or missing API key.", code="invalid_api_key")

@@ -19,6 +19,7 @@ _TYPE_BY_STATUS = {
     405: "invalid_request_error",
     413: "invalid_request_error",
     500: "server_error",
+    501: "server_error",
     503: "service_unavailable_error",
 }
 

@@ -6,7 +6,10 @@ Two sources feed them:
   end-to-end and (when the engine reports timestamps) queue/prefill/decode histograms;
 - engine-core statistics (``update_engine_stats``, connected by whoever owns the engine client):
   running/waiting gauges, KV usage, and prefix-cache/preemption counters derived from the
-  cumulative figures each engine core reports.
+  cumulative figures each engine core reports;
+- engine-core status changes (``observe_engine_status``, fed by the engine client's
+  fault-tolerance API): the status gauge, and the faults (into UNHEALTHY or DEAD) and
+  recoveries (back to healthy after a fault) this gateway saw of each engine core.
 
 Outputs are expected in DELTA form (``token_ids`` holds only new tokens), as the gateway asks.
 Each ``Metrics`` has its own registry, so several gateways may live in one process (tests).
@@ -32,6 +35,10 @@ ITL_BUCKETS += [7.5, 10.0, 20.0, 40.0, 80.0]
 LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0]
 LATENCY_BUCKETS += [60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# shoal:engine_status values: vLLM's EngineStatusType (healthy 0, dead 1, unhealthy 2), then
+# shoal's own states an engine core passes through.
+ENGINE_STATUS_VALUES = {"healthy": 0, "dead": 1, "unhealthy": 2, "starting": 3, "draining": 4}
+FAULTED = ("dead", "unhealthy")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -76,6 +83,7 @@ class Metrics:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         self._last_stats: dict[str, SchedulerStats] = {}
+        self._faulted: dict[str, bool] = {}  # engine id → in a fault (not yet recovered)
         self.num_in_flight = 0  # engine requests started and not finished (also a gauge)
         self._define_request_metrics(max_model_len)
         self._define_engine_metrics()
@@ -155,6 +163,18 @@ class Metrics:
         )
         self.worker_execute = self._counter(
             "shoal:worker_execute_seconds", "Worker time executing steps", le
+        )
+
+        self.engine_status = self._gauge(
+            "shoal:engine_status",
+            "Engine core status: 0 healthy, 1 dead, 2 unhealthy, 3 starting, 4 draining",
+            le,
+        )
+        self.engine_faults = self._counter(
+            "shoal:engine_faults", "Engine core faults seen (into unhealthy or dead)", le
+        )
+        self.engine_recoveries = self._counter(
+            "shoal:engine_recoveries", "Engine core recoveries seen (healthy after a fault)", le
         )
 
     # --- requests ---------------------------------------------------------------------------
@@ -260,6 +280,23 @@ class Metrics:
             increment = value - previous if value >= previous else value
             counter.labels(*labels).inc(increment)
         self._last_stats[engine_id] = stats
+
+    def observe_engine_status(self, engine_id: str, status: str) -> None:
+        """An engine core's new status (``fault.status_name``): a fault when it enters
+        unhealthy or dead, a recovery when it is healthy again after one."""
+        labels = (self.model_name, engine_id)
+        self.engine_status.labels(*labels).set(ENGINE_STATUS_VALUES.get(status, -1))
+        faults, recoveries = (
+            self.engine_faults.labels(*labels),
+            self.engine_recoveries.labels(*labels),
+        )
+        was_faulted = self._faulted.get(engine_id, False)
+        if status in FAULTED and not was_faulted:
+            faults.inc()
+            self._faulted[engine_id] = True
+        elif status == "healthy" and was_faulted:
+            recoveries.inc()
+            self._faulted[engine_id] = False
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

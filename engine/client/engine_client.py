@@ -38,6 +38,7 @@ from shoal.bus.messages.engine import (
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.collector import RequestOutputCollector
+from shoal.engine.client.fault_tolerance import FaultTolerance
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
 from shoal.engine.client.model_info import read_max_model_len
 from shoal.engine.client.output_processor import ChildRequest, OutputProcessor
@@ -72,6 +73,7 @@ class AsyncEngineClient:
         self._model_name = model.name
         self._max_model_len = model.max_model_len or read_max_model_len(Path(model.model))
         self.router = EngineRouter(engine_stale_after_s)
+        self.fault_tolerance = FaultTolerance(bus, self.subjects, self.router)
         self.stats_listeners: list[StatsListener] = []
         self._tokenizer: Tokenizer | None = None
         self._processor: OutputProcessor | None = None
@@ -372,6 +374,7 @@ class AsyncEngineClient:
     def _check_engine(self, engine_id: str) -> None:
         """End this client's requests on ``engine_id`` if it is lost, or restarted since they
         were sent: no output of theirs can come any more."""
+        self.fault_tolerance.observe(engine_id)
         lost, epoch = self.router.is_lost(engine_id), self.router.epoch(engine_id)
         if not lost and self._epochs_checked.get(engine_id, 0) == epoch:
             return

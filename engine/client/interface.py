@@ -6,10 +6,12 @@ with a fake. Nothing here talks to the bus itself.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from shoal.bus.messages.fault import FaultToleranceRequest, FaultToleranceResult
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.engine.client.fault_tolerance import FtStatus
 from shoal.engine.client.outputs import RequestOutput
 
 
@@ -23,6 +25,19 @@ class RequestValidationError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class FaultToleranceApi(Protocol):
+    """The engine cores' fault-tolerance status and recovery commands (an engine client's
+    ``fault_tolerance`` attribute, where it has one: ``fault_tolerance.FaultTolerance``)."""
+
+    listeners: list[Callable[[str, str], None]]  # (engine id, status name) on each change
+
+    def status(self) -> FtStatus: ...
+
+    async def apply(self, request: FaultToleranceRequest) -> dict[str, FaultToleranceResult]:
+        """Send ``request`` to every known engine core; each one's result."""
+        ...
 
 
 class EngineClientInterface(Protocol):

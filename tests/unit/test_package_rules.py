@@ -2,8 +2,8 @@
 including the lazy ones inside functions and under ``TYPE_CHECKING``).
 
 Imports run one way: deploy → gateway → engine client → bus; engine actor → engine core → bus
-messages; workers → kernels and bus; tiers → bus. A new violation fails here with the file,
-the line and the rule it breaks.
+messages; recovery controller → bus (its policy: bus messages only); workers → kernels and bus;
+tiers → bus. A new violation fails here with the file, the line and the rule it breaks.
 """
 
 from __future__ import annotations
@@ -59,6 +59,18 @@ RULES = (
         ("shoal.engine.client", "shoal.bus"),
         TORCH,
         "the client runs in the gateway's process: it talks to engine cores over the bus",
+    ),
+    Rule(
+        "shoal.engine.recovery",
+        ("shoal.engine.recovery", "shoal.bus"),
+        TORCH,
+        "the recovery controller commands engine cores by message only",
+    ),
+    Rule(
+        "shoal.engine.recovery.policy",
+        ("shoal.bus.messages",),
+        TORCH + IO,
+        "the recovery policy is pure: no I/O, no transport",
     ),
     Rule(
         "shoal.gateway",
@@ -183,6 +195,9 @@ def test_nothing_outside_the_composition_imports_gateway_or_deploy():
         ("shoal.gateway.app", "from shoal.deploy import llm", "deploy"),
         ("shoal.workers.actor", "from shoal.engine.core import config", "engine"),
         ("shoal.engine.actor.core_actor", "from shoal import workers", "workers"),
+        ("shoal.engine.recovery.actor", "from shoal.engine.core import request", "core"),
+        ("shoal.engine.recovery.actor", "from shoal.engine.actor import core_actor", "actor"),
+        ("shoal.engine.recovery.policy", "import asyncio", "asyncio"),
         ("shoal.kernels.ops", "from shoal.bus.messages import worker", "bus"),
         ("shoal.bus.messages.worker", "from shoal.bus.base import Bus", "bus.base"),
         ("shoal.bus.base", "from engine.core import request", "engine"),
@@ -201,6 +216,8 @@ def test_the_checker_lets_allowed_imports_through():
         ("shoal.gateway.app", "from shoal.engine.client.interface import EngineClientInterface"),
         ("shoal.workers.model_runner", "from shoal.kernels import ops\nimport torch"),
         ("shoal.deploy.llm", "from shoal.engine.actor import core_actor"),
+        ("shoal.engine.recovery.actor", "from shoal.bus.actor import call"),
+        ("shoal.engine.recovery.actor", "from shoal.engine.recovery.policy import GiveUp"),
     ]
     for module, source in allowed:
         assert check_source(source, module, "probe.py") == []
