@@ -3,8 +3,8 @@
 Inbox ``subjects.worker_in(worker_id)`` takes ``WorkerInbound`` messages one at a time, in
 arrival order: ``ExecuteStep`` → ``StepResult``, ``ResetWorker`` → ``ResetDone``,
 ``DescribeWorker`` → ``WorkerInfo``, ``JoinGroup`` → ``GroupJoined``, ``InjectFault`` →
-``FaultInjected``. The answer is the reply to a request; a step that arrives
-without a reply subject has its result published on ``subjects.engine_results(engine_id)``.
+``FaultInjected``. The answer is the reply to a request; a step that arrives without a reply
+subject has its result published on ``subjects.engine_results(engine_id)``.
 With async scheduling the next step arrives while one runs: it waits in the inbox and runs
 after it, on the tokens the runner sampled in the step before (``bus/messages/worker.py``).
 Each ``StepResult`` says how long the worker sat idle before the step (``idle_before_s``).
@@ -18,8 +18,11 @@ Fatal and non-fatal step errors (``StepError.fatal``): an exception out of ``exe
 fatal, whatever raised it (the forward pass for the whole batch, a persistent batch that could
 not be updated, a broken tensor-parallel group, an injected fault): the worker's state is
 suspect, and with fault tolerance on the engine core's sentinel takes over. Only the runner
-itself may answer ``fatal=False``, for errors confined to named requests' own inputs (see
-``workers.model_runner``); the other requests of that step get their tokens.
+itself may answer ``fatal=False``, for errors confined to named requests' own inputs (a token
+id outside the vocabulary, more tokens than ``max_model_len``: ``workers.rejections``); the
+other requests of that step get their tokens. Not made non-fatal, as the runner cannot confine
+them: a sampling or logits-processing failure (one batched kernel for every request), a cached
+request the worker does not know, a full persistent batch (the worker and engine disagree).
 
 Fault tolerance: ``JoinGroup(epoch)`` drops this rank's tensor-parallel group and joins the
 epoch's new one (``workers.group_ports``; the blocking part in the runner thread, so heartbeats
