@@ -139,9 +139,10 @@ class EngineStates:
 async def test_tp2_behind_one_engine_core_recovers_from_a_killed_worker_with_a_new_group(
     nats_server, tiny_checkpoint, hf_reference: object
 ) -> None:  # type: ignore[no-untyped-def]
-    """The whole path: the engine core handshakes with a group epoch, a SIGKILLed rank makes it
-    DEAD, the supervisor restarts the rank, the recovery controller's retry re-handshakes (a
-    new epoch, a new group) and the outputs still equal transformers'."""
+    """The whole path: the engine core handshakes with a group epoch; a rank SIGKILLed while
+    a request runs (its survivor's collective breaks) makes the engine core DEAD; the supervisor
+    restarts the rank; the recovery controller's retry re-handshakes (a new epoch, a new group)
+    and the outputs still equal transformers'."""
     model_dir: Path = tiny_checkpoint("llama")
     namespace = f"{NAMESPACE}e2e"
     config = build_config(
@@ -171,7 +172,18 @@ async def test_tp2_behind_one_engine_core_recovers_from_a_killed_worker_with_a_n
         watched = EngineStates()
         await deployed.client.bus.subscribe(Subjects(namespace).status("engine"), watched.on_msg)
         assert await generate("before") == expected
+        outputs: list[object] = []  # a long request, running when its rank is killed
+
+        async def long_request() -> str | None:
+            long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+            async for output in deployed.client.generate(prompts[0], long, "long"):
+                outputs.append(output)
+            return output.outputs[0].finish_reason
+
+        running = asyncio.create_task(long_request())
+        await wait_for(lambda: len(outputs) >= 3, 60, "the long request running")
         await _kill_and_wait_restart(deployed.supervisor, WORKERS[1])
+        assert await asyncio.wait_for(running, 60) == "error"  # resumption is off here
         await wait_for(watched.recovered, 120, "engine-0 faulted, then READY again")
         await wait_for(deployed.client.is_ready, 30, "the client sees engine-0 ready")
         assert ActorState.DEAD in watched.states
