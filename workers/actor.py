@@ -2,8 +2,9 @@
 
 Inbox ``subjects.worker_in(worker_id)`` takes ``WorkerInbound`` messages one at a time, in
 arrival order: ``ExecuteStep`` → ``StepResult``, ``ResetWorker`` → ``ResetDone``,
-``DescribeWorker`` → ``WorkerInfo``. The answer is the reply to a request; a step that arrives
-without a reply subject has its result published on ``subjects.engine_results(engine_id)``.
+``DescribeWorker`` → ``WorkerInfo``, ``JoinGroup`` → ``GroupJoined``, ``InjectFault`` →
+``FaultInjected``. The answer is the reply to a request; a step that arrives without a reply
+subject has its result published on ``subjects.engine_results(engine_id)``.
 With async scheduling the next step arrives while one runs: it waits in the inbox and runs
 after it, on the tokens the runner sampled in the step before (``bus/messages/worker.py``).
 Each ``StepResult`` says how long the worker sat idle before the step (``idle_before_s``).
@@ -13,10 +14,27 @@ event loop keeps sending heartbeats during a long prefill and the runner never s
 An exception in a step is answered with ``StepResult(error=StepError(...))`` naming the cause and
 the step's requests, never with silence; the worker keeps serving.
 
+Fatal and non-fatal step errors (``StepError.fatal``): an exception out of ``execute`` is
+fatal, whatever raised it (the forward pass for the whole batch, a persistent batch that could
+not be updated, a broken tensor-parallel group, an injected fault): the worker's state is
+suspect, and with fault tolerance on the engine core's sentinel takes over. Only the runner
+itself may answer ``fatal=False``, for errors confined to named requests' own inputs (a token
+id outside the vocabulary, more tokens than ``max_model_len``: ``workers.rejections``); the
+other requests of that step get their tokens. Not made non-fatal, as the runner cannot confine
+them: a sampling or logits-processing failure (one batched kernel for every request), a cached
+request the worker does not know, a full persistent batch (the worker and engine disagree).
+
+Fault tolerance: ``JoinGroup(epoch)`` drops this rank's tensor-parallel group and joins the
+epoch's new one (``workers.group_ports``; the blocking part in the runner thread, so heartbeats
+go on) → ``GroupJoined``; ``InjectFault(after_steps)`` → ``FaultInjected(at_step)`` arms a fault:
+the step with that count runs in full (tensor-parallel peers are never left waiting in a
+collective) and is answered as if its forward pass had raised ``InjectedFault`` (fatal).
+
 The runner contract (``StepRunner``): ``load() -> facts`` (num_blocks, block_size,
 max_model_len, vocab_size, eos_token_ids), ``execute(step) -> StepResult``, ``reset()``;
 optionally ``num_requests`` (else ``len(runner.batch)``), ``num_blocks_in_use`` and ``tp``
-(``.rank``/``.size``) for heartbeats and ``WorkerInfo``.
+(``.rank``/``.size``) for heartbeats and ``WorkerInfo``, and ``group`` (a ``GroupMember``, or
+None when the group is static or there is none) for ``JoinGroup``.
 """
 
 from __future__ import annotations
@@ -33,15 +51,26 @@ from shoal.bus.base import Bus, BusError, Msg
 from shoal.bus.codec import Codec, encode
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState
+from shoal.bus.messages.fault import FaultInjected, InjectedFault, InjectFault
 from shoal.bus.messages.worker import (
     DescribeWorker,
     ExecuteStep,
+    GroupJoined,
+    JoinGroup,
     ResetDone,
     ResetWorker,
     StepError,
     StepResult,
     WorkerInbound,
     WorkerInfo,
+)
+from shoal.workers.group_ports import (
+    GroupMember,
+    PortBoard,
+    advertised_host,
+    group_key,
+    port_board_for,
+    rejoin_group,
 )
 
 log = logging.getLogger(__name__)
@@ -81,12 +110,17 @@ def num_requests_of(runner: StepRunner) -> int | None:
     return None if count is None else int(count)
 
 
-def execute_or_explain(runner: StepRunner, step: ExecuteStep) -> StepResult:
-    """Run one step; an exception becomes a ``StepResult`` whose error names cause and requests.
+def execute_or_explain(
+    runner: StepRunner, step: ExecuteStep, injected: str | None = None
+) -> StepResult:
+    """Run one step; an exception becomes a ``StepResult`` whose (fatal) error names cause and
+    requests. ``injected``: the step runs, then fails with ``InjectedFault(injected)``.
     Sets ``execute_time_s``. Synchronous: called in the worker's runner thread."""
     started = time.perf_counter()
     try:
         result = runner.execute(step)
+        if injected is not None:
+            raise InjectedFault(injected)
     except Exception as exc:
         req_ids = step.batch_order().req_ids
         log.exception("step %d failed for requests %s", step.step_id, req_ids)
@@ -111,6 +145,7 @@ class WorkerActor(Actor):
         tp_rank: int = 0,
         tp_init_method: str | None = None,
         runner: StepRunner | None = None,
+        port_board: PortBoard | None = None,
         engine_id: str | None = None,
         namespace: str = "shoal",  # without a config (an injected runner); else the config's
         heartbeat_interval_s: float = 1.0,
@@ -132,6 +167,10 @@ class WorkerActor(Actor):
         self.config = config
         self.tp_rank = tp_rank
         self.tp_init_method = tp_init_method
+        self.group_host = advertised_host(tp_init_method)  # where rank 0 hosts a new group
+        self._port_board = port_board
+        self.group_epoch: str | None = None  # the epoch of the group this rank is in
+        self._fault_at: tuple[int, str] | None = None  # (step count, message) of an armed fault
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{worker_id}")
         self._codec: Codec[WorkerInbound] = Codec(WorkerInbound)
         self.num_steps = 0
@@ -186,14 +225,23 @@ class WorkerActor(Actor):
                 if message.engine_id and self.engine_id is None:
                     self.engine_id = message.engine_id
                 return self.describe()
+            case JoinGroup():
+                return await self._join_group(message)
+            case InjectFault():
+                self._fault_at = (self.num_steps + message.after_steps, message.message)
+                log.warning("%r: fault armed for step count %d", self, self._fault_at[0])
+                return FaultInjected(self.worker_id, self._fault_at[0])
         raise TypeError(f"unexpected message {type(message).__name__}")
 
     async def _execute(self, step: ExecuteStep, msg: Msg) -> StepResult | None:
         runner = self._require_runner()
         self._step_running = True
         started = time.perf_counter()
+        injected = None
+        if self._fault_at is not None and self._fault_at[0] == self.num_steps:
+            injected, self._fault_at = self._fault_at[1], None
         try:
-            result = await self._in_runner_thread(execute_or_explain, runner, step)
+            result = await self._in_runner_thread(execute_or_explain, runner, step, injected)
         finally:
             self._step_running = False
             self._last_result_at, last = time.perf_counter(), self._last_result_at
@@ -214,6 +262,33 @@ class WorkerActor(Actor):
             await self.bus.publish(self.subjects.engine_results(self.engine_id), encode(result))
         except BusError:
             log.exception("%r: result of step %d not published", self, result.step_id)
+
+    async def _join_group(self, message: JoinGroup) -> GroupJoined:
+        """Leave this rank's group and join ``message.epoch``'s (raises if it cannot)."""
+        member: GroupMember | None = getattr(self._require_runner(), "group", None)
+        if member is None:
+            if getattr(getattr(self.runner, "tp", None), "size", 1) > 1:
+                raise RuntimeError(
+                    f"worker {self.worker_id}: its tensor-parallel group is static "
+                    "(fault tolerance is off) and cannot be rebuilt"
+                )
+            return GroupJoined(self.worker_id, message.epoch)  # alone: no group to join
+        if self.engine_id is None:
+            raise RuntimeError(f"worker {self.worker_id} has no engine id to key its group")
+        self.group_epoch = None
+        if self._port_board is None:
+            self._port_board = port_board_for(self.bus, self.subjects)
+        init_method = await rejoin_group(
+            member,
+            self._port_board,
+            group_key(self.engine_id, message.epoch),
+            host=self.group_host,
+            timeout_s=message.timeout_s,
+            in_thread=self._in_runner_thread,
+        )
+        self.group_epoch = message.epoch
+        log.info("%r: joined the group of epoch %s at %s", self, message.epoch, init_method)
+        return GroupJoined(self.worker_id, message.epoch, init_method)
 
     def describe(self) -> WorkerInfo:
         if self.facts is None:

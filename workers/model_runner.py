@@ -25,7 +25,8 @@ from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budg
 from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.loader import load_model
 from shoal.workers.models.decoder import DecoderForCausalLM
-from shoal.workers.parallel import TPContext, init_tensor_parallel
+from shoal.workers.parallel import TPContext, TPGroup, init_tensor_parallel
+from shoal.workers.rejections import Rejections
 from shoal.workers.request_store import RequestStore
 from shoal.workers.sampler import Sampler, compute_prompt_logprobs
 from shoal.workers.sampling_metadata import SamplingBatch
@@ -65,7 +66,9 @@ class ModelRunner:
     ) -> None:
         """Serves ``config.model_config.model`` as tensor-parallel rank ``tp_rank``.
         ``tp_init_method`` (``tcp://host:port``, the same on every rank) joins the
-        tensor-parallel group in ``load`` unless the process already joined one."""
+        tensor-parallel group in ``load`` unless the process already joined one. With fault
+        tolerance on, ``load`` joins no group: ``group`` (a ``TPGroup``) joins one per epoch
+        when the worker is told to (``JoinGroup``), and can leave it for a new one."""
         self.config = config
         self.model_dir = Path(config.model_config.model)
         self.dtype = parse_dtype(config.model_config.resolved_dtype)
@@ -73,6 +76,10 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.tp = TPContext(rank=tp_rank, size=config.parallel_config.tensor_parallel_size)
+        rebuildable = config.fault_tolerance_config.enable_fault_tolerance and self.tp.size > 1
+        self.group = (
+            TPGroup(tp_rank, self.tp.size, device=str(self.device)) if rebuildable else None
+        )
         self.tp_init_method = tp_init_method
         self.progress = progress
         self.timings = StepTimings()
@@ -85,7 +92,7 @@ class ModelRunner:
     def load(self) -> ModelFacts:
         """Load the weights, allocate the KV cache, and return the model's facts."""
         torch.manual_seed(self.config.model_config.seed)
-        if self.tp.size > 1:
+        if self.tp.size > 1 and self.group is None:
             self._join_tp_group()
         cfg = CheckpointConfig.from_dir(self.model_dir)
         max_model_len = self._max_model_len(cfg)
@@ -131,6 +138,7 @@ class ModelRunner:
             self.requests, max_model_len=max_model_len, block_size=self.block_size
         )
         self.sampling = SamplingBatch(self.requests)
+        self.rejections = Rejections(cfg.vocab_size, max_model_len)
         self.facts = ModelFacts(
             num_blocks=num_blocks,
             block_size=self.block_size,
@@ -188,14 +196,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: ExecuteStep) -> StepResult:
-        """Apply the diff, run the batch, sample; raises on a bad step (the shell reports it)."""
+        """Apply the diff, run the batch, sample; raises on a bad step (the shell reports it as
+        fatal). Requests refused for their own inputs (``workers.rejections``) are left out and
+        named in a non-fatal ``StepError``; the others run."""
         started = time.perf_counter()
         t0 = started
         self.timings = StepTimings()
         self._apply_diff(step)
-        req_ids, num_scheduled = step.batch_order()
+        scheduled = step.batch_order()
+        refused = self.rejections.error(step.step_id, scheduled.req_ids)
+        req_ids, num_scheduled = scheduled
+        if refused is not None:
+            kept = [i for i, r in enumerate(req_ids) if r not in self.rejections]
+            req_ids, num_scheduled = [req_ids[i] for i in kept], [num_scheduled[i] for i in kept]
         if not req_ids:
-            return StepResult(step_id=step.step_id)
+            return StepResult(step_id=step.step_id, error=refused)
         if sum(num_scheduled) > self.max_num_batched_tokens:
             raise ValueError(
                 f"step {step.step_id} schedules {sum(num_scheduled)} tokens, more "
@@ -219,6 +234,7 @@ class ModelRunner:
             sampled_token_ids=sampled,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else [],
             prompt_logprobs=prompt_logprobs,
+            error=refused,
             execute_time_s=t3 - started,
         )
 
@@ -227,7 +243,11 @@ class ModelRunner:
             self.batch.remove_request(req_id)
         for req_id in step.preempted_req_ids:
             self.batch.remove_request(req_id, preempted=True)  # a seeded generator is kept
+        self.rejections.forget([*step.finished_req_ids, *step.preempted_req_ids])
         for new in step.new_requests:
+            if not self.rejections.admit(new):
+                self.batch.remove_request(new.req_id)  # an earlier request of that id is gone
+                continue
             self.batch.add_request(
                 new.req_id,
                 new.prompt_token_ids,
@@ -239,6 +259,8 @@ class ModelRunner:
                 resumed=new.resumed,
             )
         for cached in step.cached_requests:
+            if cached.req_id in self.rejections:
+                continue
             state = self.requests.get(cached.req_id)
             if state is None:
                 raise KeyError(
@@ -251,6 +273,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (after an engine core restart)."""
         self.batch.clear()
+        self.rejections.clear()
 
     def prepare_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         def dev(a: np.ndarray) -> torch.Tensor:

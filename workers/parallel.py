@@ -2,16 +2,23 @@
 
 ``TPContext(rank, size)`` is passed to every layer. With ``size == 1`` every collective is a no-op
 and torch.distributed is never touched. ``init_tensor_parallel`` joins the process group (gloo on
-the CPU, NCCL on CUDA) from a ``tcp://host:port`` address shared by all ranks.
+the CPU, NCCL on CUDA) from a ``tcp://host:port`` address shared by all ranks, once per process.
+With fault tolerance on, ``TPGroup`` instead joins a group per epoch and can leave it and join a
+new one on a fresh port (the worker actor drives it on ``JoinGroup``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from shoal.workers.group_ports import split_init_method
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -62,3 +69,73 @@ def init_tensor_parallel(
 def destroy_tensor_parallel() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class TPGroup:
+    """This rank's membership of a tensor-parallel group that can be rebuilt (fault tolerance).
+
+    ``leave`` drops the current group even when it is broken (a peer died); rank 0 ``host``s the
+    rendezvous store of the next group on a port the OS picks (so never the old one) and returns
+    its ``tcp://host:port``; every rank then ``join``s at that address, which blocks until all
+    ranks have joined. All three block: the worker calls them in its runner thread."""
+
+    def __init__(self, rank: int, size: int, *, device: str = "cpu") -> None:
+        self.context = TPContext(rank=rank, size=size)
+        self.device = device
+        self.init_method: str | None = None  # the current group's address, once joined
+        self._store: dist.TCPStore | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.context.rank
+
+    @property
+    def size(self) -> int:
+        return self.context.size
+
+    def leave(self) -> None:
+        """Drop the current group (and the store this rank hosted), if any."""
+        self.init_method = None
+        self._store = None
+        if not dist.is_initialized():
+            return
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group may fail to tear down cleanly: it is gone anyway
+            log.exception("tensor-parallel rank %d: the old group did not close cleanly", self.rank)
+            if dist.is_initialized():
+                raise
+
+    def host(self, host: str, timeout_s: float) -> str:
+        """Rank 0: listen for the next group's rendezvous on a fresh port of ``host``."""
+        if self.rank != 0:
+            raise RuntimeError(f"rank {self.rank} cannot host the group's rendezvous")
+        self._store = dist.TCPStore(
+            host,
+            0,  # the OS picks a free port: no race with another process, never the old one
+            world_size=self.size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+        return f"tcp://{host}:{self._store.port}"
+
+    def join(self, init_method: str, timeout_s: float) -> None:
+        """Join the group at ``init_method`` (blocks until every rank has joined)."""
+        if dist.is_initialized():
+            raise RuntimeError("leave the old tensor-parallel group before joining a new one")
+        store = self._store
+        if store is None:
+            host, port = split_init_method(init_method)
+            store = dist.TCPStore(
+                host, port, world_size=self.size, timeout=timedelta(seconds=timeout_s)
+            )
+        dist.init_process_group(
+            "nccl" if self.device.startswith("cuda") else "gloo",
+            store=store,
+            rank=self.rank,
+            world_size=self.size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        self._store = store  # keeps rank 0's listener alive while the group lives
+        self.init_method = init_method

@@ -101,7 +101,9 @@ class JoinGroup(msgspec.Struct, tag="join_group", array_like=True, omit_defaults
     """(Re)build this engine core's tensor-parallel process group for ``epoch``: drop the old
     group, then join a new one on a fresh port that rank 0 mints and publishes under the epoch's
     key in the deployment's group-ports KV bucket (the other ranks read it). Sent to every rank
-    at once at each handshake when fault tolerance is on. Answered with ``GroupJoined``."""
+    at once at each handshake when fault tolerance is on. Answered with ``GroupJoined``. An
+    epoch must be unique for the engine core across its restarts too (a key left by an earlier
+    group of the same epoch would send the other ranks to a dead address)."""
 
     epoch: str
     timeout_s: float = 60.0
@@ -123,8 +125,9 @@ class StepError(msgspec.Struct, array_like=True, omit_defaults=True):
 
     ``fatal``: the worker's state is suspect (the forward pass raised for the whole batch, or
     the persistent batch could not be updated): with fault tolerance on, the engine core's
-    sentinel takes over. Not fatal: only ``req_ids`` are failed (their inputs were at fault)
-    and the engine core goes on serving the others.
+    sentinel takes over. Not fatal: only ``req_ids`` are failed (their inputs were at fault:
+    ``workers.rejections``, e.g. a token id outside the vocabulary), the step's other requests
+    have their tokens in the same result, and the engine core goes on serving.
     """
 
     message: str

@@ -129,6 +129,7 @@ class EngineCoreActor(Actor):
         self._control_codec: Codec[EngineControl] = Codec(EngineControl)
         self.num_steps_sent = 0
         self._connected_at = 0.0  # time.monotonic() of the last handshake
+        self.num_handshakes = 0
 
     # ----- lifecycle
 
@@ -163,7 +164,9 @@ class EngineCoreActor(Actor):
         await self.workers.stop()
 
     async def _connect_workers(self, timeout_s: float | None = None) -> None:
-        infos = await self.workers.handshake(timeout_s or self.startup_timeout_s)
+        self.num_handshakes += 1  # a group epoch unique across this engine core's restarts too
+        epoch = f"{self.incarnation}-{self.num_handshakes}" if self.sentinel.enabled else None
+        infos = await self.workers.handshake(timeout_s or self.startup_timeout_s, group_epoch=epoch)
         self._connected_at = time.monotonic()
         num_blocks, max_model_len = shape = kv_cache_shape(self.config, infos)
         if self.core is None or shape != (self.num_blocks, self.max_model_len):

@@ -27,6 +27,8 @@ from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.worker import (
     DescribeWorker,
     ExecuteStep,
+    GroupJoined,
+    JoinGroup,
     ResetWorker,
     StepResult,
     WorkerInfo,
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _OUTBOUND: Codec[WorkerOutbound] = Codec(WorkerOutbound)
 _STEP: Codec[ExecuteStep] = Codec(ExecuteStep)
+GROUP_JOIN_TIMEOUT_S = 60.0  # ranks already loaded: joining is quick unless one is gone
 _GONE = (ActorState.DRAINING, *GONE_STATES)  # a draining worker takes no more steps
 
 
@@ -77,6 +80,7 @@ class WorkerLink:
         self.step_timeout_s = step_timeout_s
         self.liveness = LivenessTable()
         self._restarts_at_handshake: dict[str, int] = {}
+        self.group_init_methods: dict[str, str] = {}  # the group each rank joined last
         self._subs: list[Subscription] = []
         self._reply_prefix = ""
         self._reply_ids = itertools.count()
@@ -135,12 +139,19 @@ class WorkerLink:
 
     # ----- handshake
 
-    async def handshake(self, timeout_s: float) -> list[WorkerInfo]:
-        """Wait until every rank has loaded its model; reset each (fresh persistent batch)."""
+    async def handshake(
+        self, timeout_s: float, *, group_epoch: str | None = None
+    ) -> list[WorkerInfo]:
+        """Wait until every rank has loaded its model; with ``group_epoch`` and more than one
+        rank, have them all (re)build their tensor-parallel group for that epoch (unique per
+        engine core, across its restarts too); reset each (fresh persistent batch)."""
         deadline = time.monotonic() + timeout_s
         infos = []
         for worker_id in self.worker_ids:
             infos.append(await self._describe(worker_id, deadline))
+        if group_epoch is not None and len(self.worker_ids) > 1:
+            remaining = deadline - time.monotonic()
+            await self._join_group(group_epoch, max(1.0, min(GROUP_JOIN_TIMEOUT_S, remaining)))
         for worker_id in self.worker_ids:
             reset = ResetWorker(f"engine {self.engine_id} (re)connected")
             await call(self.bus, self.subjects.worker_in(worker_id), reset, _OUTBOUND, timeout=30)
@@ -153,6 +164,33 @@ class WorkerLink:
         for worker_id in self.worker_ids:
             self.liveness.reset(worker_id)
         self._restarts_at_handshake = {w: self.liveness.num_restarts(w) for w in self.worker_ids}
+
+    async def _join_group(self, epoch: str, timeout_s: float) -> None:
+        """Every rank joins the group of ``epoch`` at once (they wait for each other)."""
+        join = JoinGroup(epoch, timeout_s)
+        self.group_init_methods = {}
+
+        async def join_one(worker_id: str) -> None:
+            subject = self.subjects.worker_in(worker_id)
+            try:
+                reply = await call(self.bus, subject, join, _OUTBOUND, timeout=timeout_s + 10)
+            except (BusError, DecodeError) as exc:
+                raise WorkerFailure(
+                    f"worker {worker_id} did not join the group of epoch {epoch}: {exc!r}"
+                ) from exc
+            if not isinstance(reply, GroupJoined) or reply.epoch != epoch:
+                raise WorkerFailure(f"worker {worker_id} answered {reply!r} to JoinGroup")
+            self.group_init_methods[worker_id] = reply.init_method
+
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for worker_id in self.worker_ids:
+                    tasks.create_task(join_one(worker_id))
+        except ExceptionGroup as group:
+            failures = [e for e in group.exceptions if isinstance(e, WorkerFailure)]
+            if not failures:
+                raise
+            raise failures[0] from None
 
     async def _describe(self, worker_id: str, deadline: float) -> WorkerInfo:
         subject = self.subjects.worker_in(worker_id)

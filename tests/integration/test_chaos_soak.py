@@ -31,7 +31,8 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.nats, pytest.mark.slow]
 
 NUM_REQUESTS = 200
 CONCURRENCY = 16
-MAX_TOKENS = 12
+MAX_TOKENS = 24
+MAX_KILLS_PER_PROCESS = 2  # the supervisor gives up on a child after 5 deaths a minute
 ENGINES = ("engine-0", "engine-1")
 WORKERS = ("worker-0-0", "worker-1-0")
 _WORKER_REPLY: Codec[WorkerOutbound] = Codec(WorkerOutbound)
@@ -82,12 +83,13 @@ async def _workload(client, tag: str):  # type: ignore[no-untyped-def]
 
 
 async def _chaos(deployed, subjects: Subjects, done: asyncio.Event, seed: int) -> list[str]:  # type: ignore[no-untyped-def]
-    """Random faults every 0.3-0.9 s until ``done``; what was done, in order."""
+    """Random faults every 0.1-0.5 s until ``done``; what was done, in order."""
     rng, bus, supervisor = random.Random(seed), deployed.client.bus, deployed.supervisor
     actions: list[str] = []
+    kills: dict[str, int] = {}
     while not done.is_set():
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done.wait(), rng.uniform(0.3, 0.9))
+            await asyncio.wait_for(done.wait(), rng.uniform(0.1, 0.5))
         if done.is_set():
             break
         kind = rng.choice(
@@ -107,8 +109,9 @@ async def _chaos(deployed, subjects: Subjects, done: asyncio.Event, seed: int) -
                 target = {"kill_worker": rng.choice(WORKERS), "kill_engine": rng.choice(ENGINES),
                           "kill_controller": "recovery-0"}[kind]  # fmt: skip
                 pid = supervisor.pid(target)
-                if pid is None:
+                if pid is None or kills.get(target, 0) >= MAX_KILLS_PER_PROCESS:
                     continue
+                kills[target] = kills.get(target, 0) + 1
                 os.kill(pid, signal.SIGKILL)
         except Exception as exc:  # a target still restarting may not answer: chaos goes on
             actions.append(f"{kind} {exc!r}")
