@@ -7,7 +7,6 @@ clean error; none hangs; afterwards every engine core is healthy again."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import random
 import signal
@@ -32,6 +31,7 @@ pytestmark = [pytest.mark.timeout(420), pytest.mark.nats, pytest.mark.slow]
 NUM_REQUESTS = 200
 CONCURRENCY = 16
 MAX_TOKENS = 24
+FAULT_EVERY = 16  # ended requests between two faults: 11 faults over the workload
 MAX_KILLS_PER_PROCESS = 2  # the supervisor gives up on a child after 5 deaths a minute
 ENGINES = ("engine-0", "engine-1")
 WORKERS = ("worker-0-0", "worker-1-0")
@@ -61,8 +61,15 @@ def _prompt(i: int) -> list[int]:
     return [3 + (i * 37 + j * 11) % 250 for j in range(6 + i % 5)]
 
 
-async def _run(client, i: int, semaphore: asyncio.Semaphore, tag: str):  # type: ignore[no-untyped-def]
-    """(finish reason, tokens) or ("error", message) for a refusal; bounded: never hangs."""
+class Progress:
+    """Requests of the current workload that have ended; the storm paces itself on it."""
+
+    def __init__(self) -> None:
+        self.num_ended = 0
+
+
+async def _run(client, i: int, semaphore: asyncio.Semaphore, tag: str, progress: Progress):  # type: ignore[no-untyped-def]
+    """(finish reason, tokens), or ("refused", message); bounded: never hangs."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     async with semaphore:
         final = None
@@ -72,26 +79,29 @@ async def _run(client, i: int, semaphore: asyncio.Semaphore, tag: str):  # type:
                     final = output
         except EngineUnavailableError as exc:
             return "refused", str(exc)
+        finally:
+            progress.num_ended += 1
     assert final is not None and final.finished
     done = final.outputs[0]
     return done.finish_reason, list(done.token_ids)
 
 
-async def _workload(client, tag: str):  # type: ignore[no-untyped-def]
-    semaphore = asyncio.Semaphore(CONCURRENCY)
-    return await asyncio.gather(*(_run(client, i, semaphore, tag) for i in range(NUM_REQUESTS)))
+async def _workload(client, tag: str, progress: Progress | None = None):  # type: ignore[no-untyped-def]
+    semaphore, progress = asyncio.Semaphore(CONCURRENCY), progress or Progress()
+    runs = (_run(client, i, semaphore, tag, progress) for i in range(NUM_REQUESTS))
+    return await asyncio.gather(*runs)
 
 
-async def _chaos(deployed, subjects: Subjects, done: asyncio.Event, seed: int) -> list[str]:  # type: ignore[no-untyped-def]
-    """Random faults every 0.1-0.5 s until ``done``; what was done, in order."""
+async def _chaos(deployed, subjects: Subjects, progress: Progress, seed: int) -> list[str]:  # type: ignore[no-untyped-def]
+    """A random fault each time another ``FAULT_EVERY`` requests have ended (so the storm
+    spans the workload however fast the machine is), and none after the last requests
+    started; what was done, in order."""
     rng, bus, supervisor = random.Random(seed), deployed.client.bus, deployed.supervisor
     actions: list[str] = []
     kills: dict[str, int] = {}
-    while not done.is_set():
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(done.wait(), rng.uniform(0.1, 0.5))
-        if done.is_set():
-            break
+    for threshold in range(FAULT_EVERY, NUM_REQUESTS - CONCURRENCY, FAULT_EVERY):
+        while progress.num_ended < threshold:
+            await asyncio.sleep(0.01)
         kind = rng.choice(
             ["inject_engine", "inject_worker", "kill_worker", "kill_engine", "kill_controller"]
         )
@@ -110,9 +120,11 @@ async def _chaos(deployed, subjects: Subjects, done: asyncio.Event, seed: int) -
                           "kill_controller": "recovery-0"}[kind]  # fmt: skip
                 pid = supervisor.pid(target)
                 if pid is None or kills.get(target, 0) >= MAX_KILLS_PER_PROCESS:
-                    continue
-                kills[target] = kills.get(target, 0) + 1
-                os.kill(pid, signal.SIGKILL)
+                    kind, target = "inject_engine", rng.choice(ENGINES)  # spare the process
+                    await inject_engine_fault(bus, subjects, target)
+                else:
+                    kills[target] = kills.get(target, 0) + 1
+                    os.kill(pid, signal.SIGKILL)
         except Exception as exc:  # a target still restarting may not answer: chaos goes on
             actions.append(f"{kind} {exc!r}")
             continue
@@ -135,14 +147,15 @@ async def test_chaos_soak(nats_server, tiny_checkpoint, resume: bool):  # type: 
         client = deployed.client
         calm = await _workload(client, "calm")
         assert all(reason == "length" for reason, _ in calm)
-        done = asyncio.Event()
-        chaos = asyncio.create_task(_chaos(deployed, Subjects(namespace), done, seed=13))
+        progress = Progress()
+        chaos = asyncio.create_task(_chaos(deployed, Subjects(namespace), progress, seed=13))
         try:
-            stormy = await _workload(client, "storm")
-        finally:
-            done.set()
-            actions = await chaos
-        assert len(actions) >= 5, actions  # the storm really happened
+            stormy = await _workload(client, "storm", progress)
+        except BaseException:
+            chaos.cancel()
+            raise
+        actions = await asyncio.wait_for(chaos, 30)
+        assert len(actions) >= 10, actions  # the storm really happened
         await wait_for(lambda: _all_healthy(client), 90, "every engine core healthy again")
     if resume:
         lost = [i for i, (got, want) in enumerate(zip(stormy, calm, strict=True)) if got != want]
