@@ -9,23 +9,14 @@ two steps in flight, so step N+1 is sent before step N's result is back and the 
 waits for this loop; without it each step is awaited before the next is scheduled. The order
 rules (results applied strictly in step order, placeholders) live in ``EngineCore``.
 ``EngineStats`` go out after steps (at most every ``stats_interval_s``) and on every heartbeat,
-so clients can discover and route by load. While idle, the loop still checks its workers' heartbeats
-so a dead worker is noticed within ``worker_dead_after_s``, not at the next request.
+so clients can discover and route by load. While idle, the loop still checks its workers'
+heartbeats, so a dead worker is noticed within ``worker_dead_after_s``, not at the next request.
 
 Faults: an exception in a step (the core's, the bus's, a lost or restarted worker, or with fault
-tolerance on a fatal worker error) abandons the steps in flight and ends every request.
-- Fault tolerance off: the requests end with a plain error, the engine core waits for its
-  workers (the supervisor restarts a dead one) and serves again.
-- On (``sentinel.FaultSentinel``): the requests end resumable (the client resumes them
-  elsewhere), the engine core turns UNHEALTHY (workers alive) or DEAD (one gone; back to
-  UNHEALTHY once it is alive again) with the fault as the status reason, and waits for a
-  ``retry`` on ``control("engine", engine_id)`` (served while the loop waits; the recovery
-  controller sends it): the workers are handshaken again (reset, and a new tensor-parallel group
-  epoch), and it serves again. No retry within ``engine_recovery_timeout_sec``: a process of its
-  own exits (``EXIT_RECOVERY_TIMEOUT``) for its supervisor to restart; in-process it restarts in
-  place as a new incarnation. No KV-transfer completions ride on steps yet (KV offload), so
-  the abandoned steps carry nothing to keep.
-A worker error that is not fatal (``StepError.fatal`` False) fails only the requests it names.
+tolerance on a fatal worker error) abandons the steps in flight and ends every request; what
+follows (today's recovery, or the fault-tolerance sentinel and its recovery commands) is
+``fault_handling.FaultHandlingActor``, this class's base. A worker error that is not fatal
+(``StepError.fatal`` False) fails only the requests it names.
 """
 
 from __future__ import annotations
@@ -36,9 +27,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from shoal.bus.actor import Actor, Inbox, new_incarnation
+from shoal.bus.actor import Inbox
 from shoal.bus.base import Bus, BusError, Msg
 from shoal.bus.codec import Codec, encode
 from shoal.bus.messages.config import ShoalConfig
@@ -54,23 +45,17 @@ from shoal.bus.messages.engine import (
 )
 from shoal.bus.messages.fault import (
     EngineControl,
-    FaultInjected,
-    FaultToleranceRequest,
-    FaultToleranceResult,
-    InjectFault,
 )
-from shoal.engine.actor.sentinel import EXIT_RECOVERY_TIMEOUT, FaultSentinel
+from shoal.engine.actor.fault_handling import FaultHandlingActor
+from shoal.engine.actor.sentinel import FaultSentinel
 from shoal.engine.actor.worker_link import SentStep, WorkerFailure, WorkerLink
 from shoal.engine.core.engine_core import ClientOutputs, EngineCore, kv_cache_shape, merge_outputs
 from shoal.engine.core.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-RETRY_HANDSHAKE_TIMEOUT_S = 30.0  # a retry finds its workers loaded: they heartbeat READY
-FAULT_WATCH_INTERVAL_S = 0.25
 
-
-class EngineCoreActor(Actor):
+class EngineCoreActor(FaultHandlingActor):
     kind: ClassVar[str] = "engine"
     # A reconnect may have lost adds and outputs in flight: clients end the requests that
     # straddle it, as after a restart.
@@ -128,7 +113,6 @@ class EngineCoreActor(Actor):
         )
         self._control_codec: Codec[EngineControl] = Codec(EngineControl)
         self.num_steps_sent = 0
-        self._connected_at = 0.0  # time.monotonic() of the last handshake
         self.num_handshakes = 0
 
     # ----- lifecycle
@@ -158,16 +142,14 @@ class EngineCoreActor(Actor):
                 await self._loop_task
         self._abandon_in_flight()
         if self.core is not None:
-            resumable = self.config.fault_tolerance_config.enable_fault_tolerance
             reason = f"engine {self.engine_id} stopped"
-            await self._publish(self.core.fail_all(reason, resumable))
+            await self._publish(self.core.fail_all(reason, resumable=self.sentinel.enabled))
         await self.workers.stop()
 
     async def _connect_workers(self, timeout_s: float | None = None) -> None:
         self.num_handshakes += 1  # a group epoch unique across this engine core's restarts too
         epoch = f"{self.incarnation}-{self.num_handshakes}" if self.sentinel.enabled else None
         infos = await self.workers.handshake(timeout_s or self.startup_timeout_s, group_epoch=epoch)
-        self._connected_at = time.monotonic()
         num_blocks, max_model_len = shape = kv_cache_shape(self.config, infos)
         if self.core is None or shape != (self.num_blocks, self.max_model_len):
             self.core = EngineCore(
@@ -227,7 +209,7 @@ class EngineCoreActor(Actor):
                 await self._publish_stats(force=True)  # also lets new clients discover us
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.heartbeat_interval_s)
-                if (lost := self._lost_worker()) is not None:
+                if (lost := self.workers.lost_worker()) is not None:
                     await self._on_fault(core, lost)
                 continue
             try:
@@ -286,119 +268,6 @@ class EngineCoreActor(Actor):
         while self._in_flight:
             self.workers.forget(self._in_flight.popleft()[1])
         self._busy = False
-
-    async def _on_fault(self, core: EngineCore, reason: str) -> None:
-        log.error("engine %s: %s; ending every request", self.engine_id, reason)
-        self._abandon_in_flight()
-        if self.sentinel.enabled:
-            await self._wait_for_recovery(core, reason)
-        else:
-            await self._recover(core, reason)
-
-    async def _recover(self, core: EngineCore, reason: str) -> None:
-        """Without fault tolerance: fail every request, wait for the workers, serve again."""
-        await self.set_state(ActorState.UNHEALTHY, reason)
-        await self._publish(core.fail_all(reason))
-        while True:
-            try:
-                await self._connect_workers()
-                break
-            except (WorkerFailure, BusError) as exc:
-                log.warning("engine %s: workers not back yet: %s", self.engine_id, exc)
-                await asyncio.sleep(1.0)
-        await self.set_state(ActorState.READY, "workers reconnected")
-
-    # ----- the sentinel (fault tolerance on)
-
-    async def _wait_for_recovery(self, core: EngineCore, reason: str) -> None:
-        """End every request resumable, report UNHEALTHY or DEAD, wait for a retry."""
-        self.sentinel.begin(reason)
-        # The state first: a client resuming these requests must not pick this engine core.
-        await self.set_state(self.sentinel.fault_state(self._workers_alive()), reason)
-        outputs = core.fail_all(reason)
-        for client_outputs in outputs.values():
-            for output in client_outputs:
-                output.resumable = True
-        await self._publish(outputs)
-        watch = asyncio.create_task(self._watch_workers_while_faulted())
-        try:
-            await asyncio.wait_for(self.sentinel.resumed.wait(), self.sentinel.recovery_timeout_s)
-        except TimeoutError:
-            await self._recovery_timed_out(core)
-        finally:
-            watch.cancel()
-
-    async def _watch_workers_while_faulted(self) -> None:
-        """DEAD while a worker is gone, UNHEALTHY once all are alive again."""
-        while True:
-            await asyncio.sleep(FAULT_WATCH_INTERVAL_S)
-            wanted = self.sentinel.fault_state(self._workers_alive())
-            if self.sentinel.fault_info and not self.sentinel.retrying and wanted != self.state:
-                await self.set_state(wanted, self.sentinel.fault_info)
-
-    async def _recovery_timed_out(self, core: EngineCore) -> None:
-        timeout = self.sentinel.recovery_timeout_s
-        if self.owns_bus:
-            log.error("engine %s: no recovery within %s s: exiting", self.engine_id, timeout)
-            self.exit_code = EXIT_RECOVERY_TIMEOUT
-            self.request_stop()
-            await asyncio.Event().wait()  # cancelled by stop()
-        log.error("engine %s: no recovery within %s s: restarting", self.engine_id, timeout)
-        self._life = new_incarnation()  # peers see a restart, as of a new process
-        self.sentinel.end()
-        await self._recover(core, f"recovery timed out after {timeout} s; restarted")
-
-    async def _on_control(self, message: EngineControl, msg: Msg) -> Any:
-        match message:
-            case InjectFault():
-                at = self.sentinel.arm(self.num_steps_sent, message.after_steps, message.message)
-                log.warning("engine %s: fault injection armed at step %d", self.engine_id, at)
-                return FaultInjected(self.engine_id, at)
-            case FaultToleranceRequest():
-                return await self._apply_instruction(message)
-        raise TypeError(f"unexpected message {type(message).__name__}")
-
-    async def _apply_instruction(self, request: FaultToleranceRequest) -> FaultToleranceResult:
-        """Run a recovery instruction (only ``retry``, only while UNHEALTHY)."""
-        rejected = self.sentinel.rejection(request, self.state)
-        if rejected is not None:
-            log.warning("engine %s: %s", self.engine_id, rejected)
-            return FaultToleranceResult(request.request_id, False, rejected)
-        self.sentinel.retrying = True
-        try:
-            await self._connect_workers(RETRY_HANDSHAKE_TIMEOUT_S)
-        except (WorkerFailure, BusError) as exc:
-            log.warning("engine %s: retry failed: %s", self.engine_id, exc)
-            return FaultToleranceResult(request.request_id, False, f"[FT] retry failed: {exc}")
-        finally:
-            self.sentinel.retrying = False
-        self.sentinel.end()
-        await self.set_state(ActorState.READY, f"recovered (retry {request.request_id})")
-        log.info("engine %s: recovered by retry %s", self.engine_id, request.request_id)
-        return FaultToleranceResult(request.request_id, True)
-
-    # ----- workers' liveness
-
-    def _lost_worker(self) -> str | None:
-        """Why a worker counts as lost since the last handshake, or None."""
-        now = time.monotonic()
-        for worker_id in self.workers.worker_ids:
-            reason = self.workers.lost_reason(worker_id, self._connected_at, now)
-            if reason is not None:
-                return reason
-        return None
-
-    def _workers_alive(self) -> bool:
-        """Every worker heartbeats READY (a restarted one counts: it is alive again)."""
-        now = time.monotonic()
-        dead_after_s = self.workers.dead_after_s
-        for worker_id in self.workers.worker_ids:
-            peer = self.workers.liveness.get(worker_id)
-            if peer is None or peer.state is not ActorState.READY:
-                return False
-            if now - max(peer.seen_at, self._connected_at) > dead_after_s:
-                return False
-        return True
 
     # ----- outputs
 

@@ -80,6 +80,7 @@ class WorkerLink:
         self.step_timeout_s = step_timeout_s
         self.liveness = LivenessTable()
         self._restarts_at_handshake: dict[str, int] = {}
+        self.connected_at = 0.0  # time.monotonic() of the last handshake
         self.group_init_methods: dict[str, str] = {}  # the group each rank joined last
         self._subs: list[Subscription] = []
         self._reply_prefix = ""
@@ -130,6 +131,27 @@ class WorkerLink:
             return f"worker {worker_id} sent no heartbeat for {now - seen:.1f} s"
         return None
 
+    def lost_worker(self) -> str | None:
+        """Why a worker counts as lost since the last handshake (even with no step running:
+        an idle engine core's check), or None."""
+        now = time.monotonic()
+        for worker_id in self.worker_ids:
+            reason = self.lost_reason(worker_id, self.connected_at, now)
+            if reason is not None:
+                return reason
+        return None
+
+    def all_alive(self) -> bool:
+        """Every worker heartbeats READY now (a restarted one counts: it is alive again)."""
+        now = time.monotonic()
+        for worker_id in self.worker_ids:
+            peer = self.liveness.get(worker_id)
+            if peer is None or peer.state is not ActorState.READY:
+                return False
+            if now - max(peer.seen_at, self.connected_at) > self.dead_after_s:
+                return False
+        return True
+
     def _check_alive(self, started: float) -> None:
         now = time.monotonic()
         for worker_id in self.worker_ids:
@@ -161,6 +183,7 @@ class WorkerLink:
     def mark_connected(self) -> None:
         """The workers just answered and were reset: they are alive and READY, and a restart
         or a state seen before now is handled; only later ones fail a step."""
+        self.connected_at = time.monotonic()
         for worker_id in self.worker_ids:
             self.liveness.reset(worker_id)
         self._restarts_at_handshake = {w: self.liveness.num_restarts(w) for w in self.worker_ids}
