@@ -6,13 +6,14 @@ exits for its supervisor to restart it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
 import pytest
 
 from shoal.bus.messages.control import ActorState
-from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.bus.subjects import Subjects
 from shoal.bus.supervisor import ChildState
 from shoal.deploy.deployment import build_config
@@ -33,10 +34,8 @@ def _config(model_dir, namespace: str, **options):  # type: ignore[no-untyped-de
         max_num_seqs=8,
         max_num_batched_tokens=256,
         namespace=namespace,
-        enable_fault_tolerance=True,
-        enable_recovery_controller=False,
         worker_dead_after_s=2.0,
-        **options,
+        **{"enable_fault_tolerance": True, "enable_recovery_controller": False, **options},
     )
 
 
@@ -108,3 +107,62 @@ async def test_recovery_timeout_exits_and_the_supervisor_restarts(nats_server, t
         await wait_for(lambda: client.router.epoch("engine-0") > epoch, 60, "a new incarnation")
         await wait_for(lambda: client.is_ready(), 60, "engine core ready")
         assert len(await _greedy(client, "after")) == 16
+
+
+async def test_streams_cut_by_a_worker_sigkill_resume_without_gap_or_repeat(
+    nats_server, tiny_checkpoint
+):  # type: ignore[no-untyped-def]
+    """DP=1 with the recovery controller: the worker dies mid-stream, the requests wait for the
+    engine core's recovery and finish there; each stream's deltas join to the no-fault text."""
+    config = _config(
+        tiny_checkpoint("llama"),
+        "ftstream",
+        enable_recovery_controller=True,
+        recovery_backoff_s=0.2,
+    )
+    async with process_deployment(nats_server.url, config) as deployed:
+        client, supervisor = deployed.client, deployed.supervisor
+        prompts = [PROMPT, PROMPT[::-1], [9, 8, 7, 6, 5]]
+        calm = [await _stream(client, p, f"calm-{i}") for i, p in enumerate(prompts)]
+        started = Started(len(prompts))
+        streams = [
+            asyncio.create_task(_stream(client, p, f"cut-{i}", started))
+            for i, p in enumerate(prompts)
+        ]
+        await asyncio.wait_for(started.all.wait(), 30)  # every stream has had text
+        pid = supervisor.pid("worker-0-0")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        cut = await asyncio.wait_for(asyncio.gather(*streams), 120)
+        assert supervisor.num_restarts("worker-0-0") == 1
+        assert cut == calm  # (text joined from the deltas, token ids): no gap, no repeat
+
+
+class Started:
+    """Set ``all`` once ``num_streams`` streams have had 20 tokens each."""
+
+    def __init__(self, num_streams: int) -> None:
+        self.num_streams = num_streams
+        self.request_ids: set[str] = set()
+        self.all = asyncio.Event()
+
+    def mark(self, request_id: str) -> None:
+        self.request_ids.add(request_id)
+        if len(self.request_ids) == self.num_streams:
+            self.all.set()
+
+
+async def _stream(client, prompt: list[int], request_id: str, started: Started | None = None):  # type: ignore[no-untyped-def]
+    """A streamed greedy request of 200 tokens: its deltas joined, and its token ids."""
+    params = SamplingParams(
+        temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=OutputKind.DELTA
+    )
+    text, tokens = [], []
+    async for output in client.generate(prompt, params, request_id):
+        text.append(output.outputs[0].text)
+        tokens.extend(output.outputs[0].token_ids)
+        if started is not None and len(tokens) >= 20:
+            started.mark(request_id)
+        if output.finished:
+            assert output.outputs[0].finish_reason == "length", output
+    return "".join(text), tokens
