@@ -133,6 +133,7 @@ async def test_streams_cut_by_a_worker_sigkill_resume_without_gap_or_repeat(
         pid = supervisor.pid("worker-0-0")
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
+        assert not any(stream.done() for stream in streams)  # cut mid-stream
         cut = await asyncio.wait_for(asyncio.gather(*streams), 120)
         assert supervisor.num_restarts("worker-0-0") == 1
         assert cut == calm  # (text joined from the deltas, token ids): no gap, no repeat
@@ -153,9 +154,9 @@ class Started:
 
 
 async def _stream(client, prompt: list[int], request_id: str, started: Started | None = None):  # type: ignore[no-untyped-def]
-    """A streamed greedy request of 200 tokens: its deltas joined, and its token ids."""
+    """A streamed greedy request of 900 tokens: its deltas joined, and its token ids."""
     params = SamplingParams(
-        temperature=0.0, max_tokens=200, ignore_eos=True, output_kind=OutputKind.DELTA
+        temperature=0.0, max_tokens=900, ignore_eos=True, output_kind=OutputKind.DELTA
     )
     text, tokens = [], []
     async for output in client.generate(prompt, params, request_id):
