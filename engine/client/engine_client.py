@@ -4,19 +4,16 @@ goes away.
 
 It listens on its own output subject for every engine core's ``EngineOutputs`` (fed to the pure
 ``OutputProcessor``, which detokenizes and applies stop strings) and ``RequestRejected``; on
-engine stats, heartbeats and status events for routing (``EngineRouter``). The requests of an
-engine core that stopped, died or came back as a new incarnation (a restarted process, or one
-whose bus connection dropped: what was in flight may be lost) end at once with finish reason
-"error", and so do all of them when this client's own bus connection drops and comes back; a
-watchdog does the same for an engine core that went silent, so no caller waits forever.
+engine stats, heartbeats and status events for routing (``EngineRouter``). It keeps the
+bookkeeping of its requests in flight: each one's collector, and which engine core (and epoch)
+it went to.
 
-Resumption (fault tolerance with ``enable_request_resumption``): instead of ending such a request
-(or one its engine core's sentinel ended with a ``resumable`` error, or turned away as
-``unavailable``), the client parks it (``resumption.Resumptions``) and sends its unfinished
-completions again, under fresh ids, to a ready engine core with the tokens already received as
-``output_token_ids``; the caller's stream goes on where it was. Outputs of the old attempt are
-dropped and the old engine core gets an abort. Greedy output equals the uninterrupted run; seeded
-random sampling is not bit-exact across a resume (the sampler's generator starts afresh).
+Requests their engine core will not finish (it stopped, died, restarted or went silent, or this
+client's bus connection dropped; with ``enable_request_resumption`` also a ``resumable`` error or
+an ``unavailable`` rejection) are left to ``engine_faults.EngineFaults``: it ends them with
+finish reason "error" or, with resumption, resumes them on a ready engine core where the
+caller's stream left off. With resumption, a request that finds every known engine core faulted
+is parked to wait for one rather than refused.
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ from shoal.bus.messages.engine import (
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.collector import RequestOutputCollector
+from shoal.engine.client.engine_faults import EngineFaults
 from shoal.engine.client.fault_tolerance import FaultTolerance
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
 from shoal.engine.client.model_info import read_max_model_len
@@ -89,13 +87,12 @@ class AsyncEngineClient:
         self._collectors: dict[str, RequestOutputCollector] = {}
         self._engine_of: dict[str, str] = {}  # user request id → engine id
         self._epoch_of: dict[str, int] = {}  # user request id → its engine's epoch when sent
-        self._epochs_checked: dict[str, int] = {}  # engine id → last epoch acted upon
         self._subs: list[Subscription] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._stop_listening: Callable[[], None] | None = None
         self.resumptions = Resumptions(config.fault_tolerance_config)
-        self._ready_seen: set[str] = set()  # engine cores last seen ready (for transitions)
+        self._faults = EngineFaults(self)  # lost, restarted, silent engine cores; resumption
 
     # ----- lifecycle
 
@@ -114,12 +111,12 @@ class AsyncEngineClient:
             ),
             await self.bus.subscribe(s.engine_stats("*"), self._on_stats),
             *await watch_liveness(
-                self.bus, s, "engine", self.router.liveness, on_change=self._check_engine
+                self.bus, s, "engine", self.router.liveness, on_change=self._faults.check_engine
             ),
         ]
-        self._stop_listening = self.bus.on_reconnect(self._on_bus_reconnected)
+        self._stop_listening = self.bus.on_reconnect(self._faults.on_bus_reconnected)
         await self.bus.flush()
-        self._watchdog = asyncio.create_task(self._watch_engines())
+        self._watchdog = asyncio.create_task(self._faults.watch())
         return self
 
     async def close(self) -> None:
@@ -354,7 +351,7 @@ class AsyncEngineClient:
             await self._send_abort(message.engine_id, processed.reqs_to_abort)
         for request_id, error in processed.to_resume.items():
             engine_id = message.engine_id
-            self._resume_or_fail(request_id, engine_id, f"engine core {engine_id}: {error}")
+            self._faults.resume_or_fail(request_id, engine_id, f"engine core {engine_id}: {error}")
 
     def _on_rejected(self, rejected: RequestRejected) -> None:
         owner = self._require_processor().owner_of(rejected.request_id)
@@ -362,7 +359,7 @@ class AsyncEngineClient:
             return
         if rejected.code == "unavailable" and self.resumptions.may_resume(owner, counts=False):
             engine_id = self._engine_of.get(owner)
-            self._resume_or_fail(owner, engine_id, rejected.message, counts=False)
+            self._faults.resume_or_fail(owner, engine_id, rejected.message, counts=False)
             return
         if rejected.code == "invalid":
             error: Exception = RequestValidationError(rejected.message)
@@ -391,7 +388,7 @@ class AsyncEngineClient:
         except DecodeError:
             return
         if self.router.on_stats(stats):
-            self._check_engine(stats.engine_id)
+            self._faults.check_engine(stats.engine_id)
             self._notify_stats(stats.stats, stats.engine_id)
 
     def _notify_stats(self, stats: SchedulerStats, engine_id: str) -> None:
@@ -400,134 +397,6 @@ class AsyncEngineClient:
                 listener(stats, engine_id)
             except Exception:
                 log.exception("stats listener failed")
-
-    def _check_engine(self, engine_id: str) -> None:
-        """End this client's requests on ``engine_id`` if it is lost, or restarted since they
-        were sent: no output of theirs can come any more (or resume them elsewhere)."""
-        self.fault_tolerance.observe(engine_id)
-        self._note_readiness(engine_id)
-        lost, epoch = self.router.is_lost(engine_id), self.router.epoch(engine_id)
-        if not lost and self._epochs_checked.get(engine_id, 0) == epoch:
-            return
-        self._epochs_checked[engine_id] = epoch
-        doomed = [
-            request_id
-            for request_id, engine in self._engine_of.items()
-            if engine == engine_id and (lost or self._epoch_of.get(request_id, epoch) < epoch)
-        ]
-        reason = "is gone" if lost else "restarted"
-        error = f"engine core {engine_id} {reason}"
-        for request_id in doomed:
-            # A new incarnation is a fresh process: the requests may go back to it at once.
-            self._resume_or_fail(request_id, engine_id, error, avoid=lost)
-
-    def _end_with_error(self, request_id: str, engine_id: str | None, error: str) -> None:
-        """Finish a request with reason "error"; abort it on the engine core in case a new
-        incarnation of it did get it."""
-        processor = self._require_processor()
-        engine_ids = processor.engine_request_ids(request_id)
-        output = processor.fail_request(request_id, error)
-        collector = self._collectors.pop(request_id, None)
-        self._untrack(request_id)
-        if collector is not None and output is not None:
-            collector.put(output)
-        if engine_ids and engine_id is not None:
-            self._abort_later(engine_id, engine_ids)
-
-    def _on_bus_reconnected(self) -> None:
-        """This client's bus connection dropped and came back: outputs (or adds) of every
-        request in flight may have gone with it, so each ends with an error now (or resumes)."""
-        for request_id, engine_id in list(self._engine_of.items()):
-            error = "the bus connection was lost"
-            self._resume_or_fail(request_id, engine_id, error, avoid=False)
-
-    async def _watch_engines(self) -> None:
-        """Fail (or resume) the requests of engine cores that went silent (or whose end was
-        missed); send parked requests to engine cores that became ready, end expired ones."""
-        interval = min(1.0, self.resumptions.timeout_s / 4)
-        while True:
-            await asyncio.sleep(interval)
-            for engine_id in list(self.router.engines):
-                self._note_readiness(engine_id)
-            for engine_id in self.router.lost_engines():
-                self._check_engine(engine_id)
-            self._resume_parked()
-
-    # ----- resumption (see resumption.py)
-
-    def _resume_or_fail(
-        self,
-        request_id: str,
-        engine_id: str | None,
-        error: str,
-        *,
-        counts: bool = True,
-        avoid: bool = True,
-    ) -> None:
-        """A request its engine core will not finish: park it to resume on a ready engine core
-        (``avoid``: not this one until it is ready again), or end it with ``error``.
-        ``counts``: a fault (counted against max resumptions), not a rejection."""
-        if request_id not in self._collectors:
-            return
-        if not self.resumptions.may_resume(request_id, counts):
-            self._end_with_error(request_id, engine_id, error)
-            return
-        processor = self._require_processor()
-        old_ids = processor.engine_request_ids(request_id)
-        payload = processor.prepare_resume(request_id)
-        if payload is None:
-            return
-        self._detach(request_id)
-        if engine_id is not None and old_ids:
-            self._abort_later(engine_id, old_ids)
-        log.info("resuming %s (%s)", request_id, error)
-        now = time.monotonic()
-        self.resumptions.park(request_id, payload, engine_id if avoid else None, now, counts)
-        self._resume_parked()
-
-    def _resume_parked(self) -> None:
-        """Send parked requests to ready engine cores; end those that waited too long."""
-        resumptions = self.resumptions
-        if not resumptions.parked:
-            return
-        for request_id in resumptions.take_expired(time.monotonic()):
-            timeout = resumptions.timeout_s
-            self._end_with_error(
-                request_id, None, f"no engine core ready to resume it within {timeout:g} s"
-            )
-        for request_id, parked in list(resumptions.parked.items()):
-            engine = self.router.pick(exclude=parked.avoid)
-            if engine is None:
-                continue
-            resumptions.unpark(request_id)
-            self._engine_of[request_id] = engine.engine_id
-            self._epoch_of[request_id] = self.router.epoch(engine.engine_id)
-            self._spawn(self._send_resumed(request_id, engine.engine_id, parked.payload))
-
-    async def _send_resumed(self, request_id: str, engine_id: str, payload: ResumeRequest) -> None:
-        if self._engine_of.get(request_id) != engine_id:
-            return  # aborted, or moved again, before this ran
-        try:
-            await self._send_adds(
-                engine_id,
-                payload.children,
-                payload.prompt_token_ids,
-                payload.arrival_time,
-                payload.priority,
-            )
-        except BusError as exc:
-            if self._engine_of.get(request_id) == engine_id:
-                error = f"resumed request not sent to {engine_id}: {exc!r}"
-                self._resume_or_fail(request_id, engine_id, error, counts=False)
-
-    def _note_readiness(self, engine_id: str) -> None:
-        """Track engine cores becoming ready: requests parked away from one may go back."""
-        if not self.router.is_ready(engine_id):
-            self._ready_seen.discard(engine_id)
-        elif engine_id not in self._ready_seen:
-            self._ready_seen.add(engine_id)
-            self.resumptions.engine_ready_again(engine_id)
-            self._resume_parked()
 
 
 async def make_client(bus: Bus, config: ShoalConfig) -> AsyncEngineClient:
