@@ -301,15 +301,18 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--dp", type=int, default=2, help="engine cores")
-    parser.add_argument("--faults", type=int, default=8, help="faults timed one by one")
-    parser.add_argument("--num-requests", type=int, default=96)
+    parser.add_argument("--faults", type=int, default=16, help="faults timed one by one")
+    parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--storm-interval-s", type=float, default=1.0)
-    parser.add_argument("--quick", action="store_true", help="4 faults, 24 requests of 24 tokens")
+    parser.add_argument(
+        "--quick", action="store_true", help="at most 4 faults, 24 requests of 24 tokens"
+    )
     args = parser.parse_args(argv)
     if args.quick:
-        args.faults, args.num_requests, args.max_tokens = 4, 24, 24
+        args.faults = min(args.faults, 4)
+        args.num_requests, args.max_tokens = min(args.num_requests, 24), min(args.max_tokens, 24)
     return args
 
 

@@ -293,3 +293,26 @@ def test_async_sched_runs_both_sides_on_both_models():
     for model in figures["models"].values():
         assert model["max_steps_in_flight"] == {"async": 2, "sync": 1}, model
         assert model["tokens"] == 4 * 8, model
+
+
+# ----- bench/recovery.py
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.nats
+@pytest.mark.slow
+def test_recovery_times_faults_and_loses_no_request():
+    done = _run(
+        str(BENCH / "recovery.py"),
+        "--quick",
+        "--faults", "4",
+        "--num-requests", "16",
+        "--max-tokens", "8",
+        "--storm-interval-s", "0.3",
+        timeout=280,
+    )  # fmt: skip
+    figures = _last_json(done)
+    assert len(figures["recover_s"]["inject"]) == len(figures["recover_s"]["kill"]) == 2
+    for key in ("recover_s_p50", "recover_s_p99", "kill_recover_s_p50", "goodput_ratio"):
+        assert isinstance(figures[key], int | float) and figures[key] > 0, (key, figures)
+    assert figures["requests_lost"] == 0, figures  # resumption on: every request completes
