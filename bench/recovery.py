@@ -99,24 +99,13 @@ def make_config(model_dir: Path, args: argparse.Namespace) -> Any:
 
 async def open_deployment(stack: AsyncExitStack, config: Any) -> tuple[Any, Any, StatusLog]:
     """The actors as supervised processes on a fresh nats-server, a ready client here."""
-    from shoal.bus import connect_bus
+    from bench.throughput_e2e import start_supervised
     from shoal.bus.liveness import LivenessTable, watch_liveness
-    from shoal.bus.server import NatsServer
-    from shoal.bus.supervisor import ActorSpec, Supervisor
-    from shoal.deploy.deployment import plan_actors
     from shoal.engine.client.engine_client import AsyncEngineClient
 
-    server = stack.enter_context(NatsServer())
-    fast = {"heartbeat_interval_s": 0.2}
-    specs = [
-        ActorSpec(p.name, p.target, server.url, {**p.kwargs, **fast}, kind=p.kind)
-        for p in plan_actors(config)
-    ]
-    bus = await connect_bus(server.url)
-    stack.push_async_callback(bus.close)
-    supervisor = Supervisor(specs, status_bus=bus, namespace=config.bus_config.namespace)
-    stack.push_async_callback(supervisor.stop)
-    await supervisor.start()
+    bus, supervisor = await start_supervised(
+        stack, config, actor_kwargs={"heartbeat_interval_s": 0.2}
+    )
     statuses = StatusLog(LivenessTable())
     await watch_liveness(
         bus, client_subjects(config), "engine", statuses.table, on_change=statuses.on_change

@@ -217,23 +217,38 @@ async def ready_client(stack: AsyncExitStack, bus: Any, config: Any) -> tuple[An
 
 async def open_nats(stack: AsyncExitStack, config: Any, threads: int) -> tuple[Any, StepTimes]:
     """Worker and engine core as supervised processes on a fresh local nats-server."""
+    bus, _ = await start_supervised(stack, config, env={"OMP_NUM_THREADS": str(threads)})
+    return await ready_client(stack, bus, config)
+
+
+async def start_supervised(
+    stack: AsyncExitStack,
+    config: Any,
+    *,
+    env: dict[str, str] | None = None,
+    actor_kwargs: dict[str, Any] | None = None,
+) -> tuple[Any, Any]:
+    """A fresh local nats-server, every planned actor a supervised process on it (with
+    ``actor_kwargs`` added to each), and a bus here; (bus, supervisor), closed with ``stack``."""
     from shoal.bus import connect_bus
     from shoal.bus.server import NatsServer
     from shoal.bus.supervisor import ActorSpec, Supervisor
     from shoal.deploy.deployment import plan_actors
 
     server = stack.enter_context(NatsServer())
-    env = {"OMP_NUM_THREADS": str(threads)}
     specs = [
-        ActorSpec(p.name, p.target, server.url, p.kwargs, env=env, kind=p.kind)
+        ActorSpec(
+            p.name, p.target, server.url, {**p.kwargs, **(actor_kwargs or {})}, env=env or {},
+            kind=p.kind,
+        )
         for p in plan_actors(config)
-    ]
+    ]  # fmt: skip
     bus = await connect_bus(server.url)
     stack.push_async_callback(bus.close)
     supervisor = Supervisor(specs, status_bus=bus, namespace=config.bus_config.namespace)
     stack.push_async_callback(supervisor.stop)
     await supervisor.start()
-    return await ready_client(stack, bus, config)
+    return bus, supervisor
 
 
 async def open_memory(stack: AsyncExitStack, config: Any) -> tuple[Any, StepTimes]:
