@@ -130,15 +130,16 @@ class FaultHandlingActor(Actor):
         if rejected is not None:
             log.warning("engine %s: %s", self.engine_id, rejected)
             return FaultToleranceResult(request.request_id, False, rejected)
-        self.sentinel.retrying = True
+        self.sentinel.retrying = True  # the worker watch leaves the state alone meanwhile
         try:
             await self._connect_workers(RETRY_HANDSHAKE_TIMEOUT_S)
+            # READY before the loop resumes, so no add that arrives now is turned away.
+            await self.set_state(ActorState.READY, f"recovered (retry {request.request_id})")
+            self.sentinel.end()
         except (WorkerFailure, BusError) as exc:
             log.warning("engine %s: retry failed: %s", self.engine_id, exc)
             return FaultToleranceResult(request.request_id, False, f"[FT] retry failed: {exc}")
         finally:
             self.sentinel.retrying = False
-        self.sentinel.end()
-        await self.set_state(ActorState.READY, f"recovered (retry {request.request_id})")
         log.info("engine %s: recovered by retry %s", self.engine_id, request.request_id)
         return FaultToleranceResult(request.request_id, True)
