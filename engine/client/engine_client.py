@@ -4,9 +4,9 @@ goes away.
 
 It listens on its own output subject for every engine core's ``EngineOutputs`` (fed to the pure
 ``OutputProcessor``, which detokenizes and applies stop strings) and ``RequestRejected``; on
-engine stats, heartbeats and status events for routing (``EngineRouter``). It keeps the
-bookkeeping of its requests in flight: each one's collector, and which engine core (and epoch)
-it went to.
+engine stats, heartbeats and status events for routing (``EngineRouter``). Its requests in
+flight (each one's collector, and which engine core and epoch it went to) are kept in
+``placements.RequestPlacements``, shared with ``EngineFaults``.
 
 Requests their engine core will not finish (it stopped, died, restarted or went silent, or this
 client's bus connection dropped; with ``enable_request_resumption`` also a ``resumable`` error or
@@ -49,6 +49,7 @@ from shoal.engine.client.interface import EngineUnavailableError, RequestValidat
 from shoal.engine.client.model_info import read_max_model_len
 from shoal.engine.client.output_processor import ChildRequest, OutputProcessor, ResumeRequest
 from shoal.engine.client.outputs import RequestOutput
+from shoal.engine.client.placements import RequestPlacements
 from shoal.engine.client.resumption import Resumptions
 from shoal.engine.client.router import EngineRouter
 from shoal.engine.client.tokenizer import Tokenizer
@@ -84,15 +85,15 @@ class AsyncEngineClient:
         self.stats_listeners: list[StatsListener] = []
         self._tokenizer: Tokenizer | None = None
         self._processor: OutputProcessor | None = None
-        self._collectors: dict[str, RequestOutputCollector] = {}
-        self._engine_of: dict[str, str] = {}  # user request id → engine id
-        self._epoch_of: dict[str, int] = {}  # user request id → its engine's epoch when sent
+        self.placements = RequestPlacements()
         self._subs: list[Subscription] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._stop_listening: Callable[[], None] | None = None
         self.resumptions = Resumptions(config.fault_tolerance_config)
-        self._faults = EngineFaults(self)  # lost, restarted, silent engine cores; resumption
+        self._faults = EngineFaults(
+            self, self.placements
+        )  # lost, restarted, silent engine cores; resumption
 
     # ----- lifecycle
 
@@ -128,7 +129,7 @@ class AsyncEngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watchdog
             self._watchdog = None
-        for request_id in list(self._collectors):
+        for request_id in self.placements.request_ids():
             await self.abort(request_id)
         subs, self._subs = self._subs, []
         for sub in subs:
@@ -209,9 +210,9 @@ class AsyncEngineClient:
         priority: int = 0,
     ) -> RequestOutputCollector:
         """Send a request to an engine core; its outputs arrive in the returned collector."""
-        processor = self._require_processor()
+        processor = self.require_processor()
         prompt_text, prompt_ids = self._tokenize(prompt)
-        if request_id in self._collectors:
+        if request_id in self.placements:
             raise RequestValidationError(f"request id {request_id!r} is already in flight")
         engine = self.router.pick()
         # With resumption on, a request that finds every known engine core faulted waits for one
@@ -224,16 +225,15 @@ class AsyncEngineClient:
             request_id, prompt_ids, params, prompt_text, arrival, priority
         )
         collector = RequestOutputCollector(params.output_kind)
-        self._collectors[request_id] = collector
+        self.placements.track(request_id, collector)
         if engine is None:
             payload = ResumeRequest(prompt_ids, arrival, priority, [(c, []) for c in children])
             self.resumptions.park(request_id, payload, None, time.monotonic(), counts=False)
             return collector
-        self._engine_of[request_id] = engine.engine_id
-        self._epoch_of[request_id] = self.router.epoch(engine.engine_id)
+        self.placements.place(request_id, engine.engine_id, self.router.epoch(engine.engine_id))
         try:
             sends: list[tuple[ChildRequest, list[int]]] = [(child, []) for child in children]
-            await self._send_adds(engine.engine_id, sends, prompt_ids, arrival, priority)
+            await self.send_adds(engine.engine_id, sends, prompt_ids, arrival, priority)
         except BusError as exc:
             self._fail(request_id, EngineUnavailableError(f"request not sent: {exc!r}"))
             raise EngineUnavailableError(f"request not sent to {engine.engine_id}: {exc}") from exc
@@ -242,7 +242,7 @@ class AsyncEngineClient:
             raise
         return collector
 
-    async def _send_adds(
+    async def send_adds(
         self,
         engine_id: str,
         children: list[tuple[ChildRequest, list[int]]],
@@ -295,19 +295,9 @@ class AsyncEngineClient:
     ) -> tuple[RequestOutputCollector | None, str | None, list[str]]:
         """Stop tracking a request: its collector, its engine core and the engine-side ids
         still running there."""
-        collector = self._collectors.pop(request_id, None)
-        engine_id = self._untrack(request_id)
-        return collector, engine_id, self._require_processor().abort_request(request_id)
-
-    def _untrack(self, request_id: str) -> str | None:
-        """Forget a request that ended: its engine core (returned), epoch and resumptions."""
         self.resumptions.forget(request_id)
-        return self._detach(request_id)
-
-    def _detach(self, request_id: str) -> str | None:
-        """Forget which engine core (and epoch) a request went to; that engine's id."""
-        self._epoch_of.pop(request_id, None)
-        return self._engine_of.pop(request_id, None)
+        collector, engine_id = self.placements.untrack(request_id)
+        return collector, engine_id, self.require_processor().abort_request(request_id)
 
     async def _send_abort(self, engine_id: str, engine_request_ids: list[str]) -> None:
         try:
@@ -319,7 +309,7 @@ class AsyncEngineClient:
 
     # ----- inbound
 
-    def _require_processor(self) -> OutputProcessor:
+    def require_processor(self) -> OutputProcessor:
         if self._processor is None:
             raise RuntimeError("engine client not started")
         return self._processor
@@ -339,14 +329,14 @@ class AsyncEngineClient:
     async def _on_engine_outputs(self, message: EngineOutputs) -> None:
         if message.stats is not None:
             self._notify_stats(message.stats, message.engine_id)
-        processed = self._require_processor().process_outputs(message)
+        processed = self.require_processor().process_outputs(message)
         for output in processed.request_outputs:
-            collector = self._collectors.get(output.request_id)
+            collector = self.placements.collector(output.request_id)
             if collector is not None:
                 collector.put(output)
         for request_id in processed.finished_request_ids:
-            self._collectors.pop(request_id, None)
-            self._untrack(request_id)
+            self.resumptions.forget(request_id)
+            self.placements.untrack(request_id)
         if processed.reqs_to_abort:
             await self._send_abort(message.engine_id, processed.reqs_to_abort)
         for request_id, error in processed.to_resume.items():
@@ -354,11 +344,11 @@ class AsyncEngineClient:
             self._faults.resume_or_fail(request_id, engine_id, f"engine core {engine_id}: {error}")
 
     def _on_rejected(self, rejected: RequestRejected) -> None:
-        owner = self._require_processor().owner_of(rejected.request_id)
-        if owner is None or owner not in self._collectors:
+        owner = self.require_processor().owner_of(rejected.request_id)
+        if owner is None or owner not in self.placements:
             return
         if rejected.code == "unavailable" and self.resumptions.may_resume(owner, counts=False):
-            engine_id = self._engine_of.get(owner)
+            engine_id = self.placements.engine_of(owner)
             self._faults.resume_or_fail(owner, engine_id, rejected.message, counts=False)
             return
         if rejected.code == "invalid":
@@ -370,14 +360,16 @@ class AsyncEngineClient:
     def _fail(self, request_id: str, error: Exception) -> None:
         collector, engine_id, engine_ids = self._forget(request_id)
         if engine_id is not None and engine_ids:
-            self._abort_later(engine_id, engine_ids)
+            self.abort_later(engine_id, engine_ids)
         if collector is not None:
             collector.put(error)
 
-    def _abort_later(self, engine_id: str, engine_request_ids: list[str]) -> None:
-        self._spawn(self._send_abort(engine_id, engine_request_ids))
+    def abort_later(self, engine_id: str, engine_request_ids: list[str]) -> None:
+        """Send an abort in the background (for callers that cannot await)."""
+        self.spawn(self._send_abort(engine_id, engine_request_ids))
 
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
+        """Run ``coroutine`` in the background, holding on to its task until it is done."""
         task = asyncio.get_running_loop().create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -18,9 +18,9 @@ requests go out as engine cores become ready, and end with an error once they wa
 the resumption timeout. Greedy output equals the uninterrupted run; seeded random sampling is not
 bit-exact across a resume (the sampler's generator starts afresh).
 
-It keeps no request bookkeeping of its own: it reads and updates the client's (collectors, which
-engine core and epoch each request went to) and sends through the client; ``Client`` names
-what it uses.
+It keeps no request bookkeeping of its own: it reads and updates the client's
+``placements.RequestPlacements`` (collectors, which engine core and epoch each request went to)
+and sends through the client; ``Client`` names what it uses of it.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from collections.abc import Coroutine
 from typing import Any, Protocol
 
 from shoal.bus.base import BusError
-from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.fault_tolerance import FaultTolerance
 from shoal.engine.client.output_processor import ChildRequest, OutputProcessor, ResumeRequest
+from shoal.engine.client.placements import RequestPlacements
 from shoal.engine.client.resumption import Resumptions
 from shoal.engine.client.router import EngineRouter
 
@@ -43,21 +43,16 @@ log = logging.getLogger(__name__)
 
 class Client(Protocol):
     """What ``EngineFaults`` uses of the client (``AsyncEngineClient``): its routing, fault
-    tolerance and resumptions, its request bookkeeping and its ways to send."""
+    tolerance and resumptions, its output processor and its ways to send."""
 
     router: EngineRouter
     fault_tolerance: FaultTolerance
     resumptions: Resumptions
-    _collectors: dict[str, RequestOutputCollector]
-    _engine_of: dict[str, str]
-    _epoch_of: dict[str, int]
 
-    def _require_processor(self) -> OutputProcessor: ...
-    def _untrack(self, request_id: str) -> str | None: ...
-    def _detach(self, request_id: str) -> str | None: ...
-    def _abort_later(self, engine_id: str, engine_request_ids: list[str]) -> None: ...
-    def _spawn(self, coroutine: Coroutine[Any, Any, None]) -> None: ...
-    async def _send_adds(
+    def require_processor(self) -> OutputProcessor: ...
+    def abort_later(self, engine_id: str, engine_request_ids: list[str]) -> None: ...
+    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None: ...
+    async def send_adds(
         self,
         engine_id: str,
         children: list[tuple[ChildRequest, list[int]]],
@@ -68,10 +63,12 @@ class Client(Protocol):
 
 
 class EngineFaults:
-    """Ends or resumes the requests of lost, restarted or silent engine cores for ``client``."""
+    """Ends or resumes the requests of lost, restarted or silent engine cores for ``client``,
+    whose requests in flight are ``placements``."""
 
-    def __init__(self, client: Client) -> None:
+    def __init__(self, client: Client, placements: RequestPlacements) -> None:
         self._client = client
+        self._placements = placements
         self._epochs_checked: dict[str, int] = {}  # engine id → last epoch acted upon
         self._ready_seen: set[str] = set()  # engine cores last seen ready (for transitions)
 
@@ -95,11 +92,7 @@ class EngineFaults:
         if not lost and self._epochs_checked.get(engine_id, 0) == epoch:
             return
         self._epochs_checked[engine_id] = epoch
-        doomed = [
-            request_id
-            for request_id, engine in client._engine_of.items()
-            if engine == engine_id and (lost or client._epoch_of.get(request_id, epoch) < epoch)
-        ]
+        doomed = self._placements.on_engine(engine_id, sent_before=None if lost else epoch)
         reason = "is gone" if lost else "restarted"
         error = f"engine core {engine_id} {reason}"
         for request_id in doomed:
@@ -109,7 +102,7 @@ class EngineFaults:
     def on_bus_reconnected(self) -> None:
         """The client's bus connection dropped and came back: outputs (or adds) of every
         request in flight may have gone with it, so each ends with an error now (or resumes)."""
-        for request_id, engine_id in list(self._client._engine_of.items()):
+        for request_id, engine_id in self._placements.placed().items():
             error = "the bus connection was lost"
             self.resume_or_fail(request_id, engine_id, error, avoid=False)
 
@@ -130,15 +123,15 @@ class EngineFaults:
         """Finish a request with reason "error"; abort it on the engine core in case a new
         incarnation of it did get it."""
         client = self._client
-        processor = client._require_processor()
+        processor = client.require_processor()
         engine_ids = processor.engine_request_ids(request_id)
         output = processor.fail_request(request_id, error)
-        collector = client._collectors.pop(request_id, None)
-        client._untrack(request_id)
+        self.resumptions.forget(request_id)
+        collector, _ = self._placements.untrack(request_id)
         if collector is not None and output is not None:
             collector.put(output)
         if engine_ids and engine_id is not None:
-            client._abort_later(engine_id, engine_ids)
+            client.abort_later(engine_id, engine_ids)
 
     # ----- resumption (see resumption.py)
 
@@ -155,19 +148,19 @@ class EngineFaults:
         (``avoid``: not this one until it is ready again), or end it with ``error``.
         ``counts``: a fault (counted against max resumptions), not a rejection."""
         client = self._client
-        if request_id not in client._collectors:
+        if request_id not in self._placements:
             return
         if not self.resumptions.may_resume(request_id, counts):
             self._end_with_error(request_id, engine_id, error)
             return
-        processor = client._require_processor()
+        processor = client.require_processor()
         old_ids = processor.engine_request_ids(request_id)
         payload = processor.prepare_resume(request_id)
         if payload is None:
             return
-        client._detach(request_id)
+        self._placements.detach(request_id)
         if engine_id is not None and old_ids:
-            client._abort_later(engine_id, old_ids)
+            client.abort_later(engine_id, old_ids)
         log.info("resuming %s (%s)", request_id, error)
         now = time.monotonic()
         self.resumptions.park(request_id, payload, engine_id if avoid else None, now, counts)
@@ -188,16 +181,17 @@ class EngineFaults:
             if engine is None:
                 continue
             resumptions.unpark(request_id)
-            client._engine_of[request_id] = engine.engine_id
-            client._epoch_of[request_id] = self.router.epoch(engine.engine_id)
-            client._spawn(self._send_resumed(request_id, engine.engine_id, parked.payload))
+            self._placements.place(
+                request_id, engine.engine_id, self.router.epoch(engine.engine_id)
+            )
+            client.spawn(self._send_resumed(request_id, engine.engine_id, parked.payload))
 
     async def _send_resumed(self, request_id: str, engine_id: str, payload: ResumeRequest) -> None:
-        engine_of = self._client._engine_of
-        if engine_of.get(request_id) != engine_id:
+        placements = self._placements
+        if placements.engine_of(request_id) != engine_id:
             return  # aborted, or moved again, before this ran
         try:
-            await self._client._send_adds(
+            await self._client.send_adds(
                 engine_id,
                 payload.children,
                 payload.prompt_token_ids,
@@ -205,7 +199,7 @@ class EngineFaults:
                 payload.priority,
             )
         except BusError as exc:
-            if engine_of.get(request_id) == engine_id:
+            if placements.engine_of(request_id) == engine_id:
                 error = f"resumed request not sent to {engine_id}: {exc!r}"
                 self.resume_or_fail(request_id, engine_id, error, counts=False)
 

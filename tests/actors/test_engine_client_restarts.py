@@ -104,7 +104,7 @@ async def send(
     for view in client.router.engines.values():
         view.num_sent_since_stats = 0 if view.engine_id == engine.engine_id else 1000
     collector = await client.add_request([5, 6, 7], PARAMS, request_id)
-    assert client._engine_of[request_id] == engine.engine_id
+    assert client.placements.engine_of(request_id) == engine.engine_id
     await wait_for(lambda: request_id in engine.adds)
     return collector
 
@@ -125,7 +125,7 @@ async def test_a_new_incarnation_fails_the_requests_sent_to_the_old_one(setup) -
     for collector in doomed:
         assert "restarted" in (await error_of(collector)).error  # type: ignore[operator]
     await wait_for(lambda: {"old0", "old1", "old2"} <= set(e0.aborts))
-    assert set(client._engine_of) == {"other"} and survivor.get_nowait() is None
+    assert set(client.placements.placed()) == {"other"} and survivor.get_nowait() is None
     # The new life takes requests, and late messages of the old one fail nothing.
     fresh = await send(client, e0, "new")
     await e0.heartbeat("a")
@@ -133,7 +133,7 @@ async def test_a_new_incarnation_fails_the_requests_sent_to_the_old_one(setup) -
     await e0.heartbeat("b")
     await e0.stats("b")
     await client.bus.flush()
-    assert set(client._engine_of) == {"other", "new"} and fresh.get_nowait() is None
+    assert set(client.placements.placed()) == {"other", "new"} and fresh.get_nowait() is None
 
 
 async def test_stats_of_a_new_incarnation_fail_the_requests_too(setup) -> None:  # type: ignore[no-untyped-def]
@@ -152,7 +152,7 @@ async def test_a_dead_status_fails_the_requests_at_once(setup) -> None:  # type:
     survivor = await send(client, e1, "s")
     await e0.status(ActorState.DEAD)
     assert "gone" in (await error_of(collector)).error  # type: ignore[operator]
-    assert set(client._engine_of) == {"s"} and survivor.get_nowait() is None
+    assert set(client.placements.placed()) == {"s"} and survivor.get_nowait() is None
 
 
 async def test_the_clients_own_reconnect_fails_every_request_in_flight(setup) -> None:  # type: ignore[no-untyped-def]
@@ -163,6 +163,6 @@ async def test_the_clients_own_reconnect_fails_every_request_in_flight(setup) ->
     for collector in doomed:
         assert "connection was lost" in (await error_of(collector)).error  # type: ignore[operator]
     await wait_for(lambda: "r0" in e0.aborts and "r1" in e1.aborts)
-    assert not client._engine_of
+    assert not client.placements.placed()
     fresh = await send(client, e0, "after")
-    assert fresh.get_nowait() is None and set(client._engine_of) == {"after"}
+    assert fresh.get_nowait() is None and set(client.placements.placed()) == {"after"}

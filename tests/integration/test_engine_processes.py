@@ -105,7 +105,7 @@ async def _send_long(client: AsyncEngineClient, n: int) -> dict[str, Tracked]:
     for i in range(n):
         request_id = f"long{i}-{time.monotonic_ns()}"
         collector = await client.add_request([5, 6, 7, 8 + i], LONG, request_id)
-        tracked[request_id] = Tracked(collector, client._engine_of[request_id])
+        tracked[request_id] = Tracked(collector, client.placements.placed()[request_id])
     await wait_for(lambda: all(t.num_outputs > 0 for t in tracked.values()), LIMIT_S, "outputs")
     return tracked
 
@@ -118,7 +118,7 @@ async def _serves_on(client: AsyncEngineClient, engine_id: str) -> None:
     for i in range(4):
         request_id = f"after{i}-{time.monotonic_ns()}"
         collectors[request_id] = await client.add_request([9, 9, i], SHORT, request_id)
-    trackers = [Tracked(c, client._engine_of[r]) for r, c in collectors.items()]
+    trackers = [Tracked(c, client.placements.placed()[r]) for r, c in collectors.items()]
     engines = {t.engine_id for t in trackers}
     finals = await asyncio.wait_for(asyncio.gather(*(t.task for t in trackers)), LIMIT_S)
     assert engine_id in engines, engines
@@ -214,7 +214,8 @@ async def test_engine_core_killed_under_load_fails_its_requests_at_once(deployme
         supervisor.status_bus = status_bus
     assert supervisor.num_restarts(victim) == restarts + 1
     assert client.router.epoch(victim) == epoch + 1
-    assert not client._engine_of, client._engine_of  # nothing left behind in the client
+    placed = client.placements.placed()
+    assert not placed, placed  # nothing left behind in the client
     await _serves_on(client, victim)
 
 

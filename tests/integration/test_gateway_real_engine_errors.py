@@ -161,7 +161,7 @@ async def test_engine_client_refuses_token_ids_out_of_range(served: ServedStack)
             async for _ in client.generate(ids, params, f"bad-{ids[0]}"):
                 pass
         assert refused.value.param == "prompt"
-        assert f"bad-{ids[0]}" not in client._collectors
+        assert f"bad-{ids[0]}" not in client.placements
     last = len(client.tokenizer) - 1
     outputs = [output async for output in client.generate([0, last], params, "edges")]
     assert outputs[-1].finished and outputs[-1].error is None
@@ -175,7 +175,7 @@ async def test_a_request_the_wire_cannot_carry_leaves_nothing_tracked(served: Se
     with pytest.raises(OverflowError):
         async for _ in client.generate([5, 6], SamplingParams(max_tokens=2, seed=2**64), "huge"):
             pass
-    assert "huge" not in client._collectors and "huge" not in client._engine_of
+    assert "huge" not in client.placements and client.placements.engine_of("huge") is None
     outputs = [
         output async for output in client.generate([5, 6], SamplingParams(max_tokens=2), "huge")
     ]

@@ -293,7 +293,7 @@ async def test_the_clients_own_reconnect_resumes_its_requests(
         await client.wait_until_ready(30, num_engines=2)
         streams, tasks = await start_streams(client)
         await busiest(stack.engines)
-        in_flight = len(client._engine_of)
+        in_flight = len(client.placements.placed())
         client.bus._reconnected()  # what NatsBus does when its connection is back
         await asyncio.wait_for(tasks, 120)
         assert client.resumptions.num_resumptions_total == in_flight >= 1
