@@ -181,10 +181,9 @@ class EngineFaults:
             if engine is None:
                 continue
             resumptions.unpark(request_id)
-            self._placements.place(
-                request_id, engine.engine_id, self.router.epoch(engine.engine_id)
-            )
-            client.spawn(self._send_resumed(request_id, engine.engine_id, parked.payload))
+            engine_id = engine.engine_id
+            self._placements.place(request_id, engine_id, self.router.epoch(engine_id))
+            client.spawn(self._send_resumed(request_id, engine_id, parked.payload))
 
     async def _send_resumed(self, request_id: str, engine_id: str, payload: ResumeRequest) -> None:
         placements = self._placements
