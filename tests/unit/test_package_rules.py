@@ -42,6 +42,10 @@ RULES = (
     Rule("shoal.kernels", ("shoal.kernels",), why="kernels import torch and triton only"),
     Rule("shoal.workers", ("shoal.workers", "shoal.kernels", "shoal.bus")),
     Rule("shoal.tiers", ("shoal.tiers", "shoal.bus")),
+    *(
+        Rule(f"shoal.tiers.{pure}", ("shoal.tiers",), TORCH + IO, "the offload manager is pure")
+        for pure in ("keys", "manager", "policies", "store_filter")
+    ),
     Rule(
         "shoal.engine.core",
         ("shoal.engine.core", "shoal.bus.messages"),
@@ -198,6 +202,9 @@ def test_nothing_outside_the_composition_imports_gateway_or_deploy():
         ("shoal.engine.recovery.actor", "from shoal.engine.core import request", "core"),
         ("shoal.engine.recovery.actor", "from shoal.engine.actor import core_actor", "actor"),
         ("shoal.engine.recovery.policy", "import asyncio", "asyncio"),
+        ("shoal.tiers.manager", "import asyncio", "asyncio"),
+        ("shoal.tiers.policies.lru", "from shoal.bus.base import Bus", "bus"),
+        ("shoal.tiers.actor", "from shoal.engine.core import request", "engine"),
         ("shoal.kernels.ops", "from shoal.bus.messages import worker", "bus"),
         ("shoal.bus.messages.worker", "from shoal.bus.base import Bus", "bus.base"),
         ("shoal.bus.base", "from engine.core import request", "engine"),
