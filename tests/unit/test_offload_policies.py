@@ -87,6 +87,16 @@ def test_arc_evicts_t1_while_it_is_at_least_the_target() -> None:
     assert (ids(list(arc.b1)), ids(list(arc.b2))) == ([2], [])
 
 
+def test_arc_t1_at_exactly_the_target_still_gives_the_victim() -> None:
+    m, arc = arc_manager(4)
+    store(m, 1, 2, 3, 4)
+    m.touch(keys(3, 4))  # T1: 2, 1; T2: 4, 3
+    arc.target_t1_size = 2
+    assert store(m, 5) == [2]  # |T1| == target: from T1
+    arc.target_t1_size = 3
+    assert store(m, 6) == [4]  # |T1| = 2 < target: from T2
+
+
 def test_arc_b1_ghost_hit_grows_the_target_and_then_t2_gives_way() -> None:
     m, arc = arc_manager(4)
     store(m, 1, 2, 3, 4)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import settings
+from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -18,9 +18,10 @@ from shoal.tiers.keys import make_offload_key
 from shoal.tiers.manager import LookupResult, OffloadManager
 from shoal.tiers.policies import NOT_READY, ARCPolicy, LRUPolicy
 
-NUM_SLOTS = 5
-KEYS = [make_offload_key(i.to_bytes(2, "big")) for i in range(12)]
+NUM_SLOTS = 3
+KEYS = [make_offload_key(i.to_bytes(2, "big")) for i in range(8)]
 key_lists = st.lists(st.sampled_from(KEYS), max_size=6)
+offers = st.lists(st.sampled_from(KEYS), min_size=1, max_size=3)
 
 
 class ManagerMachine(RuleBasedStateMachine):
@@ -35,7 +36,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def _snapshot(self) -> dict[bytes, tuple[int, int]]:
         return {k: (c.slot_id, c.ref_cnt) for k, c in self.m.chunks.items()}
 
-    @rule(offer=key_lists)
+    @rule(offer=offers)
     def prepare_store(self, offer: list[bytes]) -> None:
         before = self._snapshot()
         busy = {k for k, c in self.m.chunks.items() if c.ref_cnt != 0}
@@ -43,6 +44,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if out is None:
             assert self._snapshot() == before
             return
+        event(f"evicted {min(len(out.evicted_keys), 2)}")
         assert len(out.keys_to_store) == len(out.slot_ids)
         assert not set(out.evicted_keys) & (set(offer) | busy)
         assert not set(out.keys_to_store) & set(before)
@@ -53,7 +55,8 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), success=st.booleans())
     def complete_store(self, data: st.DataObject, success: bool) -> None:
         pending = [k for k, c in self.m.chunks.items() if c.ref_cnt == NOT_READY]
-        done = data.draw(st.lists(st.sampled_from(pending), max_size=4) if pending else st.just([]))
+        some = st.lists(st.sampled_from(pending), max_size=3) if pending else st.just([])
+        done = data.draw(st.just(pending) | some)
         ready_before = {k for k, c in self.m.chunks.items() if c.is_ready}
         self.m.complete_store([*done, KEYS[0]], success)  # a stray or ready key is ignored
         assert ready_before <= set(self.m.chunks)
@@ -103,6 +106,10 @@ class ManagerMachine(RuleBasedStateMachine):
         assert set(self.loads) <= set(self.m.chunks)
 
     @invariant()
+    def the_threshold_tracker_is_bounded(self) -> None:
+        assert len(self.m.store_filter) <= 4
+
+    @invariant()
     def lookup_agrees_with_the_held_set(self) -> None:
         for k in KEYS:
             chunk = self.m.chunks.get(k)
@@ -137,7 +144,7 @@ class ThresholdMachine(ManagerMachine):
 
 
 for machine in (ManagerMachine, ARCMachine, ThresholdMachine):
-    machine.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+    machine.TestCase.settings = settings(max_examples=80, stateful_step_count=50, deadline=None)
 
 TestLRUManager = ManagerMachine.TestCase
 TestARCManager = ARCMachine.TestCase
