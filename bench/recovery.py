@@ -176,14 +176,6 @@ async def inject(client: Any, engine_id: str) -> None:
     await call(client.bus, subject, InjectFault(0), Codec(EngineControlReply), timeout=10)
 
 
-async def all_ready(client: Any, num_engines: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while len(client.router.ready_engines()) < num_engines:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"engine cores not all ready after {timeout_s} s")
-        await asyncio.sleep(0.05)
-
-
 async def measure_recoveries(
     client: Any, supervisor: Any, statuses: StatusLog, args: argparse.Namespace
 ) -> dict[str, list[float]]:
@@ -218,7 +210,7 @@ async def measure_recoveries(
                 await asyncio.sleep(0.02)
             times[kind].append(took)
             print(f"fault {n}: {kind} on {engine}: healthy again after {took:.2f} s", flush=True)
-            await all_ready(client, args.dp, 120)
+            await client.wait_until_ready(120, num_engines=args.dp)
     finally:
         stop.set()
         await load

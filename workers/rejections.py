@@ -25,9 +25,9 @@ def reject_reason(new: NewRequestData, vocab_size: int, max_model_len: int) -> s
     if num_tokens > max_model_len:
         return f"{num_tokens} tokens exceed max_model_len={max_model_len}"
     for what, ids in (("prompt", new.prompt_token_ids), ("output", new.output_token_ids)):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            return f"{what} token id {bad[0]} is out of range (vocabulary size {vocab_size})"
+        if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # one C pass each, not a list
+            bad = next(t for t in ids if not 0 <= t < vocab_size)
+            return f"{what} token id {bad} is out of range (vocabulary size {vocab_size})"
     return None
 
 
@@ -62,6 +62,8 @@ class Rejections:
 
     def error(self, step_id: int, req_ids: Sequence[str]) -> StepError | None:
         """The non-fatal error of step ``step_id`` for its rejected ``req_ids`` (None if none)."""
+        if not self._reasons:  # every step asks: nothing to scan in the usual case
+            return None
         rejected = [r for r in req_ids if r in self._reasons]
         if not rejected:
             return None

@@ -19,7 +19,12 @@ import asyncio
 from dataclasses import dataclass, field
 
 from shoal.bus.messages.control import ActorState
-from shoal.bus.messages.fault import INSTRUCTIONS, FaultToleranceRequest, InjectedFault
+from shoal.bus.messages.fault import (
+    INSTRUCTIONS,
+    FaultToleranceRequest,
+    InjectedFault,
+    status_name,
+)
 
 # The exit code of an engine core process whose recovery timed out: its supervisor restarts it.
 EXIT_RECOVERY_TIMEOUT = 3
@@ -79,7 +84,7 @@ class FaultSentinel:
         if name not in INSTRUCTIONS:
             return f"[FT] Unknown instruction {name!r}; known: {', '.join(INSTRUCTIONS)}"
         if state is not ActorState.UNHEALTHY:
-            status = "healthy" if state is ActorState.READY else state.name.lower()
+            status = status_name(state)
             return f"[FT] Rejecting instruction {name!r}: engine {self.engine_id} is {status}"
         if self.retrying:
             return f"[FT] Rejecting instruction {name!r}: a retry is already running"

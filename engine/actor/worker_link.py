@@ -131,12 +131,12 @@ class WorkerLink:
             return f"worker {worker_id} sent no heartbeat for {now - seen:.1f} s"
         return None
 
-    def lost_worker(self) -> str | None:
-        """Why a worker counts as lost since the last handshake (even with no step running:
-        an idle engine core's check), or None."""
-        now = time.monotonic()
+    def lost_worker(self, since: float | None = None) -> str | None:
+        """Why a worker counts as lost for a step sent at ``since`` (default: since the last
+        handshake, an idle engine core's check), or None."""
+        now, since = time.monotonic(), self.connected_at if since is None else since
         for worker_id in self.worker_ids:
-            reason = self.lost_reason(worker_id, self.connected_at, now)
+            reason = self.lost_reason(worker_id, since, now)
             if reason is not None:
                 return reason
         return None
@@ -151,13 +151,6 @@ class WorkerLink:
             if now - max(peer.seen_at, self.connected_at) > self.dead_after_s:
                 return False
         return True
-
-    def _check_alive(self, started: float) -> None:
-        now = time.monotonic()
-        for worker_id in self.worker_ids:
-            reason = self.lost_reason(worker_id, started, now)
-            if reason is not None:
-                raise WorkerFailure(reason)
 
     # ----- handshake
 
@@ -275,7 +268,8 @@ class WorkerLink:
                     raise WorkerFailure(
                         f"step {sent.step.step_id}: no reply within {self.step_timeout_s} s"
                     )
-                self._check_alive(sent.sent_at)
+                if (lost := self.lost_worker(sent.sent_at)) is not None:
+                    raise WorkerFailure(lost)
         finally:
             self.forget(sent)
         replies = [future.result() for future in sent.replies]
