@@ -84,6 +84,11 @@ class Subjects:
         """A worker's inbox: ``WorkerInbound`` (ExecuteStep, ResetWorker)."""
         return self._build("worker", worker_id, "in")
 
+    # engine core ↔ KV offload tiers
+    def tier_in(self, tier_id: str) -> str:
+        """A KV tier's inbox: ``TierInbound`` requests (or ``SecondaryInbound``)."""
+        return self._build("tier", tier_id, "in")
+
     # any actor
     def control(self, kind: str, actor_id: str) -> str:
         """Commands to one actor (recovery, shutdown)."""

@@ -4,9 +4,9 @@ and carried whole to every actor (as JSON to actor processes), in vLLM's groupin
 ``ShoalConfig`` holds one struct per concern: ``ModelConfig`` (what to serve), ``CacheConfig``
 (the paged KV cache), ``SchedulerConfig`` (what one step may carry, in what order),
 ``ParallelConfig`` (engine cores, workers per engine core, how long an engine core waits for
-them), ``BusConfig`` (the transport and namespace) and ``FaultToleranceConfig`` (what happens
-when an engine core or a worker fails). A later subsystem adds its own group
-(speculative decoding, KV transfer, fault tolerance) as one more struct and one more field.
+them), ``BusConfig`` (the transport and namespace), ``FaultToleranceConfig`` (what happens
+when an engine core or a worker fails) and ``KVTransferConfig`` (KV offload to tier actors). A
+later subsystem (speculative decoding) adds its own group as one more struct and one more field.
 
 Option names are unique across groups, so a flat ``max_num_seqs=64`` (a CLI flag's dest, an
 ``LLM`` keyword) finds its group by name: ``ShoalConfig.from_options(model=..., **options)``.
@@ -201,6 +201,78 @@ class FaultToleranceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unk
             _require(value > 0, option, f"must be positive, got {value}")
 
 
+class FsTierConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """A filesystem tier behind the CPU tier (a ``secondary_tiers`` entry of type ``fs``)."""
+
+    type: str = "fs"
+    path: str  # root directory; chunks go under <path>/<model tag>/tp<size>_r<rank>/
+    bytes_to_use: int = 8 << 30  # byte budget; the oldest chunks are evicted past it
+
+    def __post_init__(self) -> None:
+        _one_of(self.type, ("fs",), "secondary_tiers[].type")
+        _require(bool(self.path), "secondary_tiers[].path", "must be a directory path")
+        _require(
+            self.bytes_to_use >= 1,
+            "secondary_tiers[].bytes_to_use",
+            f"must be a positive integer, got {self.bytes_to_use}",
+        )
+
+
+class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """KV offload (vLLM's ``--kv-transfer-config`` with ``OffloadingConnector``): full KV chunks
+    are stored in a CPU tier actor (shared memory on the workers' host) and, behind it, in
+    ``secondary_tiers``; a request whose prefix is there loads it instead of recomputing.
+    ``kv_connector=None``: off."""
+
+    kv_connector: str | None = None  # "OffloadingConnector" turns offload on
+    kv_role: str = "kv_both"
+    cpu_bytes_to_use: int = 0  # the CPU tier's shared-memory bytes (all ranks together)
+    eviction_policy: str = "lru"  # lru | arc
+    blocks_per_chunk: int = 1  # KV blocks per offloaded chunk (vLLM's extra_config block_size
+    # is blocks_per_chunk * the KV block size)
+    store_threshold: int = 0  # store a chunk only once offered this many times (< 2: always)
+    max_tracker_size: int = 64_000
+    offload_prompt_only: bool = True
+    offload_policy: str = "chunk_level"  # chunk_level: newly computed chunks; request_level: all
+    secondary_tiers: tuple[FsTierConfig, ...] = ()
+    # shoal's own: the CPU tier actor's id, how long a lookup may take before the request
+    # recomputes, and how many chunks may wait to be stored before more stores are dropped.
+    cpu_tier_id: str = "kv-cpu"
+    kv_lookup_timeout_s: float = 2.0
+    max_pending_store_chunks: int = 1024
+
+    def __post_init__(self) -> None:
+        _one_of(str(self.kv_connector), ("None", "OffloadingConnector"), "kv_connector")
+        _one_of(self.kv_role, ("kv_both",), "kv_role")
+        _one_of(self.eviction_policy, ("lru", "arc"), "eviction_policy")
+        _one_of(self.offload_policy, ("chunk_level", "request_level"), "offload_policy")
+        _positive(self, "blocks_per_chunk", "max_tracker_size", "max_pending_store_chunks")
+        _require(
+            self.cpu_bytes_to_use >= 0,
+            "cpu_bytes_to_use",
+            f"must be non-negative, got {self.cpu_bytes_to_use}",
+        )
+        _require(
+            self.kv_connector is None or self.cpu_bytes_to_use > 0,
+            "cpu_bytes_to_use",
+            "is required (a positive byte count) with the OffloadingConnector",
+        )
+        _require(
+            self.store_threshold >= 0,
+            "store_threshold",
+            f"must be non-negative, got {self.store_threshold}",
+        )
+        _require(
+            self.kv_lookup_timeout_s > 0,
+            "kv_lookup_timeout_s",
+            f"must be positive, got {self.kv_lookup_timeout_s}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.kv_connector is not None
+
+
 class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Every group of the deployment's configuration (vLLM's ``VllmConfig``)."""
 
@@ -212,6 +284,7 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     fault_tolerance_config: FaultToleranceConfig = msgspec.field(
         default_factory=FaultToleranceConfig
     )
+    kv_transfer_config: KVTransferConfig = msgspec.field(default_factory=KVTransferConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -270,6 +343,7 @@ GROUPS: dict[str, type[msgspec.Struct]] = {
     "parallel_config": ParallelConfig,
     "bus_config": BusConfig,
     "fault_tolerance_config": FaultToleranceConfig,
+    "kv_transfer_config": KVTransferConfig,
 }
 OPTION_GROUPS: dict[str, str] = {
     field: group for group, struct in GROUPS.items() for field in struct.__struct_fields__

@@ -107,6 +107,19 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     num_steps_in_flight: int = 0
     max_steps_in_flight: int = 0
     num_scheduled_tokens: int = 0
+    # KV offload (cumulative, except the usage): tokens looked up in the tiers and found there
+    # (beyond the local prefix cache), bytes and seconds of the workers' copies, chunks whose
+    # store was dropped (backpressure, no room), lookups that failed or timed out (the request
+    # recomputed), and the CPU tier's usage last reported (0.0 to 1.0).
+    kv_offload_queries: int = 0
+    kv_offload_hits: int = 0
+    kv_offload_load_bytes: int = 0
+    kv_offload_load_time_s: float = 0.0
+    kv_offload_store_bytes: int = 0
+    kv_offload_store_time_s: float = 0.0
+    kv_offload_stores_skipped: int = 0
+    kv_offload_lookup_failures: int = 0
+    kv_offload_cpu_usage: float = 0.0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):

@@ -22,6 +22,7 @@ import msgspec
 
 from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.fault import FaultInjected, InjectFault
+from shoal.bus.messages.offload import KVTransferResult, KVTransfers
 from shoal.bus.messages.sampling import SamplingParams
 
 
@@ -79,6 +80,7 @@ class ExecuteStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     cached_requests: list[CachedRequestData] = []
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
+    kv_transfers: KVTransfers | None = None  # KV offload copies, run before the forward pass
 
     def batch_order(self) -> BatchOrder:
         """Scheduled request ids and their token counts, in batch order."""
@@ -152,6 +154,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     # The worker's idle time before this step: from handing back its previous result to
     # starting this one (includes any time with no work at all; the engine core filters).
     idle_before_s: float = 0.0
+    kv_transfer: KVTransferResult | None = None  # what failed of the step's KV copies
 
 
 class WorkerInfo(msgspec.Struct, tag="info", array_like=True, omit_defaults=True):
@@ -170,6 +173,11 @@ class WorkerInfo(msgspec.Struct, tag="info", array_like=True, omit_defaults=True
     incarnation: str
     tp_rank: int = 0
     tp_size: int = 1
+    # The KV cache geometry, for KV offload (``bus.messages.offload.KVLayout``).
+    num_layers: int = 0
+    num_kv_heads: int = 0  # this rank's
+    head_dim: int = 0
+    kv_dtype: str = ""
 
 
 class ResetDone(msgspec.Struct, tag="reset_done", array_like=True, omit_defaults=True):

@@ -19,6 +19,7 @@ from shoal.bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
+from shoal.bus.messages.offload import KVTransferResult, KVTransfers
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import (
     CachedRequestData,
@@ -83,6 +84,9 @@ WIRE_LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
                  "error", "execute_time_s"),
     Heartbeat: ("actor_id", "kind", "seq", "state", "timestamp", "load"),
     ErrorReply: ("code", "message"),
+    KVTransfers: ("region", "loads", "stores"),
+    KVTransferResult: ("failed_load_req_ids", "failed_store_job_ids", "num_load_bytes",
+                       "num_store_bytes", "load_time_s", "store_time_s"),
 }  # fmt: skip
 
 

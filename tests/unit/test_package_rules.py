@@ -31,6 +31,7 @@ class Rule:
     why: str = ""
 
 
+PURE_TIERS = tuple(f"shoal.tiers.{m}" for m in ("keys", "manager", "policies", "store_filter"))
 RULES = (
     Rule("shoal.bus", ("shoal.bus",), why="the bus knows no engine, model or GPU"),
     Rule(
@@ -43,14 +44,15 @@ RULES = (
     Rule("shoal.workers", ("shoal.workers", "shoal.kernels", "shoal.bus")),
     Rule("shoal.tiers", ("shoal.tiers", "shoal.bus")),
     *(
-        Rule(f"shoal.tiers.{pure}", ("shoal.tiers",), TORCH + IO, "the offload manager is pure")
-        for pure in ("keys", "manager", "policies", "store_filter")
+        Rule(pure, ("shoal.tiers",), TORCH + IO, "the offload manager is pure")
+        for pure in PURE_TIERS
     ),
     Rule(
         "shoal.engine.core",
-        ("shoal.engine.core", "shoal.bus.messages"),
+        ("shoal.engine.core", "shoal.bus.messages", *PURE_TIERS),
         TORCH + IO,
-        "the engine core is pure: no I/O, no torch, no transport, no client or shell",
+        "the engine core is pure: no I/O, no torch, no transport, no client or shell "
+        "(the offload protocol of tiers/ is pure too)",
     ),
     Rule(
         "shoal.engine.actor",
