@@ -272,6 +272,11 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     def enabled(self) -> bool:
         return self.kv_connector is not None
 
+    @property
+    def secondary_tier_ids(self) -> list[str]:
+        """Actor ids of the ``secondary_tiers``, in order (``<cpu_tier_id>-fs<i>``)."""
+        return [f"{self.cpu_tier_id}-{t.type}{i}" for i, t in enumerate(self.secondary_tiers)]
+
 
 class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Every group of the deployment's configuration (vLLM's ``VllmConfig``)."""
