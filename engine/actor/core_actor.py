@@ -47,6 +47,7 @@ from shoal.bus.messages.fault import (
     EngineControl,
 )
 from shoal.engine.actor.fault_handling import FaultHandlingActor
+from shoal.engine.actor.offload_link import OffloadLink, kv_layout
 from shoal.engine.actor.sentinel import FaultSentinel
 from shoal.engine.actor.worker_link import SentStep, WorkerFailure, WorkerLink
 from shoal.engine.core.engine_core import ClientOutputs, EngineCore, kv_cache_shape, merge_outputs
@@ -114,6 +115,18 @@ class EngineCoreActor(FaultHandlingActor):
         self._control_codec: Codec[EngineControl] = Codec(EngineControl)
         self.num_steps_sent = 0
         self.num_handshakes = 0
+        self.offload = (
+            OffloadLink(
+                bus,
+                self.subjects,
+                config,
+                f"{engine_id}.{self.incarnation}",
+                lambda: self.core.scheduler if self.core is not None else None,
+                self._wake.set,
+            )
+            if config.kv_transfer_config.enabled
+            else None
+        )
 
     # ----- lifecycle
 
@@ -144,6 +157,8 @@ class EngineCoreActor(FaultHandlingActor):
         if self.core is not None:
             reason = f"engine {self.engine_id} stopped"
             await self._publish(self.core.fail_all(reason, resumable=self.sentinel.enabled))
+        if self.offload is not None:
+            await self.offload.stop()
         await self.workers.stop()
 
     async def _connect_workers(self, timeout_s: float | None = None) -> None:
@@ -157,8 +172,11 @@ class EngineCoreActor(FaultHandlingActor):
                 self.config.cache_config,
                 num_blocks=num_blocks,
                 max_model_len=max_model_len,
+                kv_transfer_config=self.config.kv_transfer_config,
             )
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
+        if self.offload is not None:
+            self.offload.attach(kv_layout(self.config, infos))
         log.info(
             "engine %s: %d workers ready, %d KV blocks", self.engine_id, len(infos), num_blocks
         )
@@ -241,6 +259,8 @@ class EngineCoreActor(FaultHandlingActor):
         self.num_steps_sent += 1
         self.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         sent = await self.workers.submit(scheduler_output.to_message())
+        if self.offload is not None:
+            self.offload.flush()  # lookups of requests parked by this schedule go out now
         self._in_flight.append((scheduler_output, sent, self._busy))
         self._busy = True
         self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._in_flight))
@@ -261,6 +281,8 @@ class EngineCoreActor(FaultHandlingActor):
             return {}
         if result.error is not None and result.error.fatal and self.sentinel.enabled:
             raise WorkerFailure(f"fatal worker error: {result.error.message}")
+        if self.offload is not None and result.kv_transfer is not None:
+            self.offload.count_copies(result.kv_transfer)
         return core.apply_result(scheduler_output, result)
 
     def _abandon_in_flight(self) -> None:
@@ -280,9 +302,17 @@ class EngineCoreActor(FaultHandlingActor):
         stats.num_steps_in_flight = len(self._in_flight)
         stats.max_steps_in_flight = self.max_steps_in_flight
         stats.num_scheduled_tokens = self.num_scheduled_tokens
+        if self.offload is not None:
+            stats.kv_offload_load_bytes = self.offload.load_bytes
+            stats.kv_offload_load_time_s = self.offload.load_time_s
+            stats.kv_offload_store_bytes = self.offload.store_bytes
+            stats.kv_offload_store_time_s = self.offload.store_time_s
         return stats
 
     async def _publish(self, outputs: ClientOutputs) -> None:
+        """Publish a core call's outputs (and send what it queued for the KV tier)."""
+        if self.offload is not None:
+            self.offload.flush()
         stats = self._stats(self.core) if self.core is not None else None
         now = time.time()
         for client_id, client_outputs in outputs.items():

@@ -20,7 +20,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig, ShoalConfig
+from shoal.bus.messages.config import CacheConfig, KVTransferConfig, SchedulerConfig, ShoalConfig
 from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
@@ -65,9 +65,14 @@ class EngineCore:
         *,
         num_blocks: int,
         max_model_len: int,
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         self.scheduler = Scheduler(
-            scheduler_config, cache_config, num_blocks=num_blocks, max_model_len=max_model_len
+            scheduler_config,
+            cache_config,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            kv_transfer_config=kv_transfer_config,
         )
         self.max_waiting_requests = scheduler_config.max_waiting_requests
         self.max_steps_in_flight = 2 if scheduler_config.async_scheduling else 1
@@ -197,6 +202,8 @@ class EngineCore:
         engine core's, not the requests' (a client may resume them elsewhere)."""
         while self.outstanding:
             self.scheduler.land_step(self.outstanding.popleft(), wrote_kv=False)
+        if self.scheduler.connector is not None:
+            self.scheduler.connector.abandon()
         requests = list(self.scheduler.requests.values())
         for request in requests:
             request.error = reason

@@ -12,9 +12,9 @@ nothing is cached at allocation: ``cache_blocks`` caches a block once the step t
 come back.
 Prefix-cache counters count tokens (queries, hits), recorded once per request at admission.
 
-Seams: an offload connector would be asked, after the local lookup, for more blocks held outside
-the GPU (``num_external_computed_tokens``, loaded before the request runs); speculative decoding
-adds ``num_lookahead_tokens`` slots; a hybrid model would hold one manager per KV cache group.
+An offload connector's hits (``num_external_tokens``) take new blocks that a step loads before its
+forward pass. Seams: speculative decoding adds ``num_lookahead_tokens`` slots; a hybrid model
+would hold one manager per KV cache group.
 """
 
 from __future__ import annotations
@@ -81,12 +81,16 @@ class KVCacheManager:
         *,
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
+        num_external_tokens: int = 0,
     ) -> list[int] | None:
         """Blocks for ``num_new_tokens`` more tokens after the computed ones and the hits.
 
-        Layout of the request's table: | computed | new_computed (hits) | new |. Returns the ids
-        of the newly taken blocks (hits excluded), or None when they do not fit; then nothing
-        changed. ``full_sequence_must_fit`` also requires room for all the request's known tokens.
+        Layout of the request's table: | computed | new_computed (hits) | external | new |.
+        ``num_external_tokens`` (whole blocks) are loaded from an offload tier into the first
+        new blocks; nothing is cached at allocation then (``cache_blocks`` once the load has
+        landed). Returns the ids of the newly taken blocks (hits excluded), or None when they do
+        not fit; then nothing changed. ``full_sequence_must_fit`` also requires room for all the
+        request's known tokens.
         """
         request_id = request.request_id
         blocks = self.req_to_blocks.get(request_id)
@@ -97,7 +101,12 @@ class KVCacheManager:
         num_hits = len(new_computed_blocks)
         num_held = len(blocks) + num_hits
         # The scheduler never asks beyond the request's known tokens (num_tokens).
-        num_tokens = request.num_computed_tokens + num_hits * block_size + num_new_tokens
+        num_tokens = (
+            request.num_computed_tokens
+            + num_hits * block_size
+            + num_external_tokens
+            + num_new_tokens
+        )
         num_new_blocks = (num_tokens + block_size - 1) // block_size - num_held
         if num_new_blocks > 0 or num_hits or full_sequence_must_fit:
             num_to_check = num_new_blocks
@@ -122,6 +131,7 @@ class KVCacheManager:
             new_block_ids = []
         if (
             self.cache_on_allocation
+            and not num_external_tokens
             and num_tokens // block_size > self.num_cached_blocks[request_id]
         ):
             self._cache_full_blocks(request, blocks, num_tokens // block_size)

@@ -47,12 +47,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig
+from shoal.bus.messages.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from shoal.bus.messages.engine import EngineCoreOutput, SchedulerStats
 from shoal.bus.messages.worker import StepResult
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.in_flight import InFlightSteps, PendingFree
 from shoal.engine.core.kv_cache_manager import KVCacheManager
+from shoal.engine.core.offload_connector import Admission, ExternalHit, OffloadConnector
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.request_queue import make_request_queue
 from shoal.engine.core.scheduler_output import SchedulerOutput, StepPlan, build_scheduler_output
@@ -71,9 +72,11 @@ class Scheduler:
         *,
         max_model_len: int,
         num_blocks: int | None = None,
+        kv_transfer_config: KVTransferConfig | None = None,
     ) -> None:
         """``max_model_len`` and ``num_blocks`` are what the workers reported (the block
-        count defaults to ``cache_config.num_gpu_blocks_override``)."""
+        count defaults to ``cache_config.num_gpu_blocks_override``). ``kv_transfer_config``
+        with a connector: KV offload (``offload_connector.py``)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         num_blocks = num_blocks or cache_config.num_gpu_blocks_override
@@ -112,6 +115,15 @@ class Scheduler:
         # before the next schedule() (then the counts stay zero), one with async scheduling.
         self.num_placeholders_per_step = 1 if scheduler_config.async_scheduling else 0
         self.in_flight = InFlightSteps(self.kv_cache_manager)
+        self.connector: OffloadConnector | None = None
+        if kv_transfer_config is not None and kv_transfer_config.enabled:
+            if not cache_config.enable_prefix_caching:
+                raise ValueError(
+                    "KV offload needs enable_prefix_caching (its keys are block hashes)"
+                )
+            self.connector = OffloadConnector(
+                kv_transfer_config, self.block_size, self.kv_cache_manager.block_pool
+            )
 
     # ----- requests in and out
 
@@ -201,18 +213,32 @@ class Scheduler:
     ) -> None:
         """Free a finished request's blocks and forget it (it is already off the queues)."""
         self.in_flight.free(request, drop_cached)
+        if self.connector is not None:
+            self.connector.forget(request)
         self.num_finished[FINISH_REASONS[request.status]] += 1
         if was_on_worker:
             self.finished_req_ids.append(request.request_id)
         del self.requests[request.request_id]
 
     def has_requests(self) -> bool:
-        """Work to do: unfinished requests, or finished/preempted ids the worker must drop."""
-        return bool(self.requests or self.finished_req_ids or self.preempted_req_ids)
+        """Work to do: unfinished requests, finished/preempted ids the worker must drop, or KV
+        offload copies to send."""
+        return bool(
+            self.requests
+            or self.finished_req_ids
+            or self.preempted_req_ids
+            or (self.connector is not None and self.connector.has_pending_transfers())
+        )
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Queued, and parked while their KV is looked up."""
+        return len(self.waiting) + (len(self.connector.parked) if self.connector else 0)
+
+    def unpark(self, request: Request | None) -> None:
+        """A request whose KV lookup ended goes back to the front of the waiting queue."""
+        if request is not None and self.requests.get(request.request_id) is request:
+            self.waiting.prepend(request)
 
     @property
     def num_running(self) -> int:
@@ -325,7 +351,12 @@ class Scheduler:
         while waiting and budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
+            external = self._external_hit(request, len(hits))
+            if external is Admission.PARK:
+                waiting.pop()  # waits for its lookup; the requests behind it go on
+                continue
+            num_external_tokens = external.num_blocks * self.block_size if external else 0
+            num_new = request.num_tokens - num_hit_tokens - num_external_tokens
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
@@ -340,15 +371,22 @@ class Scheduler:
                 # The watermark is room for running requests to grow into: with none running
                 # it is waived, or a victim longer than usable - watermark would wait forever.
                 reserved_blocks=self._reserved_blocks if running else 0,
+                num_external_tokens=num_external_tokens,
             )
             if new_block_ids is None:
                 break
             waiting.pop()
             plan.new.append((request, request.is_resumed))
             request.status = RUNNING
-            request.num_computed_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens + num_external_tokens
+            if self.connector is not None:
+                if external:
+                    self.connector.commit_load(
+                        request, external, new_block_ids[: external.num_blocks]
+                    )
+                self.connector.on_admitted(request, request.num_computed_tokens)
             if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
+                request.num_cached_tokens = request.num_computed_tokens
                 request.first_scheduled_time = time.time()
                 kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             running.append(request)
@@ -356,10 +394,23 @@ class Scheduler:
             budget -= num_new
         plan.token_budget = budget
 
+    def _external_hit(
+        self, request: Request, num_local_blocks: int
+    ) -> ExternalHit | Admission | None:
+        """KV an offload tier adds to the local hit (``PARK``: the request is parked while it
+        is looked up)."""
+        connector = self.connector
+        if connector is None:
+            return None
+        external = connector.on_admission(request, num_local_blocks)
+        if external is Admission.PARK:
+            connector.park(request)
+        return external
+
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, []
         preempted, self.preempted_req_ids = self.preempted_req_ids + plan.preempted, []
-        return build_scheduler_output(
+        output = build_scheduler_output(
             self.step_id,
             plan,
             self.kv_cache_manager.get_block_ids,
@@ -367,6 +418,9 @@ class Scheduler:
             preempted,
             self.num_placeholders_per_step,
         )
+        if self.connector is not None:
+            output.kv_transfers = self.connector.build_transfers(self.step_id)
+        return output
 
     # ----- results
 
@@ -382,9 +436,42 @@ class Scheduler:
         outcome = make_step_outcome(
             self.requests, scheduler_output, result, self.max_model_len, skipped
         )
-        self._apply_outcome(outcome)
+        if self.connector is None:
+            self._apply_outcome(outcome)
+            self.in_flight.cache_landed(scheduler_output)
+            return outcome.outputs
+        fatal = result.error is not None and result.error.fatal
+        landed = self.connector.on_step_landed(
+            scheduler_output.step_id, None if fatal else result.kv_transfer
+        )
+        self._offer_landed(scheduler_output, outcome, skipped, landed.failed)
+        self._apply_outcome(outcome, landed.failed)
         self.in_flight.cache_landed(scheduler_output)
+        for request_id in landed.loaded:  # KV loaded: now it may be cached
+            request = self.requests.get(request_id)
+            if request is not None and request.status is RUNNING:
+                self.kv_cache_manager.cache_blocks(request, request.num_landed_tokens)
         return outcome.outputs
+
+    def _offer_landed(
+        self,
+        scheduler_output: SchedulerOutput,
+        outcome: StepOutcome,
+        skipped: set[str],
+        failed_loads: dict[str, int],
+    ) -> None:
+        """Offer the tiers the chunks this step completed (not of requests it failed, or whose
+        load failed, or that did not run: their KV is not what their hashes say)."""
+        assert self.connector is not None
+        excluded = {r.request_id for r in outcome.failed}
+        excluded.update(r.request_id for r, _ in outcome.to_recompute)
+        table = self.kv_cache_manager.req_to_blocks
+        for request_id, request in scheduler_output.requests.items():
+            if request_id in skipped or request_id in excluded or request_id in failed_loads:
+                continue
+            blocks = table.get(request_id)
+            if blocks:
+                self.connector.offer_landed(request, blocks)
 
     def land_step(self, scheduler_output: SchedulerOutput, wrote_kv: bool = True) -> set[str]:
         """The step's result arrived (``InFlightSteps.land``): returns the ids whose output to
@@ -396,8 +483,11 @@ class Scheduler:
         """Blocks of finished or preempted requests waiting for a step in flight."""
         return self.in_flight.pending_frees
 
-    def _apply_outcome(self, outcome: StepOutcome) -> None:
-        """Free stopped requests, finish failed ones, preempt unreported ones, count tokens."""
+    def _apply_outcome(
+        self, outcome: StepOutcome, failed_loads: dict[str, int] | None = None
+    ) -> None:
+        """Free stopped requests, finish failed ones, preempt unreported ones (with the tokens
+        of a failed KV load, so its blocks are not trusted), count tokens."""
         stopped = outcome.stopped
         if stopped:
             for request in stopped:
@@ -407,7 +497,9 @@ class Scheduler:
             # The step's KV for these requests may be garbage: forget their cached hashes.
             self.finish_request(request, RequestStatus.FINISHED_ERROR, drop_cached=True)
         for request, num_unrun_tokens in outcome.to_recompute:
-            request.num_computed_tokens -= num_unrun_tokens  # so their blocks are not cached
+            num_unloaded = failed_loads.get(request.request_id, 0) if failed_loads else 0
+            # So their blocks are not cached.
+            request.num_computed_tokens -= num_unrun_tokens + num_unloaded
             self.running.remove(request)
             self.preempt(request)
             self.preempted_req_ids.append(request.request_id)
@@ -416,9 +508,9 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=self.num_waiting,
             kv_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
@@ -432,6 +524,14 @@ class Scheduler:
             num_finished_error=self.num_finished["error"],
             num_free_blocks=kv.num_free_blocks,
         )
+        if self.connector is not None:
+            counters = self.connector.counters
+            stats.kv_offload_queries = counters.num_queried_tokens
+            stats.kv_offload_hits = counters.num_hit_tokens
+            stats.kv_offload_stores_skipped = counters.num_stores_skipped
+            stats.kv_offload_lookup_failures = counters.num_lookup_failures
+            stats.kv_offload_cpu_usage = self.connector.cpu_usage
+        return stats
 
 
 def _check_token_budget(config: SchedulerConfig, max_model_len: int) -> None:

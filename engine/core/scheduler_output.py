@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shoal.bus.messages.offload import KVTransfers
 from shoal.bus.messages.worker import (
     CachedRequestData,
     ExecuteStep,
@@ -32,6 +33,7 @@ class SchedulerOutput:
     __slots__ = (
         "cached_requests",
         "finished_req_ids",
+        "kv_transfers",
         "landed",
         "new_requests",
         "num_placeholders",
@@ -63,6 +65,7 @@ class SchedulerOutput:
         self.num_placeholders: dict[str, int] = {}  # req_id → output placeholders it booked
         self.landed = False  # its result arrived (``Scheduler.land_step``)
         self.skipped_req_ids: set[str] = set()  # whose output is stale or for a finished one
+        self.kv_transfers: KVTransfers | None = None  # KV offload copies to run first
 
     @property
     def req_ids(self) -> list[str]:
@@ -71,8 +74,13 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        """Nothing to run and nothing for the worker to drop."""
-        return not (self.num_scheduled_tokens or self.finished_req_ids or self.preempted_req_ids)
+        """Nothing to run, nothing for the worker to drop and nothing to copy."""
+        return not (
+            self.num_scheduled_tokens
+            or self.finished_req_ids
+            or self.preempted_req_ids
+            or self.kv_transfers
+        )
 
     def to_message(self) -> ExecuteStep:
         return ExecuteStep(
@@ -81,6 +89,7 @@ class SchedulerOutput:
             self.cached_requests,
             self.finished_req_ids,
             self.preempted_req_ids,
+            self.kv_transfers,
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,221 @@
+"""The engine core actor's link to its CPU tier: attach, lookups, store offers and releases.
+
+The pure ``OffloadConnector`` fills an outbox as the scheduler runs; ``flush`` sends it. Lookups
+and offers are requests to ``subjects.tier_in(cpu_tier_id)`` answered in background tasks, so
+the step loop never waits on the tier: a reply is fed back to the connector (a looked-up request
+returns to the waiting queue) and wakes the loop. A lookup that fails or takes longer than
+``kv_lookup_timeout_s`` is a miss (the request recomputes); an offer without an answer is
+dropped. Releases (keys loaded, stored, failed) are published without a reply.
+
+Attach: the engine core sends its KV layout once its workers described themselves; until a
+tier answers, offload stays off (requests recompute) and the link retries in the background. A
+reply from a different region generation (the tier restarted) makes it attach again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from shoal.bus.actor import call
+from shoal.bus.base import Bus, BusError
+from shoal.bus.codec import Codec, encode
+from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.messages.offload import (
+    KVLayout,
+    KVTransferResult,
+    TierAttach,
+    TierAttached,
+    TierLookup,
+    TierLookupReply,
+    TierPrepareStore,
+    TierReply,
+    TierStoreSlots,
+)
+from shoal.bus.messages.worker import WorkerInfo
+from shoal.bus.subjects import Subjects
+from shoal.engine.core.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+ATTACH_RETRY_S = 2.0
+_REPLY: Codec[TierReply] = Codec(TierReply)
+
+
+def kv_layout(config: ShoalConfig, infos: Sequence[WorkerInfo]) -> KVLayout:
+    """The chunk layout of an engine core whose workers reported ``infos``; its model tag names
+    the checkpoint and everything that shapes its KV bytes or its keys."""
+    info = infos[0]
+    model = config.model_config
+    shape = (
+        model.model,
+        info.num_layers,
+        info.block_size,
+        info.num_kv_heads,
+        info.head_dim,
+        info.kv_dtype,
+        info.tp_size,
+        config.cache_config.prefix_caching_hash_algo,
+    )
+    digest = hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", model.name.rstrip("/").rsplit("/", 1)[-1])[:48]
+    return KVLayout(
+        model_tag=f"{name or 'model'}-{digest}",
+        num_layers=info.num_layers,
+        block_size=info.block_size,
+        num_kv_heads=info.num_kv_heads,
+        head_dim=info.head_dim,
+        dtype=info.kv_dtype,
+        tp_size=info.tp_size,
+        blocks_per_chunk=config.kv_transfer_config.blocks_per_chunk,
+    )
+
+
+class OffloadLink:
+    def __init__(
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        config: ShoalConfig,
+        owner: str,
+        scheduler: Callable[[], Scheduler | None],
+        wake: Callable[[], None],
+    ) -> None:
+        """``scheduler()`` is the engine core's current scheduler (None while it has none);
+        ``wake()`` nudges the step loop after a reply changed what it can schedule."""
+        self.bus = bus
+        self.config = config.kv_transfer_config
+        self.subject = subjects.tier_in(self.config.cpu_tier_id)
+        self.owner = owner
+        self._scheduler = scheduler
+        self._wake = wake
+        self._layout: KVLayout | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._attaching: asyncio.Task[None] | None = None
+        # Figures of the workers' copies (cumulative), from the step results.
+        self.load_bytes = 0
+        self.store_bytes = 0
+        self.load_time_s = 0.0
+        self.store_time_s = 0.0
+
+    def attach(self, layout: KVLayout) -> None:
+        """Attach (again) in the background."""
+        self._layout = layout
+        if self._attaching is None or self._attaching.done():
+            self._attaching = asyncio.create_task(self._attach(), name=f"attach-{self.owner}")
+
+    async def _attach(self) -> None:
+        while self._layout is not None:
+            try:
+                reply = await call(
+                    self.bus,
+                    self.subject,
+                    TierAttach(self._layout),
+                    _REPLY,
+                    timeout=self.config.kv_lookup_timeout_s,
+                )
+            except (BusError, TimeoutError) as exc:
+                log.info("%s: CPU tier %s not attached (%r)", self.owner, self.subject, exc)
+            else:
+                if isinstance(reply, TierAttached):
+                    scheduler = self._scheduler()
+                    if scheduler is not None and scheduler.connector is not None:
+                        scheduler.connector.region = reply.region
+                        log.info("%s: KV offload to %s", self.owner, reply.region.path)
+                        return
+                else:
+                    log.error("%s: CPU tier refused the attach: %r", self.owner, reply)
+            await asyncio.sleep(ATTACH_RETRY_S)
+
+    def flush(self) -> None:
+        """Send what the connector queued: lookups, store offers, releases."""
+        scheduler = self._scheduler()
+        connector = scheduler.connector if scheduler is not None else None
+        if connector is None:
+            return
+        lookups, connector.lookups_to_send = connector.lookups_to_send, []
+        for request_id, keys in lookups:
+            self._spawn(self._lookup(request_id, keys))
+        offers, connector.offers_to_send = connector.offers_to_send, []
+        for job_id, keys in offers:
+            self._spawn(self._offer(job_id, keys))
+        release = connector.take_release(self.owner)
+        if release is not None:
+            self._spawn(self._publish(encode(release)))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _request(self, message: TierLookup | TierPrepareStore) -> TierReply | None:
+        try:
+            reply = await call(
+                self.bus, self.subject, message, _REPLY, timeout=self.config.kv_lookup_timeout_s
+            )
+        except Exception as exc:  # a lost, slow or failing tier: a miss
+            log.debug("%s: %s to the CPU tier failed: %r", self.owner, type(message).__name__, exc)
+            return None
+        return reply
+
+    async def _lookup(self, request_id: str, keys: list[bytes]) -> None:
+        reply = await self._request(TierLookup(self.owner, keys))
+        scheduler = self._scheduler()
+        if scheduler is None or scheduler.connector is None:
+            return
+        connector = scheduler.connector
+        if isinstance(reply, TierLookupReply):
+            self._check_generation(reply.generation)
+            scheduler.unpark(connector.on_lookup_reply(request_id, keys, reply))
+        else:
+            scheduler.unpark(connector.on_lookup_failed(request_id))
+        self._wake()
+        self.flush()  # a stale answer's pins go back at once
+
+    async def _offer(self, job_id: int, keys: list[bytes]) -> None:
+        reply = await self._request(TierPrepareStore(self.owner, keys))
+        scheduler = self._scheduler()
+        if scheduler is None or scheduler.connector is None:
+            return
+        if isinstance(reply, TierStoreSlots):
+            self._check_generation(reply.generation)
+            scheduler.connector.on_store_slots(job_id, reply)
+        else:
+            scheduler.connector.on_store_slots(job_id, None)
+        self._wake()
+        self.flush()
+
+    def _check_generation(self, generation: str) -> None:
+        scheduler = self._scheduler()
+        connector = scheduler.connector if scheduler is not None else None
+        region = connector.region if connector is not None else None
+        if region is not None and generation != region.generation and self._layout is not None:
+            log.info("%s: the CPU tier restarted; attaching to its new region", self.owner)
+            self.attach(self._layout)
+
+    async def _publish(self, data: bytes) -> None:
+        try:
+            await self.bus.publish(self.subject, data)
+        except BusError as exc:
+            log.debug("%s: release to the CPU tier lost: %r", self.owner, exc)
+
+    def count_copies(self, figures: KVTransferResult) -> None:
+        """Add a step's copy figures to the totals."""
+        self.load_bytes += figures.num_load_bytes
+        self.store_bytes += figures.num_store_bytes
+        self.load_time_s += figures.load_time_s
+        self.store_time_s += figures.store_time_s
+
+    async def stop(self) -> None:
+        self._layout = None
+        tasks = [*self._tasks, *([self._attaching] if self._attaching else [])]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

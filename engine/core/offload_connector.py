@@ -1,0 +1,382 @@
+"""The engine core's side of KV offload: which chunks to look up, load and store, and the copies
+each step carries. Pure bookkeeping; the shell (``engine/actor/offload_link.py``) carries the
+outbox to the CPU tier actor and feeds its replies back.
+
+- **Lookups.** A waiting request about to be admitted, with full chunks beyond its local
+  prefix-cache hit, is *parked* (taken off the waiting queue: it waits for KV without blocking
+  the requests behind it) and its chunk keys are put in the outbox. The tier's answer (the
+  leading chunks it holds, pinned for this engine core) puts it back at the front of the queue;
+  a miss, a failure or a timeout puts it back with nothing to load (it recomputes).
+- **Loads.** At admission the usable part of the answer (blocks past the local hit, before the
+  last token) becomes external computed tokens: their blocks are allocated with the request's
+  others and a ``KVLoad`` rides on the same step, copied before the forward pass reads them.
+  Once the step lands the pins are released; a failed load is recomputed (never looked up again).
+- **Stores.** Once a step lands, full chunks whose KV it wrote (newly computed ones, or all with
+  ``request_level``; prompt chunks only with ``offload_prompt_only``) are offered to the tier;
+  their blocks keep an extra reference until the copy is done, so nothing reuses them. With
+  slots granted, a ``KVStore`` rides on the next step (a step of copies alone if nothing runs);
+  its landing reports the keys stored or failed. Offers beyond ``max_pending_store_chunks`` are
+  dropped (stores give way under backpressure; loads never do).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from shoal.bus.messages.config import KVTransferConfig
+from shoal.bus.messages.offload import (
+    KVLoad,
+    KVStore,
+    KVTransferResult,
+    KVTransfers,
+    RegionRef,
+    TierLookupReply,
+    TierRelease,
+    TierStoreSlots,
+)
+from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
+from shoal.engine.core.request import Request
+from shoal.tiers.keys import OffloadKey, iter_chunk_keys
+
+
+class Admission(enum.Enum):
+    PARK = "park"  # a lookup is on its way: wait for the answer
+
+
+@dataclass(slots=True)
+class ExternalHit:
+    """The part of a tier's answer a request loads now: blocks ``[first_block, end_block)``."""
+
+    first_block: int
+    end_block: int
+    slot_ids: list[int]  # per block
+    block_offsets: list[int]  # per block
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end_block - self.first_block
+
+
+@dataclass(slots=True)
+class _Answer:
+    """A tier's pinned answer for one request: chunks from ``first_chunk`` on."""
+
+    first_chunk: int
+    keys: list[OffloadKey]
+    slot_ids: list[int]
+
+
+@dataclass(slots=True)
+class _StoreJob:
+    keys: list[OffloadKey]
+    blocks: list[list[KVCacheBlock]]  # per key, its chunk's blocks (one extra reference each)
+    slot_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class LandedLoads:
+    """The loads of a landed step: requests loaded, and those whose load failed with the
+    tokens they were to load (they are recomputed)."""
+
+    loaded: list[str] = field(default_factory=list)
+    failed: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class OffloadCounters:
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
+    num_stores_skipped: int = 0  # chunks offered but dropped (backpressure, no room)
+    num_lookup_failures: int = 0
+
+
+class OffloadConnector:
+    def __init__(self, config: KVTransferConfig, block_size: int, block_pool: BlockPool) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.blocks_per_chunk = config.blocks_per_chunk
+        self.block_pool = block_pool
+        self.region: RegionRef | None = None  # none until the tier answered an attach
+        self.counters = OffloadCounters()
+        self.cpu_usage = 0.0
+        self.parked: dict[str, Request] = {}
+        self.no_lookup: set[str] = set()  # recompute these (a failed load or lookup)
+        self._answers: dict[str, _Answer] = {}
+        self._first_new_chunk: dict[str, int] = {}  # chunks before it were hits
+        self._num_offered_chunks: dict[str, int] = {}
+        self._loads_by_step: dict[int, list[tuple[str, list[OffloadKey], int]]] = {}
+        self._step_loads: list[tuple[KVLoad, list[OffloadKey], int]] = []
+        self._store_jobs: dict[int, _StoreJob] = {}  # waiting for slots or for their step
+        self._ready_stores: list[int] = []
+        self._stores_by_step: dict[int, list[int]] = {}
+        self._job_ids = itertools.count(1)
+        self.num_pending_store_chunks = 0
+        # The outbox, taken by the shell after each core call.
+        self.lookups_to_send: list[tuple[str, list[OffloadKey]]] = []
+        self.offers_to_send: list[tuple[int, list[OffloadKey]]] = []
+        self._release = TierRelease(owner="")
+
+    @property
+    def is_active(self) -> bool:
+        return self.region is not None
+
+    # ----- admission: lookups and loads
+
+    def on_admission(
+        self, request: Request, num_local_blocks: int
+    ) -> ExternalHit | Admission | None:
+        """What the tiers add to a waiting request's local hit: blocks to load, ``PARK`` (the
+        lookup is sent), or None."""
+        request_id = request.request_id
+        answer = self._answers.get(request_id)
+        if answer is not None:
+            return self._usable_part(request, answer, num_local_blocks)
+        if not self.is_active or request_id in self.no_lookup or request.skip_reading_prefix_cache:
+            return None
+        first_chunk = num_local_blocks // self.blocks_per_chunk
+        keys = [c.key for c in self._chunk_keys(request, first_chunk)]
+        if not keys or (first_chunk * self.blocks_per_chunk) >= self._max_blocks(request):
+            return None
+        self.lookups_to_send.append((request_id, keys))
+        self.counters.num_queried_tokens += self._max_blocks(request) * self.block_size - (
+            num_local_blocks * self.block_size
+        )
+        return Admission.PARK
+
+    def park(self, request: Request) -> None:
+        self.parked[request.request_id] = request
+
+    def on_lookup_reply(self, request_id: str, keys: list[OffloadKey], reply: TierLookupReply):
+        """The tier's answer; returns the request to queue again (None if it is gone)."""
+        self.cpu_usage = reply.usage
+        num_hits = len(reply.slot_ids)
+        pinned = keys[:num_hits]
+        request = self.parked.pop(request_id, None)
+        if request is None or self.region is None or reply.generation != self.region.generation:
+            self._release.loaded_keys.extend(pinned)
+            if request is not None:
+                self.no_lookup.add(request_id)
+            return request
+        if num_hits:
+            first_chunk = self._first_chunk_of(request, keys[0])
+            self._answers[request_id] = _Answer(first_chunk, pinned, list(reply.slot_ids))
+        else:
+            self.no_lookup.add(request_id)
+        return request
+
+    def on_lookup_failed(self, request_id: str) -> Request | None:
+        """No answer (timeout, tier gone): the request recomputes."""
+        self.counters.num_lookup_failures += 1
+        self.no_lookup.add(request_id)
+        return self.parked.pop(request_id, None)
+
+    def commit_load(self, request: Request, hit: ExternalHit, block_ids: list[int]) -> None:
+        """The request was admitted with ``hit``'s blocks at ``block_ids``: load them this step."""
+        answer = self._answers.pop(request.request_id)
+        load = KVLoad(request.request_id, block_ids, hit.slot_ids, hit.block_offsets)
+        self._step_loads.append((load, answer.keys, hit.num_blocks * self.block_size))
+        self.counters.num_hit_tokens += hit.num_blocks * self.block_size
+
+    def _usable_part(
+        self, request: Request, answer: _Answer, num_local_blocks: int
+    ) -> ExternalHit | None:
+        bpc = self.blocks_per_chunk
+        first = max(num_local_blocks, answer.first_chunk * bpc)
+        end = min((answer.first_chunk + len(answer.keys)) * bpc, self._max_blocks(request))
+        if first >= end:
+            self._release.loaded_keys.extend(self._answers.pop(request.request_id).keys)
+            return None
+        blocks = range(first, end)
+        slot_ids = [answer.slot_ids[b // bpc - answer.first_chunk] for b in blocks]
+        return ExternalHit(first, end, slot_ids, [b % bpc for b in blocks])
+
+    def _max_blocks(self, request: Request) -> int:
+        """Blocks that may come from a cache: all full ones before the last known token."""
+        return (request.num_tokens - 1) // self.block_size
+
+    def _chunk_keys(self, request: Request, first_chunk: int) -> Iterable:
+        return iter_chunk_keys(
+            request.block_hashes, self.blocks_per_chunk, self.block_size, start_chunk=first_chunk
+        )
+
+    def _first_chunk_of(self, request: Request, key: OffloadKey) -> int:
+        for index, chunk in enumerate(self._chunk_keys(request, 0)):
+            if chunk.key == key:
+                return index
+        raise ValueError(f"request {request.request_id} has no chunk {key.hex()}")
+
+    def on_admitted(self, request: Request, num_hit_tokens: int) -> None:
+        """Chunks ending within the hit (local and external) are not newly computed."""
+        if request.request_id not in self._first_new_chunk:
+            tokens_per_chunk = self.blocks_per_chunk * self.block_size
+            self._first_new_chunk[request.request_id] = num_hit_tokens // tokens_per_chunk
+
+    def forget(self, request: Request) -> None:
+        """The request finished: drop its parking, answer (unpinned) and offer state."""
+        request_id = request.request_id
+        self.parked.pop(request_id, None)
+        answer = self._answers.pop(request_id, None)
+        if answer is not None:
+            self._release.loaded_keys.extend(answer.keys)
+        self.no_lookup.discard(request_id)
+        self._first_new_chunk.pop(request_id, None)
+        self._num_offered_chunks.pop(request_id, None)
+
+    # ----- stores
+
+    def offer_landed(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Offer the request's full chunks whose KV has landed and were not offered yet
+        (``blocks``: its block table)."""
+        if not self.is_active:
+            return
+        request_id = request.request_id
+        tokens_per_chunk = self.blocks_per_chunk * self.block_size
+        num_tokens = request.num_landed_tokens
+        if self.config.offload_prompt_only:
+            num_tokens = min(num_tokens, request.num_prompt_tokens)
+        num_blocks = min(len(request.block_hashes), len(blocks))
+        num_chunks = min(num_tokens, num_blocks * self.block_size) // tokens_per_chunk
+        start = self._num_offered_chunks.get(request_id)
+        if start is None:
+            first_new = self._first_new_chunk.get(request_id, 0)
+            start = 0 if self.config.offload_policy == "request_level" else first_new
+        if num_chunks <= start:
+            return
+        self._num_offered_chunks[request_id] = num_chunks
+        if (
+            self.num_pending_store_chunks + num_chunks - start
+            > self.config.max_pending_store_chunks
+        ):
+            self.counters.num_stores_skipped += num_chunks - start
+            return
+        self._offer(request, blocks, start, num_chunks)
+
+    def _offer(self, request: Request, blocks: list[KVCacheBlock], start: int, end: int) -> None:
+        bpc = self.blocks_per_chunk
+        keys, chunk_blocks = [], []
+        for chunk in itertools.islice(self._chunk_keys(request, start), end - start):
+            index = chunk.end_token // self.block_size
+            chunk_blocks.append(blocks[index - bpc : index])
+            keys.append(chunk.key)
+        for held in chunk_blocks:
+            self.block_pool.touch(held)
+        job_id = next(self._job_ids)
+        self._store_jobs[job_id] = _StoreJob(keys, chunk_blocks)
+        self.num_pending_store_chunks += len(keys)
+        self.offers_to_send.append((job_id, keys))
+
+    def on_store_slots(self, job_id: int, reply: TierStoreSlots | None) -> None:
+        """The tier's slots for an offer (None: no answer): copy those, let the rest go."""
+        job = self._store_jobs.get(job_id)
+        if job is None:
+            return
+        slots = {}
+        if reply is not None:
+            self.cpu_usage = reply.usage
+            current = self.region is not None and reply.generation == self.region.generation
+            if reply.accepted and current:
+                slots = dict(zip(reply.keys, reply.slot_ids, strict=True))
+            elif not current:
+                self._release.failed_keys.extend(reply.keys)
+        kept_keys, kept_blocks = [], []
+        for key, blocks in zip(job.keys, job.blocks, strict=True):
+            slot_id = slots.get(key)
+            if slot_id is None:
+                self._drop_chunk(blocks)
+                continue
+            kept_keys.append(key)
+            kept_blocks.append(blocks)
+            job.slot_ids.append(slot_id)
+        if reply is None or not reply.accepted:
+            self.counters.num_stores_skipped += len(job.keys)
+        job.keys, job.blocks = kept_keys, kept_blocks
+        if kept_keys:
+            self._ready_stores.append(job_id)
+        else:
+            del self._store_jobs[job_id]
+
+    def _drop_chunk(self, blocks: list[KVCacheBlock]) -> None:
+        self.block_pool.free_blocks(reversed(blocks))
+        self.num_pending_store_chunks -= 1
+
+    # ----- the step's copies
+
+    def has_pending_transfers(self) -> bool:
+        return bool(self._ready_stores)
+
+    def build_transfers(self, step_id: int) -> KVTransfers | None:
+        """The copies of step ``step_id``: this schedule's loads and the stores with slots."""
+        if self.region is None or not (self._step_loads or self._ready_stores):
+            return None
+        loads = [load for load, _, _ in self._step_loads]
+        self._loads_by_step[step_id] = [
+            (load.req_id, keys, n) for load, keys, n in self._step_loads
+        ]
+        self._step_loads = []
+        stores = [self._store_message(job_id) for job_id in self._ready_stores]
+        self._stores_by_step[step_id] = self._ready_stores
+        self._ready_stores = []
+        return KVTransfers(self.region, loads, stores)
+
+    def _store_message(self, job_id: int) -> KVStore:
+        job = self._store_jobs[job_id]
+        bpc = self.blocks_per_chunk
+        block_ids = [block.block_id for blocks in job.blocks for block in blocks]
+        slot_ids = [slot_id for slot_id in job.slot_ids for _ in range(bpc)]
+        return KVStore(job_id, block_ids, slot_ids, list(range(bpc)) * len(job.slot_ids))
+
+    def on_step_landed(self, step_id: int, result: KVTransferResult | None) -> LandedLoads:
+        """Release the step's pins and finish its stores (``result`` None: the worker reported
+        nothing, so every copy failed)."""
+        landed = LandedLoads()
+        for request_id, keys, num_tokens in self._loads_by_step.pop(step_id, ()):
+            self._release.loaded_keys.extend(keys)
+            if result is None or request_id in result.failed_load_req_ids:
+                landed.failed[request_id] = num_tokens
+                self.no_lookup.add(request_id)
+                self.counters.num_hit_tokens -= num_tokens
+            else:
+                landed.loaded.append(request_id)
+        for job_id in self._stores_by_step.pop(step_id, ()):
+            success = result is not None and job_id not in result.failed_store_job_ids
+            self._finish_store(job_id, success)
+        return landed
+
+    def _finish_store(self, job_id: int, success: bool) -> None:
+        job = self._store_jobs.pop(job_id)
+        (self._release.stored_keys if success else self._release.failed_keys).extend(job.keys)
+        for blocks in job.blocks:
+            self._drop_chunk(blocks)
+
+    def abandon(self, step_ids: Iterable[int] = ()) -> None:
+        """Everything stops (a fault): pins released, stores failed, blocks given back."""
+        for step_id in list(step_ids) or list(self._loads_by_step):
+            for _, keys, _ in self._loads_by_step.pop(step_id, ()):
+                self._release.loaded_keys.extend(keys)
+        for request_id in list(self._answers):
+            self._release.loaded_keys.extend(self._answers.pop(request_id).keys)
+        for _, keys, _ in self._step_loads:
+            self._release.loaded_keys.extend(keys)
+        self._step_loads = []
+        for job_id in list(self._store_jobs):
+            job = self._store_jobs[job_id]
+            if job.slot_ids:
+                self._finish_store(job_id, success=False)
+            else:
+                for blocks in job.blocks:
+                    self._drop_chunk(blocks)
+                del self._store_jobs[job_id]
+        self._ready_stores.clear()
+        self._stores_by_step.clear()
+
+    def take_release(self, owner: str) -> TierRelease | None:
+        """The keys to report to the tier since the last call (None: nothing)."""
+        release = self._release
+        if not (release.loaded_keys or release.stored_keys or release.failed_keys):
+            return None
+        self._release = TierRelease(owner="")
+        release.owner = owner
+        return release
