@@ -77,15 +77,6 @@ class _StoreJob:
 
 
 @dataclass(slots=True)
-class LandedLoads:
-    """The loads of a landed step: requests loaded, and those whose load failed with the
-    tokens they were to load (they are recomputed)."""
-
-    loaded: list[str] = field(default_factory=list)
-    failed: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
 class OffloadCounters:
     num_queried_tokens: int = 0
     num_hit_tokens: int = 0
@@ -133,7 +124,11 @@ class OffloadConnector:
         request_id = request.request_id
         answer = self._answers.get(request_id)
         if answer is not None:
-            return self._usable_part(request, answer, num_local_blocks)
+            if answer.first_chunk * self.blocks_per_chunk <= num_local_blocks:
+                return self._usable_part(request, answer, num_local_blocks)
+            # The local hit shrank since the lookup (evictions): the answer no longer joins
+            # it. Let it go and ask again from the new end of the local hit.
+            self._release.loaded_keys.extend(self._answers.pop(request_id).keys)
         if not self.is_active or request_id in self.no_lookup or request.skip_reading_prefix_cache:
             return None
         first_chunk = num_local_blocks // self.blocks_per_chunk
@@ -328,22 +323,22 @@ class OffloadConnector:
         slot_ids = [slot_id for slot_id in job.slot_ids for _ in range(bpc)]
         return KVStore(job_id, block_ids, slot_ids, list(range(bpc)) * len(job.slot_ids))
 
-    def on_step_landed(self, step_id: int, result: KVTransferResult | None) -> LandedLoads:
+    def on_step_landed(self, step_id: int, result: KVTransferResult | None) -> list[str]:
         """Release the step's pins and finish its stores (``result`` None: the worker reported
-        nothing, so every copy failed)."""
-        landed = LandedLoads()
+        nothing, so every copy failed); returns the requests whose load succeeded. A request
+        whose load failed was left out of the step: it is recomputed, without a lookup."""
+        loaded = []
         for request_id, keys, num_tokens in self._loads_by_step.pop(step_id, ()):
             self._release.loaded_keys.extend(keys)
             if result is None or request_id in result.failed_load_req_ids:
-                landed.failed[request_id] = num_tokens
                 self.no_lookup.add(request_id)
                 self.counters.num_hit_tokens -= num_tokens
             else:
-                landed.loaded.append(request_id)
+                loaded.append(request_id)
         for job_id in self._stores_by_step.pop(step_id, ()):
             success = result is not None and job_id not in result.failed_store_job_ids
             self._finish_store(job_id, success)
-        return landed
+        return loaded
 
     def _finish_store(self, job_id: int, success: bool) -> None:
         job = self._store_jobs.pop(job_id)

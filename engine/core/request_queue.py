@@ -1,7 +1,9 @@
 """Waiting queues: FCFS (a deque) and priority (a heap on (priority, arrival, id)).
 
 Both put a preempted request back ahead of new arrivals: FCFS prepends it; the priority heap
-orders it by its own (priority, arrival) key, which is older than any later arrival's.
+orders it by its own (priority, arrival) key, which is older than any later arrival's. A request
+that left the queue for a while (parked during a KV lookup) is put back where its arrival places
+it (``reinsert``), so requests answered together keep their order.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from shoal.engine.core.request import Request
 class RequestQueue(Protocol):
     def add(self, request: Request) -> None: ...
     def prepend(self, request: Request) -> None: ...
+    def reinsert(self, request: Request) -> None: ...
     def peek(self) -> Request: ...
     def pop(self) -> Request: ...
     def remove(self, request: Request) -> bool: ...
@@ -38,6 +41,14 @@ class FCFSQueue:
 
     def prepend(self, request: Request) -> None:
         self._queue.appendleft(request)
+
+    def reinsert(self, request: Request) -> None:
+        """Before the first request that arrived later (preempted ones stay ahead)."""
+        for index, queued in enumerate(self._queue):
+            if queued.arrival_time > request.arrival_time:
+                self._queue.insert(index, request)
+                return
+        self._queue.append(request)
 
     def peek(self) -> Request:
         return self._queue[0]
@@ -74,6 +85,9 @@ class PriorityQueue:
         heapq.heappush(self._heap, request)
 
     def prepend(self, request: Request) -> None:
+        heapq.heappush(self._heap, request)
+
+    def reinsert(self, request: Request) -> None:
         heapq.heappush(self._heap, request)
 
     def peek(self) -> Request:

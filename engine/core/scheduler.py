@@ -236,9 +236,9 @@ class Scheduler:
         return len(self.waiting) + (len(self.connector.parked) if self.connector else 0)
 
     def unpark(self, request: Request | None) -> None:
-        """A request whose KV lookup ended goes back to the front of the waiting queue."""
+        """A request whose KV lookup ended goes back to the waiting queue, in arrival order."""
         if request is not None and self.requests.get(request.request_id) is request:
-            self.waiting.prepend(request)
+            self.waiting.reinsert(request)
 
     @property
     def num_running(self) -> int:
@@ -441,13 +441,13 @@ class Scheduler:
             self.in_flight.cache_landed(scheduler_output)
             return outcome.outputs
         fatal = result.error is not None and result.error.fatal
-        landed = self.connector.on_step_landed(
+        loaded = self.connector.on_step_landed(
             scheduler_output.step_id, None if fatal else result.kv_transfer
         )
-        self._offer_landed(scheduler_output, outcome, skipped, landed.failed)
-        self._apply_outcome(outcome, landed.failed)
+        self._offer_landed(scheduler_output, outcome, skipped)
+        self._apply_outcome(outcome)  # (a failed load's blocks were never cached)
         self.in_flight.cache_landed(scheduler_output)
-        for request_id in landed.loaded:  # KV loaded: now it may be cached
+        for request_id in loaded:  # KV loaded: now it may be cached
             request = self.requests.get(request_id)
             if request is not None and request.status is RUNNING:
                 self.kv_cache_manager.cache_blocks(request, request.num_landed_tokens)
@@ -458,16 +458,15 @@ class Scheduler:
         scheduler_output: SchedulerOutput,
         outcome: StepOutcome,
         skipped: set[str],
-        failed_loads: dict[str, int],
     ) -> None:
-        """Offer the tiers the chunks this step completed (not of requests it failed, or whose
-        load failed, or that did not run: their KV is not what their hashes say)."""
+        """Offer the tiers the chunks this step completed (not of requests it failed or that did
+        not run, a failed load included: their KV is not what their hashes say)."""
         assert self.connector is not None
         excluded = {r.request_id for r in outcome.failed}
         excluded.update(r.request_id for r, _ in outcome.to_recompute)
         table = self.kv_cache_manager.req_to_blocks
         for request_id, request in scheduler_output.requests.items():
-            if request_id in skipped or request_id in excluded or request_id in failed_loads:
+            if request_id in skipped or request_id in excluded:
                 continue
             blocks = table.get(request_id)
             if blocks:
@@ -483,11 +482,8 @@ class Scheduler:
         """Blocks of finished or preempted requests waiting for a step in flight."""
         return self.in_flight.pending_frees
 
-    def _apply_outcome(
-        self, outcome: StepOutcome, failed_loads: dict[str, int] | None = None
-    ) -> None:
-        """Free stopped requests, finish failed ones, preempt unreported ones (with the tokens
-        of a failed KV load, so its blocks are not trusted), count tokens."""
+    def _apply_outcome(self, outcome: StepOutcome) -> None:
+        """Free stopped requests, finish failed ones, preempt unreported ones, count tokens."""
         stopped = outcome.stopped
         if stopped:
             for request in stopped:
@@ -497,9 +493,7 @@ class Scheduler:
             # The step's KV for these requests may be garbage: forget their cached hashes.
             self.finish_request(request, RequestStatus.FINISHED_ERROR, drop_cached=True)
         for request, num_unrun_tokens in outcome.to_recompute:
-            num_unloaded = failed_loads.get(request.request_id, 0) if failed_loads else 0
-            # So their blocks are not cached.
-            request.num_computed_tokens -= num_unrun_tokens + num_unloaded
+            request.num_computed_tokens -= num_unrun_tokens  # so their blocks are not cached
             self.running.remove(request)
             self.preempt(request)
             self.preempted_req_ids.append(request.request_id)
