@@ -62,7 +62,7 @@ def test_a_returning_prefix_loads_from_the_tier_instead_of_recomputing() -> None
 
 
 def test_the_loaded_request_computes_only_its_last_token() -> None:
-    scheduler, tier, worker, exchange = setup()
+    scheduler, _tier, worker, exchange = setup()
     run_one(scheduler, worker, exchange, "a", PROMPT)
     scheduler.reset_prefix_cache()
     scheduler.add_request(make_request("b", PROMPT, max_tokens=2))
@@ -77,7 +77,7 @@ def test_the_loaded_request_computes_only_its_last_token() -> None:
 
 
 def test_a_parked_request_does_not_block_the_ones_behind_it() -> None:
-    scheduler, tier, worker, exchange = setup(delay=100)
+    scheduler, _tier, _worker, _exchange = setup(delay=100)
     scheduler.add_request(make_request("long", PROMPT, max_tokens=2))
     scheduler.add_request(make_request("short", [7, 8], max_tokens=2))
     step = scheduler.schedule()
@@ -118,7 +118,7 @@ def test_a_failed_load_recomputes_and_its_blocks_are_never_trusted() -> None:
 def test_a_request_admitted_beside_a_failed_load_never_reads_its_blocks() -> None:
     """b and c share a prompt; b's load fails in the step both are admitted in: c must have
     loaded its own copy (b's blocks are not a prefix-cache hit before b's load landed)."""
-    scheduler, tier, worker, exchange = setup()
+    scheduler, _tier, worker, exchange = setup()
     run_one(scheduler, worker, exchange, "a", PROMPT)
     scheduler.reset_prefix_cache()
     worker.fail_loads.add("b")
@@ -163,7 +163,7 @@ def test_stores_give_way_past_the_backlog_and_outputs_stay_right() -> None:
 def test_which_chunks_are_offered(prompt_only: bool, policy: str, expected_offers: int) -> None:
     """b's first block is a local hit; its 9 prompt tokens fill 2 blocks, and with its outputs
     (the last one's KV never computed) 13 tokens fill 3."""
-    scheduler, tier, worker, exchange = setup(
+    scheduler, _tier, worker, exchange = setup(
         offload_prompt_only=prompt_only, offload_policy=policy
     )
     run_one(scheduler, worker, exchange, "a", [1, 2, 3, 4, 5], max_tokens=1)
