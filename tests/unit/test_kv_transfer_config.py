@@ -18,6 +18,7 @@ from shoal.bus.messages.config import FsTierConfig, KVTransferConfig, ShoalConfi
 from shoal.bus.run_actor import build_actor
 from shoal.bus.supervisor import ActorSpec
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
+from shoal.deploy.cli import build_parser
 from shoal.deploy.deployment import build_config, plan_actors
 
 GIB = 1 << 30
@@ -227,3 +228,14 @@ def test_an_actor_process_gets_the_offload_config_back_whole() -> None:
     assert isinstance(actor, _ConfigProbe)
     assert actor.config == config
     assert actor.config.kv_transfer_config.secondary_tiers == EXPECTED.secondary_tiers
+
+
+def test_serve_and_actor_take_the_flags(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    parser = build_parser()
+    for command in (["serve", str(tmp_path)], ["actor", "worker", str(tmp_path)]):
+        ns = parser.parse_args([*command, "--kv-transfer-config", json.dumps(FULL)])
+        assert config_from_namespace(ns, str(tmp_path)).kv_transfer_config == EXPECTED
+        ns = parser.parse_args([*command, "--kv-offloading-size", "2"])
+        assert config_from_namespace(ns, str(tmp_path)).kv_transfer_config.cpu_bytes_to_use == (
+            2 * GIB
+        )
