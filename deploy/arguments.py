@@ -17,6 +17,7 @@ from shoal.bus.messages.config import (
     BUS_KINDS,
     DTYPES,
     GROUPS,
+    OFFLOADING_BACKENDS,
     OPTION_GROUPS,
     POLICIES,
     FaultToleranceConfig,
@@ -25,6 +26,7 @@ from shoal.bus.messages.config import (
 from shoal.deploy.deployment import build_config
 
 GIB = 1 << 30
+KV_OFFLOAD_FLAGS = ("kv_transfer_config", "kv_offloading_size", "kv_offloading_backend")
 Group = argparse._ArgumentGroup
 
 
@@ -35,6 +37,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
     return value
 
 
@@ -87,6 +99,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     _add_parallel_arguments(parser.add_argument_group("parallelism"))
     _add_bus_arguments(parser.add_argument_group("bus"))
     _add_fault_tolerance_arguments(parser.add_argument_group("fault tolerance"))
+    _add_kv_offload_arguments(parser.add_argument_group("KV offload"))
 
 
 def _add_model_arguments(g: Group) -> None:
@@ -227,6 +240,34 @@ def _add_fault_tolerance_arguments(g: Group) -> None:
     )
 
 
+def _add_kv_offload_arguments(g: Group) -> None:
+    either = g.add_mutually_exclusive_group()
+    either.add_argument(
+        "--kv-transfer-config",
+        dest="kv_transfer_config",
+        type=json_object,
+        default=None,
+        help="KV offload in vLLM's spelling: JSON such as '{\"kv_connector\": "
+        '"OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
+        '{"cpu_bytes_to_use": 8589934592, "eviction_policy": "arc", "secondary_tiers": '
+        '[{"type": "fs", "path": "/mnt/kv"}]}}\'',
+    )
+    either.add_argument(
+        "--kv-offloading-size",
+        dest="kv_offloading_size",
+        type=positive_float,
+        default=None,
+        help="KV offload to a CPU tier of this many GiB (all workers together)",
+    )
+    g.add_argument(
+        "--kv-offloading-backend",
+        dest="kv_offloading_backend",
+        choices=OFFLOADING_BACKENDS,
+        default=OFFLOADING_BACKENDS[0],
+        help="the backend of --kv-offloading-size (shoal's own tier actors)",
+    )
+
+
 def config_from_namespace(ns: argparse.Namespace, model: str) -> ShoalConfig:
     """The config from parsed flags (every config option among them); ``ValueError`` with a
     readable message if invalid."""
@@ -235,5 +276,8 @@ def config_from_namespace(ns: argparse.Namespace, model: str) -> ShoalConfig:
         options["fault_tolerance_config"] = ns.fault_tolerance_config
         if not ns.enable_fault_tolerance:  # the flag's default: let the JSON turn it on
             del options["enable_fault_tolerance"]
+    for name in KV_OFFLOAD_FLAGS:  # the group's JSON and its shortcut
+        if getattr(ns, name, None) is not None:
+            options[name] = getattr(ns, name)
     options["model"] = model
     return build_config(**options)

@@ -5,8 +5,9 @@ Two sources feed them:
   ``finish_request``): token counters, request success by finish reason, TTFT, inter-token,
   end-to-end and (when the engine reports timestamps) queue/prefill/decode histograms;
 - engine-core statistics (``update_engine_stats``, connected by whoever owns the engine client):
-  running/waiting gauges, KV usage, and prefix-cache/preemption counters derived from the
-  cumulative figures each engine core reports;
+  running/waiting gauges, KV usage, and prefix-cache/preemption/KV offload counters derived
+  from the cumulative figures each engine core reports (every series from the first report
+  on, at 0 where a core has no offload);
 - engine-core status changes (``observe_engine_status``, fed by the engine client's
   fault-tolerance API): the status gauge, and the faults (into UNHEALTHY or DEAD) and
   recoveries (back to healthy after a fault) this gateway saw of each engine core.
@@ -39,6 +40,22 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # shoal's own states an engine core passes through.
 ENGINE_STATUS_VALUES = {"healthy": 0, "dead": 1, "unhealthy": 2, "starting": 3, "draining": 4}
 FAULTED = ("dead", "unhealthy")
+# KV offload counters of SchedulerStats (name, help, field), under vLLM's OffloadingConnector
+# names (seconds in ``*_time``, as vLLM has them); lookup failures are shoal's own.
+OFFLOAD_COUNTERS = (
+    ("vllm:kv_offload_queries", "Tokens looked up in the KV offload tiers", "kv_offload_queries"),
+    ("vllm:kv_offload_hits", "Tokens found in the KV offload tiers", "kv_offload_hits"),
+    ("vllm:kv_offload_load_bytes", "Bytes loaded from the offload tiers", "kv_offload_load_bytes"),
+    ("vllm:kv_offload_load_time", "Seconds loading from the tiers", "kv_offload_load_time_s"),
+    ("vllm:kv_offload_store_bytes", "Bytes stored to the tiers", "kv_offload_store_bytes"),
+    ("vllm:kv_offload_store_time", "Seconds storing to the tiers", "kv_offload_store_time_s"),
+    ("vllm:kv_offload_stores_skipped", "Chunk stores dropped", "kv_offload_stores_skipped"),
+    (
+        "shoal:kv_offload_lookup_failures",
+        "Offload lookups failed or timed out (the request recomputed)",
+        "kv_offload_lookup_failures",
+    ),
+)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -176,6 +193,17 @@ class Metrics:
         self.engine_recoveries = self._counter(
             "shoal:engine_recoveries", "Engine core recoveries seen (healthy after a fault)", le
         )
+        self.kv_offload_usage = self._gauge(
+            "vllm:kv_offload_cpu_cache_usage_perc", "KV offload CPU tier usage 0..1", le
+        )
+        self.engine_counters: list[tuple[Counter, str]] = [
+            (self.prefix_cache_queries, "prefix_cache_queries"),
+            (self.prefix_cache_hits, "prefix_cache_hits"),
+            (self.num_preemptions, "num_preemptions"),
+            (self.worker_idle, "worker_idle_s"),
+            (self.worker_execute, "worker_execute_s"),
+        ]
+        self.engine_counters += [(self._counter(n, d, le), a) for n, d, a in OFFLOAD_COUNTERS]
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -268,13 +296,8 @@ class Metrics:
         self.num_requests_waiting.labels(*labels).set(stats.num_waiting)
         self.kv_cache_usage.labels(*labels).set(stats.kv_usage)
         self.steps_in_flight.labels(*labels).set(stats.num_steps_in_flight)
-        for counter, attr in (
-            (self.prefix_cache_queries, "prefix_cache_queries"),
-            (self.prefix_cache_hits, "prefix_cache_hits"),
-            (self.num_preemptions, "num_preemptions"),
-            (self.worker_idle, "worker_idle_s"),
-            (self.worker_execute, "worker_execute_s"),
-        ):
+        self.kv_offload_usage.labels(*labels).set(stats.kv_offload_cpu_usage)
+        for counter, attr in self.engine_counters:
             value = getattr(stats, attr)
             previous = getattr(last, attr) if last is not None else 0
             increment = value - previous if value >= previous else value

@@ -303,10 +303,19 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     def from_options(cls, **options: Any) -> ShoalConfig:
         """A config from flat options (``model=..., max_num_seqs=64, bus="memory"``); a name
         that no group has is a ``ValueError`` listing the known ones. ``fault_tolerance_config``
-        (a dict, as vLLM's JSON flag) sets that group's fields and turns fault tolerance on."""
+        (a dict, as vLLM's JSON flag) sets that group's fields and turns fault tolerance on;
+        ``kv_transfer_config`` (vLLM's JSON) or ``kv_offloading_size`` (GiB) turns KV offload on
+        (``kv_offload_options``). Flat options given beside a group's JSON win over it."""
         ft = options.pop("fault_tolerance_config", None)
         if ft is not None:
             options = {**fault_tolerance_options(ft), **options}
+        kv = kv_offload_options(
+            options.pop("kv_transfer_config", None),
+            options.pop("kv_offloading_size", None),
+            options.pop("kv_offloading_backend", "native"),
+            cache_block_size=options.get("block_size") or CacheConfig().block_size,
+        )
+        options = {**kv, **options}
         by_group: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
         for option, value in options.items():
             group = OPTION_GROUPS.get(option)
@@ -318,8 +327,17 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         return cls(**groups)
 
     def replace(self, **options: Any) -> ShoalConfig:
-        """A copy with some flat options changed."""
-        return ShoalConfig.from_options(**{**self.to_options(), **options})
+        """A copy with some flat options changed; a group's JSON (``kv_transfer_config``,
+        ``fault_tolerance_config``, or the ``kv_offloading_size`` shortcut) replaces that whole
+        group."""
+        current = self.to_options()
+        whole = {name for name in GROUPS if name in options}
+        if options.get("kv_offloading_size") is not None:
+            whole.add("kv_transfer_config")
+        for name in whole:
+            for option in GROUPS[name].__struct_fields__:
+                del current[option]
+        return ShoalConfig.from_options(**{**current, **options})
 
     def to_options(self) -> dict[str, Any]:
         """The flat options this config was built from (``from_options``'s inverse)."""
@@ -339,6 +357,142 @@ def fault_tolerance_options(value: dict[str, Any] | FaultToleranceConfig) -> dic
     unknown = sorted(set(value) - set(FaultToleranceConfig.__struct_fields__))
     _require(not unknown, "fault_tolerance_config", f"has unknown fields: {', '.join(unknown)}")
     return {"enable_fault_tolerance": True, **value}
+
+
+# --kv-transfer-config in vLLM's spelling. vLLM keys shoal's offload has no use for are "not
+# supported" (so a vLLM config that relies on them fails loudly); other keys are "unknown".
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+OFFLOADING_SPECS = ("CPUOffloadingSpec", "TieringOffloadingSpec")  # CPU tier, + secondary tiers
+OFFLOADING_BACKENDS = ("native",)
+KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
+KV_TRANSFER_UNSUPPORTED = (
+    "engine_id", "kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip",
+    "kv_port", "kv_connector_module_path", "kv_load_failure_policy", "enable_permute_local_kv",
+)  # fmt: skip
+EXTRA_KEYS = (
+    "spec_name", "block_size",
+    *(f for f in KVTransferConfig.__struct_fields__ if f not in ("kv_connector", "kv_role")),
+)  # fmt: skip
+EXTRA_UNSUPPORTED = (
+    "cache_policy_module_path", "canonical_layout", "tier_poll_interval_s",
+    "sync_load_budget_bytes", "backpressure", "self_describing_kv_events", "spec_module_path",
+)  # fmt: skip
+FS_TIER_UNSUPPORTED = ("n_read_threads", "n_write_threads")
+EXTRA = "kv_connector_extra_config"
+
+
+def _check_keys(
+    value: Any, where: str, known: tuple[str, ...], unsupported: tuple[str, ...]
+) -> None:
+    """``value`` is a JSON object whose keys are all ``known``; else a ``ValueError`` naming the
+    first offending key."""
+    _require(isinstance(value, dict), where, f"must be a JSON object, got {value!r}")
+    for key in value:
+        _require(key not in unsupported, f"{where}.{key}", "is not supported by shoal")
+        _require(key in known, f"{where}.{key}", f"is an unknown key; known: {', '.join(known)}")
+
+
+def kv_offload_options(
+    kv_transfer_config: dict[str, Any] | KVTransferConfig | None,
+    kv_offloading_size: float | None,
+    kv_offloading_backend: str = "native",
+    *,
+    cache_block_size: int = 16,
+) -> dict[str, Any]:
+    """Flat ``KVTransferConfig`` options from vLLM's ``--kv-transfer-config`` JSON or its
+    shortcut ``--kv-offloading-size`` (GiB of CPU tier; the two conflict); ``{}`` for neither."""
+    _require(
+        kv_offloading_backend in OFFLOADING_BACKENDS,
+        "kv_offloading_backend",
+        f"{kv_offloading_backend!r} is not supported; shoal has only 'native'",
+    )
+    if kv_offloading_size is None:
+        if kv_transfer_config is None:
+            return {}
+        return kv_transfer_options(kv_transfer_config, cache_block_size)
+    _require(
+        kv_transfer_config is None,
+        "kv_offloading_size",
+        "conflicts with kv_transfer_config: give one of them",
+    )
+    _require(
+        kv_offloading_size > 0,
+        "kv_offloading_size",
+        f"must be a positive number of GiB, got {kv_offloading_size}",
+    )
+    size = int(kv_offloading_size * (1 << 30))
+    return {"kv_connector": OFFLOADING_CONNECTOR, "kv_role": "kv_both", "cpu_bytes_to_use": size}
+
+
+def kv_transfer_options(
+    value: dict[str, Any] | KVTransferConfig, cache_block_size: int
+) -> dict[str, Any]:
+    """Flat options from vLLM's ``{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": {...}}``: the extra config's keys are the group's fields, but
+    ``block_size`` (tokens per chunk, a multiple of ``cache_block_size``) becomes
+    ``blocks_per_chunk``, ``spec_name`` is checked and dropped, and ``secondary_tiers`` entries
+    become ``FsTierConfig`` (vLLM's ``root_dir`` is ``path``)."""
+    if isinstance(value, KVTransferConfig):
+        return msgspec.structs.asdict(value)
+    _check_keys(value, "kv_transfer_config", KV_TRANSFER_KEYS, KV_TRANSFER_UNSUPPORTED)
+    connector = value.get("kv_connector")
+    _require(connector is not None, "kv_transfer_config.kv_connector", "is required")
+    _require(
+        connector == OFFLOADING_CONNECTOR,
+        "kv_transfer_config.kv_connector",
+        f"{connector!r} is not supported; shoal has only {OFFLOADING_CONNECTOR!r}",
+    )
+    extra = value.get(EXTRA, {})
+    _check_keys(extra, EXTRA, EXTRA_KEYS, EXTRA_UNSUPPORTED)
+    spec = extra.get("spec_name", OFFLOADING_SPECS[0])
+    _require(spec in OFFLOADING_SPECS, f"{EXTRA}.spec_name", f"{spec!r} is not supported")
+    _require(
+        "cpu_bytes_to_use" in extra,
+        f"{EXTRA}.cpu_bytes_to_use",
+        "is required: the CPU tier's bytes, all workers together",
+    )
+    options = {k: v for k, v in extra.items() if k not in ("spec_name", "block_size")}
+    options.update(kv_connector=connector, kv_role=value.get("kv_role", "kv_both"))
+    if "block_size" in extra:
+        options["blocks_per_chunk"] = _blocks_per_chunk(extra, cache_block_size)
+    tiers = options.get("secondary_tiers", [])
+    _require(isinstance(tiers, list), f"{EXTRA}.secondary_tiers", "must be a JSON list")
+    options["secondary_tiers"] = [_fs_tier(tier, i) for i, tier in enumerate(tiers)]
+    try:
+        group = msgspec.convert(options, KVTransferConfig)
+    except msgspec.ValidationError as exc:  # a wrong type, or the group's own checks
+        raise ValueError(f"kv_transfer_config: {str(exc).replace('`$.', f'`{EXTRA}.')}") from None
+    return msgspec.structs.asdict(group)
+
+
+def _blocks_per_chunk(extra: dict[str, Any], cache_block_size: int) -> int:
+    _require(
+        "blocks_per_chunk" not in extra,
+        f"{EXTRA}.block_size",
+        "and blocks_per_chunk are mutually exclusive: give one",
+    )
+    tokens = extra["block_size"]
+    _require(
+        type(tokens) is int and tokens > 0 and tokens % cache_block_size == 0,
+        f"{EXTRA}.block_size",
+        f"must be a positive multiple of the KV cache block_size ({cache_block_size}), "
+        f"got {tokens!r}",
+    )
+    return int(tokens) // cache_block_size
+
+
+def _fs_tier(tier: Any, index: int) -> Any:
+    """One ``secondary_tiers`` entry, checked; vLLM's ``root_dir`` renamed ``path``."""
+    where = f"{EXTRA}.secondary_tiers[{index}]"
+    known = (*FsTierConfig.__struct_fields__, "root_dir")
+    _check_keys(tier, where, known, FS_TIER_UNSUPPORTED)
+    kind = tier.get("type")
+    _require(kind is not None, f"{where}.type", "is required ('fs')")
+    _require(kind == "fs", f"{where}.type", f"{kind!r} is not supported; shoal has only 'fs'")
+    if "root_dir" in tier:
+        _require("path" not in tier, f"{where}.root_dir", "and path name the same: give one")
+        tier = {("path" if k == "root_dir" else k): v for k, v in tier.items()}
+    return tier
 
 
 GROUPS: dict[str, type[msgspec.Struct]] = {

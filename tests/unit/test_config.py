@@ -21,7 +21,7 @@ from shoal.bus.messages.config import (
     ShoalConfig,
 )
 from shoal.bus.run_actor import build_actor
-from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
+from shoal.deploy.arguments import KV_OFFLOAD_FLAGS, add_engine_arguments, config_from_namespace
 
 
 def test_option_names_are_unique_across_groups() -> None:
@@ -124,7 +124,8 @@ def _parse(*argv: str) -> argparse.Namespace:
 
 def test_cli_flags_are_config_options_with_the_configs_defaults(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ns = _parse()
-    assert set(vars(ns)) <= {*OPTION_GROUPS, "fault_tolerance_config"}  # the JSON of a group
+    # The JSON of a group, and the KV offload shortcut.
+    assert set(vars(ns)) <= {*OPTION_GROUPS, "fault_tolerance_config", *KV_OFFLOAD_FLAGS}
     assert config_from_namespace(ns, str(tmp_path)) == ShoalConfig.from_options(model=str(tmp_path))
 
 
