@@ -17,12 +17,12 @@ from shoal.bus.messages.config import (
     BUS_KINDS,
     DTYPES,
     GROUPS,
-    OFFLOADING_BACKENDS,
     OPTION_GROUPS,
     POLICIES,
     FaultToleranceConfig,
     ShoalConfig,
 )
+from shoal.bus.messages.kv_transfer import OFFLOADING_BACKENDS
 from shoal.deploy.deployment import build_config
 
 GIB = 1 << 30

@@ -5,7 +5,8 @@ and carried whole to every actor (as JSON to actor processes), in vLLM's groupin
 (the paged KV cache), ``SchedulerConfig`` (what one step may carry, in what order),
 ``ParallelConfig`` (engine cores, workers per engine core, how long an engine core waits for
 them), ``BusConfig`` (the transport and namespace), ``FaultToleranceConfig`` (what happens
-when an engine core or a worker fails) and ``KVTransferConfig`` (KV offload to tier actors). A
+when an engine core or a worker fails) and ``KVTransferConfig`` (KV offload to tier actors;
+``kv_transfer.py``, with its translation from vLLM's JSON). A
 later subsystem (speculative decoding) adds its own group as one more struct and one more field.
 
 Option names are unique across groups, so a flat ``max_num_seqs=64`` (a CLI flag's dest, an
@@ -20,26 +21,19 @@ from typing import Any
 
 import msgspec
 
+from shoal.bus.messages.kv_transfer import (
+    KVTransferConfig,
+    kv_offload_options,
+)
+from shoal.bus.messages.validation import one_of as _one_of
+from shoal.bus.messages.validation import positive as _positive
+from shoal.bus.messages.validation import require as _require
+
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("sha256", "xxhash")
 BUS_KINDS = ("nats", "memory")
 MAX_BLOCK_SIZE = 128
-
-
-def _require(ok: bool, option: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"{option} {message}")
-
-
-def _positive(group: msgspec.Struct, *options: str) -> None:
-    for option in options:
-        value = getattr(group, option)
-        _require(value is None or value >= 1, option, f"must be a positive integer, got {value}")
-
-
-def _one_of(value: str, choices: tuple[str, ...], option: str) -> None:
-    _require(value in choices, option, f"must be one of {', '.join(choices)}, got {value!r}")
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -201,83 +195,6 @@ class FaultToleranceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unk
             _require(value > 0, option, f"must be positive, got {value}")
 
 
-class FsTierConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """A filesystem tier behind the CPU tier (a ``secondary_tiers`` entry of type ``fs``)."""
-
-    type: str = "fs"
-    path: str  # root directory; chunks go under <path>/<model tag>/tp<size>_r<rank>/
-    bytes_to_use: int = 8 << 30  # byte budget; the oldest chunks are evicted past it
-
-    def __post_init__(self) -> None:
-        _one_of(self.type, ("fs",), "secondary_tiers[].type")
-        _require(bool(self.path), "secondary_tiers[].path", "must be a directory path")
-        _require(
-            self.bytes_to_use >= 1,
-            "secondary_tiers[].bytes_to_use",
-            f"must be a positive integer, got {self.bytes_to_use}",
-        )
-
-
-class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """KV offload (vLLM's ``--kv-transfer-config`` with ``OffloadingConnector``): full KV chunks
-    are stored in a CPU tier actor (shared memory on the workers' host) and, behind it, in
-    ``secondary_tiers``; a request whose prefix is there loads it instead of recomputing.
-    ``kv_connector=None``: off."""
-
-    kv_connector: str | None = None  # "OffloadingConnector" turns offload on
-    kv_role: str = "kv_both"
-    cpu_bytes_to_use: int = 0  # the CPU tier's shared-memory bytes (all ranks together)
-    eviction_policy: str = "lru"  # lru | arc
-    blocks_per_chunk: int = 1  # KV blocks per offloaded chunk (vLLM's extra_config block_size
-    # is blocks_per_chunk * the KV block size)
-    store_threshold: int = 0  # store a chunk only once offered this many times (< 2: always)
-    max_tracker_size: int = 64_000
-    offload_prompt_only: bool = True
-    offload_policy: str = "chunk_level"  # chunk_level: newly computed chunks; request_level: all
-    secondary_tiers: tuple[FsTierConfig, ...] = ()
-    # shoal's own: the CPU tier actor's id, how long a lookup may take before the request
-    # recomputes, and how many chunks may wait to be stored before more stores are dropped.
-    cpu_tier_id: str = "kv-cpu"
-    kv_lookup_timeout_s: float = 2.0
-    max_pending_store_chunks: int = 1024
-
-    def __post_init__(self) -> None:
-        _one_of(str(self.kv_connector), ("None", "OffloadingConnector"), "kv_connector")
-        _one_of(self.kv_role, ("kv_both",), "kv_role")
-        _one_of(self.eviction_policy, ("lru", "arc"), "eviction_policy")
-        _one_of(self.offload_policy, ("chunk_level", "request_level"), "offload_policy")
-        _positive(self, "blocks_per_chunk", "max_tracker_size", "max_pending_store_chunks")
-        _require(
-            self.cpu_bytes_to_use >= 0,
-            "cpu_bytes_to_use",
-            f"must be non-negative, got {self.cpu_bytes_to_use}",
-        )
-        _require(
-            self.kv_connector is None or self.cpu_bytes_to_use > 0,
-            "cpu_bytes_to_use",
-            "is required (a positive byte count) with the OffloadingConnector",
-        )
-        _require(
-            self.store_threshold >= 0,
-            "store_threshold",
-            f"must be non-negative, got {self.store_threshold}",
-        )
-        _require(
-            self.kv_lookup_timeout_s > 0,
-            "kv_lookup_timeout_s",
-            f"must be positive, got {self.kv_lookup_timeout_s}",
-        )
-
-    @property
-    def enabled(self) -> bool:
-        return self.kv_connector is not None
-
-    @property
-    def secondary_tier_ids(self) -> list[str]:
-        """Actor ids of the ``secondary_tiers``, in order (``<cpu_tier_id>-fs<i>``)."""
-        return [f"{self.cpu_tier_id}-{t.type}{i}" for i, t in enumerate(self.secondary_tiers)]
-
-
 class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Every group of the deployment's configuration (vLLM's ``VllmConfig``)."""
 
@@ -361,140 +278,6 @@ def fault_tolerance_options(value: dict[str, Any] | FaultToleranceConfig) -> dic
 
 # --kv-transfer-config in vLLM's spelling. vLLM keys shoal's offload has no use for are "not
 # supported" (so a vLLM config that relies on them fails loudly); other keys are "unknown".
-OFFLOADING_CONNECTOR = "OffloadingConnector"
-OFFLOADING_SPECS = ("CPUOffloadingSpec", "TieringOffloadingSpec")  # CPU tier, + secondary tiers
-OFFLOADING_BACKENDS = ("native",)
-KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
-KV_TRANSFER_UNSUPPORTED = (
-    "engine_id", "kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_ip",
-    "kv_port", "kv_connector_module_path", "kv_load_failure_policy", "enable_permute_local_kv",
-)  # fmt: skip
-EXTRA_KEYS = (
-    "spec_name", "block_size",
-    *(f for f in KVTransferConfig.__struct_fields__ if f not in ("kv_connector", "kv_role")),
-)  # fmt: skip
-EXTRA_UNSUPPORTED = (
-    "cache_policy_module_path", "canonical_layout", "tier_poll_interval_s",
-    "sync_load_budget_bytes", "backpressure", "self_describing_kv_events", "spec_module_path",
-)  # fmt: skip
-FS_TIER_UNSUPPORTED = ("n_read_threads", "n_write_threads")
-EXTRA = "kv_connector_extra_config"
-
-
-def _check_keys(
-    value: Any, where: str, known: tuple[str, ...], unsupported: tuple[str, ...]
-) -> None:
-    """``value`` is a JSON object whose keys are all ``known``; else a ``ValueError`` naming the
-    first offending key."""
-    _require(isinstance(value, dict), where, f"must be a JSON object, got {value!r}")
-    for key in value:
-        _require(key not in unsupported, f"{where}.{key}", "is not supported by shoal")
-        _require(key in known, f"{where}.{key}", f"is an unknown key; known: {', '.join(known)}")
-
-
-def kv_offload_options(
-    kv_transfer_config: dict[str, Any] | KVTransferConfig | None,
-    kv_offloading_size: float | None,
-    kv_offloading_backend: str = "native",
-    *,
-    cache_block_size: int = 16,
-) -> dict[str, Any]:
-    """Flat ``KVTransferConfig`` options from vLLM's ``--kv-transfer-config`` JSON or its
-    shortcut ``--kv-offloading-size`` (GiB of CPU tier; the two conflict); ``{}`` for neither."""
-    _require(
-        kv_offloading_backend in OFFLOADING_BACKENDS,
-        "kv_offloading_backend",
-        f"{kv_offloading_backend!r} is not supported; shoal has only 'native'",
-    )
-    if kv_offloading_size is None:
-        if kv_transfer_config is None:
-            return {}
-        return kv_transfer_options(kv_transfer_config, cache_block_size)
-    _require(
-        kv_transfer_config is None,
-        "kv_offloading_size",
-        "conflicts with kv_transfer_config: give one of them",
-    )
-    _require(
-        kv_offloading_size > 0,
-        "kv_offloading_size",
-        f"must be a positive number of GiB, got {kv_offloading_size}",
-    )
-    size = int(kv_offloading_size * (1 << 30))
-    return {"kv_connector": OFFLOADING_CONNECTOR, "kv_role": "kv_both", "cpu_bytes_to_use": size}
-
-
-def kv_transfer_options(
-    value: dict[str, Any] | KVTransferConfig, cache_block_size: int
-) -> dict[str, Any]:
-    """Flat options from vLLM's ``{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-    "kv_connector_extra_config": {...}}``: the extra config's keys are the group's fields, but
-    ``block_size`` (tokens per chunk, a multiple of ``cache_block_size``) becomes
-    ``blocks_per_chunk``, ``spec_name`` is checked and dropped, and ``secondary_tiers`` entries
-    become ``FsTierConfig`` (vLLM's ``root_dir`` is ``path``)."""
-    if isinstance(value, KVTransferConfig):
-        return msgspec.structs.asdict(value)
-    _check_keys(value, "kv_transfer_config", KV_TRANSFER_KEYS, KV_TRANSFER_UNSUPPORTED)
-    connector = value.get("kv_connector")
-    _require(connector is not None, "kv_transfer_config.kv_connector", "is required")
-    _require(
-        connector == OFFLOADING_CONNECTOR,
-        "kv_transfer_config.kv_connector",
-        f"{connector!r} is not supported; shoal has only {OFFLOADING_CONNECTOR!r}",
-    )
-    extra = value.get(EXTRA, {})
-    _check_keys(extra, EXTRA, EXTRA_KEYS, EXTRA_UNSUPPORTED)
-    spec = extra.get("spec_name", OFFLOADING_SPECS[0])
-    _require(spec in OFFLOADING_SPECS, f"{EXTRA}.spec_name", f"{spec!r} is not supported")
-    _require(
-        "cpu_bytes_to_use" in extra,
-        f"{EXTRA}.cpu_bytes_to_use",
-        "is required: the CPU tier's bytes, all workers together",
-    )
-    options = {k: v for k, v in extra.items() if k not in ("spec_name", "block_size")}
-    options.update(kv_connector=connector, kv_role=value.get("kv_role", "kv_both"))
-    if "block_size" in extra:
-        options["blocks_per_chunk"] = _blocks_per_chunk(extra, cache_block_size)
-    tiers = options.get("secondary_tiers", [])
-    _require(isinstance(tiers, list), f"{EXTRA}.secondary_tiers", "must be a JSON list")
-    options["secondary_tiers"] = [_fs_tier(tier, i) for i, tier in enumerate(tiers)]
-    try:
-        group = msgspec.convert(options, KVTransferConfig)
-    except msgspec.ValidationError as exc:  # a wrong type, or the group's own checks
-        raise ValueError(f"kv_transfer_config: {str(exc).replace('`$.', f'`{EXTRA}.')}") from None
-    return msgspec.structs.asdict(group)
-
-
-def _blocks_per_chunk(extra: dict[str, Any], cache_block_size: int) -> int:
-    _require(
-        "blocks_per_chunk" not in extra,
-        f"{EXTRA}.block_size",
-        "and blocks_per_chunk are mutually exclusive: give one",
-    )
-    tokens = extra["block_size"]
-    _require(
-        type(tokens) is int and tokens > 0 and tokens % cache_block_size == 0,
-        f"{EXTRA}.block_size",
-        f"must be a positive multiple of the KV cache block_size ({cache_block_size}), "
-        f"got {tokens!r}",
-    )
-    return int(tokens) // cache_block_size
-
-
-def _fs_tier(tier: Any, index: int) -> Any:
-    """One ``secondary_tiers`` entry, checked; vLLM's ``root_dir`` renamed ``path``."""
-    where = f"{EXTRA}.secondary_tiers[{index}]"
-    known = (*FsTierConfig.__struct_fields__, "root_dir")
-    _check_keys(tier, where, known, FS_TIER_UNSUPPORTED)
-    kind = tier.get("type")
-    _require(kind is not None, f"{where}.type", "is required ('fs')")
-    _require(kind == "fs", f"{where}.type", f"{kind!r} is not supported; shoal has only 'fs'")
-    if "root_dir" in tier:
-        _require("path" not in tier, f"{where}.root_dir", "and path name the same: give one")
-        tier = {("path" if k == "root_dir" else k): v for k, v in tier.items()}
-    return tier
-
-
 GROUPS: dict[str, type[msgspec.Struct]] = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,

@@ -20,7 +20,7 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-from shoal.bus.messages.config import CacheConfig, KVTransferConfig, SchedulerConfig, ShoalConfig
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig, ShoalConfig
 from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
@@ -28,6 +28,7 @@ from shoal.bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
+from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.worker import StepResult, WorkerInfo
 from shoal.engine.core.request import Request, RequestStatus
 from shoal.engine.core.scheduler import Scheduler

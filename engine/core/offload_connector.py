@@ -26,7 +26,7 @@ import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shoal.bus.messages.config import KVTransferConfig
+from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.offload import (
     KVLoad,
     KVStore,

@@ -47,8 +47,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from shoal.bus.messages.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import EngineCoreOutput, SchedulerStats
+from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.worker import StepResult
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.in_flight import InFlightSteps, PendingFree

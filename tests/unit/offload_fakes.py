@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from shoal.bus.messages.config import CacheConfig, KVTransferConfig, SchedulerConfig
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig
+from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.offload import (
     KVLayout,
     KVTransferResult,

@@ -14,7 +14,8 @@ import pytest
 
 from shoal.bus.actor import Actor
 from shoal.bus.memory import InMemoryBus
-from shoal.bus.messages.config import FsTierConfig, KVTransferConfig, ShoalConfig
+from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.messages.kv_transfer import FsTierConfig, KVTransferConfig
 from shoal.bus.run_actor import build_actor
 from shoal.bus.supervisor import ActorSpec
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
