@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from shoal.bus.messages.kv_transfer import (
+    FsTierConfig,
     KVTransferConfig,
     kv_offload_options,
 )
@@ -290,3 +291,18 @@ GROUPS: dict[str, type[msgspec.Struct]] = {
 OPTION_GROUPS: dict[str, str] = {
     field: group for group, struct in GROUPS.items() for field in struct.__struct_fields__
 }
+
+__all__ = [
+    "GROUPS",
+    "OPTION_GROUPS",
+    "BusConfig",
+    "CacheConfig",
+    "FaultToleranceConfig",
+    "FsTierConfig",
+    "KVTransferConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SchedulerConfig",
+    "ShoalConfig",
+    "fault_tolerance_options",
+]
