@@ -387,3 +387,18 @@ async def test_cascades_past_the_bound_are_dropped_but_loads_go_on(deployment):
     assert list(double.chunks) == [K[0]] and double.num_cascades_started == 1
     await deployment.store(region, K[2])  # room again
     await wait_for(lambda: K[2] in double.chunks, "the next cascade")
+
+
+async def test_a_cascade_left_unanswered_keeps_its_pins_until_their_lease(deployment):
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.gate_cascades = True  # it may still read the slots after the tier stops waiting
+    tier = await deployment.start_tier(
+        kv, lease_s=1.0, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
+    )
+    region = await deployment.attach()
+    await deployment.store(region, K[0])
+    await wait_for(lambda: tier.load()["num_cascade_failures"] == 1.0, "the cascade timed out")
+    assert tier.load()["num_pins"] == 1.0 and not tier.links[0].is_attached
+    await wait_for(lambda: tier.load()["num_pins"] == 0.0, "the cascade's lease ran out")
+    assert tier.load()["num_pins_expired"] == 1.0

@@ -70,9 +70,11 @@ def test_lookup_pins_the_hit_run_and_counts_the_pending_run_after_it():
     head = books.lookup_head(A, [K[0], K[1], K[2], K[3], K[4]], 0.0)
     assert (len(head.slot_ids), head.num_pending, head.may_promote) == (2, 2, False)
     assert [ref_cnt(books, k) for k in K[:2]] == [1, 1]
+    after_pending = books.lookup_head(A, [K[0], K[2], K[1]], 0.0)  # a HIT after it: stop
+    assert (len(after_pending.slot_ids), after_pending.num_pending) == (1, 1)
     miss = books.lookup_head(A, [K[0], K[5], K[1]], 0.0)
     assert (len(miss.slot_ids), miss.num_pending, miss.may_promote) == (1, 0, True)
-    assert books.counters.num_hit_chunks == 3
+    assert books.counters.num_hit_chunks == 4
 
 
 def test_a_release_unpins_only_what_its_owner_pinned():
