@@ -67,8 +67,9 @@ class CpuTierActor(Actor):
         bus: Bus,
         tier_id: str | None = None,
         *,
-        config: ShoalConfig | KVTransferConfig,
-        namespace: str | None = None,  # with a bare KVTransferConfig (default "shoal")
+        config: ShoalConfig | None = None,  # the deployment's (as a process: its JSON)
+        kv_config: KVTransferConfig | None = None,  # or only its KV transfer group ...
+        namespace: str = "shoal",  # ... and the subjects' namespace
         lease_s: float = 30.0,
         sweep_interval_s: float | None = None,  # default lease_s / 4
         secondary_timeout_s: float | None = None,  # attach and lookup; default a quarter of
@@ -76,14 +77,17 @@ class CpuTierActor(Actor):
         cascade_timeout_s: float | None = None,  # default lease_s / 3
         max_cascades_in_flight: int = 4,  # per secondary; more are dropped
         secondary_retry_s: float = 1.0,  # a detached secondary is attached again this often
-        region_directory: Path | None = None,  # default /dev/shm (or the temp directory)
+        region_directory: str | Path | None = None,  # default /dev/shm (or the temp directory)
         heartbeat_interval_s: float = 1.0,
         drain_timeout_s: float = 5.0,
     ) -> None:
-        if isinstance(config, ShoalConfig):
+        if (config is None) == (kv_config is None):
+            raise ValueError("CpuTierActor takes config (a ShoalConfig) or kv_config, not both")
+        if config is not None:
             kv, namespace = config.kv_transfer_config, config.bus_config.namespace
         else:
-            kv, namespace = config, namespace or "shoal"
+            assert kv_config is not None
+            kv = kv_config
         super().__init__(
             bus,
             tier_id or kv.cpu_tier_id,
@@ -104,7 +108,7 @@ class CpuTierActor(Actor):
                 f"and a cascade ({self.cascade_timeout_s} s)"
             )
         self.max_cascades_in_flight = max_cascades_in_flight
-        self.region_directory = region_directory
+        self.region_directory = Path(region_directory) if region_directory else None
         self.links = [
             SecondaryLink(
                 bus,

@@ -39,6 +39,7 @@ from shoal.bus.messages.offload import (
     TierReply,
     TierStoreSlots,
 )
+from shoal.bus.run_actor import build_actor
 from shoal.tiers.cpu_actor import CpuTierActor
 from shoal.tiers.region import SharedRegion
 from tests.fixtures.nats import BusFactory
@@ -147,11 +148,11 @@ class Deployment:
             **options,
         )
 
-    async def start_tier(self, kv: KVTransferConfig, **options: Any) -> CpuTierActor:
+    async def start_tier(self, kv: KVTransferConfig | ShoalConfig, **options: Any) -> CpuTierActor:
         options = {"secondary_timeout_s": 0.5, "secondary_retry_s": 60.0, **options}
         tier = CpuTierActor(
             self.bus,
-            config=kv,
+            **({"config": kv} if isinstance(kv, ShoalConfig) else {"kv_config": kv}),
             namespace=self.namespace,
             region_directory=self.directory,
             drain_timeout_s=0.5,
@@ -402,3 +403,18 @@ async def test_a_cascade_left_unanswered_keeps_its_pins_until_their_lease(deploy
     assert tier.load()["num_pins"] == 1.0 and not tier.links[0].is_attached
     await wait_for(lambda: tier.load()["num_pins"] == 0.0, "the cascade's lease ran out")
     assert tier.load()["num_pins_expired"] == 1.0
+
+
+async def test_run_actor_builds_it_from_the_deployments_json(deployment):
+    """``bus.run_actor`` builds it from JSON keywords (the deployment's config, a directory)."""
+    config = ShoalConfig.from_options(
+        model="unused", namespace=deployment.namespace, cpu_bytes_to_use=LAYOUT.slot_bytes
+    )
+    kwargs = {"config": msgspec.to_builtins(config), "region_directory": str(deployment.directory)}
+    tier = build_actor(CpuTierActor, deployment.bus, kwargs)
+    assert isinstance(tier, CpuTierActor)
+    assert (tier.actor_id, tier.subjects.namespace) == ("kv-cpu", deployment.namespace)
+    await tier.start()
+    deployment.actors.append(tier)
+    deployment.tier = tier
+    assert Path((await deployment.attach()).path).parent == deployment.directory
