@@ -112,8 +112,9 @@ class CpuTierActor(Actor):
         self.links = [
             SecondaryLink(
                 bus,
-                self.actor_id,
+                secondary_id,
                 self.subjects.tier_in(secondary_id),
+                owner=self.actor_id,
                 timeout_s=self.lookup_timeout_s,
                 retry_s=secondary_retry_s,
             )

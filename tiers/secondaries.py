@@ -51,14 +51,16 @@ class SecondaryLink:
     def __init__(
         self,
         bus: Bus,
-        tier_id: str,
+        secondary_id: str,
         subject: str,
         *,
+        owner: str,  # the CPU tier's id: the owner its lookups name
         timeout_s: float,
         retry_s: float,
     ) -> None:
         self.bus = bus
-        self.tier_id = tier_id
+        self.secondary_id = secondary_id
+        self.owner = owner
         self.subject = subject
         self.timeout_s = timeout_s  # attach and lookup
         self.retry_s = retry_s
@@ -70,7 +72,7 @@ class SecondaryLink:
 
     def __repr__(self) -> str:
         state = "attached" if self.is_attached else "detached"
-        return f"SecondaryLink({self.tier_id}, {state})"
+        return f"SecondaryLink({self.owner} → {self.secondary_id}, {state})"
 
     def claim_retry(self, now: float) -> bool:
         """True, and the attempt recorded, when a detached link is due for an attach (its last
@@ -112,7 +114,7 @@ class SecondaryLink:
     async def held(self, keys: list[OffloadKey]) -> int:
         """How many leading ``keys`` the secondary holds (0 when it cannot say in time)."""
         try:
-            reply = await self._call(TierLookup(self.tier_id, keys), _HELD, self.timeout_s)
+            reply = await self._call(TierLookup(self.owner, keys), _HELD, self.timeout_s)
         except (SecondaryTimeout, SecondaryFailed):
             return 0
         assert isinstance(reply, TierHeld)

@@ -68,8 +68,8 @@ class SecondaryAttached(msgspec.Struct, tag="secondary_attached", array_like=Tru
 
 
 class SecondaryDouble(Actor):
-    """A secondary tier keeping chunks in a dict; ``hang_lookups`` leaves lookups unanswered
-    until ``unblock``, ``gate_cascades`` holds cascades until ``unblock``."""
+    """A secondary tier keeping chunks in a dict; ``hang_lookups``, ``gate_cascades`` and
+    ``hang_promotes`` hold those requests until ``unblocked`` is set."""
 
     kind = "tier"
 
@@ -78,6 +78,7 @@ class SecondaryDouble(Actor):
         self.chunks: dict[bytes, bytes] = {}
         self.hang_lookups = False
         self.gate_cascades = False
+        self.hang_promotes = False
         self.unblocked = asyncio.Event()
         self.num_lookups = 0
         self.num_cascades_started = 0
@@ -106,8 +107,13 @@ class SecondaryDouble(Actor):
                     return TierJobDone(failed_keys=keys)
                 return TierJobDone(done_keys=keys)
             case TierPromote(region=region, keys=keys, slot_ids=slot_ids):
+                if self.hang_promotes:
+                    await self.unblocked.wait()
                 done = keys[: self._num_leading(keys)]
-                with_region(region, lambda r: self._write(r, done, slot_ids))
+                try:
+                    with_region(region, lambda r: self._write(r, done, slot_ids))
+                except OSError:  # the CPU tier is gone (the test is over)
+                    return TierJobDone(failed_keys=keys)
                 return TierJobDone(done_keys=done)
 
     def _num_leading(self, keys: list[bytes]) -> int:
@@ -418,3 +424,20 @@ async def test_run_actor_builds_it_from_the_deployments_json(deployment):
     deployment.actors.append(tier)
     deployment.tier = tier
     assert Path((await deployment.attach()).path).parent == deployment.directory
+
+
+async def test_a_promotion_left_unanswered_keeps_its_slots_until_their_lease(deployment):
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.chunks[K[1]] = payload(K[1])
+    double.hang_promotes = True  # it may still write the slots after the tier stops waiting
+    tier = await deployment.start_tier(
+        kv, lease_s=1.0, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
+    )
+    region = await deployment.attach()
+    await deployment.store(region, K[0])
+    reply = await deployment.lookup(K[0], K[1], timeout=ENGINE_PATIENCE_S)
+    assert len(reply.slot_ids) == 1 and reply.usage == 0.5  # K[1]'s slot is still reserved
+    assert tier.load()["num_pending_stores"] == 1.0 and not tier.links[0].is_attached
+    await wait_for(lambda: tier.load()["num_pending_stores"] == 0.0, "the reservation's lease")
+    assert tier.load()["usage"] == 0.25 and tier.load()["num_stores_expired"] == 1.0
