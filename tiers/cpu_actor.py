@@ -82,7 +82,9 @@ class CpuTierActor(Actor):
         drain_timeout_s: float = 5.0,
     ) -> None:
         if (config is None) == (kv_config is None):
-            raise ValueError("CpuTierActor takes config (a ShoalConfig) or kv_config, not both")
+            raise ValueError(
+                "CpuTierActor takes exactly one of config (a ShoalConfig) and kv_config"
+            )
         if config is not None:
             kv, namespace = config.kv_transfer_config, config.bus_config.namespace
         else:
@@ -310,9 +312,12 @@ class CpuTierActor(Actor):
     async def _sweep_loop(self) -> None:
         while True:
             await asyncio.sleep(self.sweep_interval_s)
-            self.sweep(time.monotonic())
-            for link in self.links:
-                self._usable(link)  # an idle tier attaches its secondaries again too
+            try:
+                self.sweep(time.monotonic())
+                for link in self.links:
+                    self._usable(link)  # an idle tier attaches its secondaries again too
+            except Exception:  # a bug here must not end the sweeps: slots would leak
+                log.exception("%r: sweep failed", self)
 
     def sweep(self, now: float) -> None:
         """Hand back every pin and pending store older than the lease."""
