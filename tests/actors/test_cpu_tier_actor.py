@@ -1,0 +1,443 @@
+"""The CPU tier actor over the in-memory bus and a real NATS server, driven as an engine core
+(request/reply) and its worker (bytes written to and read from the region through
+``SharedRegion.attach``) would, with a stand-in secondary tier (bytes kept in a dict): stores
+become hits with their bytes, pins protect chunks from eviction until released or expired, bad
+layouts and budgets are refused, a restarted tier makes a new region, chunks round-trip through
+a cascade and a promotion, a dead or slow secondary costs hits but never a prompt answer, and
+cascades past the bound are dropped while loads go on."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from shoal.bus.actor import Actor, Inbox, call
+from shoal.bus.base import Bus, Msg
+from shoal.bus.codec import Codec
+from shoal.bus.messages.config import FsTierConfig, KVTransferConfig, ShoalConfig
+from shoal.bus.messages.offload import (
+    KVLayout,
+    RegionRef,
+    SecondaryInbound,
+    TierAttach,
+    TierAttached,
+    TierCascade,
+    TierError,
+    TierHeld,
+    TierJobDone,
+    TierLookup,
+    TierLookupReply,
+    TierPrepareStore,
+    TierPromote,
+    TierRelease,
+    TierReply,
+    TierStoreSlots,
+)
+from shoal.bus.run_actor import build_actor
+from shoal.tiers.cpu_actor import CpuTierActor
+from shoal.tiers.region import SharedRegion
+from tests.fixtures.nats import BusFactory
+from tests.integration.conditions import wait_for as wait_until
+
+LIMIT_S = 10.0
+ENGINE_PATIENCE_S = 2.0  # kv_lookup_timeout_s: an engine core gives up on a lookup then
+LAYOUT = KVLayout("tiny", 1, 2, 1, 4, "float32", 1, 1)  # 64-byte slots
+OWNER = "engine-0/1"
+K = [bytes([i]) * 16 + b"\0\0\0\0" for i in range(16)]
+_REPLY: Codec[TierReply] = Codec(TierReply)
+
+
+async def wait_for(condition: Callable[[], object], what: str) -> None:
+    await wait_until(condition, LIMIT_S, what)
+
+
+def payload(key: bytes) -> bytes:
+    return (key * LAYOUT.slot_bytes)[: LAYOUT.slot_bytes]
+
+
+class SecondaryAttached(msgspec.Struct, tag="secondary_attached", array_like=True):
+    """A reply the CPU tier does not know: any reply but an error means attached."""
+
+    tier_id: str
+
+
+class SecondaryDouble(Actor):
+    """A secondary tier keeping chunks in a dict; ``hang_lookups``, ``gate_cascades`` and
+    ``hang_promotes`` hold those requests until ``unblocked`` is set."""
+
+    kind = "tier"
+
+    def __init__(self, bus: Bus, tier_id: str, namespace: str) -> None:
+        super().__init__(bus, tier_id, namespace=namespace, drain_timeout_s=0.2)
+        self.chunks: dict[bytes, bytes] = {}
+        self.hang_lookups = False
+        self.gate_cascades = False
+        self.hang_promotes = False
+        self.unblocked = asyncio.Event()
+        self.num_lookups = 0
+        self.num_cascades_started = 0
+
+    def inboxes(self) -> Sequence[Inbox]:
+        return [
+            Inbox(self.subjects.tier_in(self.actor_id), self.on_request, Codec(SecondaryInbound))
+        ]
+
+    async def on_request(self, request: Any, msg: Msg) -> Any:
+        match request:
+            case TierAttach():
+                return SecondaryAttached(self.actor_id)
+            case TierLookup(keys=keys):
+                self.num_lookups += 1
+                if self.hang_lookups:
+                    await self.unblocked.wait()
+                return TierHeld(self._num_leading(keys))
+            case TierCascade(region=region, keys=keys, slot_ids=slot_ids):
+                self.num_cascades_started += 1
+                if self.gate_cascades:
+                    await self.unblocked.wait()
+                try:
+                    with_region(region, lambda r: self._read(r, keys, slot_ids))
+                except OSError:  # the CPU tier is gone (the test is over)
+                    return TierJobDone(failed_keys=keys)
+                return TierJobDone(done_keys=keys)
+            case TierPromote(region=region, keys=keys, slot_ids=slot_ids):
+                if self.hang_promotes:
+                    await self.unblocked.wait()
+                done = keys[: self._num_leading(keys)]
+                try:
+                    with_region(region, lambda r: self._write(r, done, slot_ids))
+                except OSError:  # the CPU tier is gone (the test is over)
+                    return TierJobDone(failed_keys=keys)
+                return TierJobDone(done_keys=done)
+
+    def _num_leading(self, keys: list[bytes]) -> int:
+        return next((i for i, key in enumerate(keys) if key not in self.chunks), len(keys))
+
+    def _read(self, region: SharedRegion, keys: list[bytes], slot_ids: list[int]) -> None:
+        for key, slot_id in zip(keys, slot_ids, strict=True):
+            self.chunks[key] = bytes(region.slot(slot_id))
+
+    def _write(self, region: SharedRegion, keys: list[bytes], slot_ids: list[int]) -> None:
+        for key, slot_id in zip(keys, slot_ids, strict=False):
+            region.slot(slot_id)[:] = self.chunks[key]
+
+
+def with_region(ref: RegionRef, use: Callable[[SharedRegion], None]) -> None:
+    region = SharedRegion.attach(ref)
+    try:
+        use(region)
+    finally:
+        region.close()
+
+
+class Deployment:
+    """One test's tier actors and an engine core's side of the protocol."""
+
+    def __init__(self, bus: Bus, directory: Path) -> None:
+        self.bus, self.directory = bus, directory
+        self.namespace = f"ct{secrets.token_hex(4)}"
+        self.actors: list[Actor] = []
+        self.tier: CpuTierActor | None = None
+
+    def kv_config(self, num_slots: int = 4, secondary: bool = False, **options: Any) -> Any:
+        tiers = (FsTierConfig(path=str(self.directory / "fs")),) if secondary else ()
+        return KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            cpu_bytes_to_use=num_slots * LAYOUT.slot_bytes,
+            secondary_tiers=tiers,
+            **options,
+        )
+
+    async def start_tier(self, kv: KVTransferConfig | ShoalConfig, **options: Any) -> CpuTierActor:
+        options = {"secondary_timeout_s": 0.5, "secondary_retry_s": 60.0, **options}
+        tier = CpuTierActor(
+            self.bus,
+            **({"config": kv} if isinstance(kv, ShoalConfig) else {"kv_config": kv}),
+            namespace=self.namespace,
+            region_directory=self.directory,
+            drain_timeout_s=0.5,
+            **options,
+        )
+        await tier.start()
+        self.actors.append(tier)
+        self.tier = tier
+        return tier
+
+    async def start_secondary(self, kv: KVTransferConfig) -> SecondaryDouble:
+        double = SecondaryDouble(self.bus, kv.secondary_tier_ids[0], self.namespace)
+        await double.start()
+        self.actors.append(double)
+        return double
+
+    async def ask(self, request: Any, timeout: float = LIMIT_S) -> Any:
+        assert self.tier is not None
+        subject = self.tier.subjects.tier_in(self.tier.actor_id)
+        return await call(self.bus, subject, request, _REPLY, timeout=timeout)
+
+    async def attach(self) -> RegionRef:
+        reply = await self.ask(TierAttach(LAYOUT))
+        assert isinstance(reply, TierAttached), reply
+        return reply.region
+
+    async def lookup(self, *keys: bytes, timeout: float = LIMIT_S) -> TierLookupReply:
+        reply = await self.ask(TierLookup(OWNER, list(keys)), timeout)
+        assert isinstance(reply, TierLookupReply), reply
+        return reply
+
+    async def store(self, region: RegionRef, *keys: bytes) -> TierStoreSlots:
+        """Reserve, write as a worker would, report the copies done."""
+        slots = await self.ask(TierPrepareStore(OWNER, list(keys)))
+        assert isinstance(slots, TierStoreSlots) and slots.accepted, slots
+        with_region(region, lambda r: write_slots(r, slots.keys, slots.slot_ids))
+        done = await self.ask(TierRelease(OWNER, stored_keys=slots.keys))  # asked: acked
+        assert isinstance(done, TierJobDone) and done.done_keys == slots.keys, done
+        return slots
+
+    async def release(self, **keys: list[bytes]) -> None:
+        """As an engine core sends it: no reply expected."""
+        assert self.tier is not None
+        subject = self.tier.subjects.tier_in(self.tier.actor_id)
+        await self.bus.publish(subject, Codec(TierRelease).encode(TierRelease(OWNER, **keys)))
+
+
+def write_slots(region: SharedRegion, keys: list[bytes], slot_ids: list[int]) -> None:
+    for key, slot_id in zip(keys, slot_ids, strict=True):
+        region.slot(slot_id)[:] = payload(key)
+
+
+def read_slots(ref: RegionRef, slot_ids: list[int]) -> list[bytes]:
+    out: list[bytes] = []
+    with_region(ref, lambda r: out.extend(bytes(r.slot(s)) for s in slot_ids))
+    return out
+
+
+@pytest.fixture
+async def deployment(bus_factory: BusFactory, tmp_path: Path) -> AsyncIterator[Deployment]:
+    d = Deployment(await bus_factory(), tmp_path)
+    yield d
+    for actor in reversed(d.actors):
+        if isinstance(actor, SecondaryDouble):
+            actor.unblocked.set()
+        await actor.stop()
+
+
+async def test_a_stored_chunk_is_a_pinned_hit_with_its_bytes(deployment):
+    await deployment.start_tier(deployment.kv_config(num_slots=4))
+    region = await deployment.attach()
+    assert (region.num_slots, region.layout) == (4, LAYOUT)
+    assert Path(region.path).parent == deployment.directory
+    miss = await deployment.lookup(K[0], K[1])
+    assert (miss.slot_ids, miss.num_pending, miss.generation) == ([], 0, region.generation)
+    slots = await deployment.ask(TierPrepareStore(OWNER, [K[0], K[1]]))
+    assert isinstance(slots, TierStoreSlots) and slots.keys == [K[0], K[1]]
+    pending = await deployment.lookup(K[0], K[1])
+    assert (pending.slot_ids, pending.num_pending) == ([], 2)
+    with_region(region, lambda r: write_slots(r, slots.keys, slots.slot_ids))
+    await deployment.release(stored_keys=slots.keys)
+    hit = await deployment.lookup(K[0], K[1], K[2])
+    assert hit.slot_ids == slots.slot_ids and hit.usage == 0.5
+    assert read_slots(region, hit.slot_ids) == [payload(K[0]), payload(K[1])]
+    tier = deployment.tier
+    assert tier.load()["num_pins"] == 2.0
+    await deployment.release(loaded_keys=[K[0], K[1]])
+    await wait_for(lambda: tier.load()["num_pins"] == 0.0, "the pins released")
+    assert tier.num_handler_errors == 0
+
+
+async def test_pinned_chunks_survive_stores_until_released(deployment):
+    await deployment.start_tier(deployment.kv_config(num_slots=2))
+    region = await deployment.attach()
+    await deployment.store(region, K[0], K[1])
+    assert (await deployment.lookup(K[0])).slot_ids  # K[0] pinned
+    full = await deployment.ask(TierPrepareStore(OWNER, [K[2], K[3]]))
+    assert isinstance(full, TierStoreSlots) and not full.accepted
+    await deployment.store(region, K[2])  # K[1] idle: it goes
+    assert (await deployment.lookup(K[1])).slot_ids == []
+    assert read_slots(region, (await deployment.lookup(K[0])).slot_ids) == [payload(K[0])]
+    await deployment.release(loaded_keys=[K[0], K[0], K[2]])  # K[2]: never pinned, ignored
+    both = await deployment.ask(TierPrepareStore(OWNER, [K[3], K[4]]))
+    assert isinstance(both, TierStoreSlots) and both.accepted  # K[0] and K[2] go
+    assert (await deployment.lookup(K[0])).slot_ids == []
+    assert deployment.tier.num_handler_errors == 0
+
+
+async def test_expired_leases_free_pins_and_unfinished_stores(deployment):
+    tier = await deployment.start_tier(
+        deployment.kv_config(num_slots=2), lease_s=0.3, sweep_interval_s=0.05
+    )
+    region = await deployment.attach()
+    await deployment.store(region, K[0])
+    assert (await deployment.lookup(K[0])).slot_ids
+    reserved = await deployment.ask(TierPrepareStore(OWNER, [K[1]]))
+    assert reserved.accepted and tier.load()["num_pins"] == 1.0
+    await wait_for(lambda: tier.load()["num_pins"] == 0.0, "the pin's lease ran out")
+    await wait_for(lambda: tier.load()["num_pending_stores"] == 0.0, "the store's lease ran out")
+    assert tier.load()["num_pins_expired"] == 1.0
+    await deployment.release(loaded_keys=[K[0]], stored_keys=[K[1]])  # late: ignored
+    assert (await deployment.lookup(K[1])).slot_ids == []
+    both = await deployment.ask(TierPrepareStore(OWNER, [K[2], K[3]]))  # evicts K[0]
+    assert isinstance(both, TierStoreSlots) and both.accepted
+    assert tier.num_handler_errors == 0
+
+
+async def test_a_different_layout_and_a_budget_below_one_slot_are_refused(deployment):
+    await deployment.start_tier(deployment.kv_config(num_slots=2))
+    region = await deployment.attach()
+    other = await deployment.ask(TierAttach(msgspec.structs.replace(LAYOUT, num_layers=2)))
+    assert isinstance(other, TierError) and "refused" in other.message
+    assert await deployment.attach() == region
+    small = KVTransferConfig(kv_connector="OffloadingConnector", cpu_bytes_to_use=63)
+    small_tier = await deployment.start_tier(small, tier_id="kv-small")
+    error = await deployment.ask(TierAttach(LAYOUT))
+    assert isinstance(error, TierError), error
+    assert "cpu_bytes_to_use" in error.message and "64 bytes" in error.message
+    assert small_tier.region is None
+    before_attach = await deployment.ask(TierLookup(OWNER, [K[0]]))
+    assert isinstance(before_attach, TierError) and "TierAttach" in before_attach.message
+
+
+async def test_a_restarted_tier_makes_a_new_region_and_removes_the_old(deployment):
+    config = ShoalConfig.from_options(
+        model="unused", namespace=deployment.namespace, cpu_bytes_to_use=4 * LAYOUT.slot_bytes
+    )
+    old = await deployment.start_tier(config)
+    first = await deployment.attach()
+    await deployment.store(first, K[0])
+    assert (await deployment.lookup(K[0])).slot_ids
+    await old.stop()
+    Path(first.path).write_bytes(b"left by a killed tier")
+    new = await deployment.start_tier(config)
+    assert new.actor_id == old.actor_id == "kv-cpu"
+    second = await deployment.attach()
+    assert second.generation == new.incarnation != first.generation
+    assert not Path(first.path).exists() and Path(second.path).exists()
+    await deployment.release(loaded_keys=[K[0]], stored_keys=[K[0]])  # the old tier's
+    assert (await deployment.lookup(K[0])).slot_ids == []
+    assert new.num_handler_errors == 0
+    await new.stop()
+    assert not Path(second.path).exists()
+
+
+async def test_chunks_cascade_to_the_secondary_and_promote_back(deployment):
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    old = await deployment.start_tier(kv)
+    first = await deployment.attach()
+    assert old.links[0].is_attached
+    await deployment.store(first, K[0], K[1])
+    await wait_for(lambda: old.load()["num_cascaded"] == 2.0, "the cascade")
+    assert double.chunks == {K[0]: payload(K[0]), K[1]: payload(K[1])}
+    assert old.load()["num_pins"] == 0.0  # the cascade's pins are back
+    await old.stop()
+    new = await deployment.start_tier(kv)
+    second = await deployment.attach()
+    reply = await deployment.lookup(K[0], K[1], K[2])
+    assert len(reply.slot_ids) == 2 and reply.generation == second.generation
+    assert read_slots(second, reply.slot_ids) == [payload(K[0]), payload(K[1])]
+    assert (new.load()["num_promoted"], new.load()["num_pins"]) == (2.0, 2.0)
+    num_asked = double.num_lookups
+    again = await deployment.lookup(K[0], K[1])
+    assert again.slot_ids == reply.slot_ids and double.num_lookups == num_asked
+    assert new.load()["num_cascaded"] == 0.0  # promoted chunks are not cascaded back
+
+
+async def test_a_dead_or_slow_secondary_never_holds_a_lookup_up(deployment):
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    tier = await deployment.start_tier(kv)  # no secondary running: nobody answers
+    region = await deployment.attach()
+    assert not tier.links[0].is_attached
+    await deployment.store(region, K[0])
+    assert (await deployment.lookup(K[0], K[1], timeout=ENGINE_PATIENCE_S)).slot_ids
+    assert tier.load()["num_cascade_dropped"] == 1.0
+    double = await deployment.start_secondary(kv)
+    tier.links[0].retry_s = 0.0
+    await deployment.lookup(K[5])  # the detached secondary is attached again behind it
+    await wait_for(lambda: tier.links[0].is_attached, "attached again")
+    await double.stop()  # dead once attached
+    assert len((await deployment.lookup(K[0], K[1], timeout=ENGINE_PATIENCE_S)).slot_ids) == 1
+    assert not tier.links[0].is_attached
+    slow = await deployment.start_secondary(kv)
+    slow.hang_lookups = True
+    await deployment.lookup(K[5])
+    await wait_for(lambda: tier.links[0].is_attached, "attached again")
+    reply = await deployment.lookup(
+        K[0], K[1], timeout=ENGINE_PATIENCE_S
+    )  # within the engine's patience
+    assert len(reply.slot_ids) == 1
+    assert slow.num_lookups == 1 and not tier.links[0].is_attached
+    tier.links[0].retry_s = 60.0
+    await deployment.lookup(K[1], timeout=ENGINE_PATIENCE_S)
+    assert slow.num_lookups == 1  # detached: not asked again until it is attached again
+    assert tier.num_handler_errors == 0
+
+
+async def test_cascades_past_the_bound_are_dropped_but_loads_go_on(deployment):
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.gate_cascades = True
+    tier = await deployment.start_tier(kv, max_cascades_in_flight=1)
+    region = await deployment.attach()
+    await deployment.store(region, K[0])
+    await wait_for(lambda: double.num_cascades_started == 1, "a cascade in flight")
+    await deployment.store(region, K[1])
+    assert tier.load()["num_cascade_dropped"] == 1.0
+    hit = await deployment.lookup(K[0], K[1])
+    assert read_slots(region, hit.slot_ids) == [payload(K[0]), payload(K[1])]
+    double.unblocked.set()
+    await wait_for(lambda: tier.load()["num_cascaded"] == 1.0, "the cascade done")
+    assert list(double.chunks) == [K[0]] and double.num_cascades_started == 1
+    await deployment.store(region, K[2])  # room again
+    await wait_for(lambda: K[2] in double.chunks, "the next cascade")
+
+
+async def test_a_cascade_left_unanswered_keeps_its_pins_until_their_lease(deployment):
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.gate_cascades = True  # it may still read the slots after the tier stops waiting
+    tier = await deployment.start_tier(
+        kv, lease_s=1.0, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
+    )
+    region = await deployment.attach()
+    await deployment.store(region, K[0])
+    await wait_for(lambda: tier.load()["num_cascade_failures"] == 1.0, "the cascade timed out")
+    assert tier.load()["num_pins"] == 1.0 and not tier.links[0].is_attached
+    await wait_for(lambda: tier.load()["num_pins"] == 0.0, "the cascade's lease ran out")
+    assert tier.load()["num_pins_expired"] == 1.0
+
+
+async def test_run_actor_builds_it_from_the_deployments_json(deployment):
+    """``bus.run_actor`` builds it from JSON keywords (the deployment's config, a directory)."""
+    config = ShoalConfig.from_options(
+        model="unused", namespace=deployment.namespace, cpu_bytes_to_use=LAYOUT.slot_bytes
+    )
+    kwargs = {"config": msgspec.to_builtins(config), "region_directory": str(deployment.directory)}
+    tier = build_actor(CpuTierActor, deployment.bus, kwargs)
+    assert isinstance(tier, CpuTierActor)
+    assert (tier.actor_id, tier.subjects.namespace) == ("kv-cpu", deployment.namespace)
+    await tier.start()
+    deployment.actors.append(tier)
+    deployment.tier = tier
+    assert Path((await deployment.attach()).path).parent == deployment.directory
+
+
+async def test_a_promotion_left_unanswered_keeps_its_slots_until_their_lease(deployment):
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.chunks[K[1]] = payload(K[1])
+    double.hang_promotes = True  # it may still write the slots after the tier stops waiting
+    tier = await deployment.start_tier(
+        kv, lease_s=1.0, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
+    )
+    region = await deployment.attach()
+    await deployment.store(region, K[0])
+    reply = await deployment.lookup(K[0], K[1], timeout=ENGINE_PATIENCE_S)
+    assert len(reply.slot_ids) == 1 and reply.usage == 0.5  # K[1]'s slot is still reserved
+    assert tier.load()["num_pending_stores"] == 1.0 and not tier.links[0].is_attached
+    await wait_for(lambda: tier.load()["num_pending_stores"] == 0.0, "the reservation's lease")
+    assert tier.load()["usage"] == 0.25 and tier.load()["num_stores_expired"] == 1.0

@@ -1,0 +1,158 @@
+"""The CPU tier's pure books: per-owner leases (``OwnerLeases``) and ``CpuTierBooks`` over a real
+``OffloadManager`` (pins only through their owner, expiry, promotion and cascade bookkeeping)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.tiers.cpu_books import CASCADE_OWNER, PROMOTE_OWNER, CpuTierBooks
+from shoal.tiers.manager import LookupResult, OffloadManager
+from shoal.tiers.owners import OwnerLeases
+
+K = [bytes([i]) * 8 for i in range(8)]
+A, B = "engine-a/1", "engine-b/1"
+
+
+def books_with(num_slots: int, ready: list[bytes]) -> CpuTierBooks:
+    books = CpuTierBooks(OffloadManager(num_slots))
+    books.prepare_store(A, ready, 0.0)
+    assert books.release(A, [], ready, []) == ready
+    return books
+
+
+def ref_cnt(books: CpuTierBooks, key: bytes) -> int:
+    return books.manager.chunks[key].ref_cnt
+
+
+# -- OwnerLeases ---------------------------------------------------------------------------------
+
+
+def test_an_owner_gives_back_only_its_own_pins_one_per_key_named():
+    leases = OwnerLeases()
+    leases.add_pins(A, [K[0], K[0], K[1]], 1.0)
+    leases.add_pins(B, [K[1]], 1.0)
+    assert leases.take_pins(A, [K[0], K[2], K[3]]) == [K[0]]
+    assert leases.take_pins("engine-c/9", [K[0]]) == []
+    assert leases.take_pins(A, [K[0], K[0], K[1]]) == [K[0], K[1]]
+    assert (leases.num_pins, leases.owners()) == (1, [B])
+
+
+def test_stores_are_taken_once_and_only_by_their_owner():
+    leases = OwnerLeases()
+    leases.add_stores(A, [K[0], K[1]], 1.0)
+    assert leases.take_stores(B, [K[0]]) == []
+    assert leases.take_stores(A, [K[1], K[1], K[2]]) == [K[1]]
+    assert leases.take_stores(A, [K[1]]) == []
+    assert leases.num_stores == 1
+
+
+def test_expire_takes_what_is_older_than_the_cutoff_and_keeps_the_rest():
+    leases = OwnerLeases()
+    leases.add_pins(A, [K[0]], 1.0)
+    leases.add_pins(A, [K[0]], 5.0)
+    leases.add_stores(A, [K[1]], 1.0)
+    leases.add_stores(B, [K[2]], 5.0)
+    expired = leases.expire(cutoff=3.0)
+    assert (expired.pins, expired.stores, expired.owners) == ([K[0]], [K[1]], [A])
+    assert (leases.num_pins, leases.num_stores) == (1, 1)
+    assert leases.take_pins(A, [K[0]]) == [K[0]]  # the younger pin is still there
+    later = leases.expire(cutoff=10.0)
+    assert (later.pins, later.stores, later.owners) == ([], [K[2]], [B])
+    assert leases.owners() == []
+
+
+# -- CpuTierBooks ----------------------------------------------------------------------------
+
+
+def test_lookup_pins_the_hit_run_and_counts_the_pending_run_after_it():
+    books = books_with(8, [K[0], K[1]])
+    books.prepare_store(B, [K[2], K[3]], 0.0)  # being written
+    head = books.lookup_head(A, [K[0], K[1], K[2], K[3], K[4]], 0.0)
+    assert (len(head.slot_ids), head.num_pending, head.may_promote) == (2, 2, False)
+    assert [ref_cnt(books, k) for k in K[:2]] == [1, 1]
+    after_pending = books.lookup_head(A, [K[0], K[2], K[1]], 0.0)  # a HIT after it: stop
+    assert (len(after_pending.slot_ids), after_pending.num_pending) == (1, 1)
+    miss = books.lookup_head(A, [K[0], K[5], K[1]], 0.0)
+    assert (len(miss.slot_ids), miss.num_pending, miss.may_promote) == (1, 0, True)
+    assert books.counters.num_hit_chunks == 4
+
+
+def test_a_release_unpins_only_what_its_owner_pinned():
+    books = books_with(4, [K[0], K[1]])
+    books.lookup_head(A, [K[0]], 0.0)
+    books.lookup_head(B, [K[0], K[1]], 0.0)
+    books.release(A, [K[0], K[1], K[2]], [], [])  # K[1] is B's, K[2] is nobody's
+    assert [ref_cnt(books, k) for k in K[:2]] == [1, 1]
+    books.release(A, [K[0]], [], [])  # A holds nothing any more
+    assert ref_cnt(books, K[0]) == 1
+    books.release(B, [K[0], K[1]], [], [])
+    assert [ref_cnt(books, k) for k in K[:2]] == [0, 0]
+
+
+def test_failed_and_foreign_stores_leave_the_owner_of_a_key_alone():
+    books = CpuTierBooks(OffloadManager(4))
+    books.prepare_store(A, [K[0], K[1]], 0.0)
+    assert books.release(B, [], [K[0]], [K[1]]) == []  # not B's writes
+    assert books.release(A, [], [K[0]], [K[1]]) == [K[0]]
+    assert books.manager.lookup(K[0]) is LookupResult.HIT
+    assert books.manager.lookup(K[1]) is LookupResult.MISS
+    assert books.manager.num_used_slots == 1
+
+
+def test_expired_leases_unpin_and_fail_so_the_slots_can_be_reused():
+    books = books_with(2, [K[0]])
+    books.lookup_head(A, [K[0]], 1.0)
+    books.prepare_store(A, [K[1]], 1.0)
+    assert books.manager.prepare_store([K[2]]) is None  # pinned and pending: no room
+    assert books.expire(cutoff=2.0) == [A]
+    assert ref_cnt(books, K[0]) == 0
+    assert books.manager.lookup(K[1]) is LookupResult.MISS
+    assert (books.counters.num_pins_expired, books.counters.num_stores_expired) == (1, 1)
+    books.release(A, [K[0]], [K[1]], [])  # too late: ignored, no error
+    assert books.manager.prepare_store([K[2], K[3]]) is not None
+
+
+def test_a_promotion_makes_the_keys_read_readable_and_frees_the_others():
+    books = CpuTierBooks(OffloadManager(4))
+    reserved = books.reserve_promotion([K[0], K[1], K[2]], 0.0)
+    assert reserved is not None and reserved.keys_to_store == [K[0], K[1], K[2]]
+    books.finish_promotion(reserved.keys_to_store, [K[0], K[1]])
+    assert books.manager.num_used_slots == 2
+    assert len(books.pin_ready_run(A, [K[0], K[1], K[2]], 0.0)) == 2
+    assert (books.counters.num_promoted, books.counters.num_promote_failures) == (2, 1)
+    assert books.leases.owners() == [A]
+
+
+def test_a_promotion_that_never_answered_is_freed_by_its_lease():
+    books = CpuTierBooks(OffloadManager(2))
+    books.reserve_promotion([K[0]], 1.0)
+    assert books.expire(cutoff=2.0) == [PROMOTE_OWNER]
+    assert books.manager.num_used_slots == 0
+    books.finish_promotion([K[0]], [K[0]])  # a late answer changes nothing
+    assert books.manager.num_used_slots == 0
+
+
+def test_a_cascade_pins_until_its_answer_or_its_lease():
+    books = books_with(2, [K[0], K[1]])
+    books.pin_for_cascade([K[0], K[1]], 1.0)
+    books.pin_for_cascade([K[0]], 5.0)
+    assert books.manager.prepare_store([K[2]]) is None
+    books.finish_cascade([K[0], K[1]], num_done=1)
+    assert [ref_cnt(books, k) for k in K[:2]] == [1, 0]
+    assert (books.counters.num_cascaded, books.counters.num_cascade_failures) == (1, 1)
+    assert books.expire(cutoff=10.0) == [CASCADE_OWNER]
+    assert ref_cnt(books, K[0]) == 0
+    books.finish_cascade([K[0]], num_done=0)  # after its lease: no double unpin
+    assert ref_cnt(books, K[0]) == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_lookup_hit_is_a_reuse_for_the_policy(policy):
+    books = CpuTierBooks(OffloadManager(2, eviction_policy=policy))
+    for key in K[:2]:
+        books.prepare_store(A, [key], 0.0)
+        books.release(A, [], [key], [])
+    books.lookup_head(A, [K[0]], 0.0)  # K[0] reused: K[1] is the one to go
+    books.release(A, [K[0]], [], [])
+    output = books.prepare_store(A, [K[2]], 0.0)
+    assert output is not None and output.evicted_keys == [K[1]]

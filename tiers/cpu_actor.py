@@ -1,0 +1,337 @@
+"""The CPU tier actor: the gateway tier of a host's KV offload (``bus.messages.offload``).
+
+It owns the host's shared-memory region (made at the first ``TierAttach``: one slot per chunk,
+``cpu_bytes_to_use // slot_bytes`` slots, named after this incarnation) and keeps its books
+(``CpuTierBooks``: the ``OffloadManager`` and who holds what); the workers of engine cores copy
+the bytes. Behind it, in order, the secondary tiers of ``secondary_tier_ids``: a lookup that
+misses here asks them and promotes what they hold into reserved slots; a store that lands here
+is cascaded to each of them.
+
+Every pin and pending store has a lease (``lease_s``); a periodic sweep hands back the expired
+ones, so a dead engine core, or a secondary whose answer never came, leaks no slot. Cascades
+are bounded per secondary (``max_cascades_in_flight``): past that, stores are dropped and
+counted, loads never. Every wait on a secondary is bounded, so a dead or slow one costs hits,
+never an engine core's lookup.
+
+Every inbound message is a request; ``TierRelease`` may also come as a plain publish. Asked, it is
+answered with ``TierJobDone`` naming the stores that became readable (an ack). Before the first
+``TierAttach`` there is no region: lookups and stores get a ``TierError``, releases change nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from shoal.bus.actor import Actor, Inbox
+from shoal.bus.base import Bus, Msg
+from shoal.bus.codec import Codec
+from shoal.bus.messages.config import KVTransferConfig, ShoalConfig
+from shoal.bus.messages.offload import (
+    KVLayout,
+    TierAttach,
+    TierAttached,
+    TierError,
+    TierInbound,
+    TierJobDone,
+    TierLookup,
+    TierLookupReply,
+    TierPrepareStore,
+    TierRelease,
+    TierReply,
+    TierStoreSlots,
+)
+from shoal.tiers.cpu_books import CpuTierBooks
+from shoal.tiers.keys import OffloadKey
+from shoal.tiers.manager import OffloadManager
+from shoal.tiers.region import SharedRegion
+from shoal.tiers.secondaries import SecondaryFailed, SecondaryLink, SecondaryTimeout
+
+log = logging.getLogger(__name__)
+
+_INBOUND: Codec[TierInbound] = Codec(TierInbound)
+
+
+class CpuTierActor(Actor):
+    """Serves ``TierInbound`` on ``subjects.tier_in(tier_id)`` (default: ``cpu_tier_id``)."""
+
+    kind = "tier"
+
+    def __init__(
+        self,
+        bus: Bus,
+        tier_id: str | None = None,
+        *,
+        config: ShoalConfig | None = None,  # the deployment's (as a process: its JSON)
+        kv_config: KVTransferConfig | None = None,  # or only its KV transfer group ...
+        namespace: str = "shoal",  # ... and the subjects' namespace
+        lease_s: float = 30.0,
+        sweep_interval_s: float | None = None,  # default lease_s / 4
+        secondary_timeout_s: float | None = None,  # attach and lookup; default a quarter of
+        # kv_lookup_timeout_s (a promotion may take half), so the engine core's wait covers both
+        cascade_timeout_s: float | None = None,  # default lease_s / 3
+        max_cascades_in_flight: int = 4,  # per secondary; more are dropped
+        secondary_retry_s: float = 1.0,  # a detached secondary is attached again this often
+        region_directory: str | Path | None = None,  # default /dev/shm (or the temp directory)
+        heartbeat_interval_s: float = 1.0,
+        drain_timeout_s: float = 5.0,
+    ) -> None:
+        if (config is None) == (kv_config is None):
+            raise ValueError(
+                "CpuTierActor takes exactly one of config (a ShoalConfig) and kv_config"
+            )
+        if config is not None:
+            kv, namespace = config.kv_transfer_config, config.bus_config.namespace
+        else:
+            assert kv_config is not None
+            kv = kv_config
+        super().__init__(
+            bus,
+            tier_id or kv.cpu_tier_id,
+            namespace=namespace,
+            heartbeat_interval_s=heartbeat_interval_s,
+            drain_timeout_s=drain_timeout_s,
+        )
+        self.kv_config = kv
+        self.lease_s = lease_s
+        self.sweep_interval_s = sweep_interval_s or lease_s / 4
+        self.lookup_timeout_s = secondary_timeout_s or kv.kv_lookup_timeout_s / 4
+        self.promote_timeout_s = 2 * self.lookup_timeout_s
+        self.cascade_timeout_s = cascade_timeout_s or lease_s / 3
+        secondary_ids = kv.secondary_tier_ids
+        if secondary_ids and max(self.promote_timeout_s, self.cascade_timeout_s) >= lease_s:
+            raise ValueError(
+                f"lease_s ({lease_s}) must outlast a promotion ({self.promote_timeout_s} s) "
+                f"and a cascade ({self.cascade_timeout_s} s)"
+            )
+        self.max_cascades_in_flight = max_cascades_in_flight
+        self.region_directory = Path(region_directory) if region_directory else None
+        self.links = [
+            SecondaryLink(
+                bus,
+                secondary_id,
+                self.subjects.tier_in(secondary_id),
+                owner=self.actor_id,
+                timeout_s=self.lookup_timeout_s,
+                retry_s=secondary_retry_s,
+            )
+            for secondary_id in secondary_ids
+        ]
+        self.region: SharedRegion | None = None
+        self.books: CpuTierBooks | None = None
+        self._tasks: set[asyncio.Task[object]] = set()
+
+    def inboxes(self) -> Sequence[Inbox]:
+        return [Inbox(self.subjects.tier_in(self.actor_id), self.on_request, _INBOUND)]
+
+    async def on_start(self) -> None:
+        self._spawn(self._sweep_loop())
+
+    async def on_stop(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.region is not None:
+            self.region.close(unlink=True)
+            self.region = None
+
+    def load(self) -> dict[str, float]:
+        if self.books is None:
+            return {"usage": 0.0, "num_chunks": 0.0}
+        manager, counters = self.books.manager, self.books.counters
+        return {
+            "usage": manager.usage,
+            "num_chunks": float(manager.num_used_slots),
+            "num_queries": float(manager.stats.num_queries),
+            "num_hits": float(manager.stats.num_hits),
+            "num_pins": float(self.books.leases.num_pins),
+            "num_pending_stores": float(self.books.leases.num_stores),
+            **{name: float(value) for name, value in asdict(counters).items()},
+        }
+
+    # -- requests ---------------------------------------------------------------------------
+
+    async def on_request(self, request: TierInbound, msg: Msg) -> TierReply | None:
+        match request:
+            case TierAttach(layout=layout):
+                return await self._attach(layout)
+        if self.books is None or self.region is None:
+            if isinstance(request, TierRelease):
+                return TierJobDone()  # nothing of this incarnation is held
+            return TierError(f"tier {self.actor_id} has no region yet: send TierAttach first")
+        match request:
+            case TierLookup(owner=owner, keys=keys):
+                return await self._lookup(owner, keys)
+            case TierPrepareStore(owner=owner, keys=keys):
+                return self._prepare_store(owner, keys)
+            case TierRelease():
+                return self._release(request)
+        return TierError(f"tier {self.actor_id} does not serve {type(request).__name__}")
+
+    async def _attach(self, layout: KVLayout) -> TierReply:
+        if self.region is None:
+            num_slots = self.kv_config.cpu_bytes_to_use // layout.slot_bytes
+            if num_slots < 1:
+                return TierError(
+                    f"cpu_bytes_to_use ({self.kv_config.cpu_bytes_to_use} bytes) holds no chunk "
+                    f"of {layout.slot_bytes} bytes (the slot size of {layout}): raise it"
+                )
+            self.region = SharedRegion.create(
+                self.subjects.namespace,
+                self.actor_id,
+                self.incarnation,
+                num_slots,
+                layout,
+                self.region_directory,
+            )
+            kv = self.kv_config
+            manager = OffloadManager(
+                num_slots, kv.eviction_policy, kv.store_threshold, kv.max_tracker_size
+            )
+            self.books = CpuTierBooks(manager)
+            log.info("%r: region %s, %d slots", self, self.region.ref.path, num_slots)
+        elif layout != self.region.ref.layout:
+            return TierError(
+                f"tier {self.actor_id} holds chunks of layout {self.region.ref.layout}; "
+                f"refused {layout}"
+            )
+        now = time.monotonic()
+        await asyncio.gather(*(link.attach(layout, now) for link in self.links))
+        return TierAttached(self.region.ref)
+
+    async def _lookup(self, owner: str, keys: list[OffloadKey]) -> TierLookupReply:
+        books, region = self._books_and_region()
+        head = books.lookup_head(owner, keys, time.monotonic())
+        slot_ids = head.slot_ids
+        if head.may_promote:
+            slot_ids = slot_ids + await self._promote(owner, keys[len(slot_ids) :])
+        return TierLookupReply(
+            region.ref.generation, slot_ids, head.num_pending, books.manager.usage
+        )
+
+    async def _promote(self, owner: str, keys: list[OffloadKey]) -> list[int]:
+        """Promote from the secondaries, in order, the leading keys they hold; the slots of
+        the run now readable here, pinned for ``owner``."""
+        slot_ids: list[int] = []
+        for link in self.links:
+            if not keys:
+                break
+            if not self._usable(link):
+                continue
+            num_held = await link.held(keys)
+            if num_held == 0:
+                continue
+            pinned = await self._promote_run(link, owner, keys[:num_held])
+            slot_ids += pinned
+            if len(pinned) < num_held:
+                break
+            keys = keys[num_held:]
+        return slot_ids
+
+    async def _promote_run(
+        self, link: SecondaryLink, owner: str, keys: list[OffloadKey]
+    ) -> list[int]:
+        books, region = self._books_and_region()
+        reserved = books.reserve_promotion(keys, time.monotonic())
+        if reserved is not None and reserved.keys_to_store:
+            try:
+                reply = await link.promote(
+                    region.ref, reserved.keys_to_store, reserved.slot_ids, self.promote_timeout_s
+                )
+            except SecondaryTimeout:
+                pass  # it may still write the slots: they stay reserved until their lease ends
+            except SecondaryFailed:
+                books.finish_promotion(reserved.keys_to_store, [])
+            else:
+                books.finish_promotion(reserved.keys_to_store, reply.done_keys)
+        return books.pin_ready_run(owner, keys, time.monotonic())
+
+    def _prepare_store(self, owner: str, keys: list[OffloadKey]) -> TierStoreSlots:
+        books, region = self._books_and_region()
+        output = books.prepare_store(owner, keys, time.monotonic())
+        generation, usage = region.ref.generation, books.manager.usage
+        if output is None:
+            return TierStoreSlots(generation, accepted=False, usage=usage)
+        return TierStoreSlots(generation, output.keys_to_store, output.slot_ids, True, usage)
+
+    def _release(self, release: TierRelease) -> TierJobDone:
+        books, _ = self._books_and_region()
+        stored = books.release(
+            release.owner, release.loaded_keys, release.stored_keys, release.failed_keys
+        )
+        if stored:
+            self._cascade(stored)
+        return TierJobDone(done_keys=stored)
+
+    # -- cascades ---------------------------------------------------------------------------
+
+    def _cascade(self, keys: list[OffloadKey]) -> None:
+        """Send newly stored chunks to every secondary that can take them now; drop the rest."""
+        books, _ = self._books_and_region()
+        for link in self.links:
+            if not self._usable(link) or link.num_in_flight >= self.max_cascades_in_flight:
+                books.counters.num_cascade_dropped += len(keys)
+                continue
+            slot_ids = books.pin_for_cascade(keys, time.monotonic())
+            link.num_in_flight += 1
+            self._spawn(self._run_cascade(link, keys, slot_ids))
+
+    async def _run_cascade(
+        self, link: SecondaryLink, keys: list[OffloadKey], slot_ids: list[int]
+    ) -> None:
+        books, region = self._books_and_region()
+        try:
+            reply = await link.cascade(region.ref, keys, slot_ids, self.cascade_timeout_s)
+        except SecondaryTimeout:
+            books.counters.num_cascade_failures += len(keys)
+            return  # it may still read the slots: they stay pinned until their lease ends
+        except SecondaryFailed:
+            books.finish_cascade(keys, 0)
+            return
+        finally:
+            link.num_in_flight -= 1
+        books.finish_cascade(keys, len(set(reply.done_keys) & set(keys)))
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _usable(self, link: SecondaryLink) -> bool:
+        """Attached; a detached one is attached again in the background when it is due."""
+        if link.is_attached:
+            return True
+        now = time.monotonic()
+        if self.region is not None and link.claim_retry(now):
+            self._spawn(link.attach(self.region.ref.layout, now))
+        return False
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval_s)
+            try:
+                self.sweep(time.monotonic())
+                for link in self.links:
+                    self._usable(link)  # an idle tier attaches its secondaries again too
+            except Exception:  # a bug here must not end the sweeps: slots would leak
+                log.exception("%r: sweep failed", self)
+
+    def sweep(self, now: float) -> None:
+        """Hand back every pin and pending store older than the lease."""
+        if self.books is None:
+            return
+        owners = self.books.expire(now - self.lease_s)
+        if owners:
+            log.warning("%r: leases of %s expired", self, ", ".join(owners))
+
+    def _books_and_region(self) -> tuple[CpuTierBooks, SharedRegion]:
+        assert self.books is not None and self.region is not None
+        return self.books, self.region
+
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
