@@ -77,10 +77,10 @@ class CpuTierBooks:
         return HeadLookup(slot_ids, num_pending, may_promote)
 
     def prepare_store(
-        self, owner: str, keys: Sequence[OffloadKey], now: float
+        self, owner: str, keys: Sequence[OffloadKey], now: float, *, filtered: bool = True
     ) -> PrepareStoreOutput | None:
         """Slots for the new keys of an offer, pending for ``owner``; ``None``: no room."""
-        output = self.manager.prepare_store(keys)
+        output = self.manager.prepare_store(keys, filtered=filtered)
         if output is not None:
             self.leases.add_stores(owner, output.keys_to_store, now)
         return output
@@ -104,8 +104,9 @@ class CpuTierBooks:
     def reserve_promotion(
         self, keys: Sequence[OffloadKey], now: float
     ) -> PrepareStoreOutput | None:
-        """Slots for a secondary to read ``keys`` into (held back or held keys are skipped)."""
-        return self.prepare_store(PROMOTE_OWNER, keys, now)
+        """Slots for a secondary to read ``keys`` into (keys held already are skipped;
+        ``store_threshold`` is not applied: the chunk was stored once)."""
+        return self.prepare_store(PROMOTE_OWNER, keys, now, filtered=False)
 
     def finish_promotion(self, keys: Sequence[OffloadKey], done_keys: Sequence[OffloadKey]) -> None:
         """A promotion answered: ``done_keys`` are readable, the rest of ``keys`` are dropped."""

@@ -143,14 +143,18 @@ class OffloadManager:
 
     # -- stores -----------------------------------------------------------------------------
 
-    def prepare_store(self, keys: Sequence[OffloadKey]) -> PrepareStoreOutput | None:
-        """Slots for the new keys of an offer (evicting idle chunks), or ``None`` if no room."""
+    def prepare_store(
+        self, keys: Sequence[OffloadKey], *, filtered: bool = True
+    ) -> PrepareStoreOutput | None:
+        """Slots for the new keys of an offer (evicting idle chunks), or ``None`` if no room.
+        ``filtered=False`` skips ``store_threshold`` (a promotion from a lower tier: the chunk
+        was worth storing already)."""
         offered = list(dict.fromkeys(keys))  # drop repeats, keep prefix order
         new_keys = []
         for key in offered:
             if key in self.chunks:
                 continue
-            if self.store_filter.offer(key):
+            if not filtered or self.store_filter.offer(key):
                 new_keys.append(key)
             else:
                 self.stats.num_stores_skipped += 1

@@ -18,8 +18,9 @@ Engine core → CPU tier, request/reply on ``subjects.tier_in(tier_id)``:
   promote keys from a secondary tier.
 - ``TierPrepareStore(owner, keys)`` → ``TierStoreSlots``: slots for the keys not held yet
   (evicting idle chunks), not readable until the owner reports the copy done.
-- ``TierRelease(owner, loaded_keys, stored_keys, failed_keys)`` (no reply): loads done (unpin),
-  stores done or failed.
+- ``TierRelease(owner, loaded_keys, stored_keys, failed_keys)``: loads done (unpin), stores done
+  or failed; usually published without a reply subject (asked as a request, the tier answers
+  ``TierJobDone`` naming the stores that became readable).
 
 An owner is one engine core incarnation (``engine_id/incarnation``); a tier frees the pins and
 unfinished stores of an owner it has not heard from for a while, so a dead engine core never

@@ -123,6 +123,14 @@ def test_a_promotion_makes_the_keys_read_readable_and_frees_the_others():
     assert books.leases.owners() == [A]
 
 
+def test_store_threshold_holds_back_engine_offers_but_never_a_promotion():
+    books = CpuTierBooks(OffloadManager(4, store_threshold=2))
+    offered = books.prepare_store(A, [K[0]], 0.0)
+    assert offered is not None and offered.keys_to_store == []  # offered once: held back
+    reserved = books.reserve_promotion([K[1]], 0.0)
+    assert reserved is not None and reserved.keys_to_store == [K[1]]
+
+
 def test_a_promotion_that_never_answered_is_freed_by_its_lease():
     books = CpuTierBooks(OffloadManager(2))
     books.reserve_promotion([K[0]], 1.0)

@@ -31,7 +31,10 @@ class Rule:
     why: str = ""
 
 
-PURE_TIERS = tuple(f"shoal.tiers.{m}" for m in ("keys", "manager", "policies", "store_filter"))
+PURE_TIERS = tuple(
+    f"shoal.tiers.{m}"
+    for m in ("keys", "manager", "policies", "store_filter", "owners", "cpu_books")
+)
 RULES = (
     Rule("shoal.bus", ("shoal.bus",), why="the bus knows no engine, model or GPU"),
     Rule(
