@@ -30,7 +30,8 @@ def actor_target(
             **HttpOptions.from_namespace(ns).gateway_kwargs(),
         }
         return GATEWAY_TARGET, kwargs
-    wanted = actor_id or DEFAULT_IDS[kind]
+    default = config.kv_transfer_config.cpu_tier_id if kind == "tier" else DEFAULT_IDS[kind]
+    wanted = actor_id or default
     inits = [ns.tp_init_method or ""] * config.parallel_config.data_parallel_size
     for plan in plan_actors(config, tp_init_methods=inits):
         if plan.name == wanted and plan.kind == kind:

@@ -20,7 +20,7 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
-ACTOR_KINDS = ("worker", "engine", "gateway", "recovery")
+ACTOR_KINDS = ("worker", "engine", "gateway", "recovery", "tier")
 # Benchmark names that are not file names: `shoal bench throughput` is the end-to-end one.
 LOG_LEVEL_HELP = "DEBUG, INFO, WARNING or ERROR"
 DEMO_MODEL_NAME = "demo"  # what clients call the built-in model
@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--id",
         dest="actor_id",
         default=None,
-        help="actor id: worker-D-T, engine-D, gateway-N or recovery-0 (default: rank 0's)",
+        help="actor id: worker-D-T, engine-D, gateway-N, recovery-0 or a KV tier's "
+        "(kv-cpu, kv-cpu-fs0, ...) (default: rank 0's, the CPU tier's)",
     )
     actor.add_argument(
         "--tp-init-method",

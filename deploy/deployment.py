@@ -4,7 +4,9 @@ offline ``LLM`` (tasks in one loop), local single-node mode (supervised processe
 
 Per data-parallel rank ``d`` there is one engine core ``engine-d`` and ``tensor_parallel_size``
 workers ``worker-d-t`` (rank 0 answers for the group); with fault tolerance on (and its recovery
-controller not turned off), one recovery controller ``recovery-0`` sends them ``retry``. Every
+controller not turned off), one recovery controller ``recovery-0`` sends them ``retry``. With KV
+offload on, the host's tier actors come first: the secondary tiers, then the CPU tier in front of
+them (``kv-cpu`` by default; every engine core of the host shares it). Every
 actor is given the whole config plus its place in the deployment (its id, its rank, its peers);
 it reads what it needs. Actor classes are named by import path, so a plan can cross a process
 boundary.
@@ -26,6 +28,7 @@ ENGINE_TARGET = "shoal.engine.actor.core_actor:EngineCoreActor"
 GATEWAY_TARGET = "shoal.gateway.actor:GatewayActor"
 RECOVERY_TARGET = "shoal.engine.recovery.actor:RecoveryControllerActor"
 RECOVERY_ID = "recovery-0"
+CPU_TIER_TARGET = "shoal.tiers.cpu_actor:CpuTierActor"
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ def plan_actors(
     ``tp_init_methods[d]`` is the torch.distributed rendezvous (``tcp://host:port``) of data
     parallel rank d's tensor-parallel group; needed when ``tensor_parallel_size > 1``.
     """
-    plans: list[ActorPlan] = []
+    plans = plan_tiers(config)
     tp = config.parallel_config.tensor_parallel_size
     for d in range(config.parallel_config.data_parallel_size):
         init = tp_init_methods[d] if tp_init_methods and tp > 1 else None
@@ -81,6 +84,15 @@ def plan_actors(
         kwargs = {"actor_id": RECOVERY_ID, "config": config}
         plans.append(ActorPlan(RECOVERY_ID, RECOVERY_TARGET, kwargs, "recovery"))
     return plans
+
+
+def plan_tiers(config: ShoalConfig) -> list[ActorPlan]:
+    """The KV offload tiers of a host (none with offload off)."""
+    kv = config.kv_transfer_config
+    if not kv.enabled:
+        return []
+    kwargs = {"tier_id": kv.cpu_tier_id, "config": config}
+    return [ActorPlan(kv.cpu_tier_id, CPU_TIER_TARGET, kwargs, "tier")]
 
 
 def runs_recovery_controller(config: ShoalConfig) -> bool:

@@ -1,5 +1,5 @@
-"""Builds an engine stack (workers, engine cores, an engine client) in one event loop, on any
-bus: the harness of the end-to-end tests."""
+"""Builds an engine stack (KV tiers when offload is on, workers, engine cores, an engine client)
+in one event loop, on any bus: the harness of the end-to-end tests."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
 from shoal.bus.messages.config import ShoalConfig
+from shoal.deploy.deployment import plan_tiers, start_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.workers.actor import WorkerActor
@@ -22,6 +24,7 @@ class EngineStack:
     engines: list[EngineCoreActor]
     workers: list[WorkerActor]
     extra: dict[str, Any] = field(default_factory=dict)
+    tiers: list[Actor] = field(default_factory=list)  # the KV offload tiers, CPU tier last
 
 
 @contextlib.asynccontextmanager
@@ -48,6 +51,7 @@ async def engine_stack(
         **options,
     )
     workers, engines = [], []
+    tiers = await start_in_process(bus, plan_tiers(config))
     try:
         for rank in range(num_engines):
             worker = WorkerActor(bus, f"w{rank}", config=config, heartbeat_interval_s=0.2)
@@ -61,8 +65,8 @@ async def engine_stack(
         client = AsyncEngineClient(bus, config)
         await client.start()
         await client.wait_until_ready(30, num_engines)
-        yield EngineStack(client, engines, workers)
+        yield EngineStack(client, engines, workers, tiers=tiers)
         await client.close()
     finally:
-        for actor in [*engines, *workers]:
+        for actor in [*engines, *workers, *tiers]:
             await actor.stop()
