@@ -176,7 +176,10 @@ class EngineCoreActor(FaultHandlingActor):
             )
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
         if self.offload is not None:
-            self.offload.attach(kv_layout(self.config, infos))
+            try:
+                self.offload.attach(kv_layout(self.config, infos))
+            except ValueError as exc:
+                log.error("engine %s: KV offload stays off: %s", self.engine_id, exc)
         log.info(
             "engine %s: %d workers ready, %d KV blocks", self.engine_id, len(infos), num_blocks
         )

@@ -27,6 +27,7 @@ from shoal.bus.base import Bus, BusError
 from shoal.bus.codec import Codec, encode
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.offload import (
+    DTYPE_SIZES,
     KVLayout,
     KVTransferResult,
     TierAttach,
@@ -49,8 +50,11 @@ _REPLY: Codec[TierReply] = Codec(TierReply)
 
 def kv_layout(config: ShoalConfig, infos: Sequence[WorkerInfo]) -> KVLayout:
     """The chunk layout of an engine core whose workers reported ``infos``; its model tag names
-    the checkpoint and everything that shapes its KV bytes or its keys."""
+    the checkpoint and everything that shapes its KV bytes or its keys. ``ValueError`` when the
+    workers did not report their KV geometry."""
     info = infos[0]
+    if info.num_layers < 1 or info.kv_dtype not in DTYPE_SIZES:
+        raise ValueError(f"worker {info.worker_id} did not report its KV cache geometry")
     model = config.model_config
     shape = (
         model.model,
