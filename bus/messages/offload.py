@@ -46,6 +46,22 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True)
     tp_size: int
     blocks_per_chunk: int
 
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(
+                f"KV dtype must be one of {', '.join(DTYPE_SIZES)}, got {self.dtype!r}"
+            )
+        for name in (
+            "num_layers",
+            "block_size",
+            "num_kv_heads",
+            "head_dim",
+            "tp_size",
+            "blocks_per_chunk",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KV layout {name} must be positive, got {getattr(self, name)}")
+
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]
