@@ -5,6 +5,11 @@ prefill chunks and decodes, then batched sampling).
 Synchronous and single-threaded: the worker actor calls ``execute`` from its forward thread and
 turns an exception into a ``StepError``. With tensor parallelism every rank runs the same steps;
 rank 0's sampled tokens are broadcast so the ranks never diverge.
+
+KV offload: a step's ``kv_transfers`` run right after its diff, before the forward pass
+(``workers.kv_transfer``); a step may carry only transfers. A request whose load failed is left
+out (the engine core recomputes it), the same on every rank: the copier's checks depend only on
+the step and the region file.
 """
 
 from __future__ import annotations

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from shoal.bus.messages.offload import KVLayout, KVLoad, KVStore, KVTransfers, RegionRef
+from shoal.bus.messages.offload import (
+    DTYPE_SIZES,
+    KVLayout,
+    KVLoad,
+    KVStore,
+    KVTransfers,
+    RegionRef,
+)
 from shoal.tiers.region import SharedRegion
 from shoal.workers.kv_cache import KVCache
 from shoal.workers.kv_transfer import RegionUnavailable, RegionViews, job_fault, run_kv_transfers
@@ -159,14 +166,23 @@ def test_a_bad_job_fails_alone(tmp_path: Path) -> None:
         {"block_size": 8},
         {"num_kv_heads": 1},
         {"head_dim": 4},
+        {"num_kv_heads": 4, "head_dim": 4},  # the same bytes per block
         {"dtype": "bfloat16"},
         {"dtype": "int8"},
         {"tp_size": 2},
         {"blocks_per_chunk": 0},
     ],
 )
-def test_a_layout_that_is_not_this_cache_fails_every_job(changes: dict[str, object]) -> None:
-    ref = RegionRef("/nonexistent/never-mapped.kv", "g", 2, layout(**changes))
+def test_a_layout_that_is_not_this_cache_fails_every_job(
+    tmp_path: Path, changes: dict[str, object]
+) -> None:
+    """The region file exists and fits its own layout: only the layout check refuses it."""
+    lay = layout(**changes)
+    if lay.dtype in DTYPE_SIZES and lay.blocks_per_chunk > 0:
+        ref = region(tmp_path, lay, num_slots=2).ref
+    else:  # a layout no tier would make: any file
+        (tmp_path / "odd.kv").write_bytes(bytes(4096))
+        ref = RegionRef(str(tmp_path / "odd.kv"), "g", 2, lay)
     cache = kv_cache(seed=5)
     before = [t.clone() for t in cache.k]
     transfers = KVTransfers(

@@ -142,8 +142,10 @@ def test_failed_loads_drop_their_requests_alone(runner: ModelRunner, tmp_path: P
     # sent before the engine core saw the failure (async scheduling): left out, no error
     later = runner.execute(ExecuteStep(4, cached_requests=[decode("slot", 13), decode("good", 13)]))
     assert later.req_ids == ["good"] and later.sampled_token_ids == [expected[1:]]
-    # the engine core preempts the dropped requests, then re-sends one to be recomputed
-    runner.execute(ExecuteStep(5, preempted_req_ids=["slot", "block"], finished_req_ids=["good"]))
+    # the engine core preempts (or finishes) the dropped requests, then re-sends one
+    gone = ExecuteStep(5, preempted_req_ids=["slot"], finished_req_ids=["good", "block"])
+    assert runner.execute(gone).error is None
+    assert len(runner.batch) == 2  # "a" and "plain"
     again = NewRequestData(
         "slot", PROMPT, SamplingParams(temperature=0.0), [40, 41, 42, 43], 0, 13, resumed=True
     )
@@ -162,7 +164,7 @@ def test_a_region_that_cannot_be_used_fails_every_load(
     if fault == "gone":
         shared.close(unlink=True)
     else:
-        region = RegionRef(region.path, region.generation, region.num_slots, _float16(region))
+        region = RegionRef(region.path, region.generation, region.num_slots, _regrouped(region))
     loads = [KVLoad(r, [b, b + 1, b + 2], [0, 1, 2], [0, 0, 0]) for r, b in (("x", 10), ("y", 20))]
     step = ExecuteStep(
         3,
@@ -180,15 +182,16 @@ def test_a_region_that_cannot_be_used_fails_every_load(
     assert len(runner.batch) == 2  # "a" and "plain"
 
 
-def _float16(region: RegionRef) -> KVLayout:
+def _regrouped(region: RegionRef) -> KVLayout:
+    """Twice the heads of half the size: the same bytes per block, another layout."""
     lay = region.layout
     return KVLayout(
         lay.model_tag,
         lay.num_layers,
         lay.block_size,
-        lay.num_kv_heads,
-        lay.head_dim,
-        "float16",
+        lay.num_kv_heads * 2,
+        lay.head_dim // 2,
+        lay.dtype,
         lay.tp_size,
         lay.blocks_per_chunk,
     )
