@@ -12,6 +12,9 @@ Validation depends only on the step and the region file, never on this rank's ow
 every tensor-parallel rank of an engine core fails the same loads and runs the same requests:
 a region that cannot be mapped (file gone, wrong size) or whose layout is not this cache's
 fails every job; a job with unequal lists or an id out of range fails alone.
+
+``DroppedLoads``: the requests the runner left out after a failed load, until the engine core
+has seen the failure.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import mmap
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +41,7 @@ from shoal.workers.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
+MAX_DROPPED = 4096  # dropped ids kept while waiting for the engine core to let them go
 KEEP_GENERATIONS = 2
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
@@ -286,3 +290,30 @@ def run_kv_transfers(
     result.store_time_s = loaded - started
     result.load_time_s = time.perf_counter() - loaded
     return result
+
+
+class DroppedLoads:
+    """Requests out of the persistent batch because their KV load failed. A step naming one
+    as cached leaves it out (sent before the engine core saw the failure); the engine core
+    lets it go by finishing, preempting or re-sending it as new (it is recomputed)."""
+
+    def __init__(self) -> None:
+        self._req_ids: dict[str, None] = {}
+
+    def __contains__(self, req_id: str) -> bool:
+        return req_id in self._req_ids
+
+    def __len__(self) -> int:
+        return len(self._req_ids)
+
+    def add(self, req_id: str) -> None:
+        if len(self._req_ids) >= MAX_DROPPED:
+            del self._req_ids[next(iter(self._req_ids))]
+        self._req_ids[req_id] = None
+
+    def forget(self, req_ids: Iterable[str]) -> None:
+        for req_id in req_ids:
+            self._req_ids.pop(req_id, None)
+
+    def clear(self) -> None:
+        self._req_ids.clear()

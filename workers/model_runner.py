@@ -28,12 +28,12 @@ from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.workers.config import CheckpointConfig, parse_dtype
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
-from shoal.workers.kv_transfer import RegionViews, dtype_name, run_kv_transfers
+from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run_kv_transfers
 from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.loader import load_model
 from shoal.workers.models.decoder import DecoderForCausalLM
 from shoal.workers.parallel import TPContext, TPGroup, init_tensor_parallel
-from shoal.workers.rejections import MAX_REMEMBERED, Rejections
+from shoal.workers.rejections import Rejections
 from shoal.workers.request_store import RequestStore
 from shoal.workers.sampler import Sampler, compute_prompt_logprobs
 from shoal.workers.sampling_metadata import SamplingBatch
@@ -99,7 +99,7 @@ class ModelRunner:
         self._model: DecoderForCausalLM | None = None
         self._sampler = Sampler()
         self.regions = RegionViews()  # CPU tier regions, mapped for KV offload copies
-        self._dropped: dict[str, None] = {}  # requests out of the batch for a failed KV load
+        self._dropped = DroppedLoads()  # requests out of the batch after a failed KV load
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -270,7 +270,8 @@ class ModelRunner:
                 self.batch.remove_request(req_id, preempted=True)  # a seeded generator is kept
         self.rejections.forget([*step.finished_req_ids, *step.preempted_req_ids])
         if self._dropped:
-            self._forget_dropped(step)
+            self._dropped.forget([*step.finished_req_ids, *step.preempted_req_ids])
+            self._dropped.forget(new.req_id for new in step.new_requests)
         for new in step.new_requests:
             if not self.rejections.admit(new):
                 self.batch.remove_request(new.req_id)  # an earlier request of that id is gone
@@ -297,13 +298,6 @@ class ModelRunner:
             self.batch.append_blocks(state.row, cached.new_block_ids)
             self.batch.num_computed[state.row] = cached.num_computed_tokens
 
-    def _forget_dropped(self, step: ExecuteStep) -> None:
-        """The engine core has seen the failed load: it finished, preempted or re-sent them."""
-        for req_id in (*step.finished_req_ids, *step.preempted_req_ids):
-            self._dropped.pop(req_id, None)
-        for new in step.new_requests:
-            self._dropped.pop(new.req_id, None)
-
     def _run_kv_transfers(self, step: ExecuteStep) -> KVTransferResult | None:
         """Run the step's KV offload copies (``workers.kv_transfer``) before anything reads the
         KV. A request whose load failed leaves the batch (its generator parked, as when
@@ -320,9 +314,7 @@ class ModelRunner:
         )
         for req_id in result.failed_load_req_ids:
             self.batch.remove_request(req_id, preempted=True)
-            if len(self._dropped) >= MAX_REMEMBERED:
-                del self._dropped[next(iter(self._dropped))]
-            self._dropped[req_id] = None
+            self._dropped.add(req_id)
         return result
 
     def reset(self) -> None:

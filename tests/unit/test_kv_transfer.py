@@ -19,7 +19,14 @@ from shoal.bus.messages.offload import (
 )
 from shoal.tiers.region import SharedRegion
 from shoal.workers.kv_cache import KVCache
-from shoal.workers.kv_transfer import RegionUnavailable, RegionViews, job_fault, run_kv_transfers
+from shoal.workers.kv_transfer import (
+    MAX_DROPPED,
+    DroppedLoads,
+    RegionUnavailable,
+    RegionViews,
+    job_fault,
+    run_kv_transfers,
+)
 
 LAYERS, BLOCK, HEADS, DIM, NUM_BLOCKS = 2, 4, 2, 8, 10
 
@@ -242,3 +249,12 @@ def test_job_fault_names_what_is_wrong() -> None:
     assert "slot id 4" in str(job_fault([1], [4], [0], **limits))
     assert "block offset -1" in str(job_fault([1], [0], [-1], **limits))
     assert "2 block ids, 1 slot ids" in str(job_fault([1, 2], [0], [0, 0], **limits))
+
+
+def test_dropped_requests_are_bounded_oldest_first() -> None:
+    dropped = DroppedLoads()
+    for i in range(MAX_DROPPED + 1):
+        dropped.add(f"r{i}")
+    assert len(dropped) == MAX_DROPPED and "r0" not in dropped and f"r{MAX_DROPPED}" in dropped
+    dropped.forget(["r1", "unknown"])
+    assert "r1" not in dropped and len(dropped) == MAX_DROPPED - 1

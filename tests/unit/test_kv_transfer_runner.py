@@ -142,15 +142,17 @@ def test_failed_loads_drop_their_requests_alone(runner: ModelRunner, tmp_path: P
     # sent before the engine core saw the failure (async scheduling): left out, no error
     later = runner.execute(ExecuteStep(4, cached_requests=[decode("slot", 13), decode("good", 13)]))
     assert later.req_ids == ["good"] and later.sampled_token_ids == [expected[1:]]
-    # the engine core preempts (or finishes) the dropped requests, then re-sends one
-    gone = ExecuteStep(5, preempted_req_ids=["slot"], finished_req_ids=["good", "block"])
+    # the engine core preempts the dropped requests and re-sends them (one at once)
+    gone = ExecuteStep(5, preempted_req_ids=["slot"], finished_req_ids=["good"])
     assert runner.execute(gone).error is None
     assert len(runner.batch) == 2  # "a" and "plain"
-    again = NewRequestData(
-        "slot", PROMPT, SamplingParams(temperature=0.0), [40, 41, 42, 43], 0, 13, resumed=True
-    )
-    redo = runner.execute(ExecuteStep(6, new_requests=[again]))
-    assert redo.req_ids == ["slot"] and redo.sampled_token_ids == [expected[:1]]
+    greedy = SamplingParams(temperature=0.0)
+    again = [
+        NewRequestData(r, PROMPT, greedy, [b, b + 1, b + 2, b + 3], 0, 13, resumed=True)
+        for r, b in (("slot", 40), ("block", 44))
+    ]
+    redo = runner.execute(ExecuteStep(6, new_requests=again))
+    assert redo.req_ids == ["slot", "block"] and redo.sampled_token_ids == [expected[:1]] * 2
     assert redo.kv_transfer is None
 
 
@@ -180,6 +182,8 @@ def test_a_region_that_cannot_be_used_fails_every_load(
     assert result.kv_transfer.failed_load_req_ids == ["x", "y"]
     assert result.req_ids == ["plain"] and result.sampled_token_ids == [expected[:1]]
     assert len(runner.batch) == 2  # "a" and "plain"
+    finished = runner.execute(ExecuteStep(4, finished_req_ids=["x", "y", "plain"]))
+    assert finished.error is None and len(runner.batch) == 1
 
 
 def _regrouped(region: RegionRef) -> KVLayout:
