@@ -10,10 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from shoal.bus.codec import Codec, encode
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.offload import KVLayout, KVLoad, KVStore, KVTransfers, RegionRef
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
+from shoal.bus.messages.worker import (
+    CachedRequestData,
+    ExecuteStep,
+    NewRequestData,
+    WorkerOutbound,
+)
 from shoal.tiers.region import SharedRegion
 from shoal.workers.actor import WorkerActor
 from shoal.workers.model_runner import ModelRunner
@@ -135,6 +141,7 @@ def test_failed_loads_drop_their_requests_alone(runner: ModelRunner, tmp_path: P
     result = runner.execute(step)
     assert result.kv_transfer is not None and result.error is None
     assert result.kv_transfer.failed_load_req_ids == ["slot", "block"]
+    assert Codec(WorkerOutbound).decode(encode(result)) == result  # as the engine core reads it
     assert result.kv_transfer.failed_store_job_ids == [12]
     assert result.req_ids == ["good", "plain"]
     assert result.sampled_token_ids == [expected[:1], expected[:1]]
