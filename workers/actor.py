@@ -31,7 +31,8 @@ the step with that count runs in full (tensor-parallel peers are never left wait
 collective) and is answered as if its forward pass had raised ``InjectedFault`` (fatal).
 
 The runner contract (``StepRunner``): ``load() -> facts`` (num_blocks, block_size,
-max_model_len, vocab_size, eos_token_ids), ``execute(step) -> StepResult``, ``reset()``;
+max_model_len, vocab_size, eos_token_ids; optionally the KV geometry num_layers, num_kv_heads,
+head_dim, kv_dtype for KV offload), ``execute(step) -> StepResult``, ``reset()``;
 optionally ``num_requests`` (else ``len(runner.batch)``), ``num_blocks_in_use`` and ``tp``
 (``.rank``/``.size``) for heartbeats and ``WorkerInfo``, and ``group`` (a ``GroupMember``, or
 None when the group is static or there is none) for ``JoinGroup``.
@@ -304,6 +305,10 @@ class WorkerActor(Actor):
             incarnation=self.incarnation,
             tp_rank=getattr(tp, "rank", 0),
             tp_size=getattr(tp, "size", 1),
+            num_layers=getattr(self.facts, "num_layers", 0),
+            num_kv_heads=getattr(self.facts, "num_kv_heads", 0),
+            head_dim=getattr(self.facts, "head_dim", 0),
+            kv_dtype=getattr(self.facts, "kv_dtype", ""),
         )
 
     # -- helpers -------------------------------------------------------------------------------

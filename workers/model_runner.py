@@ -5,6 +5,11 @@ prefill chunks and decodes, then batched sampling).
 Synchronous and single-threaded: the worker actor calls ``execute`` from its forward thread and
 turns an exception into a ``StepError``. With tensor parallelism every rank runs the same steps;
 rank 0's sampled tokens are broadcast so the ranks never diverge.
+
+KV offload: a step's ``kv_transfers`` run right after its diff, before the forward pass
+(``workers.kv_transfer``); a step may carry only transfers. A request whose load failed is left
+out (the engine core recomputes it), the same on every rank: the copier's checks depend only on
+the step and the region file.
 """
 
 from __future__ import annotations
@@ -18,10 +23,12 @@ import torch
 
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import Logprobs
+from shoal.bus.messages.offload import KVTransferResult
 from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.workers.config import CheckpointConfig, parse_dtype
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run_kv_transfers
 from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.loader import load_model
 from shoal.workers.models.decoder import DecoderForCausalLM
@@ -43,6 +50,11 @@ class ModelFacts:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
+    # this rank's KV cache geometry (``WorkerInfo``'s, for KV offload)
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+    kv_dtype: str = ""
 
 
 @dataclass
@@ -86,6 +98,8 @@ class ModelRunner:
         self.facts: ModelFacts | None = None
         self._model: DecoderForCausalLM | None = None
         self._sampler = Sampler()
+        self.regions = RegionViews()  # CPU tier regions, mapped for KV offload copies
+        self._dropped = DroppedLoads()  # requests out of the batch after a failed KV load
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -145,6 +159,10 @@ class ModelRunner:
             max_model_len=max_model_len,
             vocab_size=cfg.vocab_size,
             eos_token_ids=list(cfg.eos_token_ids),
+            num_layers=cfg.num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=cfg.head_dim,
+            kv_dtype=dtype_name(self.dtype),
         )
         return self.facts
 
@@ -203,14 +221,19 @@ class ModelRunner:
         t0 = started
         self.timings = StepTimings()
         self._apply_diff(step)
+        transfer = self._run_kv_transfers(step)
         scheduled = step.batch_order()
         refused = self.rejections.error(step.step_id, scheduled.req_ids)
         req_ids, num_scheduled = scheduled
-        if refused is not None:
-            kept = [i for i, r in enumerate(req_ids) if r not in self.rejections]
+        if refused is not None or self._dropped:
+            kept = [
+                i
+                for i, r in enumerate(req_ids)
+                if r not in self.rejections and r not in self._dropped
+            ]
             req_ids, num_scheduled = [req_ids[i] for i in kept], [num_scheduled[i] for i in kept]
         if not req_ids:
-            return StepResult(step_id=step.step_id, error=refused)
+            return StepResult(step_id=step.step_id, error=refused, kv_transfer=transfer)
         if sum(num_scheduled) > self.max_num_batched_tokens:
             raise ValueError(
                 f"step {step.step_id} schedules {sum(num_scheduled)} tokens, more "
@@ -236,14 +259,19 @@ class ModelRunner:
             prompt_logprobs=prompt_logprobs,
             error=refused,
             execute_time_s=t3 - started,
+            kv_transfer=transfer,
         )
 
     def _apply_diff(self, step: ExecuteStep) -> None:
         for req_id in step.finished_req_ids:
             self.batch.remove_request(req_id)
         for req_id in step.preempted_req_ids:
-            self.batch.remove_request(req_id, preempted=True)  # a seeded generator is kept
+            if req_id not in self._dropped:  # a dropped one is out already, generator parked
+                self.batch.remove_request(req_id, preempted=True)  # a seeded generator is kept
         self.rejections.forget([*step.finished_req_ids, *step.preempted_req_ids])
+        if self._dropped:
+            self._dropped.forget([*step.finished_req_ids, *step.preempted_req_ids])
+            self._dropped.forget(new.req_id for new in step.new_requests)
         for new in step.new_requests:
             if not self.rejections.admit(new):
                 self.batch.remove_request(new.req_id)  # an earlier request of that id is gone
@@ -259,8 +287,8 @@ class ModelRunner:
                 resumed=new.resumed,
             )
         for cached in step.cached_requests:
-            if cached.req_id in self.rejections:
-                continue
+            if cached.req_id in self.rejections or cached.req_id in self._dropped:
+                continue  # refused, or out after a failed KV load: left out of the step
             state = self.requests.get(cached.req_id)
             if state is None:
                 raise KeyError(
@@ -270,10 +298,30 @@ class ModelRunner:
             self.batch.append_blocks(state.row, cached.new_block_ids)
             self.batch.num_computed[state.row] = cached.num_computed_tokens
 
+    def _run_kv_transfers(self, step: ExecuteStep) -> KVTransferResult | None:
+        """Run the step's KV offload copies (``workers.kv_transfer``) before anything reads the
+        KV. A request whose load failed leaves the batch (its generator parked, as when
+        preempted) and stays out of this step and of any step naming it as cached, until the
+        engine core finishes, preempts or re-sends it: the engine core recomputes it."""
+        if step.kv_transfers is None:
+            return None
+        result = run_kv_transfers(
+            step.kv_transfers,
+            self.kv_cache,
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.size,
+            regions=self.regions,
+        )
+        for req_id in result.failed_load_req_ids:
+            self.batch.remove_request(req_id, preempted=True)
+            self._dropped.add(req_id)
+        return result
+
     def reset(self) -> None:
         """Forget every request (after an engine core restart)."""
         self.batch.clear()
         self.rejections.clear()
+        self._dropped.clear()
 
     def prepare_metadata(self, inputs: StepInputs) -> AttentionMetadata:
         def dev(a: np.ndarray) -> torch.Tensor:
