@@ -81,8 +81,6 @@ class KVGeometry:
             for name, mine in vars(self).items()
             if getattr(layout, name) != mine
         ]
-        if layout.blocks_per_chunk < 1:
-            differ.append(f"blocks_per_chunk {layout.blocks_per_chunk} < 1")
         return "; ".join(differ) or None
 
 

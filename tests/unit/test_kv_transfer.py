@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from shoal.bus.messages.offload import (
-    DTYPE_SIZES,
     KVLayout,
     KVLoad,
     KVStore,
@@ -166,6 +165,12 @@ def test_a_bad_job_fails_alone(tmp_path: Path) -> None:
         assert torch.equal(cache.k[layer][1], before[layer][1])  # no failed load touched it
 
 
+def test_a_layout_no_tier_could_make_is_refused_on_construction() -> None:
+    for bad in ({"dtype": "int8"}, {"blocks_per_chunk": 0}, {"num_kv_heads": 0}):
+        with pytest.raises(ValueError, match=r"dtype|must be positive"):
+            layout(**bad)
+
+
 @pytest.mark.parametrize(
     "changes",
     [
@@ -175,21 +180,14 @@ def test_a_bad_job_fails_alone(tmp_path: Path) -> None:
         {"head_dim": 4},
         {"num_kv_heads": 4, "head_dim": 4},  # the same bytes per block
         {"dtype": "bfloat16"},
-        {"dtype": "int8"},
         {"tp_size": 2},
-        {"blocks_per_chunk": 0},
     ],
 )
 def test_a_layout_that_is_not_this_cache_fails_every_job(
     tmp_path: Path, changes: dict[str, object]
 ) -> None:
     """The region file exists and fits its own layout: only the layout check refuses it."""
-    lay = layout(**changes)
-    if lay.dtype in DTYPE_SIZES and lay.blocks_per_chunk > 0:
-        ref = region(tmp_path, lay, num_slots=2).ref
-    else:  # a layout no tier would make: any file
-        (tmp_path / "odd.kv").write_bytes(bytes(4096))
-        ref = RegionRef(str(tmp_path / "odd.kv"), "g", 2, lay)
+    ref = region(tmp_path, layout(**changes), num_slots=2).ref
     cache = kv_cache(seed=5)
     before = [t.clone() for t in cache.k]
     transfers = KVTransfers(
