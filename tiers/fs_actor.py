@@ -9,7 +9,8 @@ their files removed. Requests on ``subjects.tier_in(actor_id)``, each answered:
 
 - ``TierAttach(layout)`` → ``SecondaryAttached(num_chunks, usage)``; the same layout again
   changes nothing, another one (a restarted CPU tier) switches to that layout's files.
-- ``TierLookup`` → ``TierHeld``: the leading keys held and ready.
+- ``TierLookup`` → ``TierHeld``: the leading keys held and ready (nothing is pinned: a promote
+  that follows reads what is still there).
 - ``TierCascade`` → ``TierJobDone``: writes the slots as files. Cascades run one at a time in
   arrival order (an eviction's delete and a rewrite of the same key never race); at most
   ``max_queued_cascades`` wait or run, and one past that is answered at once with every key
@@ -27,9 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
@@ -54,6 +54,7 @@ from shoal.bus.messages.offload import (
 from shoal.tiers.fs_store import ChunkFiles, CorruptChunk
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.manager import LookupResult, OffloadManager
+from shoal.tiers.mapped_regions import MappedRegions
 from shoal.tiers.region import SharedRegion
 
 log = logging.getLogger(__name__)
@@ -89,51 +90,6 @@ def index_from_scan(
         index.complete_store([key])
     index.take_events()
     return index, evicted
-
-
-class MappedRegions:
-    """The CPU tier's regions this actor has mapped: the latest ``keep`` stay mapped, an older
-    one is unmapped once no job uses it (a restarted CPU tier makes a new generation)."""
-
-    def __init__(self, keep: int = 2) -> None:
-        self.keep = keep
-        self._regions: dict[tuple[str, str], SharedRegion] = {}  # oldest first
-        self._users: dict[tuple[str, str], int] = {}
-
-    @contextmanager
-    def use(self, ref: RegionRef) -> Iterator[SharedRegion]:
-        """The mapped region (mapped now if new); ``OSError`` if it cannot be mapped."""
-        name = (ref.path, ref.generation)
-        region = self._regions.get(name)
-        if region is None:
-            region = self._regions[name] = SharedRegion.attach(ref)
-        self._users[name] = self._users.get(name, 0) + 1
-        try:
-            yield region
-        finally:
-            self._users[name] -= 1
-            self._unmap_old()
-
-    def _unmap_old(self) -> None:
-        for name in list(self._regions)[: -self.keep]:
-            if not self._users.get(name):
-                self._close(name)
-
-    def _close(self, name: tuple[str, str]) -> None:
-        try:
-            self._regions[name].close()
-        except BufferError:
-            return  # a slot view is still alive somewhere: try again later
-        del self._regions[name]
-        self._users.pop(name, None)
-
-    @property
-    def num_mapped(self) -> int:
-        return len(self._regions)
-
-    def close(self) -> None:
-        for name in list(self._regions):
-            self._close(name)
 
 
 class FsTierActor(Actor):

@@ -85,6 +85,11 @@ def damage_remove(path: Path) -> None:
     path.unlink()
 
 
+def damage_append(path: Path) -> None:
+    with open(path, "ab") as f:
+        f.write(b"trailing bytes")
+
+
 @pytest.mark.parametrize(
     "damage",
     [
@@ -94,6 +99,7 @@ def damage_remove(path: Path) -> None:
         damage_bad_magic,
         damage_other_version,
         damage_remove,
+        damage_append,
     ],
 )
 @pytest.mark.parametrize("rank", [0, 1])
@@ -141,8 +147,8 @@ def test_a_failed_write_leaves_no_temp_file_and_no_part(
     real_replace = os.replace
     calls = []
 
-    def fail_second(src: str, dst: str) -> None:
-        calls.append(dst)
+    def fail_second(src: Path, dst: Path) -> None:
+        calls.append((src, dst))
         if len(calls) == 2:
             raise OSError("disk full")
         real_replace(src, dst)
@@ -151,6 +157,9 @@ def test_a_failed_write_leaves_no_temp_file_and_no_part(
     with pytest.raises(OSError, match="disk full"):
         stored(files, 1)
     monkeypatch.undo()
+    for src, dst in calls:  # each part was written beside its place, then renamed
+        assert src.parent == dst.parent and src.name.endswith(TMP_SUFFIX)
+    assert [dst for _, dst in calls] == [files.path(key(1), r) for r in range(LAYOUT.tp_size)]
     left = [p for d in files.rank_dirs for p in d.rglob("*") if p.is_file()]
     assert left == []  # rank 0's finished part was removed, rank 1's temp file too
 
