@@ -5,7 +5,8 @@ Round trip of the bytes; a damaged, truncated or foreign file is a miss, removed
 after it are not returned; the byte budget evicts (files removed) least recently used first; a
 new actor on the same root finds and serves the chunks (leftover temp files cleaned); layouts
 live apart; a blocked write holds up neither lookups, promotes nor heartbeats, and cascades past
-the queue bound are dropped at once."""
+the queue bound are dropped at once; a tier in its own process, SIGKILLed and restarted by the
+supervisor, serves the chunks its previous life wrote."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import asyncio
 import os
 import secrets
 import shutil
+import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -21,7 +23,7 @@ from typing import Any
 import pytest
 
 from shoal.bus.actor import call
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus, BusTimeoutError, Msg, NoRespondersError
 from shoal.bus.codec import Codec
 from shoal.bus.messages.config import FsTierConfig
 from shoal.bus.messages.control import Heartbeat
@@ -38,7 +40,9 @@ from shoal.bus.messages.offload import (
     TierPromote,
     TierReply,
 )
+from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
+from shoal.bus.supervisor import ActorSpec, RestartPolicy, Supervisor
 from shoal.tiers.fs_actor import FsTierActor
 from shoal.tiers.fs_store import TMP_SUFFIX, ChunkFiles
 from shoal.tiers.keys import make_offload_key
@@ -372,3 +376,53 @@ def test_old_region_generations_are_unmapped_once_unused(tmp_path: Path) -> None
     assert bytes(regions[0].slot(0)[:4]) == b"abcd"
     for region in regions:
         region.close(unlink=True)
+
+
+async def attach_until_answered(bus: Bus, subject: str, limit_s: float) -> SecondaryAttached:
+    """Attach until the tier answers (its process may still be starting); bounded."""
+    async with asyncio.timeout(limit_s):
+        while True:
+            try:
+                reply = await call(bus, subject, TierAttach(LAYOUT), _REPLY, timeout=QUICK_S)
+            except (NoRespondersError, BusTimeoutError):
+                await asyncio.sleep(0.05)
+                continue
+            assert isinstance(reply, SecondaryAttached), reply
+            return reply
+
+
+@pytest.mark.nats
+async def test_a_killed_tier_process_comes_back_with_its_files(nats_url: str, tmp_path: Path):
+    client = NatsBus([nats_url])
+    await client.connect()
+    h = Harness(client, client, tmp_path)
+    config = FsTierConfig(path=str(h.root), bytes_to_use=6 * LAYOUT.slot_bytes)
+    spec = ActorSpec(
+        name="fs",
+        target="shoal.tiers.fs_actor:FsTierActor",
+        bus_url=nats_url,
+        kwargs={"actor_id": "kv-cpu-fs0", "config": config, "namespace": h.namespace},
+        kind="tier",
+    )
+    subject = Subjects(h.namespace).tier_in("kv-cpu-fs0")
+    policy = RestartPolicy(initial_backoff_s=0.05, max_backoff_s=0.2, max_restarts=2)
+    try:
+        async with Supervisor([spec], policy=policy, grace_s=3) as supervisor:
+            assert await attach_until_answered(client, subject, 30.0) == SecondaryAttached(0)
+            h.fill([0, 1, 2], [1, 2, 3])
+            assert await h.cascade([1, 2, 3], [0, 1, 2]) == done(1, 2, 3)  # its own mapping
+            pid = supervisor.pid("fs")
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            await wait_for(lambda: supervisor.pid("fs") not in (None, pid), 30.0, "restarted")
+
+            assert await attach_until_answered(client, subject, 30.0) == SecondaryAttached(3, 0.5)
+            for slot_id in range(3):
+                h.region.slot(slot_id)[:] = bytes(LAYOUT.slot_bytes)
+            assert await h.promote([1, 2, 3], [5, 6, 7]) == done(1, 2, 3)
+            assert [h.slot(s) for s in (5, 6, 7)] == [
+                pattern(i, LAYOUT.slot_bytes) for i in (1, 2, 3)
+            ]
+    finally:
+        await h.close()
+        await client.close()
