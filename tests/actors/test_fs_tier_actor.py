@@ -25,24 +25,36 @@ import pytest
 from shoal.bus.actor import call
 from shoal.bus.base import Bus, BusTimeoutError, Msg, NoRespondersError
 from shoal.bus.codec import Codec
-from shoal.bus.messages.config import FsTierConfig
+from shoal.bus.messages.config import FsTierConfig, ShoalConfig
 from shoal.bus.messages.control import Heartbeat
 from shoal.bus.messages.offload import (
     KVLayout,
     RegionRef,
     SecondaryAttached,
     TierAttach,
+    TierAttached,
     TierCascade,
     TierError,
     TierHeld,
     TierJobDone,
     TierLookup,
+    TierLookupReply,
+    TierPrepareStore,
     TierPromote,
+    TierRelease,
     TierReply,
+    TierStoreSlots,
 )
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
 from shoal.bus.supervisor import ActorSpec, RestartPolicy, Supervisor
+from shoal.deploy.deployment import (
+    CPU_TIER_TARGET,
+    FS_TIER_TARGET,
+    plan_tiers,
+    start_in_process,
+    stop_in_process,
+)
 from shoal.tiers.fs_actor import FsTierActor
 from shoal.tiers.fs_store import TMP_SUFFIX, ChunkFiles
 from shoal.tiers.keys import make_offload_key
@@ -426,3 +438,57 @@ async def test_a_killed_tier_process_comes_back_with_its_files(nats_url: str, tm
     finally:
         await h.close()
         await client.close()
+
+
+async def test_behind_the_cpu_tier_as_the_deployment_plans_them(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """The real CPU tier in front: its stores cascade to files, and a restarted (empty) CPU
+    tier promotes them back into its new region when an engine core looks them up."""
+    layout = KVLayout("tiny/llama:f16", 2, 4, 2, 8, "float16", 2, 1)  # one block per chunk
+    namespace = f"fsp{secrets.token_hex(4)}"
+    extra = {
+        "cpu_bytes_to_use": 4 * layout.slot_bytes,
+        "secondary_tiers": [{"type": "fs", "path": str(tmp_path), "bytes_to_use": 1 << 20}],
+    }
+    kv_json = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
+    config = ShoalConfig.from_options(
+        model="unused", namespace=namespace, kv_transfer_config=kv_json
+    )
+    plans = plan_tiers(config)
+    assert [p.target for p in plans] == [FS_TIER_TARGET, CPU_TIER_TARGET]
+    bus = await bus_factory()
+    actors = await start_in_process(bus, plans)
+    fs, cpu = actors
+    subject = Subjects(namespace).tier_in(config.kv_transfer_config.cpu_tier_id)
+
+    async def ask(request: Any) -> Any:
+        return await call(bus, subject, request, _REPLY, timeout=REPLY_S)
+
+    try:
+        attached = await ask(TierAttach(layout))
+        assert isinstance(attached, TierAttached)
+        slots = await ask(TierPrepareStore("engine-0/1", keys(1, 2)))
+        assert isinstance(slots, TierStoreSlots) and slots.keys == keys(1, 2)
+        region = SharedRegion.attach(attached.region)  # as a worker copies its blocks in
+        for seed, slot_id in zip((1, 2), slots.slot_ids, strict=True):
+            region.slot(slot_id)[:] = pattern(seed, layout.slot_bytes)
+        region.close()
+        await ask(TierRelease("engine-0/1", stored_keys=keys(1, 2)))
+        await wait_for(lambda: fs.load()["num_chunks_stored"] == 2, REPLY_S, "cascaded")
+        assert len(list(tmp_path.rglob("*.bin"))) == 2 * layout.tp_size
+
+        await stop_in_process([cpu])
+        actors[1:] = await start_in_process(bus, plans[1:])  # a new, empty CPU tier
+        fresh = await ask(TierAttach(layout))
+        assert isinstance(fresh, TierAttached)
+        assert fresh.region.generation != attached.region.generation
+        hit = await ask(TierLookup("engine-0/1", keys(1, 2, 3)))
+        assert isinstance(hit, TierLookupReply) and len(hit.slot_ids) == 2, hit
+        region = SharedRegion.attach(fresh.region)
+        read = [bytes(region.slot(s)) for s in hit.slot_ids]
+        region.close()
+        assert read == [pattern(i, layout.slot_bytes) for i in (1, 2)]
+        assert fs.load()["num_chunks_loaded"] == 2
+    finally:
+        await stop_in_process(actors)
