@@ -29,6 +29,7 @@ GATEWAY_TARGET = "shoal.gateway.actor:GatewayActor"
 RECOVERY_TARGET = "shoal.engine.recovery.actor:RecoveryControllerActor"
 RECOVERY_ID = "recovery-0"
 CPU_TIER_TARGET = "shoal.tiers.cpu_actor:CpuTierActor"
+FS_TIER_TARGET = "shoal.tiers.fs_actor:FsTierActor"
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,18 @@ def plan_tiers(config: ShoalConfig) -> list[ActorPlan]:
     kv = config.kv_transfer_config
     if not kv.enabled:
         return []
+    namespace = config.bus_config.namespace
+    secondaries = [
+        ActorPlan(
+            tier_id,
+            FS_TIER_TARGET,
+            {"actor_id": tier_id, "config": tier, "namespace": namespace},
+            "tier",
+        )
+        for tier_id, tier in zip(kv.secondary_tier_ids, kv.secondary_tiers, strict=True)
+    ]
     kwargs = {"tier_id": kv.cpu_tier_id, "config": config}
-    return [ActorPlan(kv.cpu_tier_id, CPU_TIER_TARGET, kwargs, "tier")]
+    return [*secondaries, ActorPlan(kv.cpu_tier_id, CPU_TIER_TARGET, kwargs, "tier")]
 
 
 def runs_recovery_controller(config: ShoalConfig) -> bool:

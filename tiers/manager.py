@@ -14,6 +14,7 @@ moves the bytes, and reports back. A tier has ``num_slots`` chunk slots. The pro
   chunks are not ready (``ref_cnt == NOT_READY``) until ``complete_store``.
 * ``complete_store(keys, success)``: ready on success; on failure, the keys that never became
   ready are removed and their slots freed (ready ones are left alone).
+* ``discard(keys)``: forget idle ready chunks whose bytes a tier lost (a corrupt file).
 * ``touch(keys)`` / ``on_request_finished(keys, inserted_keys)``: a request's access, in prefix
   order, for the eviction policy (recency, and frequency for ARC). Transfers never change recency.
 * ``take_events()``: stored and evicted events since the last call, stores first.
@@ -196,6 +197,17 @@ class OffloadManager:
             self._stored_events.append(OffloadEvent(tuple(changed), removed=False))
         elif changed:
             self.stats.num_store_failures += len(changed)
+
+    def discard(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """Forget idle ready chunks whose bytes were lost (a tier found them corrupt); pinned,
+        unready or unknown keys are left alone. The keys forgotten, also as a removed event."""
+        gone = [k for k in dict.fromkeys(keys) if k in self.chunks and self.chunks[k].ref_cnt == 0]
+        for key in gone:
+            self.policy.remove(key)
+            self._slots.release(self.chunks.pop(key).slot_id)
+        if gone:
+            self._evicted_events.append(OffloadEvent(tuple(gone), removed=True))
+        return gone
 
     # -- recency, events, usage -------------------------------------------------------------
 

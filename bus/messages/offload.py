@@ -223,10 +223,28 @@ class TierHeld(msgspec.Struct, tag="held", array_like=True, omit_defaults=True):
     num_leading: int
 
 
+class SecondaryAttached(
+    msgspec.Struct, tag="secondary_attached", array_like=True, omit_defaults=True
+):
+    """A secondary tier's answer to ``TierAttach``: how many chunks of this layout it holds
+    (a filesystem tier finds them on disk at the first attach) and its usage, 0.0 to 1.0."""
+
+    num_chunks: int
+    usage: float = 0.0
+
+
 class TierError(msgspec.Struct, tag="tier_error", array_like=True, omit_defaults=True):
     message: str
 
 
 TierInbound = TierAttach | TierLookup | TierPrepareStore | TierRelease
 SecondaryInbound = TierAttach | TierCascade | TierPromote | TierLookup
-TierReply = TierAttached | TierLookupReply | TierStoreSlots | TierHeld | TierJobDone | TierError
+TierReply = (
+    TierAttached
+    | TierLookupReply
+    | TierStoreSlots
+    | TierHeld
+    | TierJobDone
+    | SecondaryAttached
+    | TierError
+)

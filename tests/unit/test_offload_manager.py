@@ -217,3 +217,15 @@ def test_bad_configuration_is_a_clear_error() -> None:
         OffloadManager(4, eviction_policy="mru")
     with pytest.raises(ValueError, match="store_threshold"):
         OffloadManager(4, store_threshold=-1)
+
+
+def test_discard_forgets_only_idle_ready_chunks() -> None:
+    m = OffloadManager(num_slots=3)
+    m.prepare_store(keys(1, 2, 3))
+    m.complete_store(keys(1, 2))  # 3 is still being written
+    m.prepare_load(keys(2))  # 2 is pinned
+    m.take_events()
+    assert m.discard(keys(1, 2, 3, 9)) == keys(1)
+    assert [m.lookup(k) for k in keys(1, 2, 3)] == [MISS, HIT, HIT_PENDING]
+    assert m.take_events() == [evicted(1)]
+    assert m.prepare_store(keys(4)) == out([4], [0], [])  # its slot is free again, not evicted
