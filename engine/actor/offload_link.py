@@ -32,6 +32,7 @@ from shoal.bus.messages.offload import (
     KVTransferResult,
     TierAttach,
     TierAttached,
+    TierError,
     TierLookup,
     TierLookupReply,
     TierPrepareStore,
@@ -165,6 +166,10 @@ class OffloadLink:
         except Exception as exc:  # a lost, slow or failing tier: a miss
             log.debug("%s: %s to the CPU tier failed: %r", self.owner, type(message).__name__, exc)
             return None
+        if isinstance(reply, TierError) and self._layout is not None:
+            # Typically a restarted tier that has no region yet: attach to it again.
+            log.info("%s: the CPU tier refused a request (%s); attaching again", self.owner, reply)
+            self.attach(self._layout)
         return reply
 
     async def _lookup(self, request_id: str, keys: list[bytes]) -> None:
