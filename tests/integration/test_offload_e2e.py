@@ -14,38 +14,27 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from shoal.bus.base import Bus
+from shoal.bus.base import Bus, Msg
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.deploy.deployment import CPU_TIER_TARGET, ActorPlan, plan_tiers, start_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor
-from tests.fixtures.models import make_prompts
-from tests.integration.async_workload import complete, greedy
 from tests.integration.conditions import wait_for
 from tests.integration.engine_stack import EngineStack, engine_stack
+from tests.integration.offload_workload import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    Turns,
+    conversations,
+    first_turns,
+    offload_options,
+    second_turns,
+)
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
 
-BLOCK_SIZE = 16
-NUM_BLOCKS = 24  # 23 usable, about two conversations: the others' prefixes are evicted
-FIRST_TURNS = make_prompts((150, 140, 160, 130), seed=7)
-MAX_TOKENS = 6
-Turns = list[list[int]]
 _namespaces = itertools.count()
-
-
-def offload_options(tmp_path: Path | None = None, cpu_bytes: int = 4 << 20) -> dict[str, Any]:
-    extra: dict[str, Any] = {"cpu_bytes_to_use": cpu_bytes}
-    if tmp_path is not None:
-        extra["secondary_tiers"] = [{"type": "fs", "path": str(tmp_path), "bytes_to_use": 64 << 20}]
-    return {
-        "kv_transfer_config": {
-            "kv_connector": "OffloadingConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": extra,
-        }
-    }
 
 
 @contextlib.asynccontextmanager
@@ -70,36 +59,12 @@ def _connector(built: EngineStack) -> Any:
     return core.scheduler.connector
 
 
-async def first_turns(built: EngineStack, tag: str) -> Turns:
-    """Each first turn alone, one after the other (each evicts the one two before it)."""
-    outputs = []
-    for i, prompt in enumerate(FIRST_TURNS):
-        final = await complete(built.client, prompt, greedy(MAX_TOKENS), f"t1-{i}{tag}")
-        outputs.append(list(final.outputs[0].token_ids))
-    return outputs
-
-
-async def second_turns(built: EngineStack, answers: Turns, tag: str) -> Turns:
-    """Each conversation returns: its first turn, the answer and a few new tokens."""
-    outputs = []
-    for i, (prompt, answer) in enumerate(zip(FIRST_TURNS, answers, strict=True)):
-        follow_up = [*prompt, *answer, 40 + i, 41, 42, 43, 44]
-        final = await complete(built.client, follow_up, greedy(MAX_TOKENS), f"t2-{i}{tag}")
-        outputs.append(list(final.outputs[0].token_ids))
-    return outputs
-
-
 async def settled_stats(built: EngineStack) -> SchedulerStats:
     engine: EngineCoreActor = built.engines[0]
     core = engine.core
     assert core is not None
     await wait_for(lambda: not core.has_work(), 60, "the engine core settles")
     return engine._stats(core)
-
-
-async def conversations(built: EngineStack, tag: str = "") -> Turns:
-    answers = await first_turns(built, tag)
-    return answers + await second_turns(built, answers, tag)
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +79,7 @@ async def reference(model_dir: Path) -> Turns:
     await bus.connect()
     try:
         async with stack(bus, model_dir) as built:
-            return await conversations(built)
+            return await conversations(built.client)
     finally:
         await bus.close()
 
@@ -129,7 +94,7 @@ def _tier(built: EngineStack, kind: str) -> Any:
 
 async def test_cpu_tier_loads_returning_prefixes(bus_factory, model_dir, reference) -> None:  # type: ignore[no-untyped-def]
     async with stack(await bus_factory(), model_dir, **offload_options()) as built:
-        assert await conversations(built) == reference
+        assert await conversations(built.client) == reference
         stats = await settled_stats(built)
         cpu = _tier(built, "CpuTierActor").load()
     # Every second turn found its first turn's prompt chunks in the CPU tier (9 blocks or more).
@@ -140,7 +105,7 @@ async def test_cpu_tier_loads_returning_prefixes(bus_factory, model_dir, referen
 
 async def test_cpu_and_filesystem_tiers(bus_factory, model_dir, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]
     async with stack(await bus_factory(), model_dir, **offload_options(tmp_path)) as built:
-        assert await conversations(built) == reference
+        assert await conversations(built.client) == reference
         stats = await settled_stats(built)
     assert stats.kv_offload_hits >= 4 * 8 * BLOCK_SIZE
     assert list(tmp_path.rglob("*.bin")), "the chunks cascaded to the filesystem tier"
@@ -153,7 +118,7 @@ async def test_filesystem_tier_after_a_cpu_tier_restart(
     promoted into the new CPU tier's region, and the engine core attaches to it by itself."""
     bus = await bus_factory()
     async with stack(bus, model_dir, **offload_options(tmp_path)) as built:
-        answers = await first_turns(built, "")
+        answers = await first_turns(built.client)
         await settled_stats(built)
         cpu = _tier(built, "CpuTierActor")
         await wait_for(lambda: cpu.load()["num_cascaded"] >= 8, 30, "chunks reached the fs tier")
@@ -161,9 +126,69 @@ async def test_filesystem_tier_after_a_cpu_tier_restart(
         await cpu.stop()
         (fresh,) = await start_in_process(bus, [cpu_tier_plan(built.engines[0].config)])
         built.tiers[built.tiers.index(cpu)] = fresh
-        second = await second_turns(built, answers, "")
+        second = await second_turns(built.client, answers)
         stats = await settled_stats(built)
         assert _connector(built).region.generation != old_generation
         promoted = fresh.load()["num_promoted"]
     assert answers + second == reference
     assert promoted >= 8 and stats.kv_offload_hits > 0
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+@pytest.mark.parametrize("damage", [_flip_last_byte, _truncate], ids=["flipped", "truncated"])
+async def test_damaged_chunk_files_are_recomputed(
+    bus_factory, model_dir, reference, tmp_path, damage
+) -> None:  # type: ignore[no-untyped-def]
+    """Every chunk file is damaged while the CPU tier restarts: the filesystem tier detects it
+    (checksum, length), reports misses, and the returning turns recompute correct tokens."""
+    bus = await bus_factory()
+    async with stack(bus, model_dir, **offload_options(tmp_path)) as built:
+        answers = await first_turns(built.client)
+        await settled_stats(built)
+        cpu = _tier(built, "CpuTierActor")
+        await wait_for(lambda: cpu.load()["num_cascaded"] >= 8, 30, "chunks reached the fs tier")
+        await cpu.stop()
+        files = list(tmp_path.rglob("*.bin"))
+        for path in files:
+            damage(path)
+        (fresh,) = await start_in_process(bus, [cpu_tier_plan(built.engines[0].config)])
+        built.tiers[built.tiers.index(cpu)] = fresh
+        second = await second_turns(built.client, answers)
+        await settled_stats(built)
+        fs = _tier(built, "FsTierActor").load()
+    assert answers + second == reference
+    assert fs["num_chunks_corrupt"] >= 1 and fs["num_chunks_loaded"] == 0
+    assert files  # (the recomputed chunks are cascaded again: the files come back, sound)
+
+
+async def test_a_silent_cpu_tier_costs_recomputes_not_a_hang(
+    bus_factory, model_dir, reference
+) -> None:  # type: ignore[no-untyped-def]
+    """The CPU tier stops answering (slow or wedged): lookups time out, the requests recompute
+    with the right tokens, and the failures are counted."""
+    bus = await bus_factory()
+    options = offload_options(kv_lookup_timeout_s=0.3)
+    async with stack(bus, model_dir, **options) as built:
+        answers = await first_turns(built.client)
+        cpu = _tier(built, "CpuTierActor")
+        subject = cpu.subjects.tier_in(cpu.actor_id)
+        await cpu.stop()
+
+        async def never_answer(msg: Msg) -> None:
+            return None
+
+        silent = await bus.subscribe(subject, never_answer)
+        second = await second_turns(built.client, answers)
+        stats = await settled_stats(built)
+        await silent.unsubscribe()
+    assert answers + second == reference
+    assert stats.kv_offload_lookup_failures >= 1
