@@ -97,7 +97,7 @@ def plan_tiers(config: ShoalConfig) -> list[ActorPlan]:
         ActorPlan(
             tier_id,
             FS_TIER_TARGET,
-            {"actor_id": tier_id, "config": tier, "namespace": namespace},
+            {"actor_id": tier_id, "tier_config": tier, "namespace": namespace},
             "tier",
         )
         for tier_id, tier in zip(kv.secondary_tier_ids, kv.secondary_tiers, strict=True)

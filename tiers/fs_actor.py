@@ -102,7 +102,7 @@ class FsTierActor(Actor):
         bus: Bus,
         actor_id: str,
         *,
-        config: FsTierConfig,
+        tier_config: FsTierConfig,
         namespace: str = "shoal",
         max_queued_cascades: int = 64,
         num_io_threads: int = 4,
@@ -119,7 +119,7 @@ class FsTierActor(Actor):
         )
         if max_queued_cascades < 1 or num_io_threads < 1 or keep_regions < 1:
             raise ValueError("max_queued_cascades, num_io_threads and keep_regions must be >= 1")
-        self.config = config
+        self.tier_config = tier_config
         self.max_queued_cascades = max_queued_cascades
         self.num_io_threads = num_io_threads
         self.counters = FsTierCounters()
@@ -170,13 +170,13 @@ class FsTierActor(Actor):
     async def _attach(self, layout: KVLayout) -> TierReply:
         async with self._attach_lock:
             if self.files is None or self.files.layout != layout:
-                num_slots = self.config.bytes_to_use // layout.slot_bytes
+                num_slots = self.tier_config.bytes_to_use // layout.slot_bytes
                 if num_slots < 1:
                     return TierError(
-                        f"bytes_to_use {self.config.bytes_to_use} holds no chunk of "
+                        f"bytes_to_use {self.tier_config.bytes_to_use} holds no chunk of "
                         f"{layout.slot_bytes} bytes"
                     )
-                files = ChunkFiles(self.config.path, layout)
+                files = ChunkFiles(self.tier_config.path, layout)
                 try:
                     scan = await self._in_pool(self._write_pool, files.scan)
                 except OSError as exc:

@@ -109,7 +109,7 @@ class Harness:
         options.setdefault("heartbeat_interval_s", 0.05)
         options.setdefault("drain_timeout_s", 0.5)
         actor = FsTierActor(
-            self.bus, "kv-cpu-fs0", config=config, namespace=self.namespace, **options
+            self.bus, "kv-cpu-fs0", tier_config=config, namespace=self.namespace, **options
         )
         await actor.start()
         self.actors.append(actor)
@@ -413,7 +413,7 @@ async def test_a_killed_tier_process_comes_back_with_its_files(nats_url: str, tm
         name="fs",
         target="shoal.tiers.fs_actor:FsTierActor",
         bus_url=nats_url,
-        kwargs={"actor_id": "kv-cpu-fs0", "config": config, "namespace": h.namespace},
+        kwargs={"actor_id": "kv-cpu-fs0", "tier_config": config, "namespace": h.namespace},
         kind="tier",
     )
     subject = Subjects(h.namespace).tier_in("kv-cpu-fs0")

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.bus.base import Bus, Msg
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
@@ -20,6 +21,7 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.deploy.deployment import CPU_TIER_TARGET, ActorPlan, plan_tiers, start_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor
+from shoal.gateway.metrics import Metrics
 from tests.integration.conditions import wait_for
 from tests.integration.engine_stack import EngineStack, engine_stack
 from tests.integration.offload_workload import (
@@ -101,6 +103,16 @@ async def test_cpu_tier_loads_returning_prefixes(bus_factory, model_dir, referen
     assert stats.kv_offload_hits >= 4 * 8 * BLOCK_SIZE
     assert stats.kv_offload_load_bytes > 0 and stats.kv_offload_store_bytes > 0
     assert cpu["num_hit_chunks"] >= 4 * 8
+    metrics = Metrics("tiny")
+    metrics.update_engine_stats(stats, "e0")
+    exposed = {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(metrics.render().decode())
+        for sample in family.samples
+    }
+    assert exposed["vllm:kv_offload_hits_total"] == stats.kv_offload_hits
+    assert exposed["vllm:kv_offload_load_bytes_total"] == stats.kv_offload_load_bytes
+    assert 0 < exposed["vllm:kv_offload_cpu_cache_usage_perc"] <= 1
 
 
 async def test_cpu_and_filesystem_tiers(bus_factory, model_dir, reference, tmp_path) -> None:  # type: ignore[no-untyped-def]

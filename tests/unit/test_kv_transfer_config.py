@@ -220,7 +220,7 @@ class _ConfigProbe(Actor):
 
 def test_an_actor_process_gets_the_offload_config_back_whole() -> None:
     config = ShoalConfig.from_options(model="m", kv_transfer_config=FULL)
-    plan = plan_actors(config)[0]
+    plan = next(p for p in plan_actors(config) if p.kind == "worker")
     assert plan.kwargs["config"] == config
     # What the supervisor puts on the child's command line, read back as run_actor does.
     command = ActorSpec("p", "x:Y", "nats://h:1", {"actor_id": "p", "config": config}).command()
