@@ -462,7 +462,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--hot", type=int, default=2, help="hot prefixes of the trace")
     add("--scans-per-hot", type=int, default=3, help="scans before each hot return")
     add("--rounds", type=int, default=None, help="trace rounds (default 4)")
-    add("--fs-path", default=None, help="filesystem tier directory (default: a temp dir)")
+    add(
+        "--fs-path",
+        default=None,
+        help="where the filesystem tier writes (a fresh subdirectory; default: a temp dir)",
+    )
     add("--memcpy-mib", type=int, default=256, help="size of the timed memory copy")
     add("--device", default=None, help="cpu or cuda (default: cuda if present)")
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
