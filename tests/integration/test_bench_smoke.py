@@ -3,7 +3,8 @@ transformers' static batches at each swept size and its continuous batching, one
 same rounds each), ``bench/throughput_e2e.py`` (NATS, in-memory bus and transformers, the same
 warm-up and rounds, processes per side) and ``bench/serve.py`` (distinct or shared-prefix
 prompts, a warm-up, fixed concurrency and Poisson rate levels, failed requests counted) against
-the real engine stack. Each ends with one JSON line; no timing is asserted (the machine is
+the real engine stack, and ``bench/offload.py`` (returning turns in three modes, loads beside a
+memory copy, LRU vs ARC). Each ends with one JSON line; no timing is asserted (the machine is
 shared)."""
 
 from __future__ import annotations
@@ -117,7 +118,11 @@ def test_e2e_gives_transformers_the_same_warmup_and_rounds():
 
 @pytest.mark.parametrize(
     ("name", "script"),
-    [("throughput", "throughput_e2e.py"), ("runner-throughput", "throughput.py")],
+    [
+        ("throughput", "throughput_e2e.py"),
+        ("runner-throughput", "throughput.py"),
+        ("offload", "offload.py"),
+    ],
 )
 def test_cli_bench_aliases(name: str, script: str):
     done = _run("-m", "shoal.deploy.cli", "bench", name, "--help", timeout=120)
@@ -316,3 +321,36 @@ def test_recovery_times_faults_and_loses_no_request():
     for key in ("recover_s_p50", "recover_s_p99", "kill_recover_s_p50", "goodput_ratio"):
         assert isinstance(figures[key], int | float) and figures[key] > 0, (key, figures)
     assert figures["requests_lost"] == 0, figures  # resumption on: every request completes
+
+
+# ----- bench/offload.py
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+def test_offload_compares_modes_bandwidth_and_policies():
+    done = _run(
+        str(BENCH / "offload.py"),
+        "--quick", "--tiny",
+        "--prefix-tokens", "256",
+        "--trace-prefix-tokens", "64",
+        "--memcpy-mib", "16",
+        timeout=110,
+    )  # fmt: skip
+    figures = _last_json(done)
+    assert set(figures["ttft_ms"]) == {"recompute", "cpu", "fs"}
+    assert all(t > 0 for t in figures["ttft_ms"].values()), figures
+    # The returning turns (greedy) come out the same whichever way their prefix came back.
+    assert figures["outputs_equal"] is True and figures["trace_outputs_equal"] is True
+    # Only the offload modes load: the whole prefix is back, from the CPU tier or (promoted)
+    # from the filesystem tier; offload off recomputes it.
+    assert figures["cached_tokens"]["cpu"] == figures["cached_tokens"]["fs"] == [256, 256]
+    assert figures["hit_tokens"]["recompute"] == 0 < figures["hit_tokens"]["cpu"]
+    assert figures["fs_promoted_chunks"] > 0 and figures["fs_cascade_dropped_chunks"] == 0
+    for key in ("load_gbps", "memcpy_gbps", "load_vs_memcpy", "load_gbps_fs"):
+        assert isinstance(figures[key], float) and figures[key] > 0, (key, figures)
+    # Scans outgrow the CPU tier between hot returns: LRU loses the hot prefixes, ARC keeps them.
+    assert 0 <= figures["hit_rate_lru"] < figures["hit_rate_arc"] <= 1, figures
+    for policy in ("lru", "arc"):
+        assert figures[f"ttft_hot_ms_{policy}"] > 0
+        assert figures["trace_query_tokens"][policy] > 0
