@@ -24,8 +24,9 @@ import mmap
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 MAX_DROPPED = 4096  # dropped ids kept while waiting for the engine core to let them go
 KEEP_GENERATIONS = 2
+# Copy run by run (one pass each) when the runs average this many blocks; else gather first.
+MIN_BLOCKS_PER_RUN = 4
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
@@ -226,8 +229,73 @@ def _valid_jobs(
     return batch, failed
 
 
+class _Run(NamedTuple):
+    """Blocks ``[block, block + length)`` ↔ region rows ``[position, position + length)``, a
+    row's position being ``slot * blocks_per_chunk + offset``."""
+
+    block: int
+    position: int
+    length: int
+
+
+def _runs(batch: _Batch, blocks_per_chunk: int) -> list[_Run]:
+    runs: list[_Run] = []
+    for block, slot, offset in zip(
+        batch.block_ids, batch.slot_ids, batch.block_offsets, strict=True
+    ):
+        position = slot * blocks_per_chunk + offset
+        if runs:
+            last = runs[-1]
+            if block == last.block + last.length and position == last.position + last.length:
+                runs[-1] = last._replace(length=last.length + 1)
+                continue
+        runs.append(_Run(block, position, 1))
+    return runs
+
+
+def _pieces(layer_view: torch.Tensor, run: _Run) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """(first block, blocks, region rows) of one layer's K or V for a run, in at most three
+    strided views: the rest of its first slot, whole slots (``[slots, C, ...]``: never merged
+    into one dimension, which would copy), the start of its last slot."""
+    per_slot = layer_view.shape[1]  # layer_view: [S, C, block_size, H, D]
+    block, position, left = run
+    while left:
+        slot, offset = divmod(position, per_slot)
+        if offset or left < per_slot:
+            count = min(left, per_slot - offset)
+            yield block, count, layer_view[slot, offset : offset + count]
+        else:
+            num_slots = left // per_slot
+            count = num_slots * per_slot
+            yield block, count, layer_view[slot : slot + num_slots]
+        block, position, left = block + count, position + count, left - count
+
+
+def _copy_runs(
+    rank_view: torch.Tensor, kv_cache: KVCache, batch: _Batch, *, to_region: bool
+) -> bool:
+    """Copy in one pass per run of consecutive blocks and region rows (no gathered copy in
+    between); False, copying nothing, when the batch is too scattered for that to pay."""
+    runs = _runs(batch, rank_view.shape[3])
+    if len(runs) * MIN_BLOCKS_PER_RUN > len(batch.block_ids):
+        return False
+    for layer, pair in enumerate(zip(kv_cache.k, kv_cache.v, strict=True)):
+        for kv, cache in enumerate(pair):
+            layer_view = rank_view[:, layer, kv]
+            for run in runs:
+                for first, count, rows in _pieces(layer_view, run):
+                    blocks = cache[first : first + count].view(rows.shape)
+                    if to_region:
+                        rows.copy_(blocks)
+                    else:
+                        blocks.copy_(rows)
+    return True
+
+
 def _store(rank_view: torch.Tensor, kv_cache: KVCache, batch: _Batch) -> None:
     """KV blocks → region slots; ``rank_view`` is ``[S, L, 2, C, block_size, H, D]``."""
+    if _copy_runs(rank_view, kv_cache, batch, to_region=True):
+        return
     blocks, slots, offsets = batch.tensors(kv_cache.k[0].device)
     for layer, pair in enumerate(zip(kv_cache.k, kv_cache.v, strict=True)):
         for kv, cache in enumerate(pair):
@@ -237,6 +305,8 @@ def _store(rank_view: torch.Tensor, kv_cache: KVCache, batch: _Batch) -> None:
 
 def _load(rank_view: torch.Tensor, kv_cache: KVCache, batch: _Batch) -> None:
     """Region slots → KV blocks."""
+    if _copy_runs(rank_view, kv_cache, batch, to_region=False):
+        return
     device = kv_cache.k[0].device
     blocks, slots, offsets = batch.tensors(device)
     for layer, pair in enumerate(zip(kv_cache.k, kv_cache.v, strict=True)):

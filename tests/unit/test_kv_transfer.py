@@ -17,6 +17,7 @@ from shoal.bus.messages.offload import (
     RegionRef,
 )
 from shoal.tiers.region import SharedRegion
+from shoal.workers import kv_transfer
 from shoal.workers.kv_cache import KVCache
 from shoal.workers.kv_transfer import (
     MAX_DROPPED,
@@ -256,3 +257,49 @@ def test_dropped_requests_are_bounded_oldest_first() -> None:
     assert len(dropped) == MAX_DROPPED and "r0" not in dropped and f"r{MAX_DROPPED}" in dropped
     dropped.forget(["r1", "unknown"])
     assert "r1" not in dropped and len(dropped) == MAX_DROPPED - 1
+
+
+@pytest.mark.parametrize(
+    ("blocks_per_chunk", "block_ids", "slot_ids", "offsets"),
+    [
+        # One block per chunk: consecutive blocks to consecutive slots (one run), then scattered.
+        (1, [1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8], [0] * 9),
+        (1, [9, 2, 5, 1], [3, 0, 8, 4], [0] * 4),
+        (1, [1, 5, 2, 7], [0, 1, 2, 3], [0] * 4),  # consecutive slots, scattered blocks
+        # Two blocks per chunk: runs within a slot, broken between slots.
+        (2, [1, 2, 3, 4, 5, 6, 7, 8], [0, 0, 1, 1, 2, 2, 3, 3], [0, 1] * 4),
+        (2, [1, 2, 3, 4, 5, 6, 7, 8], [3, 3, 2, 2, 1, 1, 0, 0], [0, 1] * 4),
+        (2, [2, 3, 4, 5, 6, 7, 8], [0, 1, 1, 2, 2, 3, 3], [1, 0, 1, 0, 1, 0, 1]),  # mid-slot
+    ],
+    ids=["slot-runs", "scattered", "slots-run", "chunk-runs", "chunks-backwards", "mid-slot"],
+)
+@pytest.mark.parametrize("min_run", [1, 10**9], ids=["runs", "gather"])
+def test_runs_and_scattered_batches_copy_the_same_bytes(
+    tmp_path: Path, blocks_per_chunk: int, block_ids, slot_ids, offsets, min_run, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """Copied run by run (one pass each) or gathered, every block lands where the job says
+    (checked row by row against the cache) and loads back unchanged."""
+    monkeypatch.setattr(kv_transfer, "MIN_BLOCKS_PER_RUN", min_run)
+    shared = region(tmp_path, layout(blocks_per_chunk=blocks_per_chunk), num_slots=9)
+    cache = kv_cache(seed=11)
+    before = [t.clone() for t in cache.k + cache.v]
+    views = RegionViews()
+    run(
+        KVTransfers(shared.ref, stores=[KVStore(1, block_ids, slot_ids, offsets)]),
+        cache,
+        views=views,
+    )
+    rows = slots_of(shared)[:, 0]  # [S, L, 2, C, block, heads, dim]
+    for block, slot, offset in zip(block_ids, slot_ids, offsets, strict=True):
+        for layer in range(LAYERS):
+            assert torch.equal(rows[slot, layer, 0, offset], cache.k[layer][block])
+            assert torch.equal(rows[slot, layer, 1, offset], cache.v[layer][block])
+    for t in cache.k + cache.v:
+        t.zero_()
+    run(
+        KVTransfers(shared.ref, loads=[KVLoad("a", block_ids, slot_ids, offsets)]),
+        cache,
+        views=views,
+    )
+    for restored, original in zip(cache.k + cache.v, before, strict=True):
+        assert torch.equal(restored[block_ids], original[block_ids])
