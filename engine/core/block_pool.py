@@ -40,6 +40,10 @@ class KVCacheBlock:
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
 
 
+def _block_id(block: KVCacheBlock) -> int:
+    return block.block_id
+
+
 class BlockPool:
     """Hands out blocks, takes them back and keeps the hash → block map of cached blocks."""
 
@@ -72,6 +76,10 @@ class BlockPool:
         popitem = self.free_queue.popitem
         cached = self.cached_blocks
         blocks = [popitem(False)[1] for _ in range(count)]
+        # Ascending ids: a request's consecutive positions get consecutive rows where they can
+        # (blocks freed tail first come back in descending order), so a worker copies a run of
+        # them to or from an offload tier in one pass.
+        blocks.sort(key=_block_id)
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:

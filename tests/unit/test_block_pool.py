@@ -38,8 +38,9 @@ def test_freed_hashed_blocks_go_back_lru_and_unhashed_go_first() -> None:
     # Free tail first, as the KV cache manager does: 6,5,4 unhashed, 3,2,1 hashed.
     pool.free_blocks(reversed(blocks))
     assert list(pool.free_queue) == [4, 5, 6, 3, 2, 1]
-    # New blocks come from the front: unhashed first, then the least recently freed cached.
-    assert ids(pool.get_new_blocks(4)) == [4, 5, 6, 3]
+    # New blocks come from the front: unhashed first, then the least recently freed cached
+    # (4, 5, 6, 3), handed out in id order.
+    assert ids(pool.get_new_blocks(4)) == [3, 4, 5, 6]
     assert pool.get_cached_block(bytes([3])) is None  # evicted on reuse
     assert pool.get_cached_block(bytes([1])) is blocks[0]  # still cached while free
 
