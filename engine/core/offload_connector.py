@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from shoal.bus.messages.kv_transfer import KVTransferConfig
@@ -39,7 +39,7 @@ from shoal.bus.messages.offload import (
 )
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
 from shoal.engine.core.request import Request
-from shoal.tiers.keys import OffloadKey, iter_chunk_keys
+from shoal.tiers.keys import ChunkKey, OffloadKey, iter_chunk_keys
 
 
 class Admission(enum.Enum):
@@ -96,6 +96,7 @@ class OffloadConnector:
         self.parked: dict[str, Request] = {}
         self.no_lookup: set[str] = set()  # recompute these (a failed load or lookup)
         self._answers: dict[str, _Answer] = {}
+        self._lookup_first_chunk: dict[str, int] = {}  # of each lookup on its way
         self._first_new_chunk: dict[str, int] = {}  # chunks before it were hits
         self._num_offered_chunks: dict[str, int] = {}
         self._loads_by_step: dict[int, list[tuple[str, list[OffloadKey], int]]] = {}
@@ -136,6 +137,7 @@ class OffloadConnector:
         if not keys or (first_chunk * self.blocks_per_chunk) >= self._max_blocks(request):
             return None
         self.lookups_to_send.append((request_id, keys))
+        self._lookup_first_chunk[request_id] = first_chunk
         self.counters.num_queried_tokens += self._max_blocks(request) * self.block_size - (
             num_local_blocks * self.block_size
         )
@@ -144,19 +146,21 @@ class OffloadConnector:
     def park(self, request: Request) -> None:
         self.parked[request.request_id] = request
 
-    def on_lookup_reply(self, request_id: str, keys: list[OffloadKey], reply: TierLookupReply):
-        """The tier's answer; returns the request to queue again (None if it is gone)."""
+    def on_lookup_reply(
+        self, request_id: str, keys: list[OffloadKey], reply: TierLookupReply
+    ) -> Request | None:
+        """The tier's answer to the lookup of ``keys``; returns the request to queue again
+        (None if it is gone: the pins go back)."""
         self.cpu_usage = reply.usage
-        num_hits = len(reply.slot_ids)
-        pinned = keys[:num_hits]
+        pinned = keys[: len(reply.slot_ids)]
+        first_chunk = self._lookup_first_chunk.pop(request_id, 0)
         request = self.parked.pop(request_id, None)
         if request is None or self.region is None or reply.generation != self.region.generation:
             self._release.loaded_keys.extend(pinned)
             if request is not None:
                 self.no_lookup.add(request_id)
             return request
-        if num_hits:
-            first_chunk = self._first_chunk_of(request, keys[0])
+        if pinned:
             self._answers[request_id] = _Answer(first_chunk, pinned, list(reply.slot_ids))
         else:
             self.no_lookup.add(request_id)
@@ -166,6 +170,7 @@ class OffloadConnector:
         """No answer (timeout, tier gone): the request recomputes."""
         self.counters.num_lookup_failures += 1
         self.no_lookup.add(request_id)
+        self._lookup_first_chunk.pop(request_id, None)
         return self.parked.pop(request_id, None)
 
     def commit_load(self, request: Request, hit: ExternalHit, block_ids: list[int]) -> None:
@@ -192,16 +197,10 @@ class OffloadConnector:
         """Blocks that may come from a cache: all full ones before the last known token."""
         return (request.num_tokens - 1) // self.block_size
 
-    def _chunk_keys(self, request: Request, first_chunk: int) -> Iterable:
+    def _chunk_keys(self, request: Request, first_chunk: int) -> Iterator[ChunkKey]:
         return iter_chunk_keys(
             request.block_hashes, self.blocks_per_chunk, self.block_size, start_chunk=first_chunk
         )
-
-    def _first_chunk_of(self, request: Request, key: OffloadKey) -> int:
-        for index, chunk in enumerate(self._chunk_keys(request, 0)):
-            if chunk.key == key:
-                return index
-        raise ValueError(f"request {request.request_id} has no chunk {key.hex()}")
 
     def on_admitted(self, request: Request, num_hit_tokens: int) -> None:
         """Chunks ending within the hit (local and external) are not newly computed."""
