@@ -57,8 +57,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.throughput import VOCAB
+
 BLOCK_SIZE = 16  # tokens per KV block and per offloaded chunk
-VOCAB = 4096
 FIRST_TOKEN = 3  # ids below are pad, bos, eos
 SUFFIX_TOKENS = 16  # fresh tokens after a trace prefix
 LOOKUP_TIMEOUT_S = 30.0  # a long prefix promoted from files (half of it) must not time out
@@ -75,33 +76,15 @@ class Model:
 
 
 def build_model(out_dir: Path, max_len: int, tiny: bool) -> Model:
-    """A random Llama (``bench/throughput.py``'s shape, this context) and a tokenizer."""
-    import torch
-    import transformers
-
+    """``bench/throughput.py``'s random Llama with this context, and a tokenizer."""
+    from bench.throughput import build_model as build_llama
     from bench.throughput_e2e import save_tokenizer
 
-    hidden, ffn, layers, heads, kv_heads = (64, 128, 2, 8, 4) if tiny else (512, 1536, 6, 8, 4)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=ffn,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_len,
-        initializer_range=0.3,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(str(out_dir))
+    num_params = build_llama(out_dir, "float32", tiny, max_len=max_len)
     save_tokenizer(out_dir, VOCAB)
+    hidden, layers, heads, kv_heads = (64, 2, 8, 4) if tiny else (512, 6, 8, 4)
     kv_bytes = 2 * layers * kv_heads * (hidden // heads) * 4
-    return Model(out_dir, sum(p.numel() for p in model.parameters()), kv_bytes)
+    return Model(out_dir, num_params, kv_bytes)
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

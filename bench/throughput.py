@@ -58,9 +58,9 @@ WARMUP_TOKENS = 4
 Workload = tuple[list[list[int]], list[int]]
 
 
-def build_model(out_dir: Path, dtype: str, tiny: bool = False) -> int:
-    """A random Llama of ~25M parameters (~0.6M when ``tiny``, for smoke tests) saved with
-    save_pretrained; returns its size."""
+def build_model(out_dir: Path, dtype: str, tiny: bool = False, max_len: int = MAX_MODEL_LEN) -> int:
+    """A random Llama of ~25M parameters (~0.6M when ``tiny``, for smoke tests) with a
+    context of ``max_len``, saved with save_pretrained; returns its size."""
     import transformers
 
     hidden, ffn, layers = (64, 128, 2) if tiny else (512, 1536, 6)
@@ -71,7 +71,7 @@ def build_model(out_dir: Path, dtype: str, tiny: bool = False) -> int:
         num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=4,
-        max_position_embeddings=MAX_MODEL_LEN,
+        max_position_embeddings=max_len,
         initializer_range=0.3,
         bos_token_id=1,
         eos_token_id=2,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.bus.base import Bus, Msg
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
-from shoal.deploy.deployment import CPU_TIER_TARGET, ActorPlan, plan_tiers, start_in_process
+from shoal.deploy.deployment import CPU_TIER_TARGET, plan_tiers, start_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.gateway.metrics import Metrics
 from tests.integration.conditions import wait_for
@@ -86,8 +85,21 @@ async def reference(model_dir: Path) -> Turns:
         await bus.close()
 
 
-def cpu_tier_plan(config: ShoalConfig) -> ActorPlan:
-    return next(p for p in plan_tiers(config) if p.target == CPU_TIER_TARGET)
+async def restart_cpu_tier(
+    bus: Bus, built: EngineStack, while_down: Callable[[], None] = lambda: None
+) -> Any:
+    """Once the first turns' chunks reached the filesystem tier, stop the CPU tier (its region
+    and index are gone), run ``while_down``, and start a new one of the same plan."""
+    await settled_stats(built)
+    cpu = _tier(built, "CpuTierActor")
+    await wait_for(lambda: cpu.load()["num_cascaded"] >= 8, 30, "chunks reached the fs tier")
+    await cpu.stop()
+    while_down()
+    config = built.engines[0].config
+    plan = next(p for p in plan_tiers(config) if p.target == CPU_TIER_TARGET)
+    (fresh,) = await start_in_process(bus, [plan])
+    built.tiers[built.tiers.index(cpu)] = fresh
+    return fresh
 
 
 def _tier(built: EngineStack, kind: str) -> Any:
@@ -131,13 +143,8 @@ async def test_filesystem_tier_after_a_cpu_tier_restart(
     bus = await bus_factory()
     async with stack(bus, model_dir, **offload_options(tmp_path)) as built:
         answers = await first_turns(built.client)
-        await settled_stats(built)
-        cpu = _tier(built, "CpuTierActor")
-        await wait_for(lambda: cpu.load()["num_cascaded"] >= 8, 30, "chunks reached the fs tier")
         old_generation = _connector(built).region.generation
-        await cpu.stop()
-        (fresh,) = await start_in_process(bus, [cpu_tier_plan(built.engines[0].config)])
-        built.tiers[built.tiers.index(cpu)] = fresh
+        fresh = await restart_cpu_tier(bus, built)
         second = await second_turns(built.client, answers)
         stats = await settled_stats(built)
         assert _connector(built).region.generation != old_generation
@@ -163,17 +170,16 @@ async def test_damaged_chunk_files_are_recomputed(
     """Every chunk file is damaged while the CPU tier restarts: the filesystem tier detects it
     (checksum, length), reports misses, and the returning turns recompute correct tokens."""
     bus = await bus_factory()
-    async with stack(bus, model_dir, **offload_options(tmp_path)) as built:
-        answers = await first_turns(built.client)
-        await settled_stats(built)
-        cpu = _tier(built, "CpuTierActor")
-        await wait_for(lambda: cpu.load()["num_cascaded"] >= 8, 30, "chunks reached the fs tier")
-        await cpu.stop()
-        files = list(tmp_path.rglob("*.bin"))
+    files: list[Path] = []
+
+    def damage_every_file() -> None:
+        files.extend(tmp_path.rglob("*.bin"))
         for path in files:
             damage(path)
-        (fresh,) = await start_in_process(bus, [cpu_tier_plan(built.engines[0].config)])
-        built.tiers[built.tiers.index(cpu)] = fresh
+
+    async with stack(bus, model_dir, **offload_options(tmp_path)) as built:
+        answers = await first_turns(built.client)
+        await restart_cpu_tier(bus, built, while_down=damage_every_file)
         second = await second_turns(built.client, answers)
         await settled_stats(built)
         fs = _tier(built, "FsTierActor").load()
