@@ -33,7 +33,7 @@ from tests.integration.offload_workload import (
     second_turns,
 )
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.asyncio]
 
 _namespaces = itertools.count()
 
