@@ -13,8 +13,9 @@ are bounded per secondary (``max_cascades_in_flight``): past that, stores are dr
 counted, loads never. Every wait on a secondary is bounded, so a dead or slow one costs hits,
 never an engine core's lookup.
 
-Every inbound message is a request; ``TierRelease`` may also come as a plain publish. Asked, it is
-answered with ``TierJobDone`` naming the stores that became readable (an ack). Before the first
+Every inbound message is a request; ``TierRelease`` may also come as a plain publish (asked, it
+is answered with ``TierJobDone`` naming the stores that became readable), and ``TierRenew``
+always does (never answered: it extends its owner's leases). Before the first
 ``TierAttach`` there is no region: lookups and stores get a ``TierError``, releases change nothing.
 """
 
@@ -43,6 +44,7 @@ from shoal.bus.messages.offload import (
     TierLookupReply,
     TierPrepareStore,
     TierRelease,
+    TierRenew,
     TierReply,
     TierStoreSlots,
 )
@@ -162,6 +164,8 @@ class CpuTierActor(Actor):
             case TierAttach(layout=layout):
                 return await self._attach(layout)
         if self.books is None or self.region is None:
+            if isinstance(request, TierRenew):
+                return None
             if isinstance(request, TierRelease):
                 return TierJobDone()  # nothing of this incarnation is held
             return TierError(f"tier {self.actor_id} has no region yet: send TierAttach first")
@@ -172,6 +176,9 @@ class CpuTierActor(Actor):
                 return self._prepare_store(owner, keys)
             case TierRelease():
                 return self._release(request)
+            case TierRenew(owner=owner, keys=keys):
+                self.books.leases.renew(owner, keys, time.monotonic())
+                return None
         return TierError(f"tier {self.actor_id} does not serve {type(request).__name__}")
 
     async def _attach(self, layout: KVLayout) -> TierReply:

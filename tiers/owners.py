@@ -6,8 +6,10 @@ promotion's reserved slots). Every pin and every pending store carries the time 
 older than the lease is handed back by ``expire`` so the tier can unpin it or fail it, and a dead
 owner (or a reply that never came) never leaks slots.
 
-Only what an owner holds is given back: a release naming keys it never pinned (an engine core
-that outlived a tier restart) or stores it does not own is ignored, key by key.
+An owner that still holds something renews it (``renew``: the engine core's link does so
+every few seconds), so only a silent owner's holdings run out. Only what an owner holds is given
+back: a release naming keys it never pinned (an engine core that outlived a tier restart) or
+stores it does not own is ignored, key by key.
 """
 
 from __future__ import annotations
@@ -86,6 +88,23 @@ class OwnerLeases:
         self.num_stores -= len(taken)
         self._forget_if_empty(owner, holdings)
         return taken
+
+    def renew(self, owner: str, keys: Iterable[OffloadKey], now: float) -> int:
+        """``owner`` still holds ``keys``: every pin and pending store of its on them counts
+        from ``now``; returns how many were renewed (keys it does not hold are skipped)."""
+        holdings = self._owners.get(owner)
+        if holdings is None:
+            return 0
+        num_renewed = 0
+        for key in dict.fromkeys(keys):
+            times = holdings.pins.get(key)
+            if times:
+                num_renewed += len(times)
+                holdings.pins[key] = deque([now] * len(times))
+            if key in holdings.stores:
+                holdings.stores[key] = now
+                num_renewed += 1
+        return num_renewed
 
     def expire(self, cutoff: float) -> Expired:
         """Take every pin and pending store taken before ``cutoff``."""

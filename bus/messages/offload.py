@@ -22,9 +22,12 @@ Engine core → CPU tier, request/reply on ``subjects.tier_in(tier_id)``:
   or failed; usually published without a reply subject (asked as a request, the tier answers
   ``TierJobDone`` naming the stores that became readable).
 
-An owner is one engine core incarnation (``engine_id/incarnation``); a tier frees the pins and
-unfinished stores of an owner it has not heard from for a while, so a dead engine core never
-leaks slots.
+- ``TierRenew(owner, keys)`` (no reply): the owner still holds these pins and pending stores.
+
+An owner is one engine core incarnation (``engine_id.incarnation``). Every pin and pending store
+has a lease that ``TierRenew`` (sent every few seconds while the owner holds anything) extends;
+a tier frees what was not renewed in time, so a dead engine core never leaks slots and a live
+one never loses a slot it will still copy to or from.
 """
 
 from __future__ import annotations
@@ -163,6 +166,11 @@ class TierRelease(msgspec.Struct, tag="release", array_like=True, omit_defaults=
     failed_keys: list[bytes] = []  # copies failed: drop them
 
 
+class TierRenew(msgspec.Struct, tag="renew", array_like=True, omit_defaults=True):
+    owner: str
+    keys: list[bytes] = []  # pinned or being stored by ``owner`` (a key once is enough)
+
+
 # ----- CPU tier → secondary tier (same host: the region is shared)
 
 
@@ -237,7 +245,7 @@ class TierError(msgspec.Struct, tag="tier_error", array_like=True, omit_defaults
     message: str
 
 
-TierInbound = TierAttach | TierLookup | TierPrepareStore | TierRelease
+TierInbound = TierAttach | TierLookup | TierPrepareStore | TierRelease | TierRenew
 SecondaryInbound = TierAttach | TierCascade | TierPromote | TierLookup
 TierReply = (
     TierAttached

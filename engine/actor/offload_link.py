@@ -5,7 +5,10 @@ and offers are requests to ``subjects.tier_in(cpu_tier_id)`` answered in backgro
 the step loop never waits on the tier: a reply is fed back to the connector (a looked-up request
 returns to the waiting queue) and wakes the loop. A lookup that fails or takes longer than
 ``kv_lookup_timeout_s`` is a miss (the request recomputes); an offer without an answer is
-dropped. Releases (keys loaded, stored, failed) are published without a reply.
+dropped. Releases (keys loaded, stored, failed) are published without a reply, and so, every
+``RENEW_INTERVAL_S``, is a renewal of the keys this engine core still holds (``TierRenew``), so
+the tier's leases run out only for a silent engine core: a slot is never reused under a load or
+a store still to be copied, however long a request waits for admission.
 
 Attach: the engine core sends its KV layout once its workers described themselves; until a
 tier answers, offload stays off (requests recompute) and the link retries in the background. A
@@ -36,6 +39,7 @@ from shoal.bus.messages.offload import (
     TierLookup,
     TierLookupReply,
     TierPrepareStore,
+    TierRenew,
     TierReply,
     TierStoreSlots,
 )
@@ -46,6 +50,7 @@ from shoal.engine.core.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 ATTACH_RETRY_S = 2.0
+RENEW_INTERVAL_S = 5.0  # well within a CPU tier's lease (30 s by default)
 _REPLY: Codec[TierReply] = Codec(TierReply)
 
 
@@ -102,6 +107,7 @@ class OffloadLink:
         self._layout: KVLayout | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._attaching: asyncio.Task[None] | None = None
+        self._renewing: asyncio.Task[None] | None = None
         # Figures of the workers' copies (cumulative), from the step results.
         self.load_bytes = 0
         self.store_bytes = 0
@@ -109,10 +115,23 @@ class OffloadLink:
         self.store_time_s = 0.0
 
     def attach(self, layout: KVLayout) -> None:
-        """Attach (again) in the background."""
+        """Attach (again) in the background; renew what this engine core holds from then on."""
         self._layout = layout
         if self._attaching is None or self._attaching.done():
             self._attaching = asyncio.create_task(self._attach(), name=f"attach-{self.owner}")
+        if self._renewing is None:
+            self._renewing = asyncio.create_task(self._renew(), name=f"renew-{self.owner}")
+
+    async def _renew(self) -> None:
+        """Every ``RENEW_INTERVAL_S``: tell the tier which pins and stores this engine core still
+        holds (a lookup answered but not loaded yet, a load or a store not copied yet)."""
+        while True:
+            await asyncio.sleep(RENEW_INTERVAL_S)
+            scheduler = self._scheduler()
+            connector = scheduler.connector if scheduler is not None else None
+            keys = connector.held_keys() if connector is not None else []
+            if keys:
+                await self._publish(encode(TierRenew(self.owner, keys)))
 
     async def _attach(self) -> None:
         while self._layout is not None:
@@ -222,7 +241,7 @@ class OffloadLink:
 
     async def stop(self) -> None:
         self._layout = None
-        tasks = [*self._tasks, *([self._attaching] if self._attaching else [])]
+        tasks = [*self._tasks, *(t for t in (self._attaching, self._renewing) if t is not None)]
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -366,6 +366,15 @@ class OffloadConnector:
         self._ready_stores.clear()
         self._stores_by_step.clear()
 
+    def held_keys(self) -> list[OffloadKey]:
+        """Keys this engine core holds at the tier: pinned for a load (answered, or loading in
+        a step) or being stored. Renewed while held, so the tier never reuses their slots."""
+        keys = [key for answer in self._answers.values() for key in answer.keys]
+        keys += [key for loads in self._loads_by_step.values() for _, ks, _ in loads for key in ks]
+        keys += [key for _, ks, _ in self._step_loads for key in ks]
+        keys += [key for job in self._store_jobs.values() for key in job.keys]
+        return keys
+
     def take_release(self, owner: str) -> TierRelease | None:
         """The keys to report to the tier since the last call (None: nothing)."""
         release = self._release

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from shoal.bus.messages.offload import (
     TierPrepareStore,
     TierPromote,
     TierRelease,
+    TierRenew,
     TierReply,
     TierStoreSlots,
 )
@@ -284,6 +286,27 @@ async def test_expired_leases_free_pins_and_unfinished_stores(deployment):
     both = await deployment.ask(TierPrepareStore(OWNER, [K[2], K[3]]))  # evicts K[0]
     assert isinstance(both, TierStoreSlots) and both.accepted
     assert tier.num_handler_errors == 0
+
+
+async def test_renewed_pins_and_stores_outlive_their_lease(deployment):
+    """An engine core that still holds a pin and a store renews them: they stay past the lease
+    (a slot under a load or a store still to be copied is never reused); unrenewed, they go."""
+    tier = await deployment.start_tier(
+        deployment.kv_config(num_slots=3), lease_s=0.4, sweep_interval_s=0.05
+    )
+    region = await deployment.attach()
+    await deployment.store(region, K[0])
+    assert (await deployment.lookup(K[0])).slot_ids
+    assert (await deployment.ask(TierPrepareStore(OWNER, [K[1]]))).accepted
+    subject = tier.subjects.tier_in(tier.actor_id)
+    renew = Codec(TierRenew).encode(TierRenew(OWNER, [K[0], K[1]]))
+    started = time.monotonic()
+    while time.monotonic() - started < 1.2:  # three leases, renewed every 0.1 s
+        await deployment.bus.publish(subject, renew)
+        await asyncio.sleep(0.1)  # paces the renewals (what the engine core's link does)
+    assert (tier.load()["num_pins"], tier.load()["num_pending_stores"]) == (1.0, 1.0)
+    await wait_for(lambda: tier.load()["num_pins"] == 0.0, "unrenewed, the pin expires")
+    assert tier.load()["num_pending_stores"] == 0.0 and tier.num_handler_errors == 0
 
 
 async def test_a_different_layout_and_a_budget_below_one_slot_are_refused(deployment):

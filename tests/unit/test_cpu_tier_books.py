@@ -46,6 +46,19 @@ def test_stores_are_taken_once_and_only_by_their_owner():
     assert leases.num_stores == 1
 
 
+def test_renew_restarts_the_lease_of_what_the_owner_names_and_holds():
+    leases = OwnerLeases()
+    leases.add_pins(A, [K[0], K[0], K[1]], 1.0)
+    leases.add_stores(A, [K[2]], 1.0)
+    leases.add_pins(B, [K[3]], 1.0)
+    assert leases.renew(A, [K[0], K[2], K[3], K[4]], 5.0) == 3  # K[3] is B's, K[4] nobody's
+    assert leases.renew("engine-c/9", [K[0]], 5.0) == 0
+    expired = leases.expire(cutoff=3.0)
+    assert (sorted(expired.pins), expired.stores) == ([K[1], K[3]], [])
+    assert leases.take_pins(A, [K[0], K[0]]) == [K[0], K[0]]
+    assert leases.take_stores(A, [K[2]]) == [K[2]]
+
+
 def test_expire_takes_what_is_older_than_the_cutoff_and_keeps_the_rest():
     leases = OwnerLeases()
     leases.add_pins(A, [K[0]], 1.0)

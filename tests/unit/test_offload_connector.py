@@ -233,3 +233,33 @@ def test_outputs_equal_offload_off_under_random_traffic(data, bpc, num_blocks, n
     assert tier.num_pinned == 0
     assert all(chunk.ref_cnt == 0 for chunk in tier.manager.chunks.values())
     assert scheduler.kv_cache_manager.num_free_blocks == num_blocks - 1
+
+
+def test_held_keys_are_the_pins_and_stores_not_given_back_yet() -> None:
+    """What the engine core renews at the tier: an answer not loaded yet, a load in flight, a
+    store not copied yet; nothing once each is given back."""
+    scheduler, _tier, worker, exchange = setup()
+    connector = scheduler.connector
+    assert connector is not None
+    scheduler.add_request(make_request("a", PROMPT, max_tokens=1))
+    step = scheduler.schedule()
+    exchange()  # a miss: a recomputes
+    step = scheduler.schedule()
+    assert connector.held_keys() == []
+    scheduler.update_from_output(step, worker.execute(step.to_message()))
+    ((_, offered),) = connector.offers_to_send
+    assert connector.held_keys() == offered  # blocks held for a store, slots not known yet
+    exchange()
+    step = scheduler.schedule()  # the copy rides on this (copy-only) step
+    assert step.kv_transfers is not None and connector.held_keys() == offered
+    scheduler.update_from_output(step, worker.execute(step.to_message()))
+    assert connector.held_keys() == []
+    scheduler.reset_prefix_cache()
+    scheduler.add_request(make_request("b", PROMPT, max_tokens=1))
+    scheduler.schedule()
+    exchange()  # answered: pinned until loaded
+    assert connector.held_keys() == offered
+    step = scheduler.schedule()
+    assert connector.held_keys() == offered  # loading in this step
+    scheduler.update_from_output(step, worker.execute(step.to_message()))
+    assert connector.held_keys() == []
