@@ -36,13 +36,21 @@ ENGINE = {"num_gpu_blocks_override": NUM_BLOCKS, "block_size": BLOCK_SIZE, "dtyp
 CPU_TIER = "kv-cpu"
 
 
-def make_config(model_dir: Path, namespace: str, tmp_path: Path, **more: Any) -> ShoalConfig:
+def make_config(
+    model_dir: Path,
+    namespace: str,
+    tmp_path: Path,
+    extra: dict[str, Any] | None = None,
+    **more: Any,
+) -> ShoalConfig:
+    """The offload deployment: ``extra`` more offload keys, ``more`` more engine options."""
     return ShoalConfig.from_options(
         model=str(model_dir),
         namespace=namespace,
         max_num_batched_tokens=256,
         **ENGINE,
-        **offload_options(tmp_path, **more),
+        **offload_options(tmp_path, **(extra or {})),
+        **more,
     )
 
 
@@ -73,12 +81,31 @@ async def test_tiers_in_their_own_processes(nats_url, tiny_checkpoint, tmp_path)
     assert list(tmp_path.rglob("*.bin")), "the chunks cascaded to the filesystem tier"
 
 
+async def test_two_tensor_parallel_ranks_each_copy_their_slice(
+    nats_url, tiny_checkpoint, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """TP=2: each worker process copies its half of the KV heads into its part of every slot;
+    the returning conversations load both halves and decode the offload-off tokens."""
+    from shoal.deploy.local import free_tcp_port
+
+    model_dir = tiny_checkpoint("llama")
+    want = await reference(model_dir)
+    config = make_config(model_dir, "offload-tp", tmp_path, tensor_parallel_size=2)
+    init = [f"tcp://127.0.0.1:{free_tcp_port()}"]
+    async with process_deployment(nats_url, config, tp_init_methods=init) as deployment:
+        assert await conversations(deployment.client) == want
+        published = deployment.published
+        await wait_for(
+            lambda: published.stats.kv_offload_hits >= 4 * 8 * BLOCK_SIZE, 30, "the loads counted"
+        )
+
+
 async def test_a_cpu_tier_killed_while_lookups_wait_costs_only_recomputes(
     nats_url, tiny_checkpoint, tmp_path
 ) -> None:  # type: ignore[no-untyped-def]
     model_dir = tiny_checkpoint("llama")
     want = await reference(model_dir)
-    config = make_config(model_dir, "offload-kill", tmp_path, kv_lookup_timeout_s=1.0)
+    config = make_config(model_dir, "offload-kill", tmp_path, {"kv_lookup_timeout_s": 1.0})
     async with process_deployment(nats_url, config) as deployment:
         client, published, supervisor = (
             deployment.client,
