@@ -12,7 +12,8 @@ a store still to be copied, however long a request waits for admission.
 
 Attach: the engine core sends its KV layout once its workers described themselves; until a
 tier answers, offload stays off (requests recompute) and the link retries in the background. A
-reply from a different region generation (the tier restarted) makes it attach again.
+reply from a different region generation, or a refusal (a restarted tier has no region), makes
+it attach again; a lookup refused so is asked again once attached.
 """
 
 from __future__ import annotations
@@ -193,6 +194,8 @@ class OffloadLink:
 
     async def _lookup(self, request_id: str, keys: list[bytes]) -> None:
         reply = await self._request(TierLookup(self.owner, keys))
+        if isinstance(reply, TierError) and await self._attached_again():
+            reply = await self._request(TierLookup(self.owner, keys))  # the restarted tier
         scheduler = self._scheduler()
         if scheduler is None or scheduler.connector is None:
             return
@@ -217,6 +220,14 @@ class OffloadLink:
             scheduler.connector.on_store_slots(job_id, None)
         self._wake()
         self.flush()
+
+    async def _attached_again(self) -> bool:
+        """Wait (at most a lookup's timeout) for the attach a refusal started; attached?"""
+        attaching = self._attaching
+        if attaching is not None and not attaching.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(attaching), self.config.kv_lookup_timeout_s)
+        return attaching is not None and attaching.done() and not attaching.cancelled()
 
     def _check_generation(self, generation: str) -> None:
         scheduler = self._scheduler()

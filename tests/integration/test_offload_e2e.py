@@ -150,7 +150,8 @@ async def test_filesystem_tier_after_a_cpu_tier_restart(
         assert _connector(built).region.generation != old_generation
         promoted = fresh.load()["num_promoted"]
     assert answers + second == reference
-    assert promoted >= 8 and stats.kv_offload_hits > 0
+    # Every returning turn loaded (the first lookup after the restart attached and retried).
+    assert promoted >= 4 * 8 and stats.kv_offload_hits >= 4 * 8 * BLOCK_SIZE
 
 
 def _flip_last_byte(path: Path) -> None:
