@@ -164,11 +164,13 @@ class TierRelease(msgspec.Struct, tag="release", array_like=True, omit_defaults=
     loaded_keys: list[bytes] = []  # unpin (one pin each)
     stored_keys: list[bytes] = []  # copies done: readable now
     failed_keys: list[bytes] = []  # copies failed: drop them
+    generation: str = ""  # the region these were granted in; another one's are ignored
 
 
 class TierRenew(msgspec.Struct, tag="renew", array_like=True, omit_defaults=True):
     owner: str
-    keys: list[bytes] = []  # pinned or being stored by ``owner`` (a key once is enough)
+    keys: list[bytes] = []  # one entry per pin or pending store ``owner`` still holds
+    generation: str = ""  # the region they were granted in; another one's are ignored
 
 
 # ----- CPU tier → secondary tier (same host: the region is shared)
@@ -180,6 +182,7 @@ class TierCascade(msgspec.Struct, tag="cascade", array_like=True, omit_defaults=
     region: RegionRef
     keys: list[bytes]
     slot_ids: list[int]
+    deadline: float = 0.0  # time.time() after which the slots may be reused: touch none then
 
 
 class TierPromote(msgspec.Struct, tag="promote", array_like=True, omit_defaults=True):
@@ -190,6 +193,7 @@ class TierPromote(msgspec.Struct, tag="promote", array_like=True, omit_defaults=
     region: RegionRef
     keys: list[bytes]
     slot_ids: list[int]
+    deadline: float = 0.0  # time.time() after which the slots may be reused: touch none then
 
 
 class TierJobDone(msgspec.Struct, tag="job_done", array_like=True, omit_defaults=True):
