@@ -46,6 +46,7 @@ from shoal.bus.messages.offload import (
 )
 from shoal.bus.messages.worker import WorkerInfo
 from shoal.bus.subjects import Subjects
+from shoal.engine.core.offload_connector import OffloadConnector
 from shoal.engine.core.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -125,14 +126,19 @@ class OffloadLink:
 
     async def _renew(self) -> None:
         """Every ``RENEW_INTERVAL_S``: tell the tier which pins and stores this engine core still
-        holds (a lookup answered but not loaded yet, a load or a store not copied yet)."""
+        holds (a lookup answered but not loaded yet, a load or a store not copied yet). A
+        failure is logged and the renewals go on: a lapse would let the tier reuse those
+        slots under a live engine core."""
         while True:
             await asyncio.sleep(RENEW_INTERVAL_S)
-            scheduler = self._scheduler()
-            connector = scheduler.connector if scheduler is not None else None
-            keys = connector.held_keys() if connector is not None else []
-            if keys:
-                await self._publish(encode(TierRenew(self.owner, keys)))
+            try:
+                connector = self._connector()
+                keys = connector.held_keys() if connector is not None else []
+                if connector is not None and keys:
+                    renewal = TierRenew(self.owner, keys, connector.generation)
+                    await self._publish(encode(renewal))
+            except Exception:
+                log.exception("%s: renewing the offload leases failed", self.owner)
 
     async def _attach(self) -> None:
         while self._layout is not None:
@@ -148,9 +154,9 @@ class OffloadLink:
                 log.info("%s: CPU tier %s not attached (%r)", self.owner, self.subject, exc)
             else:
                 if isinstance(reply, TierAttached):
-                    scheduler = self._scheduler()
-                    if scheduler is not None and scheduler.connector is not None:
-                        scheduler.connector.region = reply.region
+                    connector = self._connector()
+                    if connector is not None:
+                        connector.set_region(reply.region)
                         log.info("%s: KV offload to %s", self.owner, reply.region.path)
                         return
                 else:
@@ -159,13 +165,12 @@ class OffloadLink:
 
     def flush(self) -> None:
         """Send what the connector queued: lookups, store offers, releases."""
-        scheduler = self._scheduler()
-        connector = scheduler.connector if scheduler is not None else None
+        connector = self._connector()
         if connector is None:
             return
         lookups, connector.lookups_to_send = connector.lookups_to_send, []
-        for request_id, keys in lookups:
-            self._spawn(self._lookup(request_id, keys))
+        for request_id, lookup_id, keys in lookups:
+            self._spawn(self._lookup(request_id, lookup_id, keys))
         offers, connector.offers_to_send = connector.offers_to_send, []
         for job_id, keys in offers:
             self._spawn(self._offer(job_id, keys))
@@ -192,34 +197,40 @@ class OffloadLink:
             self.attach(self._layout)
         return reply
 
-    async def _lookup(self, request_id: str, keys: list[bytes]) -> None:
-        reply = await self._request(TierLookup(self.owner, keys))
-        if isinstance(reply, TierError) and await self._attached_again():
-            reply = await self._request(TierLookup(self.owner, keys))  # the restarted tier
-        scheduler = self._scheduler()
-        if scheduler is None or scheduler.connector is None:
-            return
-        connector = scheduler.connector
-        if isinstance(reply, TierLookupReply):
-            self._check_generation(reply.generation)
-            scheduler.unpark(connector.on_lookup_reply(request_id, keys, reply))
-        else:
-            scheduler.unpark(connector.on_lookup_failed(request_id))
-        self._wake()
-        self.flush()  # a stale answer's pins go back at once
+    async def _lookup(self, request_id: str, lookup_id: int, keys: list[bytes]) -> None:
+        reply: TierReply | None = None
+        try:
+            reply = await self._request(TierLookup(self.owner, keys))
+            if isinstance(reply, TierError) and await self._attached_again():
+                reply = await self._request(TierLookup(self.owner, keys))  # the restarted tier
+        finally:  # whatever happened, the request leaves the parking
+            scheduler = self._scheduler()
+            connector = scheduler.connector if scheduler is not None else None
+            if scheduler is not None and connector is not None:
+                if isinstance(reply, TierLookupReply):
+                    self._check_generation(reply.generation)
+                    scheduler.unpark(connector.on_lookup_reply(request_id, lookup_id, keys, reply))
+                else:
+                    scheduler.unpark(connector.on_lookup_failed(request_id, lookup_id))
+                self._wake()
+                self.flush()  # a stale answer's pins go back at once
 
     async def _offer(self, job_id: int, keys: list[bytes]) -> None:
         reply = await self._request(TierPrepareStore(self.owner, keys))
-        scheduler = self._scheduler()
-        if scheduler is None or scheduler.connector is None:
+        connector = self._connector()
+        if connector is None:
             return
         if isinstance(reply, TierStoreSlots):
             self._check_generation(reply.generation)
-            scheduler.connector.on_store_slots(job_id, reply)
+            connector.on_store_slots(job_id, reply)
         else:
-            scheduler.connector.on_store_slots(job_id, None)
+            connector.on_store_slots(job_id, None)
         self._wake()
         self.flush()
+
+    def _connector(self) -> OffloadConnector | None:
+        scheduler = self._scheduler()
+        return scheduler.connector if scheduler is not None else None
 
     async def _attached_again(self) -> bool:
         """Wait (at most a lookup's timeout) for the attach a refusal started; attached?"""
@@ -230,8 +241,7 @@ class OffloadLink:
         return attaching is not None and attaching.done() and not attaching.cancelled()
 
     def _check_generation(self, generation: str) -> None:
-        scheduler = self._scheduler()
-        connector = scheduler.connector if scheduler is not None else None
+        connector = self._connector()
         region = connector.region if connector is not None else None
         if region is not None and generation != region.generation and self._layout is not None:
             log.info("%s: the CPU tier restarted; attaching to its new region", self.owner)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from shoal.bus.messages.kv_transfer import KVTransferConfig
@@ -70,9 +70,18 @@ class _Answer:
 
 
 @dataclass(slots=True)
+class _Lookup:
+    """A lookup on its way: its id (a reply must name it) and first chunk."""
+
+    lookup_id: int
+    first_chunk: int
+
+
+@dataclass(slots=True)
 class _StoreJob:
     keys: list[OffloadKey]
     blocks: list[list[KVCacheBlock]]  # per key, its chunk's blocks (one extra reference each)
+    generation: str  # of the region it was offered to
     slot_ids: list[int] = field(default_factory=list)
 
 
@@ -96,10 +105,12 @@ class OffloadConnector:
         self.parked: dict[str, Request] = {}
         self.no_lookup: set[str] = set()  # recompute these (a failed load or lookup)
         self._answers: dict[str, _Answer] = {}
-        self._lookup_first_chunk: dict[str, int] = {}  # of each lookup on its way
+        self._lookups: dict[str, _Lookup] = {}  # on their way, by request id
+        self._lookup_ids = itertools.count(1)
         self._first_new_chunk: dict[str, int] = {}  # chunks before it were hits
         self._num_offered_chunks: dict[str, int] = {}
-        self._loads_by_step: dict[int, list[tuple[str, list[OffloadKey], int]]] = {}
+        # step id → (generation, [(request id, keys pinned, tokens loaded)])
+        self._loads_by_step: dict[int, tuple[str, list[tuple[str, list[OffloadKey], int]]]] = {}
         self._step_loads: list[tuple[KVLoad, list[OffloadKey], int]] = []
         self._store_jobs: dict[int, _StoreJob] = {}  # waiting for slots or for their step
         self._ready_stores: list[int] = []
@@ -107,13 +118,33 @@ class OffloadConnector:
         self._job_ids = itertools.count(1)
         self.num_pending_store_chunks = 0
         # The outbox, taken by the shell after each core call.
-        self.lookups_to_send: list[tuple[str, list[OffloadKey]]] = []
+        self.lookups_to_send: list[tuple[str, int, list[OffloadKey]]] = []
         self.offers_to_send: list[tuple[int, list[OffloadKey]]] = []
         self._release = TierRelease(owner="")
 
     @property
     def is_active(self) -> bool:
         return self.region is not None
+
+    @property
+    def generation(self) -> str:
+        return self.region.generation if self.region is not None else ""
+
+    def set_region(self, region: RegionRef) -> None:
+        """The tier's region (after an attach). Another generation (the tier restarted) voids
+        what the previous one granted: answers not loaded (their requests look up again),
+        stores not sent (their blocks go back), and whatever was to be reported to it. Copies
+        already sent run against the old region (a worker that can no longer map it fails
+        them); their landing reports nothing to the new tier."""
+        if self.region is not None and region.generation != self.region.generation:
+            self._answers.clear()
+            in_flight = {job_id for jobs in self._stores_by_step.values() for job_id in jobs}
+            for job_id in [j for j in self._store_jobs if j not in in_flight]:
+                for blocks in self._store_jobs.pop(job_id).blocks:
+                    self._drop_chunk(blocks)
+            self._ready_stores.clear()
+            self._release = TierRelease(owner="")
+        self.region = region
 
     # ----- admission: lookups and loads
 
@@ -136,8 +167,9 @@ class OffloadConnector:
         keys = [c.key for c in self._chunk_keys(request, first_chunk)]
         if not keys or (first_chunk * self.blocks_per_chunk) >= self._max_blocks(request):
             return None
-        self.lookups_to_send.append((request_id, keys))
-        self._lookup_first_chunk[request_id] = first_chunk
+        lookup_id = next(self._lookup_ids)
+        self.lookups_to_send.append((request_id, lookup_id, keys))
+        self._lookups[request_id] = _Lookup(lookup_id, first_chunk)
         self.counters.num_queried_tokens += self._max_blocks(request) * self.block_size - (
             num_local_blocks * self.block_size
         )
@@ -147,31 +179,39 @@ class OffloadConnector:
         self.parked[request.request_id] = request
 
     def on_lookup_reply(
-        self, request_id: str, keys: list[OffloadKey], reply: TierLookupReply
+        self, request_id: str, lookup_id: int, keys: list[OffloadKey], reply: TierLookupReply
     ) -> Request | None:
-        """The tier's answer to the lookup of ``keys``; returns the request to queue again
-        (None if it is gone: the pins go back)."""
+        """The tier's answer to lookup ``lookup_id`` (of ``keys``); returns the request to queue
+        again (None if it is gone, or the lookup is not its current one: the pins go back)."""
         self.cpu_usage = reply.usage
+        lookup = self._take_lookup(request_id, lookup_id)
+        current = reply.generation == self.generation
         pinned = keys[: len(reply.slot_ids)]
-        first_chunk = self._lookup_first_chunk.pop(request_id, 0)
-        request = self.parked.pop(request_id, None)
-        if request is None or self.region is None or reply.generation != self.region.generation:
-            self._release.loaded_keys.extend(pinned)
-            if request is not None:
-                self.no_lookup.add(request_id)
-            return request
+        request = self.parked.pop(request_id, None) if lookup is not None else None
+        if request is None or not current:
+            if current:
+                self._release.loaded_keys.extend(pinned)
+            return request  # (another generation's pins are not this one's to give back)
         if pinned:
-            self._answers[request_id] = _Answer(first_chunk, pinned, list(reply.slot_ids))
+            assert lookup is not None
+            self._answers[request_id] = _Answer(lookup.first_chunk, pinned, list(reply.slot_ids))
         else:
             self.no_lookup.add(request_id)
         return request
 
-    def on_lookup_failed(self, request_id: str) -> Request | None:
+    def on_lookup_failed(self, request_id: str, lookup_id: int) -> Request | None:
         """No answer (timeout, tier gone): the request recomputes."""
+        if self._take_lookup(request_id, lookup_id) is None:
+            return None
         self.counters.num_lookup_failures += 1
         self.no_lookup.add(request_id)
-        self._lookup_first_chunk.pop(request_id, None)
         return self.parked.pop(request_id, None)
+
+    def _take_lookup(self, request_id: str, lookup_id: int) -> _Lookup | None:
+        lookup = self._lookups.get(request_id)
+        if lookup is None or lookup.lookup_id != lookup_id:
+            return None  # a reply to a lookup of a request since finished (its id reused)
+        return self._lookups.pop(request_id)
 
     def commit_load(self, request: Request, hit: ExternalHit, block_ids: list[int]) -> None:
         """The request was admitted with ``hit``'s blocks at ``block_ids``: load them this step."""
@@ -212,6 +252,7 @@ class OffloadConnector:
         """The request finished: drop its parking, answer (unpinned) and offer state."""
         request_id = request.request_id
         self.parked.pop(request_id, None)
+        self._lookups.pop(request_id, None)
         answer = self._answers.pop(request_id, None)
         if answer is not None:
             self._release.loaded_keys.extend(answer.keys)
@@ -258,23 +299,21 @@ class OffloadConnector:
         for held in chunk_blocks:
             self.block_pool.touch(held)
         job_id = next(self._job_ids)
-        self._store_jobs[job_id] = _StoreJob(keys, chunk_blocks)
+        self._store_jobs[job_id] = _StoreJob(keys, chunk_blocks, self.generation)
         self.num_pending_store_chunks += len(keys)
         self.offers_to_send.append((job_id, keys))
 
     def on_store_slots(self, job_id: int, reply: TierStoreSlots | None) -> None:
-        """The tier's slots for an offer (None: no answer): copy those, let the rest go."""
+        """The tier's slots for an offer (None: no answer): copy those, let the rest go. Slots
+        of another generation than the job's are not used."""
         job = self._store_jobs.get(job_id)
         if job is None:
             return
         slots = {}
         if reply is not None:
             self.cpu_usage = reply.usage
-            current = self.region is not None and reply.generation == self.region.generation
-            if reply.accepted and current:
+            if reply.accepted and reply.generation == job.generation == self.generation:
                 slots = dict(zip(reply.keys, reply.slot_ids, strict=True))
-            elif not current:
-                self._release.failed_keys.extend(reply.keys)
         kept_keys, kept_blocks = [], []
         for key, blocks in zip(job.keys, job.blocks, strict=True):
             slot_id = slots.get(key)
@@ -306,9 +345,10 @@ class OffloadConnector:
         if self.region is None or not (self._step_loads or self._ready_stores):
             return None
         loads = [load for load, _, _ in self._step_loads]
-        self._loads_by_step[step_id] = [
-            (load.req_id, keys, n) for load, keys, n in self._step_loads
-        ]
+        self._loads_by_step[step_id] = (
+            self.generation,
+            [(load.req_id, keys, n) for load, keys, n in self._step_loads],
+        )
         self._step_loads = []
         stores = [self._store_message(job_id) for job_id in self._ready_stores]
         self._stores_by_step[step_id] = self._ready_stores
@@ -325,10 +365,13 @@ class OffloadConnector:
     def on_step_landed(self, step_id: int, result: KVTransferResult | None) -> list[str]:
         """Release the step's pins and finish its stores (``result`` None: the worker reported
         nothing, so every copy failed); returns the requests whose load succeeded. A request
-        whose load failed was left out of the step: it is recomputed, without a lookup."""
+        whose load failed was left out of the step: it is recomputed, without a lookup.
+        Copies granted by a previous generation of the tier are not reported to this one."""
         loaded = []
-        for request_id, keys, num_tokens in self._loads_by_step.pop(step_id, ()):
-            self._release.loaded_keys.extend(keys)
+        generation, loads = self._loads_by_step.pop(step_id, ("", []))
+        for request_id, keys, num_tokens in loads:
+            if generation == self.generation:
+                self._release.loaded_keys.extend(keys)
             if result is None or request_id in result.failed_load_req_ids:
                 self.no_lookup.add(request_id)
                 self.counters.num_hit_tokens -= num_tokens
@@ -341,38 +384,42 @@ class OffloadConnector:
 
     def _finish_store(self, job_id: int, success: bool) -> None:
         job = self._store_jobs.pop(job_id)
-        (self._release.stored_keys if success else self._release.failed_keys).extend(job.keys)
+        if job.generation == self.generation:
+            done = self._release.stored_keys if success else self._release.failed_keys
+            done.extend(job.keys)
         for blocks in job.blocks:
             self._drop_chunk(blocks)
 
-    def abandon(self, step_ids: Iterable[int] = ()) -> None:
-        """Everything stops (a fault): pins released, stores failed, blocks given back."""
-        for step_id in list(step_ids) or list(self._loads_by_step):
-            for _, keys, _ in self._loads_by_step.pop(step_id, ()):
-                self._release.loaded_keys.extend(keys)
+    def abandon(self) -> None:
+        """Everything stops (a fault): what no sent step will copy is given back (pins
+        released, stores failed, blocks freed). Copies in steps already sent may still run on
+        a live worker: they are only forgotten (nothing reported, no longer renewed), so the
+        tier keeps their slots until their lease runs out."""
         for request_id in list(self._answers):
             self._release.loaded_keys.extend(self._answers.pop(request_id).keys)
-        for _, keys, _ in self._step_loads:
-            self._release.loaded_keys.extend(keys)
-        self._step_loads = []
-        for job_id in list(self._store_jobs):
-            job = self._store_jobs[job_id]
-            if job.slot_ids:
-                self._finish_store(job_id, success=False)
-            else:
-                for blocks in job.blocks:
-                    self._drop_chunk(blocks)
-                del self._store_jobs[job_id]
-        self._ready_stores.clear()
+        self._loads_by_step.clear()
+        sent = {job_id for jobs in self._stores_by_step.values() for job_id in jobs}
         self._stores_by_step.clear()
+        for job_id in list(self._store_jobs):
+            job = self._store_jobs.pop(job_id)
+            if job.slot_ids and job_id not in sent and job.generation == self.generation:
+                self._release.failed_keys.extend(job.keys)
+            for blocks in job.blocks:
+                self._drop_chunk(blocks)
+        self._ready_stores.clear()
 
     def held_keys(self) -> list[OffloadKey]:
-        """Keys this engine core holds at the tier: pinned for a load (answered, or loading in
-        a step) or being stored. Renewed while held, so the tier never reuses their slots."""
+        """What this engine core holds at the current tier, one entry per pin or pending store:
+        answers not loaded yet, loads in steps in flight, stores not copied yet. Renewed while
+        held, so the tier never reuses their slots."""
+        generation = self.generation
         keys = [key for answer in self._answers.values() for key in answer.keys]
-        keys += [key for loads in self._loads_by_step.values() for _, ks, _ in loads for key in ks]
-        keys += [key for _, ks, _ in self._step_loads for key in ks]
-        keys += [key for job in self._store_jobs.values() for key in job.keys]
+        for step_generation, loads in self._loads_by_step.values():
+            if step_generation == generation:
+                keys += [key for _, step_keys, _ in loads for key in step_keys]
+        for job in self._store_jobs.values():
+            if job.generation == generation:
+                keys += job.keys
         return keys
 
     def take_release(self, owner: str) -> TierRelease | None:
@@ -382,4 +429,5 @@ class OffloadConnector:
             return None
         self._release = TierRelease(owner="")
         release.owner = owner
+        release.generation = self.generation
         return release

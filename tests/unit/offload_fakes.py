@@ -60,7 +60,10 @@ def region_for(scheduler: Scheduler, num_slots: int) -> RegionRef:
 
 
 class FakeTier:
-    def __init__(self, num_slots: int, eviction_policy: str = "lru") -> None:
+    def __init__(
+        self, num_slots: int, eviction_policy: str = "lru", generation: str = GENERATION
+    ) -> None:
+        self.generation = generation
         self.manager = OffloadManager(num_slots, eviction_policy)
         self.slots: dict[int, list[list[KVEntry]]] = {}  # slot → per block, per position
         self.pins: dict[bytes, int] = {}
@@ -75,14 +78,14 @@ class FakeTier:
         slot_ids = self.manager.prepare_load(held)
         for key in held:
             self.pins[key] = self.pins.get(key, 0) + 1
-        return TierLookupReply(GENERATION, slot_ids, usage=self.manager.usage)
+        return TierLookupReply(self.generation, slot_ids, usage=self.manager.usage)
 
     def prepare_store(self, keys: list[bytes]) -> TierStoreSlots:
         out = self.manager.prepare_store(keys)
         if out is None:
-            return TierStoreSlots(GENERATION, accepted=False)
+            return TierStoreSlots(self.generation, accepted=False)
         self.stored_slots.update(zip(out.keys_to_store, out.slot_ids, strict=True))
-        return TierStoreSlots(GENERATION, out.keys_to_store, out.slot_ids)
+        return TierStoreSlots(self.generation, out.keys_to_store, out.slot_ids)
 
     def release(self, loaded: list[bytes], stored: list[bytes], failed: list[bytes]) -> None:
         for key in loaded:
@@ -161,8 +164,8 @@ class Exchange:
         connector = self.scheduler.connector
         assert connector is not None
         self._ticks += 1
-        for request_id, keys in connector.lookups_to_send:
-            self._held.append((self._ticks, ("lookup", request_id, keys)))
+        for request_id, lookup_id, keys in connector.lookups_to_send:
+            self._held.append((self._ticks, ("lookup", (request_id, lookup_id), keys)))
         for job_id, keys in connector.offers_to_send:
             self._held.append((self._ticks, ("offer", job_id, keys)))
             self.offered.extend(keys)
@@ -171,8 +174,9 @@ class Exchange:
         while self._held and self._held[0][0] + self.delay <= self._ticks:
             kind, ident, keys = self._held.popleft()[1]
             if kind == "lookup":
+                request_id, lookup_id = ident
                 reply = self.tier.lookup(keys)
-                self.scheduler.unpark(connector.on_lookup_reply(ident, keys, reply))
+                self.scheduler.unpark(connector.on_lookup_reply(request_id, lookup_id, keys, reply))
             else:
                 connector.on_store_slots(ident, self.tier.prepare_store(keys))
         self._release()
@@ -180,7 +184,7 @@ class Exchange:
     def _release(self) -> None:
         assert self.scheduler.connector is not None
         release = self.scheduler.connector.take_release("owner")
-        if release is not None:
+        if release is not None and release.generation == self.tier.generation:
             self.tier.release(release.loaded_keys, release.stored_keys, release.failed_keys)
 
     @property

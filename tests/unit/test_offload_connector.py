@@ -5,6 +5,7 @@ off, checked by a fake worker that verifies every KV slot attention reads."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -94,11 +95,11 @@ def test_an_abort_while_parked_releases_the_pins_of_the_late_answer() -> None:
     scheduler.schedule()
     connector = scheduler.connector
     assert connector is not None
-    ((request_id, keys),) = connector.lookups_to_send
+    ((request_id, lookup_id, keys),) = connector.lookups_to_send
     scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     reply = tier.lookup(keys)
     assert tier.num_pinned == 3
-    assert connector.on_lookup_reply(request_id, keys, reply) is None
+    assert connector.on_lookup_reply(request_id, lookup_id, keys, reply) is None
     exchange()
     assert tier.num_pinned == 0 and not connector.parked
 
@@ -129,7 +130,9 @@ def test_a_request_admitted_beside_a_failed_load_never_reads_its_blocks() -> Non
     assert worker.num_loaded_blocks == 3  # c's
 
 
-def test_a_lookup_answered_with_another_generation_is_a_miss_and_unpinned() -> None:
+def test_a_lookup_answered_by_another_generation_is_not_used_and_asked_again() -> None:
+    """Slots named by another generation of the tier are never loaded; the request asks the
+    current tier again (which holds a's chunks) and loads those."""
     scheduler, tier, worker, exchange = setup()
     run_one(scheduler, worker, exchange, "a", PROMPT)
     scheduler.reset_prefix_cache()
@@ -137,15 +140,54 @@ def test_a_lookup_answered_with_another_generation_is_a_miss_and_unpinned() -> N
     scheduler.schedule()
     connector = scheduler.connector
     assert connector is not None
-    ((request_id, keys),) = connector.lookups_to_send
+    ((request_id, lookup_id, keys),) = connector.lookups_to_send
     connector.lookups_to_send.clear()
-    pinned = tier.lookup(keys)
-    stale = TierLookupReply("another-" + GENERATION, pinned.slot_ids)
-    scheduler.unpark(connector.on_lookup_reply(request_id, keys, stale))
-    exchange()
-    assert tier.num_pinned == 0
+    stale = TierLookupReply("another-" + GENERATION, [50, 51, 52])  # slots a's are not in
+    scheduler.unpark(connector.on_lookup_reply(request_id, lookup_id, keys, stale))
     assert drive(scheduler, worker, exchange)["b"] == reference({"b": PROMPT}, 2)["b"]
-    assert worker.num_loaded_blocks == 0
+    assert worker.num_loaded_blocks == 3 and tier.num_pinned == 0
+
+
+def test_a_tier_restart_voids_what_the_old_one_granted() -> None:
+    """b's answer (pinned by generation 1) and a store granted by generation 1 are not used
+    once the engine core attached to generation 2: b looks up again in the new, empty tier
+    and recomputes; nothing is reported to the new tier for the old grants."""
+    scheduler, _tier, worker, exchange = setup()
+    run_one(scheduler, worker, exchange, "a", PROMPT)
+    scheduler.reset_prefix_cache()
+    scheduler.add_request(make_request("b", PROMPT, max_tokens=2))
+    scheduler.schedule()
+    exchange()  # b answered by generation 1: 3 chunks pinned
+    connector = scheduler.connector
+    assert connector is not None and connector.held_keys()
+    new_tier = FakeTier(64, generation="gen-2")
+    connector.set_region(msgspec.structs.replace(connector.region, generation="gen-2"))
+    assert connector.held_keys() == []  # nothing of generation 1 is renewed any more
+    worker.tier, exchange.tier = new_tier, new_tier
+    assert drive(scheduler, worker, exchange)["b"] == reference({"b": PROMPT}, 2)["b"]
+    assert worker.num_loaded_blocks == 0  # never loaded generation 1's slots
+    assert new_tier.num_pinned == 0 and new_tier.manager.num_used_slots == 3  # b's, stored
+
+
+def test_a_reply_for_a_finished_request_is_not_given_to_a_new_one_with_its_id() -> None:
+    scheduler, tier, worker, exchange = setup()
+    run_one(scheduler, worker, exchange, "a", PROMPT)
+    scheduler.reset_prefix_cache()
+    connector = scheduler.connector
+    assert connector is not None
+    scheduler.add_request(make_request("x", PROMPT, max_tokens=2))
+    scheduler.schedule()
+    ((_, first_lookup, first_keys),) = connector.lookups_to_send
+    connector.lookups_to_send.clear()
+    scheduler.finish_requests("x", RequestStatus.FINISHED_ABORTED)
+    other = list(range(500, 513))
+    scheduler.add_request(make_request("x", other, max_tokens=2))  # the id, reused
+    scheduler.schedule()
+    late = tier.lookup(first_keys)  # the first lookup's answer arrives now: a's chunks, pinned
+    assert connector.on_lookup_reply("x", first_lookup, first_keys, late) is None
+    assert set(connector.parked) == {"x"}  # the new x still waits for its own answer
+    assert drive(scheduler, worker, exchange)["x"] == reference({"x": other}, 2)["x"]
+    assert worker.num_loaded_blocks == 0 and tier.num_pinned == 0
 
 
 def test_stores_give_way_past_the_backlog_and_outputs_stay_right() -> None:
