@@ -4,8 +4,9 @@ cores on the host (``workers.kv_transfer``) and by secondary tiers on the host.
 
 The file is named after the namespace, the tier id and the tier's incarnation (the region's
 ``generation``), so a restarted tier makes a new, empty region and removes what an earlier
-incarnation left behind (a SIGKILLed tier cannot unlink its own). A process that still maps an
-old region keeps reading valid bytes: nothing writes there any more.
+incarnation left behind (a SIGKILLed tier cannot unlink its own). Nothing writes an old region
+any more; a worker checks that the file is still there before each use, so copies still naming
+an old region fail (their requests recompute) once the new tier has removed it.
 """
 
 from __future__ import annotations

@@ -72,6 +72,7 @@ def kv_layout(config: ShoalConfig, infos: Sequence[WorkerInfo]) -> KVLayout:
         info.head_dim,
         info.kv_dtype,
         info.tp_size,
+        config.kv_transfer_config.blocks_per_chunk,
         config.cache_config.prefix_caching_hash_algo,
     )
     digest = hashlib.sha256(repr(shape).encode()).hexdigest()[:12]

@@ -5,7 +5,7 @@ outbox to the CPU tier actor and feeds its replies back.
 - **Lookups.** A waiting request about to be admitted, with full chunks beyond its local
   prefix-cache hit, is *parked* (taken off the waiting queue: it waits for KV without blocking
   the requests behind it) and its chunk keys are put in the outbox. The tier's answer (the
-  leading chunks it holds, pinned for this engine core) puts it back at the front of the queue;
+  leading chunks it holds, pinned for this engine core) puts it back in the queue, in arrival order;
   a miss, a failure or a timeout puts it back with nothing to load (it recomputes).
 - **Loads.** At admission the usable part of the answer (blocks past the local hit, before the
   last token) becomes external computed tokens: their blocks are allocated with the request's

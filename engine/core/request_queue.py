@@ -43,7 +43,8 @@ class FCFSQueue:
         self._queue.appendleft(request)
 
     def reinsert(self, request: Request) -> None:
-        """Before the first request that arrived later (preempted ones stay ahead)."""
+        """Before the first request that arrived later: FCFS as if it had never left (even
+        ahead of a request preempted meanwhile that arrived after it)."""
         for index, queued in enumerate(self._queue):
             if queued.arrival_time > request.arrival_time:
                 self._queue.insert(index, request)

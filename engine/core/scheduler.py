@@ -35,10 +35,13 @@ can hit KV that is not written yet).
 With one step in flight at a time the placeholder and in-flight counts are zero whenever
 ``schedule()`` runs, and blocks are cached at allocation as before, so nothing changes.
 
+KV offload (``offload_connector.py``): admission asks the connector for external hits after the
+local prefix-cache lookup (a request waiting for its lookup is parked off the queue), a step
+carries its copies, and a landed step's full chunks are offered for storing.
+
 Seams, not built yet: speculative decoding would schedule
 ``Request.spec_token_ids`` as extra tokens and roll back rejected ones in ``update_from_output``;
-the KV manager would ask an offload connector for external hits during admission; ``make_stats``
-feeds load-aware routing across data-parallel ranks and reports requests finished by reason and
+``make_stats`` feeds load-aware routing across data-parallel ranks and reports requests finished by reason and
 the free KV blocks, so a client in another process sees what the core did with an abort.
 """
 
