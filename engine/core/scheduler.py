@@ -39,10 +39,10 @@ KV offload (``offload_connector.py``): admission asks the connector for external
 local prefix-cache lookup (a request waiting for its lookup is parked off the queue), a step
 carries its copies, and a landed step's full chunks are offered for storing.
 
-Seams, not built yet: speculative decoding would schedule
-``Request.spec_token_ids`` as extra tokens and roll back rejected ones in ``update_from_output``;
-``make_stats`` feeds load-aware routing across data-parallel ranks and reports requests finished by reason and
-the free KV blocks, so a client in another process sees what the core did with an abort.
+Seams, not built yet: speculative decoding would schedule ``Request.spec_token_ids`` as extra
+tokens and roll back rejected ones in ``update_from_output``. ``make_stats`` feeds load-aware
+routing across data-parallel ranks and reports requests finished by reason and the free KV
+blocks, so a client in another process sees what the core did with an abort.
 """
 
 from __future__ import annotations
