@@ -106,7 +106,8 @@ class RegionViews:
     """Region files mapped as tensors, the ``keep`` most recently used generations at most.
 
     Each use checks the file again (one ``stat``): a file that is gone, resized or replaced is
-    never read through an old mapping, so ranks on one host judge a region alike."""
+    never read through an old mapping (ranks that still judge it differently agree before any
+    copy: ``run_kv_transfers``)."""
 
     def __init__(self, keep: int = KEEP_GENERATIONS) -> None:
         self.keep = keep

@@ -78,9 +78,14 @@ def rank_main(rank: int, port: int, model_dir: str, ref: RegionRef, queue: Any) 
             model_dir, num_blocks=64, block_size=BLOCK, tp_rank=rank, tensor_parallel_size=2
         )
         runner.load()
-        agreements = []
+        agreements: list[list[bool]] = []
         agree = runner._agree_failures
-        runner._agree_failures = lambda flags: agreements.append(flags) or agree(flags)  # type: ignore[method-assign]
+
+        def counted(failed: list[bool]) -> list[bool]:
+            agreements.append(failed)
+            return agree(failed)
+
+        runner._agree_failures = counted  # type: ignore[method-assign]
         views = runner.regions.view
         reports = []
         for step in _steps(ref, rank):
@@ -91,7 +96,7 @@ def rank_main(rank: int, port: int, model_dir: str, ref: RegionRef, queue: Any) 
                     raise RegionUnavailable(f"region {r.path} is gone (as rank 1 sees it)")
                 return views(r)
 
-            runner.regions.view = view  # type: ignore[method-assign]
+            runner.regions.view = view  # type: ignore[method-assign, assignment]
             result = runner.execute(step)
             reports.append(
                 (result.req_ids, result.sampled_token_ids, result.kv_transfer, len(agreements))
