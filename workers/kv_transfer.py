@@ -8,10 +8,12 @@ and keeps the two most recent generations mapped. ``run_kv_transfers`` validates
 first, then runs the valid stores (KV → region) and then the valid loads (region → KV), each as
 one batched copy per layer and K/V; a rank touches only its own part of a slot (``[:, rank]``).
 
-Validation depends only on the step and the region file, never on this rank's own history, so
-every tensor-parallel rank of an engine core fails the same loads and runs the same requests:
-a region that cannot be mapped (file gone, wrong size) or whose layout is not this cache's
-fails every job; a job with unequal lists or an id out of range fails alone.
+Validation depends only on the step and the region file, never on this rank's own history: a
+region that cannot be mapped (file gone, wrong size) or whose layout is not this cache's fails
+every job; a job with unequal lists or an id out of range fails alone. Ranks may still judge a
+region differently (its file unlinked between two ranks' checks), so with tensor parallelism
+the ranks then ``agree`` before any copy: a job fails if it fails on any rank, and every rank
+skips the same jobs and drops the same requests (else their collectives would not match).
 
 ``DroppedLoads``: the requests the runner left out after a failed load, until the engine core
 has seen the failure.
@@ -24,7 +26,7 @@ import mmap
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -104,7 +106,8 @@ class RegionViews:
     """Region files mapped as tensors, the ``keep`` most recently used generations at most.
 
     Each use checks the file again (one ``stat``): a file that is gone, resized or replaced is
-    never read through an old mapping, so ranks on one host judge a region alike."""
+    never read through an old mapping (ranks that still judge it differently agree before any
+    copy: ``run_kv_transfers``)."""
 
     def __init__(self, keep: int = KEEP_GENERATIONS) -> None:
         self.keep = keep
@@ -200,16 +203,14 @@ class _Batch:
         return blocks, slots, offsets
 
 
-def _valid_jobs(
+def _job_failures(
     jobs: Sequence[KVLoad | KVStore], ref: RegionRef, num_blocks: int, failure: str | None
-) -> tuple[_Batch, list[int]]:
-    """The jobs that may run, flattened, and the indices of those that fail (all of them
-    when the region has a ``failure``)."""
-    batch = _Batch([], [], [])
+) -> list[bool]:
+    """Whether each job fails on this rank (every one when the region has a ``failure``)."""
     if failure is not None:
-        return batch, list(range(len(jobs)))
-    failed: list[int] = []
-    for index, job in enumerate(jobs):
+        return [True] * len(jobs)
+    failed = []
+    for job in jobs:
         fault = job_fault(
             job.block_ids,
             job.slot_ids,
@@ -219,14 +220,24 @@ def _valid_jobs(
             blocks_per_chunk=ref.layout.blocks_per_chunk,
         )
         if fault is not None:
-            name = job.req_id if isinstance(job, KVLoad) else f"store job {job.job_id}"
-            log.warning("KV %s fails: %s", name, fault)
-            failed.append(index)
-            continue
-        batch.block_ids += job.block_ids
-        batch.slot_ids += job.slot_ids
-        batch.block_offsets += job.block_offsets
-    return batch, failed
+            log.warning("KV %s fails: %s", _job_name(job), fault)
+        failed.append(fault is not None)
+    return failed
+
+
+def _job_name(job: KVLoad | KVStore) -> str:
+    return f"load of {job.req_id}" if isinstance(job, KVLoad) else f"store job {job.job_id}"
+
+
+def _batch(jobs: Sequence[KVLoad | KVStore], failed: Sequence[bool]) -> _Batch:
+    """The jobs that did not fail, flattened."""
+    batch = _Batch([], [], [])
+    for job, fails in zip(jobs, failed, strict=True):
+        if not fails:
+            batch.block_ids += job.block_ids
+            batch.slot_ids += job.slot_ids
+            batch.block_offsets += job.block_offsets
+    return batch
 
 
 class _Run(NamedTuple):
@@ -315,6 +326,10 @@ def _load(rank_view: torch.Tensor, kv_cache: KVCache, batch: _Batch) -> None:
             cache.index_copy_(0, blocks, chunk.to(device))
 
 
+Agree = Callable[[list[bool]], list[bool]]
+"""Per-job failure flags of this rank → those of every rank (a flag set on any rank is set)."""
+
+
 def run_kv_transfers(
     transfers: KVTransfers,
     kv_cache: KVCache,
@@ -322,42 +337,73 @@ def run_kv_transfers(
     tp_rank: int,
     tp_size: int,
     regions: RegionViews,
+    agree: Agree | None = None,
 ) -> KVTransferResult:
     """Validate ``transfers``, then run its valid stores, then its valid loads (this rank's
-    part of each slot only). Never raises for a bad job or region: the result names what
-    failed, with the bytes this rank moved and the seconds it took."""
+    part of each slot only). With ``agree`` (tensor parallelism), a job runs only if it is
+    valid on every rank: called once, with the loads' flags then the stores', when the step
+    has any job. Never raises for a bad job or region: the result names what failed, with
+    the bytes this rank moved and the seconds it took."""
     ref = transfers.region
+    loads, stores = transfers.loads, transfers.stores
     failure = KVGeometry.of(kv_cache, tp_size).mismatch(ref.layout)
     if failure is not None:
         failure = f"region layout is not this worker's KV cache: {failure}"
     view = None
-    if failure is None and (transfers.loads or transfers.stores):
+    if failure is None and (loads or stores):
         try:
             view = regions.view(ref)
         except RegionUnavailable as exc:
             failure = str(exc)
-    if failure is not None and (transfers.loads or transfers.stores):
+    if failure is not None and (loads or stores):
         log.warning("every KV copy of the step fails: %s", failure)
-    stores, failed_stores = _valid_jobs(transfers.stores, ref, kv_cache.num_blocks, failure)
-    loads, failed_loads = _valid_jobs(transfers.loads, ref, kv_cache.num_blocks, failure)
+    mine = [
+        *_job_failures(loads, ref, kv_cache.num_blocks, failure),
+        *_job_failures(stores, ref, kv_cache.num_blocks, failure),
+    ]
+    failed = agree(mine) if agree is not None and mine else mine
+    jobs: list[KVLoad | KVStore] = [*loads, *stores]
+    for job, here, anywhere in zip(jobs, mine, failed, strict=True):
+        if anywhere and not here:
+            log.warning("KV %s fails on another tensor-parallel rank", _job_name(job))
+    failed_loads, failed_stores = failed[: len(loads)], failed[len(loads) :]
+    failed_req_ids = [j.req_id for j, f in zip(loads, failed_loads, strict=True) if f]
     result = KVTransferResult(
-        failed_load_req_ids=list(dict.fromkeys(transfers.loads[i].req_id for i in failed_loads)),
-        failed_store_job_ids=[transfers.stores[i].job_id for i in failed_stores],
+        failed_load_req_ids=list(dict.fromkeys(failed_req_ids)),
+        failed_store_job_ids=[j.job_id for j, f in zip(stores, failed_stores, strict=True) if f],
     )
     if view is None:
         return result
-    rank_view = view[:, tp_rank]  # [S, L, 2, C, block_size, H, D]
+    _copy(
+        result,
+        view[:, tp_rank],
+        kv_cache,
+        _batch(stores, failed_stores),
+        _batch(loads, failed_loads),
+        ref.layout.rank_block_bytes,
+    )
+    return result
+
+
+def _copy(
+    result: KVTransferResult,
+    rank_view: torch.Tensor,
+    kv_cache: KVCache,
+    stores: _Batch,
+    loads: _Batch,
+    block_bytes: int,
+) -> None:
+    """Run the stores, then the loads; record their bytes and seconds in ``result``."""
     started = time.perf_counter()
     if stores.block_ids:
         _store(rank_view, kv_cache, stores)
-        result.num_store_bytes = len(stores.block_ids) * ref.layout.rank_block_bytes
+        result.num_store_bytes = len(stores.block_ids) * block_bytes
     loaded = time.perf_counter()
     if loads.block_ids:
         _load(rank_view, kv_cache, loads)
-        result.num_load_bytes = len(loads.block_ids) * ref.layout.rank_block_bytes
+        result.num_load_bytes = len(loads.block_ids) * block_bytes
     result.store_time_s = loaded - started
     result.load_time_s = time.perf_counter() - loaded
-    return result
 
 
 class DroppedLoads:

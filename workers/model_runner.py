@@ -8,8 +8,8 @@ rank 0's sampled tokens are broadcast so the ranks never diverge.
 
 KV offload: a step's ``kv_transfers`` run right after its diff, before the forward pass
 (``workers.kv_transfer``); a step may carry only transfers. A request whose load failed is left
-out (the engine core recomputes it), the same on every rank: the copier's checks depend only on
-the step and the region file.
+out (the engine core recomputes it), the same on every rank: with tensor parallelism the ranks
+agree on the failed jobs (one all-reduce, only in a step with copies) before any copy.
 """
 
 from __future__ import annotations
@@ -311,11 +311,17 @@ class ModelRunner:
             tp_rank=self.tp.rank,
             tp_size=self.tp.size,
             regions=self.regions,
+            agree=self._agree_failures if self.tp.size > 1 else None,
         )
         for req_id in result.failed_load_req_ids:
             self.batch.remove_request(req_id, preempted=True)
             self._dropped.add(req_id)
         return result
+
+    def _agree_failures(self, failed: list[bool]) -> list[bool]:
+        """Per-job KV copy failures of every rank: a job fails if it fails on any."""
+        flags = torch.tensor(failed, dtype=torch.int32, device=self.device)
+        return [bool(flag) for flag in self.tp.any_rank(flags).tolist()]
 
     def reset(self) -> None:
         """Forget every request (after an engine core restart)."""

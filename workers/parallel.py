@@ -38,6 +38,13 @@ class TPContext:
             dist.all_reduce(x)
         return x
 
+    def any_rank(self, flags: torch.Tensor) -> torch.Tensor:
+        """Each element's maximum across ranks, in place (for 0/1 flags: set on any rank);
+        identity when alone."""
+        if self.size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags
+
     def broadcast_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Rank 0's sampled tokens on every rank, in place."""
         if self.size > 1:

@@ -24,6 +24,7 @@ from shoal.bus.base import Bus, BusError, Msg, Subscription
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.messages.control import ActorState
+from shoal.bus.messages.offload import KVTransferResult
 from shoal.bus.messages.worker import (
     DescribeWorker,
     ExecuteStep,
@@ -234,7 +235,8 @@ class WorkerLink:
     # ----- steps
 
     async def execute(self, step: ExecuteStep) -> StepResult:
-        """Run a step on every rank; rank 0's result is the step's result."""
+        """Run a step on every rank; rank 0's result is the step's result, with the KV copies
+        of every rank (``merge_kv_transfers``)."""
         return await self.wait(await self.submit(step))
 
     async def submit(self, step: ExecuteStep) -> SentStep:
@@ -295,7 +297,33 @@ class WorkerLink:
             if not isinstance(result, StepResult):
                 raise WorkerFailure(f"worker {worker_id} answered {type(result).__name__}")
             results.append(result)
+        chosen = results[0]
         for result in results[1:]:
             if result.error is not None and results[0].error is None:
-                return result  # a failing rank fails the step
-        return results[0]
+                chosen = result  # a failing rank fails the step
+                break
+        if len(results) > 1:
+            chosen.kv_transfer = merge_kv_transfers([r.kv_transfer for r in results])
+        return chosen
+
+
+def merge_kv_transfers(
+    per_rank: Sequence[KVTransferResult | None],
+) -> KVTransferResult | None:
+    """The step's KV copies over every rank: what failed on any rank, the bytes all ranks
+    moved, and the slowest rank's seconds (the ranks copy at once)."""
+    present = [r for r in per_rank if r is not None]
+    if not present:
+        return None
+    return KVTransferResult(
+        failed_load_req_ids=list(
+            dict.fromkeys(req_id for r in present for req_id in r.failed_load_req_ids)
+        ),
+        failed_store_job_ids=list(
+            dict.fromkeys(job_id for r in present for job_id in r.failed_store_job_ids)
+        ),
+        num_load_bytes=sum(r.num_load_bytes for r in present),
+        num_store_bytes=sum(r.num_store_bytes for r in present),
+        load_time_s=max(r.load_time_s for r in present),
+        store_time_s=max(r.store_time_s for r in present),
+    )

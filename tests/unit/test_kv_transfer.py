@@ -303,3 +303,36 @@ def test_runs_and_scattered_batches_copy_the_same_bytes(
     )
     for restored, original in zip(cache.k + cache.v, before, strict=True):
         assert torch.equal(restored[block_ids], original[block_ids])
+
+
+def test_a_job_another_rank_fails_is_skipped_here_too(tmp_path: Path) -> None:
+    shared = region(tmp_path, layout())
+    slots = slots_of(shared)
+    cache = kv_cache(seed=6)
+    before = [t.clone() for t in cache.k]
+    loads = [
+        KVLoad("here", [1], [9], [0]),
+        KVLoad("there", [2], [0], [0]),
+        KVLoad("ok", [3], [1], [0]),
+    ]
+    stores = [KVStore(1, [5], [0], [0]), KVStore(2, [6], [2], [0])]
+    asked: list[list[bool]] = []
+
+    def agree(mine: list[bool]) -> list[bool]:  # another rank fails load "there" and store 2
+        asked.append(mine)
+        return [mine[0], True, mine[2], mine[3], True]
+
+    transfers = KVTransfers(shared.ref, loads=loads, stores=stores)
+    result = run_kv_transfers(
+        transfers, cache, tp_rank=0, tp_size=1, regions=RegionViews(), agree=agree
+    )
+    assert asked == [[True, False, False, False, False]]  # loads, then stores
+    assert result.failed_load_req_ids == ["here", "there"] and result.failed_store_job_ids == [2]
+    lay = shared.ref.layout
+    assert result.num_store_bytes == result.num_load_bytes == lay.rank_block_bytes
+    assert torch.count_nonzero(slots[2]) == 0  # store 2 never ran
+    assert torch.equal(slots[0, 0, 0, 0, 0], before[0][5])  # store 1 did
+    assert torch.equal(cache.k[0][2], before[0][2]) and not torch.equal(before[0][2], before[0][5])
+    empty = KVTransfers(shared.ref)
+    run_kv_transfers(empty, cache, tp_rank=0, tp_size=1, regions=RegionViews(), agree=agree)
+    assert len(asked) == 1  # no job: nothing to agree on
