@@ -5,8 +5,9 @@
 ``RegionViews`` maps a ``RegionRef`` (the file at ``ref.path``) as a tensor view of
 ``[num_slots, tp_size, num_layers, 2, blocks_per_chunk, block_size, num_kv_heads, head_dim]``
 and keeps the two most recent generations mapped. ``run_kv_transfers`` validates every job
-first, then runs the valid stores (KV → region) and then the valid loads (region → KV), each as
-one batched copy per layer and K/V; a rank touches only its own part of a slot (``[:, rank]``).
+first, then runs the valid stores (KV → region) and then the valid loads (region → KV)
+(``workers.kv_copy``: a pass per run of consecutive blocks, or a gather); a rank touches only its
+own part of a slot (``[:, rank]``).
 
 Validation depends only on the step and the region file, never on this rank's own history: a
 region that cannot be mapped (file gone, wrong size) or whose layout is not this cache's fails
@@ -26,9 +27,8 @@ import mmap
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -41,13 +41,12 @@ from shoal.bus.messages.offload import (
     RegionRef,
 )
 from shoal.workers.kv_cache import KVCache
+from shoal.workers.kv_copy import CopyBatch, load_blocks, store_blocks
 
 log = logging.getLogger(__name__)
 
 MAX_DROPPED = 4096  # dropped ids kept while waiting for the engine core to let them go
 KEEP_GENERATIONS = 2
-# Copy run by run (one pass each) when the runs average this many blocks; else gather first.
-MIN_BLOCKS_PER_RUN = 4
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
@@ -161,6 +160,10 @@ class RegionViews:
         return _Mapped(ref, (stat.st_dev, stat.st_ino), mapping, view)
 
 
+Agree = Callable[[list[bool]], list[bool]]
+"""Per-job failure flags of this rank → those of every rank (a flag set on any rank is set)."""
+
+
 def job_fault(
     block_ids: Sequence[int],
     slot_ids: Sequence[int],
@@ -185,22 +188,6 @@ def job_fault(
             bad = next(i for i in ids if not low <= i < high)
             return f"{what} {bad} is outside [{low}, {high})"
     return None
-
-
-@dataclass
-class _Batch:
-    """The valid jobs of one direction, flattened: one entry per block."""
-
-    block_ids: list[int]
-    slot_ids: list[int]
-    block_offsets: list[int]
-
-    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(block ids on ``device``, slot ids, block offsets), each ``[B]`` int64."""
-        blocks = torch.tensor(self.block_ids, dtype=torch.int64).to(device)
-        slots = torch.tensor(self.slot_ids, dtype=torch.int64)
-        offsets = torch.tensor(self.block_offsets, dtype=torch.int64)
-        return blocks, slots, offsets
 
 
 def _job_failures(
@@ -229,105 +216,15 @@ def _job_name(job: KVLoad | KVStore) -> str:
     return f"load of {job.req_id}" if isinstance(job, KVLoad) else f"store job {job.job_id}"
 
 
-def _batch(jobs: Sequence[KVLoad | KVStore], failed: Sequence[bool]) -> _Batch:
+def _batch(jobs: Sequence[KVLoad | KVStore], failed: Sequence[bool]) -> CopyBatch:
     """The jobs that did not fail, flattened."""
-    batch = _Batch([], [], [])
+    batch = CopyBatch([], [], [])
     for job, fails in zip(jobs, failed, strict=True):
         if not fails:
             batch.block_ids += job.block_ids
             batch.slot_ids += job.slot_ids
             batch.block_offsets += job.block_offsets
     return batch
-
-
-class _Run(NamedTuple):
-    """Blocks ``[block, block + length)`` ↔ region rows ``[position, position + length)``, a
-    row's position being ``slot * blocks_per_chunk + offset``."""
-
-    block: int
-    position: int
-    length: int
-
-
-def _runs(batch: _Batch, blocks_per_chunk: int) -> list[_Run]:
-    runs: list[_Run] = []
-    for block, slot, offset in zip(
-        batch.block_ids, batch.slot_ids, batch.block_offsets, strict=True
-    ):
-        position = slot * blocks_per_chunk + offset
-        if runs:
-            last = runs[-1]
-            if block == last.block + last.length and position == last.position + last.length:
-                runs[-1] = last._replace(length=last.length + 1)
-                continue
-        runs.append(_Run(block, position, 1))
-    return runs
-
-
-def _pieces(layer_view: torch.Tensor, run: _Run) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(first block, blocks, region rows) of one layer's K or V for a run, in at most three
-    strided views: the rest of its first slot, whole slots (``[slots, C, ...]``: never merged
-    into one dimension, which would copy), the start of its last slot."""
-    per_slot = layer_view.shape[1]  # layer_view: [S, C, block_size, H, D]
-    block, position, left = run
-    while left:
-        slot, offset = divmod(position, per_slot)
-        if offset or left < per_slot:
-            count = min(left, per_slot - offset)
-            yield block, count, layer_view[slot, offset : offset + count]
-        else:
-            num_slots = left // per_slot
-            count = num_slots * per_slot
-            yield block, count, layer_view[slot : slot + num_slots]
-        block, position, left = block + count, position + count, left - count
-
-
-def _copy_runs(
-    rank_view: torch.Tensor, kv_cache: KVCache, batch: _Batch, *, to_region: bool
-) -> bool:
-    """Copy in one pass per run of consecutive blocks and region rows (no gathered copy in
-    between); False, copying nothing, when the batch is too scattered for that to pay."""
-    runs = _runs(batch, rank_view.shape[3])
-    if len(runs) * MIN_BLOCKS_PER_RUN > len(batch.block_ids):
-        return False
-    for layer, pair in enumerate(zip(kv_cache.k, kv_cache.v, strict=True)):
-        for kv, cache in enumerate(pair):
-            layer_view = rank_view[:, layer, kv]
-            for run in runs:
-                for first, count, rows in _pieces(layer_view, run):
-                    blocks = cache[first : first + count].view(rows.shape)
-                    if to_region:
-                        rows.copy_(blocks)
-                    else:
-                        blocks.copy_(rows)
-    return True
-
-
-def _store(rank_view: torch.Tensor, kv_cache: KVCache, batch: _Batch) -> None:
-    """KV blocks → region slots; ``rank_view`` is ``[S, L, 2, C, block_size, H, D]``."""
-    if _copy_runs(rank_view, kv_cache, batch, to_region=True):
-        return
-    blocks, slots, offsets = batch.tensors(kv_cache.k[0].device)
-    for layer, pair in enumerate(zip(kv_cache.k, kv_cache.v, strict=True)):
-        for kv, cache in enumerate(pair):
-            gathered = cache.index_select(0, blocks)  # [B, block_size, H, D]
-            rank_view[:, layer, kv].index_put_((slots, offsets), gathered.cpu())
-
-
-def _load(rank_view: torch.Tensor, kv_cache: KVCache, batch: _Batch) -> None:
-    """Region slots → KV blocks."""
-    if _copy_runs(rank_view, kv_cache, batch, to_region=False):
-        return
-    device = kv_cache.k[0].device
-    blocks, slots, offsets = batch.tensors(device)
-    for layer, pair in enumerate(zip(kv_cache.k, kv_cache.v, strict=True)):
-        for kv, cache in enumerate(pair):
-            chunk = rank_view[:, layer, kv][slots, offsets]  # [B, block_size, H, D]
-            cache.index_copy_(0, blocks, chunk.to(device))
-
-
-Agree = Callable[[list[bool]], list[bool]]
-"""Per-job failure flags of this rank → those of every rank (a flag set on any rank is set)."""
 
 
 def run_kv_transfers(
@@ -389,18 +286,18 @@ def _copy(
     result: KVTransferResult,
     rank_view: torch.Tensor,
     kv_cache: KVCache,
-    stores: _Batch,
-    loads: _Batch,
+    stores: CopyBatch,
+    loads: CopyBatch,
     block_bytes: int,
 ) -> None:
     """Run the stores, then the loads; record their bytes and seconds in ``result``."""
     started = time.perf_counter()
     if stores.block_ids:
-        _store(rank_view, kv_cache, stores)
+        store_blocks(rank_view, kv_cache, stores)
         result.num_store_bytes = len(stores.block_ids) * block_bytes
     loaded = time.perf_counter()
     if loads.block_ids:
-        _load(rank_view, kv_cache, loads)
+        load_blocks(rank_view, kv_cache, loads)
         result.num_load_bytes = len(loads.block_ids) * block_bytes
     result.store_time_s = loaded - started
     result.load_time_s = time.perf_counter() - loaded

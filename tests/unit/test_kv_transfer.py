@@ -17,7 +17,7 @@ from shoal.bus.messages.offload import (
     RegionRef,
 )
 from shoal.tiers.region import SharedRegion
-from shoal.workers import kv_transfer
+from shoal.workers import kv_copy
 from shoal.workers.kv_cache import KVCache
 from shoal.workers.kv_transfer import (
     MAX_DROPPED,
@@ -279,7 +279,7 @@ def test_runs_and_scattered_batches_copy_the_same_bytes(
 ) -> None:  # type: ignore[no-untyped-def]
     """Copied run by run (one pass each) or gathered, every block lands where the job says
     (checked row by row against the cache) and loads back unchanged."""
-    monkeypatch.setattr(kv_transfer, "MIN_BLOCKS_PER_RUN", min_run)
+    monkeypatch.setattr(kv_copy, "MIN_BLOCKS_PER_RUN", min_run)
     shared = region(tmp_path, layout(blocks_per_chunk=blocks_per_chunk), num_slots=9)
     cache = kv_cache(seed=11)
     before = [t.clone() for t in cache.k + cache.v]
