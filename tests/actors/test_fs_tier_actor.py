@@ -380,7 +380,7 @@ def chunk_files(h: Harness) -> list[Path]:
 async def test_past_its_deadline_a_job_fails_and_touches_no_slot(h: Harness) -> None:
     """The CPU tier may reuse the slots after the deadline: nothing is read from or written to
     them then; a deadline of 0.0 is none."""
-    tier = await h.tier()
+    tier = await h.tier(num_chunks=1)
     await h.attach()
     h.fill([0, 1, 2], [1, 2, 3])
     past = time.time() - 1.0
@@ -388,6 +388,8 @@ async def test_past_its_deadline_a_job_fails_and_touches_no_slot(h: Harness) -> 
     assert cascade == done(failed=(1, 2)) and chunk_files(h) == []
     assert await h.held(1, 2) == 0
     assert await h.cascade([3], [2]) == done(3)
+    late = await h.ask(TierCascade(h.region.ref, keys(4), [0], past))
+    assert late == done(failed=(4,)) and await h.held(3) == 1  # 3 not evicted for it
     h.region.slot(5)[:] = bytes(LAYOUT.slot_bytes)
     promote = await h.ask(TierPromote(h.region.ref, keys(3), [5], past))
     assert promote == done(failed=(3,)) and h.slot(5) == bytes(LAYOUT.slot_bytes)
@@ -395,7 +397,7 @@ async def test_past_its_deadline_a_job_fails_and_touches_no_slot(h: Harness) -> 
     soon = time.time() + REPLY_S
     assert await h.ask(TierPromote(h.region.ref, keys(3), [5], soon)) == done(3)
     assert h.slot(5) == pattern(3, LAYOUT.slot_bytes)
-    assert tier.load()["num_chunks_late"] == 3.0
+    assert tier.load()["num_chunks_late"] == 4.0
 
 
 async def test_a_deadline_passing_during_a_cascade_publishes_nothing(h: Harness) -> None:

@@ -271,9 +271,12 @@ def test_past_its_deadline_a_write_touches_no_slot_and_leaves_no_file(
     files: ChunkFiles, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fs_store, "time", Clock(100.0))
+    read: list[object] = []
+    real = files._write_temp
+    monkeypatch.setattr(files, "_write_temp", lambda *args: read.append(args) or real(*args))
     with pytest.raises(DeadlinePassed):
         files.write_chunk(key(1), memoryview(slot_bytes(1)), deadline=99.0)
-    assert all_files(files) == []
+    assert all_files(files) == [] and read == []  # the slot was not even read
     files.write_chunk(key(2), memoryview(slot_bytes(2)), deadline=101.0)  # in time
     files.write_chunk(key(3), memoryview(slot_bytes(3)), deadline=0.0)  # none
     assert sorted(files.scan().keys) == sorted([key(2), key(3)])
