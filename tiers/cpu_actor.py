@@ -8,10 +8,20 @@ misses here asks them and promotes what they hold into reserved slots; a store t
 is cascaded to each of them.
 
 Every pin and pending store has a lease (``lease_s``); a periodic sweep hands back the expired
-ones, so a dead engine core, or a secondary whose answer never came, leaks no slot. Cascades
-are bounded per secondary (``max_cascades_in_flight``): past that, stores are dropped and
-counted, loads never. Every wait on a secondary is bounded, so a dead or slow one costs hits,
-never an engine core's lookup.
+ones, so a dead engine core, or a secondary whose answer never came, leaks no slot. A
+``TierRelease`` or ``TierRenew`` naming another region generation than this one's (meant for an
+earlier incarnation of the tier) is ignored; one naming none (an older sender) is applied as if
+it named this one.
+
+Every cascade and promotion carries a ``deadline`` (wall clock): the instant, well inside the
+lease of its pins or reserved slots, after which the secondary must touch none of its slots.
+Cascades are bounded per secondary (``max_cascades_in_flight``, promotions counted too): past
+that, stores are dropped and counted, loads never; a job whose answer timed out stays counted
+until its lease ends, since it may still be running there.
+
+Every wait on a secondary is bounded, and one lookup's waits on all secondaries together (their
+lookups and promotions) fit in ``promote_budget_s``, by default half the engine core's
+``kv_lookup_timeout_s``: the lookup is answered while the engine core still waits for it.
 
 Every inbound message is a request; ``TierRelease`` may also come as a plain publish (asked, it
 is answered with ``TierJobDone`` naming the stores that became readable), and ``TierRenew``
@@ -57,6 +67,7 @@ from shoal.tiers.secondaries import SecondaryFailed, SecondaryLink, SecondaryTim
 log = logging.getLogger(__name__)
 
 _INBOUND: Codec[TierInbound] = Codec(TierInbound)
+_MIN_WAIT_S = 0.01  # less budget than this left: ask no further secondary
 
 
 class CpuTierActor(Actor):
@@ -75,7 +86,8 @@ class CpuTierActor(Actor):
         lease_s: float = 30.0,
         sweep_interval_s: float | None = None,  # default lease_s / 4
         secondary_timeout_s: float | None = None,  # attach and lookup; default a quarter of
-        # kv_lookup_timeout_s (a promotion may take half), so the engine core's wait covers both
+        # kv_lookup_timeout_s; one lookup's waits on every secondary together take at most
+        # twice this (promote_budget_s: half the engine core's wait by default)
         cascade_timeout_s: float | None = None,  # default lease_s / 3
         max_cascades_in_flight: int = 4,  # per secondary; more are dropped
         secondary_retry_s: float = 1.0,  # a detached secondary is attached again this often
@@ -103,12 +115,12 @@ class CpuTierActor(Actor):
         self.lease_s = lease_s
         self.sweep_interval_s = sweep_interval_s or lease_s / 4
         self.lookup_timeout_s = secondary_timeout_s or kv.kv_lookup_timeout_s / 4
-        self.promote_timeout_s = 2 * self.lookup_timeout_s
+        self.promote_budget_s = 2 * self.lookup_timeout_s
         self.cascade_timeout_s = cascade_timeout_s or lease_s / 3
         secondary_ids = kv.secondary_tier_ids
-        if secondary_ids and max(self.promote_timeout_s, self.cascade_timeout_s) >= lease_s:
+        if secondary_ids and max(self.promote_budget_s, self.cascade_timeout_s) >= lease_s:
             raise ValueError(
-                f"lease_s ({lease_s}) must outlast a promotion ({self.promote_timeout_s} s) "
+                f"lease_s ({lease_s}) must outlast a promotion ({self.promote_budget_s} s) "
                 f"and a cascade ({self.cascade_timeout_s} s)"
             )
         self.max_cascades_in_flight = max_cascades_in_flight
@@ -174,10 +186,13 @@ class CpuTierActor(Actor):
                 return await self._lookup(owner, keys)
             case TierPrepareStore(owner=owner, keys=keys):
                 return self._prepare_store(owner, keys)
-            case TierRelease():
+            case TierRelease(generation=generation):
+                if self._is_stale(generation):
+                    return TierJobDone()
                 return self._release(request)
-            case TierRenew(owner=owner, keys=keys):
-                self.books.leases.renew(owner, keys, time.monotonic())
+            case TierRenew(owner=owner, keys=keys, generation=generation):
+                if not self._is_stale(generation):
+                    self.books.leases.renew(owner, keys, time.monotonic())
                 return None
         return TierError(f"tier {self.actor_id} does not serve {type(request).__name__}")
 
@@ -224,17 +239,22 @@ class CpuTierActor(Actor):
 
     async def _promote(self, owner: str, keys: list[OffloadKey]) -> list[int]:
         """Promote from the secondaries, in order, the leading keys they hold; the slots of
-        the run now readable here, pinned for ``owner``."""
+        the run now readable here, pinned for ``owner``. Every wait fits in what is left of
+        ``promote_budget_s``; a secondary not reached in it is not asked."""
         slot_ids: list[int] = []
+        budget_end = time.monotonic() + self.promote_budget_s
         for link in self.links:
-            if not keys:
+            if not keys or budget_end - time.monotonic() < _MIN_WAIT_S:
                 break
             if not self._usable(link):
                 continue
-            num_held = await link.held(keys)
-            if num_held == 0:
+            num_held = await link.held(
+                keys, min(self.lookup_timeout_s, budget_end - time.monotonic())
+            )
+            left = budget_end - time.monotonic()
+            if num_held == 0 or left < _MIN_WAIT_S:
                 continue
-            pinned = await self._promote_run(link, owner, keys[:num_held])
+            pinned = await self._promote_run(link, owner, keys[:num_held], left)
             slot_ids += pinned
             if len(pinned) < num_held:
                 break
@@ -242,20 +262,27 @@ class CpuTierActor(Actor):
         return slot_ids
 
     async def _promote_run(
-        self, link: SecondaryLink, owner: str, keys: list[OffloadKey]
+        self, link: SecondaryLink, owner: str, keys: list[OffloadKey], timeout_s: float
     ) -> list[int]:
         books, region = self._books_and_region()
-        reserved = books.reserve_promotion(keys, time.monotonic())
+        started = time.monotonic()
+        reserved = books.reserve_promotion(keys, started)
         if reserved is not None and reserved.keys_to_store:
+            # past the wait nobody reads what it writes: it stops then (well inside the lease)
+            deadline = time.time() + min(timeout_s, self.lease_s / 2)
+            link.num_in_flight += 1
             try:
                 reply = await link.promote(
-                    region.ref, reserved.keys_to_store, reserved.slot_ids, self.promote_timeout_s
+                    region.ref, reserved.keys_to_store, reserved.slot_ids, timeout_s, deadline
                 )
             except SecondaryTimeout:
-                pass  # it may still write the slots: they stay reserved until their lease ends
+                # it may still write the slots: they stay reserved until their lease ends
+                self._spawn(self._count_out_at_lease_end(link, started))
             except SecondaryFailed:
+                link.num_in_flight -= 1
                 books.finish_promotion(reserved.keys_to_store, [])
             else:
+                link.num_in_flight -= 1
                 books.finish_promotion(reserved.keys_to_store, reply.done_keys)
         return books.pin_ready_run(owner, keys, time.monotonic())
 
@@ -285,25 +312,37 @@ class CpuTierActor(Actor):
             if not self._usable(link) or link.num_in_flight >= self.max_cascades_in_flight:
                 books.counters.num_cascade_dropped += len(keys)
                 continue
-            slot_ids = books.pin_for_cascade(keys, time.monotonic())
+            now = time.monotonic()
+            slot_ids = books.pin_for_cascade(keys, now)
             link.num_in_flight += 1
-            self._spawn(self._run_cascade(link, keys, slot_ids))
+            self._spawn(self._run_cascade(link, keys, slot_ids, now))
 
     async def _run_cascade(
-        self, link: SecondaryLink, keys: list[OffloadKey], slot_ids: list[int]
+        self, link: SecondaryLink, keys: list[OffloadKey], slot_ids: list[int], pinned_at: float
     ) -> None:
         books, region = self._books_and_region()
+        deadline = time.time() - (time.monotonic() - pinned_at) + self.lease_s / 2
         try:
-            reply = await link.cascade(region.ref, keys, slot_ids, self.cascade_timeout_s)
+            reply = await link.cascade(region.ref, keys, slot_ids, self.cascade_timeout_s, deadline)
         except SecondaryTimeout:
             books.counters.num_cascade_failures += len(keys)
-            return  # it may still read the slots: they stay pinned until their lease ends
+            # it may still read the slots: they stay pinned, and it counted, until the lease ends
+            await self._count_out_at_lease_end(link, pinned_at)
+            return
         except SecondaryFailed:
+            link.num_in_flight -= 1
             books.finish_cascade(keys, 0)
             return
+        link.num_in_flight -= 1
+        books.finish_cascade(keys, len(set(reply.done_keys) & set(keys)))
+
+    async def _count_out_at_lease_end(self, link: SecondaryLink, taken_at: float) -> None:
+        """A job whose answer timed out may still run on the secondary: it stays counted in
+        ``num_in_flight`` until the lease of its slots (taken at ``taken_at``) ends."""
+        try:
+            await asyncio.sleep(max(0.0, taken_at + self.lease_s - time.monotonic()))
         finally:
             link.num_in_flight -= 1
-        books.finish_cascade(keys, len(set(reply.done_keys) & set(keys)))
 
     # -- helpers ----------------------------------------------------------------------------
 
@@ -333,6 +372,16 @@ class CpuTierActor(Actor):
         owners = self.books.expire(now - self.lease_s)
         if owners:
             log.warning("%r: leases of %s expired", self, ", ".join(owners))
+
+    def _is_stale(self, generation: str) -> bool:
+        """Whether a release or renewal names another region than this one (its keys were
+        granted by an earlier incarnation): ignored then. "" (an older sender) is not stale."""
+        books, region = self._books_and_region()
+        if not generation or generation == region.ref.generation:
+            return False
+        books.counters.num_stale_ignored += 1
+        log.debug("%r: ignored a release or renewal of region %s", self, generation)
+        return True
 
     def _books_and_region(self) -> tuple[CpuTierBooks, SharedRegion]:
         assert self.books is not None and self.region is not None

@@ -47,6 +47,7 @@ class CpuTierCounters:
     num_cascade_dropped: int = 0  # chunks not cascaded: backpressure or a detached secondary
     num_pins_expired: int = 0
     num_stores_expired: int = 0
+    num_stale_ignored: int = 0  # releases and renewals naming an earlier region generation
 
 
 class CpuTierBooks:

@@ -19,6 +19,12 @@ their files removed. Requests on ``subjects.tier_in(actor_id)``, each answered:
   read); done is the prefix read, up to the first key missing or corrupt (dropped from the
   index, its files removed). Promotes are never dropped and run beside the writes.
 
+Both carry a ``deadline`` (``time.time()``; 0.0: none) after which the CPU tier may reuse their
+slots: each key's slot is touched only before it, and a cascade publishes a file only if the
+deadline had not passed once the slot was read (``fs_store.DeadlinePassed``). Past it, the keys
+left fail, each at once (a key's I/O already under way is waited for: it holds the mapping),
+and the job answers with them failed.
+
 File I/O runs in two small thread pools (writes, reads), so heartbeats, lookups and promotes go on
 while a write is slow.
 """
@@ -51,7 +57,7 @@ from shoal.bus.messages.offload import (
     TierPromote,
     TierReply,
 )
-from shoal.tiers.fs_store import ChunkFiles, CorruptChunk
+from shoal.tiers.fs_store import ChunkFiles, CorruptChunk, DeadlinePassed
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.manager import LookupResult, OffloadManager
 from shoal.tiers.mapped_regions import MappedRegions
@@ -74,6 +80,7 @@ class FsTierCounters:
     num_chunks_dropped: int = 0  # of cascades refused under backpressure
     num_store_failures: int = 0  # chunks not written (no room, a write error, no region)
     num_load_failures: int = 0  # chunks not read for another reason (a read error, no region)
+    num_chunks_late: int = 0  # of cascades and promotes failed past their deadline
 
 
 def index_from_scan(
@@ -226,6 +233,10 @@ class FsTierActor(Actor):
         if files is None or index is None or files.layout != job.region.layout:
             self.counters.num_store_failures += len(keys)
             return TierJobDone(failed_keys=keys)
+        if _is_past(job.deadline):  # it waited too long for the write lock
+            self.counters.num_store_failures += len(keys)
+            self.counters.num_chunks_late += len(keys)
+            return TierJobDone(failed_keys=keys)
         out = index.prepare_store(keys)
         if out is None:  # no room: every chunk held is being read
             failed = [k for k in keys if k not in index.chunks]
@@ -238,10 +249,18 @@ class FsTierActor(Actor):
             job.region,
             out.keys_to_store,
             lambda region, key: self._in_pool(
-                self._write_pool, _write_chunk, files, region, key, slot_of[key], stamp_of[key]
+                self._write_pool,
+                _write_chunk,
+                files,
+                region,
+                key,
+                slot_of[key],
+                stamp_of[key],
+                job.deadline,
             ),
         )
         failed = [k for k, ok in zip(out.keys_to_store, written, strict=True) if ok is not None]
+        self.counters.num_chunks_late += sum(isinstance(e, DeadlinePassed) for e in written)
         index.complete_store([k for k in out.keys_to_store if k not in failed], success=True)
         index.complete_store(failed, success=False)
         index.take_events()
@@ -262,6 +281,9 @@ class FsTierActor(Actor):
         files, index = self.files, self.index
         if files is None or index is None or files.layout != job.region.layout:
             return TierJobDone(failed_keys=list(job.keys))
+        if _is_past(job.deadline):
+            self.counters.num_chunks_late += len(job.keys)
+            return TierJobDone(failed_keys=list(job.keys))
         wanted = list(job.keys[: self._num_leading_ready(job.keys)])
         slot_of = dict(zip(job.keys, job.slot_ids, strict=True))
         stamp_of = _recency_stamps(wanted)
@@ -271,7 +293,14 @@ class FsTierActor(Actor):
                 job.region,
                 wanted,
                 lambda region, key: self._in_pool(
-                    self._read_pool, _read_chunk, files, region, key, slot_of[key], stamp_of[key]
+                    self._read_pool,
+                    _read_chunk,
+                    files,
+                    region,
+                    key,
+                    slot_of[key],
+                    stamp_of[key],
+                    job.deadline,
                 ),
             )
         finally:
@@ -287,6 +316,7 @@ class FsTierActor(Actor):
         self.counters.num_load_failures += sum(
             1 for e in errors if e is not None and not isinstance(e, CorruptChunk)
         )
+        self.counters.num_chunks_late += sum(isinstance(e, DeadlinePassed) for e in errors)
         return TierJobDone(done, list(job.keys[num_done:]))
 
     # -- helpers --------------------------------------------------------------------------------
@@ -315,6 +345,10 @@ class FsTierActor(Actor):
         return asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
 
+def _is_past(deadline: float) -> bool:
+    return bool(deadline) and time.time() > deadline
+
+
 def _recency_stamps(keys: Sequence[OffloadKey]) -> dict[OffloadKey, int]:
     """File mtimes for a request's keys (prefix order) that order them as the LRU index does:
     now for the head, a microsecond older per key towards the tail (``ChunkFiles.scan``)."""
@@ -323,11 +357,18 @@ def _recency_stamps(keys: Sequence[OffloadKey]) -> dict[OffloadKey, int]:
 
 
 def _write_chunk(
-    files: ChunkFiles, region: SharedRegion, key: OffloadKey, slot_id: int, stamp_ns: int
+    files: ChunkFiles,
+    region: SharedRegion,
+    key: OffloadKey,
+    slot_id: int,
+    stamp_ns: int,
+    deadline: float,
 ) -> Exception | None:
     try:
         with region.slot(slot_id) as slot:
-            files.write_chunk(key, slot, stamp_ns)
+            files.write_chunk(key, slot, stamp_ns, deadline)
+    except DeadlinePassed as exc:
+        return exc.with_traceback(None)
     except (OSError, ValueError, IndexError) as exc:
         log.warning("fs tier: chunk %s not written: %s", key.hex(), exc)
         return exc.with_traceback(None)  # its frames would keep the slot's view alive
@@ -335,11 +376,18 @@ def _write_chunk(
 
 
 def _read_chunk(
-    files: ChunkFiles, region: SharedRegion, key: OffloadKey, slot_id: int, stamp_ns: int
+    files: ChunkFiles,
+    region: SharedRegion,
+    key: OffloadKey,
+    slot_id: int,
+    stamp_ns: int,
+    deadline: float,
 ) -> Exception | None:
     try:
         with region.slot(slot_id) as slot:
-            files.read_chunk(key, slot, stamp_ns)
+            files.read_chunk(key, slot, stamp_ns, deadline)
+    except DeadlinePassed as exc:
+        return exc.with_traceback(None)
     except CorruptChunk as exc:
         log.warning("fs tier: %s (removed)", exc)
         return exc.with_traceback(None)

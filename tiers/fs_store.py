@@ -12,9 +12,11 @@ xxh3-128 digest (about 12 GB/s here: crc32 is 2.6, blake2b 0.8). Writes are atom
 file in the same directory, then ``os.replace``; there is no fsync (this is a cache: a file torn
 by a crash fails its length or digest and is treated as a miss). A read that finds a missing part,
 another magic, version, key or length, or a wrong digest raises ``CorruptChunk`` and removes every
-part of that chunk. A write and a successful read set the parts' mtime (the caller may give the
-stamp: a request's tail a little older than its head, as its LRU index has them), so ``scan``
-after a restart orders chunks by last use.
+part of that chunk. A write or read given a ``deadline`` (a ``time.time()`` instant after which
+the region slot may be reused) touches no slot past it, and a write publishes nothing read from
+the slot once it has passed (``DeadlinePassed``). A write and a successful read set the parts'
+mtime (the caller may give the stamp: a request's tail a little older than its head, as its LRU
+index has them), so ``scan`` after a restart orders chunks by last use.
 
 Blocking file I/O only, safe to call from several threads for different keys: the tier actor runs
 it off its event loop. One actor owns a directory: ``scan`` removes every temp file it finds.
@@ -53,6 +55,17 @@ class CorruptChunk(Exception):
         super().__init__(f"chunk {key.hex()}: {reason}")
         self.key = key
         self.reason = reason
+
+
+class DeadlinePassed(Exception):
+    """A job's deadline passed: its region slot may have been reused, so it was left alone (or
+    what was read from it was discarded)."""
+
+
+def check_deadline(key: OffloadKey, deadline: float) -> None:
+    """``DeadlinePassed`` if ``deadline`` (``time.time()``; 0.0: none) is past."""
+    if deadline and time.time() > deadline:
+        raise DeadlinePassed(f"chunk {key.hex()}: deadline passed, its slot left alone")
 
 
 def model_dir_name(model_tag: str) -> str:
@@ -99,20 +112,46 @@ class ChunkFiles:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    def write_chunk(self, key: OffloadKey, slot: memoryview, stamp_ns: int | None = None) -> None:
-        """Write every rank part of a slot (with mtime ``stamp_ns``, else now); on an error no
-        part of the chunk is left."""
+    def write_chunk(
+        self,
+        key: OffloadKey,
+        slot: memoryview,
+        stamp_ns: int | None = None,
+        deadline: float = 0.0,
+    ) -> None:
+        """Write every rank part of a slot (with mtime ``stamp_ns``, else now) to temp files,
+        then publish them all; on an error no part of the chunk is left. Past ``deadline``
+        (``time.time()``; 0.0: none) before the slot is read, or after it is read and before
+        anything is published, ``DeadlinePassed``."""
         self._check_slot(slot)
+        check_deadline(key, deadline)
+        temps: list[Path] = []
         try:
             for rank in range(self.layout.tp_size):
-                self.write_part(key, rank, self.rank_part(slot, rank), stamp_ns)
+                temps.append(self._write_temp(key, rank, self.rank_part(slot, rank), stamp_ns))
+            check_deadline(key, deadline)  # the slot may have been reused while it was read
+            for rank, tmp in enumerate(temps):
+                os.replace(tmp, self.path(key, rank))
         except BaseException:
+            for tmp in temps:
+                tmp.unlink(missing_ok=True)
             self.delete(key)
             raise
 
     def write_part(
         self, key: OffloadKey, rank: int, payload: memoryview, stamp_ns: int | None = None
     ) -> None:
+        tmp = self._write_temp(key, rank, payload, stamp_ns)
+        try:
+            os.replace(tmp, self.path(key, rank))
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def _write_temp(
+        self, key: OffloadKey, rank: int, payload: memoryview, stamp_ns: int | None
+    ) -> Path:
+        """A unique temp file beside the part's path holding it; the caller publishes it."""
         path = self.path(key, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         header = HEADER.pack(MAGIC, FORMAT_VERSION, len(key), len(payload), payload_digest(payload))
@@ -125,17 +164,25 @@ class ChunkFiles:
                 if stamp_ns is not None:
                     f.flush()
                     os.utime(f.fileno(), ns=(stamp_ns, stamp_ns))
-            os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        return tmp
 
     # -- reads ----------------------------------------------------------------------------------
 
-    def read_chunk(self, key: OffloadKey, slot: memoryview, stamp_ns: int | None = None) -> None:
+    def read_chunk(
+        self,
+        key: OffloadKey,
+        slot: memoryview,
+        stamp_ns: int | None = None,
+        deadline: float = 0.0,
+    ) -> None:
         """Read every rank part into a slot, then set their mtime to ``stamp_ns`` (else now);
-        ``CorruptChunk`` (and the chunk's files removed) if any part is missing or wrong."""
+        ``CorruptChunk`` (and the chunk's files removed) if any part is missing or wrong;
+        ``DeadlinePassed`` (the slot untouched) if ``deadline`` (0.0: none) is past."""
         self._check_slot(slot)
+        check_deadline(key, deadline)
         try:
             for rank in range(self.layout.tp_size):
                 self.read_part(key, rank, self.rank_part(slot, rank))

@@ -7,14 +7,16 @@ older than the lease is handed back by ``expire`` so the tier can unpin it or fa
 owner (or a reply that never came) never leaks slots.
 
 An owner that still holds something renews it (``renew``: the engine core's link does so
-every few seconds), so only a silent owner's holdings run out. Only what an owner holds is given
+every few seconds, naming a key once per pin or store it holds), so only a silent owner's
+holdings run out, and so do pins it never learnt of (a lookup it gave up on): renewal is
+counted, never "every pin of this key". Only what an owner holds is given
 back: a release naming keys it never pinned (an engine core that outlived a tier restart) or
 stores it does not own is ignored, key by key.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -90,20 +92,26 @@ class OwnerLeases:
         return taken
 
     def renew(self, owner: str, keys: Iterable[OffloadKey], now: float) -> int:
-        """``owner`` still holds ``keys``: every pin and pending store of its on them counts
-        from ``now``; returns how many were renewed (keys it does not hold are skipped)."""
+        """``owner`` still holds ``keys``, one entry per pin or pending store: its pending store
+        on a key (if any) and then as many of its pins as the key's remaining entries count from
+        ``now``; returns how many were renewed. Pins past that count (ones the owner does not
+        know about: a lookup it gave up on) keep ageing; keys it does not hold are skipped."""
         holdings = self._owners.get(owner)
         if holdings is None:
             return 0
         num_renewed = 0
-        for key in dict.fromkeys(keys):
-            times = holdings.pins.get(key)
-            if times:
-                num_renewed += len(times)
-                holdings.pins[key] = deque([now] * len(times))
+        for key, count in Counter(keys).items():
             if key in holdings.stores:
                 holdings.stores[key] = now
                 num_renewed += 1
+                count -= 1
+            times = holdings.pins.get(key)
+            if times and count > 0:
+                num = min(count, len(times))
+                for _ in range(num):  # the newest ``num``: the deque stays oldest first
+                    times.pop()
+                times.extend([now] * num)
+                num_renewed += num
         return num_renewed
 
     def expire(self, cutoff: float) -> Expired:

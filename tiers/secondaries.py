@@ -65,7 +65,7 @@ class SecondaryLink:
         self.timeout_s = timeout_s  # attach and lookup
         self.retry_s = retry_s
         self.is_attached = False
-        self.num_in_flight = 0  # cascades
+        self.num_in_flight = 0  # cascades and promotions (timed out ones until their lease ends)
         self.num_attach_failures = 0
         self._attaching: asyncio.Lock = asyncio.Lock()
         self._last_attempt = float("-inf")
@@ -111,28 +111,44 @@ class SecondaryLink:
             log.warning("%r: detached: %s", self, why)
         self.is_attached = False
 
-    async def held(self, keys: list[OffloadKey]) -> int:
-        """How many leading ``keys`` the secondary holds (0 when it cannot say in time)."""
+    async def held(self, keys: list[OffloadKey], timeout_s: float | None = None) -> int:
+        """How many leading ``keys`` the secondary holds (0 when it cannot say in time:
+        ``timeout_s``, default ``self.timeout_s``)."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         try:
-            reply = await self._call(TierLookup(self.owner, keys), _HELD, self.timeout_s)
+            reply = await self._call(TierLookup(self.owner, keys), _HELD, timeout_s)
         except (SecondaryTimeout, SecondaryFailed):
             return 0
         assert isinstance(reply, TierHeld)
         return max(0, min(reply.num_leading, len(keys)))
 
     async def promote(
-        self, region: RegionRef, keys: list[OffloadKey], slot_ids: list[int], timeout_s: float
+        self,
+        region: RegionRef,
+        keys: list[OffloadKey],
+        slot_ids: list[int],
+        timeout_s: float,
+        deadline: float,
     ) -> TierJobDone:
-        """Read ``keys`` into ``slot_ids``; raises ``SecondaryTimeout`` / ``SecondaryFailed``."""
-        reply = await self._call(TierPromote(region, keys, slot_ids), _JOB, timeout_s)
+        """Read ``keys`` into ``slot_ids``, touching none after ``deadline`` (``time.time()``);
+        raises ``SecondaryTimeout`` / ``SecondaryFailed``."""
+        request = TierPromote(region, keys, slot_ids, deadline)
+        reply = await self._call(request, _JOB, timeout_s)
         assert isinstance(reply, TierJobDone)
         return reply
 
     async def cascade(
-        self, region: RegionRef, keys: list[OffloadKey], slot_ids: list[int], timeout_s: float
+        self,
+        region: RegionRef,
+        keys: list[OffloadKey],
+        slot_ids: list[int],
+        timeout_s: float,
+        deadline: float,
     ) -> TierJobDone:
-        """Write ``slot_ids`` as ``keys``; raises ``SecondaryTimeout`` / ``SecondaryFailed``."""
-        reply = await self._call(TierCascade(region, keys, slot_ids), _JOB, timeout_s)
+        """Write ``slot_ids`` as ``keys``, touching none after ``deadline`` (``time.time()``);
+        raises ``SecondaryTimeout`` / ``SecondaryFailed``."""
+        request = TierCascade(region, keys, slot_ids, deadline)
+        reply = await self._call(request, _JOB, timeout_s)
         assert isinstance(reply, TierJobDone)
         return reply
 

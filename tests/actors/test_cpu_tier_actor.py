@@ -84,6 +84,7 @@ class SecondaryDouble(Actor):
         self.unblocked = asyncio.Event()
         self.num_lookups = 0
         self.num_cascades_started = 0
+        self.deadlines: list[tuple[str, float, float]] = []  # (job, deadline, time it came)
 
     def inboxes(self) -> Sequence[Inbox]:
         return [
@@ -101,6 +102,7 @@ class SecondaryDouble(Actor):
                 return TierHeld(self._num_leading(keys))
             case TierCascade(region=region, keys=keys, slot_ids=slot_ids):
                 self.num_cascades_started += 1
+                self.deadlines.append(("cascade", request.deadline, time.time()))
                 if self.gate_cascades:
                     await self.unblocked.wait()
                 try:
@@ -109,6 +111,7 @@ class SecondaryDouble(Actor):
                     return TierJobDone(failed_keys=keys)
                 return TierJobDone(done_keys=keys)
             case TierPromote(region=region, keys=keys, slot_ids=slot_ids):
+                self.deadlines.append(("promote", request.deadline, time.time()))
                 if self.hang_promotes:
                     await self.unblocked.wait()
                 done = keys[: self._num_leading(keys)]
@@ -147,8 +150,10 @@ class Deployment:
         self.actors: list[Actor] = []
         self.tier: CpuTierActor | None = None
 
-    def kv_config(self, num_slots: int = 4, secondary: bool = False, **options: Any) -> Any:
-        tiers = (FsTierConfig(path=str(self.directory / "fs")),) if secondary else ()
+    def kv_config(
+        self, num_slots: int = 4, secondary: bool = False, num_secondaries: int = 1, **options: Any
+    ) -> Any:
+        tiers = (FsTierConfig(path=str(self.directory / "fs")),) * (num_secondaries * secondary)
         return KVTransferConfig(
             kv_connector="OffloadingConnector",
             cpu_bytes_to_use=num_slots * LAYOUT.slot_bytes,
@@ -171,8 +176,8 @@ class Deployment:
         self.tier = tier
         return tier
 
-    async def start_secondary(self, kv: KVTransferConfig) -> SecondaryDouble:
-        double = SecondaryDouble(self.bus, kv.secondary_tier_ids[0], self.namespace)
+    async def start_secondary(self, kv: KVTransferConfig, index: int = 0) -> SecondaryDouble:
+        double = SecondaryDouble(self.bus, kv.secondary_tier_ids[index], self.namespace)
         await double.start()
         self.actors.append(double)
         return double
@@ -201,11 +206,20 @@ class Deployment:
         assert isinstance(done, TierJobDone) and done.done_keys == slots.keys, done
         return slots
 
-    async def release(self, **keys: list[bytes]) -> None:
+    async def release(self, **keys: Any) -> None:
         """As an engine core sends it: no reply expected."""
         assert self.tier is not None
         subject = self.tier.subjects.tier_in(self.tier.actor_id)
         await self.bus.publish(subject, Codec(TierRelease).encode(TierRelease(OWNER, **keys)))
+
+    async def renew_for(self, seconds: float, renewal: TierRenew) -> None:
+        """Send ``renewal`` every 0.1 s for ``seconds`` (what the engine core's link does)."""
+        assert self.tier is not None
+        subject = self.tier.subjects.tier_in(self.tier.actor_id)
+        started = time.monotonic()
+        while time.monotonic() - started < seconds:
+            await self.bus.publish(subject, Codec(TierRenew).encode(renewal))
+            await asyncio.sleep(0.1)  # paces the renewals
 
 
 def write_slots(region: SharedRegion, keys: list[bytes], slot_ids: list[int]) -> None:
@@ -368,6 +382,9 @@ async def test_chunks_cascade_to_the_secondary_and_promote_back(deployment):
     again = await deployment.lookup(K[0], K[1])
     assert again.slot_ids == reply.slot_ids and double.num_lookups == num_asked
     assert new.load()["num_cascaded"] == 0.0  # promoted chunks are not cascaded back
+    (cascade, promote) = double.deadlines
+    assert cascade[0] == "cascade" and 0 < cascade[1] - cascade[2] <= old.lease_s / 2
+    assert promote[0] == "promote" and 0 < promote[1] - promote[2] <= new.promote_budget_s
 
 
 async def test_a_dead_or_slow_secondary_never_holds_a_lookup_up(deployment):
@@ -430,8 +447,10 @@ async def test_a_cascade_left_unanswered_keeps_its_pins_until_their_lease(deploy
     await deployment.store(region, K[0])
     await wait_for(lambda: tier.load()["num_cascade_failures"] == 1.0, "the cascade timed out")
     assert tier.load()["num_pins"] == 1.0 and not tier.links[0].is_attached
+    assert tier.links[0].num_in_flight == 1  # it may still run there: it still counts
     await wait_for(lambda: tier.load()["num_pins"] == 0.0, "the cascade's lease ran out")
     assert tier.load()["num_pins_expired"] == 1.0
+    await wait_for(lambda: tier.links[0].num_in_flight == 0, "counted out at the lease's end")
 
 
 async def test_run_actor_builds_it_from_the_deployments_json(deployment):
@@ -462,5 +481,51 @@ async def test_a_promotion_left_unanswered_keeps_its_slots_until_their_lease(dep
     reply = await deployment.lookup(K[0], K[1], timeout=ENGINE_PATIENCE_S)
     assert len(reply.slot_ids) == 1 and reply.usage == 0.5  # K[1]'s slot is still reserved
     assert tier.load()["num_pending_stores"] == 1.0 and not tier.links[0].is_attached
+    assert tier.links[0].num_in_flight == 1  # it may still write the slot: it still counts
     await wait_for(lambda: tier.load()["num_pending_stores"] == 0.0, "the reservation's lease")
+    await wait_for(lambda: tier.links[0].num_in_flight == 0, "counted out at the lease's end")
     assert tier.load()["usage"] == 0.25 and tier.load()["num_stores_expired"] == 1.0
+
+
+async def test_other_generations_are_ignored_and_renewals_counted(deployment):
+    """A release or renewal naming an earlier incarnation's region must not unpin, settle or
+    keep alive what the same owner holds in this one (naming none is the old protocol); a
+    renewal keeps as many pins of a key as it names it."""
+    tier = await deployment.start_tier(
+        deployment.kv_config(num_slots=4), lease_s=0.4, sweep_interval_s=0.05
+    )
+    region = await deployment.attach()
+    await deployment.store(region, K[0])
+    assert (await deployment.lookup(K[0])).slot_ids
+    slots = await deployment.ask(TierPrepareStore(OWNER, [K[1]]))
+    stale = await deployment.ask(
+        TierRelease(OWNER, loaded_keys=[K[0]], stored_keys=[K[1]], generation="earlier")
+    )
+    assert stale == TierJobDone() and tier.load()["num_pins"] == 1.0
+    assert (await deployment.lookup(K[1])).num_pending == 1
+    current = TierRelease(OWNER, [K[0]], slots.keys, generation=region.generation)
+    assert await deployment.ask(current) == TierJobDone(done_keys=[K[1]])
+    assert tier.load()["num_pins"] == 0.0
+    for _ in range(2):  # two pins; the owner knows of one (it gave up on the other lookup)
+        assert (await deployment.lookup(K[1])).slot_ids == slots.slot_ids
+    await deployment.renew_for(0.8, TierRenew(OWNER, [K[1]], region.generation))
+    assert tier.load()["num_pins"] == 1.0 and tier.load()["num_pins_expired"] == 1.0
+    await deployment.renew_for(0.8, TierRenew(OWNER, [K[1]], "earlier"))
+    assert tier.load()["num_pins"] == 0.0 and tier.load()["num_pins_expired"] == 2.0
+    assert tier.load()["num_stale_ignored"] >= 2.0 and tier.num_handler_errors == 0
+
+
+async def test_one_lookup_waits_on_all_secondaries_within_one_budget(deployment):
+    """With several slow secondaries, a lookup's waits together stay within promote_budget_s
+    (half the engine core's kv_lookup_timeout_s): a secondary past it is not asked."""
+    kv = deployment.kv_config(num_slots=4, secondary=True, num_secondaries=3)
+    doubles = [await deployment.start_secondary(kv, i) for i in range(3)]
+    for double in doubles:
+        double.hang_lookups = True
+    tier = await deployment.start_tier(kv, secondary_timeout_s=0.2)
+    await deployment.attach()
+    assert all(link.is_attached for link in tier.links) and tier.promote_budget_s == 0.4
+    started = time.monotonic()
+    assert (await deployment.lookup(K[0], timeout=ENGINE_PATIENCE_S)).slot_ids == []
+    assert time.monotonic() - started < 0.4 + 0.3
+    assert [d.num_lookups for d in doubles] == [1, 1, 0]

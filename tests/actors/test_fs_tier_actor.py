@@ -16,6 +16,7 @@ import secrets
 import shutil
 import signal
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -337,10 +338,12 @@ class BlockedWrites:
         self.entered = 0
         real = tier.files.write_chunk
 
-        def write_chunk(key: bytes, slot: memoryview, stamp_ns: int | None = None) -> None:
+        def write_chunk(
+            key: bytes, slot: memoryview, stamp_ns: int | None = None, deadline: float = 0.0
+        ) -> None:
             self.entered += 1
             self.release.wait(REPLY_S)
-            real(key, slot, stamp_ns)
+            real(key, slot, stamp_ns, deadline)
 
         tier.files.write_chunk = write_chunk  # type: ignore[method-assign]
 
@@ -368,6 +371,59 @@ async def test_a_blocked_write_holds_up_no_lookup_or_promote(h: Harness) -> None
     blocked.release.set()
     assert await first == done(2) and await second == done(3)
     assert await h.held(1, 2, 3) == 3
+
+
+def chunk_files(h: Harness) -> list[Path]:
+    return [p for p in h.root.rglob("*") if p.is_file()]
+
+
+async def test_past_its_deadline_a_job_fails_and_touches_no_slot(h: Harness) -> None:
+    """The CPU tier may reuse the slots after the deadline: nothing is read from or written to
+    them then; a deadline of 0.0 is none."""
+    tier = await h.tier(num_chunks=1)
+    await h.attach()
+    h.fill([0, 1, 2], [1, 2, 3])
+    past = time.time() - 1.0
+    cascade = await h.ask(TierCascade(h.region.ref, keys(1, 2), [0, 1], past))
+    assert cascade == done(failed=(1, 2)) and chunk_files(h) == []
+    assert await h.held(1, 2) == 0
+    assert await h.cascade([3], [2]) == done(3)
+    late = await h.ask(TierCascade(h.region.ref, keys(4), [0], past))
+    assert late == done(failed=(4,)) and await h.held(3) == 1  # 3 not evicted for it
+    h.region.slot(5)[:] = bytes(LAYOUT.slot_bytes)
+    promote = await h.ask(TierPromote(h.region.ref, keys(3), [5], past))
+    assert promote == done(failed=(3,)) and h.slot(5) == bytes(LAYOUT.slot_bytes)
+    assert await h.held(3) == 1  # kept: it was not read, not found wrong
+    soon = time.time() + REPLY_S
+    assert await h.ask(TierPromote(h.region.ref, keys(3), [5], soon)) == done(3)
+    assert h.slot(5) == pattern(3, LAYOUT.slot_bytes)
+    assert tier.load()["num_chunks_late"] == 4.0
+
+
+async def test_a_deadline_passing_during_a_cascade_publishes_nothing(h: Harness) -> None:
+    """A slot read past the deadline may hold another chunk by then: no file is published from
+    it, and the keys left fail at once."""
+    tier = await h.tier(num_io_threads=1)
+    await h.attach()
+    h.fill([0, 1], [1, 2])
+    assert tier.files is not None
+    real, release, entered = tier.files._write_temp, threading.Event(), []
+
+    def slow_read(*args: Any) -> Path:
+        path = real(*args)
+        entered.append(path)
+        release.wait(REPLY_S)
+        return path
+
+    tier.files._write_temp = slow_read  # type: ignore[method-assign]
+    deadline = time.time() + 0.5
+    job = asyncio.create_task(h.ask(TierCascade(h.region.ref, keys(1, 2), [0, 1], deadline)))
+    await wait_for(lambda: entered, REPLY_S, "the first slot read")
+    await wait_for(lambda: time.time() > deadline, REPLY_S, "the deadline passed")
+    release.set()
+    assert await job == done(failed=(1, 2))
+    assert chunk_files(h) == [] and await h.held(1, 2) == 0
+    assert tier.load()["num_chunks_late"] == 2.0
 
 
 def test_old_region_generations_are_unmapped_once_unused(tmp_path: Path) -> None:

@@ -51,11 +51,29 @@ def test_renew_restarts_the_lease_of_what_the_owner_names_and_holds():
     leases.add_pins(A, [K[0], K[0], K[1]], 1.0)
     leases.add_stores(A, [K[2]], 1.0)
     leases.add_pins(B, [K[3]], 1.0)
-    assert leases.renew(A, [K[0], K[2], K[3], K[4]], 5.0) == 3  # K[3] is B's, K[4] nobody's
+    assert leases.renew(A, [K[0], K[0], K[2], K[3], K[4]], 5.0) == 3  # K[3]: B's; K[4]: nobody's
     assert leases.renew("engine-c/9", [K[0]], 5.0) == 0
     expired = leases.expire(cutoff=3.0)
     assert (sorted(expired.pins), expired.stores) == ([K[1], K[3]], [])
     assert leases.take_pins(A, [K[0], K[0]]) == [K[0], K[0]]
+    assert leases.take_stores(A, [K[2]]) == [K[2]]
+
+
+def test_renew_counts_pins_a_key_named_once_renews_one_pin():
+    """Pins the owner does not name (a lookup it gave up on after the tier pinned) keep ageing:
+    a key named once renews one pin of it, and its pending store takes an entry first."""
+    leases = OwnerLeases()
+    leases.add_pins(A, [K[0], K[0], K[0]], 1.0)
+    leases.add_pins(A, [K[1]], 1.0)
+    leases.add_stores(A, [K[2]], 1.0)
+    leases.add_pins(A, [K[2]], 1.0)
+    assert leases.renew(A, [K[0], K[1], K[1], K[1], K[2]], 5.0) == 3  # K[1]: one pin to renew
+    expired = leases.expire(cutoff=3.0)
+    assert sorted(expired.pins) == [K[0], K[0], K[2]] and expired.stores == []
+    assert (leases.num_pins, leases.num_stores) == (2, 1)
+    assert leases.renew(A, [K[0], K[0], K[2]], 7.0) == 2  # one K[0] pin left to renew
+    assert leases.expire(cutoff=6.0).pins == [K[1]]
+    assert leases.take_pins(A, [K[0], K[0]]) == [K[0]]
     assert leases.take_stores(A, [K[2]]) == [K[2]]
 
 

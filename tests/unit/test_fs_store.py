@@ -11,8 +11,16 @@ from pathlib import Path
 import pytest
 
 from shoal.bus.messages.offload import KVLayout
+from shoal.tiers import fs_store
 from shoal.tiers.fs_actor import index_from_scan
-from shoal.tiers.fs_store import HEADER, TMP_SUFFIX, ChunkFiles, CorruptChunk, model_dir_name
+from shoal.tiers.fs_store import (
+    HEADER,
+    TMP_SUFFIX,
+    ChunkFiles,
+    CorruptChunk,
+    DeadlinePassed,
+    model_dir_name,
+)
 from shoal.tiers.keys import make_offload_key
 
 LAYOUT = KVLayout("tiny/llama:f16", 2, 4, 2, 8, "float16", 2, 2)  # 1 KiB per rank, 2 ranks
@@ -240,3 +248,73 @@ def test_given_stamps_order_the_scan(files: ChunkFiles) -> None:
     assert files.scan().keys == [key(2), key(3), key(1)]
     files.read_chunk(key(1), empty_slot(), stamp_ns=150 * 10**9)  # the stamp given, not now
     assert files.scan().keys == [key(2), key(1), key(3)]
+
+
+class Clock:
+    """Stands in for ``fs_store``'s ``time`` module: ``time()`` is what the test sets."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def time_ns(self) -> int:
+        return int(self.now * 10**9)
+
+
+def all_files(files: ChunkFiles) -> list[Path]:
+    return [p for d in files.rank_dirs for p in d.rglob("*") if p.is_file()]
+
+
+def test_past_its_deadline_a_write_touches_no_slot_and_leaves_no_file(
+    files: ChunkFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fs_store, "time", Clock(100.0))
+    read: list[object] = []
+    real = files._write_temp
+    monkeypatch.setattr(files, "_write_temp", lambda *args: read.append(args) or real(*args))
+    with pytest.raises(DeadlinePassed):
+        files.write_chunk(key(1), memoryview(slot_bytes(1)), deadline=99.0)
+    assert all_files(files) == [] and read == []  # the slot was not even read
+    files.write_chunk(key(2), memoryview(slot_bytes(2)), deadline=101.0)  # in time
+    files.write_chunk(key(3), memoryview(slot_bytes(3)), deadline=0.0)  # none
+    assert sorted(files.scan().keys) == sorted([key(2), key(3)])
+
+
+def test_a_deadline_passing_while_the_slot_is_read_publishes_nothing(
+    files: ChunkFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The slot may have been reused while it was read: its temp files are discarded."""
+    clock = Clock(100.0)
+    monkeypatch.setattr(fs_store, "time", clock)
+    stored(files, 2)  # an older copy of the key: removed too (the fs index holds it no more)
+    real = files._write_temp
+
+    def slow_read(*args: object) -> Path:
+        path = real(*args)  # type: ignore[arg-type]
+        clock.now = 102.0  # the last part read, the deadline has passed
+        return path
+
+    monkeypatch.setattr(files, "_write_temp", slow_read)
+    files.write_chunk(key(1), memoryview(slot_bytes(1)), deadline=0.0)  # no deadline: published
+    assert len(all_files(files)) == 2 * LAYOUT.tp_size
+    files.delete(key(1))
+    clock.now = 100.0
+    with pytest.raises(DeadlinePassed):
+        files.write_chunk(key(2), memoryview(slot_bytes(2)), deadline=101.0)
+    assert all_files(files) == []  # no temp file, no part of either copy
+
+
+def test_past_its_deadline_a_read_leaves_the_slot_and_the_files_alone(
+    files: ChunkFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stored(files, 1)
+    monkeypatch.setattr(fs_store, "time", Clock(100.0))
+    target = empty_slot()
+    with pytest.raises(DeadlinePassed):
+        files.read_chunk(key(1), target, deadline=99.0)
+    assert target.tobytes() == bytes(LAYOUT.slot_bytes)
+    assert len(all_files(files)) == LAYOUT.tp_size  # not corrupt: kept
+    files.read_chunk(key(1), target, deadline=101.0)
+    assert target.tobytes() == bytes(slot_bytes(1))
