@@ -132,10 +132,7 @@ class SecondaryLink:
     ) -> TierJobDone:
         """Read ``keys`` into ``slot_ids``, touching none after ``deadline`` (``time.time()``);
         raises ``SecondaryTimeout`` / ``SecondaryFailed``."""
-        request = TierPromote(region, keys, slot_ids, deadline)
-        reply = await self._call(request, _JOB, timeout_s)
-        assert isinstance(reply, TierJobDone)
-        return reply
+        return await self._job(TierPromote(region, keys, slot_ids, deadline), timeout_s)
 
     async def cascade(
         self,
@@ -147,7 +144,9 @@ class SecondaryLink:
     ) -> TierJobDone:
         """Write ``slot_ids`` as ``keys``, touching none after ``deadline`` (``time.time()``);
         raises ``SecondaryTimeout`` / ``SecondaryFailed``."""
-        request = TierCascade(region, keys, slot_ids, deadline)
+        return await self._job(TierCascade(region, keys, slot_ids, deadline), timeout_s)
+
+    async def _job(self, request: TierPromote | TierCascade, timeout_s: float) -> TierJobDone:
         reply = await self._call(request, _JOB, timeout_s)
         assert isinstance(reply, TierJobDone)
         return reply
