@@ -216,6 +216,11 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             "> 1 runs one worker process per rank, which the in-memory bus cannot reach: "
             "use the NATS bus",
         )
+        _require(
+            not self.kv_transfer_config.enabled or self.cache_config.enable_prefix_caching,
+            "kv_transfer_config",
+            "(KV offload) needs enable_prefix_caching: its keys are the prefix cache's hashes",
+        )
 
     @classmethod
     def from_options(cls, **options: Any) -> ShoalConfig:

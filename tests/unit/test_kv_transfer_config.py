@@ -240,3 +240,8 @@ def test_serve_and_actor_take_the_flags(tmp_path) -> None:  # type: ignore[no-un
         assert config_from_namespace(ns, str(tmp_path)).kv_transfer_config.cpu_bytes_to_use == (
             2 * GIB
         )
+
+
+def test_offload_without_prefix_caching_is_refused_naming_both() -> None:
+    with pytest.raises(ValueError, match="kv_transfer_config.*enable_prefix_caching"):
+        ShoalConfig.from_options(model="m", enable_prefix_caching=False, kv_offloading_size=1)
