@@ -243,5 +243,5 @@ def test_serve_and_actor_take_the_flags(tmp_path) -> None:  # type: ignore[no-un
 
 
 def test_offload_without_prefix_caching_is_refused_naming_both() -> None:
-    with pytest.raises(ValueError, match="kv_transfer_config.*enable_prefix_caching"):
+    with pytest.raises(ValueError, match=r"kv_transfer_config.*enable_prefix_caching"):
         ShoalConfig.from_options(model="m", enable_prefix_caching=False, kv_offloading_size=1)
