@@ -174,7 +174,7 @@ async def settle(engine: Engine) -> None:
         if core is None or core.has_work():
             return False
         link = connector(engine)
-        if link is not None and link.num_pending_store_chunks:
+        if link is not None and link.stores.num_pending_chunks:
             return False
         if engine.cpu_tier is not None:
             tier = engine.cpu_tier.load()

@@ -172,7 +172,7 @@ class OffloadLink:
         lookups, connector.lookups_to_send = connector.lookups_to_send, []
         for request_id, lookup_id, keys in lookups:
             self._spawn(self._lookup(request_id, lookup_id, keys))
-        offers, connector.offers_to_send = connector.offers_to_send, []
+        offers, connector.stores.offers_to_send = connector.stores.offers_to_send, []
         for job_id, keys in offers:
             self._spawn(self._offer(job_id, keys))
         release = connector.take_release(self.owner)

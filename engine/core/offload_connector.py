@@ -11,12 +11,12 @@ outbox to the CPU tier actor and feeds its replies back.
   last token) becomes external computed tokens: their blocks are allocated with the request's
   others and a ``KVLoad`` rides on the same step, copied before the forward pass reads them.
   Once the step lands the pins are released; a failed load is recomputed (never looked up again).
-- **Stores.** Once a step lands, full chunks whose KV it wrote (newly computed ones, or all with
-  ``request_level``; prompt chunks only with ``offload_prompt_only``) are offered to the tier;
-  their blocks keep an extra reference until the copy is done, so nothing reuses them. With
-  slots granted, a ``KVStore`` rides on the next step (a step of copies alone if nothing runs);
-  its landing reports the keys stored or failed. Offers beyond ``max_pending_store_chunks`` are
-  dropped (stores give way under backpressure; loads never do).
+- **Stores** (``offload_stores.py``). Once a step lands, full chunks whose KV it wrote are offered
+  to the tier, their blocks held until copied; with slots granted, a ``KVStore`` rides on the
+  next step (a step of copies alone if nothing runs); its landing reports the keys stored or
+  failed. Stores give way under backpressure; loads never do.
+- **Generations.** Everything granted is tied to the tier's region generation: attaching to a
+  new one voids the old grants, and releases name the generation they are for.
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from __future__ import annotations
 import enum
 import itertools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.offload import (
     KVLoad,
-    KVStore,
     KVTransferResult,
     KVTransfers,
     RegionRef,
@@ -38,6 +37,7 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
+from shoal.engine.core.offload_stores import OffloadStores
 from shoal.engine.core.request import Request
 from shoal.tiers.keys import ChunkKey, OffloadKey, iter_chunk_keys
 
@@ -78,18 +78,9 @@ class _Lookup:
 
 
 @dataclass(slots=True)
-class _StoreJob:
-    keys: list[OffloadKey]
-    blocks: list[list[KVCacheBlock]]  # per key, its chunk's blocks (one extra reference each)
-    generation: str  # of the region it was offered to
-    slot_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class OffloadCounters:
     num_queried_tokens: int = 0
     num_hit_tokens: int = 0
-    num_stores_skipped: int = 0  # chunks offered but dropped (backpressure, no room)
     num_lookup_failures: int = 0
 
 
@@ -107,19 +98,12 @@ class OffloadConnector:
         self._answers: dict[str, _Answer] = {}
         self._lookups: dict[str, _Lookup] = {}  # on their way, by request id
         self._lookup_ids = itertools.count(1)
-        self._first_new_chunk: dict[str, int] = {}  # chunks before it were hits
-        self._num_offered_chunks: dict[str, int] = {}
         # step id → (generation, [(request id, keys pinned, tokens loaded)])
         self._loads_by_step: dict[int, tuple[str, list[tuple[str, list[OffloadKey], int]]]] = {}
         self._step_loads: list[tuple[KVLoad, list[OffloadKey], int]] = []
-        self._store_jobs: dict[int, _StoreJob] = {}  # waiting for slots or for their step
-        self._ready_stores: list[int] = []
-        self._stores_by_step: dict[int, list[int]] = {}
-        self._job_ids = itertools.count(1)
-        self.num_pending_store_chunks = 0
-        # The outbox, taken by the shell after each core call.
+        self.stores = OffloadStores(config, block_size, block_pool, self._chunk_keys)
+        # The outbox, taken by the shell after each core call (and ``stores.offers_to_send``).
         self.lookups_to_send: list[tuple[str, int, list[OffloadKey]]] = []
-        self.offers_to_send: list[tuple[int, list[OffloadKey]]] = []
         self._release = TierRelease(owner="")
 
     @property
@@ -138,11 +122,7 @@ class OffloadConnector:
         them); their landing reports nothing to the new tier."""
         if self.region is not None and region.generation != self.region.generation:
             self._answers.clear()
-            in_flight = {job_id for jobs in self._stores_by_step.values() for job_id in jobs}
-            for job_id in [j for j in self._store_jobs if j not in in_flight]:
-                for blocks in self._store_jobs.pop(job_id).blocks:
-                    self._drop_chunk(blocks)
-            self._ready_stores.clear()
+            self.stores.drop_unsent(self.region.generation)  # (not the new tier's to fail)
             self._release = TierRelease(owner="")
         self.region = region
 
@@ -243,10 +223,7 @@ class OffloadConnector:
         )
 
     def on_admitted(self, request: Request, num_hit_tokens: int) -> None:
-        """Chunks ending within the hit (local and external) are not newly computed."""
-        if request.request_id not in self._first_new_chunk:
-            tokens_per_chunk = self.blocks_per_chunk * self.block_size
-            self._first_new_chunk[request.request_id] = num_hit_tokens // tokens_per_chunk
+        self.stores.on_admitted(request, num_hit_tokens)
 
     def forget(self, request: Request) -> None:
         """The request finished: drop its parking, answer (unpinned) and offer state."""
@@ -257,92 +234,29 @@ class OffloadConnector:
         if answer is not None:
             self._release.loaded_keys.extend(answer.keys)
         self.no_lookup.discard(request_id)
-        self._first_new_chunk.pop(request_id, None)
-        self._num_offered_chunks.pop(request_id, None)
+        self.stores.forget(request_id)
 
-    # ----- stores
+    # ----- stores (``offload_stores.py``)
 
     def offer_landed(self, request: Request, blocks: list[KVCacheBlock]) -> None:
-        """Offer the request's full chunks whose KV has landed and were not offered yet
-        (``blocks``: its block table)."""
-        if not self.is_active:
-            return
-        request_id = request.request_id
-        tokens_per_chunk = self.blocks_per_chunk * self.block_size
-        num_tokens = request.num_landed_tokens
-        if self.config.offload_prompt_only:
-            num_tokens = min(num_tokens, request.num_prompt_tokens)
-        num_blocks = min(len(request.block_hashes), len(blocks))
-        num_chunks = min(num_tokens, num_blocks * self.block_size) // tokens_per_chunk
-        start = self._num_offered_chunks.get(request_id)
-        if start is None:
-            first_new = self._first_new_chunk.get(request_id, 0)
-            start = 0 if self.config.offload_policy == "request_level" else first_new
-        if num_chunks <= start:
-            return
-        self._num_offered_chunks[request_id] = num_chunks
-        if (
-            self.num_pending_store_chunks + num_chunks - start
-            > self.config.max_pending_store_chunks
-        ):
-            self.counters.num_stores_skipped += num_chunks - start
-            return
-        self._offer(request, blocks, start, num_chunks)
-
-    def _offer(self, request: Request, blocks: list[KVCacheBlock], start: int, end: int) -> None:
-        bpc = self.blocks_per_chunk
-        keys, chunk_blocks = [], []
-        for chunk in itertools.islice(self._chunk_keys(request, start), end - start):
-            index = chunk.end_token // self.block_size
-            chunk_blocks.append(blocks[index - bpc : index])
-            keys.append(chunk.key)
-        for held in chunk_blocks:
-            self.block_pool.touch(held)
-        job_id = next(self._job_ids)
-        self._store_jobs[job_id] = _StoreJob(keys, chunk_blocks, self.generation)
-        self.num_pending_store_chunks += len(keys)
-        self.offers_to_send.append((job_id, keys))
+        """Offer the request's landed full chunks not offered yet (``blocks``: its table)."""
+        if self.is_active:
+            self.stores.offer_landed(request, blocks, self.generation)
 
     def on_store_slots(self, job_id: int, reply: TierStoreSlots | None) -> None:
-        """The tier's slots for an offer (None: no answer): copy those, let the rest go. Slots
-        of another generation than the job's are not used."""
-        job = self._store_jobs.get(job_id)
-        if job is None:
-            return
-        slots = {}
+        """The tier's slots for an offer (None: no answer)."""
         if reply is not None:
             self.cpu_usage = reply.usage
-            if reply.accepted and reply.generation == job.generation == self.generation:
-                slots = dict(zip(reply.keys, reply.slot_ids, strict=True))
-        kept_keys, kept_blocks = [], []
-        for key, blocks in zip(job.keys, job.blocks, strict=True):
-            slot_id = slots.get(key)
-            if slot_id is None:
-                self._drop_chunk(blocks)
-                continue
-            kept_keys.append(key)
-            kept_blocks.append(blocks)
-            job.slot_ids.append(slot_id)
-        if reply is None or not reply.accepted:
-            self.counters.num_stores_skipped += len(job.keys)
-        job.keys, job.blocks = kept_keys, kept_blocks
-        if kept_keys:
-            self._ready_stores.append(job_id)
-        else:
-            del self._store_jobs[job_id]
-
-    def _drop_chunk(self, blocks: list[KVCacheBlock]) -> None:
-        self.block_pool.free_blocks(reversed(blocks))
-        self.num_pending_store_chunks -= 1
+        self.stores.on_slots(job_id, reply, self.generation)
 
     # ----- the step's copies
 
     def has_pending_transfers(self) -> bool:
-        return bool(self._ready_stores)
+        return self.stores.has_ready
 
     def build_transfers(self, step_id: int) -> KVTransfers | None:
         """The copies of step ``step_id``: this schedule's loads and the stores with slots."""
-        if self.region is None or not (self._step_loads or self._ready_stores):
+        if self.region is None or not (self._step_loads or self.stores.has_ready):
             return None
         loads = [load for load, _, _ in self._step_loads]
         self._loads_by_step[step_id] = (
@@ -350,17 +264,7 @@ class OffloadConnector:
             [(load.req_id, keys, n) for load, keys, n in self._step_loads],
         )
         self._step_loads = []
-        stores = [self._store_message(job_id) for job_id in self._ready_stores]
-        self._stores_by_step[step_id] = self._ready_stores
-        self._ready_stores = []
-        return KVTransfers(self.region, loads, stores)
-
-    def _store_message(self, job_id: int) -> KVStore:
-        job = self._store_jobs[job_id]
-        bpc = self.blocks_per_chunk
-        block_ids = [block.block_id for blocks in job.blocks for block in blocks]
-        slot_ids = [slot_id for slot_id in job.slot_ids for _ in range(bpc)]
-        return KVStore(job_id, block_ids, slot_ids, list(range(bpc)) * len(job.slot_ids))
+        return KVTransfers(self.region, loads, self.stores.take_ready(step_id))
 
     def on_step_landed(self, step_id: int, result: KVTransferResult | None) -> list[str]:
         """Release the step's pins and finish its stores (``result`` None: the worker reported
@@ -377,18 +281,10 @@ class OffloadConnector:
                 self.counters.num_hit_tokens -= num_tokens
             else:
                 loaded.append(request_id)
-        for job_id in self._stores_by_step.pop(step_id, ()):
-            success = result is not None and job_id not in result.failed_store_job_ids
-            self._finish_store(job_id, success)
+        outcome = self.stores.on_step_landed(step_id, result, self.generation)
+        self._release.stored_keys.extend(outcome.stored)
+        self._release.failed_keys.extend(outcome.failed)
         return loaded
-
-    def _finish_store(self, job_id: int, success: bool) -> None:
-        job = self._store_jobs.pop(job_id)
-        if job.generation == self.generation:
-            done = self._release.stored_keys if success else self._release.failed_keys
-            done.extend(job.keys)
-        for blocks in job.blocks:
-            self._drop_chunk(blocks)
 
     def abandon(self) -> None:
         """Everything stops (a fault): what no sent step will copy is given back (pins
@@ -398,15 +294,8 @@ class OffloadConnector:
         for request_id in list(self._answers):
             self._release.loaded_keys.extend(self._answers.pop(request_id).keys)
         self._loads_by_step.clear()
-        sent = {job_id for jobs in self._stores_by_step.values() for job_id in jobs}
-        self._stores_by_step.clear()
-        for job_id in list(self._store_jobs):
-            job = self._store_jobs.pop(job_id)
-            if job.slot_ids and job_id not in sent and job.generation == self.generation:
-                self._release.failed_keys.extend(job.keys)
-            for blocks in job.blocks:
-                self._drop_chunk(blocks)
-        self._ready_stores.clear()
+        self._release.failed_keys.extend(self.stores.drop_unsent(self.generation))
+        self.stores.forget_sent()
 
     def held_keys(self) -> list[OffloadKey]:
         """What this engine core holds at the current tier, one entry per pin or pending store:
@@ -417,10 +306,7 @@ class OffloadConnector:
         for step_generation, loads in self._loads_by_step.values():
             if step_generation == generation:
                 keys += [key for _, step_keys, _ in loads for key in step_keys]
-        for job in self._store_jobs.values():
-            if job.generation == generation:
-                keys += job.keys
-        return keys
+        return keys + self.stores.held_keys(generation)
 
     def take_release(self, owner: str) -> TierRelease | None:
         """The keys to report to the tier since the last call (None: nothing)."""

@@ -526,7 +526,7 @@ class Scheduler:
             counters = self.connector.counters
             stats.kv_offload_queries = counters.num_queried_tokens
             stats.kv_offload_hits = counters.num_hit_tokens
-            stats.kv_offload_stores_skipped = counters.num_stores_skipped
+            stats.kv_offload_stores_skipped = self.connector.stores.num_skipped
             stats.kv_offload_lookup_failures = counters.num_lookup_failures
             stats.kv_offload_cpu_usage = self.connector.cpu_usage
         return stats

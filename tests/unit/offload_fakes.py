@@ -166,10 +166,10 @@ class Exchange:
         self._ticks += 1
         for request_id, lookup_id, keys in connector.lookups_to_send:
             self._held.append((self._ticks, ("lookup", (request_id, lookup_id), keys)))
-        for job_id, keys in connector.offers_to_send:
+        for job_id, keys in connector.stores.offers_to_send:
             self._held.append((self._ticks, ("offer", job_id, keys)))
             self.offered.extend(keys)
-        connector.lookups_to_send, connector.offers_to_send = [], []
+        connector.lookups_to_send, connector.stores.offers_to_send = [], []
         self._release()
         while self._held and self._held[0][0] + self.delay <= self._ticks:
             kind, ident, keys = self._held.popleft()[1]

@@ -194,7 +194,7 @@ def test_stores_give_way_past_the_backlog_and_outputs_stay_right() -> None:
     scheduler, tier, worker, exchange = setup(max_pending_store_chunks=2)
     assert run_one(scheduler, worker, exchange, "a", PROMPT) == reference({"a": PROMPT})["a"]
     assert scheduler.connector is not None
-    assert scheduler.connector.counters.num_stores_skipped == 3
+    assert scheduler.connector.stores.num_skipped == 3
     assert tier.manager.num_used_slots == 0
 
 
@@ -289,7 +289,7 @@ def test_held_keys_are_the_pins_and_stores_not_given_back_yet() -> None:
     step = scheduler.schedule()
     assert connector.held_keys() == []
     scheduler.update_from_output(step, worker.execute(step.to_message()))
-    ((_, offered),) = connector.offers_to_send
+    ((_, offered),) = connector.stores.offers_to_send
     assert connector.held_keys() == offered  # blocks held for a store, slots not known yet
     exchange()
     step = scheduler.schedule()  # the copy rides on this (copy-only) step
