@@ -3,8 +3,9 @@ is none), ``num_slots * layout.slot_bytes`` bytes, mapped by the tier, by the wo
 cores on the host (``workers.kv_transfer``) and by secondary tiers on the host.
 
 The file is named after the namespace, the tier id and the tier's incarnation (the region's
-``generation``), so a restarted tier makes a new, empty region and removes what an earlier
-incarnation left behind (a SIGKILLed tier cannot unlink its own). Nothing writes an old region
+``generation``, which starts with its process id), so a restarted tier makes a new, empty region
+and removes what an earlier incarnation left behind (a SIGKILLed tier cannot unlink its own),
+but never the region of a live process. Nothing writes an old region
 any more; a worker checks that the file is still there before each use, so copies still naming
 an old region fail (their requests recompute) once the new tier has removed it.
 """
@@ -28,6 +29,22 @@ def region_dir() -> Path:
 
 def region_prefix(namespace: str, tier_id: str) -> str:
     return f"shoal-{namespace.replace('.', '-')}-{tier_id}-"
+
+
+def _owner_alive(generation: str) -> bool:
+    """Whether the tier that made a region is another live process: a generation starts with
+    its process id (``bus.actor.new_incarnation``). Another deployment on this host sharing the
+    namespace and tier id (two offline ``LLM`` instances, say) keeps its region."""
+    pid_text = generation.split("-", 1)[0]
+    if not pid_text.isdigit() or int(pid_text) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid_text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SharedRegion:
@@ -54,7 +71,8 @@ class SharedRegion:
         directory = directory or region_dir()
         prefix = region_prefix(namespace, tier_id)
         for stale in directory.glob(f"{prefix}*{SUFFIX}"):
-            stale.unlink(missing_ok=True)
+            if not _owner_alive(stale.name[len(prefix) : -len(SUFFIX)]):
+                stale.unlink(missing_ok=True)
         path = directory / f"{prefix}{generation}{SUFFIX}"
         size = num_slots * layout.slot_bytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
