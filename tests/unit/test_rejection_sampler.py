@@ -131,18 +131,18 @@ def _chi_square(samples: torch.Tensor, expected: torch.Tensor) -> float:
     return float(((observed - exp) ** 2 / exp).sum())
 
 
-@pytest.mark.parametrize("with_draft_probs", [True, False])
-def test_first_token_is_distributed_as_the_target(with_draft_probs: bool) -> None:
+@pytest.mark.parametrize("drafts_from", ["draft_probs", "ngram", "invalid"])
+def test_first_token_is_distributed_as_the_target(drafts_from: str) -> None:
     rows = 20_000
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
     target = P_TARGET.expand(rows, V).contiguous()
-    if with_draft_probs:
-        draft_probs: torch.Tensor | None = P_DRAFT.expand(rows, V).contiguous()
+    draft_probs: torch.Tensor | None = None
+    if drafts_from == "draft_probs":
+        draft_probs = P_DRAFT.expand(rows, V).contiguous()
         drafts = torch.multinomial(P_DRAFT, rows, replacement=True, generator=gen)
-    else:
-        draft_probs = None
-        drafts = torch.full((rows,), 1, dtype=torch.int64)  # n-gram style: a fixed draft
+    else:  # n-gram style (draft prob 1): a fixed draft, or -1 (always rejected)
+        drafts = torch.full((rows,), 1 if drafts_from == "ngram" else -1, dtype=torch.int64)
     out = rejection_sample(
         target,
         drafts,
@@ -174,8 +174,9 @@ def test_random_row_stops_at_first_rejection_with_a_recovered_token() -> None:
 def test_mixed_batch_greedy_and_random_rows() -> None:
     target = torch.zeros(4, V)
     target[torch.arange(4), torch.tensor([1, 2, 3, 4])] = 1.0
-    drafts = torch.tensor([1, 0, 3, 4])  # row 0 (greedy) mismatches at 1; row 1 (random) accepts
+    target[0, 1:3] = torch.tensor([0.6, 0.4])  # a random row would always accept draft 2 here
+    drafts = torch.tensor([2, 2, 3, 4])  # row 0 (greedy) mismatches at 0; row 1 (random) accepts
     out = rejection_sample(
-        target, drafts, [2, 2], torch.tensor([0, 2]), torch.tensor([True, False])
+        target, drafts, [2, 2], torch.tensor([0, 2]), torch.tensor([True, False]), target.clone()
     )
-    assert parse_output(out) == [[1, 2], [3, 4, 2]]
+    assert parse_output(out) == [[1], [3, 4, 2]]
