@@ -66,6 +66,7 @@ def propose_ngram_batch(
         raise ValueError("lengths must lie in [0, width]")
     drafts: list[list[int]] = [[] for _ in range(rows.shape[0])]
     budgets = np.minimum(k, max_model_len - lens)
+    # skip rows with no budget; rows shorter than min_n (or 2) could not match anyway
     todo = np.flatnonzero((lens >= min_n) & (budgets > 0) & (lens >= 2))
     if todo.size == 0 or rows.shape[1] < 2:
         return drafts
