@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass
 
+from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.offload import (
     KVLoad,
@@ -39,6 +40,8 @@ from shoal.bus.messages.offload import (
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
 from shoal.engine.core.offload_stores import OffloadStores
 from shoal.engine.core.request import Request
+from shoal.engine.core.scheduler_output import SchedulerOutput
+from shoal.engine.core.step_outcome import StepOutcome
 from shoal.tiers.keys import ChunkKey, OffloadKey, iter_chunk_keys
 
 
@@ -132,7 +135,7 @@ class OffloadConnector:
         self, request: Request, num_local_blocks: int
     ) -> ExternalHit | Admission | None:
         """What the tiers add to a waiting request's local hit: blocks to load, ``PARK`` (the
-        lookup is sent), or None."""
+        lookup is sent and the request parked: the caller takes it off the queue), or None."""
         request_id = request.request_id
         answer = self._answers.get(request_id)
         if answer is not None:
@@ -153,10 +156,8 @@ class OffloadConnector:
         self.counters.num_queried_tokens += self._max_blocks(request) * self.block_size - (
             num_local_blocks * self.block_size
         )
+        self.parked[request_id] = request
         return Admission.PARK
-
-    def park(self, request: Request) -> None:
-        self.parked[request.request_id] = request
 
     def on_lookup_reply(
         self, request_id: str, lookup_id: int, keys: list[OffloadKey], reply: TierLookupReply
@@ -222,8 +223,14 @@ class OffloadConnector:
             request.block_hashes, self.blocks_per_chunk, self.block_size, start_chunk=first_chunk
         )
 
-    def on_admitted(self, request: Request, num_hit_tokens: int) -> None:
-        self.stores.on_admitted(request, num_hit_tokens)
+    def on_admitted(
+        self, request: Request, external: ExternalHit | None, new_block_ids: list[int]
+    ) -> None:
+        """The request was admitted (its computed tokens set), loading ``external`` into the
+        first of ``new_block_ids`` this step if given."""
+        if external is not None:
+            self.commit_load(request, external, new_block_ids[: external.num_blocks])
+        self.stores.on_admitted(request, request.num_computed_tokens)
 
     def forget(self, request: Request) -> None:
         """The request finished: drop its parking, answer (unpinned) and offer state."""
@@ -237,11 +244,6 @@ class OffloadConnector:
         self.stores.forget(request_id)
 
     # ----- stores (``offload_stores.py``)
-
-    def offer_landed(self, request: Request, blocks: list[KVCacheBlock]) -> None:
-        """Offer the request's landed full chunks not offered yet (``blocks``: its table)."""
-        if self.is_active:
-            self.stores.offer_landed(request, blocks, self.generation)
 
     def on_store_slots(self, job_id: int, reply: TierStoreSlots | None) -> None:
         """The tier's slots for an offer (None: no answer)."""
@@ -265,6 +267,37 @@ class OffloadConnector:
         )
         self._step_loads = []
         return KVTransfers(self.region, loads, self.stores.take_ready(step_id))
+
+    def on_landed(
+        self,
+        scheduler_output: SchedulerOutput,
+        result: KVTransferResult | None,
+        outcome: StepOutcome,
+        skipped: Set[str],
+        tables: Mapping[str, list[KVCacheBlock]],
+    ) -> list[str]:
+        """A step landed: finish its copies (``on_step_landed``) and offer the full chunks it
+        completed (``tables``: each request's blocks), not of requests it failed, did not run
+        (a failed load included) or ran stale: their KV is not what their hashes say. Returns
+        the requests whose load succeeded."""
+        loaded = self.on_step_landed(scheduler_output.step_id, result)
+        if not self.is_active:
+            return loaded
+        excluded = {r.request_id for r in outcome.failed}
+        excluded.update(r.request_id for r, _ in outcome.to_recompute)
+        for request_id, request in scheduler_output.requests.items():
+            blocks = tables.get(request_id)
+            if blocks and request_id not in excluded and request_id not in skipped:
+                self.stores.offer_landed(request, blocks, self.generation)
+        return loaded
+
+    def fill_stats(self, stats: SchedulerStats) -> None:
+        """Put the offload counters in an engine core's stats."""
+        stats.kv_offload_queries = self.counters.num_queried_tokens
+        stats.kv_offload_hits = self.counters.num_hit_tokens
+        stats.kv_offload_stores_skipped = self.stores.num_skipped
+        stats.kv_offload_lookup_failures = self.counters.num_lookup_failures
+        stats.kv_offload_cpu_usage = self.cpu_usage
 
     def on_step_landed(self, step_id: int, result: KVTransferResult | None) -> list[str]:
         """Release the step's pins and finish its stores (``result`` None: the worker reported

@@ -35,9 +35,8 @@ can hit KV that is not written yet).
 With one step in flight at a time the placeholder and in-flight counts are zero whenever
 ``schedule()`` runs, and blocks are cached at allocation as before, so nothing changes.
 
-KV offload (``offload_connector.py``): admission asks the connector for external hits after the
-local prefix-cache lookup (a request waiting for its lookup is parked off the queue), a step
-carries its copies, and a landed step's full chunks are offered for storing.
+KV offload (``offload_connector.py``): admission asks the connector after the local prefix-cache
+lookup (parking a request while it is looked up); landing hands it the step's copies and chunks.
 
 Seams, not built yet: speculative decoding would schedule ``Request.spec_token_ids`` as extra
 tokens and roll back rejected ones in ``update_from_output``. ``make_stats`` feeds load-aware
@@ -57,7 +56,7 @@ from shoal.bus.messages.worker import StepResult
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.in_flight import InFlightSteps, PendingFree
 from shoal.engine.core.kv_cache_manager import KVCacheManager
-from shoal.engine.core.offload_connector import Admission, ExternalHit, OffloadConnector
+from shoal.engine.core.offload_connector import Admission, OffloadConnector
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.request_queue import make_request_queue
 from shoal.engine.core.scheduler_output import SchedulerOutput, StepPlan, build_scheduler_output
@@ -350,12 +349,12 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan, threshold: int) -> None:
         config = self.scheduler_config
         waiting, running = self.waiting, self.running
-        kv = self.kv_cache_manager
+        kv, connector = self.kv_cache_manager, self.connector
         budget = plan.token_budget
         while waiting and budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             hits, num_hit_tokens = kv.get_computed_blocks(request)
-            external = self._external_hit(request, len(hits))
+            external = connector.on_admission(request, len(hits)) if connector else None
             if external is Admission.PARK:
                 waiting.pop()  # waits for its lookup; the requests behind it go on
                 continue
@@ -383,12 +382,8 @@ class Scheduler:
             plan.new.append((request, request.is_resumed))
             request.status = RUNNING
             request.num_computed_tokens = num_hit_tokens + num_external_tokens
-            if self.connector is not None:
-                if external:
-                    self.connector.commit_load(
-                        request, external, new_block_ids[: external.num_blocks]
-                    )
-                self.connector.on_admitted(request, request.num_computed_tokens)
+            if connector is not None:
+                connector.on_admitted(request, external, new_block_ids)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
                 request.first_scheduled_time = time.time()
@@ -397,19 +392,6 @@ class Scheduler:
             plan.num_scheduled[request.request_id] = num_new
             budget -= num_new
         plan.token_budget = budget
-
-    def _external_hit(
-        self, request: Request, num_local_blocks: int
-    ) -> ExternalHit | Admission | None:
-        """KV an offload tier adds to the local hit (``PARK``: the request is parked while it
-        is looked up)."""
-        connector = self.connector
-        if connector is None:
-            return None
-        external = connector.on_admission(request, num_local_blocks)
-        if external is Admission.PARK:
-            connector.park(request)
-        return external
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, []
@@ -440,15 +422,12 @@ class Scheduler:
         outcome = make_step_outcome(
             self.requests, scheduler_output, result, self.max_model_len, skipped
         )
-        if self.connector is None:
-            self._apply_outcome(outcome)
-            self.in_flight.cache_landed(scheduler_output)
-            return outcome.outputs
-        fatal = result.error is not None and result.error.fatal
-        loaded = self.connector.on_step_landed(
-            scheduler_output.step_id, None if fatal else result.kv_transfer
-        )
-        self._offer_landed(scheduler_output, outcome, skipped)
+        loaded: list[str] = []
+        if self.connector is not None:
+            fatal = result.error is not None and result.error.fatal
+            copies = None if fatal else result.kv_transfer
+            table = self.kv_cache_manager.req_to_blocks
+            loaded = self.connector.on_landed(scheduler_output, copies, outcome, skipped, table)
         self._apply_outcome(outcome)  # (a failed load's blocks were never cached)
         self.in_flight.cache_landed(scheduler_output)
         for request_id in loaded:  # KV loaded: now it may be cached
@@ -456,25 +435,6 @@ class Scheduler:
             if request is not None and request.status is RUNNING:
                 self.kv_cache_manager.cache_blocks(request, request.num_landed_tokens)
         return outcome.outputs
-
-    def _offer_landed(
-        self,
-        scheduler_output: SchedulerOutput,
-        outcome: StepOutcome,
-        skipped: set[str],
-    ) -> None:
-        """Offer the tiers the chunks this step completed (not of requests it failed or that did
-        not run, a failed load included: their KV is not what their hashes say)."""
-        assert self.connector is not None
-        excluded = {r.request_id for r in outcome.failed}
-        excluded.update(r.request_id for r, _ in outcome.to_recompute)
-        table = self.kv_cache_manager.req_to_blocks
-        for request_id, request in scheduler_output.requests.items():
-            if request_id in skipped or request_id in excluded:
-                continue
-            blocks = table.get(request_id)
-            if blocks:
-                self.connector.offer_landed(request, blocks)
 
     def land_step(self, scheduler_output: SchedulerOutput, wrote_kv: bool = True) -> set[str]:
         """The step's result arrived (``InFlightSteps.land``): returns the ids whose output to
@@ -523,12 +483,7 @@ class Scheduler:
             num_free_blocks=kv.num_free_blocks,
         )
         if self.connector is not None:
-            counters = self.connector.counters
-            stats.kv_offload_queries = counters.num_queried_tokens
-            stats.kv_offload_hits = counters.num_hit_tokens
-            stats.kv_offload_stores_skipped = self.connector.stores.num_skipped
-            stats.kv_offload_lookup_failures = counters.num_lookup_failures
-            stats.kv_offload_cpu_usage = self.connector.cpu_usage
+            self.connector.fill_stats(stats)
         return stats
 
 
