@@ -5,9 +5,10 @@ and carried whole to every actor (as JSON to actor processes), in vLLM's groupin
 (the paged KV cache), ``SchedulerConfig`` (what one step may carry, in what order),
 ``ParallelConfig`` (engine cores, workers per engine core, how long an engine core waits for
 them), ``BusConfig`` (the transport and namespace), ``FaultToleranceConfig`` (what happens
-when an engine core or a worker fails) and ``KVTransferConfig`` (KV offload to tier actors;
-``kv_transfer.py``, with its translation from vLLM's JSON). A
-later subsystem (speculative decoding) adds its own group as one more struct and one more field.
+when an engine core or a worker fails), ``KVTransferConfig`` (KV offload to tier actors;
+``kv_transfer.py``, with its translation from vLLM's JSON) and ``SpeculativeConfig``
+(speculative decoding; ``spec_decode.py``, likewise). A later subsystem adds its own group as
+one more struct and one more field.
 
 Option names are unique across groups, so a flat ``max_num_seqs=64`` (a CLI flag's dest, an
 ``LLM`` keyword) finds its group by name: ``ShoalConfig.from_options(model=..., **options)``.
@@ -26,6 +27,7 @@ from shoal.bus.messages.kv_transfer import (
     KVTransferConfig,
     kv_offload_options,
 )
+from shoal.bus.messages.spec_decode import SpeculativeConfig, speculative_options
 from shoal.bus.messages.validation import one_of as _one_of
 from shoal.bus.messages.validation import positive as _positive
 from shoal.bus.messages.validation import require as _require
@@ -208,6 +210,7 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         default_factory=FaultToleranceConfig
     )
     kv_transfer_config: KVTransferConfig = msgspec.field(default_factory=KVTransferConfig)
+    speculative_config: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -228,7 +231,7 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         that no group has is a ``ValueError`` listing the known ones. ``fault_tolerance_config``
         (a dict, as vLLM's JSON flag) sets that group's fields and turns fault tolerance on;
         ``kv_transfer_config`` (vLLM's JSON) or ``kv_offloading_size`` (GiB) turns KV offload on
-        (``kv_offload_options``). Flat options given beside a group's JSON win over it."""
+        (``kv_offload_options``); ``speculative_config`` (vLLM's JSON) sets speculative decoding. Flat options given beside a group's JSON win over it."""
         ft = options.pop("fault_tolerance_config", None)
         if ft is not None:
             options = {**fault_tolerance_options(ft), **options}
@@ -238,6 +241,9 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             options.pop("kv_offloading_backend", "native"),
             cache_block_size=options.get("block_size") or CacheConfig().block_size,
         )
+        spec = options.pop("speculative_config", None)
+        if spec is not None:
+            options = {**speculative_options(spec), **options}
         options = {**kv, **options}
         by_group: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
         for option, value in options.items():
@@ -251,7 +257,7 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     def replace(self, **options: Any) -> ShoalConfig:
         """A copy with some flat options changed; a group's JSON (``kv_transfer_config``,
-        ``fault_tolerance_config``, or the ``kv_offloading_size`` shortcut) replaces that whole
+        ``fault_tolerance_config``, ``speculative_config``, or the ``kv_offloading_size`` shortcut) replaces that whole
         group."""
         current = self.to_options()
         whole = {name for name in GROUPS if name in options}
@@ -292,6 +298,7 @@ GROUPS: dict[str, type[msgspec.Struct]] = {
     "bus_config": BusConfig,
     "fault_tolerance_config": FaultToleranceConfig,
     "kv_transfer_config": KVTransferConfig,
+    "speculative_config": SpeculativeConfig,
 }
 OPTION_GROUPS: dict[str, str] = {
     field: group for group, struct in GROUPS.items() for field in struct.__struct_fields__
@@ -309,5 +316,6 @@ __all__ = [
     "ParallelConfig",
     "SchedulerConfig",
     "ShoalConfig",
+    "SpeculativeConfig",
     "fault_tolerance_options",
 ]

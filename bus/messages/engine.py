@@ -120,6 +120,14 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_offload_stores_skipped: int = 0
     kv_offload_lookup_failures: int = 0
     kv_offload_cpu_usage: float = 0.0
+    # Speculative decoding (cumulative, vLLM's SpecDecodingStats): requests that verified drafts
+    # (one per request and step), drafts verified, drafts accepted, and accepted drafts by
+    # position (index i: the (i+1)-th draft of a run); the K the engine core asks for now.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    spec_decode_k: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):

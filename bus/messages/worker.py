@@ -10,7 +10,17 @@ Async scheduling: the engine core may send step N+1 before step N's result is ba
 runs steps one at a time in arrival order (a step arriving while another runs waits its turn)
 and has appended the token it sampled in step N before N+1 runs, so a decode scheduled with an
 output placeholder reads that token from the worker's own copy; nothing is resolved on the wire.
-Seam for later work: ``spec_token_ids`` carries draft tokens to verify.
+
+Speculative decoding: after sampling, the worker proposes up to ``ExecuteStep.num_spec_tokens``
+drafts for each request that sampled, keeps them, and reports them (``StepResult.
+spec_token_ids``). A later step verifies the first ``CachedRequestData.num_spec_tokens`` of the
+worker's latest drafts for that request (padded with -1, always rejected, when it has fewer:
+under async scheduling the engine core schedules drafts it has not seen yet); they are counted
+in ``num_scheduled_tokens``. The worker's result then carries 1 to ``1 + num_spec_tokens``
+tokens for the request (the accepted drafts, then the target's own token). The engine core
+rolls back the rejected ones; the worker keeps its own count of computed tokens (which already
+excludes them) rather than the engine core's, which under async scheduling may not yet know of
+the rejections of a step still in flight.
 """
 
 from __future__ import annotations
@@ -38,7 +48,6 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     output_token_ids: list[int] = []
     resumed: bool = False
     eos_token_ids: list[int] = []
-    spec_token_ids: list[int] = []
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -47,8 +56,8 @@ class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
-    num_scheduled_tokens: int
-    spec_token_ids: list[int] = []
+    num_scheduled_tokens: int  # including the drafts to verify
+    num_spec_tokens: int = 0  # of the worker's latest drafts, to verify this step
 
 
 class BatchOrder(NamedTuple):
@@ -81,6 +90,7 @@ class ExecuteStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
     kv_transfers: KVTransfers | None = None  # KV offload copies, run before the forward pass
+    num_spec_tokens: int = 0  # drafts to propose after this step per sampling request (K)
 
     def batch_order(self) -> BatchOrder:
         """Scheduled request ids and their token counts, in batch order."""
@@ -140,8 +150,11 @@ class StepError(msgspec.Struct, array_like=True, omit_defaults=True):
 class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=True, gc=False):
     """Sampled tokens per scheduled request, in batch order.
 
-    ``sampled_token_ids[i]`` is empty for a request still part-way through its prompt.
-    ``logprobs[i]`` / ``prompt_logprobs[i]`` are present only where the request asked for them.
+    ``sampled_token_ids[i]`` is empty for a request still part-way through its prompt, and has
+    up to ``1 + num_spec_tokens`` tokens for a request that verified drafts (``logprobs[i]``
+    then has a row per token). ``logprobs[i]`` / ``prompt_logprobs[i]`` are present only where
+    the request asked for them. ``spec_token_ids[i]``: the drafts proposed for the request's
+    next step (none padded in; empty list when speculation is off).
     """
 
     step_id: int
@@ -155,6 +168,7 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     # starting this one (includes any time with no work at all; the engine core filters).
     idle_before_s: float = 0.0
     kv_transfer: KVTransferResult | None = None  # what failed of the step's KV copies
+    spec_token_ids: list[list[int]] = []
 
 
 class WorkerInfo(msgspec.Struct, tag="info", array_like=True, omit_defaults=True):
