@@ -231,7 +231,8 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         that no group has is a ``ValueError`` listing the known ones. ``fault_tolerance_config``
         (a dict, as vLLM's JSON flag) sets that group's fields and turns fault tolerance on;
         ``kv_transfer_config`` (vLLM's JSON) or ``kv_offloading_size`` (GiB) turns KV offload on
-        (``kv_offload_options``); ``speculative_config`` (vLLM's JSON) sets speculative decoding. Flat options given beside a group's JSON win over it."""
+        (``kv_offload_options``); ``speculative_config`` (vLLM's JSON) sets speculative
+        decoding. Flat options given beside a group's JSON win over it."""
         ft = options.pop("fault_tolerance_config", None)
         if ft is not None:
             options = {**fault_tolerance_options(ft), **options}
@@ -257,8 +258,8 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     def replace(self, **options: Any) -> ShoalConfig:
         """A copy with some flat options changed; a group's JSON (``kv_transfer_config``,
-        ``fault_tolerance_config``, ``speculative_config``, or the ``kv_offloading_size`` shortcut) replaces that whole
-        group."""
+        ``fault_tolerance_config``, ``speculative_config``, or the ``kv_offloading_size``
+        shortcut) replaces that whole group."""
         current = self.to_options()
         whole = {name for name in GROUPS if name in options}
         if options.get("kv_offloading_size") is not None:

@@ -85,9 +85,7 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
         )
         low = self.prompt_lookup_min or self.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP
         high = self.prompt_lookup_max or self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP
-        _require(
-            low >= 1, "speculative_config.prompt_lookup_min", f"must be >= 1, got {low}"
-        )
+        _require(low >= 1, "speculative_config.prompt_lookup_min", f"must be >= 1, got {low}")
         _require(
             high >= low,
             "speculative_config.prompt_lookup_max",
@@ -114,7 +112,9 @@ def speculative_options(value: dict[str, Any] | SpeculativeConfig) -> dict[str, 
     _require(isinstance(value, dict), "speculative_config", f"must be a JSON object, got {value!r}")
     for key in value:
         known = ", ".join(JSON_KEYS)
-        _require(key in JSON_KEYS, f"speculative_config.{key}", f"is an unknown key; known: {known}")
+        _require(
+            key in JSON_KEYS, f"speculative_config.{key}", f"is an unknown key; known: {known}"
+        )
     options = {JSON_KEYS[key]: v for key, v in value.items()}
     if options.get("speculative_method") is None and options.get("speculative_model"):
         options["speculative_method"] = "draft_model"
@@ -130,7 +130,9 @@ def speculative_options(value: dict[str, Any] | SpeculativeConfig) -> dict[str, 
 def _parse_entry(entry: object) -> tuple[int, int, int]:
     """One ``(start, end, K)`` entry as ints, or ``ValueError`` naming the entry."""
     if isinstance(entry, str | bytes) or not isinstance(entry, Sequence) or len(entry) != 3:
-        raise ValueError(f"each schedule entry must be a 3-item sequence [start, end, K]; got {entry!r}")
+        raise ValueError(
+            f"each schedule entry must be a 3-item sequence [start, end, K]; got {entry!r}"
+        )
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in entry):
         raise ValueError(f"schedule entry values must be integers; got {entry!r}")
     start, end, k = (int(v) for v in entry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from shoal.bus.messages.spec_decode import SpecSchedule, validate_spec_schedule
 
+
 def build_spec_lookup(schedule: object, max_batch_size: int, max_k: int) -> list[int]:
     """A dense 1-indexed ``batch_size → K`` table of length ``max_batch_size + 1``.
 

@@ -37,9 +37,7 @@ class Drafts:
 
     @classmethod
     def empty(cls, num_requests: int, k: int) -> Drafts:
-        return cls(
-            np.full((num_requests, k), -1, dtype=np.int64), np.zeros(num_requests, np.int64)
-        )
+        return cls(np.full((num_requests, k), -1, dtype=np.int64), np.zeros(num_requests, np.int64))
 
 
 class Proposer(Protocol):
