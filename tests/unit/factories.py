@@ -34,7 +34,8 @@ EOS = 2
 
 def make_scheduler(**overrides: Any) -> Scheduler:
     """A small scheduler; any SchedulerConfig or CacheConfig field, ``num_blocks``,
-    ``max_model_len`` or ``speculative_config``. One step in flight at a time unless ``async_scheduling=True``."""
+    ``max_model_len`` or ``speculative_config``. One step in flight at a time unless
+    ``async_scheduling=True``."""
     settings: dict[str, Any] = {
         "async_scheduling": False,
         "max_num_batched_tokens": 64,

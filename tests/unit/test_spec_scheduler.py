@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from shoal.bus.messages.spec_decode import SpeculativeConfig
-from shoal.engine.core.spec_decoding import SpecDecoding
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
+from shoal.engine.core.spec_decoding import SpecDecoding
 from tests.unit.factories import (
     FakeWorker,
     Pipeline,
@@ -56,7 +56,7 @@ DRAFTERS: dict[str, DraftFor] = {
     "oracle": oracle,
     "wrong every 3rd": wrong_every(3),
     "always wrong": wrong_every(1),
-    "short": lambda request_id, position: None if position % 4 == 0 else oracle(request_id, position),
+    "short": lambda request_id, pos: None if pos % 4 == 0 else oracle(request_id, pos),
 }
 
 
