@@ -4,7 +4,6 @@ drafts and their distributions, and the checks on the draft checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,7 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.workers.input_batch import InputBatch
 from shoal.workers.request_store import RequestStore
-from shoal.workers.spec_decode.draft_model import DraftModelProposer
+from shoal.workers.spec_decode.draft_model import DraftModelProposer, draft_bytes_per_block
 from shoal.workers.spec_decode.proposer import Drafts
 from tests.fixtures.models import TINY_VOCAB, make_prompts
 
@@ -24,7 +23,6 @@ K = 4
 MAX_LEN = 64
 NUM_BLOCKS = 96
 GREEDY = SamplingParams(temperature=0.0)
-HF = Callable[[Path, list[list[int]], int], list[list[int]]]
 
 
 @pytest.fixture
@@ -185,6 +183,9 @@ def test_new_request_recomputes_its_prefix_on_a_reused_row(dirs, hf_reference): 
     assert sim.add("new", second, computed=8, blocks=hit + sim.blocks(14)) == row
     drafts = sim.step({"new": 4}, {"new": 51})
     assert [drafted(drafts, 0)] == hf_reference(draft, [sim.tokens("new")], K)
+    # one layer, 2 KV heads of 16 fp32 values, 4 positions a block, K and V
+    per_block = draft_bytes_per_block(proposer.config, torch.float32)
+    assert per_block == 2 * 4 * 2 * 16 * 4 == proposer.kv_cache.num_bytes // NUM_BLOCKS
 
 
 def test_drafts_stop_at_max_model_len_and_at_the_block_table(dirs, hf_reference):  # type: ignore[no-untyped-def]
@@ -249,11 +250,10 @@ def test_seeded_random_drafts_are_reproducible_with_their_distributions(dirs, hf
 
 def test_draft_checkpoint_must_fit_the_target(dirs, tiny_checkpoint):  # type: ignore[no-untyped-def]
     target, _ = dirs
-    small_vocab = tiny_checkpoint("llama", num_hidden_layers=1, vocab_size=256, with_tokenizer=False)
+    one_layer = {"num_hidden_layers": 1, "with_tokenizer": False}
+    small_vocab = tiny_checkpoint("llama", vocab_size=256, **one_layer)
     with pytest.raises(ValueError, match="vocabulary of 256 tokens but the target's has 320"):
         make_proposer(target, small_vocab)
-    short = tiny_checkpoint(
-        "qwen2", num_hidden_layers=1, max_position_embeddings=32, with_tokenizer=False
-    )
+    short = tiny_checkpoint("qwen2", max_position_embeddings=32, **one_layer)
     with pytest.raises(ValueError, match="at most 32 positions, below max_model_len=64"):
         make_proposer(target, short)
