@@ -98,34 +98,52 @@ def _assert_logprobs_equal(got: Logprobs | None, want: list[Logprobs | None]) ->
     torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(flat))
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_greedy_drafts_match_the_plain_sampler_position_by_position(seed: int) -> None:
+def _greedy_batch(seed: int) -> tuple[list[Req], list[tuple[list[int], list] | None]]:
+    """1-4 random greedy requests; on odd seeds a random-sampling neighbour (expected None)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     reqs = [_random_greedy_req(rng, gen, rng.randrange(5)) for _ in range(rng.randrange(1, 5))]
-    expected = [_sequential(r) for r in reqs]
-    # The true continuation: every draft accepted, then the bonus token.
-    verified = _verify(reqs, [tokens[:-1] for tokens, _ in expected])
-    for (tokens, rows), got, got_lp in zip(
-        expected, verified.token_ids, verified.logprobs, strict=True
-    ):
-        assert got == tokens
-        _assert_logprobs_equal(got_lp, rows)
-    # A wrong draft at position j: the sequential tokens up to and including j, then stop.
-    wrong = [rng.randrange(len(tokens)) if len(tokens) > 1 else None for tokens, _ in expected]
-    drafts = []
-    for (tokens, _), j in zip(expected, wrong, strict=True):
-        d = list(tokens[:-1])
-        if j is not None and j < len(d):
-            d[j] = (d[j] + 1 + rng.randrange(V - 1)) % V
-        drafts.append(d)
-    verified = _verify(reqs, drafts)
-    for (tokens, rows), d, got, got_lp in zip(
+    expected: list[tuple[list[int], list] | None] = [_sequential(r) for r in reqs]
+    if seed % 2 == 0:
+        return reqs, expected
+    neighbour = SamplingParams(temperature=1.0, presence_penalty=1.0, min_tokens=2, logprobs=1)
+    at = rng.randrange(len(reqs) + 1)
+    reqs.insert(at, Req(neighbour, [1], [], torch.randn(3, V, generator=gen)))
+    expected.insert(at, None)
+    return reqs, expected
+
+
+def _check_greedy(
+    expected: list[tuple[list[int], list] | None], drafts: list[list[int]], verified: Verified
+) -> None:
+    """Each greedy request: the sequential tokens up to its first wrong draft, included."""
+    for want, d, got, got_lp in zip(
         expected, drafts, verified.token_ids, verified.logprobs, strict=True
     ):
+        if want is None:
+            continue
+        tokens, rows = want
         stop = next((k for k, t in enumerate(d) if t != tokens[k]), len(d))
         assert got == tokens[: stop + 1]
         _assert_logprobs_equal(got_lp, rows[: stop + 1])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_greedy_drafts_match_the_plain_sampler_position_by_position(seed: int) -> None:
+    reqs, expected = _greedy_batch(seed)
+    rng = random.Random(seed)
+    # The true continuation: every draft accepted, then the bonus token.
+    drafts = [[4, 4] if want is None else want[0][:-1] for want in expected]
+    verified = _verify(reqs, drafts)
+    _check_greedy(expected, drafts, verified)
+    for want, got in zip(expected, verified.token_ids, strict=True):
+        assert want is None or got == want[0]
+    # A wrong draft at a random position j.
+    for d in drafts:
+        if d:
+            j = rng.randrange(len(d))
+            d[j] = (d[j] + 1 + rng.randrange(V - 1)) % V
+    _check_greedy(expected, drafts, _verify(reqs, drafts))
 
 
 def test_penalties_count_the_earlier_drafts() -> None:
@@ -209,8 +227,15 @@ def test_first_emitted_token_follows_the_processed_target(with_draft_probs: bool
     first = torch.tensor([t[0] for t in got.token_ids])
     counts = torch.bincount(first, minlength=V).float()
     assert _chi_square(counts, p_target, draws) < CHI2_DF4_P001
-    accepted = [len(t) == 2 for t in got.token_ids]
-    assert 0 < sum(accepted) < draws  # really accepted sometimes, rejected others
+    # Acceptance: min(1, p/q) per draft (p_draft = 1 without probs), so sum(min(p, q)) overall.
+    rate = sum(len(t) == 2 for t in got.token_ids) / draws
+    if with_draft_probs:
+        expected_rate = float(torch.minimum(p_target, q).sum())
+        assert abs(expected_rate - float((p_target * q).sum())) > 0.1  # p_draft = 1 would show
+    else:
+        expected_rate = float(p_target[drafts[0]])
+    sigma = (expected_rate * (1 - expected_rate) / draws) ** 0.5
+    assert abs(rate - expected_rate) < 4 * sigma
 
 
 def test_seeded_request_does_not_depend_on_its_neighbours() -> None:
@@ -236,15 +261,36 @@ def test_seeded_request_does_not_depend_on_its_neighbours() -> None:
 @pytest.mark.parametrize("with_draft_probs", [False, True])
 def test_minus_one_draft_is_always_rejected(temperature: float, with_draft_probs: bool) -> None:
     rows = torch.zeros(3, V)
-    rows[:, 6] = 50.0  # the target is certain of token 6
+    rows[:, 6] = 50.0  # the target is certain of token 6 (-1 read as the last id: rejected)
     req = Req(SamplingParams(temperature=temperature), [1], [], rows)
     probs = [torch.full((2, V), 1.0 / V)] if with_draft_probs else None
     for _ in range(5):
         assert _verify([req], [[-1, 6]], probs).token_ids == [[6]]
     assert _verify([req], [[6, -1]], probs).token_ids == [[6, 6]]
+    rows[:, V - 1] = 60.0  # now certain of the last id, which a -1 read from the end would be
+    assert _verify([req], [[-1, V - 1]], probs).token_ids == [[V - 1]]
+    rows[:, 0] = 70.0  # and of id 0, which a -1 clamped into the vocabulary would be
+    assert _verify([req], [[-1, 0]], probs).token_ids == [[0]]
 
 
 def test_mismatched_inputs_are_refused() -> None:
     req = Req(SamplingParams(temperature=0.0), [1], [], torch.zeros(2, V))
     with pytest.raises(ValueError):
         _verify([req], [[1, 2]])
+
+
+def test_request_without_draft_probs_in_a_batch_with_some_keeps_its_verdicts() -> None:
+    """p_draft = 1 for a request without probs, whether or not a neighbour brings some."""
+    gen = torch.Generator().manual_seed(9)
+    rows = torch.randn(3, V, generator=gen)
+    rows[:, 2] += 1.0
+    other = Req(SamplingParams(temperature=1.0), [1], [], torch.randn(2, V, generator=gen))
+    q = torch.softmax(torch.randn(1, V, generator=gen), dim=-1)
+    outcomes = []
+    for seed in range(12):
+        x = Req(SamplingParams(temperature=1.0, seed=seed), [1], [], rows)
+        alone = _verify([x], [[2, 2]]).token_ids[0]
+        mixed = _verify([x, other], [[2, 2], [4]], [None, q]).token_ids[0]
+        assert mixed == alone
+        outcomes.append(len(alone))
+    assert len(set(outcomes)) > 1  # some drafts accepted, some rejected

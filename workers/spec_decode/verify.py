@@ -54,10 +54,6 @@ class _Layout:
     draft_rows: torch.Tensor  # [D] int64: rows that verify a draft
     bonus_rows: torch.Tensor  # [R] int64: each request's last row
 
-    @property
-    def num_rows(self) -> int:
-        return self.starts[-1] + self.num_drafts[-1] + 1 if self.starts else 0
-
 
 def verify_drafts(
     sampler: Sampler,
@@ -135,9 +131,8 @@ def _apply_row_constraints(
     if metadata.min_tokens_blocked is not None:
         rows, tokens = _min_tokens_blocked(states, layout)
         if rows:
-            logits[
-                torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)
-            ] = float("-inf")
+            index = torch.tensor([rows, tokens], dtype=torch.int64).to(logits.device)
+            logits[index[0], index[1]] = float("-inf")
     if metadata.penalties is not None:
         apply_penalties(
             logits, _expand_penalties(metadata.penalties, states, draft_token_ids, layout)
@@ -216,11 +211,10 @@ def _expand_penalties(
 def _target_probs(
     logits: torch.Tensor, metadata: SamplingMetadata, layout: _Layout
 ) -> torch.Tensor:
-    """[D, V] target distributions at the draft rows: one-hot argmax on greedy rows (so ties
-    cannot move the argmax), the processed softmax on random ones."""
-    greedy = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-    if metadata.all_greedy or logits.shape[0] == 0:
-        return greedy
+    """[D, V] target distributions at the draft rows: the processed softmax (greedy rows only
+    need their argmax, which temperature 1 and the top-k/top-p/min-p masks keep)."""
+    if metadata.all_greedy:
+        return logits  # rejection_sample reads only the argmax of greedy rows
     req = layout.row_req[layout.draft_rows]  # [D]
     logits.div_(metadata.temperature[req].unsqueeze(1))
     if metadata.min_p is not None:
@@ -228,10 +222,7 @@ def _target_probs(
     top_k = None if metadata.top_k is None else metadata.top_k[req]
     top_p = None if metadata.top_p is None else metadata.top_p[req]
     apply_top_k_top_p(logits, top_k, metadata.max_top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    if metadata.all_random:
-        return probs
-    return torch.where(metadata.is_greedy[req].unsqueeze(1), greedy, probs)
+    return torch.softmax(logits, dim=-1)
 
 
 def _flat_drafts(draft_token_ids: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -254,11 +245,10 @@ def _flat_draft_probs(
         if probs is not None:
             parts.append(probs.to(device=logits.device, dtype=torch.float32).reshape(-1, vocab))
             continue
-        one_hot = torch.zeros(len(drafts), vocab, device=logits.device)
-        for k, token in enumerate(drafts):
-            if 0 <= token < vocab:
-                one_hot[k, token] = 1.0
-        parts.append(one_hot)
+        ids = torch.tensor(list(drafts), dtype=torch.int64).reshape(-1, 1)
+        one_hot = torch.zeros(len(drafts), vocab + 1)  # column vocab catches invalid drafts
+        one_hot.scatter_(1, torch.where((ids >= 0) & (ids < vocab), ids, vocab), 1.0)
+        parts.append(one_hot[:, :vocab].to(logits.device))
     return torch.cat(parts)
 
 
