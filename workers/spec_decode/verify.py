@@ -163,38 +163,13 @@ def _expand_penalties(
     output counts of row ``j`` bumped by the request's drafts before ``j``."""
     reqs = [i for i, s in enumerate(states) if s.has_penalties]
     device = penalties.output_counts.device
-    vocab = penalties.output_counts.shape[1]
     reps = torch.tensor([layout.num_drafts[i] + 1 for i in reqs], dtype=torch.int64, device=device)
-    # Draft k of a request adds 1 from its row k + 1 on, and -1 from the next request's first row.
-    bump_rows: list[int] = []
-    bump_tokens: list[int] = []
-    bump_values: list[float] = []
-    start = 0
-    for i in reqs:
-        n = layout.num_drafts[i]
-        for k, token in enumerate(draft_token_ids[i]):
-            if 0 <= token < vocab:
-                bump_rows += [start + k + 1, start + n + 1]
-                bump_tokens += [token, token]
-                bump_values += [1.0, -1.0]
-        start += n + 1
-    counts = penalties.output_counts.repeat_interleave(reps, dim=0)  # [Pt, V]
-    if bump_rows:
-        bumps = torch.zeros(start + 1, vocab, dtype=counts.dtype, device=device)
-        index = (
-            torch.tensor(bump_rows, device=device),
-            torch.tensor(bump_tokens, device=device),
-        )
-        bumps.index_put_(index, torch.tensor(bump_values, device=device), accumulate=True)
-        counts = counts + bumps.cumsum(dim=0)[:start]
     rows = None
     if len(reqs) < len(states):
-        rows = torch.cat(
-            [
-                torch.arange(layout.starts[i], layout.starts[i] + layout.num_drafts[i] + 1)
-                for i in reqs
-            ]
-        ).to(device)
+        spans = [range(layout.starts[i], layout.starts[i] + layout.num_drafts[i] + 1) for i in reqs]
+        rows = torch.tensor([r for span in spans for r in span], dtype=torch.int64).to(device)
+    counts = penalties.output_counts.repeat_interleave(reps, dim=0)  # [rows, V]
+    counts += _draft_counts([draft_token_ids[i] for i in reqs], counts)
     return PenaltyTensors(
         row_indices=rows,
         prompt_mask=penalties.prompt_mask.repeat_interleave(reps, dim=0),
@@ -206,6 +181,32 @@ def _expand_penalties(
         uses_frequency=penalties.uses_frequency,
         uses_repetition=penalties.uses_repetition,
     )
+
+
+def _draft_counts(drafts: Sequence[Sequence[int]], like: torch.Tensor) -> torch.Tensor | float:
+    """[rows, V]: at a request's row ``j``, how often each token occurs in its ``drafts[:j]``
+    (requests of ``len(d) + 1`` consecutive rows). Draft ``k`` adds 1 from the request's row
+    ``k + 1`` and -1 from the next request's first row; one cumsum sums them up."""
+    vocab = like.shape[1]
+    bump_rows: list[int] = []
+    bump_tokens: list[int] = []
+    bump_values: list[float] = []
+    start = 0
+    for request_drafts in drafts:
+        end = start + len(request_drafts) + 1
+        for k, token in enumerate(request_drafts):
+            if 0 <= token < vocab:
+                bump_rows += [start + k + 1, end]
+                bump_tokens += [token, token]
+                bump_values += [1.0, -1.0]
+        start = end
+    if not bump_rows:
+        return 0.0
+    bumps = torch.zeros(start + 1, vocab, dtype=like.dtype, device=like.device)
+    index = torch.tensor([bump_rows, bump_tokens], dtype=torch.int64).to(like.device)
+    values = torch.tensor(bump_values, dtype=like.dtype).to(like.device)
+    bumps.index_put_((index[0], index[1]), values, accumulate=True)
+    return bumps.cumsum(dim=0)[:start]
 
 
 def _target_probs(
