@@ -3,9 +3,10 @@ transformers' static batches at each swept size and its continuous batching, one
 same rounds each), ``bench/throughput_e2e.py`` (NATS, in-memory bus and transformers, the same
 warm-up and rounds, processes per side) and ``bench/serve.py`` (distinct or shared-prefix
 prompts, a warm-up, fixed concurrency and Poisson rate levels, failed requests counted) against
-the real engine stack, and ``bench/offload.py`` (returning turns in three modes, loads beside a
-memory copy, LRU vs ARC). Each ends with one JSON line; no timing is asserted (the machine is
-shared)."""
+the real engine stack, ``bench/offload.py`` (returning turns in three modes, loads beside a
+memory copy, LRU vs ARC) and ``bench/spec_decode.py`` (every static K and dynamic mode on each
+workload, greedy outputs unchanged by speculation). Each ends with one JSON line; no timing is
+asserted (the machine is shared)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import pytest
 from aiohttp import web
 
 from bench import serve
+from bench.spec_decode import WORKLOADS
 from shoal.bus.memory import InMemoryBus
 from shoal.gateway.app import create_app
 from shoal.gateway.server import start_http_server
@@ -122,6 +124,7 @@ def test_e2e_gives_transformers_the_same_warmup_and_rounds():
         ("throughput", "throughput_e2e.py"),
         ("runner-throughput", "throughput.py"),
         ("offload", "offload.py"),
+        ("spec_decode", "spec_decode.py"),
     ],
 )
 def test_cli_bench_aliases(name: str, script: str):
@@ -354,3 +357,38 @@ def test_offload_compares_modes_bandwidth_and_policies():
     for policy in ("lru", "arc"):
         assert figures[f"ttft_hot_ms_{policy}"] > 0
         assert figures["trace_query_tokens"][policy] > 0
+
+
+# ----- bench/spec_decode.py
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.slow
+def test_spec_decode_measures_every_k_and_dynamic_mode_and_keeps_greedy_outputs():
+    done = _run(str(BENCH / "spec_decode.py"), "--quick", "--tiny", timeout=170)
+    out = _last_json(done)  # exit status 0: greedy outputs equal with and without speculation
+    assert out["greedy_outputs_equal"] is True and out["mismatches"] == []
+    assert "greedy outputs identical with and without speculation: True" in done.stdout
+    sizes, ks = out["batch_sizes"], out["ks"]
+    assert sizes == [1, 4] and ks == [0, 1, 2, 3, 5]
+    static = {(r["workload"], r["batch_size"], r["k"]): r for r in out["rows"]}
+    assert set(static) == {(w, b, k) for w in WORKLOADS for b in sizes for k in ks}
+    dynamic = {(r["workload"], r["batch_size"], r["mode"]): r for r in out["dynamic"]}
+    modes = ("table", "acceptance")
+    assert set(dynamic) == {
+        (w, b, m) for w in (*WORKLOADS, "changing") for b in sizes for m in modes
+    }
+    assert all(r["tok_s"] > 0 for r in [*out["rows"], *out["dynamic"]])
+    # No drafts without speculation; the repetitive workload's drafts are nearly all accepted,
+    # the non-repetitive one's seldom proposed.
+    assert all(static[(w, b, 0)]["acceptance"] is None for w in WORKLOADS for b in sizes)
+    for b in sizes:
+        for k in ks[1:]:
+            assert static[("repetitive", b, k)]["acceptance"] >= 0.8, static[("repetitive", b, k)]
+            assert static[("repetitive", b, k)]["tokens_per_step"] > b
+            assert static[("non_repetitive", b, k)]["drafted_per_token"] < 0.5
+    speedups = out["ngram_speedup_bs1_by_k"]
+    assert set(speedups) == {"1", "2", "3", "5"}
+    assert out["ngram_speedup_bs1"] == max(speedups.values())
+    assert set(out["acceptance_vs_table_changing"]) == {"1", "4"}
+    assert len(out["dynamic_vs_best_static"]) == len(WORKLOADS) * len(sizes)
