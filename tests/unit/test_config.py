@@ -126,7 +126,10 @@ def test_cli_flags_are_config_options_with_the_configs_defaults(tmp_path) -> Non
     ns = _parse()
     # The JSON of a group, and the KV offload shortcut.
     assert set(vars(ns)) <= {
-        *OPTION_GROUPS, "fault_tolerance_config", *KV_OFFLOAD_FLAGS, "speculative_config"
+        *OPTION_GROUPS,
+        "fault_tolerance_config",
+        *KV_OFFLOAD_FLAGS,
+        "speculative_config",
     }
     assert config_from_namespace(ns, str(tmp_path)) == ShoalConfig.from_options(model=str(tmp_path))
 
