@@ -111,7 +111,7 @@ class GatewayActor(Actor):
             engine = await built if inspect.isawaitable(built) else built
             self.engine = engine
         name = engine.model_name
-        k = self._num_speculative_tokens(engine)
+        k = self._num_speculative_tokens()
         self.metrics = Metrics(name, max_model_len=engine.max_model_len, num_speculative_tokens=k)
         self.stats_logger = StatsLogger() if k > 0 else None
         if self._engine_reports_stats():
@@ -135,13 +135,10 @@ class GatewayActor(Actor):
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)
 
-    def _num_speculative_tokens(self, engine: EngineClientInterface) -> int:
-        """The deployment's K, from this actor's config or else the engine client's (0: it
-        does not speculate, or neither config is known)."""
-        config = self.config or getattr(engine, "config", None)
-        if not isinstance(config, ShoalConfig) or not config.speculative_config.enabled:
-            return 0
-        return config.speculative_config.num_speculative_tokens
+    def _num_speculative_tokens(self) -> int:
+        """The deployment's K (0: it does not speculate, or this actor has no config)."""
+        spec = self.config.speculative_config if self.config is not None else None
+        return spec.num_speculative_tokens if spec is not None and spec.enabled else 0
 
     async def on_stop(self) -> None:
         if self.nats_api is not None:

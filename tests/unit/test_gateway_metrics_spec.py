@@ -86,6 +86,11 @@ def test_a_restarted_core_counts_afresh_and_late_reports_are_ignored() -> None:
     assert found[("vllm:spec_decode_num_drafts_total", "e0", "")] == 12
     assert found[("vllm:spec_decode_num_accepted_tokens_total", "e0", "")] == 15
     assert [found[(PER_POS, "e0", str(p))] for p in range(2)] == [9, 6]
+    # A core that restarted and ran past the last step seen before it reported: figures fell.
+    metrics.update_engine_stats(_stats(30, 1, 2, 1, [1, 0]), "e0")
+    found = _samples(metrics)
+    assert found[("vllm:spec_decode_num_drafts_total", "e0", "")] == 13
+    assert [found[(PER_POS, "e0", str(p))] for p in range(2)] == [10, 6]
 
 
 def test_no_spec_series_when_the_deployment_does_not_speculate() -> None:
