@@ -122,10 +122,8 @@ def _all_defaults(group: SpeculativeConfig) -> bool:
 def _lookup_bounds(low: int | None, high: int | None) -> tuple[int, int]:
     """The n-gram bounds as vLLM sets them: both 5 when unset, one copies the other (0 is a
     value, refused later, not "unset")."""
-    if low is None and high is None:
-        return DEFAULT_PROMPT_LOOKUP, DEFAULT_PROMPT_LOOKUP
     if low is None:
-        return high, high  # type: ignore[return-value]
+        low = DEFAULT_PROMPT_LOOKUP if high is None else high
     return low, low if high is None else high
 
 
