@@ -178,3 +178,16 @@ def test_options_replace_and_json_keep_the_group() -> None:
     assert config.replace(max_num_seqs=8).speculative_config == config.speculative_config
     assert not config.replace(speculative_config={}).speculative_config.enabled
     assert speculative_options(config.speculative_config)["num_speculative_tokens"] == 3
+
+
+def test_a_missing_draft_model_directory_is_refused_before_anything_starts(tmp_path):
+    from shoal.deploy.deployment import build_config
+
+    spec = {"model": str(tmp_path / "absent"), "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="draft model directory not found"):
+        build_config(model=str(tmp_path), speculative_config=spec)
+    (tmp_path / "draft").mkdir()
+    config = build_config(
+        model=str(tmp_path), speculative_config={**spec, "model": str(tmp_path / "draft")}
+    )
+    assert config.speculative_config.speculative_method == "draft_model"
