@@ -147,7 +147,7 @@ def test_llm_takes_a_dict_or_the_group_and_refuses_bad_values(tmp_path) -> None:
     # LLM(model, **options) builds its config with build_config before it starts anything.
     built = build_config(model=str(tmp_path), bus="memory", speculative_config=NGRAM)
     assert built.speculative_config == _group(NGRAM)
-    group = _group(DRAFT)
+    group = _group({**DRAFT, "model": str(tmp_path)})
     assert build_config(model=str(tmp_path), speculative_config=group).speculative_config == group
     with pytest.raises(ValueError, match=r"speculative_config\.method must be one of"):
         LLM(str(tmp_path), speculative_config={"method": "medusa", "num_speculative_tokens": 1})
