@@ -112,7 +112,7 @@ def test_bad_schedules_name_the_key(schedule: list[Any], problem: str) -> None:
 
 
 def test_the_cli_json_sets_the_group(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    for example in (NGRAM, DRAFT, SCHEDULE):
+    for example in (NGRAM, {**DRAFT, "model": str(tmp_path)}, SCHEDULE):
         ns = _parse("--speculative-config", json.dumps(example))
         assert config_from_namespace(ns, str(tmp_path)).speculative_config == _group(example)
     assert not config_from_namespace(_parse(), str(tmp_path)).speculative_config.enabled
