@@ -173,6 +173,7 @@ class EngineCoreActor(FaultHandlingActor):
                 num_blocks=num_blocks,
                 max_model_len=max_model_len,
                 kv_transfer_config=self.config.kv_transfer_config,
+                speculative_config=self.config.speculative_config,
             )
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
         if self.offload is not None:

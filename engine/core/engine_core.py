@@ -29,8 +29,9 @@ from shoal.bus.messages.engine import (
     SchedulerStats,
 )
 from shoal.bus.messages.kv_transfer import KVTransferConfig
+from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.worker import StepResult, WorkerInfo
-from shoal.engine.core.request import Request, RequestStatus
+from shoal.engine.core.request import Request, RequestStatus, group_final_outputs
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.scheduler_output import SchedulerOutput
 
@@ -67,6 +68,7 @@ class EngineCore:
         num_blocks: int,
         max_model_len: int,
         kv_transfer_config: KVTransferConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.scheduler = Scheduler(
             scheduler_config,
@@ -74,6 +76,7 @@ class EngineCore:
             num_blocks=num_blocks,
             max_model_len=max_model_len,
             kv_transfer_config=kv_transfer_config,
+            speculative_config=speculative_config,
         )
         self.max_waiting_requests = scheduler_config.max_waiting_requests
         self.max_steps_in_flight = 2 if scheduler_config.async_scheduling else 1
@@ -147,7 +150,7 @@ class EngineCore:
 
     def _abort(self, request_ids: list[str]) -> ClientOutputs:
         finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return Scheduler.group_final_outputs(finished)
+        return group_final_outputs(finished)
 
     def schedule(self) -> SchedulerOutput | None:
         """The next step, or None when there is nothing to run. A non-empty step is outstanding
@@ -213,7 +216,7 @@ class EngineCore:
         self.scheduler.preempted_req_ids.clear()
         if not self.scheduler.reset_prefix_cache():
             log.error("prefix cache not reset after a failure: blocks still in use")
-        outputs = Scheduler.group_final_outputs(finished)
+        outputs = group_final_outputs(finished)
         if resumable:
             for client_outputs in outputs.values():
                 for output in client_outputs:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import sys
+from collections.abc import Iterable
 from typing import Protocol
 
 from shoal.bus.messages.engine import AddRequest, EngineCoreOutput
@@ -250,3 +251,11 @@ class Request:
             f"Request({self.request_id!r}, {self.status}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens})"
         )
+
+
+def group_final_outputs(requests: Iterable[Request]) -> dict[str, list[EngineCoreOutput]]:
+    """Final outputs of finished requests (``Request.make_final_output``), keyed by client id."""
+    outputs: dict[str, list[EngineCoreOutput]] = {}
+    for request in requests:
+        outputs.setdefault(request.client_id, []).append(request.make_final_output())
+    return outputs

@@ -38,8 +38,8 @@ With one step in flight at a time the placeholder and in-flight counts are zero 
 KV offload (``offload_connector.py``): admission asks the connector after the local prefix-cache
 lookup (parking a request while it is looked up); landing hands it the step's copies and chunks.
 
-Seams, not built yet: speculative decoding would schedule ``Request.spec_token_ids`` as extra
-tokens and roll back rejected ones in ``update_from_output``. ``make_stats`` feeds load-aware
+Speculative decoding (``spec_decoding.py``): a request that samples verifies its drafts as extra
+scheduled tokens; the landing rolls back the rejected ones. ``make_stats`` feeds load-aware
 routing across data-parallel ranks and reports requests finished by reason and the free KV
 blocks, so a client in another process sees what the core did with an abort.
 """
@@ -52,14 +52,17 @@ from collections.abc import Iterable
 from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import EngineCoreOutput, SchedulerStats
 from shoal.bus.messages.kv_transfer import KVTransferConfig
+from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.worker import StepResult
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.in_flight import InFlightSteps, PendingFree
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.offload_connector import Admission, OffloadConnector
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
+from shoal.engine.core.request_limits import check_fits, check_token_budget
 from shoal.engine.core.request_queue import make_request_queue
 from shoal.engine.core.scheduler_output import SchedulerOutput, StepPlan, build_scheduler_output
+from shoal.engine.core.spec_decoding import SpecDecoding
 from shoal.engine.core.step_outcome import StepOutcome, make_step_outcome
 from shoal.engine.core.stop_check import check_stop
 
@@ -76,10 +79,12 @@ class Scheduler:
         max_model_len: int,
         num_blocks: int | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """``max_model_len`` and ``num_blocks`` are what the workers reported (the block
         count defaults to ``cache_config.num_gpu_blocks_override``). ``kv_transfer_config``
-        with a connector: KV offload (``offload_connector.py``)."""
+        with a connector: KV offload (``offload_connector.py``); ``speculative_config`` with
+        a method: speculative decoding (``spec_decoding.py``)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         num_blocks = num_blocks or cache_config.num_gpu_blocks_override
@@ -87,7 +92,7 @@ class Scheduler:
             raise ValueError(
                 "num_gpu_blocks is not known yet: size the KV cache or set an override"
             )
-        _check_token_budget(scheduler_config, max_model_len)
+        check_token_budget(scheduler_config, max_model_len)
         self.num_blocks = num_blocks
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -127,6 +132,10 @@ class Scheduler:
             self.connector = OffloadConnector(
                 kv_transfer_config, self.block_size, self.kv_cache_manager.block_pool
             )
+        self.spec: SpecDecoding | None = None
+        if speculative_config is not None and speculative_config.enabled:
+            max_num_seqs = scheduler_config.max_num_seqs
+            self.spec = SpecDecoding(speculative_config, max_num_seqs, max_model_len)
 
     # ----- requests in and out
 
@@ -143,7 +152,13 @@ class Scheduler:
                 f"prompt has {request.num_prompt_tokens} tokens, more than "
                 f"max_model_len={self.max_model_len}"
             )
-        self._check_fits(request)
+        check_fits(
+            request,
+            max_model_len=self.max_model_len,
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            reserved=self._reserved_blocks,
+        )
         if request.num_resumed_tokens and check_stop(request, self.max_model_len):
             self.num_finished[FINISH_REASONS[request.status]] += 1
             return False
@@ -153,28 +168,13 @@ class Scheduler:
         self.waiting.add(request)
         return True
 
-    def _check_fits(self, request: Request) -> None:
-        """A request that could not run even alone would wait (or preempt itself) forever."""
-        max_total = min(self.max_model_len, request.num_prompt_tokens + request.max_tokens)
-        if -(-max_total // self.block_size) > self.num_blocks - 1:
-            raise ValueError(
-                f"request needs up to {max_total} tokens of KV cache, more than the "
-                f"{(self.num_blocks - 1) * self.block_size} the cache holds"
-            )
-        num_prompt_blocks = -(-request.num_prompt_tokens // self.block_size)
-        if num_prompt_blocks > self.num_blocks - 1 - self._reserved_blocks:
-            raise ValueError(
-                f"prompt needs {num_prompt_blocks} KV blocks, more than the "
-                f"{self.num_blocks - 1 - self._reserved_blocks} admission may use (watermark)"
-            )
-
     def finish_requests(
         self, request_ids: str | Iterable[str] | None, status: RequestStatus
     ) -> list[Request]:
         """Finish these requests (None: all) with ``status``; unknown or finished ids are skipped.
 
         Returns the requests actually finished, so the caller can publish their final outputs
-        (``Request.make_final_output``, grouped by ``group_final_outputs``).
+        (``Request.make_final_output``, grouped by ``request.group_final_outputs``).
         """
         if not RequestStatus.is_finished(status):
             raise ValueError(f"status must be a finished status, got {status}")
@@ -190,14 +190,6 @@ class Scheduler:
             self.finish_request(request, status)
             finished.append(request)
         return finished
-
-    @staticmethod
-    def group_final_outputs(requests: Iterable[Request]) -> dict[str, list[EngineCoreOutput]]:
-        """Final outputs of finished requests, keyed by client id."""
-        outputs: dict[str, list[EngineCoreOutput]] = {}
-        for request in requests:
-            outputs.setdefault(request.client_id, []).append(request.make_final_output())
-        return outputs
 
     def finish_request(
         self, request: Request, status: RequestStatus, drop_cached: bool = False
@@ -267,7 +259,7 @@ class Scheduler:
         return self._make_output(plan)
 
     def _schedule_running(self, plan: StepPlan, threshold: int) -> None:
-        running = self.running
+        running, spec = self.running, self.spec
         allocate_slots = self.kv_cache_manager.allocate_slots
         max_model_len = self.max_model_len
         budget = plan.token_budget
@@ -291,7 +283,12 @@ class Scheduler:
                 num_new = max_model_len - num_computed
             if num_new <= 0:
                 continue
-            new_block_ids = allocate_slots(request, num_new)
+            num_slots = num_new
+            num_spec = 0
+            if spec is not None and num_computed + num_new == num_known:  # it samples
+                num_spec = spec.num_drafts_to_verify(request, num_known, budget - num_new)
+                num_slots += num_spec + spec.num_lookahead(num_known + num_spec)
+            new_block_ids = allocate_slots(request, num_slots)
             while new_block_ids is None:
                 victim_index = self._victim_index()
                 victim = running.pop(victim_index)
@@ -302,13 +299,15 @@ class Scheduler:
                 plan.preempted.append(victim.request_id)
                 if victim is request or self.in_flight.is_pending(victim):
                     break  # (its blocks come back when its in-flight step lands)
-                new_block_ids = allocate_slots(request, num_new)
+                new_block_ids = allocate_slots(request, num_slots)
             if new_block_ids is None:
                 break
-            plan.num_scheduled[request.request_id] = num_new
+            plan.num_scheduled[request.request_id] = num_new + num_spec
+            if num_spec:
+                plan.num_spec[request.request_id] = num_spec
             plan.cached.append(request)
             plan.cached_block_ids.append(new_block_ids)
-            budget -= num_new
+            budget -= num_new + num_spec
         plan.token_budget = budget
 
     def _victim_index(self) -> int:
@@ -326,6 +325,7 @@ class Scheduler:
     def _unschedule(plan: StepPlan, victim: Request) -> int:
         """Take back a victim already scheduled this step; returns its tokens to refund."""
         num_tokens = plan.num_scheduled.pop(victim.request_id, 0)
+        plan.num_spec.pop(victim.request_id, None)
         if num_tokens:
             position = plan.cached.index(victim)
             del plan.cached[position]
@@ -359,16 +359,19 @@ class Scheduler:
                 waiting.pop()  # waits for its lookup; the requests behind it go on
                 continue
             num_external_tokens = external.num_blocks * self.block_size if external else 0
-            num_new = request.num_tokens - num_hit_tokens - num_external_tokens
+            num_new = num_missing = request.num_tokens - num_hit_tokens - num_external_tokens
             if threshold and num_new > threshold:
                 num_new = threshold
             if num_new > budget:
                 if not config.enable_chunked_prefill:
                     break
                 num_new = budget
+            num_slots = num_new
+            if self.spec is not None and num_new == num_missing:  # it samples: draft-model room
+                num_slots += self.spec.num_lookahead(request.num_tokens)
             new_block_ids = kv.allocate_slots(
                 request,
-                num_new,
+                num_slots,
                 hits,
                 full_sequence_must_fit=config.scheduler_reserve_full_isl,
                 # The watermark is room for running requests to grow into: with none running
@@ -406,6 +409,8 @@ class Scheduler:
         )
         if self.connector is not None:
             output.kv_transfers = self.connector.build_transfers(self.step_id)
+        if self.spec is not None:
+            self.spec.after_schedule(output)
         return output
 
     # ----- results
@@ -420,7 +425,7 @@ class Scheduler:
             )
         skipped = self.land_step(scheduler_output)
         outcome = make_step_outcome(
-            self.requests, scheduler_output, result, self.max_model_len, skipped
+            self.requests, scheduler_output, result, self.max_model_len, skipped, self.spec
         )
         loaded: list[str] = []
         if self.connector is not None:
@@ -484,16 +489,9 @@ class Scheduler:
         )
         if self.connector is not None:
             self.connector.fill_stats(stats)
+        if self.spec is not None:
+            self.spec.fill_stats(stats)
         return stats
-
-
-def _check_token_budget(config: SchedulerConfig, max_model_len: int) -> None:
-    """Without chunked prefill a whole prompt must fit in one step."""
-    if not config.enable_chunked_prefill and config.token_budget < max_model_len:
-        raise ValueError(
-            f"max_num_batched_tokens (and max_num_scheduled_tokens) must be at least "
-            f"max_model_len={max_model_len} when chunked prefill is off, got {config.token_budget}"
-        )
 
 
 __all__ = ["FINISH_REASONS", "Request", "RequestStatus", "Scheduler", "SchedulerOutput"]

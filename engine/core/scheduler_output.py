@@ -10,7 +10,9 @@ order (new requests, then cached ones) is defined once, by ``bus.messages.worker
 turns it into the ``SchedulerOutput`` and books the step on its requests: ``num_computed_tokens``
 advances (optimistically), the step counts as in flight for each, and a request whose tokens reach
 its end this step (it samples) gets ``num_placeholders_per_step`` output placeholders (1 with
-async scheduling, 0 without), given back when the result lands.
+async scheduling, 0 without) plus one per draft it verifies (with async scheduling), given back
+when the result lands. Drafts to verify (speculative decoding, ``spec_decoding.py``) are part of
+a request's scheduled tokens; ``num_spec_tokens`` says how many.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ class SchedulerOutput:
         "new_requests",
         "num_placeholders",
         "num_scheduled_tokens",
+        "num_spec_tokens",
+        "num_spec_tokens_to_propose",
         "preempted_req_ids",
         "requests",
+        "sampling_req_ids",
         "skipped_req_ids",
         "step_id",
         "total_num_scheduled_tokens",
@@ -66,6 +71,9 @@ class SchedulerOutput:
         self.landed = False  # its result arrived (``Scheduler.land_step``)
         self.skipped_req_ids: set[str] = set()  # whose output is stale or for a finished one
         self.kv_transfers: KVTransfers | None = None  # KV offload copies to run first
+        self.num_spec_tokens: dict[str, int] = {}  # req_id → drafts it verifies (when any)
+        self.sampling_req_ids: list[str] = []  # requests scheduled to the end of their tokens
+        self.num_spec_tokens_to_propose = 0  # K: drafts per sampling request, after the step
 
     @property
     def req_ids(self) -> list[str]:
@@ -90,6 +98,7 @@ class SchedulerOutput:
             self.finished_req_ids,
             self.preempted_req_ids,
             self.kv_transfers,
+            self.num_spec_tokens_to_propose,
         )
 
     def __repr__(self) -> str:
@@ -103,11 +112,20 @@ class SchedulerOutput:
 class StepPlan:
     """What the current ``schedule()`` call has decided so far."""
 
-    __slots__ = ("cached", "cached_block_ids", "new", "num_scheduled", "preempted", "token_budget")
+    __slots__ = (
+        "cached",
+        "cached_block_ids",
+        "new",
+        "num_scheduled",
+        "num_spec",
+        "preempted",
+        "token_budget",
+    )
 
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
-        self.num_scheduled: dict[str, int] = {}
+        self.num_scheduled: dict[str, int] = {}  # drafts to verify included
+        self.num_spec: dict[str, int] = {}  # drafts to verify, where any
         self.cached: list[Request] = []  # running requests scheduled, in order
         self.cached_block_ids: list[list[int]] = []  # their newly allocated block ids
         self.new: list[tuple[Request, bool]] = []  # admitted requests, resumed or not
@@ -142,26 +160,42 @@ def build_scheduler_output(
             )
         )
     cached_requests = []
+    num_spec = plan.num_spec
     for request, new_block_ids in zip(plan.cached, plan.cached_block_ids, strict=True):
-        num_tokens = num_scheduled[request.request_id]
-        num_computed = request.num_computed_tokens
+        request_id = request.request_id
         cached_requests.append(
-            CachedRequestData(request.request_id, new_block_ids, num_computed, num_tokens)
+            CachedRequestData(
+                request_id,
+                new_block_ids,
+                request.num_computed_tokens,
+                num_scheduled[request_id],
+                num_spec.get(request_id, 0),
+            )
         )
     output = SchedulerOutput(
         step_id, new_requests, cached_requests, num_scheduled, finished_req_ids, preempted_req_ids
     )
-    requests, num_placeholders = output.requests, output.num_placeholders
-    for request in [request for request, _ in plan.new] + plan.cached:
+    output.num_spec_tokens = num_spec
+    _book(output, [request for request, _ in plan.new] + plan.cached, num_placeholders_per_step)
+    return output
+
+
+def _book(output: SchedulerOutput, requests: list[Request], num_placeholders_per_step: int) -> None:
+    """Advance the scheduled requests' counts; note (and, with placeholders, book) the ones that
+    sample."""
+    scheduled, num_placeholders = output.requests, output.num_placeholders
+    num_scheduled, num_spec = output.num_scheduled_tokens, output.num_spec_tokens
+    sampling = output.sampling_req_ids
+    for request in requests:
         request_id = request.request_id
-        requests[request_id] = request
+        scheduled[request_id] = request
         num_tokens = num_scheduled[request_id]
         request.num_computed_tokens += num_tokens
         request.num_in_flight_steps += 1
         request.num_in_flight_tokens += num_tokens
-        if num_placeholders_per_step and request.num_computed_tokens >= (
-            request.num_tokens + request.num_output_placeholders
-        ):
-            request.num_output_placeholders += num_placeholders_per_step
-            num_placeholders[request_id] = num_placeholders_per_step
-    return output
+        if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            sampling.append(request_id)
+            if num_placeholders_per_step:
+                booked = num_placeholders_per_step + num_spec.get(request_id, 0)
+                request.num_output_placeholders += booked
+                num_placeholders[request_id] = booked

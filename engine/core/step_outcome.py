@@ -14,8 +14,10 @@ set and their final output made; scheduled requests the result does not mention 
 the step ran, are skipped, as are the ``skipped`` ids ``Scheduler.land_step`` names (stale outputs
 of requests preempted while the step was in flight, and requests finished meanwhile).
 
-Seam: speculative decoding would first roll back rejected draft tokens here
-(``num_computed_tokens -= num_drafts - (len(sampled) - 1)``).
+Speculative decoding: a request that verified drafts first has its rejected ones rolled back
+(``SpecDecoding.accept``); the tokens are then appended and stop-checked one by one as above (a
+stop inside an accepted run drops the rest), and the drafts proposed for its next step are
+taken from the result.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from shoal.bus.messages.engine import EngineCoreOutput, Logprobs
 from shoal.bus.messages.worker import StepError, StepResult
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.scheduler_output import SchedulerOutput
+from shoal.engine.core.spec_decoding import SpecDecoding
 from shoal.engine.core.stop_check import check_stop
 
 RUNNING = RequestStatus.RUNNING
@@ -58,13 +61,17 @@ def make_step_outcome(
     result: StepResult,
     max_model_len: int,
     skipped: Set[str] = frozenset(),
+    spec: SpecDecoding | None = None,
 ) -> StepOutcome:
-    """Advance ``requests`` by ``result`` (the answer to ``scheduler_output``)."""
+    """Advance ``requests`` by ``result`` (the answer to ``scheduler_output``); ``spec``:
+    speculative decoding is on."""
     if result.step_id != scheduler_output.step_id:
         raise ValueError(
             f"result is for step {result.step_id}, expected {scheduler_output.step_id}"
         )
     outcome = StepOutcome()
+    if spec is not None:
+        _read_drafts(requests, scheduler_output, result, skipped, spec)
     _read_sampled_tokens(outcome, requests, result, max_model_len, skipped)
     if result.error is not None:
         _read_failure(outcome, requests, result.error)
@@ -131,6 +138,29 @@ def _read_sampled_tokens(
             client_outputs.append(output)
     outcome.num_prompt_tokens = num_prompt_tokens
     outcome.num_generation_tokens = num_generated
+
+
+def _read_drafts(
+    requests: Mapping[str, Request],
+    scheduler_output: SchedulerOutput,
+    result: StepResult,
+    skipped: Set[str],
+    spec: SpecDecoding,
+) -> None:
+    """Roll back each live request's rejected drafts and take its new ones."""
+    num_verified = scheduler_output.num_spec_tokens
+    proposed = result.spec_token_ids
+    for index, (request_id, sampled) in enumerate(
+        zip(result.req_ids, result.sampled_token_ids, strict=True)
+    ):
+        request = requests.get(request_id)
+        if request is None or request.status is not RUNNING or request_id in skipped:
+            continue
+        if sampled and request_id in num_verified:
+            spec.accept(request, num_verified[request_id], len(sampled))
+        if proposed:
+            spec.take_drafts(request, proposed[index])
+    spec.end_landing()
 
 
 def _read_failure(outcome: StepOutcome, requests: Mapping[str, Request], error: StepError) -> None:

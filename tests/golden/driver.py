@@ -8,8 +8,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
+from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData, StepResult
+from shoal.engine.core.scheduler import Scheduler
+from shoal.engine.core.scheduler_output import SchedulerOutput
 from shoal.workers.model_runner import ModelRunner
 
 MAX_STEPS = 2000
@@ -95,6 +98,7 @@ class SchedulerRun:
     max_scheduled_tokens: int = 0
     partial_prefill_steps: int = 0
     logprobs: dict[str, list] = field(default_factory=dict)
+    stats: SchedulerStats | None = None
 
 
 def generate_with_scheduler(
@@ -108,41 +112,66 @@ def generate_with_scheduler(
     max_num_seqs: int = 64,
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
+    async_scheduling: bool = False,
 ) -> SchedulerRun:
-    """Run every prompt to completion through ``engine.core.scheduler.Scheduler``."""
+    """Run every prompt to completion through ``engine.core.scheduler.Scheduler`` (with the
+    runner's speculative config). ``async_scheduling``: each step is scheduled (and run) before
+    the previous step's result is applied, as the async engine core does."""
     from shoal.bus.messages.config import CacheConfig, SchedulerConfig
     from shoal.engine.core.request import Request
-    from shoal.engine.core.scheduler import Scheduler
 
     scheduler = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs),
+        SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            async_scheduling=async_scheduling,
+        ),
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks=num_blocks,
         max_model_len=max_model_len,
+        speculative_config=runner.config.speculative_config,
     )
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         scheduler.add_request(
             Request(f"r{i}", list(prompt), p, client_id="c", arrival_time=float(i))
         )
     run = SchedulerRun(outputs={f"r{i}": [] for i in range(len(prompts))})
-    while scheduler.has_requests():
+    in_flight: list[tuple[SchedulerOutput, StepResult]] = []
+    depth = 2 if async_scheduling else 1
+    while scheduler.has_requests() or in_flight:
         assert run.num_steps < MAX_STEPS, "generation did not finish"
-        sched_out = scheduler.schedule()
-        step = sched_out.to_message()
-        result = runner.execute(step)
-        run.num_steps += 1
-        run.max_scheduled_tokens = max(
-            run.max_scheduled_tokens,
-            sum(r.num_scheduled_tokens for r in step.new_requests + step.cached_requests),
-        )
-        run.partial_prefill_steps += sum(1 for t in result.sampled_token_ids if not t)
-        for outs in scheduler.update_from_output(sched_out, result).values():
-            for out in outs:
-                assert out.error is None, out.error
-                run.outputs[out.request_id] += out.new_token_ids
-                if out.new_logprobs is not None:
-                    run.logprobs.setdefault(out.request_id, []).append(out.new_logprobs)
-    stats = scheduler.make_stats()
+        if scheduler.has_requests() and len(in_flight) < depth:
+            sched_out = scheduler.schedule()
+            if not sched_out.is_empty:
+                in_flight.append((sched_out, _execute(runner, sched_out, run)))
+                if len(in_flight) < depth:
+                    continue
+        assert in_flight, "requests left that no step schedules"
+        _apply(scheduler, *in_flight.pop(0), run)
+    run.stats = stats = scheduler.make_stats()
     run.num_preemptions = stats.num_preemptions
     run.prefix_cache_hits = stats.prefix_cache_hits
     return run
+
+
+def _execute(runner: ModelRunner, sched_out: SchedulerOutput, run: SchedulerRun) -> StepResult:
+    step = sched_out.to_message()
+    result = runner.execute(step)
+    run.num_steps += 1
+    run.max_scheduled_tokens = max(
+        run.max_scheduled_tokens,
+        sum(r.num_scheduled_tokens for r in step.new_requests + step.cached_requests),
+    )
+    run.partial_prefill_steps += sum(1 for t in result.sampled_token_ids if not t)
+    return result
+
+
+def _apply(
+    scheduler: Scheduler, sched_out: SchedulerOutput, result: StepResult, run: SchedulerRun
+) -> None:
+    for outs in scheduler.update_from_output(sched_out, result).values():
+        for out in outs:
+            assert out.error is None, out.error
+            run.outputs[out.request_id] += out.new_token_ids
+            if out.new_logprobs is not None:
+                run.logprobs.setdefault(out.request_id, []).append(out.new_logprobs)

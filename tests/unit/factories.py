@@ -33,8 +33,9 @@ EOS = 2
 
 
 def make_scheduler(**overrides: Any) -> Scheduler:
-    """A small scheduler; any SchedulerConfig or CacheConfig field, ``num_blocks`` or
-    ``max_model_len``. One step in flight at a time unless ``async_scheduling=True``."""
+    """A small scheduler; any SchedulerConfig or CacheConfig field, ``num_blocks``,
+    ``max_model_len`` or ``speculative_config``. One step in flight at a time unless
+    ``async_scheduling=True``."""
     settings: dict[str, Any] = {
         "async_scheduling": False,
         "max_num_batched_tokens": 64,
@@ -46,6 +47,7 @@ def make_scheduler(**overrides: Any) -> Scheduler:
     settings.update(overrides)
     num_blocks = settings.pop("num_blocks")
     max_model_len = settings.pop("max_model_len")
+    speculative_config = settings.pop("speculative_config", None)
     unknown = set(settings) - _SCHEDULER_FIELDS - _CACHE_FIELDS
     if unknown:
         raise TypeError(f"unknown scheduler settings: {sorted(unknown)}")
@@ -56,6 +58,7 @@ def make_scheduler(**overrides: Any) -> Scheduler:
             **{k: v for k, v in settings.items() if k in _CACHE_FIELDS},
         ),
         max_model_len=max_model_len,
+        speculative_config=speculative_config,
     )
 
 

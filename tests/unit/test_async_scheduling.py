@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from shoal.engine.core.request import Request, RequestStatus
+from shoal.engine.core.request import Request, RequestStatus, group_final_outputs
 from shoal.engine.core.scheduler import Scheduler
 from tests.unit.factories import (
     EOS,
@@ -231,7 +231,7 @@ def test_an_abort_with_a_step_in_flight_frees_blocks_after_it_lands() -> None:
     scheduler = pipeline.scheduler
     pipeline.land()
     finished = scheduler.finish_requests("r", RequestStatus.FINISHED_ABORTED)
-    pipeline.record(Scheduler.group_final_outputs(finished))
+    pipeline.record(group_final_outputs(finished))
     assert_not_free(scheduler, blocks_in_flight(pipeline))
     pipeline.land()
     assert [o.new_token_ids for o in pipeline.outputs["r"]] == [[default_token_for("r", 8)], []]

@@ -9,7 +9,7 @@ import pytest
 
 from shoal.bus.messages.engine import EngineCoreOutput, Logprobs
 from shoal.bus.messages.worker import ExecuteStep, StepError, StepResult
-from shoal.engine.core.request import RequestStatus
+from shoal.engine.core.request import RequestStatus, group_final_outputs
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.scheduler_output import SchedulerOutput
 from tests.unit.factories import EOS, FakeWorker, make_request, make_requests, make_scheduler
@@ -169,7 +169,7 @@ def test_abort_is_idempotent_and_frees_blocks() -> None:
     assert [r.request_id for r in finished] == ["req0", "req1"]
     assert all(r.status is RequestStatus.FINISHED_ABORTED for r in finished)
     assert scheduler.finish_requests("req0", RequestStatus.FINISHED_ABORTED) == []
-    finals = Scheduler.group_final_outputs(finished)["client"]
+    finals = group_final_outputs(finished)["client"]
     assert [(o.request_id, o.finish_reason) for o in finals] == [
         ("req0", "abort"),
         ("req1", "abort"),

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from shoal.bus.messages.engine import EngineCoreOutput
-from shoal.engine.core.request import Request, RequestStatus
+from shoal.engine.core.request import Request, RequestStatus, group_final_outputs
 from shoal.engine.core.scheduler import Scheduler
 from tests.unit.factories import EOS, FakeWorker, Pipeline, make_request, make_scheduler
 
@@ -187,7 +187,7 @@ def test_random_workloads_keep_invariants_and_produce_the_model_tokens(
     budget = scheduler.scheduler_config.token_budget
     for step in range(MAX_STEPS):
         finished = arrive_and_abort(scheduler, arrivals, aborts, step)
-        for client_outputs in Scheduler.group_final_outputs(finished).values():
+        for client_outputs in group_final_outputs(finished).values():
             for output in client_outputs:
                 outputs.setdefault(output.request_id, []).append(output)
         check_invariants(scheduler)
@@ -253,7 +253,7 @@ def test_random_workloads_with_two_steps_in_flight(
     stale = False
     for step in range(MAX_STEPS):
         finished = arrive_and_abort(scheduler, arrivals, aborts, step)
-        pipeline.record(Scheduler.group_final_outputs(finished))
+        pipeline.record(group_final_outputs(finished))
         check_invariants(scheduler)
         stale |= check_in_flight(pipeline)
         if step > last_arrival and not scheduler.has_requests() and not pipeline.outstanding:

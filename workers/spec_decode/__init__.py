@@ -1,2 +1,3 @@
-"""Speculative decoding in the worker: proposers that draft tokens (``ngram``) and the rejection
-sampler that verifies them against the target (``rejection_sampler``)."""
+"""Speculative decoding in the worker: proposers that draft tokens (``ngram``, ``draft_model``,
+behind the ``proposer.Proposer`` interface), the verification of drafts with every sampling
+option (``verify``) and the rejection sampler under it (``rejection_sampler``)."""

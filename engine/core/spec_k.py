@@ -1,0 +1,74 @@
+"""Acceptance-driven K (shoal's own, beyond vLLM's batch-size table): the number of drafts per
+step follows the acceptance the engine core observes.
+
+Drafts are accepted in a leading run: a request that verified ``n`` drafts and accepted ``a``
+saw ``a`` acceptances and, when ``a < n``, one rejection. The per-draft acceptance probability
+is estimated as ``accepted / (accepted + rejections)`` (the geometric MLE; ``accepted /
+drafted`` would understate it, since drafts after a rejection are never judged), smoothed by an
+exponential moving average over steps. A draft at position ``j`` pays off when it is likely to
+be reached and accepted (``alpha ** j >= worth``), so the target is the largest such ``j``,
+bounded by the table's K for the batch size. K moves one step toward the target only after the
+target has pointed the same way for ``patience`` observed steps (hysteresis: one noisy step does
+not flip K). At K = 0 nothing is drafted, so nothing is observed: every ``probe_every`` steps a
+K = 1 probe keeps the estimate fresh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class AcceptanceController:
+    """K from observed acceptance (see the module docstring); ``choose(bound)`` each step."""
+
+    max_k: int
+    smoothing: float = 0.2  # weight of the newest step in the moving average
+    worth: float = 0.35  # a draft position is worth it when alpha ** position >= worth
+    patience: int = 3  # observed steps pointing the same way before K moves
+    probe_every: int = 16  # steps between K = 1 probes while K is 0
+    alpha: float = 0.7  # the estimated per-draft acceptance probability (prior)
+    k: int = 0
+    _streak: int = 0  # consecutive observed steps whose target is above (+) or below (-) K
+    _steps_at_zero: int = 0
+
+    def __post_init__(self) -> None:
+        self.k = self.max_k
+
+    def observe(self, num_accepted: int, num_rejections: int) -> None:
+        """One step's totals over its requests: accepted drafts and requests with a rejection."""
+        judged = num_accepted + num_rejections
+        if judged == 0:
+            return
+        rate = num_accepted / judged
+        self.alpha += self.smoothing * (rate - self.alpha)
+        target = self.target()
+        if target == self.k:
+            self._streak = 0
+            return
+        direction = 1 if target > self.k else -1
+        self._streak = self._streak + direction if self._streak * direction >= 0 else direction
+        if abs(self._streak) >= self.patience:
+            self.k = max(0, min(self.max_k, self.k + direction))
+            self._streak = 0
+
+    def target(self) -> int:
+        """The largest position j with alpha ** j >= worth (0 when even the first is not)."""
+        if self.alpha >= 1.0:
+            return self.max_k
+        if self.alpha <= 0.0:
+            return 0
+        return max(0, min(self.max_k, math.floor(math.log(self.worth) / math.log(self.alpha))))
+
+    def choose(self, bound: int) -> int:
+        """K for the next step, at most ``bound`` (the table's K for the batch size)."""
+        k = min(self.k, bound)
+        if k > 0 or bound == 0:
+            self._steps_at_zero = 0
+            return k
+        self._steps_at_zero += 1
+        if self._steps_at_zero >= self.probe_every:
+            self._steps_at_zero = 0
+            return 1
+        return 0

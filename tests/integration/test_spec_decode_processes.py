@@ -1,0 +1,76 @@
+"""Speculative decoding with every actor in its own process over a real nats-server (the
+supervisor runs them), async scheduling on: the ``async_workload`` (mixed lengths, a chunked
+long prompt, n > 1, stop strings and tokens inside accepted runs, prefix hits, an abort) gives the
+same greedy outputs as a plain engine in one process, and the engine core's published stats
+count accepted drafts."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.deploy.deployment import build_config
+from tests.integration.async_workload import run_all
+from tests.integration.conditions import wait_for
+from tests.integration.engine_stack import engine_stack
+from tests.integration.process_deployment import process_deployment
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.nats,
+    pytest.mark.slow,
+    pytest.mark.asyncio(loop_scope="module"),
+]
+NAMESPACE = "specprocs"
+OPTIONS = {"num_gpu_blocks_override": 256, "max_num_seqs": 32, "max_num_batched_tokens": 64}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}  # fmt: skip
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-def]
+    config = build_config(
+        model=str(tiny_checkpoint("llama")),
+        namespace=NAMESPACE,
+        async_scheduling=True,
+        speculative_config=NGRAM,
+        **OPTIONS,
+    )
+    async with process_deployment(nats_server.url, config) as deployed:
+        yield deployed.client, deployed.published
+
+
+async def test_outputs_equal_a_plain_engine(deployment, tiny_checkpoint):  # type: ignore[no-untyped-def]
+    client, published = deployment
+    memory = InMemoryBus(InMemoryBroker())
+    await memory.connect()
+    try:
+        async with engine_stack(
+            memory,
+            tiny_checkpoint("llama"),
+            async_scheduling=False,
+            num_blocks=OPTIONS["num_gpu_blocks_override"],
+            max_num_seqs=OPTIONS["max_num_seqs"],
+            max_num_batched_tokens=OPTIONS["max_num_batched_tokens"],
+        ) as stack:
+            want = await run_all(stack.client)
+    finally:
+        await memory.close()
+    got = await run_all(client)
+    # A sampled request draws differently when drafts are verified: it only has to finish.
+    seeded_got, _ = got.pop("seeded"), want.pop("seeded")
+    assert seeded_got[0][1] in ("stop", "length") and 0 < len(seeded_got[0][0]) <= 10
+    assert got == want
+
+    def settled() -> bool:
+        s = published.stats
+        idle = (s.num_running, s.num_waiting, s.num_steps_in_flight) == (0, 0, 0)
+        return idle and s.prefix_cache_hits > 0
+
+    await wait_for(settled, 60, "the engine core settles")
+    stats = published.stats
+    assert stats.spec_decode_num_drafts > 0
+    assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
+    assert stats.num_finished_error == 0
+    assert stats.num_free_blocks == OPTIONS["num_gpu_blocks_override"] - 1

@@ -1,0 +1,61 @@
+"""The acceptance-driven K controller (``engine/core/spec_k.py``) on scripted acceptance."""
+
+from __future__ import annotations
+
+from shoal.engine.core.spec_k import AcceptanceController
+
+
+def feed(controller: AcceptanceController, steps: int, accepted: int, rejections: int) -> list[int]:
+    ks = []
+    for _ in range(steps):
+        controller.observe(accepted, rejections)
+        ks.append(controller.choose(controller.max_k))
+    return ks
+
+
+def test_k_drops_when_drafts_stop_being_accepted_and_rises_again() -> None:
+    controller = AcceptanceController(max_k=5)
+    high = feed(controller, 30, accepted=9, rejections=1)  # alpha -> 0.9
+    assert high[-1] == 5
+    low = feed(controller, 60, accepted=0, rejections=4)  # nothing accepted
+    assert low[-1] == 0 and controller.k == 0
+    # K changes one step at a time, never jumping.
+    assert all(abs(a - b) <= 1 for a, b in zip(high + low, (high + low)[1:], strict=False))
+    back = feed(controller, 80, accepted=9, rejections=1)
+    assert back[-1] == 5
+
+
+def test_one_noisy_step_does_not_flip_k() -> None:
+    controller = AcceptanceController(max_k=4)
+    feed(controller, 20, accepted=9, rejections=1)
+    assert controller.k == 4
+    controller.observe(0, 5)  # one bad step among good ones
+    for _ in range(10):
+        controller.observe(9, 1)
+        assert controller.k == 4  # patience: the target must point down 3 steps in a row
+
+
+def test_k_is_bounded_by_the_table_and_probes_at_zero() -> None:
+    controller = AcceptanceController(max_k=5, probe_every=4)
+    assert controller.choose(2) == 2
+    feed(controller, 60, accepted=0, rejections=3)
+    assert controller.k == 0
+    chosen = [controller.choose(5) for _ in range(8)]
+    assert sorted(chosen) == [0] * 6 + [1] * 2  # a K=1 probe keeps acceptance observed
+    first = chosen.index(1)
+    assert chosen[first + 4] == 1
+    assert controller.choose(0) == 0  # the table's 0 wins over a probe
+
+
+def test_steps_without_drafts_change_nothing() -> None:
+    controller = AcceptanceController(max_k=3)
+    alpha = controller.alpha
+    feed(controller, 10, accepted=0, rejections=0)
+    assert controller.alpha == alpha and controller.k == 3
+
+
+def test_target_follows_the_worth_rule() -> None:
+    controller = AcceptanceController(max_k=8, worth=0.35)
+    for alpha, expected in ((0.9, 8), (0.7, 2), (0.5, 1), (0.3, 0), (1.0, 8), (0.0, 0)):
+        controller.alpha = alpha
+        assert controller.target() == expected, alpha
