@@ -41,6 +41,7 @@ from shoal.workers.rejections import Rejections
 from shoal.workers.request_store import RequestStore
 from shoal.workers.sampler import Sampler, compute_prompt_logprobs
 from shoal.workers.sampling_metadata import SamplingBatch
+from shoal.workers.spec_decode.factory import make_proposer, proposer_bytes_per_block
 from shoal.workers.spec_decode.spec_step import SpecDecoder
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
@@ -131,7 +132,7 @@ class ModelRunner:
             num_kv_heads=num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=self.dtype,
-        )
+        ) + proposer_bytes_per_block(self.config, self.dtype)  # a draft model's KV per block
         num_blocks = self.config.cache_config.num_gpu_blocks_override or num_blocks_for_budget(
             self._kv_budget_bytes(), block_bytes
         )
@@ -160,8 +161,17 @@ class ModelRunner:
         self.sampling = SamplingBatch(self.requests)
         self.rejections = Rejections(cfg.vocab_size, max_model_len)
         if self.config.speculative_config.enabled:
+            proposer = make_proposer(
+                self.config,
+                num_blocks=num_blocks,
+                block_size=self.block_size,
+                max_model_len=max_model_len,
+                vocab_size=cfg.vocab_size,
+                device=self.device,
+                dtype=self.dtype,
+            )
             self.spec = SpecDecoder(
-                self.config.speculative_config,
+                proposer,
                 batch=self.batch,
                 sampling=self.sampling,
                 sampler=self._sampler,
@@ -300,7 +310,7 @@ class ModelRunner:
             if not self.rejections.admit(new):
                 self.batch.remove_request(new.req_id)  # an earlier request of that id is gone
                 continue
-            state = self.batch.add_request(
+            added = self.batch.add_request(
                 new.req_id,
                 new.prompt_token_ids,
                 new.block_ids,
@@ -311,7 +321,7 @@ class ModelRunner:
                 resumed=new.resumed,
             )
             if self.spec is not None:
-                self.spec.add_request(state)
+                self.spec.add_request(added)
         for cached in step.cached_requests:
             if cached.req_id in self.rejections or cached.req_id in self._dropped:
                 continue  # refused, or out after a failed KV load: left out of the step

@@ -74,8 +74,9 @@ class SpecDriver:
         for req, sp in zip(reqs, params, strict=True):
             req.scheduled = min(len(req.prompt), first_chunk or len(req.prompt))
             new.append(
-                NewRequestData(req.req_id, req.prompt, sp, self._grow(req, req.scheduled), 0,
-                               req.scheduled)  # fmt: skip
+                NewRequestData(
+                    req.req_id, req.prompt, sp, self._grow(req, req.scheduled), 0, req.scheduled
+                )
             )
         step = ExecuteStep(step_id=0, new_requests=new, num_spec_tokens=k)
         run = SpecRun([], [])
@@ -121,7 +122,8 @@ class SpecDriver:
             lp = logprobs[i] if logprobs else None
             if lp is not None:
                 assert [row[0] for row in lp.token_ids] == tokens  # a row per emitted token
-                req.logprobs += [(row[0], v[0]) for row, v in zip(lp.token_ids, lp.logprobs)]
+                pairs = zip(lp.token_ids, lp.logprobs, strict=True)
+                req.logprobs += [(row[0], values[0]) for row, values in pairs]
 
     def _schedule(self, req: _Req, optimistic: bool, extra: int) -> CachedRequestData:
         left = len(req.prompt) - req.computed

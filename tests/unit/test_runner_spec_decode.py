@@ -1,21 +1,32 @@
 """Speculative decoding in the model runner (n-gram drafts): outputs identical to the runner
-without it and to transformers, with drafts accepted; the worker's own computed counts under
-async scheduling's optimistic ones; padded drafts; seeded sampling; logprobs and penalties."""
+without it and to transformers, with drafts accepted and rejected; the worker's own computed
+counts under async scheduling's optimistic ones; padded drafts; seeded sampling; logprobs and
+penalties.
+
+Two tiny checkpoints: ``llama`` (its greedy outputs hardly ever repeat, so nearly every draft is
+rejected: rollbacks) and ``markov``, the same with every attention and MLP output projection
+zeroed, so each token depends on the previous one only: its outputs fall into loops within a few
+tokens and most drafts are accepted.
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
 from shoal.workers.input_batch import InputBatch
 from shoal.workers.request_store import RequestStore
+from shoal.workers.spec_decode.draft_model import DraftModelProposer
 from shoal.workers.spec_decode.factory import make_proposer
 from shoal.workers.spec_decode.ngram import propose_ngram
 from shoal.workers.spec_decode.ngram_proposer import NgramProposer
-from tests.fixtures.models import make_prompts
+from tests.fixtures.models import build_checkpoint, make_prompts
 from tests.golden.driver import greedy, make_runner
 from tests.unit.spec_driver import SpecDriver
 
@@ -31,8 +42,22 @@ def _prompts() -> list[list[int]]:
     return [motif * 4, *random, (motif + motif[:2]) * 3]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_checkpoint):  # type: ignore[no-untyped-def]
+def markov_checkpoint(out_dir: Path) -> Path:
+    """A llama whose attention and MLP write nothing to the residual stream."""
+    model_dir = build_checkpoint("llama", out_dir, with_tokenizer=False)
+    weights_file = str(model_dir / "model.safetensors")
+    weights = load_file(weights_file)
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor.zero_()
+    save_file(weights, weights_file, metadata={"format": "pt"})
+    return model_dir
+
+
+@pytest.fixture(scope="module", params=["llama", "markov"])
+def model_dir(request, tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
+    if request.param == "markov":
+        return markov_checkpoint(tmp_path_factory.mktemp("markov"))
     return tiny_checkpoint("llama")
 
 
@@ -48,6 +73,10 @@ def plain_runner(model_dir):  # type: ignore[no-untyped-def]
     r = make_runner(model_dir, num_blocks=512, block_size=BLOCK)
     r.load()
     return r
+
+
+def is_markov(model_dir: Path) -> bool:
+    return "markov" in str(model_dir)
 
 
 def drive(runner, params, k, **kwargs):  # type: ignore[no-untyped-def]
@@ -68,11 +97,12 @@ def test_baseline_matches_transformers(baseline, model_dir, hf_reference):
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_with_ngram_drafts_equals_no_speculation(spec_runner, baseline, k):
+def test_greedy_with_ngram_drafts_equals_no_speculation(spec_runner, baseline, model_dir, k):
     run = drive(spec_runner, greedy(MAX_TOKENS, logprobs=1), k, first_chunk=9)
     assert run.outputs == baseline.outputs
-    assert run.num_accepted > 0 and run.num_accepted < run.num_drafts  # both verdicts happened
-    assert run.num_steps < baseline.num_steps
+    assert run.num_accepted < run.num_drafts  # some drafts rejected
+    if is_markov(model_dir):  # most accepted
+        assert run.num_accepted > run.num_drafts // 2
     for got, want in zip(run.logprobs, baseline.logprobs, strict=True):
         assert [t for t, _ in got] == [t for t, _ in want]
         assert [v for _, v in got] == pytest.approx([v for _, v in want], abs=1e-4)
@@ -84,7 +114,7 @@ def test_optimistic_counts_and_padded_drafts(spec_runner, baseline, optimistic, 
     it schedules drafts the worker never proposed (-1, always rejected)."""
     run = drive(spec_runner, greedy(MAX_TOKENS), 3, optimistic=optimistic, extra_drafts=extra)
     assert run.outputs == baseline.outputs
-    assert run.num_accepted > 0
+    assert run.num_accepted < run.num_drafts
 
 
 def test_no_drafts_takes_the_plain_sampling_path(spec_runner, baseline, monkeypatch):
@@ -146,12 +176,15 @@ def test_ngram_proposer_over_batch_rows():
     assert drafts.probs is None
 
 
-def test_make_proposer():
-    ngram = SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=2)
-    proposer = make_proposer(ngram, max_model_len=64)
+def test_make_proposer(model_dir):
+    config = make_runner(
+        model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2}
+    ).config
+    facts = dict(num_blocks=8, block_size=BLOCK, max_model_len=64, vocab_size=320,
+                 device=torch.device("cpu"), dtype=torch.float32)  # fmt: skip
+    proposer = make_proposer(config, **facts)  # type: ignore[arg-type]
     assert isinstance(proposer, NgramProposer) and (proposer.min_n, proposer.max_n) == (5, 5)
-    draft = SpeculativeConfig(
-        speculative_method="draft_model", num_speculative_tokens=2, speculative_model="d"
-    )
-    with pytest.raises(NotImplementedError):
-        make_proposer(draft, max_model_len=64)
+    draft = make_runner(
+        model_dir, speculative_config={"model": str(model_dir), "num_speculative_tokens": 2}
+    ).config
+    assert isinstance(make_proposer(draft, **facts), DraftModelProposer)  # type: ignore[arg-type]

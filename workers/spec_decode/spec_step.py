@@ -24,14 +24,12 @@ import numpy as np
 import torch
 
 from shoal.bus.messages.engine import Logprobs
-from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.worker import CachedRequestData
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.parallel import TPContext
 from shoal.workers.request_store import CachedRequestState
 from shoal.workers.sampler import Sampler
 from shoal.workers.sampling_metadata import SamplingBatch
-from shoal.workers.spec_decode.factory import make_proposer
 from shoal.workers.spec_decode.proposer import Proposer
 from shoal.workers.spec_decode.verify import verify_drafts
 
@@ -53,21 +51,19 @@ class SpecDecoder:
 
     def __init__(
         self,
-        config: SpeculativeConfig,
+        proposer: Proposer,
         *,
         batch: InputBatch,
         sampling: SamplingBatch,
         sampler: Sampler,
         tp: TPContext,
-        proposer: Proposer | None = None,
     ) -> None:
-        self.config = config
+        self.proposer = proposer
         self.batch = batch
         self.requests = batch.requests
         self.sampling = sampling
         self.sampler = sampler
         self.tp = tp
-        self.proposer = proposer or make_proposer(config, max_model_len=batch.max_model_len)
         self._verifying: dict[str, list[int]] = {}  # this step's drafts, by request
 
     def begin_step(self) -> None:
@@ -146,6 +142,9 @@ class SpecDecoder:
         if k <= 0 or len(rows) == 0:
             return []
         drafts = self.proposer.propose(self.batch, inputs, rows, k)
+        if self.tp.size > 1:  # every rank feeds the same drafts (a draft model samples them)
+            ids = torch.from_numpy(drafts.token_ids).to(self.requests.device)
+            drafts.token_ids = self.tp.broadcast_tokens(ids).cpu().numpy()
         proposed: list[list[int]] = [[] for _ in inputs.req_ids]
         for j, (i, state) in enumerate(zip(sampling_idx, states, strict=True)):
             n = int(drafts.num_drafts[j])
