@@ -188,3 +188,31 @@ def test_make_proposer(model_dir):
         model_dir, speculative_config={"model": str(model_dir), "num_speculative_tokens": 2}
     ).config
     assert isinstance(make_proposer(draft, **facts), DraftModelProposer)  # type: ignore[arg-type]
+
+
+def test_drafts_extend_a_row_past_its_known_tokens():
+    batch = InputBatch(RequestStore(max_num_reqs=2, vocab_size=64), max_model_len=16,
+                       block_size=4)  # fmt: skip
+    batch.add_request("a", [5, 6, 7], [1, 2], 2, greedy(4))
+    batch.place_drafts(batch.requests["a"].row, [9, -1])
+    inputs = batch.prepare_inputs(["a"], [3], [2])
+    assert inputs.input_ids.tolist() == [7, 9, 0] and inputs.positions.tolist() == [2, 3, 4]
+    assert inputs.is_sampling.tolist() == [True] and inputs.num_drafts.tolist() == [2]
+    assert batch.num_tokens[batch.requests["a"].row] == 3  # drafts are not known tokens
+    with pytest.raises(ValueError, match="not scheduled to their end"):
+        batch.prepare_inputs(["a"], [2], [2])
+    with pytest.raises(ValueError, match="past their known tokens"):
+        batch.prepare_inputs(["a"], [4], [2])
+    with pytest.raises(ValueError, match="exceed max_model_len"):
+        batch.place_drafts(batch.requests["a"].row, [1] * 14)
+
+
+def test_kept_draft_probs_are_padded_for_padded_drafts(spec_runner):
+    spec = spec_runner.spec
+    store = RequestStore(max_num_reqs=2, vocab_size=8)
+    with_probs, without = store.add("p", greedy(4), [1]), store.add("q", greedy(4), [1])
+    with_probs.spec_probs = torch.full((2, 8), 0.125)
+    probs = spec._draft_probs([with_probs, without], [[3, 4, -1], [5]])
+    assert probs[1] is None and probs[0].shape == (3, 8)
+    assert probs[0][:2].sum().item() == pytest.approx(2.0) and probs[0][2].abs().sum() == 0
+    assert spec._draft_probs([without], [[5]]) is None
