@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
@@ -26,7 +25,7 @@ from shoal.workers.spec_decode.draft_model import DraftModelProposer
 from shoal.workers.spec_decode.factory import make_proposer
 from shoal.workers.spec_decode.ngram import propose_ngram
 from shoal.workers.spec_decode.ngram_proposer import NgramProposer
-from tests.fixtures.models import build_checkpoint, make_prompts
+from tests.fixtures.models import build_markov_checkpoint, make_prompts
 from tests.golden.driver import greedy, make_runner
 from tests.unit.spec_driver import SpecDriver
 
@@ -42,22 +41,10 @@ def _prompts() -> list[list[int]]:
     return [motif * 4, *random, (motif + motif[:2]) * 3]
 
 
-def markov_checkpoint(out_dir: Path) -> Path:
-    """A llama whose attention and MLP write nothing to the residual stream."""
-    model_dir = build_checkpoint("llama", out_dir, with_tokenizer=False)
-    weights_file = str(model_dir / "model.safetensors")
-    weights = load_file(weights_file)
-    for name, tensor in weights.items():
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensor.zero_()
-    save_file(weights, weights_file, metadata={"format": "pt"})
-    return model_dir
-
-
 @pytest.fixture(scope="module", params=["llama", "markov"])
 def model_dir(request, tiny_checkpoint, tmp_path_factory):  # type: ignore[no-untyped-def]
     if request.param == "markov":
-        return markov_checkpoint(tmp_path_factory.mktemp("markov"))
+        return build_markov_checkpoint(tmp_path_factory.mktemp("markov"))
     return tiny_checkpoint("llama")
 
 

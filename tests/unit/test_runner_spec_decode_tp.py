@@ -10,11 +10,10 @@ from pathlib import Path
 import pytest
 
 from shoal.bus.messages.sampling import SamplingParams
-from tests.fixtures.models import make_prompts
+from tests.fixtures.models import build_markov_checkpoint, make_prompts
 from tests.golden.driver import greedy, make_runner
 from tests.unit.spec_driver import SpecDriver
 from tests.unit.test_model_runner_tp import free_port
-from tests.unit.test_runner_spec_decode import markov_checkpoint
 
 BLOCK = 4
 MAX_TOKENS = 12
@@ -65,7 +64,7 @@ def rank_main(rank: int, port: int, model_dir: str, queue) -> None:  # type: ign
 
 @pytest.mark.slow
 def test_tp2_spec_decode_ranks_agree(tmp_path: Path):
-    model_dir = markov_checkpoint(tmp_path / "m")
+    model_dir = build_markov_checkpoint(tmp_path / "m")
     single = make_runner(model_dir, num_blocks=128, block_size=BLOCK, speculative_config=NGRAM)
     single.load()
     expected = generate(single).outputs
