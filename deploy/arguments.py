@@ -23,10 +23,12 @@ from shoal.bus.messages.config import (
     ShoalConfig,
 )
 from shoal.bus.messages.kv_transfer import OFFLOADING_BACKENDS
+from shoal.bus.messages.spec_decode import JSON_KEYS, speculative_options
 from shoal.deploy.deployment import build_config
 
 GIB = 1 << 30
 KV_OFFLOAD_FLAGS = ("kv_transfer_config", "kv_offloading_size", "kv_offloading_backend")
+JSON_GROUP_FLAGS = ("speculative_config",)  # a group's JSON, passed whole when given
 Group = argparse._ArgumentGroup
 
 
@@ -100,6 +102,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     _add_bus_arguments(parser.add_argument_group("bus"))
     _add_fault_tolerance_arguments(parser.add_argument_group("fault tolerance"))
     _add_kv_offload_arguments(parser.add_argument_group("KV offload"))
+    _add_speculative_arguments(parser.add_argument_group("speculative decoding"))
 
 
 def _add_model_arguments(g: Group) -> None:
@@ -268,6 +271,30 @@ def _add_kv_offload_arguments(g: Group) -> None:
     )
 
 
+def speculative_json(text: str) -> dict[str, Any]:
+    """``--speculative-config``: a JSON object whose keys and values the group accepts (an
+    argparse error naming the key otherwise)."""
+    value = json_object(text)
+    try:
+        speculative_options(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _add_speculative_arguments(g: Group) -> None:
+    g.add_argument(
+        "--speculative-config",
+        dest="speculative_config",
+        type=speculative_json,
+        default=None,
+        help="the configurations for speculative decoding, as JSON in vLLM's spelling, e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, '
+        '"prompt_lookup_max": 3}\' or \'{"model": "/path/to/draft", '
+        '"num_speculative_tokens": 2}\'; keys: ' + ", ".join(JSON_KEYS),
+    )
+
+
 def config_from_namespace(ns: argparse.Namespace, model: str) -> ShoalConfig:
     """The config from parsed flags (every config option among them); ``ValueError`` with a
     readable message if invalid."""
@@ -276,7 +303,7 @@ def config_from_namespace(ns: argparse.Namespace, model: str) -> ShoalConfig:
         options["fault_tolerance_config"] = ns.fault_tolerance_config
         if not ns.enable_fault_tolerance:  # the flag's default: let the JSON turn it on
             del options["enable_fault_tolerance"]
-    for name in KV_OFFLOAD_FLAGS:  # the group's JSON and its shortcut
+    for name in (*KV_OFFLOAD_FLAGS, *JSON_GROUP_FLAGS):  # a group's JSON (and a shortcut)
         if getattr(ns, name, None) is not None:
             options[name] = getattr(ns, name)
     options["model"] = model

@@ -45,7 +45,11 @@ def build_config(**options: Any) -> ShoalConfig:
     model = options.get("model")
     if model is None or not Path(model).is_dir():
         raise ValueError(f"model directory not found: {model}")
-    return ShoalConfig.from_options(**options)
+    config = ShoalConfig.from_options(**options)
+    draft = config.speculative_config.speculative_model
+    if draft is not None and not Path(draft).is_dir():
+        raise ValueError(f"speculative_config.model: draft model directory not found: {draft}")
+    return config
 
 
 def engine_id(dp_rank: int) -> str:

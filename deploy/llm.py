@@ -37,7 +37,9 @@ _llm_counter = itertools.count()
 
 class LLM:
     """A model served in-process. Engine options use vLLM's names (any ``ShoalConfig`` option:
-    ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``, ...)."""
+    ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``, ...), and a group's JSON as vLLM
+    takes it: ``speculative_config={"method": "ngram", "num_speculative_tokens": 3}`` (or a
+    ``SpeculativeConfig``), ``kv_transfer_config``, ``fault_tolerance_config``."""
 
     def __init__(
         self,

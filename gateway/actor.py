@@ -1,5 +1,6 @@
 """The gateway as an actor: the HTTP server, the public NATS API and the engine-stats feed of
-``/metrics``, started and drained together. Several may run at once behind a load balancer (the
+``/metrics`` (and of the periodic stats log, when the deployment speculates), started and
+drained together. Several may run at once behind a load balancer (the
 NATS API is a queue group); in local mode it runs as a task beside the other actors.
 
 As a process (``shoal actor gateway``), it builds its own engine client from the deployment's
@@ -18,13 +19,14 @@ from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus, Msg
 from shoal.bus.codec import Codec
 from shoal.bus.messages.config import ShoalConfig
-from shoal.bus.messages.engine import EngineStats
+from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.gateway.app import create_app
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.nats_api import NatsApi
 from shoal.gateway.server import HttpServer, start_http_server
 from shoal.gateway.serving import DEFAULT_SSE_KEEP_ALIVE_S
+from shoal.gateway.stats_logging import StatsLogger
 
 log = logging.getLogger(__name__)
 DEFAULT_ENGINE_FACTORY = "shoal.engine.client.engine_client:make_client"
@@ -79,6 +81,7 @@ class GatewayActor(Actor):
         self.enable_nats_api = enable_nats_api
         self.sse_keep_alive_s = sse_keep_alive_s
         self.metrics: Metrics | None = None
+        self.stats_logger: StatsLogger | None = None
         self.http: HttpServer | None = None
         self.nats_api: NatsApi | None = None
         self._stats_codec = Codec(EngineStats)
@@ -92,8 +95,14 @@ class GatewayActor(Actor):
         return isinstance(getattr(self.engine, "stats_listeners", None), list)
 
     async def _on_engine_stats(self, stats: EngineStats, msg: Msg) -> None:
+        self.on_stats(stats.stats, stats.engine_id)
+
+    def on_stats(self, stats: SchedulerStats, engine_id: str) -> None:
+        """An engine core's report: to ``/metrics`` and the stats log."""
         if self.metrics is not None:
-            self.metrics.update_engine_stats(stats.stats, stats.engine_id)
+            self.metrics.update_engine_stats(stats, engine_id)
+        if self.stats_logger is not None:
+            self.stats_logger.observe(stats, engine_id)
 
     async def on_start(self) -> None:
         engine = self.engine
@@ -102,9 +111,11 @@ class GatewayActor(Actor):
             engine = await built if inspect.isawaitable(built) else built
             self.engine = engine
         name = engine.model_name
-        self.metrics = Metrics(name, max_model_len=engine.max_model_len)
+        k = self._num_speculative_tokens()
+        self.metrics = Metrics(name, max_model_len=engine.max_model_len, num_speculative_tokens=k)
+        self.stats_logger = StatsLogger() if k > 0 else None
         if self._engine_reports_stats():
-            cast(Any, engine).stats_listeners.append(self.metrics.update_engine_stats)
+            cast(Any, engine).stats_listeners.append(self.on_stats)
         app = create_app(
             engine,
             served_model_name=name,
@@ -124,6 +135,11 @@ class GatewayActor(Actor):
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)
 
+    def _num_speculative_tokens(self) -> int:
+        """The deployment's K (0: it does not speculate, or this actor has no config)."""
+        spec = self.config.speculative_config if self.config is not None else None
+        return spec.num_speculative_tokens if spec is not None and spec.enabled else 0
+
     async def on_stop(self) -> None:
         if self.nats_api is not None:
             await self.nats_api.stop()
@@ -131,8 +147,8 @@ class GatewayActor(Actor):
             await self.http.stop()  # lets running responses finish, up to the shutdown timeout
         if self.metrics is not None and self._engine_reports_stats():
             listeners = cast(Any, self.engine).stats_listeners
-            if self.metrics.update_engine_stats in listeners:
-                listeners.remove(self.metrics.update_engine_stats)
+            if self.on_stats in listeners:
+                listeners.remove(self.on_stats)
         if self.engine is not None and self.owns_engine:
             close = getattr(self.engine, "close", None)
             if close is not None:

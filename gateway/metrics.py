@@ -7,7 +7,8 @@ Two sources feed them:
 - engine-core statistics (``update_engine_stats``, connected by whoever owns the engine client):
   running/waiting gauges, KV usage, and prefix-cache/preemption/KV offload counters derived
   from the cumulative figures each engine core reports (every series from the first report
-  on, at 0 where a core has no offload);
+  on, at 0 where a core has no offload), and speculative decoding's counters when the
+  deployment speculates (``spec_decode_metrics``);
 - engine-core status changes (``observe_engine_status``, fed by the engine client's
   fault-tolerance API): the status gauge, and the faults (into UNHEALTHY or DEAD) and
   recoveries (back to healthy after a fault) this gateway saw of each engine core.
@@ -27,6 +28,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.engine.client.outputs import RequestMetrics, RequestOutput
+from shoal.gateway.spec_decode_metrics import SpecDecodeMetrics, increment
 
 # Bucket bounds (seconds) as vLLM has them.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0]
@@ -95,8 +97,11 @@ class Metrics:
         model_name: str,
         *,
         max_model_len: int = 8192,
+        num_speculative_tokens: int = 0,
         registry: CollectorRegistry | None = None,
     ) -> None:
+        """``num_speculative_tokens``: the deployment's K (0: it does not speculate, and the
+        ``vllm:spec_decode_*`` series are not defined)."""
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
         self._last_stats: dict[str, SchedulerStats] = {}
@@ -104,6 +109,11 @@ class Metrics:
         self.num_in_flight = 0  # engine requests started and not finished (also a gauge)
         self._define_request_metrics(max_model_len)
         self._define_engine_metrics()
+        self.spec_decode = (
+            SpecDecodeMetrics(self.registry, num_speculative_tokens)
+            if num_speculative_tokens > 0
+            else None
+        )
         # Every per-model series exists from the start (at 0), as vLLM exports them.
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)
@@ -300,8 +310,9 @@ class Metrics:
         for counter, attr in self.engine_counters:
             value = getattr(stats, attr)
             previous = getattr(last, attr) if last is not None else 0
-            increment = value - previous if value >= previous else value
-            counter.labels(*labels).inc(increment)
+            counter.labels(*labels).inc(increment(value, previous))
+        if self.spec_decode is not None:
+            self.spec_decode.update(stats, last, labels)
         self._last_stats[engine_id] = stats
 
     def observe_engine_status(self, engine_id: str, status: str) -> None:

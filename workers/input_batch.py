@@ -8,6 +8,10 @@ one the store gave it. ``add_request``/``remove_request`` are the runner's one w
 ``prepare_inputs`` turns one step's schedule into flat model inputs (token ids, positions, slot
 mapping, block tables, query_start_loc, seq_lens) with numpy array ops, no per-token Python loop.
 Rows are reused as requests come and go.
+
+Speculative decoding: a step's drafts to verify sit in a row right after its known tokens
+(``place_drafts``; not counted in ``num_tokens``), so a request may be scheduled past its known
+tokens by its drafts and samples when it reaches the end of them.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ class StepInputs:
     seq_lens: np.ndarray  # [S] int32
     num_computed: np.ndarray  # [S] int64, before this step
     num_scheduled: np.ndarray  # [S] int64
-    is_sampling: np.ndarray  # [S] bool: this step reaches the end of the known tokens
+    is_sampling: np.ndarray  # [S] bool: this step reaches the end of the known tokens + drafts
     max_query_len: int
     max_seq_len: int
+    num_drafts: np.ndarray  # [S] int64: drafts to verify, the last ones scheduled
 
 
 class InputBatch:
@@ -119,15 +124,46 @@ class InputBatch:
         self.token_ids[rows[keep], positions[keep]] = token_ids[keep]
         self.num_tokens[rows[keep]] += 1
 
-    def prepare_inputs(self, req_ids: list[str], num_scheduled: list[int]) -> StepInputs:
+    def append_tokens(self, row: int, token_ids: Sequence[int]) -> None:
+        """Append a request's emitted tokens (one or more) to its row."""
+        begin = int(self.num_tokens[row])
+        end = min(begin + len(token_ids), self.max_model_len)
+        self.token_ids[row, begin:end] = token_ids[: end - begin]
+        self.num_tokens[row] = end
+
+    def place_drafts(self, row: int, draft_token_ids: Sequence[int]) -> None:
+        """Write drafts to verify right after the row's known tokens (a -1 pad runs as 0)."""
+        begin = int(self.num_tokens[row])
+        if begin + len(draft_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"row {row}: {len(draft_token_ids)} drafts after {begin} tokens exceed "
+                f"max_model_len={self.max_model_len}"
+            )
+        drafts = np.asarray(draft_token_ids, dtype=np.int64)
+        self.token_ids[row, begin : begin + len(drafts)] = np.maximum(drafts, 0)
+
+    def prepare_inputs(
+        self,
+        req_ids: list[str],
+        num_scheduled: list[int],
+        num_drafts: Sequence[int] | None = None,
+    ) -> StepInputs:
+        """Flat inputs for ``req_ids``; ``num_drafts`` (same order): drafts placed after each
+        request's known tokens, which its scheduled tokens must then reach."""
         rows = np.fromiter((self.requests[r].row for r in req_ids), np.int64, len(req_ids))
         scheduled = np.asarray(num_scheduled, dtype=np.int64)  # [S]
+        drafts = np.zeros(len(rows), np.int64) if num_drafts is None else np.asarray(num_drafts)
         computed = self.num_computed[rows]  # [S]
         seq_lens = computed + scheduled
-        too_long = seq_lens > self.num_tokens[rows]
+        ends = self.num_tokens[rows] + drafts  # [S] known tokens, then the drafts
+        too_long = seq_lens > ends
         if too_long.any():
             bad = [req_ids[i] for i in np.flatnonzero(too_long)]
             raise ValueError(f"requests {bad} scheduled past their known tokens")
+        short = (drafts > 0) & (seq_lens < ends)
+        if short.any():
+            bad = [req_ids[i] for i in np.flatnonzero(short)]
+            raise ValueError(f"requests {bad} verify drafts but are not scheduled to their end")
         cu = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(scheduled, out=cu[1:])
         total = int(cu[-1])
@@ -150,9 +186,10 @@ class InputBatch:
             seq_lens=seq_lens.astype(np.int32),
             num_computed=computed,
             num_scheduled=scheduled,
-            is_sampling=seq_lens >= self.num_tokens[rows],
+            is_sampling=seq_lens >= ends,
             max_query_len=int(scheduled.max()) if len(rows) else 0,
             max_seq_len=max_seq_len,
+            num_drafts=drafts.astype(np.int64, copy=False),
         )
 
     def advance(self, inputs: StepInputs) -> None:

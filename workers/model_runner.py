@@ -10,6 +10,10 @@ KV offload: a step's ``kv_transfers`` run right after its diff, before the forwa
 (``workers.kv_transfer``); a step may carry only transfers. A request whose load failed is left
 out (the engine core recomputes it), the same on every rank: with tensor parallelism the ranks
 agree on the failed jobs (one all-reduce, only in a step with copies) before any copy.
+
+Speculative decoding (``config.speculative_config``): ``workers.spec_decode.spec_step`` places
+each step's drafts, verifies them (only in a step where some request has drafts: otherwise the
+plain sampling path runs), keeps the worker's own computed counts and proposes the next drafts.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from shoal.workers.rejections import Rejections
 from shoal.workers.request_store import RequestStore
 from shoal.workers.sampler import Sampler, compute_prompt_logprobs
 from shoal.workers.sampling_metadata import SamplingBatch
+from shoal.workers.spec_decode.factory import make_proposer, proposer_bytes_per_block
+from shoal.workers.spec_decode.spec_step import SpecDecoder
 
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
@@ -100,6 +106,7 @@ class ModelRunner:
         self._sampler = Sampler()
         self.regions = RegionViews()  # CPU tier regions, mapped for KV offload copies
         self._dropped = DroppedLoads()  # requests out of the batch after a failed KV load
+        self.spec: SpecDecoder | None = None  # speculative decoding, when enabled
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -125,7 +132,7 @@ class ModelRunner:
             num_kv_heads=num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=self.dtype,
-        )
+        ) + proposer_bytes_per_block(self.config, self.dtype)  # a draft model's KV per block
         num_blocks = self.config.cache_config.num_gpu_blocks_override or num_blocks_for_budget(
             self._kv_budget_bytes(), block_bytes
         )
@@ -153,6 +160,23 @@ class ModelRunner:
         )
         self.sampling = SamplingBatch(self.requests)
         self.rejections = Rejections(cfg.vocab_size, max_model_len)
+        if self.config.speculative_config.enabled:
+            proposer = make_proposer(
+                self.config,
+                num_blocks=num_blocks,
+                block_size=self.block_size,
+                max_model_len=max_model_len,
+                vocab_size=cfg.vocab_size,
+                device=self.device,
+                dtype=self.dtype,
+            )
+            self.spec = SpecDecoder(
+                proposer,
+                batch=self.batch,
+                sampling=self.sampling,
+                sampler=self._sampler,
+                tp=self.tp,
+            )
         self.facts = ModelFacts(
             num_blocks=num_blocks,
             block_size=self.block_size,
@@ -239,16 +263,23 @@ class ModelRunner:
                 f"step {step.step_id} schedules {sum(num_scheduled)} tokens, more "
                 f"than max_num_batched_tokens={self.max_num_batched_tokens}"
             )
-        inputs = self.batch.prepare_inputs(req_ids, num_scheduled)
+        spec = self.spec
+        num_drafts = spec.num_drafts(req_ids) if spec is not None else None
+        inputs = self.batch.prepare_inputs(req_ids, num_scheduled, num_drafts)
         t1 = time.perf_counter()
         hidden = self._forward(inputs)  # [T, hidden]
         sampling_idx = np.flatnonzero(inputs.is_sampling)  # [R] rows of the batch
-        logits_rows = torch.from_numpy(inputs.query_start_loc[1:][sampling_idx] - 1).long()
-        logits = self.model.compute_logits(hidden[logits_rows.to(self.device)])  # [R, V]
-        t2 = time.perf_counter()
-        sampled, logprobs = self._sample(inputs, sampling_idx, logits)
+        if spec is not None and spec.verifies(inputs, sampling_idx):
+            t2 = time.perf_counter()
+            sampled, logprobs = spec.verify(inputs, sampling_idx, hidden, self.model.compute_logits)
+        else:
+            logits_rows = torch.from_numpy(inputs.query_start_loc[1:][sampling_idx] - 1).long()
+            logits = self.model.compute_logits(hidden[logits_rows.to(self.device)])  # [R, V]
+            t2 = time.perf_counter()
+            sampled, logprobs = self._sample(inputs, sampling_idx, logits)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
         self.batch.advance(inputs)
+        spec_ids = spec.finish(inputs, sampling_idx, step.num_spec_tokens) if spec else []
         t3 = time.perf_counter()
         self.timings = StepTimings(prepare_s=t1 - t0, forward_s=t2 - t1, sample_s=t3 - t2)
         return StepResult(
@@ -260,9 +291,12 @@ class ModelRunner:
             error=refused,
             execute_time_s=t3 - started,
             kv_transfer=transfer,
+            spec_token_ids=spec_ids,
         )
 
     def _apply_diff(self, step: ExecuteStep) -> None:
+        if self.spec is not None:
+            self.spec.begin_step()
         for req_id in step.finished_req_ids:
             self.batch.remove_request(req_id)
         for req_id in step.preempted_req_ids:
@@ -276,7 +310,7 @@ class ModelRunner:
             if not self.rejections.admit(new):
                 self.batch.remove_request(new.req_id)  # an earlier request of that id is gone
                 continue
-            self.batch.add_request(
+            added = self.batch.add_request(
                 new.req_id,
                 new.prompt_token_ids,
                 new.block_ids,
@@ -286,6 +320,8 @@ class ModelRunner:
                 eos_token_ids=new.eos_token_ids,
                 resumed=new.resumed,
             )
+            if self.spec is not None:
+                self.spec.add_request(added)
         for cached in step.cached_requests:
             if cached.req_id in self.rejections or cached.req_id in self._dropped:
                 continue  # refused, or out after a failed KV load: left out of the step
@@ -296,7 +332,10 @@ class ModelRunner:
                     "(sent as cached before it was sent as new)"
                 )
             self.batch.append_blocks(state.row, cached.new_block_ids)
-            self.batch.num_computed[state.row] = cached.num_computed_tokens
+            if self.spec is None:
+                self.batch.num_computed[state.row] = cached.num_computed_tokens
+            else:  # the worker's own count (drafts' rejections), and the drafts to verify
+                self.spec.take_cached(state, cached)
 
     def _run_kv_transfers(self, step: ExecuteStep) -> KVTransferResult | None:
         """Run the step's KV offload copies (``workers.kv_transfer``) before anything reads the

@@ -13,7 +13,7 @@ per-step caches know when to rebuild.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +32,10 @@ class CachedRequestState:
     stop_token_ids: list[int]  # masked while below min_tokens: EOS (even if ignored) + stop ids
     generator: torch.Generator | None  # seeded, non-greedy requests only
     resumed: bool  # re-added after preemption (prompt logprobs were already sent)
+    # speculative decoding: the drafts the worker last proposed (latest only), and the
+    # distribution each was drawn from ([n, V], draft model) or None (certain drafts)
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -48,9 +48,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
         method = self.speculative_method
         if method is None:
             _require(
-                self.num_speculative_tokens == 0 and self.speculative_model is None,
+                _all_defaults(self),
                 "speculative_config.method",
-                "is required (one of ngram, draft_model)",
+                "is required (one of ngram, draft_model) when any other key is given",
             )
             return
         _require(
@@ -65,7 +65,11 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
         )
         self._check_method_options(method)
         if self.num_speculative_tokens_per_batch_size is not None:
-            schedule = validate_spec_schedule(self.num_speculative_tokens_per_batch_size)
+            try:
+                schedule = validate_spec_schedule(self.num_speculative_tokens_per_batch_size)
+            except ValueError as exc:  # name the key, once
+                text = str(exc) if str(exc).startswith(_SCHEDULE) else f"{_SCHEDULE}: {exc}"
+                raise ValueError(f"speculative_config.{text}") from None
             msgspec.structs.force_setattr(
                 self, "num_speculative_tokens_per_batch_size", tuple(schedule)
             )
@@ -83,9 +87,9 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
             "speculative_config.model",
             "is only used by method draft_model",
         )
-        low = self.prompt_lookup_min or self.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP
-        high = self.prompt_lookup_max or self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP
-        _require(low >= 1, "speculative_config.prompt_lookup_min", f"must be >= 1, got {low}")
+        low, high = _lookup_bounds(self.prompt_lookup_min, self.prompt_lookup_max)
+        for option, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            _require(value >= 1, f"speculative_config.{option}", f"must be >= 1, got {value}")
         _require(
             high >= low,
             "speculative_config.prompt_lookup_max",
@@ -102,6 +106,25 @@ class SpeculativeConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknow
     def num_lookahead_slots(self) -> int:
         """KV slots past the verified tokens a draft model writes while proposing."""
         return self.num_speculative_tokens if self.speculative_method == "draft_model" else 0
+
+
+_SCHEDULE = "num_speculative_tokens_per_batch_size"
+
+
+def _all_defaults(group: SpeculativeConfig) -> bool:
+    """Whether every field is at its default (speculative decoding off, nothing else said)."""
+    return all(
+        getattr(group, name) == default
+        for name, default in zip(group.__struct_fields__, group.__struct_defaults__, strict=True)
+    )
+
+
+def _lookup_bounds(low: int | None, high: int | None) -> tuple[int, int]:
+    """The n-gram bounds as vLLM sets them: both 5 when unset, one copies the other (0 is a
+    value, refused later, not "unset")."""
+    if low is None:
+        low = DEFAULT_PROMPT_LOOKUP if high is None else high
+    return low, low if high is None else high
 
 
 def speculative_options(value: dict[str, Any] | SpeculativeConfig) -> dict[str, Any]:
@@ -122,6 +145,8 @@ def speculative_options(value: dict[str, Any] | SpeculativeConfig) -> dict[str, 
         group = msgspec.convert(options, SpeculativeConfig)
     except msgspec.ValidationError as exc:  # a wrong type, or the group's own checks
         text = str(exc)
+        for key, field in JSON_KEYS.items():  # vLLM's key names the field in the message
+            text = text.replace(f"`$.{field}`", f"`$.{key}`")
         prefixed = text if text.startswith("speculative_config") else f"speculative_config: {text}"
         raise ValueError(prefixed) from None
     return msgspec.structs.asdict(group)

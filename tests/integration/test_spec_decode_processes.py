@@ -2,16 +2,18 @@
 supervisor runs them), async scheduling on: the ``async_workload`` (mixed lengths, a chunked
 long prompt, n > 1, stop strings and tokens inside accepted runs, prefix hits, an abort) gives the
 same greedy outputs as a plain engine in one process, and the engine core's published stats
-count accepted drafts."""
+count accepted drafts (the model is ``build_markov_checkpoint``'s, whose outputs loop)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.deploy.deployment import build_config
-from tests.integration.async_workload import run_all
+from tests.integration.async_workload import Results, complete, completions, greedy, run_all
 from tests.integration.conditions import wait_for
 from tests.integration.engine_stack import engine_stack
 from tests.integration.process_deployment import process_deployment
@@ -29,9 +31,9 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-def]
+async def deployment(nats_server, markov_checkpoint):  # type: ignore[no-untyped-def]
     config = build_config(
-        model=str(tiny_checkpoint("llama")),
+        model=str(markov_checkpoint),
         namespace=NAMESPACE,
         async_scheduling=True,
         speculative_config=NGRAM,
@@ -41,23 +43,32 @@ async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-d
         yield deployed.client, deployed.published
 
 
-async def test_outputs_equal_a_plain_engine(deployment, tiny_checkpoint):  # type: ignore[no-untyped-def]
+async def run_with_loops(client: Any) -> Results:
+    """The async workload, then long greedy runs (the workload's are too short for the model's
+    outputs to loop, so no n-gram draft would be accepted)."""
+    results = await run_all(client)
+    for i, prompt in enumerate(([40, 41, 42], [7] * 20)):
+        results[f"loop{i}"] = completions(await complete(client, prompt, greedy(64), f"loop{i}"))
+    return results
+
+
+async def test_outputs_equal_a_plain_engine(deployment, markov_checkpoint):  # type: ignore[no-untyped-def]
     client, published = deployment
     memory = InMemoryBus(InMemoryBroker())
     await memory.connect()
     try:
         async with engine_stack(
             memory,
-            tiny_checkpoint("llama"),
+            markov_checkpoint,
             async_scheduling=False,
             num_blocks=OPTIONS["num_gpu_blocks_override"],
             max_num_seqs=OPTIONS["max_num_seqs"],
             max_num_batched_tokens=OPTIONS["max_num_batched_tokens"],
         ) as stack:
-            want = await run_all(stack.client)
+            want = await run_with_loops(stack.client)
     finally:
         await memory.close()
-    got = await run_all(client)
+    got = await run_with_loops(client)
     # A sampled request draws differently when drafts are verified: it only has to finish.
     seeded_got, _ = got.pop("seeded"), want.pop("seeded")
     assert seeded_got[0][1] in ("stop", "length") and 0 < len(seeded_got[0][0]) <= 10

@@ -125,7 +125,12 @@ def _parse(*argv: str) -> argparse.Namespace:
 def test_cli_flags_are_config_options_with_the_configs_defaults(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ns = _parse()
     # The JSON of a group, and the KV offload shortcut.
-    assert set(vars(ns)) <= {*OPTION_GROUPS, "fault_tolerance_config", *KV_OFFLOAD_FLAGS}
+    assert set(vars(ns)) <= {
+        *OPTION_GROUPS,
+        "fault_tolerance_config",
+        *KV_OFFLOAD_FLAGS,
+        "speculative_config",
+    }
     assert config_from_namespace(ns, str(tmp_path)) == ShoalConfig.from_options(model=str(tmp_path))
 
 
