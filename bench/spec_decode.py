@@ -2,34 +2,41 @@
 batch-size table, and acceptance-driven K bounded by it) at several batch sizes, through the real
 scheduler and model runner (one step at a time, as ``bench/throughput.py``).
 
-Model: the random Llama of ``bench/throughput.py`` (~23M parameters; ``--tiny``: ~0.6M, for smoke
-tests) with its attention output projections zeroed, so each position's logits depend only on its
-own token: greedy decoding walks a fixed map on the vocabulary and falls into one of its cycles,
-while every layer still does its full work. Workloads (``--batch-size`` requests at once, each
-``--max-tokens`` output tokens, eos ignored):
+Model: ``bench/throughput.py``'s random Llama shape (~19M parameters with this 512-token
+vocabulary; ``--tiny``: ~0.1M, for smoke tests) with its attention output projections zeroed, so
+each position's logits depend only on its own token: greedy decoding walks a fixed map on the
+vocabulary and falls into one of its cycles, while every layer still does its full work.
+Workloads (``--batch-sizes``: that many requests at once, each ``--max-tokens`` output tokens,
+eos ignored):
 
 - ``repetitive``: greedy; each prompt is the model's own greedy path from a random token, so it
-  already holds the cycle the output goes round (the output repeats its context: code edits,
-  RAG, summaries); n-gram drafts are nearly always accepted.
-- ``non_repetitive``: random prompts, seeded sampling at temperature 1: the output rarely
-  repeats its context, few drafts are found and fewer accepted.
-- ``changing`` (dynamic K only): a repetitive batch, then, once it is done, a non-repetitive
-  batch in the same scheduler: acceptance collapses midway.
+  already holds the cycle the output goes round (the output repeats its context, as code edits,
+  RAG and summaries do): n-gram drafts are nearly always accepted.
+- ``non_repetitive``: random prompts, seeded sampling at ``--temperature`` (1.5): with a small
+  vocabulary the last token has often occurred before, so drafts are often proposed, but the
+  sampled continuation seldom matches them. (Sampled outputs differ between configurations, as
+  speculation draws differently; at temperature 1 some requests fell into a cycle and stayed.)
+- ``changing`` (dynamic K only; ``--changing-batch-sizes``, default those up to 16): a
+  repetitive batch, then, once it is done, a non-repetitive one in the same scheduler:
+  acceptance collapses midway. Each phase's figures are reported too.
 
 Every configuration has its own loaded runner; each gets one untimed warm-up, then ``--rounds``
 timed rounds (2; 1 with ``--quick``), the configurations alternating order from round to round,
 each keeping its best round. Greedy outputs with speculation must equal those without (checked
-every round; the run fails otherwise). Acceptance is the engine core's: accepted drafts over
-drafted tokens (``SchedulerStats.spec_decode_*``). Targets (issue 15): at batch 1 on the
-repetitive workload the best n-gram K ≥ 1.5× no speculation; dynamic K within 3% of (or above)
-the best static K at every batch size; acceptance-driven K ≥ the table on ``changing``.
+every round, the repetitive requests; exit status 1 otherwise). Acceptance is the engine core's:
+accepted drafts over drafted tokens (``SchedulerStats.spec_decode_*``). Targets (issue 15): at
+batch 1 on the repetitive workload the best n-gram K ≥ 1.5× no speculation; dynamic K within 3%
+of (or above) the best static K at every batch size; acceptance-driven K ≥ the table on
+``changing``. The default table is a guess made before measuring (K falls with the batch).
 
     .venv/bin/python bench/spec_decode.py [--quick] [--tiny] [--threads 1] [--rounds N]
         [--batch-sizes 1,4,16,64] [--ks 0,1,2,3,5] [--table '[[1,4,5],[5,16,3],[17,512,2]]']
+        [--lookup 1,3] [--prompt-len 64] [--max-tokens 64]
     shoal bench spec_decode [...]
 
 The last line printed is one JSON object: ``rows`` (static K), ``dynamic`` (table and
-acceptance-driven K, the changing workload too), ``ngram_speedup_bs1`` and the ratios.
+acceptance-driven K, the changing workload too, with its ``phases``), ``ngram_speedup_bs1``,
+``dynamic_vs_best_static``, ``acceptance_vs_table_changing`` and ``greedy_outputs_equal``.
 """
 
 from __future__ import annotations
@@ -117,7 +124,7 @@ def make_batch(
         else:
             prompt = torch.randint(FIRST_TOKEN, VOCAB, (args.prompt_len,), generator=gen).tolist()
             params = SamplingParams(
-                temperature=1.0, seed=seed + i, max_tokens=max_tokens, ignore_eos=True
+                temperature=args.temperature, seed=seed + i, max_tokens=max_tokens, ignore_eos=True
             )
         batch.append((prompt, params))
     return batch
@@ -128,13 +135,16 @@ def make_batch(
 
 @dataclass(frozen=True)
 class Phase:
-    """One batch's share of a run: output tokens, wall time, steps, the engine core's drafts."""
+    """One batch's share of a run: output tokens, wall time, steps, the engine core's drafts,
+    and the runner's time in the model forward and in sampling (verifying and proposing)."""
 
     tokens: int
     seconds: float
     steps: int
     drafted: int
     accepted: int
+    forward_s: float
+    sample_s: float
 
     @property
     def tok_s(self) -> float:
@@ -157,7 +167,7 @@ class Run(Phase):
         def total(name: str) -> Any:
             return sum(getattr(phase, name) for phase in phases)
 
-        fields = ("tokens", "seconds", "steps", "drafted", "accepted")
+        fields = ("tokens", "seconds", "steps", "drafted", "accepted", "forward_s", "sample_s")
         return cls(*(total(name) for name in fields), phases=tuple(phases), outputs=outputs)
 
 
@@ -237,10 +247,13 @@ def run_to_completion(
     cumulative counters."""
     before = scheduler.make_stats()
     tokens = steps = 0
+    forward_s = sample_s = 0.0
     started = time.perf_counter()
     while scheduler.has_requests():
         sched_out = scheduler.schedule()
         result = runner.execute(sched_out.to_message())
+        forward_s += runner.timings.forward_s
+        sample_s += runner.timings.sample_s
         for outs in scheduler.update_from_output(sched_out, result).values():
             for out in outs:
                 outputs[out.request_id] += out.new_token_ids
@@ -250,7 +263,7 @@ def run_to_completion(
     after = scheduler.make_stats()
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    return Phase(tokens, seconds, steps, drafted, accepted)
+    return Phase(tokens, seconds, steps, drafted, accepted, forward_s, sample_s)
 
 
 # ----- rounds
@@ -310,10 +323,14 @@ class Bench:
 
 def print_run(workload: str, size: int, name: str, run: Run) -> None:
     accepted = "-" if run.acceptance is None else f"{100 * run.acceptance:5.1f}%"
+    per_step = {key: 1e3 * value / max(run.steps, 1)
+                for key, value in (("all", run.seconds), ("forward", run.forward_s),
+                                   ("sample", run.sample_s))}  # fmt: skip
     print(
-        f"  {workload:<14} bs={size:<3} {name:<10} {run.tokens:6d} tokens in {run.seconds:7.2f} s "
-        f"= {run.tok_s:8.1f} tok/s, {run.steps:5d} steps, drafted {run.drafted:6d}, "
-        f"accepted {accepted}",
+        f"  {workload:<14} bs={size:<3} {name:<10} {run.tokens:5d} tokens in {run.seconds:6.2f} s "
+        f"= {run.tok_s:7.1f} tok/s; {run.steps:3d} steps of {per_step['all']:6.1f} ms (forward "
+        f"{per_step['forward']:6.1f}, sample+verify+propose {per_step['sample']:5.1f}); drafted "
+        f"{run.drafted:5d}, accepted {accepted}",
         flush=True,
     )
 
@@ -328,6 +345,9 @@ def row(run: Phase) -> dict[str, Any]:
         "acceptance": acceptance,
         "drafted_per_token": round(run.drafted / max(run.tokens, 1), 3),
         "tokens_per_step": round(run.tokens / max(run.steps, 1), 2),
+        "ms_per_step": round(1e3 * run.seconds / max(run.steps, 1), 2),
+        "forward_ms_per_step": round(1e3 * run.forward_s / max(run.steps, 1), 2),
+        "sample_ms_per_step": round(1e3 * run.sample_s / max(run.steps, 1), 2),
     }
     if isinstance(run, Run) and len(run.phases) > 1:
         figures["phases"] = [row(phase) for phase in run.phases]
@@ -377,6 +397,7 @@ def figures(bench: Bench, num_params: int) -> dict[str, Any]:
         "prompt_lookup": args.lookup,
         "num_params": num_params,
         "prompt_len": args.prompt_len,
+        "temperature": args.temperature,
         "max_tokens": args.max_tokens,
         "batch_sizes": sizes,
         "changing_batch_sizes": args.changing,
@@ -465,6 +486,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--changing-batch-sizes", dest="changing", type=ints, default=None, help="default 1,4,16"
     )
     parser.add_argument("--prompt-len", type=int, default=None, help="default 64")
+    parser.add_argument(
+        "--temperature", type=float, default=1.5, help="of the non-repetitive workload's sampling"
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="default 64")
     parser.add_argument("--batched-tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 2)")
