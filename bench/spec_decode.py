@@ -21,8 +21,9 @@ eos ignored):
   acceptance collapses midway. Each phase's figures are reported too.
 
 Every configuration has its own loaded runner; each gets one untimed warm-up, then ``--rounds``
-timed rounds (2; 1 with ``--quick``), the configurations alternating order from round to round,
-each keeping its best round. Greedy outputs with speculation must equal those without (checked
+timed rounds (2; 1 with ``--quick``), the configurations alternating order from round to round
+(and pass to pass: a cell whose runs are short, under ``--min-run-s``, gets up to 4 passes in a
+round), each keeping its best run. Greedy outputs with speculation must equal those without (checked
 every round, the repetitive requests; exit status 1 otherwise). Acceptance is the engine core's:
 accepted drafts over drafted tokens (``SchedulerStats.spec_decode_*``). Targets (issue 15): at
 batch 1 on the repetitive workload the best n-gram K ≥ 1.5× no speculation; dynamic K within 3%
@@ -65,6 +66,7 @@ FIRST_TOKEN = 3  # 0..2 are pad, bos, eos
 BLOCK = 16
 DEFAULT_TABLE = [[1, 4, 5], [5, 16, 3], [17, 512, 2]]
 WORKLOADS = ("repetitive", "non_repetitive")
+MAX_PASSES = 4  # per cell and round
 Batch = list[tuple[list[int], SamplingParams]]
 
 
@@ -298,13 +300,20 @@ class Bench:
             run_phases(self.engines[name], self.phases("changing", size, 8), "warmup-")
 
     def run_round(self, index: int) -> None:
+        """Every cell, its configurations in turn (reversed on odd passes); a cell whose runs
+        are short gets more passes (``--min-run-s``, at most ``MAX_PASSES``), as noise."""
         for workload, size, names in self.cells():
-            for name in names if index % 2 == 0 else names[::-1]:
-                phases = self.phases(workload, size, self.args.max_tokens)
-                run = run_phases(self.engines[name], phases, f"r{index}-")
-                self.check_greedy(workload, size, name, run)
-                self.runs.setdefault((workload, size, name), []).append(run)
-                print_run(workload, size, name, run)
+            phases = self.phases(workload, size, self.args.max_tokens)
+            spent = 0.0
+            for p in range(MAX_PASSES):
+                for name in names if (index + p) % 2 == 0 else names[::-1]:
+                    run = run_phases(self.engines[name], phases, f"r{index}.{p}-")
+                    self.check_greedy(workload, size, name, run)
+                    self.runs.setdefault((workload, size, name), []).append(run)
+                    print_run(workload, size, name, run)
+                    spent += run.seconds / len(names)
+                if spent >= self.args.min_run_s:
+                    break
 
     def check_greedy(self, workload: str, size: int, name: str, run: Run) -> None:
         """Greedy requests (the repetitive ones) must come out as with speculation off."""
@@ -403,6 +412,10 @@ def figures(bench: Bench, num_params: int) -> dict[str, Any]:
         "changing_batch_sizes": args.changing,
         "ks": args.ks,
         "rounds": args.rounds,
+        "min_run_s": args.min_run_s,
+        "runs_per_cell": {
+            f"{w}/{b}": len(bench.runs[(w, b, names[0])]) for w, b, names in bench.cells()
+        },
         "threads": args.threads,
         "device": args.device,
     }
@@ -428,7 +441,8 @@ def report(bench: Bench, out: dict[str, Any]) -> None:
     print(f"model: {out['num_params'] / 1e6:.1f}M-param random Llama (attention output zeroed), "
           f"fp32 on {out['device']}, {out['threads']} thread(s); prompts of {out['prompt_len']} "
           f"tokens, {out['max_tokens']} output tokens each; n-gram lookup {out['prompt_lookup']}, "
-          f"table {out['table']}; best of {out['rounds']} round(s)")  # fmt: skip
+          f"table {out['table']}; best run of {out['rounds']} round(s) "
+          f"(runs per cell: {out['runs_per_cell']})")  # fmt: skip
     versus = {(v["workload"], v["batch_size"]): v for v in out["dynamic_vs_best_static"]}
     for workload in WORKLOADS:
         print(f"{workload}: tok/s (draft acceptance)")
@@ -492,6 +506,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=None, help="default 64")
     parser.add_argument("--batched-tokens", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 2)")
+    parser.add_argument(
+        "--min-run-s",
+        type=float,
+        default=None,
+        help="a cell's configurations get passes in a round until each had about this long "
+        f"(at most {MAX_PASSES}; default 1, 0 with --quick)",
+    )
     parser.add_argument("--quick", action="store_true", help="bs 1,4; short prompts; 1 round")
     parser.add_argument("--tiny", action="store_true", help="the ~0.6M Llama (smoke tests)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -502,6 +523,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prompt_len = args.prompt_len or (48 if quick else 64)
     args.max_tokens = args.max_tokens or (24 if quick else 64)
     args.rounds = max(1, args.rounds or (1 if quick else 2))
+    if args.min_run_s is None:
+        args.min_run_s = 0.0 if quick else 1.0
     if 0 not in args.ks:
         parser.error("--ks must include 0 (no speculation: the reference)")
     return args
