@@ -10,8 +10,10 @@ Workloads (``--batch-sizes``: that many requests at once, each ``--max-tokens`` 
 eos ignored):
 
 - ``repetitive``: greedy; each prompt is the model's own greedy path from a random token, so it
-  already holds the cycle the output goes round (the output repeats its context, as code edits,
-  RAG and summaries do): n-gram drafts are nearly always accepted.
+  mostly holds the cycle the output goes round (the output repeats its context, as code edits,
+  RAG and summaries do): n-gram drafts are nearly always accepted. The path jumps to a random
+  token at a step with probability ``--prompt-noise`` (0.1), so that some drafts (copied from
+  across a jump) are rejected and the greedy check covers rejections too.
 - ``non_repetitive``: random prompts, seeded sampling at ``--temperature`` (1.5): with a small
   vocabulary the last token has often occurred before, so drafts are often proposed, but the
   sampled continuation seldom matches them. (Sampled outputs differ between configurations, as
@@ -104,10 +106,16 @@ def build_looping_model(out_dir: Path, tiny: bool) -> tuple[int, list[int]]:
     return sum(p.numel() for p in model.parameters()), next_token.tolist()
 
 
-def greedy_path(next_token: list[int], start: int, length: int) -> list[int]:
+def greedy_path(
+    next_token: list[int], start: int, length: int, noise: float, gen: torch.Generator
+) -> list[int]:
+    """The model's greedy path from ``start``, except that with probability ``noise`` a step
+    jumps to a random token instead (drafts copied from across a jump are rejected)."""
     path = [start]
+    jumps = (torch.rand(length, generator=gen) < noise).tolist()
+    randoms = torch.randint(FIRST_TOKEN, VOCAB, (length,), generator=gen).tolist()
     while len(path) < length:
-        path.append(next_token[path[-1]])
+        path.append(randoms[len(path)] if jumps[len(path)] else next_token[path[-1]])
     return path
 
 
@@ -121,7 +129,7 @@ def make_batch(
     for i in range(size):
         start = int(torch.randint(FIRST_TOKEN, VOCAB, (1,), generator=gen))
         if kind == "repetitive":
-            prompt = greedy_path(next_token, start, args.prompt_len)
+            prompt = greedy_path(next_token, start, args.prompt_len, args.prompt_noise, gen)
             params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         else:
             prompt = torch.randint(FIRST_TOKEN, VOCAB, (args.prompt_len,), generator=gen).tolist()
@@ -407,6 +415,7 @@ def figures(bench: Bench, num_params: int) -> dict[str, Any]:
         "num_params": num_params,
         "prompt_len": args.prompt_len,
         "temperature": args.temperature,
+        "prompt_noise": args.prompt_noise,
         "max_tokens": args.max_tokens,
         "batch_sizes": sizes,
         "changing_batch_sizes": args.changing,
@@ -500,6 +509,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--changing-batch-sizes", dest="changing", type=ints, default=None, help="default 1,4,16"
     )
     parser.add_argument("--prompt-len", type=int, default=None, help="default 64")
+    parser.add_argument(
+        "--prompt-noise",
+        type=float,
+        default=0.1,
+        help="chance that a step of a repetitive prompt jumps to a random token",
+    )
     parser.add_argument(
         "--temperature", type=float, default=1.5, help="of the non-repetitive workload's sampling"
     )

@@ -379,18 +379,23 @@ def test_spec_decode_measures_every_k_and_dynamic_mode_and_keeps_greedy_outputs(
         (w, b, m) for w in (*WORKLOADS, "changing") for b in sizes for m in modes
     }
     assert all(r["tok_s"] > 0 for r in [*out["rows"], *out["dynamic"]])
-    # No drafts without speculation; the repetitive workload's drafts are nearly all accepted
-    # (several tokens per request and step), the non-repetitive one's seldom.
+    # No drafts without speculation; the repetitive workload's drafts are mostly accepted
+    # (several tokens per request and step), though not all (the greedy check covers
+    # rejections), the non-repetitive one's seldom.
     assert all(static[(w, b, 0)]["acceptance"] is None for w in WORKLOADS for b in sizes)
+    repetitive = [static[("repetitive", b, k)] for b in sizes for k in ks[1:]]
+    assert all(
+        r["acceptance"] >= 0.6 and r["tokens_per_step"] > r["batch_size"] for r in repetitive
+    )
+    assert min(r["acceptance"] for r in repetitive) < 1.0
     for b in sizes:
         for k in ks[1:]:
-            repetitive, other = static[("repetitive", b, k)], static[("non_repetitive", b, k)]
-            assert repetitive["acceptance"] >= 0.8 and repetitive["tokens_per_step"] > b
+            other = static[("non_repetitive", b, k)]
             assert (other["acceptance"] or 0) < 0.5, other
     # The changing workload reports its two phases: repetitive, then not.
     for b in sizes:
         first, second = dynamic[("changing", b, "table")]["phases"]
-        assert first["acceptance"] >= 0.8 > (second["acceptance"] or 0)
+        assert first["acceptance"] >= 0.6 > (second["acceptance"] or 0)
     speedups = out["ngram_speedup_bs1_by_k"]
     assert set(speedups) == {"1", "2", "3", "5"}
     assert out["ngram_speedup_bs1"] == max(speedups.values())
