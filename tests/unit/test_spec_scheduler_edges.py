@@ -1,9 +1,10 @@
-"""Review of issue 15 (speculative decoding): failing tests that demonstrate suspected bugs."""
+"""Speculative decoding in the pure scheduler, edge cases a review found: a step that proposes no
+drafts leaves none to verify; a draft model's lookahead never starves a request that fills the
+cache."""
 
 from __future__ import annotations
 
 from shoal.bus.messages.spec_decode import SpeculativeConfig
-from shoal.bus.messages.worker import ExecuteStep, StepResult
 from tests.unit.factories import Pipeline, make_requests, make_scheduler
 from tests.unit.spec_fakes import FakeSpecWorker
 
@@ -12,27 +13,13 @@ def ngram(k: int = 3) -> SpeculativeConfig:
     return SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=k)
 
 
-class NoDraftsWorker(FakeSpecWorker):
-    """Proposes nothing, and says so as the real runner does (``SpecDecoder.finish`` returns
-    ``[]`` when no request got a draft)."""
-
-    def __init__(self, block_size: int) -> None:
-        super().__init__(block_size, lambda request_id, position: None)
-
-    def execute(self, step: ExecuteStep) -> StepResult:
-        result = super().execute(step)
-        if not any(result.spec_token_ids):
-            result.spec_token_ids = []
-        return result
-
-
 def test_no_drafts_proposed_means_none_verified() -> None:
     """Sync scheduling: a step whose result proposes no drafts leaves the K placeholders of
     ``after_schedule`` on every request, so each next step schedules K padded drafts."""
     scheduler = make_scheduler(speculative_config=ngram(3))
     for request in make_requests(2, 6, max_tokens=8):
         scheduler.add_request(request)
-    worker = NoDraftsWorker(scheduler.block_size)
+    worker = FakeSpecWorker(scheduler.block_size, lambda request_id, position: None)
     pipeline = Pipeline(scheduler, worker, 1)
     pipeline.run()
     stats = scheduler.make_stats()
