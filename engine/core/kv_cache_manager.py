@@ -13,7 +13,8 @@ come back.
 Prefix-cache counters count tokens (queries, hits), recorded once per request at admission.
 
 An offload connector's hits (``num_external_tokens``) take new blocks that a step loads before its
-forward pass. Seams: speculative decoding adds ``num_lookahead_tokens`` slots; a hybrid model
+forward pass. Speculative decoding asks for slots past the known tokens (drafts to verify, a draft
+model's lookahead); they are never hashed (hashes cover known tokens only). Seam: a hybrid model
 would hold one manager per KV cache group.
 """
 
@@ -100,7 +101,7 @@ class KVCacheManager:
         block_size = self.block_size
         num_hits = len(new_computed_blocks)
         num_held = len(blocks) + num_hits
-        # The scheduler never asks beyond the request's known tokens (num_tokens).
+        # Past the known tokens only by drafts and lookahead (never hashed: see the docstring).
         num_tokens = (
             request.num_computed_tokens
             + num_hits * block_size

@@ -20,8 +20,9 @@ have not been applied; ``num_stale_steps`` counts the oldest of those whose outp
 ignored (the request was preempted after they were sent). All stay zero between steps when one
 step at a time is in flight.
 
-Seam: ``spec_token_ids`` holds draft tokens to verify (speculative decoding); it stays empty
-until that feature lands.
+Speculative decoding: ``spec_token_ids`` are what the engine core knows of the request's latest
+drafts (``spec_decoding.py``): their values, or -1 placeholders while the step proposing them is
+in flight.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ class Request:
         self.num_preemptions = 0
         self.stop_reason: int | str | None = None
         self.error: str | None = None
-        self.spec_token_ids: list[int] = []  # seam: draft tokens to verify
+        self.spec_token_ids: list[int] = []  # latest drafts (-1: not known yet)
         self.block_hashes: list[bytes] = []
         self._block_hasher: BlockHasherFn | None = None
         if block_hasher is not None:

@@ -287,7 +287,7 @@ class Scheduler:
             num_spec = 0
             if spec is not None and num_computed + num_new == num_known:  # it samples
                 num_spec = spec.num_drafts_to_verify(request, num_known, budget - num_new)
-                num_slots += num_spec + spec.num_lookahead(num_known + num_spec)
+                num_slots += num_spec + spec.num_lookahead(request, num_known + num_spec)
             new_block_ids = allocate_slots(request, num_slots)
             while new_block_ids is None:
                 victim_index = self._victim_index()
@@ -368,7 +368,7 @@ class Scheduler:
                 num_new = budget
             num_slots = num_new
             if self.spec is not None and num_new == num_missing:  # it samples: draft-model room
-                num_slots += self.spec.num_lookahead(request.num_tokens)
+                num_slots += self.spec.num_lookahead(request, request.num_tokens)
             new_block_ids = kv.allocate_slots(
                 request,
                 num_slots,

@@ -67,13 +67,16 @@ class SpecDecoding:
         room_in_outputs = request.max_tokens - (num_known - request.num_prompt_tokens) - 1
         return max(0, min(num_drafts, budget, room_in_model, room_in_outputs))
 
-    def num_lookahead(self, num_tokens_after_step: int) -> int:
-        """KV slots a draft model writes past a sampling request's step (within the model)."""
-        return max(0, min(self.num_lookahead_slots, self.max_model_len - num_tokens_after_step))
+    def num_lookahead(self, request: Request, num_tokens_after_step: int) -> int:
+        """KV slots a draft model writes past a sampling request's step, within the model and
+        the request's own end (prompt + ``max_tokens``, what admission checked fits)."""
+        end = min(self.max_model_len, request.num_prompt_tokens + request.max_tokens)
+        return max(0, min(self.num_lookahead_slots, end - num_tokens_after_step))
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         """Choose K for the drafts proposed after this step, and give each request that samples
-        in it K placeholder drafts (their values come with the result)."""
+        in it K placeholder drafts: the result replaces them (``take_drafts``) unless a later
+        step in flight already stands for newer ones."""
         num_requests = len(output.num_scheduled_tokens)
         if num_requests:
             bound = self.max_k if self.lookup is None else self.lookup[num_requests]

@@ -10,7 +10,9 @@ be reached and accepted (``alpha ** j >= worth``), so the target is the largest 
 bounded by the table's K for the batch size. K moves one step toward the target only after the
 target has pointed the same way for ``patience`` observed steps (hysteresis: one noisy step does
 not flip K). At K = 0 nothing is drafted, so nothing is observed: every ``probe_every`` steps a
-K = 1 probe keeps the estimate fresh.
+K = 1 probe keeps the estimate fresh. A padded draft (async scheduling: the worker had fewer
+drafts than the K placeholders scheduled) counts as rejected: its slot cost a forward position
+all the same, so K should fall when drafts are missing as much as when they are wrong.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def _read_drafts(
             continue
         if sampled and request_id in num_verified:
             spec.accept(request, num_verified[request_id], len(sampled))
-        spec.take_drafts(request, proposed[index] if proposed else [])  # []: none proposed
+        spec.take_drafts(request, proposed[index] if proposed else [])
     spec.end_landing()
 
 

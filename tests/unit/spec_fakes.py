@@ -6,6 +6,9 @@ ahead under async scheduling), and writes a fake KV entry for every position it 
 included, checking every slot a position reads (so a rejected draft's KV that is read before
 being rewritten shows up).
 
+Like the runner, its result has no ``spec_token_ids`` at all when it proposed nothing, and it
+shares no list with the engine core (the bus sends bytes).
+
 ``draft_for(req_id, position)`` is the proposer: the true token there (an oracle, like the target
 drafting for itself) or a wrong one; ``None`` ends the drafts early (an n-gram that found less).
 """
@@ -65,7 +68,7 @@ class FakeSpecWorker(FakeWorker):
             assert cached.num_computed_tokens >= state.num_computed_tokens, cached
             state.block_ids.extend(cached.new_block_ids)
             n = cached.num_spec_tokens
-            drafts = (self.drafts.get(cached.req_id, [])[:n] + [-1] * n)[:n]
+            drafts = (list(self.drafts.get(cached.req_id, []))[:n] + [-1] * n)[:n]
             known_run = cached.num_scheduled_tokens - n
             runs.append((cached.req_id, state.num_computed_tokens, known_run, drafts))
         for req_id, start, known_run, drafts in runs:
@@ -118,5 +121,5 @@ class FakeSpecWorker(FakeWorker):
                         break
                     drafts.append(token)
                 self.drafts[req_id] = drafts
-            proposed.append(drafts)
-        return proposed
+            proposed.append(list(drafts))
+        return proposed if any(proposed) else []  # as the runner: [] when nothing was proposed

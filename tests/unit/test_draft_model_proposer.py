@@ -257,3 +257,26 @@ def test_draft_checkpoint_must_fit_the_target(dirs, tiny_checkpoint):  # type: i
     short = tiny_checkpoint("qwen2", max_position_embeddings=32, **one_layer)
     with pytest.raises(ValueError, match="at most 32 positions, below max_model_len=64"):
         make_proposer(target, short)
+
+
+def test_a_long_catch_up_is_spread_over_steps_within_the_token_budget(dirs, hf_reference):  # type: ignore[no-untyped-def]
+    """A prompt whose target KV came whole from the prefix cache: the draft catches up at most
+    ``max_num_batched_tokens`` tokens a step, proposing nothing until it is level."""
+    target, draft = dirs
+    proposer = make_proposer(target, draft)
+    proposer.max_catch_up_tokens = 8
+    sim = Sim(proposer)
+    (prompt,) = make_prompts((20,), seed=9)
+    row = sim.add("r", prompt, computed=19)  # 19 positions hit; the last one runs
+    inputs = sim.batch.prepare_inputs(["r"], [1])
+    sim.batch.advance(inputs)
+    sim.batch.append_token(np.array([row]), np.array([60]))
+    rows = np.array([row], dtype=np.int64)
+    caught_up = []
+    for _ in range(3):
+        drafts = proposer.propose(sim.batch, inputs, rows, K)
+        caught_up.append(int(proposer.draft_computed[row]))
+        if caught_up[-1] < 21:
+            assert drafted(drafts, 0) == []
+    assert caught_up[:2] == [8, 16]
+    assert [drafted(drafts, 0)] == hf_reference(draft, [sim.tokens("r")], K)

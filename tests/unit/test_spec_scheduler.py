@@ -211,30 +211,6 @@ def test_a_landing_step_does_not_overwrite_newer_placeholders() -> None:
     assert request.spec_token_ids == [7, 8]
 
 
-class SilentWhenNoDrafts(FakeSpecWorker):
-    """As the model runner: ``spec_token_ids`` is ``[]`` when no request got a draft."""
-
-    def execute(self, step: Any) -> Any:
-        result = super().execute(step)
-        if not any(result.spec_token_ids):
-            result.spec_token_ids = []
-        return result
-
-
-def test_a_step_that_proposed_nothing_leaves_no_placeholders_to_verify() -> None:
-    requests = lambda: [make_request("r", [5, 6, 7], max_tokens=12)]  # noqa: E731
-    scheduler = make_scheduler(speculative_config=ngram(3))
-    scheduler.add_request(requests()[0])
-    pipeline = Pipeline(scheduler, SilentWhenNoDrafts(scheduler.block_size, lambda r, p: None), 1)
-    pipeline.run()
-    # The first step's placeholders are dropped when its result brings no drafts: nothing is
-    # verified, and the steps are those of no speculation.
-    plain = run(1, requests)
-    assert summary(pipeline) == summary(plain)
-    assert scheduler.make_stats().spec_decode_num_draft_tokens == 0
-    assert scheduler.step_id == plain.scheduler.step_id
-
-
 def test_a_draft_model_gets_lookahead_slots_for_its_own_kv() -> None:
     config = SpeculativeConfig(
         speculative_method="draft_model", num_speculative_tokens=3, speculative_model="/draft"

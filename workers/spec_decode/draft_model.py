@@ -11,7 +11,10 @@ Per row it keeps ``draft_computed``, the positions whose draft KV is valid. At `
    target's computed count may hold drafts that were rejected.
 2. One batched varlen forward catches every scheduled row up on its known tokens
    ``[draft_computed, end)``: ``end`` is ``num_tokens`` for rows asked for drafts, and
-   ``num_computed`` for the others (a row part-way through its prompt proposes nothing).
+   ``num_computed`` for the others (a row part-way through its prompt proposes nothing). The
+   forward feeds at most ``max_num_batched_tokens`` tokens, rows in batch order: a row left
+   behind (a long prompt, whose target KV came from the prefix cache) proposes nothing this
+   step and goes on catching up in the next ones.
 3. ``k - 1`` batched single-token forwards, each feeding the previous draft.
 
 A new request (``reset_row``) is recomputed from position 0, whatever the target's prefix-cache
@@ -87,6 +90,8 @@ class DraftModelProposer:
         self.dtype = dtype
         # per batch row: positions whose draft KV is valid
         self.draft_computed = np.zeros(config.scheduler_config.max_num_seqs, dtype=np.int64)
+        # tokens one catch-up forward may feed (as many as a target step may run)
+        self.max_catch_up_tokens = config.scheduler_config.max_num_batched_tokens
         self._model: DecoderForCausalLM | None = None
 
     def load(self) -> None:
@@ -179,6 +184,7 @@ class DraftModelProposer:
         start = np.minimum(self.draft_computed[rows], batch.num_computed[rows])
         end = np.minimum(np.where(wants, num_tokens, batch.num_computed[rows]), capacity)
         start = np.minimum(start, end)
+        end = start + _within_budget(end - start, self.max_catch_up_tokens)
         # draft j (1-based) sits at num_tokens - 1 + j; its input's KV at num_tokens - 2 + j
         budget = np.minimum(self.max_model_len - num_tokens, capacity - num_tokens + 1)
         num = np.where(wants & (end == num_tokens) & (end > start), np.minimum(k, budget), 0)
@@ -286,3 +292,9 @@ class _DraftSampler:
             gens = {i: mine[int(w)] for i, w in enumerate(who) if int(w) in mine}
             tokens[torch.from_numpy(random).to(device)] = exponential_race(probs.clone(), gens)
         self.token_ids[torch.from_numpy(active).to(device), j] = tokens
+
+
+def _within_budget(lengths: np.ndarray, budget: int) -> np.ndarray:
+    """``lengths`` cut, in order, so that their sum stays within ``budget``."""
+    before = np.cumsum(lengths) - lengths
+    return np.clip(budget - before, 0, lengths)
