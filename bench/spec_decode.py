@@ -1,5 +1,6 @@
-"""Speculative decoding with n-gram drafts: tokens/s for static K (0 = off) and dynamic K (the
-batch-size table, and acceptance-driven K bounded by it) at several batch sizes, through the real
+"""Speculative decoding with n-gram drafts: tokens/s for static K (0 = off) and dynamic K (vLLM's
+batch-size table, and shoal's acceptance-driven K with no table, bounded by the table's largest
+K only: it needs no tuning) at several batch sizes, through the real
 scheduler and model runner (one step at a time, as ``bench/throughput.py``).
 
 Model: ``bench/throughput.py``'s random Llama shape (~19M parameters with this 512-token
@@ -185,7 +186,8 @@ class Run(Phase):
 
 
 def spec_config(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
-    """``k0`` (off), ``kN`` (static K = N), ``table`` or ``acceptance`` (dynamic, K ≤ max)."""
+    """``k0`` (off), ``kN`` (static K = N), ``table`` (vLLM's batch-size table) or
+    ``acceptance`` (shoal's acceptance-driven K, bounded by the table's largest K)."""
     if name == "k0":
         return None
     lookup = {"method": "ngram", "prompt_lookup_min": args.lookup[0],
@@ -193,12 +195,10 @@ def spec_config(name: str, args: argparse.Namespace) -> dict[str, Any] | None:
     if name.startswith("k"):
         return {**lookup, "num_speculative_tokens": int(name[1:])}
     max_k = max(k for _, _, k in args.table)
-    return {
-        **lookup,
-        "num_speculative_tokens": max_k,
-        "num_speculative_tokens_per_batch_size": args.table,
-        "acceptance_driven_k": name == "acceptance",
-    }
+    if name == "acceptance":  # adapts on its own: bounded by the largest K only, no table
+        return {**lookup, "num_speculative_tokens": max_k, "acceptance_driven_k": True}
+    table = {"num_speculative_tokens_per_batch_size": args.table}
+    return {**lookup, "num_speculative_tokens": max_k, **table}
 
 
 @dataclass

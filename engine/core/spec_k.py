@@ -7,9 +7,10 @@ is estimated as ``accepted / (accepted + rejections)`` (the geometric MLE; ``acc
 drafted`` would understate it, since drafts after a rejection are never judged), smoothed by an
 exponential moving average over steps. A draft at position ``j`` pays off when it is likely to
 be reached and accepted (``alpha ** j >= worth``), so the target is the largest such ``j``,
-bounded by the table's K for the batch size. K moves one step toward the target only after the
-target has pointed the same way for ``patience`` observed steps (hysteresis: one noisy step does
-not flip K). At K = 0 nothing is drafted, so nothing is observed: every ``probe_every`` steps a
+bounded by the table's K for the batch size. K moves to the target only after the target has
+pointed the same way for ``patience`` observed steps in a row (hysteresis: one noisy step does
+not flip K); it then goes straight there, so a workload that turns takes ``patience`` steps to
+follow, not ``patience`` per unit of K. At K = 0 nothing is drafted, so nothing is observed: every ``probe_every`` steps a
 K = 1 probe keeps the estimate fresh. A padded draft (async scheduling: the worker had fewer
 drafts than the K placeholders scheduled) counts as rejected: its slot cost a forward position
 all the same, so K should fall when drafts are missing as much as when they are wrong.
@@ -52,7 +53,7 @@ class AcceptanceController:
         direction = 1 if target > self.k else -1
         self._streak = self._streak + direction if self._streak * direction >= 0 else direction
         if abs(self._streak) >= self.patience:
-            self.k = max(0, min(self.max_k, self.k + direction))
+            self.k = target
             self._streak = 0
 
     def target(self) -> int:

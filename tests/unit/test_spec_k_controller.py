@@ -19,8 +19,12 @@ def test_k_drops_when_drafts_stop_being_accepted_and_rises_again() -> None:
     assert high[-1] == 5
     low = feed(controller, 60, accepted=0, rejections=4)  # nothing accepted
     assert low[-1] == 0 and controller.k == 0
-    # K changes one step at a time, never jumping.
-    assert all(abs(a - b) <= 1 for a, b in zip(high + low, (high + low)[1:], strict=False))
+    # K waits out the patience, then goes straight to the target: few changes, and never two
+    # within the patience (the K=1 probes at K=0 aside).
+    ks = [k for k in high + low if k != 1]
+    changes = [i for i in range(1, len(ks)) if ks[i] != ks[i - 1]]
+    assert all(b - a >= controller.patience for a, b in zip(changes, changes[1:], strict=False))
+    assert len(changes) <= 6
     back = feed(controller, 80, accepted=9, rejections=1)
     assert back[-1] == 5
 
@@ -59,3 +63,13 @@ def test_target_follows_the_worth_rule() -> None:
     for alpha, expected in ((0.9, 8), (0.7, 2), (0.5, 1), (0.3, 0), (1.0, 8), (0.0, 0)):
         controller.alpha = alpha
         assert controller.target() == expected, alpha
+
+
+def test_a_workload_that_turns_is_followed_within_a_few_steps() -> None:
+    controller = AcceptanceController(max_k=5)
+    feed(controller, 30, accepted=9, rejections=1)
+    assert controller.k == 5
+    feed(controller, 10, accepted=0, rejections=4)  # drafts stop being accepted
+    assert controller.k <= 1  # not one unit of K per patience (that would still be at 3)
+    feed(controller, 12, accepted=9, rejections=1)
+    assert controller.k == 5
