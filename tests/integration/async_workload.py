@@ -5,11 +5,14 @@ request, stop strings, stop tokens, prefix-cache hits, and an abort in the middl
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
+from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.sampling import SamplingParams
 from tests.fixtures.models import make_prompts
 from tests.integration.conditions import pick_stop_string, read_then_hang_up
+from tests.integration.engine_stack import engine_stack
 
 # Only the engine-facing shape matters here: (token ids, finish reason) per completion.
 Completions = list[tuple[list[int], str | None]]
@@ -79,6 +82,27 @@ async def run_prefix_hits(client: Any, tag: str = "") -> Results:
     first = await complete(client, [*PREFIX, 7, 8], greedy(6), f"pfx1{tag}")
     second = await complete(client, [*PREFIX, 9, 10, 11], greedy(6), f"pfx2{tag}")
     return {"pfx1": completions(first), "pfx2": completions(second)}
+
+
+async def run_in_one_process(
+    model_dir: Any, options: dict[str, int], workload: Callable[[Any], Awaitable[Results]]
+) -> Results:
+    """``workload`` on a plain engine (async scheduling off, no speculation) in this process,
+    on the in-memory bus, with the process deployment's ``options``: the reference outputs."""
+    memory = InMemoryBus(InMemoryBroker())
+    await memory.connect()
+    try:
+        async with engine_stack(
+            memory,
+            model_dir,
+            async_scheduling=False,
+            num_blocks=options["num_gpu_blocks_override"],
+            max_num_seqs=options["max_num_seqs"],
+            max_num_batched_tokens=options["max_num_batched_tokens"],
+        ) as stack:
+            return await workload(stack.client)
+    finally:
+        await memory.close()
 
 
 async def run_all(client: Any, tag: str = "") -> Results:

@@ -7,11 +7,9 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.deploy.deployment import build_config
-from tests.integration.async_workload import run_all
+from tests.integration.async_workload import run_all, run_in_one_process
 from tests.integration.conditions import wait_for
-from tests.integration.engine_stack import engine_stack
 from tests.integration.process_deployment import process_deployment
 
 pytestmark = [
@@ -35,20 +33,7 @@ async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-d
 
 async def test_outputs_equal_async_off_in_one_process(deployment, tiny_checkpoint):  # type: ignore[no-untyped-def]
     client, published = deployment
-    memory = InMemoryBus(InMemoryBroker())
-    await memory.connect()
-    try:
-        async with engine_stack(
-            memory,
-            tiny_checkpoint("llama"),
-            async_scheduling=False,
-            num_blocks=OPTIONS["num_gpu_blocks_override"],
-            max_num_seqs=OPTIONS["max_num_seqs"],
-            max_num_batched_tokens=OPTIONS["max_num_batched_tokens"],
-        ) as stack:
-            want = await run_all(stack.client)
-    finally:
-        await memory.close()
+    want = await run_in_one_process(tiny_checkpoint("llama"), OPTIONS, run_all)
     got = await run_all(client)
     assert got == want
 

@@ -11,11 +11,16 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.deploy.deployment import build_config
-from tests.integration.async_workload import Results, complete, completions, greedy, run_all
+from tests.integration.async_workload import (
+    Results,
+    complete,
+    completions,
+    greedy,
+    run_all,
+    run_in_one_process,
+)
 from tests.integration.conditions import wait_for
-from tests.integration.engine_stack import engine_stack
 from tests.integration.process_deployment import process_deployment
 
 pytestmark = [
@@ -54,20 +59,7 @@ async def run_with_loops(client: Any) -> Results:
 
 async def test_outputs_equal_a_plain_engine(deployment, markov_checkpoint):  # type: ignore[no-untyped-def]
     client, published = deployment
-    memory = InMemoryBus(InMemoryBroker())
-    await memory.connect()
-    try:
-        async with engine_stack(
-            memory,
-            markov_checkpoint,
-            async_scheduling=False,
-            num_blocks=OPTIONS["num_gpu_blocks_override"],
-            max_num_seqs=OPTIONS["max_num_seqs"],
-            max_num_batched_tokens=OPTIONS["max_num_batched_tokens"],
-        ) as stack:
-            want = await run_with_loops(stack.client)
-    finally:
-        await memory.close()
+    want = await run_in_one_process(markov_checkpoint, OPTIONS, run_with_loops)
     got = await run_with_loops(client)
     # A sampled request draws differently when drafts are verified: it only has to finish.
     seeded_got, _ = got.pop("seeded"), want.pop("seeded")

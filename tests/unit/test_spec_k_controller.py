@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from shoal.engine.core.spec_k import AcceptanceController
 
 
@@ -23,7 +25,7 @@ def test_k_drops_when_drafts_stop_being_accepted_and_rises_again() -> None:
     # within the patience (the K=1 probes at K=0 aside).
     ks = [k for k in high + low if k != 1]
     changes = [i for i in range(1, len(ks)) if ks[i] != ks[i - 1]]
-    assert all(b - a >= controller.patience for a, b in zip(changes, changes[1:], strict=False))
+    assert all(b - a >= controller.patience for a, b in itertools.pairwise(changes))
     assert len(changes) <= 6
     back = feed(controller, 80, accepted=9, rejections=1)
     assert back[-1] == 5
