@@ -11,9 +11,10 @@ bounded by the table's K for the batch size. K moves to the target only after th
 pointed the same way for ``patience`` observed steps in a row (hysteresis: one noisy step does
 not flip K); it then goes straight there, so a workload that turns takes ``patience`` steps to
 follow, not ``patience`` per unit of K. At K = 0 nothing is drafted, so nothing is observed:
-every ``probe_every`` steps a K = 1 probe keeps the estimate fresh. A padded draft (async scheduling: the worker had fewer
-drafts than the K placeholders scheduled) counts as rejected: its slot cost a forward position
-all the same, so K should fall when drafts are missing as much as when they are wrong.
+every ``probe_every`` steps a K = 1 probe keeps the estimate fresh. A padded draft (async
+scheduling: the worker had fewer drafts than the K placeholders scheduled) counts as rejected:
+its slot cost a forward position all the same, so K should fall when drafts are missing as much
+as when they are wrong.
 """
 
 from __future__ import annotations
