@@ -174,7 +174,6 @@ class ModelRunner:
                 proposer,
                 batch=self.batch,
                 sampling=self.sampling,
-                sampler=self._sampler,
                 tp=self.tp,
             )
         self.facts = ModelFacts(

@@ -65,7 +65,7 @@ def _verify(
     logits = torch.cat([reqs[int(r[1:])].rows for r in ids])
     order = [drafts[int(r[1:])] for r in ids]
     probs = None if draft_probs is None else [draft_probs[int(r[1:])] for r in ids]
-    return verify_drafts(Sampler(), logits.clone(), batch.prepare(ids), states, order, probs)
+    return verify_drafts(logits.clone(), batch.prepare(ids), states, order, probs)
 
 
 def _random_greedy_req(rng: random.Random, gen: torch.Generator, n: int) -> Req:

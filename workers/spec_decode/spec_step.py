@@ -28,7 +28,6 @@ from shoal.bus.messages.worker import CachedRequestData
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.parallel import TPContext
 from shoal.workers.request_store import CachedRequestState
-from shoal.workers.sampler import Sampler
 from shoal.workers.sampling_metadata import SamplingBatch
 from shoal.workers.spec_decode.proposer import Proposer
 from shoal.workers.spec_decode.verify import verify_drafts
@@ -55,14 +54,12 @@ class SpecDecoder:
         *,
         batch: InputBatch,
         sampling: SamplingBatch,
-        sampler: Sampler,
         tp: TPContext,
     ) -> None:
         self.proposer = proposer
         self.batch = batch
         self.requests = batch.requests
         self.sampling = sampling
-        self.sampler = sampler
         self.tp = tp
         self._verifying: dict[str, list[int]] = {}  # this step's drafts, by request
 
@@ -116,7 +113,7 @@ class SpecDecoder:
         drafts = [self._verifying.get(r, []) for r in req_ids]
         metadata = self.sampling.prepare(req_ids)
         verified = verify_drafts(
-            self.sampler, logits, metadata, states, drafts, self._draft_probs(states, drafts)
+            logits, metadata, states, drafts, self._draft_probs(states, drafts)
         )
         width = max(len(d) for d in drafts) + 1
         emitted = self._rank0_tokens(verified.token_ids, width, logits.device)

@@ -24,7 +24,6 @@ import torch
 from shoal.bus.messages.engine import Logprobs
 from shoal.workers.request_store import CachedRequestState
 from shoal.workers.sampler import (
-    Sampler,
     apply_min_p,
     apply_penalties,
     apply_top_k_top_p,
@@ -56,7 +55,6 @@ class _Layout:
 
 
 def verify_drafts(
-    sampler: Sampler,
     logits: torch.Tensor,
     metadata: SamplingMetadata,
     states: Sequence[CachedRequestState],
@@ -64,7 +62,6 @@ def verify_drafts(
     draft_probs: Sequence[torch.Tensor | None] | None = None,
 ) -> Verified:
     """Emitted tokens and logprobs of each request (see module); ``logits`` are modified."""
-    del sampler  # the plain sampler keeps no state; its functions are used directly
     with torch.no_grad():
         layout = _layout(metadata, states, draft_token_ids, logits)
         logits = logits.float()
