@@ -57,55 +57,48 @@ def test_last_ubatch_empty(orig: int, padded: int, n: int, expected: bool) -> No
 
 
 def decisions(*reports: RankBatch, **kw: int) -> list[tuple[bool, int]]:
-    return [
-        (d.should_ubatch, d.num_tokens_padded) for d in coordinate_batch_across_dp(reports, **kw)
-    ]
+    got = coordinate_batch_across_dp(reports, **kw)
+    return [(d.should_ubatch, d.num_tokens_padded) for d in got]
+
+
+def dec(num_tokens: int) -> RankBatch:
+    """A uniform decode batch that allows micro-batching."""
+    return RankBatch(num_tokens, uniform_decode=True, allow_microbatching=True)
+
+
+def pre(num_tokens: int) -> RankBatch:
+    """A batch with prefill chunks that allows micro-batching."""
+    return RankBatch(num_tokens, uniform_decode=False, allow_microbatching=True)
 
 
 def test_all_ranks_vote_yes_pads_everyone_to_the_max() -> None:
-    got = decisions(
-        RankBatch(600, False, True), RankBatch(320, True, True), RankBatch(520, False, True)
-    )
-    assert got == [(True, 600)] * 3
+    assert decisions(pre(600), dec(320), pre(520)) == [(True, 600)] * 3
 
 
 def test_one_rank_voting_no_means_nobody_splits_nor_pads() -> None:
-    below = RankBatch(31, True, True)  # under the decode threshold
-    assert decisions(RankBatch(600, False, True), below) == [(False, 600), (False, 31)]
+    assert decisions(pre(600), dec(31)) == [(False, 600), (False, 31)]  # under its threshold
     vetoed = RankBatch(900, False, False)  # large but not allowed (prefix reader before writer)
-    assert decisions(RankBatch(600, False, True), vetoed) == [(False, 600), (False, 900)]
-    idle = RankBatch(0, False, True)  # a rank running a dummy step
-    assert decisions(idle, RankBatch(4096, False, True)) == [(False, 0), (False, 4096)]
+    assert decisions(pre(600), vetoed) == [(False, 600), (False, 900)]
+    assert decisions(pre(0), pre(4096)) == [(False, 0), (False, 4096)]  # a rank's dummy step
 
 
 def test_each_rank_checks_its_own_kind_of_threshold() -> None:
-    # 40 tokens pass as a uniform decode, not as a prefill batch
-    assert decisions(RankBatch(40, True, True), RankBatch(40, True, True)) == [(True, 40)] * 2
-    assert decisions(RankBatch(40, False, True), RankBatch(40, True, True)) == [(False, 40)] * 2
+    assert decisions(dec(40), dec(40)) == [(True, 40)] * 2  # a decode batch of 40 splits
+    assert decisions(pre(40), dec(40)) == [(False, 40)] * 2  # a prefill batch of 40 does not
 
 
 def test_empty_last_ubatch_vetoes_the_split_for_min_orig_and_max_padded() -> None:
-    # every rank votes yes, but the smallest rank's tokens all fall before max//2
-    assert decisions(RankBatch(32, True, True), RankBatch(64, True, True)) == [
-        (False, 32),
-        (False, 64),
-    ]
-    # 33 > 64 // 2: the smallest rank keeps a real token in its second half
-    assert decisions(RankBatch(33, True, True), RankBatch(64, True, True)) == [(True, 64)] * 2
-    # a small decode rank that votes yes still vetoes a large prefill rank's split
-    assert decisions(RankBatch(40, True, True), RankBatch(600, False, True))[1] == (False, 600)
+    # every rank votes yes, but the smallest rank's tokens all fall before 64 // 2
+    assert decisions(dec(32), dec(64)) == [(False, 32), (False, 64)]
+    assert decisions(dec(33), dec(64)) == [(True, 64)] * 2  # one real token after the split
+    assert decisions(dec(40), pre(600)) == [(False, 40), (False, 600)]  # 40 <= 600 // 2
     three = dict(num_ubatches=3, decode_threshold=3)
-    assert decisions(RankBatch(20, True, True), RankBatch(30, True, True), **three)[0] == (
-        False,
-        20,
-    )
-    assert decisions(RankBatch(21, True, True), RankBatch(30, True, True), **three)[0] == (True, 30)
+    assert decisions(dec(20), dec(30), **three) == [(False, 20), (False, 30)]  # 20 <= 2 * 10
+    assert decisions(dec(21), dec(30), **three) == [(True, 30)] * 2
 
 
 def test_a_single_rank_never_splits() -> None:
-    assert coordinate_batch_across_dp([RankBatch(4096, False, True)]) == [
-        BatchDecision(False, 4096)
-    ]
+    assert coordinate_batch_across_dp([pre(4096)]) == [BatchDecision(False, 4096)]
 
 
 def test_bad_configs_and_reports_are_refused() -> None:
@@ -245,10 +238,11 @@ def test_a_split_leaving_a_slice_without_real_tokens_is_refused() -> None:
 
 def test_slice_metadata_leaves_the_step_untouched() -> None:
     inputs = whole_step([3, 0], [4, 4])
-    qsl, seq_lens = inputs.query_start_loc.copy(), inputs.seq_lens.copy()
-    for s in make_ubatch_slices(inputs.num_scheduled, 8, split_point=3):
-        slice_metadata(inputs.query_start_loc, inputs.seq_lens, s)
-    assert (inputs.query_start_loc == qsl).all() and (inputs.seq_lens == seq_lens).all()
+    for dtype in (np.int32, np.int64):  # StepInputs' int32, and int64 that numpy need not copy
+        qsl, seq_lens = inputs.query_start_loc.astype(dtype), inputs.seq_lens.astype(dtype)
+        for s in make_ubatch_slices(inputs.num_scheduled, 8, split_point=3):
+            slice_metadata(qsl, seq_lens, s)
+        assert qsl.tolist() == [0, 4, 8] and seq_lens.tolist() == [7, 4]
 
 
 HEADS, DIM = 2, 8
@@ -333,7 +327,7 @@ def test_halves_partition_the_batch_and_see_earlier_kv(
     slices = make_ubatch_slices(scheduled, padded, split_point=split)
     assert [s.token_slice.start for s in slices] == [0, slices[0].token_slice.stop]
     assert slices[-1].token_slice.stop == padded
-    seen = []
+    seen: list[int] = []
     for s in slices:
         meta = slice_metadata(cu, seq_lens, s)
         reqs = np.arange(s.request_slice.start, s.request_slice.stop)

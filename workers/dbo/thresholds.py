@@ -47,7 +47,7 @@ class RankBatch:
     """One data-parallel rank's report for this step, before any padding across ranks."""
 
     num_tokens: int  # tokens scheduled on this rank (0 for a rank running a dummy step)
-    uniform_decode: bool  # every request decodes exactly one token
+    uniform_decode: bool  # every request runs one decode query: 1 token + its drafts, same for all
     allow_microbatching: bool  # this rank may split (e.g. no prefix reader before its writer)
 
 

@@ -109,8 +109,8 @@ def make_ubatch_slices(
 
 
 def slice_metadata(
-    query_start_loc: IntArray,  # [S + 1], the whole step's (StepInputs.query_start_loc)
-    seq_lens: IntArray,  # [S], the whole step's (StepInputs.seq_lens)
+    query_start_loc: np.ndarray,  # [S + 1], the whole step's (StepInputs.query_start_loc)
+    seq_lens: np.ndarray,  # [S], the whole step's (StepInputs.seq_lens)
     ubatch: UBatchSlice,
 ) -> UBatchMetadata:
     """``query_start_loc`` (rebased to 0), ``seq_lens`` and maxima of one micro-batch; a request
