@@ -29,7 +29,8 @@ from shoal.workers.parallel import TPContext
 from tests.fixtures.models import build_checkpoint
 from tests.unit.test_model_runner_tp import free_port
 
-RANK_TIMEOUT_S = 120.0
+COLLECTIVE_TIMEOUT_S = 30.0  # a rank that skips a collective fails the other within this
+ANSWER_TIMEOUT_S = 150.0
 # tokens per rank in each round: different batches, and each rank idle once
 ROUNDS = [(5, 3), (0, 4), (6, 0), (1, 2)]
 
@@ -195,6 +196,33 @@ def test_each_rank_loads_only_its_experts(checkpoints: dict[str, Path], variant:
         check_holds_own_experts(load_ep_model(checkpoints[variant], ep), full, ep)
 
 
+def test_a_rank_needs_only_its_own_experts_on_disk(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from shoal.workers.loader import CheckpointError
+
+    broken = Path(shutil.copytree(checkpoints["mixtral"], tmp_path / "no_expert_3"))
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.0.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    load_ep_model(broken, EPContext(0, 2))  # experts 0-1: nothing of its own is missing
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.experts\.w2 \(parts \(3, None\)"):
+        load_ep_model(broken, EPContext(1, 2))
+
+
+def test_a_group_of_one_holds_every_expert_and_needs_no_process_group(
+    checkpoints: dict[str, Path],
+) -> None:
+    full, _ = load_model(checkpoints["qwen2_moe"], dtype=torch.float32)
+    alone = load_ep_model(checkpoints["qwen2_moe"], EPContext(0, 1))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    for ep_block, block in zip(moe_blocks(alone), moe_blocks(full), strict=True):
+        assert torch.equal(ep_block.experts.w13, block.experts.w13)
+        assert torch.equal(ep_block(x), block(x))
+
+
 # ---- two real processes --------------------------------------------------------------------
 
 
@@ -211,7 +239,7 @@ def _rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=2,
-            timeout=timedelta(seconds=RANK_TIMEOUT_S),
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         ep = EPContext(rank, 2)
         report: dict[str, Any] = {}
@@ -251,7 +279,7 @@ def test_ep2_blocks_match_the_replicated_block_across_two_processes(
     for p in procs:
         p.start()
     try:
-        results = dict(answers.get(timeout=RANK_TIMEOUT_S + 30) for _ in procs)
+        results = dict(answers.get(timeout=ANSWER_TIMEOUT_S) for _ in procs)
     except queue_mod.Empty:
         pytest.fail("an EP rank did not answer: a collective hung")
     finally:
