@@ -31,8 +31,8 @@ from tests.unit.test_model_runner_tp import free_port
 
 COLLECTIVE_TIMEOUT_S = 30.0  # a rank that skips a collective fails the other within this
 ANSWER_TIMEOUT_S = 150.0
-# tokens per rank in each round: different batches, and each rank idle once
-ROUNDS = [(5, 3), (0, 4), (6, 0), (1, 2)]
+# tokens per rank in each round: different batches, and idle rounds (rank 0 twice, rank 1 once)
+ROUNDS = [(5, 3), (0, 4), (0, 2), (6, 0), (1, 2)]
 
 
 # ---- placement -----------------------------------------------------------------------------
