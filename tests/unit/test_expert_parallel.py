@@ -1,0 +1,295 @@
+"""Expert parallelism: the placement of experts on ranks, the pure dispatch/combine index math
+(hypothesis), loading only this rank's experts through the real loader path (per-expert and
+fused checkpoint tensors), and two real gloo processes whose EP=2 MoE blocks, fed different
+token batches (one rank idle), match the replicated block."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queue_mod
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from shoal.workers.config import CheckpointConfig
+from shoal.workers.layers.moe import SparseMoeBlock
+from shoal.workers.loader import _check_complete, build_model, iter_checkpoint, load_model
+from shoal.workers.moe.expert_parallel import (
+    EPContext,
+    combine_into_tokens,
+    inverse_permutation,
+    plan_dispatch,
+)
+from shoal.workers.parallel import TPContext
+from tests.fixtures.models import build_checkpoint
+from tests.unit.test_model_runner_tp import free_port
+
+COLLECTIVE_TIMEOUT_S = 30.0  # a rank that skips a collective fails the other within this
+ANSWER_TIMEOUT_S = 150.0
+# tokens per rank in each round: different batches, and idle rounds (rank 0 twice, rank 1 once)
+ROUNDS = [(5, 3), (0, 4), (0, 2), (6, 0), (1, 2)]
+
+
+# ---- placement -----------------------------------------------------------------------------
+
+
+def test_each_rank_owns_a_contiguous_share_of_the_experts() -> None:
+    assert [EPContext(r, 2).local_experts(4) for r in (0, 1)] == [range(0, 2), range(2, 4)]
+    assert list(EPContext(2, 3).local_experts(6)) == [4, 5]
+    owners = EPContext(0, 4).owner_of(torch.tensor([[0, 7], [3, 4]]), 8)
+    assert owners.tolist() == [[0, 3], [1, 2]]
+    with pytest.raises(
+        ValueError, match="num_experts=6 is not divisible by expert-parallel size 4"
+    ):
+        EPContext(0, 4).local_experts(6)
+    for rank, size in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match="bad expert-parallel rank"):
+            EPContext(rank, size)
+
+
+# ---- pure index math -----------------------------------------------------------------------
+
+
+@st.composite
+def routings(draw: Any) -> tuple[torch.Tensor, EPContext, int]:
+    size = draw(st.integers(1, 4))
+    num_experts = size * draw(st.integers(1, 3))
+    tokens = draw(st.integers(0, 9))
+    top_k = draw(st.integers(1, 3))
+    flat = draw(
+        st.lists(st.integers(0, num_experts - 1), min_size=tokens * top_k, max_size=tokens * top_k)
+    )
+    ids = torch.tensor(flat, dtype=torch.int64).reshape(tokens, top_k)
+    return ids, EPContext(draw(st.integers(0, size - 1)), size), num_experts
+
+
+@settings(max_examples=150, deadline=None)
+@given(routings())
+def test_dispatch_sorts_pairs_by_owner_and_the_inverse_restores_them(case: Any) -> None:
+    ids, ep, num_experts = case
+    plan = plan_dispatch(ids, ep, num_experts)
+    flat = ids.reshape(-1)
+    assert sum(plan.send_counts) == flat.numel() and len(plan.send_counts) == ep.size
+    assert sorted(plan.order.tolist()) == list(range(flat.numel()))  # a permutation
+    owners = ep.owner_of(flat[plan.order], num_experts).tolist()
+    assert owners == sorted(owners)  # grouped by destination rank, in rank order
+    expected = [sum(1 for o in owners if o == r) for r in range(ep.size)]
+    assert plan.send_counts == expected
+    inv = inverse_permutation(plan.order)
+    assert torch.equal(flat[plan.order][inv], flat)  # round trip is the identity
+    assert torch.equal(plan.order[inv], torch.arange(flat.numel()))
+    top_k = ids.shape[1]
+    assert torch.equal(plan.token_of, plan.order // top_k)
+
+
+@settings(max_examples=100, deadline=None)
+@given(routings())
+def test_combine_sums_each_tokens_weighted_results_in_token_order(case: Any) -> None:
+    ids, ep, num_experts = case
+    tokens, top_k = ids.shape
+    gen = torch.Generator().manual_seed(tokens * 31 + top_k)
+    x = torch.randn(tokens, 3, generator=gen, dtype=torch.float64)
+    weights = torch.rand(tokens, top_k, generator=gen, dtype=torch.float64)
+    plan = plan_dispatch(ids, ep, num_experts)
+    # an "expert" that scales by (id + 1): results travel in sorted-pair order
+    scale = (ids.reshape(-1)[plan.order] + 1).to(x.dtype)[:, None]
+    results = x[plan.token_of] * scale * weights.reshape(-1)[plan.order][:, None]
+    out = combine_into_tokens(results, plan, tokens)
+    want = torch.einsum("tk,tk,th->th", weights, (ids + 1).to(x.dtype), x)
+    assert out.shape == (tokens, 3)
+    assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+def test_expert_ids_out_of_range_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"expert ids outside \[0, 4\)"):
+        plan_dispatch(torch.tensor([[1, 4]]), EPContext(0, 2), 4)
+
+
+# ---- loading only this rank's experts -----------------------------------------------------
+
+
+def fuse_experts(model_dir: Path, out_dir: Path, num_layers: int = 2) -> Path:
+    """A copy of a per-expert Mixtral checkpoint with transformers 5.x fused expert tensors."""
+    import shutil
+
+    shutil.copytree(model_dir, out_dir)
+    tensors = load_file(str(out_dir / "model.safetensors"))
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}.block_sparse_moe"
+        w1, w3, w2 = (
+            [tensors.pop(f"{prefix}.experts.{e}.{w}.weight") for e in range(4)]
+            for w in ("w1", "w3", "w2")
+        )
+        tensors[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([g, u]) for g, u in zip(w1, w3, strict=True)]
+        )
+        tensors[f"model.layers.{layer}.mlp.experts.down_proj"] = torch.stack(w2)
+        tensors[f"model.layers.{layer}.mlp.gate.weight"] = tensors.pop(f"{prefix}.gate.weight")
+    save_file(tensors, str(out_dir / "model.safetensors"))
+    return out_dir
+
+
+def load_ep_model(model_dir: Path, ep: EPContext) -> Any:
+    """The model with every sparse block's experts spread by ``ep``, loaded from disk through
+    the loader's own path (``load_weights`` and the completeness check)."""
+    cfg = CheckpointConfig.from_dir(model_dir)
+    model = build_model(cfg, dtype=torch.float32, device="cpu", tp=TPContext(), max_positions=64)
+    assert cfg.moe is not None
+    for layer in model.model.layers:
+        if isinstance(layer.mlp, SparseMoeBlock):
+            layer.mlp = SparseMoeBlock(
+                cfg.hidden_size,
+                cfg.moe,
+                layer.mlp.shared_expert,
+                dtype=torch.float32,
+                device="cpu",
+                ep=ep,
+            )
+    loaded = model.load_weights(iter_checkpoint(model_dir))
+    _check_complete(model, loaded, model_dir)
+    return model
+
+
+def moe_blocks(model: Any) -> list[SparseMoeBlock]:
+    return [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("ep")
+    mixtral = build_checkpoint("mixtral", root / "mixtral", with_tokenizer=False)
+    return {
+        "mixtral": mixtral,
+        "mixtral_fused": fuse_experts(mixtral, root / "mixtral_fused"),
+        "qwen2_moe": build_checkpoint("qwen2_moe", root / "qwen2_moe", with_tokenizer=False),
+    }
+
+
+def check_holds_own_experts(ep_model: Any, full_model: Any, ep: EPContext) -> None:
+    ep_blocks, full_blocks = moe_blocks(ep_model), moe_blocks(full_model)
+    assert ep_blocks and len(ep_blocks) == len(full_blocks)
+    for ep_block, full in zip(ep_blocks, full_blocks, strict=True):
+        mine = list(ep.local_experts(4))
+        assert ep_block.experts.w13.shape[0] == ep_block.experts.w2.shape[0] == len(mine)
+        assert torch.equal(ep_block.experts.w13, full.experts.w13[mine])
+        assert torch.equal(ep_block.experts.w2, full.experts.w2[mine])
+        assert torch.equal(ep_block.gate.weight, full.gate.weight)  # the router is replicated
+        if full.shared_expert is not None:
+            for (name, a), (_, b) in zip(
+                ep_block.shared_expert.named_parameters(),  # type: ignore[union-attr]
+                full.shared_expert.named_parameters(),
+                strict=True,
+            ):
+                assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("variant", ["mixtral", "mixtral_fused", "qwen2_moe"])
+def test_each_rank_loads_only_its_experts(checkpoints: dict[str, Path], variant: str) -> None:
+    full, _ = load_model(checkpoints[variant], dtype=torch.float32)
+    for rank in (0, 1):
+        ep = EPContext(rank, 2)
+        check_holds_own_experts(load_ep_model(checkpoints[variant], ep), full, ep)
+
+
+def test_a_rank_needs_only_its_own_experts_on_disk(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from shoal.workers.loader import CheckpointError
+
+    broken = Path(shutil.copytree(checkpoints["mixtral"], tmp_path / "no_expert_3"))
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.0.block_sparse_moe.experts.3.w2.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    load_ep_model(broken, EPContext(0, 2))  # experts 0-1: nothing of its own is missing
+    with pytest.raises(CheckpointError, match=r"layers\.0\.mlp\.experts\.w2 \(parts \(3, None\)"):
+        load_ep_model(broken, EPContext(1, 2))
+
+
+def test_a_group_of_one_holds_every_expert_and_needs_no_process_group(
+    checkpoints: dict[str, Path],
+) -> None:
+    full, _ = load_model(checkpoints["qwen2_moe"], dtype=torch.float32)
+    alone = load_ep_model(checkpoints["qwen2_moe"], EPContext(0, 1))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    for ep_block, block in zip(moe_blocks(alone), moe_blocks(full), strict=True):
+        assert torch.equal(ep_block.experts.w13, block.experts.w13)
+        assert torch.equal(ep_block(x), block(x))
+
+
+# ---- two real processes --------------------------------------------------------------------
+
+
+def _rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None:
+    """One EP rank: each variant's EP=2 blocks on this rank's tokens vs the replicated ones."""
+    torch.set_num_threads(1)
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        ep = EPContext(rank, 2)
+        report: dict[str, Any] = {}
+        for v, (variant, path) in enumerate(sorted(dirs.items())):
+            full, _ = load_model(path, dtype=torch.float32)
+            ep_model = load_ep_model(Path(path), ep)
+            check_holds_own_experts(ep_model, full, ep)
+            for b, (ep_block, block) in enumerate(
+                zip(moe_blocks(ep_model), moe_blocks(full), strict=True)
+            ):
+                for r, counts in enumerate(ROUNDS):
+                    gen = torch.Generator().manual_seed(1000 * v + 100 * b + 10 * r + rank)
+                    x = torch.randn(counts[rank], 64, generator=gen)
+                    with torch.inference_mode():
+                        got, want = ep_block(x), block(x)
+                    assert got.shape == want.shape == (counts[rank], 64)
+                    scale = want.abs().max().item() if len(x) else 1.0
+                    report[f"{variant}/{b}/{r}"] = (
+                        torch.allclose(got, want, rtol=1e-5, atol=1e-6 * scale),
+                        scale,
+                    )
+        answers.put((rank, report))
+        dist.destroy_process_group()
+    except BaseException as exc:  # reported to the test
+        answers.put((rank, repr(exc)))
+
+
+@pytest.mark.timeout(240)
+def test_ep2_blocks_match_the_replicated_block_across_two_processes(
+    checkpoints: dict[str, Path],
+) -> None:
+    ctx = mp.get_context("spawn")
+    answers = ctx.Queue()
+    port = free_port()
+    dirs = {k: str(p) for k, p in checkpoints.items()}
+    procs = [ctx.Process(target=_rank_main, args=(r, port, dirs, answers)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(answers.get(timeout=ANSWER_TIMEOUT_S) for _ in procs)
+    except queue_mod.Empty:
+        pytest.fail("an EP rank did not answer: a collective hung")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        report = results[rank]
+        assert isinstance(report, dict), f"rank {rank}: {report}"
+        assert len(report) == 3 * 2 * len(ROUNDS)
+        assert all(close for close, _ in report.values()), f"rank {rank}: {report}"
+        assert all(scale > 0.1 for _, scale in report.values())  # outputs are not trivial

@@ -1,0 +1,140 @@
+"""Expert parallelism: rank r of an EP group owns experts ``[r * n, (r + 1) * n)`` with
+``n = num_experts // size``. Each rank routes its own tokens, sends every (token, expert) pair to
+the expert's owner (``dispatch``), the owner runs its local experts with the fused-MoE kernel and
+sends the weighted results back (``combine``), and the sender sums them into token order.
+
+The index math (``plan_dispatch``, ``combine_into_tokens``, ``inverse_permutation``) is pure and
+needs no process group; ``all_to_all`` is the one thin wrapper over the collective (gloo on the
+CPU, NCCL on CUDA). Every rank of the group must call ``expert_parallel_moe`` once per MoE layer,
+with zero tokens too, or the others block."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shoal.kernels import ops
+
+
+@dataclass(frozen=True)
+class EPContext:
+    """This worker's rank in an expert-parallel group of ``size`` ranks (``group`` None = the
+    default process group)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"bad expert-parallel rank {self.rank} of size {self.size}")
+
+    def experts_per_rank(self, num_experts: int) -> int:
+        if num_experts % self.size:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by expert-parallel size {self.size}"
+            )
+        return num_experts // self.size
+
+    def local_experts(self, num_experts: int) -> range:
+        """The global ids of the experts this rank holds, contiguous."""
+        n = self.experts_per_rank(num_experts)
+        return range(self.rank * n, (self.rank + 1) * n)
+
+    def owner_of(self, expert_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """The rank holding each expert id (same shape)."""
+        return torch.div(expert_ids, self.experts_per_rank(num_experts), rounding_mode="floor")
+
+
+@dataclass(frozen=True)
+class DispatchPlan:
+    """Where this rank's (token, expert) pairs go: ``order`` sorts the flat pairs by owner rank
+    (stable, so pairs keep token order within an owner), ``send_counts[r]`` pairs go to rank r,
+    and ``token_of[i]`` is the token of the i-th sorted pair."""
+
+    order: torch.Tensor  # [P] flat pair index, sorted by owner
+    send_counts: list[int]  # [size], sums to P
+    token_of: torch.Tensor  # [P] token index of each sorted pair
+
+
+def plan_dispatch(expert_ids: torch.Tensor, ep: EPContext, num_experts: int) -> DispatchPlan:
+    """Sort the pairs of ``expert_ids`` [T, top_k] by the rank owning their expert."""
+    top_k = expert_ids.shape[1] if expert_ids.dim() == 2 else 1
+    flat = expert_ids.reshape(-1)
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= num_experts):
+        raise ValueError(f"expert ids outside [0, {num_experts})")
+    owners = ep.owner_of(flat, num_experts)
+    order = torch.sort(owners, stable=True).indices
+    counts = torch.bincount(owners, minlength=ep.size)
+    return DispatchPlan(
+        order=order,
+        send_counts=[int(c) for c in counts.tolist()],
+        token_of=torch.div(order, top_k, rounding_mode="floor"),
+    )
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[order[i]] == i``: puts sorted pairs back into their flat order."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
+    return inv
+
+
+def combine_into_tokens(
+    results: torch.Tensor, plan: DispatchPlan, num_tokens: int
+) -> torch.Tensor:  # [P, hidden] in sorted-pair order -> [T, hidden]
+    """Sum each token's returned (already weighted) expert outputs."""
+    out = torch.zeros((num_tokens, results.shape[1]), dtype=results.dtype, device=results.device)
+    return out.index_add_(0, plan.token_of, results)
+
+
+def all_to_all(
+    send: torch.Tensor, send_counts: list[int], recv_counts: list[int], ep: EPContext
+) -> torch.Tensor:
+    """Rows ``send[...]`` split by ``send_counts`` go to each rank; returns the rows received,
+    ``recv_counts[r]`` from rank r, in rank order. Zero rows are fine (the call still happens)."""
+    recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
+    dist.all_to_all_single(
+        recv,
+        send.contiguous(),
+        output_split_sizes=recv_counts,
+        input_split_sizes=send_counts,
+        group=ep.group,
+    )
+    return recv
+
+
+def exchange_counts(send_counts: list[int], ep: EPContext, device: torch.device) -> list[int]:
+    """How many pairs each rank sends to this one (one count per rank goes each way)."""
+    send = torch.tensor(send_counts, dtype=torch.int64, device=device)
+    ones = [1] * ep.size
+    return [int(c) for c in all_to_all(send, ones, ones, ep).tolist()]
+
+
+def expert_parallel_moe(
+    x: torch.Tensor,  # [T, hidden]
+    weights: torch.Tensor,  # [T, top_k], x's dtype
+    ids: torch.Tensor,  # [T, top_k] global expert ids
+    w13: torch.Tensor,  # [local experts, 2 * inter, hidden]
+    w2: torch.Tensor,  # [local experts, hidden, inter]
+    ep: EPContext,
+    num_experts: int,
+) -> torch.Tensor:  # [T, hidden]
+    """Dispatch this rank's pairs to their owners, run the local experts on the pairs received,
+    and combine the results back into token order."""
+    plan = plan_dispatch(ids, ep, num_experts)
+    recv_counts = exchange_counts(plan.send_counts, ep, x.device)
+    flat_ids = ids.reshape(-1)[plan.order]
+    flat_weights = weights.reshape(-1)[plan.order]
+    send_x = x[plan.token_of]
+    recv_x = all_to_all(send_x, plan.send_counts, recv_counts, ep)
+    recv_ids = all_to_all(flat_ids, plan.send_counts, recv_counts, ep)
+    recv_weights = all_to_all(flat_weights, plan.send_counts, recv_counts, ep)
+    first = ep.local_experts(num_experts).start
+    local_ids = (recv_ids - first).unsqueeze(1)  # one pair per row: top_k = 1
+    results = ops.fused_moe(recv_x, w13, w2, recv_weights.unsqueeze(1), local_ids)
+    returned = all_to_all(results, recv_counts, plan.send_counts, ep)
+    return combine_into_tokens(returned, plan, x.shape[0])
