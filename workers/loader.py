@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from shoal.workers.config import CheckpointConfig, CheckpointConfigError
 from shoal.workers.models import MOE_ARCHITECTURES, DecoderForCausalLM, model_class_for
+from shoal.workers.moe.expert_parallel import EPContext
 from shoal.workers.parallel import TPContext
 
 PROGRESS_MIN_BYTES = 512 * 1024 * 1024
@@ -132,14 +133,16 @@ def build_model(
     device: str | torch.device,
     tp: TPContext,
     max_positions: int,
+    ep: EPContext | None = None,
 ) -> DecoderForCausalLM:
+    """The empty model for ``cfg``; ``ep`` spreads every sparse MLP's experts (dense: unused)."""
     cls = model_class_for(cfg.architecture)
     if tp.size > 1 and cfg.architecture in MOE_ARCHITECTURES:
         raise CheckpointConfigError(
             f"tensor parallelism is offered for dense models only, not {cfg.architecture}"
         )
     with torch.device(device):
-        model = cls(cfg, tp, dtype=dtype, device=device, max_positions=max_positions)
+        model = cls(cfg, tp, dtype=dtype, device=device, max_positions=max_positions, ep=ep)
     return model.eval()
 
 
@@ -151,8 +154,10 @@ def load_model(
     tp: TPContext | None = None,
     max_positions: int | None = None,
     progress: bool | None = None,
+    ep: EPContext | None = None,
 ) -> tuple[DecoderForCausalLM, CheckpointConfig]:
-    """Build the model for ``model_dir``'s architecture and fill every parameter from disk."""
+    """Build the model for ``model_dir``'s architecture and fill every parameter from disk
+    (with ``ep``: only this rank's experts)."""
     path = Path(model_dir)
     cfg = CheckpointConfig.from_dir(path)
     model = build_model(
@@ -161,6 +166,7 @@ def load_model(
         device=device,
         tp=tp or TPContext(),
         max_positions=max_positions or cfg.max_position_embeddings,
+        ep=ep,
     )
     try:
         loaded = model.load_weights(iter_checkpoint(path, progress=progress))

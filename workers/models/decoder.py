@@ -20,6 +20,7 @@ from shoal.workers.layers.embedding import Embedding, LMHead
 from shoal.workers.layers.linear import RowParallelLinear, column_linear, qkv_linear
 from shoal.workers.layers.norm import RMSNorm
 from shoal.workers.layers.rotary import RotaryEmbedding
+from shoal.workers.moe.expert_parallel import EPContext
 from shoal.workers.parallel import TPContext
 
 
@@ -166,10 +167,12 @@ class DecoderForCausalLM(nn.Module):
         dtype: torch.dtype,
         device,
         max_positions: int,
+        ep: EPContext | None = None,
     ) -> None:
         super().__init__()
         self.config = cfg
         self.tp = tp
+        self.ep = ep  # spreads the experts of every sparse MLP (``make_mlp``); None: all here
         rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, device=device)
         layers = [
             DecoderLayer(

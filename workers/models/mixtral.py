@@ -15,7 +15,9 @@ class MixtralForCausalLM(DecoderForCausalLM):
     def make_mlp(self, layer_idx: int, tp: TPContext, dtype: torch.dtype, device) -> nn.Module:  # type: ignore[no-untyped-def]
         moe = self.config.moe
         assert moe is not None
-        return SparseMoeBlock(self.config.hidden_size, moe, None, dtype=dtype, device=device)
+        return SparseMoeBlock(
+            self.config.hidden_size, moe, None, dtype=dtype, device=device, ep=self.ep
+        )
 
     def rename_checkpoint_tensor(self, name: str) -> str | None:
         return name.replace(".block_sparse_moe.", ".mlp.")

@@ -29,7 +29,7 @@ class Qwen2MoeForCausalLM(DecoderForCausalLM):
                 dtype=dtype,
                 device=device,
             )
-        return SparseMoeBlock(cfg.hidden_size, moe, shared, dtype=dtype, device=device)
+        return SparseMoeBlock(cfg.hidden_size, moe, shared, dtype=dtype, device=device, ep=self.ep)
 
 
 class Qwen3MoeForCausalLM(Qwen2MoeForCausalLM):
