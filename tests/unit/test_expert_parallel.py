@@ -1,7 +1,9 @@
 """Expert parallelism: the placement of experts on ranks, the pure dispatch/combine index math
 (hypothesis), loading only this rank's experts through the real loader path (per-expert and
 fused checkpoint tensors), and two real gloo processes whose EP=2 MoE blocks, fed different
-token batches (one rank idle), match the replicated block."""
+token batches (one rank idle), match the replicated block; and whole EP=2 models, built by
+``load_model(..., ep=...)``, whose prefill logits on each rank's own prompts match the replicated
+model's."""
 
 from __future__ import annotations
 
@@ -16,16 +18,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from shoal.workers.config import CheckpointConfig
+from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.layers.moe import SparseMoeBlock
-from shoal.workers.loader import _check_complete, build_model, iter_checkpoint, load_model
+from shoal.workers.loader import load_model
 from shoal.workers.moe.expert_parallel import (
     EPContext,
     combine_into_tokens,
     inverse_permutation,
     plan_dispatch,
 )
-from shoal.workers.parallel import TPContext
 from tests.fixtures.models import build_checkpoint
 from tests.unit.test_model_runner_tp import free_port
 
@@ -136,22 +137,8 @@ def fuse_experts(model_dir: Path, out_dir: Path, num_layers: int = 2) -> Path:
 
 def load_ep_model(model_dir: Path, ep: EPContext) -> Any:
     """The model with every sparse block's experts spread by ``ep``, loaded from disk through
-    the loader's own path (``load_weights`` and the completeness check)."""
-    cfg = CheckpointConfig.from_dir(model_dir)
-    model = build_model(cfg, dtype=torch.float32, device="cpu", tp=TPContext(), max_positions=64)
-    assert cfg.moe is not None
-    for layer in model.model.layers:
-        if isinstance(layer.mlp, SparseMoeBlock):
-            layer.mlp = SparseMoeBlock(
-                cfg.hidden_size,
-                cfg.moe,
-                layer.mlp.shared_expert,
-                dtype=torch.float32,
-                device="cpu",
-                ep=ep,
-            )
-    loaded = model.load_weights(iter_checkpoint(model_dir))
-    _check_complete(model, loaded, model_dir)
+    the loader's own path (``load_model(..., ep=...)``: build, ``load_weights``, completeness)."""
+    model, _ = load_model(model_dir, dtype=torch.float32, max_positions=64, ep=ep)
     return model
 
 
@@ -221,6 +208,16 @@ def test_a_group_of_one_holds_every_expert_and_needs_no_process_group(
     for ep_block, block in zip(moe_blocks(alone), moe_blocks(full), strict=True):
         assert torch.equal(ep_block.experts.w13, block.experts.w13)
         assert torch.equal(ep_block(x), block(x))
+
+
+def test_a_dense_model_ignores_the_expert_parallel_context(tmp_path: Path) -> None:
+    path = build_checkpoint("qwen2", tmp_path / "qwen2", with_tokenizer=False)
+    full, _ = load_model(path, dtype=torch.float32, max_positions=64)
+    ep_model = load_ep_model(path, EPContext(1, 2))  # no process group: nothing collective
+    for (name, a), (_, b) in zip(full.named_parameters(), ep_model.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    assert torch.equal(prefill_logits(ep_model, [prompt]), prefill_logits(full, [prompt]))
 
 
 # ---- two real processes --------------------------------------------------------------------
@@ -293,3 +290,108 @@ def test_ep2_blocks_match_the_replicated_block_across_two_processes(
         assert len(report) == 3 * 2 * len(ROUNDS)
         assert all(close for close, _ in report.values()), f"rank {rank}: {report}"
         assert all(scale > 0.1 for _, scale in report.values())  # outputs are not trivial
+
+
+# ---- whole models: load_model(..., ep=...) across two processes ----------------------------
+
+BLOCK_SIZE = 16
+# prompt lengths per rank in each forward: both ranks run every forward (the all-to-alls are
+# collective); one rank's batch is a single token
+FORWARDS = [([5, 3], [1]), ([2], [4, 7]), ([1], [9])]
+
+
+def prefill_logits(model: Any, prompts: list[torch.Tensor]) -> torch.Tensor:
+    """Every token's fp32 logits for one forward prefilling ``prompts`` from empty caches."""
+    cfg = model.config
+    blocks = [-(-len(p) // BLOCK_SIZE) for p in prompts]
+    for layer in model.attention_layers():
+        shape = (sum(blocks), BLOCK_SIZE, layer.num_kv_heads, cfg.head_dim)
+        layer.bind_cache(torch.zeros(shape), torch.zeros(shape))
+    lens = torch.tensor([len(p) for p in prompts], dtype=torch.int32)
+    table = torch.zeros(len(prompts), max(blocks), dtype=torch.int32)
+    first = 0
+    for row, n in enumerate(blocks):
+        table[row, :n] = torch.arange(first, first + n, dtype=torch.int32)
+        first += n
+    positions = torch.cat([torch.arange(len(p)) for p in prompts])
+    rows = torch.repeat_interleave(torch.arange(len(prompts)), lens.long())
+    slots = table[rows, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=table,
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0)]).int(),
+        seq_lens=lens,
+        max_query_len=int(lens.max()),
+        max_seq_len=int(lens.max()),
+    )
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.cat(prompts), positions, meta))
+
+
+def _model_rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None:
+    """One EP rank: each family's EP=2 model on this rank's prompts vs the replicated model."""
+    torch.set_num_threads(1)
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
+        report: dict[str, Any] = {}
+        for v, (variant, path) in enumerate(sorted(dirs.items())):
+            full, cfg = load_model(path, dtype=torch.float32, max_positions=64)
+            ep_model, _ = load_model(
+                path, dtype=torch.float32, max_positions=64, ep=EPContext(rank, 2)
+            )
+            check_holds_own_experts(ep_model, full, EPContext(rank, 2))
+            for f, lengths in enumerate(FORWARDS):
+                gen = torch.Generator().manual_seed(100 * v + 10 * f + rank)
+                prompts = [
+                    torch.randint(cfg.vocab_size, (n,), generator=gen) for n in lengths[rank]
+                ]
+                got, want = prefill_logits(ep_model, prompts), prefill_logits(full, prompts)
+                assert got.shape == want.shape == (sum(lengths[rank]), cfg.vocab_size)
+                scale = want.abs().max().item()
+                report[f"{variant}/{f}"] = (
+                    torch.allclose(got, want, rtol=1e-5, atol=1e-5 * scale),
+                    (got - want).abs().max().item(),
+                    scale,
+                )
+        answers.put((rank, report))
+        dist.destroy_process_group()
+    except BaseException as exc:  # reported to the test
+        answers.put((rank, repr(exc)))
+
+
+@pytest.mark.timeout(240)
+def test_ep2_models_from_load_model_match_the_replicated_model_across_two_processes(
+    checkpoints: dict[str, Path],
+) -> None:
+    ctx = mp.get_context("spawn")
+    answers = ctx.Queue()
+    port = free_port()
+    dirs = {k: str(checkpoints[k]) for k in ("mixtral", "qwen2_moe")}
+    procs = [ctx.Process(target=_model_rank_main, args=(r, port, dirs, answers)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(answers.get(timeout=ANSWER_TIMEOUT_S) for _ in procs)
+    except queue_mod.Empty:
+        pytest.fail("an EP rank did not answer: a collective hung")
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    for rank in (0, 1):
+        report = results[rank]
+        assert isinstance(report, dict), f"rank {rank}: {report}"
+        assert len(report) == 2 * len(FORWARDS)
+        assert all(close for close, _, _ in report.values()), f"rank {rank}: {report}"
+        assert all(scale > 0.1 for _, _, scale in report.values())  # logits are not trivial
