@@ -264,19 +264,16 @@ def _rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None
         answers.put((rank, repr(exc)))
 
 
-@pytest.mark.timeout(240)
-def test_ep2_blocks_match_the_replicated_block_across_two_processes(
-    checkpoints: dict[str, Path],
-) -> None:
+def run_two_ranks(target: Any, dirs: dict[str, str]) -> dict[int, Any]:
+    """Run ``target(rank, port, dirs, answers)`` in two spawned processes; each rank's report."""
     ctx = mp.get_context("spawn")
     answers = ctx.Queue()
     port = free_port()
-    dirs = {k: str(p) for k, p in checkpoints.items()}
-    procs = [ctx.Process(target=_rank_main, args=(r, port, dirs, answers)) for r in (0, 1)]
+    procs = [ctx.Process(target=target, args=(r, port, dirs, answers)) for r in (0, 1)]
     for p in procs:
         p.start()
     try:
-        results = dict(answers.get(timeout=ANSWER_TIMEOUT_S) for _ in procs)
+        return dict(answers.get(timeout=ANSWER_TIMEOUT_S) for _ in procs)
     except queue_mod.Empty:
         pytest.fail("an EP rank did not answer: a collective hung")
     finally:
@@ -284,6 +281,13 @@ def test_ep2_blocks_match_the_replicated_block_across_two_processes(
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+
+
+@pytest.mark.timeout(240)
+def test_ep2_blocks_match_the_replicated_block_across_two_processes(
+    checkpoints: dict[str, Path],
+) -> None:
+    results = run_two_ranks(_rank_main, {k: str(p) for k, p in checkpoints.items()})
     for rank in (0, 1):
         report = results[rank]
         assert isinstance(report, dict), f"rank {rank}: {report}"
@@ -373,22 +377,8 @@ def _model_rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -
 def test_ep2_models_from_load_model_match_the_replicated_model_across_two_processes(
     checkpoints: dict[str, Path],
 ) -> None:
-    ctx = mp.get_context("spawn")
-    answers = ctx.Queue()
-    port = free_port()
     dirs = {k: str(checkpoints[k]) for k in ("mixtral", "qwen2_moe")}
-    procs = [ctx.Process(target=_model_rank_main, args=(r, port, dirs, answers)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(answers.get(timeout=ANSWER_TIMEOUT_S) for _ in procs)
-    except queue_mod.Empty:
-        pytest.fail("an EP rank did not answer: a collective hung")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
+    results = run_two_ranks(_model_rank_main, dirs)
     for rank in (0, 1):
         report = results[rank]
         assert isinstance(report, dict), f"rank {rank}: {report}"
