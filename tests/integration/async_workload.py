@@ -11,7 +11,7 @@ from typing import Any
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.sampling import SamplingParams
 from tests.fixtures.models import make_prompts
-from tests.integration.conditions import pick_stop_string, read_then_hang_up
+from tests.integration.conditions import pick_stop_string, read_then_hang_up, wait_for
 from tests.integration.engine_stack import engine_stack
 
 # Only the engine-facing shape matters here: (token ids, finish reason) per completion.
@@ -82,6 +82,19 @@ async def run_prefix_hits(client: Any, tag: str = "") -> Results:
     first = await complete(client, [*PREFIX, 7, 8], greedy(6), f"pfx1{tag}")
     second = await complete(client, [*PREFIX, 9, 10, 11], greedy(6), f"pfx2{tag}")
     return {"pfx1": completions(first), "pfx2": completions(second)}
+
+
+async def settled_stats(published: Any) -> Any:
+    """The engine core's published stats once it is idle after the workload (the prefix runs,
+    the only cache hits, come last)."""
+
+    def settled() -> bool:
+        s = published.stats
+        idle = (s.num_running, s.num_waiting, s.num_steps_in_flight) == (0, 0, 0)
+        return idle and s.prefix_cache_hits > 0
+
+    await wait_for(settled, 60, "the engine core settles")
+    return published.stats
 
 
 async def run_in_one_process(

@@ -8,8 +8,7 @@ import pytest
 import pytest_asyncio
 
 from shoal.deploy.deployment import build_config
-from tests.integration.async_workload import run_all, run_in_one_process
-from tests.integration.conditions import wait_for
+from tests.integration.async_workload import run_all, run_in_one_process, settled_stats
 from tests.integration.process_deployment import process_deployment
 
 pytestmark = [
@@ -36,15 +35,7 @@ async def test_outputs_equal_async_off_in_one_process(deployment, tiny_checkpoin
     want = await run_in_one_process(tiny_checkpoint("llama"), OPTIONS, run_all)
     got = await run_all(client)
     assert got == want
-
-    def settled() -> bool:
-        """Idle after the last request (the second prefix one, the only cache hit) ran."""
-        s = published.stats
-        idle = (s.num_running, s.num_waiting, s.num_steps_in_flight) == (0, 0, 0)
-        return idle and s.prefix_cache_hits > 0
-
-    await wait_for(settled, 60, "the engine core settles")
-    stats = published.stats
+    stats = await settled_stats(published)
     assert stats.max_steps_in_flight == 2
     assert stats.num_finished_error == 0 and stats.prefix_cache_hits > 0
     assert stats.num_free_blocks == OPTIONS["num_gpu_blocks_override"] - 1

@@ -19,8 +19,8 @@ from tests.integration.async_workload import (
     greedy,
     run_all,
     run_in_one_process,
+    settled_stats,
 )
-from tests.integration.conditions import wait_for
 from tests.integration.process_deployment import process_deployment
 
 pytestmark = [
@@ -65,14 +65,7 @@ async def test_outputs_equal_a_plain_engine(deployment, markov_checkpoint):  # t
     seeded_got, _ = got.pop("seeded"), want.pop("seeded")
     assert seeded_got[0][1] in ("stop", "length") and 0 < len(seeded_got[0][0]) <= 10
     assert got == want
-
-    def settled() -> bool:
-        s = published.stats
-        idle = (s.num_running, s.num_waiting, s.num_steps_in_flight) == (0, 0, 0)
-        return idle and s.prefix_cache_hits > 0
-
-    await wait_for(settled, 60, "the engine core settles")
-    stats = published.stats
+    stats = await settled_stats(published)
     assert stats.spec_decode_num_drafts > 0
     assert 0 < stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     assert stats.num_finished_error == 0

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -223,21 +224,24 @@ def test_a_dense_model_ignores_the_expert_parallel_context(tmp_path: Path) -> No
 # ---- two real processes --------------------------------------------------------------------
 
 
-def _rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None:
-    """One EP rank: each variant's EP=2 blocks on this rank's tokens vs the replicated ones."""
-    torch.set_num_threads(1)
+def _join_gloo(rank: int, port: int) -> None:
+    """Join the two-rank gloo group of a spawned test process (one torch thread)."""
     from datetime import timedelta
 
-    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
 
+
+def _rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None:
+    """One EP rank: each variant's EP=2 blocks on this rank's tokens vs the replicated ones."""
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
+        _join_gloo(rank, port)
         ep = EPContext(rank, 2)
         report: dict[str, Any] = {}
         for v, (variant, path) in enumerate(sorted(dirs.items())):
@@ -334,19 +338,8 @@ def prefill_logits(model: Any, prompts: list[torch.Tensor]) -> torch.Tensor:
 
 def _model_rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None:
     """One EP rank: each family's EP=2 model on this rank's prompts vs the replicated model."""
-    torch.set_num_threads(1)
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=2,
-            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
+        _join_gloo(rank, port)
         report: dict[str, Any] = {}
         for v, (variant, path) in enumerate(sorted(dirs.items())):
             full, cfg = load_model(path, dtype=torch.float32, max_positions=64)

@@ -8,19 +8,8 @@ import math
 
 import pytest
 
-from shoal.bus.messages.engine import SchedulerStats
 from shoal.gateway.stats_logging import SpecDecodingInterval, StatsLogger
-
-
-def _stats(step: int, drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]):  # type: ignore[no-untyped-def]
-    return SchedulerStats(
-        step_id=step,
-        spec_decode_num_drafts=drafts,
-        spec_decode_num_draft_tokens=draft_tokens,
-        spec_decode_num_accepted_tokens=accepted,
-        spec_decode_num_accepted_tokens_per_pos=per_pos,
-    )
-
+from tests.unit.test_gateway_metrics_spec import _stats
 
 BEFORE = _stats(10, 100, 300, 150, [70, 50, 30])
 AFTER = _stats(50, 140, 420, 210, [100, 70, 40])  # +40 drafts, +120 drafted, +60 accepted
