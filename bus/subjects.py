@@ -79,6 +79,10 @@ class Subjects:
         """Where an engine core's workers send ``StepResult``."""
         return self._build("engine", engine_id, "results")
 
+    def lockstep(self) -> str:
+        """Rounds of the engine cores that run in lock-step (``LockstepMessage``)."""
+        return f"{self._root}.engine.lockstep.rounds"
+
     # engine core ↔ worker
     def worker_in(self, worker_id: str) -> str:
         """A worker's inbox: ``WorkerInbound`` (ExecuteStep, ResetWorker)."""

@@ -33,7 +33,7 @@ def actor_target(
     default = config.kv_transfer_config.cpu_tier_id if kind == "tier" else DEFAULT_IDS[kind]
     wanted = actor_id or default
     inits = [ns.tp_init_method or ""] * config.parallel_config.data_parallel_size
-    for plan in plan_actors(config, tp_init_methods=inits):
+    for plan in plan_actors(config, tp_init_methods=inits, ep_init_method=ns.ep_init_method):
         if plan.name == wanted and plan.kind == kind:
             return plan.target, dict(plan.kwargs)
     names = [p.name for p in plan_actors(config) if p.kind == kind]

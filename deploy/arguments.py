@@ -195,6 +195,33 @@ def _add_parallel_arguments(g: Group) -> None:
     )
     _option(g, "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=positive_int,
             help="workers per engine core sharing each layer")  # fmt: skip
+    _option(
+        g,
+        "--enable-expert-parallel",
+        dest="enable_expert_parallel",
+        help="spread each MoE layer's experts over the data-parallel ranks' workers",
+    )
+    _option(
+        g,
+        "--enable-dbo",
+        dest="enable_dbo",
+        help="dual-batch overlap: split large steps in two micro-batches so one computes while "
+        "the other's expert all-to-all is on the wire (needs expert parallelism)",
+    )
+    _option(
+        g,
+        "--dbo-decode-token-threshold",
+        dest="dbo_decode_token_threshold",
+        type=positive_int,
+        help="tokens from which a uniform decode step is split",
+    )
+    _option(
+        g,
+        "--dbo-prefill-token-threshold",
+        dest="dbo_prefill_token_threshold",
+        type=positive_int,
+        help="tokens from which any other step is split",
+    )
 
 
 def _add_bus_arguments(g: Group) -> None:

@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="torch.distributed rendezvous of the TP group, tcp://HOST:PORT",
     )
+    actor.add_argument(
+        "--ep-init-method",
+        default=None,
+        help="torch.distributed rendezvous of the expert-parallel group (every data-parallel "
+        "rank's worker), tcp://HOST:PORT",
+    )
     _add_http_arguments(actor)
     add_engine_arguments(actor)
 

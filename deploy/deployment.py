@@ -61,14 +61,20 @@ def worker_id(dp_rank: int, tp_rank: int) -> str:
 
 
 def plan_actors(
-    config: ShoalConfig, *, tp_init_methods: list[str] | None = None
+    config: ShoalConfig,
+    *,
+    tp_init_methods: list[str] | None = None,
+    ep_init_method: str | None = None,
 ) -> list[ActorPlan]:
     """Workers first (they load the model), then the engine cores that wait for them, then
     the recovery controller that watches the engine cores (if the config runs one).
 
     ``tp_init_methods[d]`` is the torch.distributed rendezvous (``tcp://host:port``) of data
     parallel rank d's tensor-parallel group; needed when ``tensor_parallel_size > 1``.
+    ``ep_init_method`` is the rendezvous of the expert-parallel group of every data-parallel
+    rank's worker; needed with ``enable_expert_parallel`` and ``data_parallel_size > 1``.
     """
+    ep_init = ep_init_method if config.parallel_config.runs_in_lockstep else None
     plans = plan_tiers(config)
     tp = config.parallel_config.tensor_parallel_size
     for d in range(config.parallel_config.data_parallel_size):
@@ -81,9 +87,11 @@ def plan_actors(
                 "tp_rank": t,
                 "tp_init_method": init,
                 "engine_id": engine_id(d),
+                "dp_rank": d,
+                "ep_init_method": ep_init,
             }
             plans.append(ActorPlan(wid, WORKER_TARGET, kwargs, "worker"))
-        kwargs = {"engine_id": engine_id(d), "config": config, "worker_ids": ids}
+        kwargs = {"engine_id": engine_id(d), "config": config, "worker_ids": ids, "dp_rank": d}
         plans.append(ActorPlan(engine_id(d), ENGINE_TARGET, kwargs, "engine"))
     if runs_recovery_controller(config):
         kwargs = {"actor_id": RECOVERY_ID, "config": config}

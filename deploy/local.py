@@ -88,7 +88,11 @@ async def _nats_actors(config: ShoalConfig, bus_url: str, bus: Bus) -> AsyncIter
         ActorSpec(
             p.name, p.target, bus_url, p.kwargs, env={"SHOAL_LOG_LEVEL": _log_level()}, kind=p.kind
         )
-        for p in plan_actors(config, tp_init_methods=tp_inits)
+        for p in plan_actors(
+            config,
+            tp_init_methods=tp_inits,
+            ep_init_method=f"tcp://127.0.0.1:{free_tcp_port()}",
+        )
     ]
     namespace = config.bus_config.namespace
     supervisor = Supervisor(specs, on_event=_log_child, status_bus=bus, namespace=namespace)

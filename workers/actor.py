@@ -33,7 +33,8 @@ collective) and is answered as if its forward pass had raised ``InjectedFault`` 
 The runner contract (``StepRunner``): ``load() -> facts`` (num_blocks, block_size,
 max_model_len, vocab_size, eos_token_ids; optionally the KV geometry num_layers, num_kv_heads,
 head_dim, kv_dtype for KV offload), ``execute(step) -> StepResult``, ``reset()``;
-optionally ``num_requests`` (else ``len(runner.batch)``), ``num_blocks_in_use`` and ``tp``
+optionally ``num_requests`` (else ``len(runner.batch)``), ``num_blocks_in_use``,
+``num_split_steps`` (steps run as two micro-batches, with DBO) and ``tp``
 (``.rank``/``.size``) for heartbeats and ``WorkerInfo``, and ``group`` (a ``GroupMember``, or
 None when the group is static or there is none) for ``JoinGroup``.
 """
@@ -132,8 +133,9 @@ def execute_or_explain(
 
 
 class WorkerActor(Actor):
-    """Serves one model runner: tensor-parallel rank ``tp_rank`` of the deployment ``config``
-    (built and loaded in ``on_start``), or, in tests and embedded use, an injected ``runner``."""
+    """Serves one model runner: tensor-parallel rank ``tp_rank`` of data-parallel rank
+    ``dp_rank`` of the deployment ``config`` (built and loaded in ``on_start``), or, in tests
+    and embedded use, an injected ``runner``."""
 
     kind: ClassVar[str] = "worker"
 
@@ -148,6 +150,8 @@ class WorkerActor(Actor):
         runner: StepRunner | None = None,
         port_board: PortBoard | None = None,
         engine_id: str | None = None,
+        dp_rank: int = 0,
+        ep_init_method: str | None = None,
         namespace: str = "shoal",  # without a config (an injected runner); else the config's
         heartbeat_interval_s: float = 1.0,
         drain_timeout_s: float = 30.0,
@@ -168,6 +172,8 @@ class WorkerActor(Actor):
         self.config = config
         self.tp_rank = tp_rank
         self.tp_init_method = tp_init_method
+        self.dp_rank = dp_rank
+        self.ep_init_method = ep_init_method  # the expert-parallel group's rendezvous, if any
         self.group_host = advertised_host(tp_init_method)  # where rank 0 hosts a new group
         self._port_board = port_board
         self.group_epoch: str | None = None  # the epoch of the group this rank is in
@@ -208,9 +214,10 @@ class WorkerActor(Actor):
             num_requests = num_requests_of(self.runner)
             if num_requests is not None:
                 figures["num_requests"] = float(num_requests)
-            in_use = getattr(self.runner, "num_blocks_in_use", None)
-            if in_use is not None:
-                figures["num_blocks_in_use"] = float(in_use)
+            for figure in ("num_blocks_in_use", "num_split_steps"):
+                value = getattr(self.runner, figure, None)
+                if value is not None:
+                    figures[figure] = float(value)
         return figures
 
     # -- messages ------------------------------------------------------------------------------
@@ -319,7 +326,13 @@ class WorkerActor(Actor):
         from shoal.workers.model_runner import ModelRunner  # heavy imports only where a model runs
 
         assert self.config is not None
-        return ModelRunner(self.config, tp_rank=self.tp_rank, tp_init_method=self.tp_init_method)
+        return ModelRunner(
+            self.config,
+            tp_rank=self.tp_rank,
+            tp_init_method=self.tp_init_method,
+            dp_rank=self.dp_rank,
+            ep_init_method=self.ep_init_method,
+        )
 
     def _require_runner(self) -> StepRunner:
         if self.runner is None:

@@ -36,6 +36,7 @@ from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run
 from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.loader import load_model
 from shoal.workers.models.decoder import DecoderForCausalLM
+from shoal.workers.moe.ep_step import ExpertParallelStep, join_expert_parallel
 from shoal.workers.parallel import TPContext, TPGroup, init_tensor_parallel
 from shoal.workers.rejections import Rejections
 from shoal.workers.request_store import RequestStore
@@ -81,12 +82,16 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_init_method: str | None = None,
         progress: bool | None = None,
+        dp_rank: int = 0,
+        ep_init_method: str | None = None,
     ) -> None:
         """Serves ``config.model_config.model`` as tensor-parallel rank ``tp_rank``.
         ``tp_init_method`` (``tcp://host:port``, the same on every rank) joins the
         tensor-parallel group in ``load`` unless the process already joined one. With fault
         tolerance on, ``load`` joins no group: ``group`` (a ``TPGroup``) joins one per epoch
-        when the worker is told to (``JoinGroup``), and can leave it for a new one."""
+        when the worker is told to (``JoinGroup``), and can leave it for a new one. With
+        expert parallelism, ``load`` joins the group of every data-parallel rank's worker at
+        ``ep_init_method`` as rank ``dp_rank`` (``workers.moe.ep_step``)."""
         self.config = config
         self.model_dir = Path(config.model_config.model)
         self.dtype = parse_dtype(config.model_config.resolved_dtype)
@@ -107,6 +112,9 @@ class ModelRunner:
         self.regions = RegionViews()  # CPU tier regions, mapped for KV offload copies
         self._dropped = DroppedLoads()  # requests out of the batch after a failed KV load
         self.spec: SpecDecoder | None = None  # speculative decoding, when enabled
+        self.dp_rank = dp_rank
+        self.ep_init_method = ep_init_method
+        self.ep_step: ExpertParallelStep | None = None  # with expert parallelism across DP
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -117,6 +125,9 @@ class ModelRunner:
             self._join_tp_group()
         cfg = CheckpointConfig.from_dir(self.model_dir)
         max_model_len = self._max_model_len(cfg)
+        self.ep_step = join_expert_parallel(
+            self.config, self.dp_rank, self.ep_init_method, self.device
+        )
         model, cfg = load_model(
             self.model_dir,
             dtype=self.dtype,
@@ -124,6 +135,7 @@ class ModelRunner:
             tp=self.tp,
             max_positions=max_model_len,
             progress=self.progress,
+            ep=self.ep_step.ep if self.ep_step is not None else None,
         )
         num_kv_heads = model.attention_layers()[0].num_kv_heads
         block_bytes = bytes_per_block(
@@ -228,6 +240,11 @@ class ModelRunner:
         return len(self.batch) if self._model is not None else 0
 
     @property
+    def num_split_steps(self) -> int | None:
+        """Steps run as two micro-batches (None: not in an expert-parallel group)."""
+        return self.ep_step.num_split_steps if self.ep_step is not None else None
+
+    @property
     def model(self) -> DecoderForCausalLM:
         if self._model is None:
             raise RuntimeError("ModelRunner.load() has not been called")
@@ -256,7 +273,14 @@ class ModelRunner:
             ]
             req_ids, num_scheduled = [req_ids[i] for i in kept], [num_scheduled[i] for i in kept]
         if not req_ids:
+            if step.lockstep and self.ep_step is not None:
+                self.ep_step.run_idle(self.model)  # the group's collectives need this rank
             return StepResult(step_id=step.step_id, error=refused, kv_transfer=transfer)
+        if self.ep_step is not None and not step.lockstep:
+            raise RuntimeError(
+                f"step {step.step_id} has tokens but is not a lock-step round: the other "
+                "expert-parallel ranks would not join its collectives"
+            )
         if sum(num_scheduled) > self.max_num_batched_tokens:
             raise ValueError(
                 f"step {step.step_id} schedules {sum(num_scheduled)} tokens, more "
@@ -266,7 +290,7 @@ class ModelRunner:
         num_drafts = spec.num_drafts(req_ids) if spec is not None else None
         inputs = self.batch.prepare_inputs(req_ids, num_scheduled, num_drafts)
         t1 = time.perf_counter()
-        hidden = self._forward(inputs)  # [T, hidden]
+        hidden = self._forward(inputs, expert_parallel=True)  # [T, hidden]
         sampling_idx = np.flatnonzero(inputs.is_sampling)  # [R] rows of the batch
         if spec is not None and spec.verifies(inputs, sampling_idx):
             t2 = time.perf_counter()
@@ -380,10 +404,14 @@ class ModelRunner:
             max_seq_len=inputs.max_seq_len,
         )
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+    def _forward(self, inputs: StepInputs, expert_parallel: bool = False) -> torch.Tensor:
+        """The model over the step's tokens; a step of an expert-parallel round through
+        ``ExpertParallelStep`` (which may split it into micro-batches)."""
         meta = self.prepare_metadata(inputs)
         input_ids = torch.from_numpy(inputs.input_ids).to(self.device, non_blocking=True)
         positions = torch.from_numpy(inputs.positions).to(self.device, non_blocking=True)
+        if expert_parallel and self.ep_step is not None:
+            return self.ep_step.forward(self.model, input_ids, positions, meta, inputs)
         return self.model(input_ids, positions, meta)
 
     @torch.inference_mode()

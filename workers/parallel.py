@@ -61,6 +61,16 @@ def init_tensor_parallel(
     rank: int, size: int, init_method: str, *, device: str = "cpu", timeout_s: float = 60.0
 ) -> TPContext:
     """Join the default process group (once per process) and return this rank's context."""
+    join_default_group(rank, size, init_method, device=device, timeout_s=timeout_s)
+    return TPContext(rank=rank, size=size)
+
+
+def join_default_group(
+    rank: int, size: int, init_method: str, *, device: str = "cpu", timeout_s: float = 60.0
+) -> None:
+    """Join the process's default group as ``rank`` of ``size`` at ``init_method`` (gloo on
+    the CPU, NCCL on CUDA), unless alone or already joined. Its collectives raise after
+    ``timeout_s`` when a peer never arrives."""
     if size > 1 and not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
         dist.init_process_group(
@@ -70,7 +80,6 @@ def init_tensor_parallel(
             world_size=size,
             timeout=timedelta(seconds=timeout_s),
         )
-    return TPContext(rank=rank, size=size)
 
 
 def destroy_tensor_parallel() -> None:

@@ -37,6 +37,7 @@ POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("sha256", "xxhash")
 BUS_KINDS = ("nats", "memory")
 MAX_BLOCK_SIZE = 128
+NUM_UBATCHES = 2  # micro-batches of a DBO step
 
 
 class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -135,19 +136,51 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
 
 
 class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """Engine cores (data parallel), workers per engine core (tensor parallel), and how long an
-    engine core waits for its workers."""
+    """Engine cores (data parallel), workers per engine core (tensor parallel), how long an
+    engine core waits for its workers, and MoE scale-out (vLLM's names): with
+    ``enable_expert_parallel`` the experts of every MoE layer are spread over the workers of
+    all data-parallel ranks (one expert-parallel group) and the engine cores run their steps in
+    lock-step; ``enable_dbo`` splits a step into two micro-batches when every rank has at least
+    the threshold's tokens for its kind (a uniform decode, or any other batch)."""
 
     data_parallel_size: int = 1
     tensor_parallel_size: int = 1
     step_timeout_s: float = 120.0  # a worker step taking longer than this counts as failed
     worker_dead_after_s: float = 5.0  # a worker silent this long counts as dead
+    enable_expert_parallel: bool = False
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
 
     def __post_init__(self) -> None:
         _positive(self, "data_parallel_size", "tensor_parallel_size")
         for option in ("step_timeout_s", "worker_dead_after_s"):
             value = getattr(self, option)
             _require(value > 0, option, f"must be positive, got {value}")
+        for option in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
+            value = getattr(self, option)
+            _require(value >= NUM_UBATCHES, option, f"must be at least {NUM_UBATCHES}, got {value}")
+        _require(
+            not self.enable_dbo or self.enable_expert_parallel,
+            "enable_dbo",
+            "overlaps the expert all-to-all: it needs enable_expert_parallel",
+        )
+        _require(
+            not self.enable_expert_parallel or self.tensor_parallel_size == 1,
+            "enable_expert_parallel",
+            "spreads experts over data-parallel ranks only: use tensor_parallel_size 1 "
+            "(scale out with data_parallel_size)",
+        )
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Workers sharing the experts (1: each holds them all)."""
+        return self.data_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def runs_in_lockstep(self) -> bool:
+        """Whether the engine cores must run every step together (a collective spans them)."""
+        return self.expert_parallel_size > 1
 
 
 class BusConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -218,6 +251,12 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             "tensor_parallel_size",
             "> 1 runs one worker process per rank, which the in-memory bus cannot reach: "
             "use the NATS bus",
+        )
+        _require(
+            self.bus_config.bus != "memory" or not self.parallel_config.runs_in_lockstep,
+            "enable_expert_parallel",
+            "with data_parallel_size > 1 runs one worker process per rank, which the in-memory "
+            "bus cannot reach: use the NATS bus",
         )
         _require(
             not self.kv_transfer_config.enabled or self.cache_config.enable_prefix_caching,

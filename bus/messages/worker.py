@@ -91,6 +91,9 @@ class ExecuteStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     preempted_req_ids: list[str] = []
     kv_transfers: KVTransfers | None = None  # KV offload copies, run before the forward pass
     num_spec_tokens: int = 0  # drafts to propose after this step per sampling request (K)
+    # A round of the engine cores' lock-step group (expert parallelism): every rank's workers
+    # run this step's collectives, with no tokens too (``bus/messages/lockstep.py``).
+    lockstep: bool = False
 
     def batch_order(self) -> BatchOrder:
         """Scheduled request ids and their token counts, in batch order."""

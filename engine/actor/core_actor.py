@@ -47,6 +47,7 @@ from shoal.bus.messages.fault import (
     EngineControl,
 )
 from shoal.engine.actor.fault_handling import FaultHandlingActor
+from shoal.engine.actor.lockstep_link import LockstepLink
 from shoal.engine.actor.offload_link import OffloadLink, kv_layout
 from shoal.engine.actor.sentinel import FaultSentinel
 from shoal.engine.actor.worker_link import SentStep, WorkerFailure, WorkerLink
@@ -69,6 +70,7 @@ class EngineCoreActor(FaultHandlingActor):
         *,
         config: ShoalConfig,
         worker_ids: Sequence[str],
+        dp_rank: int = 0,
         startup_timeout_s: float = 600.0,
         stats_interval_s: float = 0.05,
         heartbeat_interval_s: float = 1.0,
@@ -115,6 +117,12 @@ class EngineCoreActor(FaultHandlingActor):
         self._control_codec: Codec[EngineControl] = Codec(EngineControl)
         self.num_steps_sent = 0
         self.num_handshakes = 0
+        parallel = config.parallel_config
+        self.lockstep = (
+            LockstepLink(bus, self.subjects, dp_rank, parallel.data_parallel_size, self._wake.set)
+            if parallel.runs_in_lockstep
+            else None
+        )
         self.offload = (
             OffloadLink(
                 bus,
@@ -140,6 +148,8 @@ class EngineCoreActor(FaultHandlingActor):
         ]
 
     async def on_start(self) -> None:
+        if self.lockstep is not None:
+            await self.lockstep.start()
         await self.workers.start()
         await self._connect_workers()
 
@@ -159,6 +169,8 @@ class EngineCoreActor(FaultHandlingActor):
             await self._publish(self.core.fail_all(reason, resumable=self.sentinel.enabled))
         if self.offload is not None:
             await self.offload.stop()
+        if self.lockstep is not None:
+            await self.lockstep.stop()
         await self.workers.stop()
 
     async def _connect_workers(self, timeout_s: float | None = None) -> None:
@@ -195,6 +207,11 @@ class EngineCoreActor(FaultHandlingActor):
             "kv_usage": stats.kv_usage,
             "num_faults": float(self.sentinel.num_faults),
             "num_recoveries": float(self.sentinel.num_recoveries),
+            **(
+                {"num_lockstep_rounds": float(self.lockstep.rounds.next_round)}
+                if self.lockstep
+                else {}
+            ),
         }
 
     # ----- inputs
@@ -225,7 +242,7 @@ class EngineCoreActor(FaultHandlingActor):
         while True:
             core = self.core
             assert core is not None
-            if not core.has_work():
+            if not core.has_work() and not self._peer_waiting():
                 self._busy = False  # the worker's wait for the next step is not idleness
                 self._wake.clear()
                 await self._publish_stats(force=True)  # also lets new clients discover us
@@ -254,15 +271,29 @@ class EngineCoreActor(FaultHandlingActor):
         await self._publish(outputs)
         await self._publish_stats()
 
+    def _peer_waiting(self) -> bool:
+        return self.lockstep is not None and self.lockstep.peer_waiting
+
     async def _submit_next(self, core: EngineCore) -> bool:
-        """Schedule a step and send it; False when there was nothing to run."""
+        """Schedule a step and send it; False when there was nothing to run. In a lock-step
+        group the engine cores first agree on the round: all step (a rank without tokens
+        sends a dummy) if any has tokens."""
         scheduler_output = core.schedule()
-        if scheduler_output is None or scheduler_output.is_empty:
+        in_round = False
+        if self.lockstep is not None:
+            num_tokens = scheduler_output.total_num_scheduled_tokens if scheduler_output else 0
+            timeout_s = self.config.parallel_config.step_timeout_s
+            in_round = (await self.lockstep.agree(num_tokens, timeout_s)).runs
+            if in_round and not num_tokens:
+                scheduler_output = core.hold_dummy(scheduler_output)
+        if scheduler_output is None or (scheduler_output.is_empty and not in_round):
             return False
         self.sentinel.check_injection(self.num_steps_sent)
         self.num_steps_sent += 1
         self.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
-        sent = await self.workers.submit(scheduler_output.to_message())
+        message = scheduler_output.to_message()
+        message.lockstep = in_round
+        sent = await self.workers.submit(message)
         if self.offload is not None:
             self.offload.flush()  # lookups of requests parked by this schedule go out now
         self._in_flight.append((scheduler_output, sent, self._busy))

@@ -167,6 +167,18 @@ class EngineCore:
             self.outstanding.append(scheduler_output)
         return scheduler_output
 
+    def hold_dummy(self, scheduler_output: SchedulerOutput | None) -> SchedulerOutput:
+        """The step to send when this rank has no tokens but its lock-step group runs a round
+        (``engine/core/lockstep.py``): ``scheduler_output`` (what ``schedule`` gave, perhaps
+        None or empty), made outstanding like any step so its result lands in order."""
+        if scheduler_output is None:
+            scheduler_output = self.scheduler.schedule()  # nothing to run: an empty step
+        if scheduler_output.total_num_scheduled_tokens:
+            raise ValueError(f"step {scheduler_output.step_id} has tokens: not a dummy")
+        if scheduler_output.is_empty:
+            self.outstanding.append(scheduler_output)
+        return scheduler_output
+
     def apply_result(self, scheduler_output: SchedulerOutput, result: StepResult) -> ClientOutputs:
         """Aborts that arrived during the step first, then the step's tokens.
 

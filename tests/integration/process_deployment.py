@@ -51,15 +51,21 @@ class ProcessDeployment:
 
 @contextlib.asynccontextmanager
 async def process_deployment(
-    nats_url: str, config: ShoalConfig, tp_init_methods: list[str] | None = None
+    nats_url: str,
+    config: ShoalConfig,
+    tp_init_methods: list[str] | None = None,
+    ep_init_method: str | None = None,
 ) -> AsyncIterator[ProcessDeployment]:
     """``config``'s actors as supervised processes with fast heartbeats, and a started client
     that has seen every engine core ready and engine-0's first stats (``tp_init_methods``: the
-    tensor-parallel rendezvous of each engine core, as ``plan_actors`` takes them)."""
+    tensor-parallel rendezvous of each engine core, ``ep_init_method`` the expert-parallel
+    group's, as ``plan_actors`` takes them)."""
     namespace = config.bus_config.namespace
     specs = [
         ActorSpec(p.name, p.target, nats_url, {**p.kwargs, **FAST_HEARTBEATS}, kind=p.kind)
-        for p in plan_actors(config, tp_init_methods=tp_init_methods)
+        for p in plan_actors(
+            config, tp_init_methods=tp_init_methods, ep_init_method=ep_init_method
+        )
     ]
     bus = await connect_bus(nats_url)
     published = PublishedStats()

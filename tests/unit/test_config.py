@@ -70,6 +70,11 @@ def test_options_and_json_round_trip() -> None:
         ({"bus": "pigeon"}, "bus"),
         ({"bus": "memory", "tensor_parallel_size": 2}, "NATS bus"),
         ({"step_timeout_s": 0}, "step_timeout_s"),
+        ({"enable_dbo": True}, "needs enable_expert_parallel"),
+        ({"enable_expert_parallel": True, "tensor_parallel_size": 2}, "enable_expert_parallel"),
+        ({"enable_expert_parallel": True, "data_parallel_size": 2, "bus": "memory"}, "NATS"),
+        ({"dbo_decode_token_threshold": 1}, "dbo_decode_token_threshold"),
+        ({"dbo_prefill_token_threshold": 0}, "dbo_prefill_token_threshold"),
     ],
 )
 def test_invalid_values_name_the_option_when_built_and_when_decoded(options, option) -> None:  # type: ignore[no-untyped-def]
@@ -192,6 +197,21 @@ def test_cli_flags_reach_their_options(tmp_path) -> None:  # type: ignore[no-unt
     assert config.cache_config.enable_prefix_caching is False
     assert config.parallel_config.tensor_parallel_size == 2
     assert config.bus_config.namespace == "x"
+
+
+def test_expert_parallel_and_dbo_flags_follow_vllm(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    parallel = config_from_namespace(_parse(), str(tmp_path)).parallel_config
+    assert (parallel.enable_expert_parallel, parallel.enable_dbo) == (False, False)
+    assert (parallel.dbo_decode_token_threshold, parallel.dbo_prefill_token_threshold) == (32, 512)
+    assert parallel.expert_parallel_size == 1 and not parallel.runs_in_lockstep
+    ns = _parse(
+        "-dp", "2", "--enable-expert-parallel", "--enable-dbo",
+        "--dbo-decode-token-threshold", "8", "--dbo-prefill-token-threshold", "64",
+    )  # fmt: skip
+    parallel = config_from_namespace(ns, str(tmp_path)).parallel_config
+    assert (parallel.enable_expert_parallel, parallel.enable_dbo) == (True, True)
+    assert (parallel.dbo_decode_token_threshold, parallel.dbo_prefill_token_threshold) == (8, 64)
+    assert parallel.expert_parallel_size == 2 and parallel.runs_in_lockstep
 
 
 def test_cli_refuses_a_missing_model_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]

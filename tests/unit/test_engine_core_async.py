@@ -179,3 +179,23 @@ def test_a_reused_request_id_does_not_get_the_tokens_of_the_request_it_replaces(
     assert core.scheduler.requests["a"].num_output_tokens == 0
     outputs = by_request(core.apply_result(third, worker.execute(third.to_message())))
     assert len(outputs["a"][0].new_token_ids) == 1
+
+
+def test_a_dummy_step_is_outstanding_in_order_and_lands_as_nothing() -> None:
+    """A lock-step round where this rank has no tokens: the dummy step it sends is outstanding
+    behind the real one in flight and lands without touching a request."""
+    core = make_core()
+    assert core.hold_dummy(None).step_id == 1 and len(core.outstanding) == 1  # idle engine
+    dummy = core.outstanding[0]
+    assert core.apply_result(dummy, StepResult(step_id=dummy.step_id)) == {}
+    core.admit(add("a", max_tokens=1))
+    real = schedule(core)
+    empty = core.hold_dummy(core.schedule())  # a's one token is booked: nothing else to run
+    assert list(core.outstanding) == [real, empty] and empty.step_id == real.step_id + 1
+    with pytest.raises(ValueError, match="not a dummy"):
+        core.hold_dummy(real)
+    worker = FakeWorker(block_size=4)
+    outputs = by_request(core.apply_result(real, worker.execute(real.to_message())))
+    assert [o.new_token_ids for o in outputs["a"]] == [[worker.token_for("a", 6)]]
+    assert core.apply_result(empty, StepResult(step_id=empty.step_id)) == {}
+    assert not core.outstanding

@@ -1,0 +1,34 @@
+"""Engine core ↔ engine core: the rounds of a lock-step group (expert parallelism).
+
+With ``enable_expert_parallel`` every MoE layer of every step is a collective across the
+workers of all data-parallel ranks, so the engine cores must send their workers the same number
+of steps. Before each step every engine core of the group publishes a ``LockstepReport`` for
+its next round on ``subjects.lockstep()`` (the tokens it scheduled, 0 for none) and waits for
+every rank's report of that round; the round runs when any rank has tokens (a rank with none
+sends its workers a dummy step), and nobody steps when all report none.
+
+A rank that receives a report for a round it has already passed (the sender restarted) answers
+with a ``LockstepHint`` naming its next round; the sender moves its pending report there.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class LockstepReport(msgspec.Struct, tag="lockstep_report", array_like=True, frozen=True):
+    """Rank ``rank``'s report for ``round``: ``num_tokens`` scheduled (0: nothing to run)."""
+
+    rank: int
+    round: int
+    num_tokens: int
+
+
+class LockstepHint(msgspec.Struct, tag="lockstep_hint", array_like=True, frozen=True):
+    """Rank ``rank`` is at ``next_round`` (sent to a rank that reported an earlier round)."""
+
+    rank: int
+    next_round: int
+
+
+LockstepMessage = LockstepReport | LockstepHint
