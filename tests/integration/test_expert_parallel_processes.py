@@ -101,7 +101,11 @@ async def assert_idle_deployment_sleeps(beats: Beats) -> None:
     def counts() -> dict[str, float]:
         return {**beats.figure("num_steps"), **beats.figure("num_lockstep_rounds")}
 
-    for _ in range(2):  # the first wait lets the last steps in flight land
-        before, seen = counts(), beats.num_beats
+    async def ten_more_beats() -> None:
+        seen = beats.num_beats
         await wait_for(lambda: beats.num_beats >= seen + 10, 30, "ten more heartbeats")
+
+    await ten_more_beats()  # the last steps in flight land
+    before = counts()
+    await ten_more_beats()
     assert len(before) == 4 and counts() == before
