@@ -63,9 +63,7 @@ async def process_deployment(
     namespace = config.bus_config.namespace
     specs = [
         ActorSpec(p.name, p.target, nats_url, {**p.kwargs, **FAST_HEARTBEATS}, kind=p.kind)
-        for p in plan_actors(
-            config, tp_init_methods=tp_init_methods, ep_init_method=ep_init_method
-        )
+        for p in plan_actors(config, tp_init_methods=tp_init_methods, ep_init_method=ep_init_method)
     ]
     bus = await connect_bus(nats_url)
     published = PublishedStats()
