@@ -7,8 +7,6 @@ model's."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue as queue_mod
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +27,8 @@ from shoal.workers.moe.expert_parallel import (
     plan_dispatch,
 )
 from tests.fixtures.models import build_checkpoint
-from tests.unit.test_model_runner_tp import free_port
+from tests.unit.ep_ranks import join_gloo, run_two_ranks
 
-COLLECTIVE_TIMEOUT_S = 30.0  # a rank that skips a collective fails the other within this
-ANSWER_TIMEOUT_S = 150.0
 # tokens per rank in each round: different batches, and idle rounds (rank 0 twice, rank 1 once)
 ROUNDS = [(5, 3), (0, 4), (0, 2), (6, 0), (1, 2)]
 
@@ -224,24 +220,10 @@ def test_a_dense_model_ignores_the_expert_parallel_context(tmp_path: Path) -> No
 # ---- two real processes --------------------------------------------------------------------
 
 
-def _join_gloo(rank: int, port: int) -> None:
-    """Join the two-rank gloo group of a spawned test process (one torch thread)."""
-    from datetime import timedelta
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-
-
 def _rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None:
     """One EP rank: each variant's EP=2 blocks on this rank's tokens vs the replicated ones."""
     try:
-        _join_gloo(rank, port)
+        join_gloo(rank, port)
         ep = EPContext(rank, 2)
         report: dict[str, Any] = {}
         for v, (variant, path) in enumerate(sorted(dirs.items())):
@@ -266,25 +248,6 @@ def _rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the test
         answers.put((rank, repr(exc)))
-
-
-def run_two_ranks(target: Any, dirs: dict[str, str]) -> dict[int, Any]:
-    """Run ``target(rank, port, dirs, answers)`` in two spawned processes; each rank's report."""
-    ctx = mp.get_context("spawn")
-    answers = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, dirs, answers)) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        return dict(answers.get(timeout=ANSWER_TIMEOUT_S) for _ in procs)
-    except queue_mod.Empty:
-        pytest.fail("an EP rank did not answer: a collective hung")
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
 
 
 @pytest.mark.timeout(240)
@@ -339,7 +302,7 @@ def prefill_logits(model: Any, prompts: list[torch.Tensor]) -> torch.Tensor:
 def _model_rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None:
     """One EP rank: each family's EP=2 model on this rank's prompts vs the replicated model."""
     try:
-        _join_gloo(rank, port)
+        join_gloo(rank, port)
         report: dict[str, Any] = {}
         for v, (variant, path) in enumerate(sorted(dirs.items())):
             full, cfg = load_model(path, dtype=torch.float32, max_positions=64)

@@ -4,12 +4,27 @@ the expert's owner (``dispatch``), the owner runs its local experts with the fus
 sends the weighted results back (``combine``), and the sender sums them into token order.
 
 The index math (``plan_dispatch``, ``combine_into_tokens``, ``inverse_permutation``) is pure and
-needs no process group; ``all_to_all`` is the one thin wrapper over the collective (gloo on the
-CPU, NCCL on CUDA). Every rank of the group must call ``expert_parallel_moe`` once per MoE layer,
-with zero tokens too, or the others block."""
+needs no process group; ``start_all_to_all`` is the one thin wrapper over the collective (gloo
+on the CPU, NCCL on CUDA). Every rank of the group must call ``expert_parallel_moe`` once per
+MoE layer, with zero tokens too, or the others block.
+
+Dual-batch overlap: each all-to-all of a layer (counts, dispatch, combine) is issued
+asynchronously, then ``dbo_yield()`` hands the turn to the other micro-batch, which computes
+while it is in flight, and the result is awaited when the turn comes back. Outside DBO the yield
+does nothing and the wait follows the issue at once. Collective order across ranks: every rank
+runs the same model over the same number of micro-batches (the split is agreed by all ranks,
+and an idle rank never splits), each micro-batch yields exactly three times per MoE layer
+whatever its token count, and the ping-pong interleaving depends only on those yields, so every
+rank issues the same sequence of collectives.
+
+``EPContext.link_delay_s`` is injected latency for benchmarks only: it emulates a cross-host
+link by making each all-to-all's completion observable no earlier than its issue time plus the
+delay (a sync call returns after it; an async one's ``wait`` blocks until then, so under DBO
+the delay overlaps the other micro-batch's compute)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,20 +32,25 @@ import torch
 import torch.distributed as dist
 
 from shoal.kernels import ops
+from shoal.workers.dbo.ubatching import dbo_yield
 
 
 @dataclass(frozen=True)
 class EPContext:
     """This worker's rank in an expert-parallel group of ``size`` ranks (``group`` None = the
-    default process group)."""
+    default process group). ``link_delay_s``: injected latency of every all-to-all, for
+    benchmarks that emulate a cross-host link (0: none)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    link_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"bad expert-parallel rank {self.rank} of size {self.size}")
+        if not self.link_delay_s >= 0.0:
+            raise ValueError(f"link_delay_s must be >= 0; got {self.link_delay_s}")
 
     def experts_per_rank(self, num_experts: int) -> int:
         if num_experts % self.size:
@@ -91,27 +111,66 @@ def combine_into_tokens(
     return out.index_add_(0, plan.token_of, results)
 
 
-def all_to_all(
+class PendingAllToAll:
+    """An all-to-all in flight; ``wait`` returns the rows received once the collective is done
+    and no earlier than its issue time plus ``EPContext.link_delay_s`` (the injected latency)."""
+
+    def __init__(self, recv: torch.Tensor, send: torch.Tensor, work: Any, ready_at: float):
+        self.recv = recv
+        self._send = send  # kept alive until the collective is done
+        self._work = work
+        self._ready_at = ready_at
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        remaining = self._ready_at - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return self.recv
+
+
+def start_all_to_all(
     send: torch.Tensor, send_counts: list[int], recv_counts: list[int], ep: EPContext
-) -> torch.Tensor:
-    """Rows ``send[...]`` split by ``send_counts`` go to each rank; returns the rows received,
-    ``recv_counts[r]`` from rank r, in rank order. Zero rows are fine (the call still happens)."""
+) -> PendingAllToAll:
+    """Issue the all-to-all: rows ``send[...]`` split by ``send_counts`` go to each rank; the
+    pending result holds the rows received, ``recv_counts[r]`` from rank r, in rank order.
+    Zero rows are fine (the call still happens)."""
+    issued_at = time.perf_counter()
     recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
-    dist.all_to_all_single(
+    send = send.contiguous()
+    work = dist.all_to_all_single(
         recv,
-        send.contiguous(),
+        send,
         output_split_sizes=recv_counts,
         input_split_sizes=send_counts,
         group=ep.group,
+        async_op=True,
     )
-    return recv
+    return PendingAllToAll(recv, send, work, issued_at + ep.link_delay_s)
+
+
+def all_to_all(
+    send: torch.Tensor, send_counts: list[int], recv_counts: list[int], ep: EPContext
+) -> torch.Tensor:
+    """``start_all_to_all`` and wait for it."""
+    return start_all_to_all(send, send_counts, recv_counts, ep).wait()
+
+
+def start_count_exchange(
+    send_counts: list[int], ep: EPContext, device: torch.device
+) -> PendingAllToAll:
+    """Issue the exchange of pair counts (one count per rank goes each way); the pending result
+    holds how many pairs each rank sends to this one."""
+    send = torch.tensor(send_counts, dtype=torch.int64, device=device)
+    ones = [1] * ep.size
+    return start_all_to_all(send, ones, ones, ep)
 
 
 def exchange_counts(send_counts: list[int], ep: EPContext, device: torch.device) -> list[int]:
-    """How many pairs each rank sends to this one (one count per rank goes each way)."""
-    send = torch.tensor(send_counts, dtype=torch.int64, device=device)
-    ones = [1] * ep.size
-    return [int(c) for c in all_to_all(send, ones, ones, ep).tolist()]
+    """How many pairs each rank sends to this one."""
+    return [int(c) for c in start_count_exchange(send_counts, ep, device).wait().tolist()]
 
 
 def expert_parallel_moe(
@@ -124,17 +183,19 @@ def expert_parallel_moe(
     num_experts: int,
 ) -> torch.Tensor:  # [T, hidden]
     """Dispatch this rank's pairs to their owners, run the local experts on the pairs received,
-    and combine the results back into token order."""
+    and combine the results back into token order; yields to the other micro-batch (under
+    DBO) while each of the three all-to-all steps is in flight."""
     plan = plan_dispatch(ids, ep, num_experts)
-    recv_counts = exchange_counts(plan.send_counts, ep, x.device)
-    flat_ids = ids.reshape(-1)[plan.order]
-    flat_weights = weights.reshape(-1)[plan.order]
-    send_x = x[plan.token_of]
-    recv_x = all_to_all(send_x, plan.send_counts, recv_counts, ep)
-    recv_ids = all_to_all(flat_ids, plan.send_counts, recv_counts, ep)
-    recv_weights = all_to_all(flat_weights, plan.send_counts, recv_counts, ep)
+    counts = start_count_exchange(plan.send_counts, ep, x.device)
+    dbo_yield()
+    recv_counts = [int(c) for c in counts.wait().tolist()]
+    sends = (x[plan.token_of], ids.reshape(-1)[plan.order], weights.reshape(-1)[plan.order])
+    dispatch = [start_all_to_all(t, plan.send_counts, recv_counts, ep) for t in sends]
+    dbo_yield()
+    recv_x, recv_ids, recv_weights = (pending.wait() for pending in dispatch)
     first = ep.local_experts(num_experts).start
     local_ids = (recv_ids - first).unsqueeze(1)  # one pair per row: top_k = 1
     results = ops.fused_moe(recv_x, w13, w2, recv_weights.unsqueeze(1), local_ids)
-    returned = all_to_all(results, recv_counts, plan.send_counts, ep)
-    return combine_into_tokens(returned, plan, x.shape[0])
+    combine = start_all_to_all(results, recv_counts, plan.send_counts, ep)
+    dbo_yield()
+    return combine_into_tokens(combine.wait(), plan, x.shape[0])
