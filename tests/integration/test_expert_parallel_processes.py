@@ -28,7 +28,7 @@ pytestmark = [
     pytest.mark.asyncio(loop_scope="module"),
 ]
 OPTIONS = {"num_gpu_blocks_override": 128, "max_num_seqs": 16, "max_num_batched_tokens": 64}
-DBO = {"enable_dbo": True, "dbo_decode_token_threshold": 4, "dbo_prefill_token_threshold": 16}
+DBO = {"enable_dbo": True, "dbo_decode_token_threshold": 2, "dbo_prefill_token_threshold": 8}
 PROMPTS = make_prompts((5, 90, 12, 33, 7, 20), seed=11)  # 90 tokens: two chunks at 64
 MAX_TOKENS = 8
 
@@ -59,8 +59,8 @@ async def generate_all(client: Any, prompts: list[list[int]], tag: str) -> list[
 
 @pytest.mark.parametrize(
     ("variant", "extra"),
-    [("mixtral", {}), ("qwen3_moe", {})],
-    ids=["mixtral", "qwen3_moe"],
+    [("mixtral", {}), ("mixtral", DBO), ("qwen2_moe", DBO), ("qwen3_moe", {})],
+    ids=["mixtral", "mixtral-dbo", "qwen2_moe-dbo", "qwen3_moe"],
 )
 async def test_greedy_outputs_equal_transformers(  # type: ignore[no-untyped-def]
     nats_server, tiny_checkpoint, hf_reference, variant, extra

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shoal.bus.messages.config import NUM_UBATCHES, ParallelConfig, ShoalConfig
+from shoal.workers.dbo.forward import forward_ubatched
 from shoal.workers.dbo.thresholds import RankBatch, coordinate_batch_across_dp
 from shoal.workers.dbo.ubatch_slices import UBatchSlice, make_ubatch_slices
 from shoal.workers.input_batch import StepInputs
@@ -111,8 +112,6 @@ class ExpertParallelStep:
         slices = self.decide_split(inputs)
         if slices is None:
             return model(input_ids, positions, meta)
-        from shoal.workers.dbo.executor import forward_ubatched
-
         return forward_ubatched(model, input_ids, positions, meta, slices)
 
     def _gather(self, report: RankBatch) -> list[RankBatch]:
