@@ -23,6 +23,7 @@ from shoal.workers.dbo.ubatch_slices import UBatchSlice, make_ubatch_slices
 from shoal.workers.input_batch import StepInputs
 from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.layers.moe import FusedExperts
+from shoal.workers.models.decoder import DecoderForCausalLM
 from shoal.workers.moe.expert_parallel import EPContext
 from shoal.workers.parallel import join_default_group
 
@@ -103,7 +104,7 @@ class ExpertParallelStep:
 
     def forward(
         self,
-        model: nn.Module,
+        model: DecoderForCausalLM,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
