@@ -1,0 +1,51 @@
+"""The engine cores' lock-step link on its own, on the in-memory bus and on a real nats-server:
+two ranks agree on every round, a rank with nothing to do is woken to join a round, a restarted
+rank catches up, and a round a peer never reports ends in ``LockstepTimeout``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from shoal.bus.subjects import Subjects
+from shoal.engine.actor.lockstep_link import LockstepLink, LockstepTimeout
+from shoal.engine.core.lockstep import RoundOutcome
+from tests.integration.conditions import wait_for
+
+pytestmark = [pytest.mark.timeout(30), pytest.mark.asyncio]
+SUBJECTS = Subjects("lockstep-test")
+
+
+async def make_links(bus_factory, wakes: list[int]) -> list[LockstepLink]:  # type: ignore[no-untyped-def]
+    links = []
+    for rank in range(2):
+        bus = await bus_factory()
+        link = LockstepLink(bus, SUBJECTS, rank, 2, lambda rank=rank: wakes.append(rank))
+        await link.start()
+        links.append(link)
+    return links
+
+
+async def test_two_ranks_agree_and_an_idle_rank_is_woken(bus_factory) -> None:  # type: ignore[no-untyped-def]
+    wakes: list[int] = []
+    a, b = await make_links(bus_factory, wakes)
+    both = await asyncio.gather(a.agree(3, 5), b.agree(0, 5))
+    assert both == [RoundOutcome(0, (3, 0))] * 2
+    busy = asyncio.create_task(a.agree(0, 5))  # rank 1 has nothing to do ...
+    await wait_for(lambda: b.peer_waiting, 5, "rank 0's report")
+    assert 1 in wakes  # ... until rank 0 reports: it is woken to join
+    assert await b.agree(0, 5) == await busy == RoundOutcome(1, (0, 0))
+    assert not (await busy).runs
+    restarted = LockstepLink(b.bus, SUBJECTS, 1, 2, lambda: None)  # rank 1 starts over at 0
+    await b.stop()
+    await restarted.start()
+    both = await asyncio.gather(a.agree(1, 5), restarted.agree(2, 5))
+    assert both == [RoundOutcome(2, (1, 2))] * 2
+
+
+async def test_a_round_a_peer_never_reports_times_out(bus_factory) -> None:  # type: ignore[no-untyped-def]
+    a, _ = await make_links(bus_factory, [])
+    with pytest.raises(LockstepTimeout, match="round 0"):
+        await a.agree(4, 0.2)
+    assert a.rounds.pending is None and a.rounds.next_round == 0  # withdrawn: round 0 again
