@@ -77,6 +77,7 @@ from shoal.workers.group_ports import (
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+EXPERT_GROUP_OWNER = "experts"  # the key of the expert-parallel group (no engine id is one)
 
 
 class RunnerFacts(Protocol):
@@ -174,7 +175,8 @@ class WorkerActor(Actor):
         self.tp_init_method = tp_init_method
         self.dp_rank = dp_rank
         self.ep_init_method = ep_init_method  # the expert-parallel group's rendezvous, if any
-        self.group_host = advertised_host(tp_init_method)  # where rank 0 hosts a new group
+        # where rank 0 hosts a new group
+        self.group_host = advertised_host(ep_init_method or tp_init_method)
         self._port_board = port_board
         self.group_epoch: str | None = None  # the epoch of the group this rank is in
         self._fault_at: tuple[int, str] | None = None  # (step count, message) of an armed fault
@@ -289,7 +291,7 @@ class WorkerActor(Actor):
         init_method = await rejoin_group(
             member,
             self._port_board,
-            group_key(self.engine_id, message.epoch),
+            group_key(self._group_owner(), message.epoch),
             host=self.group_host,
             timeout_s=message.timeout_s,
             in_thread=self._in_runner_thread,
@@ -297,6 +299,14 @@ class WorkerActor(Actor):
         self.group_epoch = message.epoch
         log.info("%r: joined the group of epoch %s at %s", self, message.epoch, init_method)
         return GroupJoined(self.worker_id, message.epoch, init_method)
+
+    def _group_owner(self) -> str:
+        """Whose group this worker rebuilds: its engine core's tensor-parallel group, or the
+        expert-parallel group of every data-parallel rank (one key for all of them)."""
+        if self.config is not None and self.config.parallel_config.runs_in_lockstep:
+            return EXPERT_GROUP_OWNER
+        assert self.engine_id is not None
+        return self.engine_id
 
     def describe(self) -> WorkerInfo:
         if self.facts is None:

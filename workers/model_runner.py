@@ -18,6 +18,7 @@ plain sampling path runs), keeps the worker's own computed counts and proposes t
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.loader import load_model
 from shoal.workers.models.decoder import DecoderForCausalLM
 from shoal.workers.moe.ep_step import ExpertParallelStep, join_expert_parallel
-from shoal.workers.parallel import TPContext, TPGroup, init_tensor_parallel
+from shoal.workers.parallel import TPContext, init_tensor_parallel, rebuildable_group
 from shoal.workers.rejections import Rejections
 from shoal.workers.request_store import RequestStore
 from shoal.workers.sampler import Sampler, compute_prompt_logprobs
@@ -45,6 +46,7 @@ from shoal.workers.sampling_metadata import SamplingBatch
 from shoal.workers.spec_decode.factory import make_proposer, proposer_bytes_per_block
 from shoal.workers.spec_decode.spec_step import SpecDecoder
 
+log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
 
 
@@ -99,10 +101,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens
         self.tp = TPContext(rank=tp_rank, size=config.parallel_config.tensor_parallel_size)
-        rebuildable = config.fault_tolerance_config.enable_fault_tolerance and self.tp.size > 1
-        self.group = (
-            TPGroup(tp_rank, self.tp.size, device=str(self.device)) if rebuildable else None
-        )
+        self.group = rebuildable_group(config, tp_rank, dp_rank, str(self.device))
         self.tp_init_method = tp_init_method
         self.progress = progress
         self.timings = StepTimings()
@@ -126,7 +125,10 @@ class ModelRunner:
         cfg = CheckpointConfig.from_dir(self.model_dir)
         max_model_len = self._max_model_len(cfg)
         self.ep_step = join_expert_parallel(
-            self.config, self.dp_rank, self.ep_init_method, self.device
+            self.config,
+            self.dp_rank,
+            self.ep_init_method if self.group is None else None,  # rebuildable: on JoinGroup
+            self.device,
         )
         model, cfg = load_model(
             self.model_dir,
@@ -256,7 +258,22 @@ class ModelRunner:
     def execute(self, step: ExecuteStep) -> StepResult:
         """Apply the diff, run the batch, sample; raises on a bad step (the shell reports it as
         fatal). Requests refused for their own inputs (``workers.rejections``) are left out and
-        named in a non-fatal ``StepError``; the others run."""
+        named in a non-fatal ``StepError``; the others run. A step of an expert-parallel round
+        that fails before its collectives still runs them (on no tokens), so the other ranks
+        are not left waiting."""
+        if self.ep_step is None or not step.lockstep:
+            return self._execute(step)
+        self.ep_step.begin_round()
+        try:
+            return self._execute(step)
+        except Exception:
+            try:
+                self.ep_step.end_failed_round(self.model)
+            except Exception:  # a broken group: the step's own error is the one to report
+                log.exception("after a failed step, its collectives failed too")
+            raise
+
+    def _execute(self, step: ExecuteStep) -> StepResult:
         started = time.perf_counter()
         t0 = started
         self.timings = StepTimings()

@@ -4,7 +4,8 @@
 and torch.distributed is never touched. ``init_tensor_parallel`` joins the process group (gloo on
 the CPU, NCCL on CUDA) from a ``tcp://host:port`` address shared by all ranks, once per process.
 With fault tolerance on, ``TPGroup`` instead joins a group per epoch and can leave it and join a
-new one on a fresh port (the worker actor drives it on ``JoinGroup``).
+new one on a fresh port (the worker actor drives it on ``JoinGroup``); an expert-parallel group
+(``workers.moe.ep_step``) is rebuilt the same way.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from shoal.bus.messages.config import ShoalConfig
 from shoal.workers.group_ports import split_init_method
 
 log = logging.getLogger(__name__)
@@ -155,3 +157,19 @@ class TPGroup:
         )
         self._store = store  # keeps rank 0's listener alive while the group lives
         self.init_method = init_method
+
+
+def rebuildable_group(
+    config: ShoalConfig, tp_rank: int, dp_rank: int, device: str
+) -> TPGroup | None:
+    """With fault tolerance on, the group this worker rebuilds on ``JoinGroup``: the
+    expert-parallel group of every data-parallel rank's worker, or else its engine core's
+    tensor-parallel group; None when there is no group or it is static."""
+    if not config.fault_tolerance_config.enable_fault_tolerance:
+        return None
+    parallel = config.parallel_config
+    if parallel.expert_parallel_size > 1:
+        return TPGroup(dp_rank, parallel.expert_parallel_size, device=device)
+    if parallel.tensor_parallel_size > 1:
+        return TPGroup(tp_rank, parallel.tensor_parallel_size, device=device)
+    return None

@@ -8,7 +8,9 @@ every rank's report of that round; the round runs when any rank has tokens (a ra
 sends its workers a dummy step), and nobody steps when all report none.
 
 A rank that receives a report for a round it has already passed (the sender restarted) answers
-with a ``LockstepHint`` naming its next round; the sender moves its pending report there.
+with a ``LockstepHint`` naming its next round, and its own pending report again (the restarted
+rank may have missed it); the sender moves its pending report there. A rank that gives up on a
+round (a timeout) publishes ``LockstepWithdraw``, so that no peer runs the round on its report.
 """
 
 from __future__ import annotations
@@ -31,4 +33,21 @@ class LockstepHint(msgspec.Struct, tag="lockstep_hint", array_like=True, frozen=
     next_round: int
 
 
-LockstepMessage = LockstepReport | LockstepHint
+class LockstepWithdraw(msgspec.Struct, tag="lockstep_withdraw", array_like=True, frozen=True):
+    """Rank ``rank`` gave up waiting for ``round`` (a timeout): forget its report of it."""
+
+    rank: int
+    round: int
+
+
+class LockstepRejoin(msgspec.Struct, tag="lockstep_rejoin", array_like=True, frozen=True):
+    """Rank ``rank`` (re)builds the workers' expert-parallel group as ``generation`` (fault
+    tolerance): every rank must rebuild with it (``engine/core/group_rejoin.py``). Not
+    ``proposing``: only telling a rank behind that this one's group is ``generation``."""
+
+    rank: int
+    generation: int
+    proposing: bool = True
+
+
+LockstepMessage = LockstepReport | LockstepHint | LockstepWithdraw | LockstepRejoin

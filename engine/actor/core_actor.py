@@ -26,7 +26,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import ClassVar
 
 from shoal.bus.actor import Inbox
@@ -174,9 +174,9 @@ class EngineCoreActor(FaultHandlingActor):
         await self.workers.stop()
 
     async def _connect_workers(self, timeout_s: float | None = None) -> None:
-        self.num_handshakes += 1  # a group epoch unique across this engine core's restarts too
-        epoch = f"{self.incarnation}-{self.num_handshakes}" if self.sentinel.enabled else None
-        infos = await self.workers.handshake(timeout_s or self.startup_timeout_s, group_epoch=epoch)
+        infos = await self.workers.handshake(
+            timeout_s or self.startup_timeout_s, group_epoch=self._group_epoch()
+        )
         num_blocks, max_model_len = shape = kv_cache_shape(self.config, infos)
         if self.core is None or shape != (self.num_blocks, self.max_model_len):
             self.core = EngineCore(
@@ -196,6 +196,19 @@ class EngineCoreActor(FaultHandlingActor):
         log.info(
             "engine %s: %d workers ready, %d KV blocks", self.engine_id, len(infos), num_blocks
         )
+
+    def _group_epoch(self) -> str | Callable[[float], Awaitable[str]] | None:
+        """The epoch of the workers' process group to (re)build at this handshake, with fault
+        tolerance on: an expert-parallel group's is agreed with the other engine cores; a
+        tensor-parallel group's is this engine core's own (unique across its restarts too)."""
+        if not self.sentinel.enabled:
+            return None  # the groups are static
+        if self.lockstep is not None:
+            return self.lockstep.agree_group_epoch
+        self.num_handshakes += 1
+        if self.config.parallel_config.tensor_parallel_size > 1:
+            return f"{self.incarnation}-{self.num_handshakes}"
+        return None
 
     def load(self) -> dict[str, float]:
         if self.core is None:
@@ -248,7 +261,7 @@ class EngineCoreActor(FaultHandlingActor):
                 await self._publish_stats(force=True)  # also lets new clients discover us
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.heartbeat_interval_s)
-                if (lost := self.workers.lost_worker()) is not None:
+                if (lost := self.workers.lost_worker() or self._group_broken()) is not None:
                     await self._on_fault(core, lost)
                 continue
             try:
@@ -274,6 +287,11 @@ class EngineCoreActor(FaultHandlingActor):
     def _peer_waiting(self) -> bool:
         return self.lockstep is not None and self.lockstep.peer_waiting
 
+    def _group_broken(self) -> str | None:
+        if self.lockstep is not None and self.lockstep.group_broken:
+            return "another engine core rebuilds the expert-parallel group"
+        return None
+
     async def _submit_next(self, core: EngineCore) -> bool:
         """Schedule a step and send it; False when there was nothing to run. In a lock-step
         group the engine cores first agree on the round: all step (a rank without tokens
@@ -282,13 +300,16 @@ class EngineCoreActor(FaultHandlingActor):
         in_round = False
         if self.lockstep is not None:
             num_tokens = scheduler_output.total_num_scheduled_tokens if scheduler_output else 0
-            timeout_s = self.config.parallel_config.step_timeout_s
-            in_round = (await self.lockstep.agree(num_tokens, timeout_s)).runs
+            if num_tokens or self.lockstep.peer_waiting:  # no round while nobody can run one
+                self.sentinel.check_injection(self.num_steps_sent)  # before peers run it
+                timeout_s = self.config.parallel_config.step_timeout_s
+                in_round = (await self.lockstep.agree(num_tokens, timeout_s)).runs
             if in_round and not num_tokens:
                 scheduler_output = core.hold_dummy(scheduler_output)
         if scheduler_output is None or (scheduler_output.is_empty and not in_round):
             return False
-        self.sentinel.check_injection(self.num_steps_sent)
+        if not in_round:
+            self.sentinel.check_injection(self.num_steps_sent)
         self.num_steps_sent += 1
         self.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         message = scheduler_output.to_message()

@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from shoal.bus.actor import call
@@ -156,16 +156,22 @@ class WorkerLink:
     # ----- handshake
 
     async def handshake(
-        self, timeout_s: float, *, group_epoch: str | None = None
+        self,
+        timeout_s: float,
+        *,
+        group_epoch: str | Callable[[float], Awaitable[str]] | None = None,
     ) -> list[WorkerInfo]:
-        """Wait until every rank has loaded its model; with ``group_epoch`` and more than one
-        rank, have them all (re)build their tensor-parallel group for that epoch (unique per
-        engine core, across its restarts too); reset each (fresh persistent batch)."""
+        """Wait until every rank has loaded its model; with ``group_epoch``, have them all
+        (re)build their process group for that epoch (unique per group, across restarts too;
+        a callable is awaited with the time left, once the workers are loaded: an epoch agreed
+        with other engine cores); reset each (fresh persistent batch)."""
         deadline = time.monotonic() + timeout_s
         infos = []
         for worker_id in self.worker_ids:
             infos.append(await self._describe(worker_id, deadline))
-        if group_epoch is not None and len(self.worker_ids) > 1:
+        if group_epoch is not None:
+            if not isinstance(group_epoch, str):
+                group_epoch = await group_epoch(max(1.0, deadline - time.monotonic()))
             remaining = deadline - time.monotonic()
             await self._join_group(group_epoch, max(1.0, min(GROUP_JOIN_TIMEOUT_S, remaining)))
         for worker_id in self.worker_ids:

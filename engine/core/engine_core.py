@@ -171,11 +171,12 @@ class EngineCore:
         """The step to send when this rank has no tokens but its lock-step group runs a round
         (``engine/core/lockstep.py``): ``scheduler_output`` (what ``schedule`` gave, perhaps
         None or empty), made outstanding like any step so its result lands in order."""
-        if scheduler_output is None:
-            scheduler_output = self.scheduler.schedule()  # nothing to run: an empty step
-        if scheduler_output.total_num_scheduled_tokens:
+        if scheduler_output is not None and scheduler_output.total_num_scheduled_tokens:
             raise ValueError(f"step {scheduler_output.step_id} has tokens: not a dummy")
-        if scheduler_output.is_empty:
+        if scheduler_output is None:  # nothing to run; it may still carry KV copies by now
+            scheduler_output = self.scheduler.schedule()
+            self.outstanding.append(scheduler_output)
+        elif scheduler_output.is_empty:  # a non-empty one is outstanding already
             self.outstanding.append(scheduler_output)
         return scheduler_output
 

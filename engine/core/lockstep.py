@@ -15,7 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.bus.messages.lockstep import LockstepHint, LockstepMessage, LockstepReport
+from shoal.bus.messages.lockstep import (
+    LockstepHint,
+    LockstepMessage,
+    LockstepReport,
+    LockstepWithdraw,
+)
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,10 @@ class Lockstep:
         """A peer reported a round this rank has not reported yet: it must join that round."""
         if self.pending is not None:
             return False
-        return any(r >= self.next_round for r in self._reports)
+        return any(
+            r >= self.next_round and any(rank != self.rank for rank in reports)
+            for r, reports in self._reports.items()
+        )
 
     def report(self, num_tokens: int) -> LockstepReport:
         """This rank's report for its next round (to publish); one per round."""
@@ -60,23 +68,28 @@ class Lockstep:
         self._record(self.pending)
         return self.pending
 
-    def receive(self, message: LockstepMessage) -> LockstepMessage | None:
-        """A peer's message; returns what to publish in answer (a hint to a rank behind, or
-        this rank's report moved to a later round), if anything."""
+    def receive(self, message: LockstepMessage) -> list[LockstepMessage]:
+        """A peer's message; returns what to publish in answer: to a rank behind, a hint and
+        this rank's pending report; when this rank is behind, its report moved forward."""
         if message.rank == self.rank:
-            return None  # our own report, echoed by the bus
+            return []  # our own message, echoed by the bus
         if not 0 <= message.rank < self.size:
             raise ValueError(f"lock-step message from rank {message.rank} of {self.size}")
         match message:
             case LockstepHint(next_round=ahead):
                 return self._move_to(ahead)
+            case LockstepWithdraw():
+                self._forget(message.round, message.rank)
+                return []
             case LockstepReport():
                 if message.round < self.next_round:
-                    return LockstepHint(self.rank, self.next_round)
+                    hint = LockstepHint(self.rank, self.next_round)
+                    return [hint] if self.pending is None else [hint, self.pending]
                 self._record(message)
                 if message.round > self.next_round + 1:
                     return self._move_to(message.round)
-                return None
+                return []
+        raise TypeError(f"not a round message: {message!r}")  # rejoins: group_rejoin.py
 
     def take_outcome(self) -> RoundOutcome | None:
         """The pending round's outcome once every rank reported it (then the next round
@@ -92,26 +105,37 @@ class Lockstep:
         self.pending = None
         return outcome
 
-    def abandon(self) -> None:
-        """Withdraw the pending report (after a fault): the next report is for the same round
-        (peers still waiting take it; peers that finished it answer with a hint)."""
-        if self.pending is not None:
-            self._reports.get(self.pending.round, {}).pop(self.rank, None)
-            self.pending = None
+    def abandon(self) -> LockstepWithdraw | None:
+        """Withdraw the pending report (after a timeout); returns the withdrawal to publish.
+        The next report is for the same round (peers still waiting take it; peers that
+        finished it answer with a hint)."""
+        if self.pending is None:
+            return None
+        withdrawn = LockstepWithdraw(self.rank, self.pending.round)
+        self._forget(self.pending.round, self.rank)
+        self.pending = None
+        return withdrawn
+
+    def _forget(self, round_index: int, rank: int) -> None:
+        reports = self._reports.get(round_index)
+        if reports is not None:
+            reports.pop(rank, None)
+            if not reports:
+                del self._reports[round_index]
 
     def _record(self, report: LockstepReport) -> None:
         self._reports.setdefault(report.round, {})[report.rank] = report.num_tokens
 
-    def _move_to(self, round_index: int) -> LockstepReport | None:
+    def _move_to(self, round_index: int) -> list[LockstepMessage]:
         """Jump ahead to ``round_index`` (this rank was behind); the pending report moves there
         and is returned for publishing again."""
         if round_index <= self.next_round:
-            return None
+            return []
         for stale in [r for r in self._reports if r < round_index]:
             del self._reports[stale]
         self.next_round = round_index
         if self.pending is None:
-            return None
+            return []
         self.pending = LockstepReport(self.rank, round_index, self.pending.num_tokens)
         self._record(self.pending)
-        return self.pending
+        return [self.pending]

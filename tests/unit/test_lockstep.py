@@ -11,7 +11,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.bus.messages.lockstep import LockstepHint, LockstepMessage, LockstepReport
+from shoal.bus.messages.lockstep import (
+    LockstepHint,
+    LockstepMessage,
+    LockstepReport,
+    LockstepWithdraw,
+)
 from shoal.engine.core.lockstep import Lockstep, RoundOutcome
 
 
@@ -35,7 +40,7 @@ def test_an_idle_rank_is_told_to_join_and_a_report_one_round_ahead_is_kept() -> 
     assert b.take_outcome() == a.take_outcome() == RoundOutcome(0, (3, 0))
     b.receive(a.report(1))  # a is on round 1 before b has reported it
     assert b.peer_waiting
-    assert b.receive(LockstepReport(0, 1, 1)) is None  # a repeat is harmless
+    assert b.receive(LockstepReport(0, 1, 1)) == []  # a repeat is harmless
     a.receive(b.report(2))
     assert a.take_outcome() == b.take_outcome() == RoundOutcome(1, (1, 2))
 
@@ -47,29 +52,48 @@ def test_a_restarted_rank_catches_up_through_a_hint() -> None:
         b.receive(a.report(1))
         assert a.take_outcome() == b.take_outcome()
     b = Lockstep(1, 2)  # b restarts at round 0
-    hint = a.receive(b.report(4))
+    (hint,) = a.receive(b.report(4))
     assert hint == LockstepHint(0, 3)
-    moved = b.receive(hint)
+    (moved,) = b.receive(hint)
     assert moved == LockstepReport(1, 3, 4)
     a.receive(moved)
     b.receive(a.report(0))
     assert a.take_outcome() == b.take_outcome() == RoundOutcome(3, (0, 4))
 
 
+def test_a_hint_carries_the_pending_report_a_restarted_rank_missed() -> None:
+    a, b = Lockstep(0, 2), Lockstep(1, 2)
+    for _ in range(3):
+        a.receive(b.report(1))
+        b.receive(a.report(1))
+        assert a.take_outcome() == b.take_outcome()
+    a.report(2)  # a waits on round 3; its report went out before b restarted
+    b = Lockstep(1, 2)
+    answers = a.receive(b.report(4))
+    assert answers == [LockstepHint(0, 3), LockstepReport(0, 3, 2)]
+    for answer in answers:
+        for moved in b.receive(answer):
+            a.receive(moved)
+    assert a.take_outcome() == b.take_outcome() == RoundOutcome(3, (2, 4))
+
+
 def test_a_rank_far_behind_moves_its_pending_report_forward() -> None:
     a = Lockstep(0, 2)
     a.report(2)
-    moved = a.receive(LockstepReport(1, 7, 0))
-    assert moved == LockstepReport(0, 7, 2)
+    assert a.receive(LockstepReport(1, 7, 0)) == [LockstepReport(0, 7, 2)]
     assert a.take_outcome() == RoundOutcome(7, (2, 0))
 
 
-def test_abandon_reports_the_same_round_again() -> None:
+def test_abandon_withdraws_the_report_from_every_peer() -> None:
     a, b = Lockstep(0, 2), Lockstep(1, 2)
     b.receive(a.report(2))
-    a.abandon()
-    assert a.next_round == 0 and a.pending is None
-    b.receive(a.report(6))  # the new report replaces the withdrawn one
+    withdrawn = a.abandon()
+    assert withdrawn == LockstepWithdraw(0, 0)
+    assert a.next_round == 0 and a.pending is None and not a.peer_waiting
+    assert b.peer_waiting
+    b.receive(withdrawn)
+    assert not b.peer_waiting  # b would not run round 0 on a's withdrawn tokens
+    b.receive(a.report(6))
     a.receive(b.report(0))
     assert a.take_outcome() == b.take_outcome() == RoundOutcome(0, (6, 0))
 
@@ -96,8 +120,8 @@ class Group:
         self.outcomes: list[list[RoundOutcome]] = [[] for _ in range(size)]
         self.rng = rng
 
-    def publish(self, sender: int, message: LockstepMessage | None) -> None:
-        if message is not None:
+    def publish(self, sender: int, messages: list[LockstepMessage]) -> None:
+        for message in messages:
             for dest in range(len(self.ranks)):
                 if dest != sender:
                     self.channels[sender].append((dest, message))
@@ -113,7 +137,7 @@ class Group:
     def act(self, rank: int, has_work: bool) -> None:
         node = self.ranks[rank]
         if node.pending is None and (has_work or node.peer_waiting):
-            self.publish(rank, node.report(self.rng.randint(0, 3) if has_work else 0))
+            self.publish(rank, [node.report(self.rng.randint(0, 3) if has_work else 0)])
         if (outcome := node.take_outcome()) is not None:
             self.outcomes[rank].append(outcome)
 

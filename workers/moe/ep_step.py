@@ -66,14 +66,26 @@ class ExpertParallelStep:
         self.block_size = block_size
         self.device = device
         self.num_split_steps = 0  # steps this rank ran as two micro-batches
+        self._joined = False  # this round's collectives have begun on this rank
 
     @property
     def dbo(self) -> bool:
         return self.parallel.enable_dbo
 
+    def begin_round(self) -> None:
+        self._joined = False
+
+    def end_failed_round(self, model: nn.Module) -> None:
+        """The step failed on this rank: if it did so before its first collective, run them
+        on no tokens (the peers are waiting in them); after, the group is out of step and only
+        the collectives' timeout ends the peers' wait."""
+        if not self._joined:
+            self.run_idle(model)
+
     def run_idle(self, model: nn.Module) -> None:
         """This rank's part of a round where it has no tokens: the split vote (0 tokens: no),
         then every MoE layer's collectives on zero tokens, in layer order."""
+        self._joined = True
         if self.dbo:
             self._gather(RankBatch(0, False, False))
         for experts in (m for m in model.modules() if isinstance(m, FusedExperts)):
@@ -111,12 +123,14 @@ class ExpertParallelStep:
         inputs: StepInputs,
     ) -> torch.Tensor:  # [T, hidden]
         slices = self.decide_split(inputs)
+        self._joined = True
         if slices is None:
             return model(input_ids, positions, meta)
         return forward_ubatched(model, input_ids, positions, meta, slices)
 
     def _gather(self, report: RankBatch) -> list[RankBatch]:
         """Every rank's report, in rank order (one all-gather over the group)."""
+        self._joined = True
         mine = torch.tensor(
             [report.num_tokens, report.uniform_decode, report.allow_microbatching],
             dtype=torch.int64,
@@ -131,18 +145,21 @@ def join_expert_parallel(
     config: ShoalConfig, dp_rank: int, init_method: str | None, device: torch.device
 ) -> ExpertParallelStep | None:
     """Join the expert-parallel group (every data-parallel rank's worker, at ``init_method``)
-    when the deployment runs one; None otherwise."""
+    when the deployment runs one; None otherwise. With fault tolerance on the group is joined
+    later, on ``JoinGroup`` (``workers.parallel.rebuildable_group``): no ``init_method``."""
     parallel = config.parallel_config
     size = parallel.expert_parallel_size
     if size == 1:
         return None
-    if not init_method:
+    rebuildable = config.fault_tolerance_config.enable_fault_tolerance
+    if not init_method and not rebuildable:
         raise RuntimeError(
             f"expert parallelism over {size} data-parallel ranks needs the group's rendezvous "
             "(ep_init_method, tcp://HOST:PORT)"
         )
-    join_default_group(
-        dp_rank, size, init_method, device=str(device), timeout_s=parallel.step_timeout_s
-    )
+    if init_method:
+        join_default_group(
+            dp_rank, size, init_method, device=str(device), timeout_s=parallel.step_timeout_s
+        )
     ep = EPContext(rank=dp_rank, size=size)
     return ExpertParallelStep(ep, parallel, config.cache_config.block_size, device)
