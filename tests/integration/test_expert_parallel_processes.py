@@ -2,7 +2,8 @@
 nats-server: two engine cores in lock-step, each with one worker holding half of every MoE
 layer's experts. Greedy outputs equal transformers' with one rank idle while the other serves
 (its worker runs dummy steps for the collectives), with both serving a batch of prefill chunks
-and decodes mixed, and with dual-batch overlap splitting steps into micro-batches."""
+and decodes mixed, with dual-batch overlap splitting steps into micro-batches, and with n-gram
+speculative decoding verifying drafts in the split steps too."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ pytestmark = [
 ]
 OPTIONS = {"num_gpu_blocks_override": 128, "max_num_seqs": 16, "max_num_batched_tokens": 64}
 DBO = {"enable_dbo": True, "dbo_decode_token_threshold": 2, "dbo_prefill_token_threshold": 8}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
 PROMPTS = make_prompts((5, 90, 12, 33, 7, 20), seed=11)  # 90 tokens: two chunks at 64
 MAX_TOKENS = 8
 
@@ -59,14 +61,20 @@ async def generate_all(client: Any, prompts: list[list[int]], tag: str) -> list[
 
 @pytest.mark.parametrize(
     ("variant", "extra"),
-    [("mixtral", {}), ("mixtral", DBO), ("qwen2_moe", DBO), ("qwen3_moe", {})],
-    ids=["mixtral", "mixtral-dbo", "qwen2_moe-dbo", "qwen3_moe"],
+    [
+        ("mixtral", {}),
+        ("mixtral", DBO),
+        ("qwen2_moe", DBO),
+        ("qwen3_moe", {}),
+        ("qwen3_moe", {**DBO, "speculative_config": NGRAM}),
+    ],
+    ids=["mixtral", "mixtral-dbo", "qwen2_moe-dbo", "qwen3_moe", "qwen3_moe-dbo-ngram"],
 )
 async def test_greedy_outputs_equal_transformers(  # type: ignore[no-untyped-def]
     nats_server, tiny_checkpoint, hf_reference, variant, extra
 ) -> None:
     model_dir = tiny_checkpoint(variant)
-    namespace = f"ep-{variant.replace('_', '-')}-{'dbo' if extra else 'plain'}"
+    namespace = f"ep-{variant.replace('_', '-')}-{len(extra)}"
     config = build_config(
         model=str(model_dir),
         namespace=namespace,

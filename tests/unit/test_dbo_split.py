@@ -56,7 +56,7 @@ def test_last_ubatch_empty(orig: int, padded: int, n: int, expected: bool) -> No
 # ---- agreement across data-parallel ranks --------------------------------------------------
 
 
-def decisions(*reports: RankBatch, **kw: int) -> list[tuple[bool, int]]:
+def decisions(*reports: RankBatch, **kw: int | bool) -> list[tuple[bool, int]]:
     got = coordinate_batch_across_dp(reports, **kw)
     return [(d.should_ubatch, d.num_tokens_padded) for d in got]
 
@@ -95,6 +95,16 @@ def test_empty_last_ubatch_vetoes_the_split_for_min_orig_and_max_padded() -> Non
     three = dict(num_ubatches=3, decode_threshold=3)
     assert decisions(dec(20), dec(30), **three) == [(False, 20), (False, 30)]  # 20 <= 2 * 10
     assert decisions(dec(21), dec(30), **three) == [(True, 30)] * 2
+
+
+def test_without_padding_across_ranks_each_keeps_its_own_count() -> None:
+    """shoal's workers split their own tokens: unequal ranks split when every one votes yes."""
+    own = dict(pad_across_ranks=False)
+    assert decisions(dec(32), dec(64), **own) == [(True, 32), (True, 64)]
+    assert decisions(dec(40), pre(600), **own) == [(True, 40), (True, 600)]
+    assert decisions(dec(31), dec(64), **own) == [(False, 31), (False, 64)]  # a vote no
+    tiny = dict(pad_across_ranks=False, decode_threshold=2)
+    assert decisions(dec(2), dec(9), **tiny) == [(True, 2), (True, 9)]  # one token each side
 
 
 def test_a_single_rank_never_splits() -> None:

@@ -8,7 +8,9 @@ round trip. A rank votes to split when it allows micro-batching and its own toke
 the threshold for its kind (uniform decode or not); the step splits only if every rank votes yes
 and, for the smallest rank against the largest padded count, the last micro-batch would still
 hold a real token. When it splits, every rank pads to the largest token count; otherwise each
-keeps its own. With one rank (DP == 1) a step is never split.
+keeps its own. With one rank (DP == 1) a step is never split. shoal's workers do not pad
+(``pad_across_ranks=False``): the all-to-all takes any counts, so each rank splits its own
+tokens at its own middle, and only a rank's own count can leave its last micro-batch empty.
 
 Not here (no user yet): CUDA-graph padding and mode sync, the dead-rank neutralisation of the
 fault-tolerance path, and the V2 runner's variant (threshold on the minimum across ranks).
@@ -85,9 +87,13 @@ def coordinate_batch_across_dp(
     num_ubatches: int = 2,
     decode_threshold: int = DEFAULT_DECODE_TOKEN_THRESHOLD,
     prefill_threshold: int = DEFAULT_PREFILL_TOKEN_THRESHOLD,
+    *,
+    pad_across_ranks: bool = True,
 ) -> list[BatchDecision]:
     """Every rank's decision (index = DP rank) from every rank's report; all ranks compute the
-    same list from the same reports."""
+    same list from the same reports. ``pad_across_ranks`` False (shoal's workers: the
+    all-to-all takes any counts, so each rank splits its own tokens): every rank keeps its own
+    count, and the empty-last-micro-batch veto looks at each rank's own tokens."""
     check_thresholds_config(num_ubatches, decode_threshold, prefill_threshold)
     if not reports:
         raise ValueError("no rank reported")
@@ -99,6 +105,10 @@ def coordinate_batch_across_dp(
     votes = [rank_votes_to_split(r, decode_threshold, prefill_threshold) for r in reports]
     if not all(votes):
         return own
+    if not pad_across_ranks:
+        if any(is_last_ubatch_empty(r.num_tokens, r.num_tokens, num_ubatches) for r in reports):
+            return own
+        return [BatchDecision(True, r.num_tokens) for r in reports]
     min_orig = min(r.num_tokens for r in reports)
     max_padded = max(r.num_tokens for r in reports)
     if is_last_ubatch_empty(min_orig, max_padded, num_ubatches):

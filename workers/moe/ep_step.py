@@ -108,6 +108,7 @@ class ExpertParallelStep:
             NUM_UBATCHES,
             self.parallel.dbo_decode_token_threshold,
             self.parallel.dbo_prefill_token_threshold,
+            pad_across_ranks=False,
         )
         if not decisions[self.ep.rank].should_ubatch:
             return None
