@@ -10,22 +10,29 @@ slower rank's.
 
 **Injected link latency** (``EPContext.link_delay_s``): each all-to-all (the counts, the
 dispatch, the combine: three per MoE layer) completes no earlier than its issue time plus the
-delay, to emulate a cross-host EP link on a loopback gloo group. Default ``auto``: measured so
-that the injected communication of a step (3 x layers x delay) equals the DBO-off compute of
-the step at the middle of the sweep; ``--link-delay-ms`` sets it.
+delay, to emulate a cross-host EP link's latency on a loopback gloo group (the real loopback
+collectives run too, underneath). Default ``auto``: the DBO-off step at ``--calibrate-tokens``
+(default: the middle of the sweep) is timed without delay, and the delay is set so that the
+injected communication of a step (3 x layers x delay) equals ``--comm-share`` (default 0.5) of
+that step, i.e. one micro-batch's compute: a latency-bound link does not get faster when the
+step is split, so each micro-batch's chain per layer is 3 delays plus its own compute, and
+overlap pays most where those are equal (DBO on >= max(compute, comm + compute / 2) against
+comm + compute off). ``--link-delay-ms`` sets the delay instead.
 
 Workloads (``--kinds``): ``prefill``, chunks of up to 128 new tokens per request from empty
 contexts; ``decode``, one token per request over a 64-token context. Tokens per step are swept
 over ``--tokens``. The split's thresholds (vLLM's defaults: decode 32, prefill 512 tokens) are
-where DBO is meant to start paying.
+where DBO is meant to start paying; the ``split`` column says whether they split the step.
 
     .venv/bin/python bench/dbo.py [--quick] [--tokens 16,32,...] [--kinds prefill,decode]
-        [--link-delay-ms auto|MS] [--reps 7]
+        [--link-delay-ms auto|MS] [--comm-share 0.5] [--calibrate-tokens N] [--reps 9]
     shoal bench dbo [...]
 
 One torch thread per process. The last line printed is one JSON object: ``{"rows":
-[{"kind", "tokens_per_step", "dbo_off_ms", "dbo_on_ms", "gain_pct", "off_tok_s",
-"on_tok_s"}, ...], "best_gain_pct", "link_delay_ms", "link_delay": "injected", "device"}``.
+[{"kind", "tokens_per_step", "dbo_off_ms", "dbo_on_ms", "gain_pct", "off_tok_s", "on_tok_s",
+"split_by_default"}, ...], "best_gain_pct", "link_delay_ms", "link_delay": "injected",
+"device", "load_avg"}`` (``load_avg``: the host's 1-minute load before and after: these
+machines are shared, read the figures with it).
 """
 
 from __future__ import annotations
@@ -46,12 +53,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shoal.workers.dbo.thresholds import DEFAULT_PREFILL_TOKEN_THRESHOLD, check_ubatch_thresholds
+
 BLOCK_SIZE = 16
 CHUNK = 128  # prefill tokens per request
 DECODE_CONTEXT = 64
-MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=1024,
-             max_position_embeddings=512, initializer_range=0.3)  # fmt: skip
+MODEL = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.3,
+}
 COMM_PER_LAYER = 3  # all-to-alls per MoE layer: counts, dispatch, combine
 
 
@@ -151,6 +169,38 @@ def rank_main(rank: int, port: int, cfg: dict[str, Any], answers: Any) -> None:
         answers.put((rank, repr(exc)))
 
 
+def time_compute(model: Any, inputs: tuple, reps: int, device: torch.device) -> float:
+    """Median ms of the plain forward of a model without collectives, both ranks at once (so
+    they contend for the host as in the sweep)."""
+    import torch.distributed as dist
+
+    ids, positions, meta, _ = inputs
+    samples = []
+    for rep in range(2 + reps):
+        dist.barrier()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(ids, positions, meta)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if rep >= 2:
+            samples.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(samples)
+
+
+def calibrate_delay(cfg: dict[str, Any], device: torch.device) -> tuple[float, float]:
+    """``auto``: (delay in s, compute in ms): a step's compute is the replicated model's
+    forward at ``calibrate_tokens`` (every expert here: the same expert work per rank as EP,
+    without communication), and the injected comm of a step is ``comm_share`` of it."""
+    from shoal.workers.loader import load_model
+
+    full = load_model(cfg["model_dir"], dtype=torch.float32, device=device)[0]
+    inputs = step_inputs(full, cfg["kinds"][0], cfg["calibrate_tokens"], device)
+    compute_ms = slowest(time_compute(full, inputs, cfg["reps"], device), device)
+    num_comm = COMM_PER_LAYER * MODEL["num_hidden_layers"]
+    return cfg["comm_share"] * compute_ms / 1e3 / num_comm, compute_ms
+
+
 def run_rank(rank: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -162,24 +212,15 @@ def run_rank(rank: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)  # fmt: skip
-
-    def load(delay_s: float) -> Any:
-        ep = EPContext(rank, 2, link_delay_s=delay_s)
-        return load_model(cfg["model_dir"], dtype=torch.float32, device=device, ep=ep)[0]
-
-    delay_s = cfg["link_delay_ms"] / 1e3 if cfg["link_delay_ms"] is not None else None
-    calibration_ms = None
-    if delay_s is None:  # comm of a step = DBO-off compute at the middle of the sweep
-        model = load(0.0)
-        middle = sorted(cfg["tokens"])[len(cfg["tokens"]) // 2]
-        inputs = step_inputs(model, cfg["kinds"][0], middle, device)
-        calibration_ms = slowest(time_pair(model, inputs, cfg["reps"], 2, device)[0], device)
-        delay_s = (
-            cfg["comm_share"] * calibration_ms / 1e3 / (COMM_PER_LAYER * MODEL["num_hidden_layers"])
-        )
-    model = load(delay_s)
+    init = f"tcp://127.0.0.1:{port}"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=2)
+    compute_ms = None
+    if cfg["link_delay_ms"] is None:
+        delay_s, compute_ms = calibrate_delay(cfg, device)
+    else:
+        delay_s = cfg["link_delay_ms"] / 1e3
+    ep = EPContext(rank, 2, link_delay_s=delay_s)
+    model = load_model(cfg["model_dir"], dtype=torch.float32, device=device, ep=ep)[0]
     rows = []
     for kind in cfg["kinds"]:
         for n in cfg["tokens"]:
@@ -187,7 +228,7 @@ def run_rank(rank: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
             off, on = time_pair(model, inputs, cfg["reps"], cfg["warmup"], device)
             rows.append((kind, n, slowest(off, device), slowest(on, device)))
     dist.destroy_process_group()
-    return {"rows": rows, "delay_ms": delay_s * 1e3, "calibration_ms": calibration_ms}
+    return {"rows": rows, "delay_ms": delay_s * 1e3, "calibration_ms": compute_ms}
 
 
 def free_port() -> int:
@@ -216,27 +257,48 @@ def run_ranks(cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     return results[0]
 
 
-def report(result: dict[str, Any], device: str) -> dict[str, Any]:
+def report(result: dict[str, Any], cfg: dict[str, Any], load_avg: list[float]) -> dict[str, Any]:
     """Print the table; the JSON summary."""
     delay_ms = result["delay_ms"]
-    how = "auto" if result["calibration_ms"] is not None else "--link-delay-ms"
-    print(f"EP=2 over two processes ({device}); INJECTED link latency {delay_ms:.3f} ms per "
-          f"all-to-all ({how}), {COMM_PER_LAYER} per MoE layer x {MODEL['num_hidden_layers']} "
-          f"layers = {COMM_PER_LAYER * MODEL['num_hidden_layers'] * delay_ms:.2f} ms per step")  # fmt: skip
+    num_comm = COMM_PER_LAYER * MODEL["num_hidden_layers"]
+    print(
+        f"EP=2 over two processes ({cfg['device']}); INJECTED link latency {delay_ms:.3f} ms "
+        f"per all-to-all, {COMM_PER_LAYER} per MoE layer x {MODEL['num_hidden_layers']} layers "
+        f"= {num_comm * delay_ms:.2f} ms per step"
+    )
     if result["calibration_ms"] is not None:
-        print(f"calibration: DBO-off step without delay {result['calibration_ms']:.2f} ms")
-    print(f"{'kind':<9}{'tokens':>7}{'off ms':>9}{'on ms':>9}{'gain %':>8}{'off tok/s':>11}"
-          f"{'on tok/s':>11}")  # fmt: skip
+        print(
+            f"auto: {cfg['comm_share']} x the compute of a step of {cfg['calibrate_tokens']} "
+            f"{cfg['kinds'][0]} tokens ({result['calibration_ms']:.2f} ms, replicated model)"
+        )
+    print(f"host load average before/after: {load_avg[0]:.2f} / {load_avg[1]:.2f}")
+    header = ("kind", "tokens", "split", "off ms", "on ms", "gain %", "off tok/s", "on tok/s")
+    print("".join(f"{h:>10}" for h in header))
     rows = []
     for kind, n, off, on in result["rows"]:
-        gain = 100.0 * (off / on - 1.0)
-        rows.append({"kind": kind, "tokens_per_step": n, "dbo_off_ms": round(off, 3),
-                     "dbo_on_ms": round(on, 3), "gain_pct": round(gain, 1),
-                     "off_tok_s": round(n / off * 1e3), "on_tok_s": round(n / on * 1e3)})  # fmt: skip
-        print(f"{kind:<9}{n:>7}{off:>9.2f}{on:>9.2f}{gain:>8.1f}{n / off * 1e3:>11.0f}"
-              f"{n / on * 1e3:>11.0f}")  # fmt: skip
-    return {"rows": rows, "best_gain_pct": max(r["gain_pct"] for r in rows),
-            "link_delay_ms": round(delay_ms, 4), "link_delay": "injected", "device": device}  # fmt: skip
+        split = check_ubatch_thresholds(n, uniform_decode=kind == "decode")
+        row = {
+            "kind": kind,
+            "tokens_per_step": n,
+            "dbo_off_ms": round(off, 3),
+            "dbo_on_ms": round(on, 3),
+            "gain_pct": round(100.0 * (off / on - 1.0), 1),
+            "off_tok_s": round(n / off * 1e3),
+            "on_tok_s": round(n / on * 1e3),
+            "split_by_default": split,
+        }
+        rows.append(row)
+        cells = (kind, n, "yes" if split else "no", f"{off:.2f}", f"{on:.2f}")
+        cells += (row["gain_pct"], row["off_tok_s"], row["on_tok_s"])
+        print("".join(f"{c:>10}" for c in cells))
+    return {
+        "rows": rows,
+        "best_gain_pct": max(r["gain_pct"] for r in rows),
+        "link_delay_ms": round(delay_ms, 4),
+        "link_delay": "injected",
+        "device": cfg["device"],
+        "load_avg": [round(x, 2) for x in load_avg],
+    }
 
 
 def main() -> None:
@@ -244,29 +306,34 @@ def main() -> None:
     parser.add_argument("--tokens", default="16,32,64,128,256,512,1024")
     parser.add_argument("--kinds", default="prefill,decode")
     parser.add_argument("--link-delay-ms", default="auto", help="injected latency, or auto")
-    parser.add_argument("--comm-share", type=float, default=0.5)
-    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--comm-share", type=float, default=1.0, help="auto: comm / compute")
+    parser.add_argument("--calibrate-tokens", type=int, default=DEFAULT_PREFILL_TOKEN_THRESHOLD)
+    parser.add_argument("--reps", type=int, default=9)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--quick", action="store_true", help="3 sizes, prefill only, 3 reps")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.kinds, args.reps, args.warmup = "32,128,512", "prefill", 3, 1
+    tokens = [int(t) for t in args.tokens.split(",")]
     two_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= 2
     device = ("cuda" if two_gpus else "cpu") if args.device == "auto" else args.device
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         cfg = {
             "model_dir": str(build_checkpoint(Path(tmp) / "mixtral")),
-            "tokens": [int(t) for t in args.tokens.split(",")],
+            "tokens": tokens,
             "kinds": args.kinds.split(","),
             "link_delay_ms": None if args.link_delay_ms == "auto" else float(args.link_delay_ms),
-            "reps": args.reps,
             "comm_share": args.comm_share,
+            "calibrate_tokens": args.calibrate_tokens,
+            "reps": args.reps,
             "warmup": args.warmup,
             "device": device,
         }
-        summary = report(run_ranks(cfg, timeout_s=600.0), device)
+        result = run_ranks(cfg, timeout_s=600.0)
+    summary = report(result, cfg, [load_before, os.getloadavg()[0]])
     print(json.dumps(summary))
 
 
