@@ -11,13 +11,19 @@ slower rank's.
 **Injected link latency** (``EPContext.link_delay_s``): each all-to-all (the counts, the
 dispatch, the combine: three per MoE layer) completes no earlier than its issue time plus the
 delay, to emulate a cross-host EP link's latency on a loopback gloo group (the real loopback
-collectives run too, underneath). Default ``auto``: the DBO-off step at ``--calibrate-tokens``
-(default: the middle of the sweep) is timed without delay, and the delay is set so that the
-injected communication of a step (3 x layers x delay) equals ``--comm-share`` (default 0.5) of
-that step, i.e. one micro-batch's compute: a latency-bound link does not get faster when the
-step is split, so each micro-batch's chain per layer is 3 delays plus its own compute, and
-overlap pays most where those are equal (DBO on >= max(compute, comm + compute / 2) against
-comm + compute off). ``--link-delay-ms`` sets the delay instead.
+collectives run too, underneath). Default ``auto``: communication = compute at
+``--calibrate-tokens`` (default 512, the default prefill threshold, where the defaults start
+splitting prefill steps): the replicated model's forward (the same expert work per rank as EP,
+no collectives) is timed on both ranks at once, and the delay is set so that the injected
+communication of a step (3 x layers x delay) equals ``--comm-share`` (default 1.0) of it.
+``--link-delay-ms`` sets the delay instead.
+
+What to expect: a latency-bound link does not get faster when the step is split, so each
+micro-batch's chain per MoE layer is its 3 delays plus its own compute, and the turn is
+exclusive: DBO on >= max(compute, comm + compute / 2) against comm + compute off, i.e. at most
++33% where comm = compute (+50% where comm = compute / 2), less the split's own cost (two
+smaller matmuls and every per-layer fixed cost paid twice: large below a few hundred tokens on
+a CPU).
 
 Workloads (``--kinds``): ``prefill``, chunks of up to 128 new tokens per request from empty
 contexts; ``decode``, one token per request over a 64-token context. Tokens per step are swept
@@ -25,7 +31,7 @@ over ``--tokens``. The split's thresholds (vLLM's defaults: decode 32, prefill 5
 where DBO is meant to start paying; the ``split`` column says whether they split the step.
 
     .venv/bin/python bench/dbo.py [--quick] [--tokens 16,32,...] [--kinds prefill,decode]
-        [--link-delay-ms auto|MS] [--comm-share 0.5] [--calibrate-tokens N] [--reps 9]
+        [--link-delay-ms auto|MS] [--comm-share 1.0] [--calibrate-tokens 512] [--reps 9]
     shoal bench dbo [...]
 
 One torch thread per process. The last line printed is one JSON object: ``{"rows":
