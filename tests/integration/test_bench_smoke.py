@@ -401,3 +401,28 @@ def test_spec_decode_measures_every_k_and_dynamic_mode_and_keeps_greedy_outputs(
     assert out["ngram_speedup_bs1"] == max(speedups.values())
     assert set(out["acceptance_vs_table_changing"]) == {"1", "4"}
     assert len(out["dynamic_vs_best_static"]) == len(WORKLOADS) * len(sizes)
+
+
+# ----- bench/dbo.py
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_dbo_runs_both_kinds_on_and_off_with_a_labelled_injected_latency():
+    done = _run(
+        str(BENCH / "dbo.py"),
+        *("--tokens", "16,40", "--kinds", "prefill,decode", "--reps", "1", "--warmup", "0"),
+        *("--calibrate-tokens", "16"),
+        timeout=240,
+    )
+    out = _last_json(done)
+    assert "INJECTED link latency" in done.stdout
+    keys = {"kind", "tokens_per_step", "dbo_off_ms", "dbo_on_ms", "gain_pct", "split_by_default"}
+    assert all(keys <= set(r) for r in out["rows"])
+    assert [(r["kind"], r["tokens_per_step"]) for r in out["rows"]] == [
+        ("prefill", 16), ("prefill", 40), ("decode", 16), ("decode", 40),
+    ]  # fmt: skip
+    assert [r["split_by_default"] for r in out["rows"]] == [False, False, False, True]
+    assert all(r["dbo_off_ms"] > 0 and r["dbo_on_ms"] > 0 for r in out["rows"])
+    assert out["best_gain_pct"] == max(r["gain_pct"] for r in out["rows"])
+    assert out["link_delay"] == "injected" and out["link_delay_ms"] > 0

@@ -9,6 +9,7 @@ already in the paged cache."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from shoal.workers.dbo.ubatch_slices import UBatchSlice, make_ubatch_slices
 from shoal.workers.dbo.ubatching import current_ubatch_id
 from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.loader import load_model
-from shoal.workers.moe.expert_parallel import EPContext
+from shoal.workers.moe.expert_parallel import EPContext, all_to_all
 from tests.fixtures.models import build_checkpoint
 from tests.unit.ep_ranks import join_gloo, run_two_ranks
 
@@ -33,6 +34,7 @@ BATCHES = {
     0: [(9, 1), (0, 12), (5, 1), (6, 4)],  # 18 tokens, split at 9: request 1 spans both halves
     1: [(4, 5), (0, 6), (7, 1), (2, 1)],  # 13 tokens, split at 6: request 1 spans both halves
 }
+LINK_DELAY_S = 0.05
 Forward = Callable[[Any, torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
@@ -192,6 +194,10 @@ def _rank_main(rank: int, port: int, dirs: dict[str, str], answers: Any) -> None
                 "yields": list(trace),
                 "num_moe_layers": num_moe,
             }
+        delayed = EPContext(rank, 2, link_delay_s=LINK_DELAY_S)
+        start = time.perf_counter()
+        received = all_to_all(torch.full((2,), float(rank)), [1, 1], [1, 1], delayed)
+        report["delayed"] = (time.perf_counter() - start, received.tolist())
         answers.put((rank, report))
         dist.destroy_process_group()
     except BaseException as exc:  # reported to the test
@@ -207,6 +213,8 @@ def test_ep2_micro_batches_equal_the_plain_and_replicated_forward(
     for rank in (0, 1):
         report = results[rank]
         assert isinstance(report, dict), f"rank {rank}: {report}"
+        elapsed, received = report.pop("delayed")
+        assert elapsed >= LINK_DELAY_S and received == [0.0, 1.0]  # injected latency
         assert sorted(report) == sorted(moe)
         for variant, r in report.items():
             assert r["vs_replicated"][0] and r["vs_plain_ep"][0], (rank, variant, r)

@@ -119,13 +119,13 @@ class PendingAllToAll:
         self.recv = recv
         self._send = send  # kept alive until the collective is done
         self._work = work
-        self._ready_at = ready_at
+        self.ready_at = ready_at  # perf_counter time
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        remaining = self._ready_at - time.perf_counter()
+        remaining = self.ready_at - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
         return self.recv
