@@ -24,7 +24,9 @@ from shoal.workers.moe.expert_parallel import (
     EPContext,
     combine_into_tokens,
     inverse_permutation,
+    pack_pairs,
     plan_dispatch,
+    unpack_pairs,
 )
 from tests.fixtures.models import build_checkpoint
 from tests.unit.ep_ranks import join_gloo, run_two_ranks
@@ -101,6 +103,21 @@ def test_combine_sums_each_tokens_weighted_results_in_token_order(case: Any) -> 
     want = torch.einsum("tk,tk,th->th", weights, (ids + 1).to(x.dtype), x)
     assert out.shape == (tokens, 3)
     assert torch.allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_pairs", [0, 1, 5])
+def test_packed_pairs_unpack_to_the_same_tensors(dtype: torch.dtype, num_pairs: int) -> None:
+    """The dispatch travels as one byte row per pair: hidden state, expert id, weight."""
+    gen = torch.Generator().manual_seed(num_pairs)
+    x = torch.randn(num_pairs, 6, generator=gen).to(dtype)
+    ids = torch.randint(0, 1 << 40, (num_pairs,), generator=gen)
+    weights = torch.rand(num_pairs, generator=gen).to(dtype)
+    packed = pack_pairs(x, ids, weights)
+    assert packed.dtype == torch.uint8 and packed.shape[0] == num_pairs
+    got_x, got_ids, got_weights = unpack_pairs(packed, 6, dtype)
+    assert torch.equal(got_x, x) and torch.equal(got_ids, ids)
+    assert torch.equal(got_weights, weights)
 
 
 def test_expert_ids_out_of_range_are_refused() -> None:

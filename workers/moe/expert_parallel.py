@@ -173,6 +173,36 @@ def exchange_counts(send_counts: list[int], ep: EPContext, device: torch.device)
     return [int(c) for c in start_count_exchange(send_counts, ep, device).wait().tolist()]
 
 
+def pack_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """One byte row per pair (its hidden state, expert id, weight), so a single all-to-all
+    carries the dispatch: [P, hidden] x, [P] int64 ids, [P] x.dtype weights -> [P, bytes]."""
+    num_pairs = x.shape[0]
+    return torch.cat(
+        (
+            x.contiguous().view(torch.uint8),
+            ids.to(torch.int64).reshape(num_pairs, 1).view(torch.uint8),
+            weights.to(x.dtype).reshape(num_pairs, 1).contiguous().view(torch.uint8),
+        ),
+        dim=1,
+    )
+
+
+def unpack_pairs(
+    packed: torch.Tensor, hidden: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``pack_pairs``'s inverse: ([P, hidden] x, [P] int64 ids, [P] weights)."""
+    width = hidden * dtype.itemsize
+
+    def columns(start: int, stop: int, as_dtype: torch.dtype) -> torch.Tensor:
+        part = packed.new_empty((packed.shape[0], stop - start))  # own rows: viewable
+        return part.copy_(packed[:, start:stop]).view(as_dtype)
+
+    x = columns(0, width, dtype)
+    ids = columns(width, width + 8, torch.int64).reshape(-1)
+    weights = columns(width + 8, packed.shape[1], dtype).reshape(-1)
+    return x, ids, weights
+
+
 def expert_parallel_moe(
     x: torch.Tensor,  # [T, hidden]
     weights: torch.Tensor,  # [T, top_k], x's dtype
@@ -189,10 +219,12 @@ def expert_parallel_moe(
     counts = start_count_exchange(plan.send_counts, ep, x.device)
     dbo_yield()
     recv_counts = [int(c) for c in counts.wait().tolist()]
-    sends = (x[plan.token_of], ids.reshape(-1)[plan.order], weights.reshape(-1)[plan.order])
-    dispatch = [start_all_to_all(t, plan.send_counts, recv_counts, ep) for t in sends]
+    packed = pack_pairs(
+        x[plan.token_of], ids.reshape(-1)[plan.order], weights.reshape(-1)[plan.order]
+    )
+    dispatch = start_all_to_all(packed, plan.send_counts, recv_counts, ep)
     dbo_yield()
-    recv_x, recv_ids, recv_weights = (pending.wait() for pending in dispatch)
+    recv_x, recv_ids, recv_weights = unpack_pairs(dispatch.wait(), x.shape[1], x.dtype)
     first = ep.local_experts(num_experts).start
     local_ids = (recv_ids - first).unsqueeze(1)  # one pair per row: top_k = 1
     results = ops.fused_moe(recv_x, w13, w2, recv_weights.unsqueeze(1), local_ids)
