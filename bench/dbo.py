@@ -8,22 +8,27 @@ in alternation: the plain forward (DBO off) and ``forward_ubatched`` over two mi
 at the middle (DBO on). Figures are medians over ``--reps`` repetitions after warm-up, the
 slower rank's.
 
-**Injected link latency** (``EPContext.link_delay_s``): each all-to-all (the counts, the
-dispatch, the combine: three per MoE layer) completes no earlier than its issue time plus the
-delay, to emulate a cross-host EP link's latency on a loopback gloo group (the real loopback
-collectives run too, underneath). Default ``auto``: communication = compute at
-``--calibrate-tokens`` (default 512, the default prefill threshold, where the defaults start
-splitting prefill steps): the replicated model's forward (the same expert work per rank as EP,
-no collectives) is timed on both ranks at once, and the delay is set so that the injected
-communication of a step (3 x layers x delay) equals ``--comm-share`` (default 1.0) of it.
-``--link-delay-ms`` sets the delay instead.
+**Injected link** (``EPContext.link_delay_s``, ``link_bytes_per_s``), to emulate a cross-host
+EP link on a loopback gloo group (the real loopback collectives run too, underneath):
 
-What to expect: a latency-bound link does not get faster when the step is split, so each
-micro-batch's chain per MoE layer is its 3 delays plus its own compute, and the turn is
-exclusive: DBO on >= max(compute, comm + compute / 2) against comm + compute off, i.e. at most
-+33% where comm = compute (+50% where comm = compute / 2), less the split's own cost (two
-smaller matmuls and every per-layer fixed cost paid twice: large below a few hundred tokens on
-a CPU).
+- ``--link bandwidth`` (default): each all-to-all takes ``--link-latency-us`` (20 us, an RDMA
+  NIC's order) plus its bytes for the other rank at the link's bandwidth, transfers queueing on
+  each rank's link, so communication grows with the tokens as it does on a real network for
+  prefill-sized batches. ``--link-mb-s 0`` (default) calibrates the bandwidth so that a step of
+  ``--calibrate-tokens`` (512, the default prefill threshold) spends ``--comm-share`` (1.0) x
+  its compute on the link; the compute is the replicated model's forward (the same expert work
+  per rank as EP, no collectives), timed on both ranks at once.
+- ``--link latency``: a fixed latency per all-to-all (``--link-delay-ms``, or ``auto``: the
+  three all-to-alls of each MoE layer sum to ``--comm-share`` x the compute at
+  ``--calibrate-tokens``), as for decode-sized batches where latency dominates.
+
+What to expect: with a bandwidth-bound link one micro-batch's transfer overlaps the other's
+compute, so DBO gains up to about +50..100% where comm = compute; a latency-bound link does not
+get faster when the step is split, so each micro-batch's chain per MoE layer is its 3 delays
+plus its own compute: DBO on >= max(compute, comm + compute / 2) against comm + compute off,
+at most +33% where comm = compute. Both less the split's own cost (two smaller matmuls, every
+per-layer fixed cost and real collective paid twice: large below a few hundred tokens on a
+2-core CPU whose two ranks also run gloo's threads).
 
 Workloads (``--kinds``): ``prefill``, chunks of up to 128 new tokens per request from empty
 contexts; ``decode``, one token per request over a 64-token context. Tokens per step are swept
@@ -31,14 +36,15 @@ over ``--tokens``. The split's thresholds (vLLM's defaults: decode 32, prefill 5
 where DBO is meant to start paying; the ``split`` column says whether they split the step.
 
     .venv/bin/python bench/dbo.py [--quick] [--tokens 16,32,...] [--kinds prefill,decode]
+        [--link bandwidth|latency] [--link-latency-us 20] [--link-mb-s MB/S]
         [--link-delay-ms auto|MS] [--comm-share 1.0] [--calibrate-tokens 512] [--reps 9]
     shoal bench dbo [...]
 
 One torch thread per process. The last line printed is one JSON object: ``{"rows":
 [{"kind", "tokens_per_step", "dbo_off_ms", "dbo_on_ms", "gain_pct", "off_tok_s", "on_tok_s",
-"split_by_default"}, ...], "best_gain_pct", "link_delay_ms", "link_delay": "injected",
-"device", "load_avg"}`` (``load_avg``: the host's 1-minute load before and after: these
-machines are shared, read the figures with it).
+"split_by_default"}, ...], "best_gain_pct", "link", "link_delay_ms", "link_mb_s",
+"link_delay": "injected", "device", "load_avg"}`` (``load_avg``: the host's 1-minute load
+before and after: these machines are shared, read the figures with it).
 """
 
 from __future__ import annotations
@@ -207,11 +213,49 @@ def calibrate_delay(cfg: dict[str, Any], device: torch.device) -> tuple[float, f
     return cfg["comm_share"] * compute_ms / 1e3 / num_comm, compute_ms
 
 
+def bytes_per_step(cfg: dict[str, Any], rank: int, device: torch.device) -> float:
+    """Bytes this rank sends to the other in one step at ``calibrate_tokens`` (dispatch and
+    combine rows; the largest of the two ranks')."""
+    from shoal.workers.loader import load_model
+    from shoal.workers.moe.expert_parallel import INJECTED_LINK, EPContext
+
+    probe = load_model(cfg["model_dir"], dtype=torch.float32, device=device,
+                       ep=EPContext(rank, 2))[0]  # fmt: skip
+    ids, positions, meta, _ = step_inputs(probe, cfg["kinds"][0], cfg["calibrate_tokens"], device)
+    before = INJECTED_LINK.bytes_sent
+    with torch.inference_mode():
+        probe(ids, positions, meta)
+    return slowest(float(INJECTED_LINK.bytes_sent - before), device)
+
+
+def link_for(cfg: dict[str, Any], rank: int, device: torch.device) -> tuple[Any, Any]:
+    """(this rank's EPContext with the injected link, calibration facts or None)."""
+    from shoal.workers.moe.expert_parallel import EPContext
+
+    latency_s = cfg["link_latency_us"] / 1e6
+    if cfg["link"] == "bandwidth":
+        delay_s, compute_ms = latency_s, None
+        bandwidth = cfg["link_mb_s"] * 1e6 if cfg["link_mb_s"] else 0.0
+        if not bandwidth:
+            compute_ms = calibrate_delay(cfg, device)[1]
+            num_bytes = bytes_per_step(cfg, rank, device)
+            num_comm = COMM_PER_LAYER * MODEL["num_hidden_layers"]
+            transfer_s = cfg["comm_share"] * compute_ms / 1e3 - num_comm * latency_s
+            bandwidth = num_bytes / max(transfer_s, 1e-6)
+        ep = EPContext(rank, 2, link_delay_s=delay_s, link_bytes_per_s=bandwidth)
+        return ep, compute_ms
+    compute_ms = None
+    if cfg["link_delay_ms"] is None:
+        delay_s, compute_ms = calibrate_delay(cfg, device)
+    else:
+        delay_s = cfg["link_delay_ms"] / 1e3
+    return EPContext(rank, 2, link_delay_s=delay_s), compute_ms
+
+
 def run_rank(rank: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from shoal.workers.loader import load_model
-    from shoal.workers.moe.expert_parallel import EPContext
 
     torch.set_num_threads(1)
     device = torch.device(f"cuda:{rank}" if cfg["device"] == "cuda" else "cpu")
@@ -220,12 +264,8 @@ def run_rank(rank: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
     backend = "nccl" if device.type == "cuda" else "gloo"
     init = f"tcp://127.0.0.1:{port}"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=2)
-    compute_ms = None
-    if cfg["link_delay_ms"] is None:
-        delay_s, compute_ms = calibrate_delay(cfg, device)
-    else:
-        delay_s = cfg["link_delay_ms"] / 1e3
-    ep = EPContext(rank, 2, link_delay_s=delay_s)
+    ep, compute_ms = link_for(cfg, rank, device)
+    delay_s = ep.link_delay_s
     model = load_model(cfg["model_dir"], dtype=torch.float32, device=device, ep=ep)[0]
     rows = []
     for kind in cfg["kinds"]:
@@ -234,7 +274,12 @@ def run_rank(rank: int, port: int, cfg: dict[str, Any]) -> dict[str, Any]:
             off, on = time_pair(model, inputs, cfg["reps"], cfg["warmup"], device)
             rows.append((kind, n, slowest(off, device), slowest(on, device)))
     dist.destroy_process_group()
-    return {"rows": rows, "delay_ms": delay_s * 1e3, "calibration_ms": compute_ms}
+    return {
+        "rows": rows,
+        "delay_ms": delay_s * 1e3,
+        "link_mb_s": ep.link_bytes_per_s / 1e6,
+        "calibration_ms": compute_ms,
+    }
 
 
 def free_port() -> int:
@@ -267,11 +312,18 @@ def report(result: dict[str, Any], cfg: dict[str, Any], load_avg: list[float]) -
     """Print the table; the JSON summary."""
     delay_ms = result["delay_ms"]
     num_comm = COMM_PER_LAYER * MODEL["num_hidden_layers"]
-    print(
-        f"EP=2 over two processes ({cfg['device']}); INJECTED link latency {delay_ms:.3f} ms "
-        f"per all-to-all, {COMM_PER_LAYER} per MoE layer x {MODEL['num_hidden_layers']} layers "
-        f"= {num_comm * delay_ms:.2f} ms per step"
-    )
+    if cfg["link"] == "bandwidth":
+        print(
+            f"EP=2 over two processes ({cfg['device']}); INJECTED link: {delay_ms * 1e3:.0f} us "
+            f"latency per all-to-all + {result['link_mb_s']:.2f} MB/s per rank for the bytes "
+            "sent to the other rank (transfers queue on the link)"
+        )
+    else:
+        print(
+            f"EP=2 over two processes ({cfg['device']}); INJECTED link latency {delay_ms:.3f} "
+            f"ms per all-to-all, {COMM_PER_LAYER} per MoE layer x "
+            f"{MODEL['num_hidden_layers']} layers = {num_comm * delay_ms:.2f} ms per step"
+        )
     if result["calibration_ms"] is not None:
         print(
             f"auto: {cfg['comm_share']} x the compute of a step of {cfg['calibrate_tokens']} "
@@ -300,7 +352,9 @@ def report(result: dict[str, Any], cfg: dict[str, Any], load_avg: list[float]) -
     return {
         "rows": rows,
         "best_gain_pct": max(r["gain_pct"] for r in rows),
+        "link": cfg["link"],
         "link_delay_ms": round(delay_ms, 4),
+        "link_mb_s": round(result["link_mb_s"], 3),
         "link_delay": "injected",
         "device": cfg["device"],
         "load_avg": [round(x, 2) for x in load_avg],
@@ -311,7 +365,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="16,32,64,128,256,512,1024")
     parser.add_argument("--kinds", default="prefill,decode")
-    parser.add_argument("--link-delay-ms", default="auto", help="injected latency, or auto")
+    parser.add_argument(
+        "--link",
+        choices=("bandwidth", "latency"),
+        default="bandwidth",
+        help="injected link: latency + bytes / bandwidth, or a fixed latency",
+    )
+    parser.add_argument(
+        "--link-latency-us", type=float, default=20.0, help="bandwidth link: latency per all-to-all"
+    )
+    parser.add_argument(
+        "--link-mb-s",
+        type=float,
+        default=0.0,
+        help="bandwidth link: MB/s per rank (0: auto, from --comm-share)",
+    )
+    parser.add_argument(
+        "--link-delay-ms",
+        default="auto",
+        help="latency link: the latency, or auto (from --comm-share)",
+    )
     parser.add_argument("--comm-share", type=float, default=1.0, help="auto: comm / compute")
     parser.add_argument("--calibrate-tokens", type=int, default=DEFAULT_PREFILL_TOKEN_THRESHOLD)
     parser.add_argument("--reps", type=int, default=9)
@@ -331,6 +404,9 @@ def main() -> None:
             "model_dir": str(build_checkpoint(Path(tmp) / "mixtral")),
             "tokens": tokens,
             "kinds": args.kinds.split(","),
+            "link": args.link,
+            "link_latency_us": args.link_latency_us,
+            "link_mb_s": args.link_mb_s,
             "link_delay_ms": None if args.link_delay_ms == "auto" else float(args.link_delay_ms),
             "comm_share": args.comm_share,
             "calibrate_tokens": args.calibrate_tokens,

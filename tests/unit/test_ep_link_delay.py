@@ -82,3 +82,23 @@ def test_without_a_delay_the_wait_returns_once_the_collective_is_done(clock: Fak
     pending = PendingAllToAll(torch.ones(2), torch.ones(2), work, ready_at=clock.now)
     pending.wait()
     assert clock.sleeps == [] and work.waits == 1
+
+
+def test_with_a_bandwidth_transfers_to_other_ranks_queue_on_the_link(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """100 bytes/s and 0.5 s latency: rows for other ranks take their bytes' time, one transfer
+    after another on this rank's link; rows for this rank cost no link time."""
+    monkeypatch.setattr(expert_parallel.dist, "all_to_all_single", lambda *a, **k: FakeWork())
+    monkeypatch.setattr(expert_parallel, "INJECTED_LINK", expert_parallel.InjectedLink())
+    ep = EPContext(0, 2, link_delay_s=0.5, link_bytes_per_s=100.0)
+    rows = torch.zeros(5, 5)  # 20 bytes a row
+    first = start_all_to_all(rows, [1, 4], [1, 4], ep)  # 4 rows = 80 bytes away: 0.8 s
+    second = start_all_to_all(rows, [3, 2], [3, 2], ep)  # 40 bytes, after the first: 0.4 s
+    local = start_all_to_all(rows, [5, 0], [5, 0], ep)  # all for this rank: no link time
+    assert first.ready_at == pytest.approx(100.0 + 0.8 + 0.5)
+    assert second.ready_at == pytest.approx(100.0 + 0.8 + 0.4 + 0.5)
+    assert local.ready_at == pytest.approx(100.0 + 0.5)  # nothing on the link: the latency
+    assert expert_parallel.INJECTED_LINK.bytes_sent == 120
+    with pytest.raises(ValueError, match="link_bytes_per_s must be >= 0"):
+        EPContext(0, 2, link_bytes_per_s=-1.0)

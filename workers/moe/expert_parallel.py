@@ -17,13 +17,16 @@ and an idle rank never splits), each micro-batch yields exactly three times per 
 whatever its token count, and the ping-pong interleaving depends only on those yields, so every
 rank issues the same sequence of collectives.
 
-``EPContext.link_delay_s`` is injected latency for benchmarks only: it emulates a cross-host
-link by making each all-to-all's completion observable no earlier than its issue time plus the
-delay (a sync call returns after it; an async one's ``wait`` blocks until then, so under DBO
-the delay overlaps the other micro-batch's compute)."""
+``EPContext.link_delay_s`` and ``link_bytes_per_s`` inject a cross-host link for benchmarks
+only: each all-to-all's completion is observable no earlier than its issue time plus the
+delay, plus, with a bandwidth, the time its bytes for other ranks take on this rank's link
+(one link per process: transfers queue behind each other). A sync call returns after it; an
+async one's ``wait`` blocks until then, so under DBO it overlaps the other micro-batch's
+compute."""
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,19 +41,21 @@ from shoal.workers.dbo.ubatching import dbo_yield
 @dataclass(frozen=True)
 class EPContext:
     """This worker's rank in an expert-parallel group of ``size`` ranks (``group`` None = the
-    default process group). ``link_delay_s``: injected latency of every all-to-all, for
-    benchmarks that emulate a cross-host link (0: none)."""
+    default process group). ``link_delay_s`` and ``link_bytes_per_s``: injected latency and
+    bandwidth of every all-to-all, for benchmarks that emulate a cross-host link (0: none)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
     link_delay_s: float = 0.0
+    link_bytes_per_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"bad expert-parallel rank {self.rank} of size {self.size}")
-        if not self.link_delay_s >= 0.0:
-            raise ValueError(f"link_delay_s must be >= 0; got {self.link_delay_s}")
+        for name in ("link_delay_s", "link_bytes_per_s"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name} must be >= 0; got {getattr(self, name)}")
 
     def experts_per_rank(self, num_experts: int) -> int:
         if num_experts % self.size:
@@ -131,6 +136,27 @@ class PendingAllToAll:
         return self.recv
 
 
+class InjectedLink:
+    """This process's emulated link (benchmarks): when it is free again, and what it carried."""
+
+    def __init__(self) -> None:
+        self.free_at = 0.0  # perf_counter time
+        self.bytes_sent = 0
+        self._lock = threading.Lock()
+
+    def ready_at(self, issued_at: float, num_bytes: int, ep: EPContext) -> float:
+        """When a transfer of ``num_bytes`` issued at ``issued_at`` has arrived."""
+        with self._lock:
+            self.bytes_sent += num_bytes
+            if ep.link_bytes_per_s <= 0.0 or num_bytes == 0:
+                return issued_at + ep.link_delay_s
+            self.free_at = max(self.free_at, issued_at) + num_bytes / ep.link_bytes_per_s
+            return self.free_at + ep.link_delay_s
+
+
+INJECTED_LINK = InjectedLink()
+
+
 def start_all_to_all(
     send: torch.Tensor, send_counts: list[int], recv_counts: list[int], ep: EPContext
 ) -> PendingAllToAll:
@@ -138,6 +164,9 @@ def start_all_to_all(
     pending result holds the rows received, ``recv_counts[r]`` from rank r, in rank order.
     Zero rows are fine (the call still happens)."""
     issued_at = time.perf_counter()
+    remote_rows = sum(send_counts) - send_counts[ep.rank]
+    row_bytes = send[0].numel() * send.element_size() if send.shape[0] else 0
+    ready_at = INJECTED_LINK.ready_at(issued_at, remote_rows * row_bytes, ep)
     recv = send.new_empty((sum(recv_counts), *send.shape[1:]))
     send = send.contiguous()
     work = dist.all_to_all_single(
@@ -148,7 +177,7 @@ def start_all_to_all(
         group=ep.group,
         async_op=True,
     )
-    return PendingAllToAll(recv, send, work, issued_at + ep.link_delay_s)
+    return PendingAllToAll(recv, send, work, ready_at)
 
 
 def all_to_all(
