@@ -197,11 +197,6 @@ def start_count_exchange(
     return start_all_to_all(send, ones, ones, ep)
 
 
-def exchange_counts(send_counts: list[int], ep: EPContext, device: torch.device) -> list[int]:
-    """How many pairs each rank sends to this one."""
-    return [int(c) for c in start_count_exchange(send_counts, ep, device).wait().tolist()]
-
-
 def pack_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """One byte row per pair (its hidden state, expert id, weight), so a single all-to-all
     carries the dispatch: [P, hidden] x, [P] int64 ids, [P] x.dtype weights -> [P, bytes]."""
