@@ -222,9 +222,10 @@ def bytes_per_step(cfg: dict[str, Any], rank: int, device: torch.device) -> floa
     probe = load_model(cfg["model_dir"], dtype=torch.float32, device=device,
                        ep=EPContext(rank, 2))[0]  # fmt: skip
     ids, positions, meta, _ = step_inputs(probe, cfg["kinds"][0], cfg["calibrate_tokens"], device)
-    before = INJECTED_LINK.bytes_sent
+    before, INJECTED_LINK.counting = INJECTED_LINK.bytes_sent, True
     with torch.inference_mode():
         probe(ids, positions, meta)
+    INJECTED_LINK.counting = False
     return slowest(float(INJECTED_LINK.bytes_sent - before), device)
 
 

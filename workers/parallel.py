@@ -97,9 +97,18 @@ class TPGroup:
     its ``tcp://host:port``; every rank then ``join``s at that address, which blocks until all
     ranks have joined. All three block: the worker calls them in its runner thread."""
 
-    def __init__(self, rank: int, size: int, *, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        *,
+        device: str = "cpu",
+        collective_timeout_s: float | None = None,
+    ) -> None:
         self.context = TPContext(rank=rank, size=size)
         self.device = device
+        # how long a collective of a joined group waits for a peer (None: the join's timeout)
+        self.collective_timeout_s = collective_timeout_s
         self.init_method: str | None = None  # the current group's address, once joined
         self._store: dist.TCPStore | None = None
 
@@ -153,7 +162,7 @@ class TPGroup:
             store=store,
             rank=self.rank,
             world_size=self.size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=self.collective_timeout_s or timeout_s),
         )
         self._store = store  # keeps rank 0's listener alive while the group lives
         self.init_method = init_method
@@ -168,8 +177,11 @@ def rebuildable_group(
     if not config.fault_tolerance_config.enable_fault_tolerance:
         return None
     parallel = config.parallel_config
+    timeout_s = parallel.step_timeout_s  # as a static group's collectives
     if parallel.expert_parallel_size > 1:
-        return TPGroup(dp_rank, parallel.expert_parallel_size, device=device)
+        size = parallel.expert_parallel_size
+        return TPGroup(dp_rank, size, device=device, collective_timeout_s=timeout_s)
     if parallel.tensor_parallel_size > 1:
-        return TPGroup(tp_rank, parallel.tensor_parallel_size, device=device)
+        size = parallel.tensor_parallel_size
+        return TPGroup(tp_rank, size, device=device, collective_timeout_s=timeout_s)
     return None

@@ -48,6 +48,8 @@ class LockstepRejoin(msgspec.Struct, tag="lockstep_rejoin", array_like=True, fro
     rank: int
     generation: int
     proposing: bool = True
+    nonce: str = ""  # the proposer's incarnation: keys the group's rendezvous with generation
+    withdrawn: bool = False  # the proposer gave up waiting (a timeout): forget its proposal
 
 
 LockstepMessage = LockstepReport | LockstepHint | LockstepWithdraw | LockstepRejoin

@@ -119,7 +119,14 @@ class EngineCoreActor(FaultHandlingActor):
         self.num_handshakes = 0
         parallel = config.parallel_config
         self.lockstep = (
-            LockstepLink(bus, self.subjects, dp_rank, parallel.data_parallel_size, self._wake.set)
+            LockstepLink(
+                bus,
+                self.subjects,
+                dp_rank,
+                parallel.data_parallel_size,
+                self._wake.set,
+                nonce=self.incarnation,
+            )
             if parallel.runs_in_lockstep
             else None
         )

@@ -33,12 +33,18 @@ class LockstepTimeout(WorkerFailure):
 
 class LockstepLink:
     def __init__(
-        self, bus: Bus, subjects: Subjects, rank: int, size: int, wake: Callable[[], None]
+        self,
+        bus: Bus,
+        subjects: Subjects,
+        rank: int,
+        size: int,
+        wake: Callable[[], None],
+        nonce: str = "",
     ) -> None:
         self.bus = bus
         self.subject = subjects.lockstep()
         self.rounds = Lockstep(rank, size)
-        self.rejoin = GroupRejoin(rank, size)
+        self.rejoin = GroupRejoin(rank, size, nonce)  # nonce: unique per incarnation
         self._wake = wake
         self._changed = asyncio.Event()
         self._sub: Subscription | None = None
@@ -86,9 +92,11 @@ class LockstepLink:
     async def agree(self, num_tokens: int, timeout_s: float) -> RoundOutcome:
         """Report ``num_tokens`` for this rank's next round and wait for every rank's report;
         ``LockstepTimeout`` after ``timeout_s`` (the report is withdrawn)."""
-        await self._publish(self.rounds.report(num_tokens))
+        report = self.rounds.report(num_tokens)
+        await self._publish(report)
+        what = f"lock-step round {report.round}"
         try:
-            return await self._wait_for(self.rounds.take_outcome, timeout_s, "lock-step round")
+            return await self._wait_for(self.rounds.take_outcome, timeout_s, what)
         except WorkerFailure:
             withdrawn = self.rounds.abandon()
             if withdrawn is not None:
@@ -101,13 +109,15 @@ class LockstepLink:
         ``timeout_s``)."""
         await self._publish(self.rejoin.propose())
         try:
-            generation = await self._wait_for(
-                self.rejoin.take_generation, timeout_s, "expert-parallel group rebuild"
+            epoch = await self._wait_for(
+                self.rejoin.take_epoch, timeout_s, "expert-parallel group rebuild"
             )
         except WorkerFailure:
-            self.rejoin.abandon()
+            withdrawn = self.rejoin.abandon()
+            if withdrawn is not None:
+                await self._publish(withdrawn)
             raise
-        return f"experts-{generation}"
+        return f"experts-{epoch}"
 
     async def _wait_for(self, take: Callable[[], T | None], timeout_s: float, what: str) -> T:
         """``take()`` once it gives something; ``LockstepTimeout`` after ``timeout_s``, and a

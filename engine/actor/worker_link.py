@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 _OUTBOUND: Codec[WorkerOutbound] = Codec(WorkerOutbound)
 _STEP: Codec[ExecuteStep] = Codec(ExecuteStep)
 GROUP_JOIN_TIMEOUT_S = 60.0  # ranks already loaded: joining is quick unless one is gone
+GROUP_JOIN_MIN_S = 10.0  # even when agreeing on the epoch took the handshake's time
 _GONE = (ActorState.DRAINING, *GONE_STATES)  # a draining worker takes no more steps
 
 
@@ -173,7 +174,8 @@ class WorkerLink:
             if not isinstance(group_epoch, str):
                 group_epoch = await group_epoch(max(1.0, deadline - time.monotonic()))
             remaining = deadline - time.monotonic()
-            await self._join_group(group_epoch, max(1.0, min(GROUP_JOIN_TIMEOUT_S, remaining)))
+            timeout_s = max(GROUP_JOIN_MIN_S, min(GROUP_JOIN_TIMEOUT_S, remaining))
+            await self._join_group(group_epoch, timeout_s)
         for worker_id in self.worker_ids:
             reset = ResetWorker(f"engine {self.engine_id} (re)connected")
             await call(self.bus, self.subjects.worker_in(worker_id), reset, _OUTBOUND, timeout=30)

@@ -1,6 +1,8 @@
 """The engine cores' lock-step link on its own, on the in-memory bus and on a real nats-server:
 two ranks agree on every round, a rank with nothing to do is woken to join a round, a restarted
-rank catches up, and a round a peer never reports ends in ``LockstepTimeout``."""
+rank catches up, a round a peer never reports ends in ``LockstepTimeout``, and the ranks agree
+on the epoch of a rebuilt expert-parallel group (a rank waiting on a round gives it up at once
+when another rebuilds)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 
 from shoal.bus.subjects import Subjects
 from shoal.engine.actor.lockstep_link import LockstepLink, LockstepTimeout
+from shoal.engine.actor.worker_link import WorkerFailure
 from shoal.engine.core.lockstep import RoundOutcome
 from tests.integration.conditions import wait_for
 
@@ -49,3 +52,18 @@ async def test_a_round_a_peer_never_reports_times_out(bus_factory) -> None:  # t
     with pytest.raises(LockstepTimeout, match="round 0"):
         await a.agree(4, 0.2)
     assert a.rounds.pending is None and a.rounds.next_round == 0  # withdrawn: round 0 again
+
+
+async def test_the_engine_cores_agree_on_the_epoch_of_a_rebuilt_group(bus_factory) -> None:  # type: ignore[no-untyped-def]
+    wakes: list[int] = []
+    a, b = await make_links(bus_factory, wakes)
+    first = await asyncio.gather(a.agree_group_epoch(5), b.agree_group_epoch(5))
+    assert first == ["experts-1-"] * 2  # make_links gives no nonce
+    busy = asyncio.create_task(a.agree(3, 5))  # a waits on a round ...
+    await wait_for(lambda: b.peer_waiting, 5, "a's report")
+    rebuilding = asyncio.create_task(b.agree_group_epoch(5))  # ... when b rebuilds the group
+    with pytest.raises(WorkerFailure, match="rebuilds the group"):
+        await busy  # a gives up the round at once, not after its timeout
+    assert a.group_broken and 0 in wakes
+    assert await asyncio.gather(a.agree_group_epoch(5), rebuilding) == ["experts-2-"] * 2
+    assert not a.group_broken and not b.group_broken

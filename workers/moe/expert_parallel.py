@@ -141,11 +141,14 @@ class InjectedLink:
 
     def __init__(self) -> None:
         self.free_at = 0.0  # perf_counter time
+        self.counting = False  # count ``bytes_sent`` without a bandwidth too (calibration)
         self.bytes_sent = 0
         self._lock = threading.Lock()
 
     def ready_at(self, issued_at: float, num_bytes: int, ep: EPContext) -> float:
         """When a transfer of ``num_bytes`` issued at ``issued_at`` has arrived."""
+        if not self.counting and ep.link_bytes_per_s <= 0.0:  # serving: nothing to track
+            return issued_at + ep.link_delay_s
         with self._lock:
             self.bytes_sent += num_bytes
             if ep.link_bytes_per_s <= 0.0 or num_bytes == 0:
