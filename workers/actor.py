@@ -24,9 +24,10 @@ other requests of that step get their tokens. Not made non-fatal, as the runner 
 them: a sampling or logits-processing failure (one batched kernel for every request), a cached
 request the worker does not know, a full persistent batch (the worker and engine disagree).
 
-Fault tolerance: ``JoinGroup(epoch)`` drops this rank's tensor-parallel group and joins the
-epoch's new one (``workers.group_ports``; the blocking part in the runner thread, so heartbeats
-go on) → ``GroupJoined``; ``InjectFault(after_steps)`` → ``FaultInjected(at_step)`` arms a fault:
+Fault tolerance: ``JoinGroup(epoch)`` drops this rank's tensor-parallel group (or, with expert
+parallelism, the group of every data-parallel rank's worker) and joins the epoch's new one
+(``workers.group_ports``; the blocking part in the runner thread, so heartbeats go on) →
+``GroupJoined``; ``InjectFault(after_steps)`` → ``FaultInjected(at_step)`` arms a fault:
 the step with that count runs in full (tensor-parallel peers are never left waiting in a
 collective) and is answered as if its forward pass had raised ``InjectedFault`` (fatal).
 

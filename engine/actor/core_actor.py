@@ -12,6 +12,11 @@ rules (results applied strictly in step order, placeholders) live in ``EngineCor
 so clients can discover and route by load. While idle, the loop still checks its workers'
 heartbeats, so a dead worker is noticed within ``worker_dead_after_s``, not at the next request.
 
+Expert parallelism (``ParallelConfig.runs_in_lockstep``): every step is a round agreed with the
+other engine cores over the bus first (``LockstepLink``); a rank without tokens sends its
+workers a dummy step so the group's collectives can run, and with fault tolerance each
+handshake agrees the epoch of the workers' rebuilt group with the other engine cores.
+
 Faults: an exception in a step (the core's, the bus's, a lost or restarted worker, or with fault
 tolerance on a fatal worker error) abandons the steps in flight and ends every request; what
 follows (today's recovery, or the fault-tolerance sentinel and its recovery commands) is
