@@ -58,6 +58,7 @@ from shoal.bus.messages.offload import (
     TierReply,
     TierStoreSlots,
 )
+from shoal.tiers.backpressure import StoreBackpressure
 from shoal.tiers.cpu_books import CpuTierBooks
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.manager import OffloadManager
@@ -136,6 +137,10 @@ class CpuTierActor(Actor):
             )
             for secondary_id in secondary_ids
         ]
+        # per secondary: its stores' latency, and whether to drop stores for now
+        self.backpressure = {
+            link.secondary_id: StoreBackpressure(kv.backpressure) for link in self.links
+        }
         self.region: SharedRegion | None = None
         self.books: CpuTierBooks | None = None
         self._tasks: set[asyncio.Task[object]] = set()
@@ -312,6 +317,10 @@ class CpuTierActor(Actor):
             if not self._usable(link) or link.num_in_flight >= self.max_cascades_in_flight:
                 books.counters.num_cascade_dropped += len(keys)
                 continue
+            if self.backpressure[link.secondary_id].should_drop_store():
+                books.counters.num_cascade_dropped += len(keys)
+                books.counters.num_backpressure_dropped += len(keys)
+                continue
             now = time.monotonic()
             slot_ids = books.pin_for_cascade(keys, now)
             link.num_in_flight += 1
@@ -322,19 +331,24 @@ class CpuTierActor(Actor):
     ) -> None:
         books, region = self._books_and_region()
         deadline = time.time() - (time.monotonic() - pinned_at) + self.lease_s / 2
+        pressure = self.backpressure[link.secondary_id]
         try:
             reply = await link.cascade(region.ref, keys, slot_ids, self.cascade_timeout_s, deadline)
         except SecondaryTimeout:
+            pressure.record_store(time.monotonic() - pinned_at, succeeded=False)
             books.counters.num_cascade_failures += len(keys)
             # it may still read the slots: they stay pinned, and it counted, until the lease ends
             await self._count_out_at_lease_end(link, pinned_at)
             return
         except SecondaryFailed:
+            pressure.record_store(time.monotonic() - pinned_at, succeeded=False)
             link.num_in_flight -= 1
             books.finish_cascade(keys, 0)
             return
         link.num_in_flight -= 1
-        books.finish_cascade(keys, len(set(reply.done_keys) & set(keys)))
+        num_done = len(set(reply.done_keys) & set(keys))
+        pressure.record_store(time.monotonic() - pinned_at, succeeded=num_done == len(keys))
+        books.finish_cascade(keys, num_done)
 
     async def _count_out_at_lease_end(self, link: SecondaryLink, taken_at: float) -> None:
         """A job whose answer timed out may still run on the secondary: it stays counted in

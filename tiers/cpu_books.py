@@ -45,6 +45,7 @@ class CpuTierCounters:
     num_cascaded: int = 0  # chunks a secondary wrote
     num_cascade_failures: int = 0
     num_cascade_dropped: int = 0  # chunks not cascaded: backpressure or a detached secondary
+    num_backpressure_dropped: int = 0  # of those, for a slow tier's moving average
     num_pins_expired: int = 0
     num_stores_expired: int = 0
     num_stale_ignored: int = 0  # releases and renewals naming an earlier region generation

@@ -30,6 +30,34 @@ class FsTierConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fie
         )
 
 
+class BackpressureConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """Backpressure on a slow secondary tier (``kv_connector_extra_config.backpressure``;
+    ``tiers/backpressure.py``): stores to a tier whose moving average of store latency passed
+    ``high_water_s`` (or that failed ``failure_streak`` stores in a row) are dropped, with a
+    probability growing up to ``max_drop_probability``, until the average falls below
+    ``low_water_s``; loads are never dropped."""
+
+    ema_alpha: float = 0.2  # weight of the newest store in the moving average
+    high_water_s: float = 2.0
+    low_water_s: float = 0.5
+    max_drop_probability: float = 0.9  # the stores let through keep measuring the tier
+    failure_streak: int = 3
+
+    def __post_init__(self) -> None:
+        _require(0 < self.ema_alpha <= 1, "backpressure.ema_alpha", "must be in (0, 1]")
+        _require(
+            0 <= self.low_water_s < self.high_water_s,
+            "backpressure.low_water_s",
+            f"must be >= 0 and below high_water_s ({self.high_water_s}), got {self.low_water_s}",
+        )
+        _require(
+            0 <= self.max_drop_probability <= 1,
+            "backpressure.max_drop_probability",
+            "must be in [0, 1]",
+        )
+        _require(self.failure_streak >= 1, "backpressure.failure_streak", "must be at least 1")
+
+
 class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """KV offload (vLLM's ``--kv-transfer-config`` with ``OffloadingConnector``): full KV chunks
     are stored in a CPU tier actor (shared memory on the workers' host) and, behind it, in
@@ -52,6 +80,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     cpu_tier_id: str = "kv-cpu"
     kv_lookup_timeout_s: float = 2.0
     max_pending_store_chunks: int = 1024
+    backpressure: BackpressureConfig = msgspec.field(default_factory=BackpressureConfig)
 
     def __post_init__(self) -> None:
         _one_of(str(self.kv_connector), ("None", "OffloadingConnector"), "kv_connector")
@@ -104,7 +133,7 @@ EXTRA_KEYS = (
 )  # fmt: skip
 EXTRA_UNSUPPORTED = (
     "cache_policy_module_path", "canonical_layout", "tier_poll_interval_s",
-    "sync_load_budget_bytes", "backpressure", "self_describing_kv_events", "spec_module_path",
+    "sync_load_budget_bytes", "self_describing_kv_events", "spec_module_path",
 )  # fmt: skip
 FS_TIER_UNSUPPORTED = ("n_read_threads", "n_write_threads")
 EXTRA = "kv_connector_extra_config"

@@ -22,6 +22,7 @@ from shoal.bus.actor import Actor, Inbox, call
 from shoal.bus.base import Bus, Msg
 from shoal.bus.codec import Codec
 from shoal.bus.messages.config import FsTierConfig, KVTransferConfig, ShoalConfig
+from shoal.bus.messages.kv_transfer import BackpressureConfig
 from shoal.bus.messages.offload import (
     KVLayout,
     RegionRef,
@@ -42,6 +43,7 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.bus.run_actor import build_actor
+from shoal.tiers.backpressure import StoreBackpressure
 from shoal.tiers.cpu_actor import CpuTierActor
 from shoal.tiers.region import SharedRegion
 from tests.fixtures.nats import BusFactory
@@ -71,7 +73,8 @@ class SecondaryAttached(msgspec.Struct, tag="secondary_attached", array_like=Tru
 
 class SecondaryDouble(Actor):
     """A secondary tier keeping chunks in a dict; ``hang_lookups``, ``gate_cascades`` and
-    ``hang_promotes`` hold those requests until ``unblocked`` is set."""
+    ``hang_promotes`` hold those requests until ``unblocked`` is set; ``cascade_delay_s`` makes
+    every cascade that slow."""
 
     kind = "tier"
 
@@ -82,6 +85,7 @@ class SecondaryDouble(Actor):
         self.gate_cascades = False
         self.hang_promotes = False
         self.unblocked = asyncio.Event()
+        self.cascade_delay_s = 0.0  # a slow tier: each cascade takes this long
         self.num_lookups = 0
         self.num_cascades_started = 0
         self.deadlines: list[tuple[str, float, float]] = []  # (job, deadline, time it came)
@@ -105,6 +109,7 @@ class SecondaryDouble(Actor):
                 self.deadlines.append(("cascade", request.deadline, time.time()))
                 if self.gate_cascades:
                     await self.unblocked.wait()
+                await asyncio.sleep(self.cascade_delay_s)
                 try:
                     with_region(region, lambda r: self._read(r, keys, slot_ids))
                 except OSError:  # the CPU tier is gone (the test is over)
@@ -434,6 +439,36 @@ async def test_cascades_past_the_bound_are_dropped_but_loads_go_on(deployment):
     assert list(double.chunks) == [K[0]] and double.num_cascades_started == 1
     await deployment.store(region, K[2])  # room again
     await wait_for(lambda: K[2] in double.chunks, "the next cascade")
+
+
+async def test_a_slow_secondary_gets_its_stores_dropped_but_loads_go_on(deployment):
+    """Backpressure: cascades slower than the high water mark put the tier under pressure and
+    later stores to it are dropped (the ones let through keep measuring it); lookups and
+    promotions from it go on; once it is fast again, the pressure ends and stores flow."""
+    pressure = BackpressureConfig(ema_alpha=1.0, high_water_s=0.05, low_water_s=0.02,
+                                  max_drop_probability=0.9)  # fmt: skip
+    kv = deployment.kv_config(num_slots=8, secondary=True, backpressure=pressure)
+    double = await deployment.start_secondary(kv)
+    double.cascade_delay_s = 0.1
+    tier = await deployment.start_tier(kv)
+    tier.backpressure[double.actor_id] = StoreBackpressure(pressure, draw=lambda: 0.0)
+    region = await deployment.attach()
+    await deployment.store(region, K[0])
+    await wait_for(lambda: tier.load()["num_cascaded"] == 1.0, "a slow cascade")
+    assert tier.backpressure[double.actor_id].under_pressure
+    await deployment.store(region, K[1], K[2])
+    assert tier.load()["num_backpressure_dropped"] == 2.0 and K[1] not in double.chunks
+    hit = await deployment.lookup(K[0], K[1], K[2])  # still held here: loads are not dropped
+    assert read_slots(region, hit.slot_ids) == [payload(k) for k in (K[0], K[1], K[2])]
+    await deployment.release(loaded_keys=[K[0], K[1], K[2]])
+    double.cascade_delay_s = 0.0
+    tier.backpressure[double.actor_id]._draw = lambda: 0.95  # the next store goes through
+    await deployment.store(region, K[3])
+    await wait_for(lambda: K[3] in double.chunks, "a fast cascade")
+    await wait_for(lambda: not tier.backpressure[double.actor_id].under_pressure, "relief")
+    await deployment.store(region, K[4])
+    await wait_for(lambda: K[4] in double.chunks, "stores flowing again")
+    assert tier.load()["num_backpressure_dropped"] == 2.0
 
 
 async def test_a_cascade_left_unanswered_keeps_its_pins_until_their_lease(deployment):

@@ -1,0 +1,61 @@
+"""Backpressure on a slow secondary tier (``tiers/backpressure.py``): pressure begins past the
+high water mark or after a streak of failures, ends below the low water mark (hysteresis), and
+drops stores with a probability that grows with the average, never all of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.bus.messages.kv_transfer import BackpressureConfig, kv_transfer_options
+from shoal.tiers.backpressure import StoreBackpressure
+
+CONFIG = BackpressureConfig(ema_alpha=0.5, high_water_s=1.0, low_water_s=0.2,
+                            max_drop_probability=0.9, failure_streak=3)  # fmt: skip
+
+
+def test_fast_stores_are_never_dropped() -> None:
+    bp = StoreBackpressure(CONFIG, draw=lambda: 0.0)
+    for _ in range(20):
+        bp.record_store(0.05, True)
+        assert not bp.should_drop_store()
+    assert bp.num_dropped == 0 and bp.num_pressure_episodes == 0
+
+
+def test_pressure_begins_past_the_high_mark_and_ends_below_the_low_one() -> None:
+    bp = StoreBackpressure(CONFIG, draw=lambda: 0.5)
+    bp.record_store(0.8, True)
+    assert not bp.under_pressure  # 0.8 < 1.0
+    bp.record_store(2.0, True)  # average 1.4
+    assert bp.under_pressure and bp.num_pressure_episodes == 1
+    assert bp.drop_probability == pytest.approx(0.9)  # capped: some stores still measure
+    assert bp.should_drop_store()
+    bp.record_store(0.4, True)  # average 0.9: below high but above low: still under pressure
+    assert bp.under_pressure and bp.drop_probability == pytest.approx(0.875)
+    bp.record_store(0.1, True)  # 0.5
+    bp.record_store(0.1, True)  # 0.3
+    assert bp.under_pressure and bp.drop_probability == pytest.approx(0.125)
+    assert not bp.should_drop_store()  # the draw 0.5 passes a 12.5% drop
+    bp.record_store(0.05, True)  # 0.175 < 0.2: pressure ends
+    assert not bp.under_pressure and bp.drop_probability == 0.0
+    assert bp.num_dropped == 1
+
+
+def test_a_streak_of_failures_is_pressure_until_a_store_succeeds_fast() -> None:
+    bp = StoreBackpressure(CONFIG, draw=lambda: 0.5)
+    for _ in range(2):
+        bp.record_store(0.01, False)
+    assert not bp.under_pressure
+    bp.record_store(0.01, False)
+    assert bp.under_pressure and bp.drop_probability == pytest.approx(0.9)
+    bp.record_store(0.01, True)
+    assert not bp.under_pressure
+
+
+def test_the_vllm_json_sets_it_and_bad_values_are_named() -> None:
+    extra = {"cpu_bytes_to_use": 1 << 20, "backpressure": {"high_water_s": 0.5, "low_water_s": 0.1}}
+    kv = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}
+    options = kv_transfer_options(kv, 16)
+    assert options["backpressure"].high_water_s == 0.5
+    bad = {**extra, "backpressure": {"high_water_s": 0.1, "low_water_s": 0.5}}
+    with pytest.raises(ValueError, match="low_water_s"):
+        kv_transfer_options({**kv, "kv_connector_extra_config": bad}, 16)
