@@ -118,7 +118,7 @@ def test_kv_role_defaults_to_both_and_missing_extra_config_still_needs_the_bytes
         (_extra(cache_policy_module_path="x"), "cache_policy_module_path is not supported"),
         (_extra(tier_poll_interval_s=0.01), "tier_poll_interval_s is not supported"),
         (_extra(sync_load_budget_bytes=1), "sync_load_budget_bytes is not supported"),
-        (_extra(backpressure={}), "backpressure is not supported"),
+        (_extra(backpressure={"high": 1}), "unknown field `high` - at `kv_connector_extra_config"),
         (_extra(self_describing_kv_events=True), "self_describing_kv_events is not supported"),
         (_extra(spec_module_path="m"), "spec_module_path is not supported"),
         (_extra(spec_name="MyOwnSpec"), r"spec_name 'MyOwnSpec' is not supported"),
@@ -163,7 +163,7 @@ def test_bad_configs_name_the_key(kv_transfer_config: dict[str, Any], problem: s
 
 def test_cli_errors_name_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ns = _parse("--kv-transfer-config", json.dumps(_extra(backpressure={"high": 1})))
-    with pytest.raises(ValueError, match=r"kv_connector_extra_config\.backpressure is not supp"):
+    with pytest.raises(ValueError, match=r"at `kv_connector_extra_config\.backpressure`"):
         config_from_namespace(ns, str(tmp_path))
     with pytest.raises(SystemExit):  # not a JSON object
         _parse("--kv-transfer-config", "[1]")
