@@ -19,6 +19,7 @@ from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus, Msg
 from shoal.bus.codec import Codec
 from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.messages.control import Heartbeat
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.gateway.app import create_app
@@ -29,6 +30,7 @@ from shoal.gateway.serving import DEFAULT_SSE_KEEP_ALIVE_S
 from shoal.gateway.stats_logging import StatsLogger
 
 log = logging.getLogger(__name__)
+_HEARTBEAT: Codec[Heartbeat] = Codec(Heartbeat)
 DEFAULT_ENGINE_FACTORY = "shoal.engine.client.engine_client:make_client"
 
 
@@ -87,9 +89,16 @@ class GatewayActor(Actor):
         self._stats_codec = Codec(EngineStats)
 
     def inboxes(self) -> Sequence[Inbox]:
+        tiers = Inbox(self.subjects.heartbeat("tier"), self._on_tier_heartbeat, _HEARTBEAT)
         if self._engine_reports_stats():
-            return []  # the engine client passes them on (see on_start)
-        return [Inbox(self.subjects.engine_stats("*"), self._on_engine_stats, self._stats_codec)]
+            return [tiers]  # the engine client passes engine stats on (see on_start)
+        engines = Inbox(self.subjects.engine_stats("*"), self._on_engine_stats, self._stats_codec)
+        return [engines, tiers]
+
+    async def _on_tier_heartbeat(self, beat: Heartbeat, msg: Msg) -> None:
+        """A KV offload tier's counters: to ``/metrics``."""
+        if self.metrics is not None:
+            self.metrics.tiering.update_tier(beat)
 
     def _engine_reports_stats(self) -> bool:
         return isinstance(getattr(self.engine, "stats_listeners", None), list)

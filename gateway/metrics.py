@@ -11,7 +11,9 @@ Two sources feed them:
   deployment speculates (``spec_decode_metrics``);
 - engine-core status changes (``observe_engine_status``, fed by the engine client's
   fault-tolerance API): the status gauge, and the faults (into UNHEALTHY or DEAD) and
-  recoveries (back to healthy after a fault) this gateway saw of each engine core.
+  recoveries (back to healthy after a fault) this gateway saw of each engine core;
+- the KV offload tiers' heartbeats (``tiering.update_tier``): ``vllm:kv_offload_tiering_*``
+  per tier (``tiering_metrics``).
 
 Outputs are expected in DELTA form (``token_ids`` holds only new tokens), as the gateway asks.
 Each ``Metrics`` has its own registry, so several gateways may live in one process (tests).
@@ -29,6 +31,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.engine.client.outputs import RequestMetrics, RequestOutput
 from shoal.gateway.spec_decode_metrics import SpecDecodeMetrics, increment
+from shoal.gateway.tiering_metrics import TieringMetrics
 
 # Bucket bounds (seconds) as vLLM has them.
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0]
@@ -114,6 +117,7 @@ class Metrics:
             if num_speculative_tokens > 0
             else None
         )
+        self.tiering = TieringMetrics(self.registry, model_name)  # fed by tier heartbeats
         # Every per-model series exists from the start (at 0), as vLLM exports them.
         for reason in FINISH_REASONS:
             self.request_success.labels(model_name, reason)

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shoal.bus.codec import encode
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.messages.control import ActorState, Heartbeat
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.gateway.actor import GatewayActor
 from tests.integration.conditions import wait_for
@@ -96,13 +97,27 @@ async def test_actor_takes_stats_from_the_engine_client_when_it_reports_them() -
     actor = GatewayActor(bus, "gw-1", engine_client=engine, port=0, namespace="acttest2")
     await actor.start()
     try:
-        assert actor.inboxes() == [] and len(engine.stats_listeners) == 1
+        # no engine-stats inbox (the client passes them on), only the tiers' heartbeats
+        assert [i.subject for i in actor.inboxes()] == [actor.subjects.heartbeat("tier")]
+        assert len(engine.stats_listeners) == 1
         engine.stats_listeners[0](SchedulerStats(num_running=3), "e9")
         assert actor.metrics is not None
         sample = actor.metrics.registry.get_sample_value(
             "vllm:num_requests_running", {"model_name": engine.model_name, "engine": "e9"}
         )
         assert sample == 3
+        load = {"num_queries": 7.0, "num_backpressure_dropped": 2.0}
+        beat = Heartbeat("kv-cpu", "tier", 1, ActorState.READY, time.time(), load, "life1")
+        await bus.publish(actor.subjects.heartbeat("tier"), encode(beat))
+        labels = {"model_name": engine.model_name, "tier": "kv-cpu"}
+        registry = actor.metrics.registry
+
+        def queries() -> float | None:
+            return registry.get_sample_value("vllm:kv_offload_tiering_chunk_queries_total", labels)
+
+        await wait_for(lambda: queries() == 7.0, 5, "the tier's counters on /metrics")
+        dropped = "vllm:kv_offload_tiering_backpressure_dropped_stores_total"
+        assert registry.get_sample_value(dropped, labels) == 2.0
     finally:
         await actor.stop()
     assert engine.stats_listeners == []  # a stopped gateway no longer listens to a shared client
