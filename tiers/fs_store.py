@@ -6,10 +6,9 @@ tag or tensor-parallel size never share a file; two layouts that share a tag and
 chunk size would find each other's files the wrong length (corrupt, removed), so a ``model_tag``
 must name the KV format too.
 
-A file is a header, the key, then the payload (the rank's ``rank_chunk_bytes`` of a region slot):
-``HEADER`` = magic ``SHKV``, format version, key length, payload length and the payload's
-xxh3-128 digest (about 12 GB/s here: crc32 is 2.6, blake2b 0.8). Writes are atomic: a unique temp
-file in the same directory, then ``os.replace``; there is no fsync (this is a cache: a file torn
+A file is a header, the key, then the payload (the rank's ``rank_chunk_bytes`` of a region slot),
+as ``tiers.chunk_format`` lays out every secondary tier's parts (an xxh3-128 digest of the
+payload). Writes are atomic: a unique temp file in the same directory, then ``os.replace``; there is no fsync (this is a cache: a file torn
 by a crash fails its length or digest and is treated as a miss). A read that finds a missing part,
 another magic, version, key or length, or a wrong digest raises ``CorruptChunk`` and removes every
 part of that chunk. A write or read given a ``deadline`` (a ``time.time()`` instant after which
@@ -29,7 +28,6 @@ import io
 import os
 import re
 import secrets
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,35 +35,23 @@ from pathlib import Path
 import xxhash
 
 from shoal.bus.messages.offload import KVLayout
+from shoal.tiers.chunk_format import (
+    CorruptChunk,
+    DeadlinePassed,
+    check_deadline,
+    check_head,
+    head_size,
+    pack_head,
+    payload_digest,
+)
 from shoal.tiers.keys import OffloadKey
 
-MAGIC = b"SHKV"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<4sHHQ16s")  # magic, version, key length, payload length, xxh3-128
+__all__ = ["TMP_SUFFIX", "ChunkFiles", "CorruptChunk", "DeadlinePassed", "check_deadline"]
+
 SUFFIX = ".bin"
 TMP_SUFFIX = ".tmp"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _MAX_DIR_NAME = 100
-
-
-class CorruptChunk(Exception):
-    """A chunk whose files are missing or do not hold what they claim (its files are removed)."""
-
-    def __init__(self, key: OffloadKey, reason: str) -> None:
-        super().__init__(f"chunk {key.hex()}: {reason}")
-        self.key = key
-        self.reason = reason
-
-
-class DeadlinePassed(Exception):
-    """A job's deadline passed: its region slot may have been reused, so it was left alone (or
-    what was read from it was discarded)."""
-
-
-def check_deadline(key: OffloadKey, deadline: float) -> None:
-    """``DeadlinePassed`` if ``deadline`` (``time.time()``; 0.0: none) is past."""
-    if deadline and time.time() > deadline:
-        raise DeadlinePassed(f"chunk {key.hex()}: deadline passed, its slot left alone")
 
 
 def model_dir_name(model_tag: str) -> str:
@@ -75,10 +61,6 @@ def model_dir_name(model_tag: str) -> str:
     if safe and safe == model_tag:
         return safe
     return f"{safe or 'model'}-{xxhash.xxh3_64_hexdigest(model_tag.encode())[:8]}"
-
-
-def payload_digest(payload: memoryview | bytes) -> bytes:
-    return xxhash.xxh3_128_digest(payload)
 
 
 @dataclass(slots=True)
@@ -154,12 +136,11 @@ class ChunkFiles:
         """A unique temp file beside the part's path holding it; the caller publishes it."""
         path = self.path(key, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, len(key), len(payload), payload_digest(payload))
+        head = pack_head(key, payload)
         tmp = path.with_name(f".{path.stem}.{secrets.token_hex(6)}{TMP_SUFFIX}")
         try:
             with open(tmp, "wb") as f:
-                f.write(header)
-                f.write(key)
+                f.write(head)
                 f.write(payload)
                 if stamp_ns is not None:
                     f.flush()
@@ -205,16 +186,13 @@ class ChunkFiles:
             raise CorruptChunk(key, f"part {rank}: {exc.reason}") from None
 
     def _read_verified(self, f: io.FileIO, key: OffloadKey, target: memoryview) -> None:
-        head = bytearray(HEADER.size + len(key))
+        head = bytearray(head_size(key))
         if _read_full(f, memoryview(head)) != len(head):
             raise CorruptChunk(key, "truncated header")
-        magic, version, key_len, length, digest = HEADER.unpack_from(head)
-        if magic != MAGIC or version != FORMAT_VERSION:
-            raise CorruptChunk(key, f"not a version {FORMAT_VERSION} chunk file")
-        if key_len != len(key) or bytes(head[HEADER.size :]) != key:
-            raise CorruptChunk(key, "holds another key")
-        if length != len(target) or os.fstat(f.fileno()).st_size != len(head) + length:
-            raise CorruptChunk(key, f"not {len(target)} payload bytes")
+        digest = check_head(head, key, len(target))
+        length = len(target)
+        if os.fstat(f.fileno()).st_size != len(head) + length:
+            raise CorruptChunk(key, f"not {length} payload bytes")
         if _read_full(f, target) != length:
             raise CorruptChunk(key, "truncated payload")
         if payload_digest(target) != digest:

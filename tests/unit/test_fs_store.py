@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from shoal.bus.messages.offload import KVLayout
-from shoal.tiers import fs_store
+from shoal.tiers import chunk_format, fs_store
 from shoal.tiers.fs_actor import index_from_scan
+from shoal.tiers.chunk_format import HEADER
 from shoal.tiers.fs_store import (
-    HEADER,
     TMP_SUFFIX,
     ChunkFiles,
     CorruptChunk,
@@ -251,7 +251,7 @@ def test_given_stamps_order_the_scan(files: ChunkFiles) -> None:
 
 
 class Clock:
-    """Stands in for ``fs_store``'s ``time`` module: ``time()`` is what the test sets."""
+    """Stands in for the ``time`` module of ``fs_store`` and ``chunk_format``: ``time()`` is what the test sets."""
 
     def __init__(self, now: float) -> None:
         self.now = now
@@ -271,6 +271,7 @@ def test_past_its_deadline_a_write_touches_no_slot_and_leaves_no_file(
     files: ChunkFiles, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fs_store, "time", Clock(100.0))
+    monkeypatch.setattr(chunk_format, "time", Clock(100.0))
     read: list[object] = []
     real = files._write_temp
     monkeypatch.setattr(files, "_write_temp", lambda *args: read.append(args) or real(*args))
@@ -288,6 +289,7 @@ def test_a_deadline_passing_while_the_slot_is_read_publishes_nothing(
     """The slot may have been reused while it was read: its temp files are discarded."""
     clock = Clock(100.0)
     monkeypatch.setattr(fs_store, "time", clock)
+    monkeypatch.setattr(chunk_format, "time", clock)
     stored(files, 2)  # an older copy of the key: removed too (the fs index holds it no more)
     real = files._write_temp
 
@@ -311,6 +313,7 @@ def test_past_its_deadline_a_read_leaves_the_slot_and_the_files_alone(
 ) -> None:
     stored(files, 1)
     monkeypatch.setattr(fs_store, "time", Clock(100.0))
+    monkeypatch.setattr(chunk_format, "time", Clock(100.0))
     target = empty_slot()
     with pytest.raises(DeadlinePassed):
         files.read_chunk(key(1), target, deadline=99.0)
