@@ -54,7 +54,7 @@ def head_size(key: OffloadKey) -> int:
     return HEADER.size + len(key)
 
 
-def check_head(head: memoryview | bytes, key: OffloadKey, length: int) -> bytes:
+def check_head(head: bytes | bytearray | memoryview, key: OffloadKey, length: int) -> bytes:
     """The payload digest a part's head (``head_size(key)`` bytes) promises, if it is a part of
     this format, for ``key``, of ``length`` payload bytes; else ``CorruptChunk``."""
     if len(head) < head_size(key):

@@ -8,14 +8,15 @@ must name the KV format too.
 
 A file is a header, the key, then the payload (the rank's ``rank_chunk_bytes`` of a region slot),
 as ``tiers.chunk_format`` lays out every secondary tier's parts (an xxh3-128 digest of the
-payload). Writes are atomic: a unique temp file in the same directory, then ``os.replace``; there is no fsync (this is a cache: a file torn
-by a crash fails its length or digest and is treated as a miss). A read that finds a missing part,
-another magic, version, key or length, or a wrong digest raises ``CorruptChunk`` and removes every
-part of that chunk. A write or read given a ``deadline`` (a ``time.time()`` instant after which
-the region slot may be reused) touches no slot past it, and a write publishes nothing read from
-the slot once it has passed (``DeadlinePassed``). A write and a successful read set the parts'
-mtime (the caller may give the stamp: a request's tail a little older than its head, as its LRU
-index has them), so ``scan`` after a restart orders chunks by last use.
+payload). Writes are atomic: a unique temp file in the same directory, then ``os.replace``; there
+is no fsync (this is a cache: a file torn by a crash fails its length or digest and is treated as a
+miss). A read that finds a missing part, another magic, version, key or length, or a wrong digest
+raises ``CorruptChunk`` and removes every part of that chunk. A write or read given a ``deadline``
+(a ``time.time()`` instant after which the region slot may be reused) touches no slot past it, and
+a write publishes nothing read from the slot once it has passed (``DeadlinePassed``). A write and a
+successful read set the parts' mtime (the caller may give the stamp: a request's tail a little
+older than its head, as its LRU index has them), so ``scan`` after a restart orders chunks by last
+use.
 
 Blocking file I/O only, safe to call from several threads for different keys: the tier actor runs
 it off its event loop. One actor owns a directory: ``scan`` removes every temp file it finds.

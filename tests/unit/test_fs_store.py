@@ -12,7 +12,6 @@ import pytest
 
 from shoal.bus.messages.offload import KVLayout
 from shoal.tiers import chunk_format, fs_store
-from shoal.tiers.fs_actor import index_from_scan
 from shoal.tiers.chunk_format import HEADER
 from shoal.tiers.fs_store import (
     TMP_SUFFIX,
@@ -22,6 +21,7 @@ from shoal.tiers.fs_store import (
     model_dir_name,
 )
 from shoal.tiers.keys import make_offload_key
+from shoal.tiers.secondary_actor import index_from_scan
 
 LAYOUT = KVLayout("tiny/llama:f16", 2, 4, 2, 8, "float16", 2, 2)  # 1 KiB per rank, 2 ranks
 
@@ -251,7 +251,8 @@ def test_given_stamps_order_the_scan(files: ChunkFiles) -> None:
 
 
 class Clock:
-    """Stands in for the ``time`` module of ``fs_store`` and ``chunk_format``: ``time()`` is what the test sets."""
+    """Stands in for the ``time`` module of ``fs_store`` and ``chunk_format``: ``time()`` is
+    what the test sets."""
 
     def __init__(self, now: float) -> None:
         self.now = now
