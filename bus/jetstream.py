@@ -16,7 +16,7 @@ from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore as NatsObjectStore
 
-from shoal.bus.base import BusError, BusTimeoutError
+from shoal.bus.base import BusTimeoutError, PayloadIntegrityError
 from shoal.bus.nats_bus import NatsBus
 
 FETCH_BATCH = 64
@@ -94,6 +94,13 @@ class KvBucket:
             await watcher.stop()
 
 
+@dataclass(frozen=True)
+class ObjectEntry:
+    name: str
+    size: int
+    mtime: str  # when it was put (ISO 8601, UTC)
+
+
 class ObjectStore:
     """A JetStream Object Store bucket for multi-MiB objects. ``open`` creates it when missing."""
 
@@ -114,12 +121,27 @@ class ObjectStore:
     async def put(self, name: str, data: bytes) -> None:
         await self._store.put(name, data)
 
-    async def delete(self, name: str) -> None:
-        await self._store.delete(name)
+    async def delete(self, name: str) -> bool:
+        """Remove an object; whether it was there."""
+        try:
+            await self._store.delete(name)
+        except nats.js.errors.ObjectNotFoundError:
+            return False
+        return True
 
-    async def get(self, name: str, *, timeout: float = 10.0) -> bytes | None:
+    async def list(self) -> list[ObjectEntry]:
+        """The objects held (deleted ones left out), oldest put first."""
+        try:
+            infos = await self._store.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return []
+        entries = [ObjectEntry(i.name, i.size or 0, i.mtime or "") for i in infos if i.name]
+        return sorted(entries, key=lambda e: e.mtime)  # ISO-8601 UTC stamps sort as text
+
+    async def get(self, name: str, *, timeout: float = 10.0) -> bytes | bytearray | None:
         """The object's bytes (None if missing), read with a pull consumer and checked
-        against its SHA-256 digest."""
+        against its SHA-256 digest (in a thread: the loop is never held by a large object);
+        ``PayloadIntegrityError`` if they do not match."""
         try:
             info = await self._store.get_info(name)
         except nats.js.errors.ObjectNotFoundError:
@@ -143,12 +165,12 @@ class ObjectStore:
             raise BusTimeoutError(f"object {name!r}: {len(buffer)}/{size} bytes") from None
         finally:
             await sub.unsubscribe()
-        _check_digest(name, buffer, info.digest or "")
-        return bytes(buffer)
+        await asyncio.to_thread(_check_digest, name, buffer, info.digest or "")
+        return buffer
 
 
 def _check_digest(name: str, data: bytearray, digest: str) -> None:
     expected = digest.split("=", 1)[-1]
     actual = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
     if expected.rstrip("=") != actual.rstrip("="):
-        raise BusError(f"object {name!r}: digest mismatch")
+        raise PayloadIntegrityError(f"object {name!r}: digest mismatch")

@@ -30,6 +30,8 @@ RECOVERY_TARGET = "shoal.engine.recovery.actor:RecoveryControllerActor"
 RECOVERY_ID = "recovery-0"
 CPU_TIER_TARGET = "shoal.tiers.cpu_actor:CpuTierActor"
 FS_TIER_TARGET = "shoal.tiers.fs_actor:FsTierActor"
+OBJ_TIER_TARGET = "shoal.tiers.obj_actor:ObjTierActor"
+SECONDARY_TIER_TARGETS = {"fs": FS_TIER_TARGET, "obj": OBJ_TIER_TARGET}
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ def plan_tiers(config: ShoalConfig) -> list[ActorPlan]:
     secondaries = [
         ActorPlan(
             tier_id,
-            FS_TIER_TARGET,
+            SECONDARY_TIER_TARGETS[tier.type],
             {"actor_id": tier_id, "tier_config": tier, "namespace": namespace},
             "tier",
         )

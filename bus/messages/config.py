@@ -25,6 +25,7 @@ import msgspec
 from shoal.bus.messages.kv_transfer import (
     FsTierConfig,
     KVTransferConfig,
+    ObjTierConfig,
     kv_offload_options,
 )
 from shoal.bus.messages.spec_decode import SpeculativeConfig, speculative_options
@@ -353,6 +354,7 @@ __all__ = [
     "FsTierConfig",
     "KVTransferConfig",
     "ModelConfig",
+    "ObjTierConfig",
     "ParallelConfig",
     "SchedulerConfig",
     "ShoalConfig",

@@ -13,21 +13,65 @@ from shoal.bus.messages.validation import positive as _positive
 from shoal.bus.messages.validation import require as _require
 
 
-class FsTierConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+class FsTierConfig(
+    msgspec.Struct,
+    kw_only=True,
+    frozen=True,
+    forbid_unknown_fields=True,
+    tag_field="type",
+    tag="fs",
+):
     """A filesystem tier behind the CPU tier (a ``secondary_tiers`` entry of type ``fs``)."""
 
-    type: str = "fs"
     path: str  # root directory; chunks go under <path>/<model tag>/tp<size>_r<rank>/
     bytes_to_use: int = 8 << 30  # byte budget; the oldest chunks are evicted past it
 
+    @property
+    def type(self) -> str:
+        return "fs"
+
     def __post_init__(self) -> None:
-        _one_of(self.type, ("fs",), "secondary_tiers[].type")
         _require(bool(self.path), "secondary_tiers[].path", "must be a directory path")
+        _check_budget(self.bytes_to_use)
+
+
+class ObjTierConfig(
+    msgspec.Struct,
+    kw_only=True,
+    frozen=True,
+    forbid_unknown_fields=True,
+    tag_field="type",
+    tag="obj",
+):
+    """An object-store tier (a ``secondary_tiers`` entry of type ``obj``): the JetStream Object
+    Store of the deployment's NATS, reachable from every host."""
+
+    bucket: str = ""  # "": shoal_kv_<namespace>
+    bytes_to_use: int = 8 << 30  # byte budget; the oldest chunks are evicted past it
+
+    @property
+    def type(self) -> str:
+        return "obj"
+
+    def __post_init__(self) -> None:
         _require(
-            self.bytes_to_use >= 1,
-            "secondary_tiers[].bytes_to_use",
-            f"must be a positive integer, got {self.bytes_to_use}",
+            all(c.isascii() and (c.isalnum() or c in "_-") for c in self.bucket),
+            "secondary_tiers[].bucket",
+            f"must be letters, digits, '_' or '-', got {self.bucket!r}",
         )
+        _check_budget(self.bytes_to_use)
+
+
+SecondaryTierConfig = FsTierConfig | ObjTierConfig
+SECONDARY_TIER_TYPES = ("fs", "obj")
+
+
+def _check_budget(bytes_to_use: int) -> None:
+    _require(
+        bytes_to_use >= 1,
+        "secondary_tiers[].bytes_to_use",
+        f"must be a positive integer, got {bytes_to_use}",
+    )
 
 
 class BackpressureConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -74,7 +118,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     max_tracker_size: int = 64_000
     offload_prompt_only: bool = True
     offload_policy: str = "chunk_level"  # chunk_level: newly computed chunks; request_level: all
-    secondary_tiers: tuple[FsTierConfig, ...] = ()
+    secondary_tiers: tuple[FsTierConfig | ObjTierConfig, ...] = ()
     # shoal's own: the CPU tier actor's id, how long a lookup may take before the request
     # recomputes, and how many chunks may wait to be stored before more stores are dropped.
     cpu_tier_id: str = "kv-cpu"
@@ -115,7 +159,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
 
     @property
     def secondary_tier_ids(self) -> list[str]:
-        """Actor ids of the ``secondary_tiers``, in order (``<cpu_tier_id>-fs<i>``)."""
+        """Actor ids of the ``secondary_tiers``, in order (``<cpu_tier_id>-<type><i>``)."""
         return [f"{self.cpu_tier_id}-{t.type}{i}" for i, t in enumerate(self.secondary_tiers)]
 
 
@@ -135,7 +179,17 @@ EXTRA_UNSUPPORTED = (
     "cache_policy_module_path", "canonical_layout", "tier_poll_interval_s",
     "sync_load_budget_bytes", "self_describing_kv_events", "spec_module_path",
 )  # fmt: skip
-FS_TIER_UNSUPPORTED = ("n_read_threads", "n_write_threads")
+FS_UNSUPPORTED = ("n_read_threads", "n_write_threads")
+# vLLM's obj tier is S3 through NIXL; shoal's is the NATS deployment's own Object Store.
+OBJ_TIER_UNSUPPORTED = (
+    "endpoint_override",
+    "access_key",
+    "secret_key",
+    "session_token",
+    "region",
+    "scheme",
+    "ca_bundle",
+)
 EXTRA = "kv_connector_extra_config"
 
 
@@ -189,7 +243,7 @@ def kv_transfer_options(
     "kv_connector_extra_config": {...}}``: the extra config's keys are the group's fields, but
     ``block_size`` (tokens per chunk, a multiple of ``cache_block_size``) becomes
     ``blocks_per_chunk``, ``spec_name`` is checked and dropped, and ``secondary_tiers`` entries
-    become ``FsTierConfig`` (vLLM's ``root_dir`` is ``path``)."""
+    become ``FsTierConfig`` (vLLM's ``root_dir`` is ``path``) or ``ObjTierConfig``."""
     if isinstance(value, KVTransferConfig):
         return msgspec.structs.asdict(value)
     _check_keys(value, "kv_transfer_config", KV_TRANSFER_KEYS, KV_TRANSFER_UNSUPPORTED)
@@ -215,7 +269,7 @@ def kv_transfer_options(
         options["blocks_per_chunk"] = _blocks_per_chunk(extra, cache_block_size)
     tiers = options.get("secondary_tiers", [])
     _require(isinstance(tiers, list), f"{EXTRA}.secondary_tiers", "must be a JSON list")
-    options["secondary_tiers"] = [_fs_tier(tier, i) for i, tier in enumerate(tiers)]
+    options["secondary_tiers"] = [_secondary_tier(tier, i) for i, tier in enumerate(tiers)]
     try:
         group = msgspec.convert(options, KVTransferConfig)
     except msgspec.ValidationError as exc:  # a wrong type, or the group's own checks
@@ -239,14 +293,21 @@ def _blocks_per_chunk(extra: dict[str, Any], cache_block_size: int) -> int:
     return int(tokens) // cache_block_size
 
 
-def _fs_tier(tier: Any, index: int) -> Any:
-    """One ``secondary_tiers`` entry, checked; vLLM's ``root_dir`` renamed ``path``."""
+def _secondary_tier(tier: Any, index: int) -> Any:
+    """One ``secondary_tiers`` entry, checked; vLLM's ``root_dir`` (fs) renamed ``path``."""
     where = f"{EXTRA}.secondary_tiers[{index}]"
-    known = (*FsTierConfig.__struct_fields__, "root_dir")
-    _check_keys(tier, where, known, FS_TIER_UNSUPPORTED)
+    _require(isinstance(tier, dict), where, f"must be a JSON object, got {tier!r}")
     kind = tier.get("type")
-    _require(kind is not None, f"{where}.type", "is required ('fs')")
-    _require(kind == "fs", f"{where}.type", f"{kind!r} is not supported; shoal has only 'fs'")
+    _require(kind is not None, f"{where}.type", "is required ('fs' or 'obj')")
+    _require(
+        kind in SECONDARY_TIER_TYPES,
+        f"{where}.type",
+        f"{kind!r} is not supported; shoal has {' and '.join(map(repr, SECONDARY_TIER_TYPES))}",
+    )
+    if kind == "obj":
+        _check_keys(tier, where, ("type", *ObjTierConfig.__struct_fields__), OBJ_TIER_UNSUPPORTED)
+        return tier
+    _check_keys(tier, where, ("type", *FsTierConfig.__struct_fields__, "root_dir"), FS_UNSUPPORTED)
     if "root_dir" in tier:
         _require("path" not in tier, f"{where}.root_dir", "and path name the same: give one")
         tier = {("path" if k == "root_dir" else k): v for k, v in tier.items()}

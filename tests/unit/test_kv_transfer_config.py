@@ -15,12 +15,19 @@ import pytest
 from shoal.bus.actor import Actor
 from shoal.bus.memory import InMemoryBus
 from shoal.bus.messages.config import ShoalConfig
-from shoal.bus.messages.kv_transfer import FsTierConfig, KVTransferConfig
+from shoal.bus.messages.kv_transfer import FsTierConfig, KVTransferConfig, ObjTierConfig
 from shoal.bus.run_actor import build_actor
 from shoal.bus.supervisor import ActorSpec
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
 from shoal.deploy.cli import build_parser
-from shoal.deploy.deployment import build_config, plan_actors
+from shoal.deploy.deployment import (
+    CPU_TIER_TARGET,
+    FS_TIER_TARGET,
+    OBJ_TIER_TARGET,
+    build_config,
+    plan_actors,
+    plan_tiers,
+)
 
 GIB = 1 << 30
 FULL = {
@@ -37,6 +44,7 @@ FULL = {
         "secondary_tiers": [
             {"type": "fs", "path": "/mnt/a", "bytes_to_use": 1000},
             {"type": "fs", "root_dir": "/mnt/b"},  # vLLM's name for the path
+            {"type": "obj", "bytes_to_use": 2000},
         ],
         "cpu_tier_id": "kv-host",
         "kv_lookup_timeout_s": 0.5,
@@ -52,7 +60,11 @@ EXPECTED = KVTransferConfig(
     store_threshold=2,
     max_tracker_size=500,
     offload_prompt_only=False,
-    secondary_tiers=(FsTierConfig(path="/mnt/a", bytes_to_use=1000), FsTierConfig(path="/mnt/b")),
+    secondary_tiers=(
+        FsTierConfig(path="/mnt/a", bytes_to_use=1000),
+        FsTierConfig(path="/mnt/b"),
+        ObjTierConfig(bytes_to_use=2000),
+    ),
     cpu_tier_id="kv-host",
     kv_lookup_timeout_s=0.5,
     max_pending_store_chunks=8,
@@ -137,7 +149,20 @@ def test_kv_role_defaults_to_both_and_missing_extra_config_still_needs_the_bytes
         (_extra(eviction_policy="lfu"), "eviction_policy must be one of lru, arc"),
         (_extra(store_threshold=-1), "store_threshold must be non-negative"),
         (_extra(cpu_bytes_to_use="lots"), r"Expected `int`.*extra_config.cpu_bytes_to_use"),
-        (_extra(secondary_tiers=[{"type": "obj"}]), r"secondary_tiers\[0\].type 'obj' is not"),
+        (_extra(secondary_tiers=[{"type": "p2p"}]), r"secondary_tiers\[0\].type 'p2p' is not"),
+        (
+            _extra(secondary_tiers=[{"type": "obj", "access_key": "k"}]),
+            r"secondary_tiers\[0\].access_key is not supported",
+        ),
+        (
+            _extra(secondary_tiers=[{"type": "obj", "path": "/x"}]),
+            r"secondary_tiers\[0\].path is an unknown key",
+        ),
+        (
+            _extra(secondary_tiers=[{"type": "obj", "bucket": "a.b"}]),
+            r"secondary_tiers\[\]?.bucket must be letters",
+        ),
+        (_extra(secondary_tiers=[{"type": "obj", "bytes_to_use": 0}]), "bytes_to_use must be"),
         (_extra(secondary_tiers=[{"path": "/x"}]), r"secondary_tiers\[0\].type is required"),
         (_extra(secondary_tiers=[{"type": "fs"}]), r"missing required field `path`.*tiers\[0\]"),
         (
@@ -229,6 +254,18 @@ def test_an_actor_process_gets_the_offload_config_back_whole() -> None:
     assert isinstance(actor, _ConfigProbe)
     assert actor.config == config
     assert actor.config.kv_transfer_config.secondary_tiers == EXPECTED.secondary_tiers
+
+
+def test_each_secondary_tier_gets_its_actor_before_the_cpu_tier() -> None:
+    config = ShoalConfig.from_options(model="m", kv_transfer_config=FULL)
+    plans = plan_tiers(config)
+    assert [(p.name, p.target) for p in plans] == [
+        ("kv-host-fs0", FS_TIER_TARGET),
+        ("kv-host-fs1", FS_TIER_TARGET),
+        ("kv-host-obj2", OBJ_TIER_TARGET),
+        ("kv-host", CPU_TIER_TARGET),
+    ]
+    assert plans[2].kwargs["tier_config"] == ObjTierConfig(bytes_to_use=2000)
 
 
 def test_serve_and_actor_take_the_flags(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,174 @@
+"""The object-store tier's chunks: one JetStream Object Store object per tensor-parallel rank
+part of a chunk, in one bucket that any host of the deployment can reach.
+
+Name: ``<model dir>/tp<tp_size>_r<rank>/<key hex>`` (the filesystem tier's path, without the
+fan-out directory; ``fs_store.model_dir_name``). An object is a part as ``tiers.chunk_format``
+lays it out (header, key, payload, the payload's xxh3-128 digest); the object store checks its
+own SHA-256 digest as well. A read that finds a part missing, of another format, key or length,
+or failing either digest raises ``CorruptChunk`` and removes every part of that chunk. A write
+publishes its parts only if ``deadline`` (``time.time()``; 0.0: none) had not passed once the
+slot was copied, and a read copies into the slot only before it (``DeadlinePassed``).
+
+Async over ``bus.jetstream.ObjectStore`` (chunked reads through a pull consumer); the copies and
+digests of a part run in a thread, so a large chunk never holds the event loop. ``scan`` lists
+the bucket: the complete chunks of this layout, oldest put first (reads do not refresh an
+object's time, so after a restart recency is the order of storing), parts of incomplete chunks
+removed. A store that cannot be reached raises ``TierStoreError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from shoal.bus.base import BusError, PayloadIntegrityError
+from shoal.bus.jetstream import ObjectStore
+from shoal.bus.messages.offload import KVLayout
+from shoal.tiers.chunk_format import (
+    CorruptChunk,
+    check_deadline,
+    check_head,
+    head_size,
+    pack_head,
+    payload_digest,
+)
+from shoal.tiers.fs_store import model_dir_name
+from shoal.tiers.keys import OffloadKey
+
+T = TypeVar("T")
+_UNSAFE_BUCKET = re.compile(r"[^A-Za-z0-9_-]+")
+
+
+class TierStoreError(Exception):
+    """The object store did not do what was asked (unreachable, timed out, refused)."""
+
+
+def default_bucket(namespace: str) -> str:
+    """The bucket of a deployment's object tier: ``shoal_kv_<namespace>``, made a valid name."""
+    return f"shoal_kv_{_UNSAFE_BUCKET.sub('_', namespace)}"
+
+
+class ObjectChunks:
+    """The chunk objects of one layout in ``store``."""
+
+    def __init__(self, store: ObjectStore, layout: KVLayout, *, timeout_s: float = 10.0) -> None:
+        self.store = store
+        self.layout = layout
+        self.timeout_s = timeout_s
+        self.prefix = f"{model_dir_name(layout.model_tag)}/tp{layout.tp_size}_r"
+
+    def name(self, key: OffloadKey, rank: int) -> str:
+        return f"{self.prefix}{rank}/{key.hex()}"
+
+    async def write_chunk(self, key: OffloadKey, slot: memoryview, deadline: float = 0.0) -> None:
+        """Store every rank part of a slot; on an error no part of the chunk is left.
+        ``DeadlinePassed`` before the slot is copied, or after and before anything is put."""
+        self._check_slot(slot)
+        check_deadline(key, deadline)
+        parts = await asyncio.to_thread(self._pack_parts, key, slot)
+        check_deadline(key, deadline)  # the slot may have been reused while it was copied
+        try:
+            for rank, part in enumerate(parts):
+                await self._call(self.store.put(self.name(key, rank), part))
+        except BaseException:
+            with contextlib.suppress(TierStoreError):
+                await asyncio.shield(self.delete(key))
+            raise
+
+    async def read_chunk(self, key: OffloadKey, slot: memoryview, deadline: float = 0.0) -> None:
+        """Read every rank part into a slot; ``CorruptChunk`` (and the chunk's objects removed)
+        if any is missing or wrong; ``DeadlinePassed`` (the slot untouched) past ``deadline``."""
+        self._check_slot(slot)
+        check_deadline(key, deadline)
+        try:
+            parts = [await self._get_part(key, rank) for rank in range(self.layout.tp_size)]
+            await asyncio.to_thread(self._check_parts, key, parts)
+        except CorruptChunk:
+            with contextlib.suppress(TierStoreError):
+                await self.delete(key)
+            raise
+        check_deadline(key, deadline)
+        await asyncio.to_thread(self._copy_parts, key, parts, slot)
+
+    async def delete(self, key: OffloadKey) -> bool:
+        """Remove every rank part of a chunk; whether any was there."""
+        found = False
+        for rank in range(self.layout.tp_size):
+            found |= await self._call(self.store.delete(self.name(key, rank)))
+        return found
+
+    async def scan(self) -> list[OffloadKey]:
+        """The complete chunks of this layout, oldest first; removes incomplete chunks' parts."""
+        times: dict[str, list[str]] = {}
+        for entry in await self._call(self.store.list()):
+            rank, sep, name = entry.name.removeprefix(self.prefix).partition("/")
+            if entry.name.startswith(self.prefix) and sep and rank.isdigit() and _is_hex(name):
+                times.setdefault(name, []).append(entry.mtime)
+        found = []
+        for name, stamps in times.items():
+            if len(stamps) == self.layout.tp_size:
+                found.append((max(stamps), name))
+            else:
+                await self.delete(bytes.fromhex(name))
+        return [bytes.fromhex(name) for _, name in sorted(found)]
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    async def _get_part(self, key: OffloadKey, rank: int) -> bytes | bytearray:
+        try:
+            part = await self._call(self.store.get(self.name(key, rank), timeout=self.timeout_s))
+        except PayloadIntegrityError:
+            raise CorruptChunk(key, f"part {rank}: the object store's digest mismatch") from None
+        if part is None:
+            raise CorruptChunk(key, f"part {rank} is missing")
+        return part
+
+    def _pack_parts(self, key: OffloadKey, slot: memoryview) -> list[bytes]:
+        size = self.layout.rank_chunk_bytes
+        parts = []
+        for rank in range(self.layout.tp_size):
+            payload = slot[rank * size : (rank + 1) * size]
+            parts.append(pack_head(key, payload) + payload)
+        return parts
+
+    def _check_parts(self, key: OffloadKey, parts: list[bytes | bytearray]) -> None:
+        start, size = head_size(key), self.layout.rank_chunk_bytes
+        for rank, part in enumerate(parts):
+            try:
+                digest = check_head(part, key, size)
+            except CorruptChunk as exc:
+                raise CorruptChunk(key, f"part {rank}: {exc.reason}") from None
+            if len(part) != start + size:
+                raise CorruptChunk(key, f"part {rank}: not {size} payload bytes")
+            if payload_digest(memoryview(part)[start:]) != digest:
+                raise CorruptChunk(key, f"part {rank}: checksum mismatch")
+
+    def _copy_parts(
+        self, key: OffloadKey, parts: list[bytes | bytearray], slot: memoryview
+    ) -> None:
+        start, size = head_size(key), self.layout.rank_chunk_bytes
+        for rank, part in enumerate(parts):
+            slot[rank * size : (rank + 1) * size] = memoryview(part)[start:]
+
+    def _check_slot(self, slot: memoryview) -> None:
+        if len(slot) != self.layout.slot_bytes:
+            raise ValueError(f"a slot of this layout is {self.layout.slot_bytes} bytes")
+
+    async def _call(self, operation: Awaitable[T]) -> T:
+        """``operation`` within the timeout; a failure of the store is ``TierStoreError``."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await operation
+        except PayloadIntegrityError:
+            raise  # the object's bytes are wrong: the caller's CorruptChunk
+        except (BusError, TimeoutError, OSError) as exc:
+            raise TierStoreError(str(exc) or type(exc).__name__) from exc
+        except Exception as exc:  # the NATS client's own errors (only bus/ may name them)
+            raise TierStoreError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _is_hex(name: str) -> bool:
+    return len(name) % 2 == 0 and bool(name) and all(c in "0123456789abcdef" for c in name)
