@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.actor import call
+from shoal.bus.actor import Actor, call
 from shoal.bus.base import Bus, BusTimeoutError, Msg, NoRespondersError
 from shoal.bus.codec import Codec
 from shoal.bus.messages.config import FsTierConfig, ShoalConfig
@@ -94,7 +94,7 @@ class Harness:
         self.root = tmp_path / "kv"
         self.shm = tmp_path / "shm"
         self.shm.mkdir()
-        self.actors: list[FsTierActor] = []
+        self.actors: list[Actor] = []
         self.regions: list[SharedRegion] = []
         self.region = self.make_region(LAYOUT, "g1")
 
@@ -110,14 +110,14 @@ class Harness:
         options.setdefault("heartbeat_interval_s", 0.05)
         options.setdefault("drain_timeout_s", 0.5)
         actor = FsTierActor(
-            self.bus, "kv-cpu-fs0", tier_config=config, namespace=self.namespace, **options
+            self.bus, self.tier_id, tier_config=config, namespace=self.namespace, **options
         )
         await actor.start()
         self.actors.append(actor)
         return actor
 
     async def ask(self, request: Any, timeout: float = REPLY_S) -> Any:
-        subject = Subjects(self.namespace).tier_in("kv-cpu-fs0")
+        subject = Subjects(self.namespace).tier_in(self.tier_id)
         return await call(self.client, subject, request, _REPLY, timeout=timeout)
 
     async def attach(self, layout: KVLayout = LAYOUT) -> SecondaryAttached:
