@@ -88,6 +88,8 @@ class Harness:
     """One namespace, a CPU tier's region (a stand-in: the test writes its slots) and the fs
     tier actors of one test, over ``bus``."""
 
+    tier_id = "kv-cpu-fs0"
+
     def __init__(self, bus: Bus, client: Bus, tmp_path: Path) -> None:
         self.bus, self.client = bus, client
         self.namespace = f"fs{secrets.token_hex(4)}"
