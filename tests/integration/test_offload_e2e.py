@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from shoal.bus.base import Bus, Msg
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.engine import SchedulerStats
+from shoal.bus.nats_bus import NatsBus
 from shoal.deploy.deployment import CPU_TIER_TARGET, plan_tiers, start_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.gateway.metrics import Metrics
@@ -211,3 +212,24 @@ async def test_a_silent_cpu_tier_costs_recomputes_not_a_hang(
         await silent.unsubscribe()
     assert answers + second == reference
     assert stats.kv_offload_lookup_failures >= 1
+
+
+async def test_object_tier_after_a_cpu_tier_restart(nats_url, model_dir, reference) -> None:  # type: ignore[no-untyped-def]
+    """The same with the object-store tier behind the CPU tier: the returning prefixes come
+    from the deployment's JetStream Object Store, and the greedy outputs equal recompute."""
+    bus = NatsBus([nats_url])
+    await bus.connect()
+    obj_tier = {"type": "obj", "bytes_to_use": 64 << 20}
+    try:
+        async with stack(bus, model_dir, **offload_options(secondary_tiers=[obj_tier])) as built:
+            answers = await first_turns(built.client)
+            fresh = await restart_cpu_tier(bus, built)
+            second = await second_turns(built.client, answers)
+            stats = await settled_stats(built)
+            promoted = fresh.load()["num_promoted"]
+            obj = _tier(built, "ObjTierActor").load()
+    finally:
+        await bus.close()
+    assert answers + second == reference
+    assert promoted >= 4 * 8 and obj["num_chunks_loaded"] >= 4 * 8
+    assert stats.kv_offload_hits >= 4 * 8 * BLOCK_SIZE
