@@ -24,8 +24,7 @@ from shoal.bus.messages.offload import KVLayout
 from shoal.tiers.chunk_format import CorruptChunk, DeadlinePassed
 from shoal.tiers.fs_store import ChunkFiles
 from shoal.tiers.keys import OffloadKey
-from shoal.tiers.region import SharedRegion
-from shoal.tiers.secondary_actor import SecondaryTierActor, SecondaryTierCounters
+from shoal.tiers.secondary_actor import ChunkIO, SecondaryTierActor, SecondaryTierCounters
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +41,10 @@ class FsTierActor(SecondaryTierActor[ChunkFiles]):
         actor_id: str,
         *,
         tier_config: FsTierConfig,
-        namespace: str = "shoal",
-        max_queued_cascades: int = 64,
         num_io_threads: int = 4,
-        keep_regions: int = 2,
-        heartbeat_interval_s: float = 1.0,
-        drain_timeout_s: float = 5.0,
+        **options: Any,  # SecondaryTierActor's: namespace, max_queued_cascades, keep_regions, ...
     ) -> None:
-        super().__init__(
-            bus,
-            actor_id,
-            bytes_to_use=tier_config.bytes_to_use,
-            namespace=namespace,
-            max_queued_cascades=max_queued_cascades,
-            keep_regions=keep_regions,
-            heartbeat_interval_s=heartbeat_interval_s,
-            drain_timeout_s=drain_timeout_s,
-        )
+        super().__init__(bus, actor_id, bytes_to_use=tier_config.bytes_to_use, **options)
         if num_io_threads < 1:
             raise ValueError("num_io_threads must be >= 1")
         self.tier_config = tier_config
@@ -89,29 +75,11 @@ class FsTierActor(SecondaryTierActor[ChunkFiles]):
         )
         return files, scan.keys
 
-    def _store_chunk(
-        self,
-        store: ChunkFiles,
-        region: SharedRegion,
-        key: OffloadKey,
-        slot_id: int,
-        stamp_ns: int,
-        deadline: float,
-    ) -> asyncio.Future[Exception | None]:
-        args = (store, region, key, slot_id, stamp_ns, deadline)
-        return self._in_pool(self._write_pool, _write_chunk, *args)
+    def _store_chunk(self, store: ChunkFiles, io: ChunkIO) -> asyncio.Future[Exception | None]:
+        return self._in_pool(self._write_pool, _write_chunk, store, io)
 
-    def _load_chunk(
-        self,
-        store: ChunkFiles,
-        region: SharedRegion,
-        key: OffloadKey,
-        slot_id: int,
-        stamp_ns: int,
-        deadline: float,
-    ) -> asyncio.Future[Exception | None]:
-        args = (store, region, key, slot_id, stamp_ns, deadline)
-        return self._in_pool(self._read_pool, _read_chunk, *args)
+    def _load_chunk(self, store: ChunkFiles, io: ChunkIO) -> asyncio.Future[Exception | None]:
+        return self._in_pool(self._read_pool, _read_chunk, store, io)
 
     async def _delete_chunks(self, store: ChunkFiles, keys: Sequence[OffloadKey]) -> None:
         await self._in_pool(self._write_pool, _delete_chunks, store, keys)
@@ -123,43 +91,29 @@ class FsTierActor(SecondaryTierActor[ChunkFiles]):
         return asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
 
-def _write_chunk(
-    files: ChunkFiles,
-    region: SharedRegion,
-    key: OffloadKey,
-    slot_id: int,
-    stamp_ns: int,
-    deadline: float,
-) -> Exception | None:
+def _write_chunk(files: ChunkFiles, io: ChunkIO) -> Exception | None:
     try:
-        with region.slot(slot_id) as slot:
-            files.write_chunk(key, slot, stamp_ns, deadline)
+        with io.region.slot(io.slot_id) as slot:
+            files.write_chunk(io.key, slot, io.stamp_ns, io.deadline)
     except DeadlinePassed as exc:
         return exc.with_traceback(None)
     except (OSError, ValueError, IndexError) as exc:
-        log.warning("fs tier: chunk %s not written: %s", key.hex(), exc)
+        log.warning("fs tier: chunk %s not written: %s", io.key.hex(), exc)
         return exc.with_traceback(None)  # its frames would keep the slot's view alive
     return None
 
 
-def _read_chunk(
-    files: ChunkFiles,
-    region: SharedRegion,
-    key: OffloadKey,
-    slot_id: int,
-    stamp_ns: int,
-    deadline: float,
-) -> Exception | None:
+def _read_chunk(files: ChunkFiles, io: ChunkIO) -> Exception | None:
     try:
-        with region.slot(slot_id) as slot:
-            files.read_chunk(key, slot, stamp_ns, deadline)
+        with io.region.slot(io.slot_id) as slot:
+            files.read_chunk(io.key, slot, io.stamp_ns, io.deadline)
     except DeadlinePassed as exc:
         return exc.with_traceback(None)
     except CorruptChunk as exc:
         log.warning("fs tier: %s (removed)", exc)
         return exc.with_traceback(None)
     except (OSError, ValueError, IndexError) as exc:
-        log.warning("fs tier: chunk %s not read: %s", key.hex(), exc)
+        log.warning("fs tier: chunk %s not read: %s", io.key.hex(), exc)
         return exc.with_traceback(None)
     return None
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from shoal.bus.base import Bus
 from shoal.bus.jetstream import ObjectStore
@@ -26,8 +27,7 @@ from shoal.bus.nats_bus import NatsBus
 from shoal.tiers.chunk_format import CorruptChunk, DeadlinePassed
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.obj_store import ObjectChunks, TierStoreError, default_bucket
-from shoal.tiers.region import SharedRegion
-from shoal.tiers.secondary_actor import SecondaryTierActor, TierUnavailable
+from shoal.tiers.secondary_actor import ChunkIO, SecondaryTierActor, TierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -41,28 +41,15 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         actor_id: str,
         *,
         tier_config: ObjTierConfig,
-        namespace: str = "shoal",
-        max_queued_cascades: int = 64,
         max_concurrent_io: int = 4,
         io_timeout_s: float = 10.0,
-        keep_regions: int = 2,
-        heartbeat_interval_s: float = 1.0,
-        drain_timeout_s: float = 5.0,
+        **options: Any,  # SecondaryTierActor's: namespace, max_queued_cascades, keep_regions, ...
     ) -> None:
-        super().__init__(
-            bus,
-            actor_id,
-            bytes_to_use=tier_config.bytes_to_use,
-            namespace=namespace,
-            max_queued_cascades=max_queued_cascades,
-            keep_regions=keep_regions,
-            heartbeat_interval_s=heartbeat_interval_s,
-            drain_timeout_s=drain_timeout_s,
-        )
+        super().__init__(bus, actor_id, bytes_to_use=tier_config.bytes_to_use, **options)
         if max_concurrent_io < 1 or io_timeout_s <= 0:
             raise ValueError("max_concurrent_io must be >= 1 and io_timeout_s positive")
         self.tier_config = tier_config
-        self.bucket = tier_config.bucket or default_bucket(namespace)
+        self.bucket = tier_config.bucket or default_bucket(self.subjects.namespace)
         self.io_timeout_s = io_timeout_s
         self._io_slots = asyncio.Semaphore(max_concurrent_io)
         self._objects: ObjectStore | None = None
@@ -80,27 +67,11 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         except Exception as exc:  # the NATS client's own errors (only bus/ may name them)
             raise TierUnavailable(f"bucket {self.bucket}: {type(exc).__name__}: {exc}") from exc
 
-    def _store_chunk(
-        self,
-        store: ObjectChunks,
-        region: SharedRegion,
-        key: OffloadKey,
-        slot_id: int,
-        stamp_ns: int,
-        deadline: float,
-    ) -> Awaitable[Exception | None]:
-        return self._on_slot(region, slot_id, lambda slot: store.write_chunk(key, slot, deadline))
+    def _store_chunk(self, store: ObjectChunks, io: ChunkIO) -> Awaitable[Exception | None]:
+        return self._on_slot(io, lambda slot: store.write_chunk(io.key, slot, io.deadline))
 
-    def _load_chunk(
-        self,
-        store: ObjectChunks,
-        region: SharedRegion,
-        key: OffloadKey,
-        slot_id: int,
-        stamp_ns: int,
-        deadline: float,
-    ) -> Awaitable[Exception | None]:
-        return self._on_slot(region, slot_id, lambda slot: store.read_chunk(key, slot, deadline))
+    def _load_chunk(self, store: ObjectChunks, io: ChunkIO) -> Awaitable[Exception | None]:
+        return self._on_slot(io, lambda slot: store.read_chunk(io.key, slot, io.deadline))
 
     async def _delete_chunks(self, store: ObjectChunks, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
@@ -110,23 +81,20 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
                 log.warning("obj tier: chunk %s not removed: %s", key.hex(), exc)
 
     async def _on_slot(
-        self,
-        region: SharedRegion,
-        slot_id: int,
-        io: Callable[[memoryview], Awaitable[None]],
+        self, io: ChunkIO, move: Callable[[memoryview], Awaitable[None]]
     ) -> Exception | None:
-        """``io(slot)`` when an I/O slot is free; its error (None: done), logged unless it is
+        """``move(slot)`` when an I/O slot is free; its error (None: done), logged unless it is
         a deadline's."""
         async with self._io_slots:
             try:
-                with region.slot(slot_id) as slot:
-                    await io(slot)
+                with io.region.slot(io.slot_id) as slot:
+                    await move(slot)
             except DeadlinePassed as exc:
                 return exc.with_traceback(None)
             except CorruptChunk as exc:
                 log.warning("obj tier: %s (removed)", exc)
                 return exc.with_traceback(None)
             except (TierStoreError, ValueError, IndexError, OSError) as exc:
-                log.warning("obj tier: slot %d: %s", slot_id, exc)
+                log.warning("obj tier: chunk %s: %s", io.key.hex(), exc)
                 return exc.with_traceback(None)  # its frames would keep the slot's view alive
         return None

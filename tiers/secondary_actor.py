@@ -70,7 +70,21 @@ class ChunkStore(Protocol):
 
 
 S = TypeVar("S", bound=ChunkStore)
-ChunkJob = Callable[[S, SharedRegion, OffloadKey, int, int, float], Awaitable[Exception | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkIO:
+    """One key of a job: its slot in the mapped region, a recency stamp (``time_ns``: a
+    request's tail a little older than its head, as the LRU index has them) and the deadline."""
+
+    region: SharedRegion
+    key: OffloadKey
+    slot_id: int
+    stamp_ns: int
+    deadline: float
+
+
+ChunkJob = Callable[[S, ChunkIO], Awaitable[Exception | None]]
 
 
 @dataclass(slots=True)
@@ -114,11 +128,11 @@ class SecondaryTierActor(Actor, Generic[S]):
         actor_id: str,
         *,
         bytes_to_use: int,
-        namespace: str,
-        max_queued_cascades: int,
-        keep_regions: int,
-        heartbeat_interval_s: float,
-        drain_timeout_s: float,
+        namespace: str = "shoal",
+        max_queued_cascades: int = 64,
+        keep_regions: int = 2,
+        heartbeat_interval_s: float = 1.0,
+        drain_timeout_s: float = 5.0,
     ) -> None:
         super().__init__(
             bus,
@@ -147,28 +161,12 @@ class SecondaryTierActor(Actor, Generic[S]):
         An ``OSError`` (or a ``TierUnavailable``) refuses the attach."""
 
     @abstractmethod
-    def _store_chunk(
-        self,
-        store: S,
-        region: SharedRegion,
-        key: OffloadKey,
-        slot_id: int,
-        stamp_ns: int,
-        deadline: float,
-    ) -> Awaitable[Exception | None]:
-        """Store slot ``slot_id`` under ``key``; the error (``DeadlinePassed``, ...) or None."""
+    def _store_chunk(self, store: S, io: ChunkIO) -> Awaitable[Exception | None]:
+        """Store ``io``'s slot under its key; the error (``DeadlinePassed``, ...) or None."""
 
     @abstractmethod
-    def _load_chunk(
-        self,
-        store: S,
-        region: SharedRegion,
-        key: OffloadKey,
-        slot_id: int,
-        stamp_ns: int,
-        deadline: float,
-    ) -> Awaitable[Exception | None]:
-        """Read ``key`` into slot ``slot_id``; ``CorruptChunk`` once its parts are removed."""
+    def _load_chunk(self, store: S, io: ChunkIO) -> Awaitable[Exception | None]:
+        """Read ``io``'s key into its slot; ``CorruptChunk`` once its parts are removed."""
 
     @abstractmethod
     async def _delete_chunks(self, store: S, keys: Sequence[OffloadKey]) -> None:
@@ -330,7 +328,9 @@ class SecondaryTierActor(Actor, Generic[S]):
                 return list(
                     await asyncio.gather(
                         *(
-                            chunk_job(store, region, k, slot_of[k], stamp_of[k], job.deadline)
+                            chunk_job(
+                                store, ChunkIO(region, k, slot_of[k], stamp_of[k], job.deadline)
+                            )
                             for k in keys
                         )
                     )

@@ -13,45 +13,40 @@ from shoal.bus.messages.validation import positive as _positive
 from shoal.bus.messages.validation import require as _require
 
 
-class FsTierConfig(
-    msgspec.Struct,
-    kw_only=True,
-    frozen=True,
-    forbid_unknown_fields=True,
-    tag_field="type",
-    tag="fs",
+class SecondaryTier(
+    msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, tag_field="type"
 ):
-    """A filesystem tier behind the CPU tier (a ``secondary_tiers`` entry of type ``fs``)."""
+    """A ``secondary_tiers`` entry: a tier behind the CPU tier; its ``type`` is its tag."""
 
-    path: str  # root directory; chunks go under <path>/<model tag>/tp<size>_r<rank>/
     bytes_to_use: int = 8 << 30  # byte budget; the oldest chunks are evicted past it
 
     @property
     def type(self) -> str:
-        return "fs"
+        return str(self.__struct_config__.tag)
+
+    def __post_init__(self) -> None:
+        _require(
+            self.bytes_to_use >= 1,
+            "secondary_tiers[].bytes_to_use",
+            f"must be a positive integer, got {self.bytes_to_use}",
+        )
+
+
+class FsTierConfig(SecondaryTier, frozen=True, tag="fs"):
+    """A filesystem tier (type ``fs``) on the CPU tier's host."""
+
+    path: str  # root directory; chunks go under <path>/<model tag>/tp<size>_r<rank>/
 
     def __post_init__(self) -> None:
         _require(bool(self.path), "secondary_tiers[].path", "must be a directory path")
-        _check_budget(self.bytes_to_use)
+        super().__post_init__()
 
 
-class ObjTierConfig(
-    msgspec.Struct,
-    kw_only=True,
-    frozen=True,
-    forbid_unknown_fields=True,
-    tag_field="type",
-    tag="obj",
-):
-    """An object-store tier (a ``secondary_tiers`` entry of type ``obj``): the JetStream Object
-    Store of the deployment's NATS, reachable from every host."""
+class ObjTierConfig(SecondaryTier, frozen=True, tag="obj"):
+    """An object-store tier (type ``obj``): the JetStream Object Store of the deployment's
+    NATS, reachable from every host."""
 
     bucket: str = ""  # "": shoal_kv_<namespace>
-    bytes_to_use: int = 8 << 30  # byte budget; the oldest chunks are evicted past it
-
-    @property
-    def type(self) -> str:
-        return "obj"
 
     def __post_init__(self) -> None:
         _require(
@@ -59,19 +54,11 @@ class ObjTierConfig(
             "secondary_tiers[].bucket",
             f"must be letters, digits, '_' or '-', got {self.bucket!r}",
         )
-        _check_budget(self.bytes_to_use)
+        super().__post_init__()
 
 
 SecondaryTierConfig = FsTierConfig | ObjTierConfig
 SECONDARY_TIER_TYPES = ("fs", "obj")
-
-
-def _check_budget(bytes_to_use: int) -> None:
-    _require(
-        bytes_to_use >= 1,
-        "secondary_tiers[].bytes_to_use",
-        f"must be a positive integer, got {bytes_to_use}",
-    )
 
 
 class BackpressureConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
