@@ -172,6 +172,10 @@ class CpuTierActor(Actor):
             "num_pins": float(self.books.leases.num_pins),
             "num_pending_stores": float(self.books.leases.num_stores),
             **{name: float(value) for name, value in asdict(counters).items()},
+            **{  # per secondary, for /metrics (gateway.tiering_metrics)
+                f"backpressure_dropped:{tier}": float(pressure.num_dropped)
+                for tier, pressure in self.backpressure.items()
+            },
         }
 
     # -- requests ---------------------------------------------------------------------------
@@ -317,7 +321,7 @@ class CpuTierActor(Actor):
             if not self._usable(link) or link.num_in_flight >= self.max_cascades_in_flight:
                 books.counters.num_cascade_dropped += len(keys)
                 continue
-            if self.backpressure[link.secondary_id].should_drop_store():
+            if self.backpressure[link.secondary_id].should_drop_store(time.monotonic()):
                 books.counters.num_cascade_dropped += len(keys)
                 books.counters.num_backpressure_dropped += len(keys)
                 continue
@@ -346,9 +350,8 @@ class CpuTierActor(Actor):
             books.finish_cascade(keys, 0)
             return
         link.num_in_flight -= 1
-        num_done = len(set(reply.done_keys) & set(keys))
-        pressure.record_store(time.monotonic() - pinned_at, succeeded=num_done == len(keys))
-        books.finish_cascade(keys, num_done)
+        pressure.record_store(time.monotonic() - pinned_at, succeeded=True)  # it answered
+        books.finish_cascade(keys, len(set(reply.done_keys) & set(keys)))
 
     async def _count_out_at_lease_end(self, link: SecondaryLink, taken_at: float) -> None:
         """A job whose answer timed out may still run on the secondary: it stays counted in

@@ -73,6 +73,7 @@ class BackpressureConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkno
     low_water_s: float = 0.5
     max_drop_probability: float = 0.9  # the stores let through keep measuring the tier
     failure_streak: int = 3
+    probe_interval_s: float = 5.0  # a store always goes through after this long unmeasured
 
     def __post_init__(self) -> None:
         _require(0 < self.ema_alpha <= 1, "backpressure.ema_alpha", "must be in (0, 1]")
@@ -82,10 +83,11 @@ class BackpressureConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unkno
             f"must be >= 0 and below high_water_s ({self.high_water_s}), got {self.low_water_s}",
         )
         _require(
-            0 <= self.max_drop_probability <= 1,
+            0 <= self.max_drop_probability < 1,
             "backpressure.max_drop_probability",
-            "must be in [0, 1]",
+            "must be in [0, 1): stores let through measure the tier",
         )
+        _require(self.probe_interval_s > 0, "backpressure.probe_interval_s", "must be positive")
         _require(self.failure_streak >= 1, "backpressure.failure_streak", "must be at least 1")
 
 

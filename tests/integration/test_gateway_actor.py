@@ -106,7 +106,7 @@ async def test_actor_takes_stats_from_the_engine_client_when_it_reports_them() -
             "vllm:num_requests_running", {"model_name": engine.model_name, "engine": "e9"}
         )
         assert sample == 3
-        load = {"num_queries": 7.0, "num_backpressure_dropped": 2.0}
+        load = {"num_queries": 7.0, "backpressure_dropped:kv-cpu-fs0": 2.0}
         beat = Heartbeat("kv-cpu", "tier", 1, ActorState.READY, time.time(), load, "life1")
         await bus.publish(actor.subjects.heartbeat("tier"), encode(beat))
         labels = {"model_name": engine.model_name, "tier": "kv-cpu"}
@@ -117,7 +117,8 @@ async def test_actor_takes_stats_from_the_engine_client_when_it_reports_them() -
 
         await wait_for(lambda: queries() == 7.0, 5, "the tier's counters on /metrics")
         dropped = "vllm:kv_offload_tiering_backpressure_dropped_stores_total"
-        assert registry.get_sample_value(dropped, labels) == 2.0
+        fs_labels = {**labels, "tier": "kv-cpu-fs0"}  # the CPU tier's drops for its secondary
+        assert registry.get_sample_value(dropped, fs_labels) == 2.0
     finally:
         await actor.stop()
     assert engine.stats_listeners == []  # a stopped gateway no longer listens to a shared client

@@ -29,17 +29,24 @@ def test_counters_grow_by_the_heartbeats_increments_per_tier() -> None:
     assert sample(metrics, "chunk_hits", "kv-cpu") == 3
     metrics.tiering.update_tier(beat("kv-cpu", 1, "b", num_queries=5))  # restarted
     assert sample(metrics, "chunk_queries", "kv-cpu") == 15
+    metrics.tiering.update_tier(beat("kv-cpu", 3, "a", num_queries=11))  # the old life, late
+    metrics.tiering.update_tier(beat("kv-cpu", 2, "b", num_queries=6))
+    assert sample(metrics, "chunk_queries", "kv-cpu") == 16
 
 
-def test_a_secondary_tiers_own_names_feed_the_same_series() -> None:
+def test_a_secondary_tiers_figures_and_the_cpu_tiers_drops_for_it() -> None:
     metrics = Metrics("m")
     secondary = {"num_chunks_stored": 6, "num_chunks_loaded": 2, "num_store_failures": 1,
-                 "num_load_failures": 1, "num_chunks_dropped": 3}  # fmt: skip
+                 "num_load_failures": 1, "num_chunks_corrupt": 2,
+                 "num_chunks_dropped": 3}  # fmt: skip
     metrics.tiering.update_tier(beat("kv-cpu-fs0", 1, "a", **secondary))
-    found = {name: sample(metrics, name, "kv-cpu-fs0") for name in
-             ("cascades", "promotions", "cascade_failures", "promotion_failures",
-              "backpressure_dropped_stores", "chunk_queries")}  # fmt: skip
-    assert found == {"cascades": 6, "promotions": 2, "cascade_failures": 1,
-                     "promotion_failures": 1, "backpressure_dropped_stores": 3,
-                     "chunk_queries": None}  # fmt: skip
+    cpu = {"num_queries": 9, "num_cascaded": 6, "backpressure_dropped:kv-cpu-fs0": 4}
+    metrics.tiering.update_tier(beat("kv-cpu", 1, "a", **cpu))
+    names = ("cascades", "promotions", "cascade_failures", "promotion_failures",
+             "backpressure_dropped_stores", "chunk_queries")  # fmt: skip
+    assert {name: sample(metrics, name, "kv-cpu-fs0") for name in names} == {
+        "cascades": 6, "promotions": 2, "cascade_failures": 1, "promotion_failures": 3,
+        "backpressure_dropped_stores": 7, "chunk_queries": None,
+    }  # fmt: skip
+    assert sample(metrics, "cascades", "kv-cpu") is None  # counted once, by the secondary
     assert PREFIX + "cascades_total" in metrics.render().decode()
