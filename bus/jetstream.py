@@ -122,11 +122,14 @@ class ObjectStore:
         await self._store.put(name, data)
 
     async def delete(self, name: str) -> bool:
-        """Remove an object; whether it was there."""
+        """Remove an object; whether it was there. The delete marker nats-py leaves in the
+        bucket's metadata is purged too, so deleted names do not pile up in every ``list``."""
         try:
             await self._store.delete(name)
         except nats.js.errors.ObjectNotFoundError:
             return False
+        encoded = base64.urlsafe_b64encode(name.encode()).decode()
+        await self._js.purge_stream(f"OBJ_{self.name}", subject=f"$O.{self.name}.M.{encoded}")
         return True
 
     async def list(self) -> list[ObjectEntry]:

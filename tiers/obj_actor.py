@@ -1,5 +1,6 @@
 """The object-store tier actor: a secondary tier behind a CPU tier, on the JetStream Object
-Store of the deployment's NATS, so a chunk stored by any host's engine cores can be found again.
+Store of the deployment's NATS, so chunks outlive every engine core and this actor (another
+host's puts are seen at the next attach only: ``docs/kv-offload.md``, Limits).
 
 Chunks are objects (``tiers.obj_store.ObjectChunks``) in ``ObjTierConfig.bucket`` (default
 ``shoal_kv_<namespace>``), one per tensor-parallel rank; the protocol, the LRU index within
@@ -7,8 +8,9 @@ Chunks are objects (``tiers.obj_store.ObjectChunks``) in ``ObjTierConfig.bucket`
 secondary tier's (``tiers.secondary_actor``). The bucket outlives every engine core and this
 actor: at attach the index is rebuilt from the bucket's listing (oldest put first).
 
-It needs a NATS bus (on another bus an attach is refused). At most ``max_concurrent_io`` parts
-move at once; a job whose deadline passes while one of its keys is on the wire waits for that
+It needs a NATS bus (on another bus an attach is refused). At most ``max_concurrent_io`` chunks
+are read and as many written at once (apart: a promote never waits behind a cascade's puts);
+a job whose deadline passes while one of its keys is on the wire waits for that
 key (its copy into or out of the slot happens only before the deadline).
 """
 
@@ -51,7 +53,11 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         self.tier_config = tier_config
         self.bucket = tier_config.bucket or default_bucket(self.subjects.namespace)
         self.io_timeout_s = io_timeout_s
-        self._io_slots = asyncio.Semaphore(max_concurrent_io)
+        # reads and writes queue apart: a promote never waits behind a long cascade's puts
+        self._io_slots = {
+            "read": asyncio.Semaphore(max_concurrent_io),
+            "write": asyncio.Semaphore(max_concurrent_io),
+        }
         self._objects: ObjectStore | None = None
 
     async def _open(self, layout: KVLayout) -> tuple[ObjectChunks, list[OffloadKey]]:
@@ -68,10 +74,12 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
             raise TierUnavailable(f"bucket {self.bucket}: {type(exc).__name__}: {exc}") from exc
 
     def _store_chunk(self, store: ObjectChunks, io: ChunkIO) -> Awaitable[Exception | None]:
-        return self._on_slot(io, lambda slot: store.write_chunk(io.key, slot, io.deadline))
+        move = lambda slot: store.write_chunk(io.key, slot, io.deadline)  # noqa: E731
+        return self._on_slot(io, "write", move)
 
     def _load_chunk(self, store: ObjectChunks, io: ChunkIO) -> Awaitable[Exception | None]:
-        return self._on_slot(io, lambda slot: store.read_chunk(io.key, slot, io.deadline))
+        move = lambda slot: store.read_chunk(io.key, slot, io.deadline)  # noqa: E731
+        return self._on_slot(io, "read", move)
 
     async def _delete_chunks(self, store: ObjectChunks, keys: Sequence[OffloadKey]) -> None:
         for key in keys:
@@ -81,11 +89,11 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
                 log.warning("obj tier: chunk %s not removed: %s", key.hex(), exc)
 
     async def _on_slot(
-        self, io: ChunkIO, move: Callable[[memoryview], Awaitable[None]]
+        self, io: ChunkIO, kind: str, move: Callable[[memoryview], Awaitable[None]]
     ) -> Exception | None:
-        """``move(slot)`` when an I/O slot is free; its error (None: done), logged unless it is
-        a deadline's."""
-        async with self._io_slots:
+        """``move(slot)`` when an I/O slot of ``kind`` (read, write) is free; its error (None:
+        done), logged unless it is a deadline's."""
+        async with self._io_slots[kind]:
             try:
                 with io.region.slot(io.slot_id) as slot:
                     await move(slot)

@@ -90,8 +90,7 @@ class ObjectChunks:
             with contextlib.suppress(TierStoreError):
                 await self.delete(key)
             raise
-        check_deadline(key, deadline)
-        await asyncio.to_thread(self._copy_parts, key, parts, slot)
+        await asyncio.to_thread(self._copy_parts, key, parts, slot, deadline)
 
     async def delete(self, key: OffloadKey) -> bool:
         """Remove every rank part of a chunk; whether any was there."""
@@ -147,8 +146,9 @@ class ObjectChunks:
                 raise CorruptChunk(key, f"part {rank}: checksum mismatch")
 
     def _copy_parts(
-        self, key: OffloadKey, parts: list[bytes | bytearray], slot: memoryview
+        self, key: OffloadKey, parts: list[bytes | bytearray], slot: memoryview, deadline: float
     ) -> None:
+        check_deadline(key, deadline)  # here, in the thread: never into a slot past it
         start, size = head_size(key), self.layout.rank_chunk_bytes
         for rank, part in enumerate(parts):
             slot[rank * size : (rank + 1) * size] = memoryview(part)[start:]

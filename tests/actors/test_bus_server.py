@@ -136,6 +136,19 @@ async def test_object_store_round_trips_a_multi_mib_object(nats_bus: NatsBus):
     assert await store.get("empty") == b""
 
 
+async def test_a_deleted_object_leaves_no_marker_behind(nats_bus: NatsBus):
+    """nats-py's delete keeps a marker message per name: the store purges it, so a bucket
+    that stored and evicted many keys does not list them all forever."""
+    store = await ObjectStore.open(nats_bus, "test_deletes")
+    for i in range(3):
+        await store.put(f"k{i}", b"x" * 10)
+    assert await store.delete("k1") and not await store.delete("k1")
+    assert [e.name for e in await store.list()] == ["k0", "k2"]
+    js = nats_bus.client.jetstream()
+    info = await js.stream_info("OBJ_test_deletes", subjects_filter="$O.test_deletes.M.>")
+    assert len(info.state.subjects or {}) == 2  # the two live names' metadata only
+
+
 async def test_user_password_and_token_authentication():
     users = 'authorization { users = [ { user: "shoal", password: "s3cret" } ] }'
     with NatsServer(extra_config=users) as server:
