@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.bus.messages.sampling import KV_TIER_TYPES, OutputKind, SamplingParams
 from shoal.gateway.errors import ApiError, bad_request, from_value_error
 from shoal.gateway.request_types import (
     MAX_PROMPTS,
@@ -200,6 +200,29 @@ def check_unsupported(request: _SamplingFields) -> None:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
 
+def kv_load_tiers(params: dict[str, Any] | None) -> list[str] | None:
+    """vLLM's ``kv_transfer_params``: shoal reads ``kv_load_tiers`` (a list of tier types the
+    request may load its prefix from); any other key is refused by name."""
+    if params is None:
+        return None
+    for key in params:
+        if key != "kv_load_tiers":
+            raise bad_request(
+                f"kv_transfer_params.{key} is not supported (shoal reads kv_load_tiers)",
+                param="kv_transfer_params",
+            )
+    tiers = params.get("kv_load_tiers")
+    if tiers is None:
+        return None
+    if not isinstance(tiers, list) or not all(t in KV_TIER_TYPES for t in tiers):
+        raise bad_request(
+            f"kv_transfer_params.kv_load_tiers must be a list of tier types of "
+            f"{list(KV_TIER_TYPES)}, got {tiers!r}",
+            param="kv_transfer_params",
+        )
+    return tiers
+
+
 WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1  # the integers msgpack carries
 
 
@@ -239,6 +262,7 @@ def sampling_params(
     kwargs: dict[str, Any] = {name: v for name, v in optional.items() if v is not None}
     if vocab_size is not None and kwargs.get("top_k", 0) >= vocab_size:
         kwargs["top_k"] = 0
+    kwargs["kv_load_tiers"] = kv_load_tiers(request.kv_transfer_params)
     try:
         params = SamplingParams(
             n=request.num_choices,

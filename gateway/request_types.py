@@ -8,7 +8,7 @@ Decoding is lax, as vLLM's pydantic models are: ``14.0`` is the integer 14, ``"2
 
 from __future__ import annotations
 
-from typing import Annotated, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -70,6 +70,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     spaces_between_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's; shoal reads kv_load_tiers
 
     @property
     def num_choices(self) -> int:

@@ -191,8 +191,8 @@ class CpuTierActor(Actor):
                 return TierJobDone()  # nothing of this incarnation is held
             return TierError(f"tier {self.actor_id} has no region yet: send TierAttach first")
         match request:
-            case TierLookup(owner=owner, keys=keys):
-                return await self._lookup(owner, keys)
+            case TierLookup(owner=owner, keys=keys, tiers=tiers):
+                return await self._lookup(owner, keys, tiers)
             case TierPrepareStore(owner=owner, keys=keys):
                 return self._prepare_store(owner, keys)
             case TierRelease(generation=generation):
@@ -236,26 +236,34 @@ class CpuTierActor(Actor):
         await asyncio.gather(*(link.attach(layout, now) for link in self.links))
         return TierAttached(self.region.ref)
 
-    async def _lookup(self, owner: str, keys: list[OffloadKey]) -> TierLookupReply:
+    async def _lookup(
+        self, owner: str, keys: list[OffloadKey], tiers: list[str] | None = None
+    ) -> TierLookupReply:
+        """The leading chunks held here (pinned for ``owner``), then those promoted from the
+        secondaries; ``tiers`` (a request's ``kv_load_tiers``) limits both: chunks held here
+        count only with ``cpu`` in it, a secondary is asked only if its type is."""
         books, region = self._books_and_region()
-        head = books.lookup_head(owner, keys, time.monotonic())
+        use_held = tiers is None or "cpu" in tiers
+        head = books.lookup_head(owner, keys, time.monotonic(), use_held=use_held)
         slot_ids = head.slot_ids
         if head.may_promote:
-            slot_ids = slot_ids + await self._promote(owner, keys[len(slot_ids) :])
+            slot_ids = slot_ids + await self._promote(owner, keys[len(slot_ids) :], tiers)
         return TierLookupReply(
             region.ref.generation, slot_ids, head.num_pending, books.manager.usage
         )
 
-    async def _promote(self, owner: str, keys: list[OffloadKey]) -> list[int]:
+    async def _promote(
+        self, owner: str, keys: list[OffloadKey], tiers: list[str] | None = None
+    ) -> list[int]:
         """Promote from the secondaries, in order, the leading keys they hold; the slots of
         the run now readable here, pinned for ``owner``. Every wait fits in what is left of
         ``promote_budget_s``; a secondary not reached in it is not asked."""
         slot_ids: list[int] = []
         budget_end = time.monotonic() + self.promote_budget_s
-        for link in self.links:
+        for link, tier in zip(self.links, self.kv_config.secondary_tiers, strict=True):
             if not keys or budget_end - time.monotonic() < _MIN_WAIT_S:
                 break
-            if not self._usable(link):
+            if not self._usable(link) or (tiers is not None and tier.type not in tiers):
                 continue
             num_held = await link.held(
                 keys, min(self.lookup_timeout_s, budget_end - time.monotonic())

@@ -59,9 +59,17 @@ class CpuTierBooks:
 
     # -- engine cores -----------------------------------------------------------------------
 
-    def lookup_head(self, owner: str, keys: Sequence[OffloadKey], now: float) -> HeadLookup:
-        """Pin and touch the leading HIT run for ``owner``; count the HIT_PENDING run after it."""
+    def lookup_head(
+        self, owner: str, keys: Sequence[OffloadKey], now: float, *, use_held: bool = True
+    ) -> HeadLookup:
+        """Pin and touch the leading HIT run for ``owner``; count the HIT_PENDING run after it.
+        Not ``use_held`` (a request that may not load from this tier): nothing is pinned, and a
+        prefix that begins with a chunk held (or being stored) here may not be promoted either."""
         self.counters.num_lookups += 1
+        if not use_held:
+            first = self.manager.lookup(keys[0]) if keys else LookupResult.MISS
+            held = first in (LookupResult.HIT, LookupResult.HIT_PENDING)
+            return HeadLookup([], 0, bool(keys) and not held)
         num_hits = num_pending = 0
         for key in keys:
             result = self.manager.lookup(key)

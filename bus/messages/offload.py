@@ -152,6 +152,7 @@ class TierAttach(msgspec.Struct, tag="attach", array_like=True, omit_defaults=Tr
 class TierLookup(msgspec.Struct, tag="lookup", array_like=True, omit_defaults=True):
     owner: str
     keys: list[bytes]  # a request's chunk keys in prefix order
+    tiers: list[str] | None = None  # the tier types it may load from (None: all)
 
 
 class TierPrepareStore(msgspec.Struct, tag="prepare_store", array_like=True, omit_defaults=True):

@@ -43,6 +43,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: OutputKind = OutputKind.CUMULATIVE
+    # KV offload: the tiers this request may load its prefix from (vLLM's
+    # ``kv_transfer_params.kv_load_tiers``): tier types of KV_TIER_TYPES; None: every tier.
+    kv_load_tiers: list[str] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,7 +71,14 @@ def _fail(field: str, message: str) -> None:
     raise ValueError(f"{field} {message}")
 
 
+KV_TIER_TYPES = ("cpu", "fs", "obj")  # the CPU tier, and the secondary tiers' types
+
+
 def _check_sampling_params(p: SamplingParams) -> None:
+    if p.kv_load_tiers is not None:
+        unknown = sorted(set(p.kv_load_tiers) - set(KV_TIER_TYPES))
+        if unknown:
+            _fail("kv_load_tiers", f"names unknown tiers {unknown}; known: {list(KV_TIER_TYPES)}")
     if p.n < 1:
         _fail("n", f"must be at least 1, got {p.n}")
     for name in ("presence_penalty", "frequency_penalty"):

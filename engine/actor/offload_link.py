@@ -170,8 +170,8 @@ class OffloadLink:
         if connector is None:
             return
         lookups, connector.lookups_to_send = connector.lookups_to_send, []
-        for request_id, lookup_id, keys in lookups:
-            self._spawn(self._lookup(request_id, lookup_id, keys))
+        for request_id, lookup_id, keys, tiers in lookups:
+            self._spawn(self._lookup(request_id, lookup_id, keys, tiers))
         offers, connector.stores.offers_to_send = connector.stores.offers_to_send, []
         for job_id, keys in offers:
             self._spawn(self._offer(job_id, keys))
@@ -198,12 +198,15 @@ class OffloadLink:
             self.attach(self._layout)
         return reply
 
-    async def _lookup(self, request_id: str, lookup_id: int, keys: list[bytes]) -> None:
+    async def _lookup(
+        self, request_id: str, lookup_id: int, keys: list[bytes], tiers: list[str] | None
+    ) -> None:
         reply: TierReply | None = None
+        lookup = TierLookup(self.owner, keys, tiers)
         try:
-            reply = await self._request(TierLookup(self.owner, keys))
+            reply = await self._request(lookup)
             if isinstance(reply, TierError) and await self._attached_again():
-                reply = await self._request(TierLookup(self.owner, keys))  # the restarted tier
+                reply = await self._request(lookup)  # the restarted tier
         finally:  # whatever happened, the request leaves the parking
             scheduler = self._scheduler()
             connector = scheduler.connector if scheduler is not None else None

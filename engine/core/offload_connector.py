@@ -106,7 +106,8 @@ class OffloadConnector:
         self._step_loads: list[tuple[KVLoad, list[OffloadKey], int]] = []
         self.stores = OffloadStores(config, block_size, block_pool, self._chunk_keys)
         # The outbox, taken by the shell after each core call (and ``stores.offers_to_send``).
-        self.lookups_to_send: list[tuple[str, int, list[OffloadKey]]] = []
+        # (request id, lookup id, keys, the tier types it may load from: None for all)
+        self.lookups_to_send: list[tuple[str, int, list[OffloadKey], list[str] | None]] = []
         self._release = TierRelease(owner="")
 
     @property
@@ -151,7 +152,8 @@ class OffloadConnector:
         if not keys or (first_chunk * self.blocks_per_chunk) >= self._max_blocks(request):
             return None
         lookup_id = next(self._lookup_ids)
-        self.lookups_to_send.append((request_id, lookup_id, keys))
+        tiers = request.sampling_params.kv_load_tiers
+        self.lookups_to_send.append((request_id, lookup_id, keys, tiers))
         self._lookups[request_id] = _Lookup(lookup_id, first_chunk)
         self.counters.num_queried_tokens += self._max_blocks(request) * self.block_size - (
             num_local_blocks * self.block_size

@@ -197,8 +197,10 @@ class Deployment:
         assert isinstance(reply, TierAttached), reply
         return reply.region
 
-    async def lookup(self, *keys: bytes, timeout: float = LIMIT_S) -> TierLookupReply:
-        reply = await self.ask(TierLookup(OWNER, list(keys)), timeout)
+    async def lookup(
+        self, *keys: bytes, timeout: float = LIMIT_S, tiers: list[str] | None = None
+    ) -> TierLookupReply:
+        reply = await self.ask(TierLookup(OWNER, list(keys), tiers), timeout)
         assert isinstance(reply, TierLookupReply), reply
         return reply
 
@@ -390,6 +392,25 @@ async def test_chunks_cascade_to_the_secondary_and_promote_back(deployment):
     (cascade, promote) = double.deadlines
     assert cascade[0] == "cascade" and 0 < cascade[1] - cascade[2] <= old.lease_s / 2
     assert promote[0] == "promote" and 0 < promote[1] - promote[2] <= new.promote_budget_s
+
+
+async def test_a_requests_load_tiers_limit_what_a_lookup_uses(deployment):
+    """``kv_load_tiers``: a secondary is asked only if its type is listed, chunks held here
+    count only with ``cpu`` listed (and then are not promoted over either)."""
+    kv = deployment.kv_config(num_slots=8, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.chunks = {K[0]: payload(K[0]), K[1]: payload(K[1])}
+    await deployment.start_tier(kv)
+    region = await deployment.attach()
+    assert (await deployment.lookup(K[0], K[1], tiers=["cpu"])).slot_ids == []
+    assert double.num_lookups == 0  # the fs tier was not asked
+    hit = await deployment.lookup(K[0], K[1], tiers=["fs"])
+    assert read_slots(region, hit.slot_ids) == [payload(K[0]), payload(K[1])]
+    await deployment.release(loaded_keys=[K[0], K[1]])
+    assert (await deployment.lookup(K[0], K[1], tiers=["fs"])).slot_ids == []  # held here now
+    assert (await deployment.lookup(K[0], K[1], tiers=["obj", "fs"])).slot_ids == []
+    assert len((await deployment.lookup(K[0], K[1], tiers=["cpu"])).slot_ids) == 2
+    assert len((await deployment.lookup(K[0], K[1])).slot_ids) == 2
 
 
 async def test_a_dead_or_slow_secondary_never_holds_a_lookup_up(deployment):

@@ -42,11 +42,12 @@ async def first_turns(client: Any, tag: str = "") -> Turns:
     return outputs
 
 
-async def second_turns(client: Any, answers: Turns, tag: str = "") -> Turns:
-    """Each conversation returns, one after the other."""
+async def second_turns(client: Any, answers: Turns, tag: str = "", **params: Any) -> Turns:
+    """Each conversation returns, one after the other (``params``: more sampling params)."""
     outputs = []
     for i, answer in enumerate(answers):
-        final = await complete(client, follow_up(i, answer), greedy(MAX_TOKENS), f"t2-{i}{tag}")
+        sampling = greedy(MAX_TOKENS, **params)
+        final = await complete(client, follow_up(i, answer), sampling, f"t2-{i}{tag}")
         outputs.append(list(final.outputs[0].token_ids))
     return outputs
 

@@ -164,7 +164,7 @@ class Exchange:
         connector = self.scheduler.connector
         assert connector is not None
         self._ticks += 1
-        for request_id, lookup_id, keys in connector.lookups_to_send:
+        for request_id, lookup_id, keys, _ in connector.lookups_to_send:
             self._held.append((self._ticks, ("lookup", (request_id, lookup_id), keys)))
         for job_id, keys in connector.stores.offers_to_send:
             self._held.append((self._ticks, ("offer", job_id, keys)))

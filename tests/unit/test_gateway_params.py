@@ -82,6 +82,29 @@ def test_sampling_params_keep_defaults_and_force_delta() -> None:
     assert params.output_kind == OutputKind.DELTA and params.is_greedy
 
 
+def test_kv_transfer_params_give_the_load_tiers() -> None:
+    body = _decode(b'{"prompt": "x", "kv_transfer_params": {"kv_load_tiers": ["cpu", "obj"]}}',
+                   CompletionRequest)  # fmt: skip
+    assert sampling_params(body, max_tokens=5, logprobs=None).kv_load_tiers == ["cpu", "obj"]
+    plain = _decode(b'{"prompt": "x"}', CompletionRequest)
+    assert sampling_params(plain, max_tokens=5, logprobs=None).kv_load_tiers is None
+
+
+@pytest.mark.parametrize(
+    ("params", "problem"),
+    [
+        (b'{"kv_load_tiers": ["disk"]}', "kv_load_tiers must be a list of tier types"),
+        (b'{"kv_load_tiers": "cpu"}', "kv_load_tiers must be a list of tier types"),
+        (b'{"do_remote_prefill": true}', "do_remote_prefill is not supported"),
+    ],
+)
+def test_bad_kv_transfer_params_are_named(params: bytes, problem: str) -> None:
+    body = _decode(b'{"prompt": "x", "kv_transfer_params": ' + params + b"}", CompletionRequest)
+    with pytest.raises(ApiError, match=problem) as caught:
+        sampling_params(body, max_tokens=4, logprobs=None)
+    assert caught.value.status == 400 and caught.value.param == "kv_transfer_params"
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -95,7 +95,8 @@ def test_an_abort_while_parked_releases_the_pins_of_the_late_answer() -> None:
     scheduler.schedule()
     connector = scheduler.connector
     assert connector is not None
-    ((request_id, lookup_id, keys),) = connector.lookups_to_send
+    ((request_id, lookup_id, keys, tiers),) = connector.lookups_to_send
+    assert tiers is None  # the request names no kv_load_tiers
     scheduler.finish_requests("b", RequestStatus.FINISHED_ABORTED)
     reply = tier.lookup(keys)
     assert tier.num_pinned == 3
@@ -140,7 +141,7 @@ def test_a_lookup_answered_by_another_generation_is_not_used_and_asked_again() -
     scheduler.schedule()
     connector = scheduler.connector
     assert connector is not None
-    ((request_id, lookup_id, keys),) = connector.lookups_to_send
+    ((request_id, lookup_id, keys, _),) = connector.lookups_to_send
     connector.lookups_to_send.clear()
     stale = TierLookupReply("another-" + GENERATION, [50, 51, 52])  # slots a's are not in
     scheduler.unpark(connector.on_lookup_reply(request_id, lookup_id, keys, stale))
@@ -177,7 +178,7 @@ def test_a_reply_for_a_finished_request_is_not_given_to_a_new_one_with_its_id() 
     assert connector is not None
     scheduler.add_request(make_request("x", PROMPT, max_tokens=2))
     scheduler.schedule()
-    ((_, first_lookup, first_keys),) = connector.lookups_to_send
+    ((_, first_lookup, first_keys, _),) = connector.lookups_to_send
     connector.lookups_to_send.clear()
     scheduler.finish_requests("x", RequestStatus.FINISHED_ABORTED)
     other = list(range(500, 513))
