@@ -140,13 +140,34 @@ class ModelRunner:
             ep=self.ep_step.ep if self.ep_step is not None else None,
         )
         num_kv_heads = model.attention_layers()[0].num_kv_heads
+        num_blocks = self._allocate_kv_cache(model, cfg, num_kv_heads)
+        self._model = model
+        self._build_batch(cfg, max_model_len, num_blocks)
+        self.facts = ModelFacts(
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            max_model_len=max_model_len,
+            vocab_size=cfg.vocab_size,
+            eos_token_ids=list(cfg.eos_token_ids),
+            num_layers=cfg.num_layers,
+            num_kv_heads=num_kv_heads,
+            head_dim=cfg.head_dim,
+            kv_dtype=dtype_name(self.dtype),
+        )
+        return self.facts
+
+    def _allocate_kv_cache(
+        self, model: DecoderForCausalLM, cfg: CheckpointConfig, num_kv_heads: int
+    ) -> int:
+        """Size the paged KV cache (a draft model's KV counted per block), allocate it, bind
+        each attention layer's pages; the number of blocks."""
         block_bytes = bytes_per_block(
             num_layers=cfg.num_layers,
             block_size=self.block_size,
             num_kv_heads=num_kv_heads,
             head_dim=cfg.head_dim,
             dtype=self.dtype,
-        ) + proposer_bytes_per_block(self.config, self.dtype)  # a draft model's KV per block
+        ) + proposer_bytes_per_block(self.config, self.dtype)
         num_blocks = self.config.cache_config.num_gpu_blocks_override or num_blocks_for_budget(
             self._kv_budget_bytes(), block_bytes
         )
@@ -163,7 +184,11 @@ class ModelRunner:
             model.attention_layers(), self.kv_cache.k, self.kv_cache.v, strict=True
         ):
             layer.bind_cache(k, v)
-        self._model = model
+        return num_blocks
+
+    def _build_batch(self, cfg: CheckpointConfig, max_model_len: int, num_blocks: int) -> None:
+        """The persistent batch, its sampling state and input checks, and the speculative
+        decoder when enabled."""
         self.requests = RequestStore(
             max_num_reqs=self.config.scheduler_config.max_num_seqs,
             vocab_size=cfg.vocab_size,
@@ -190,18 +215,6 @@ class ModelRunner:
                 sampling=self.sampling,
                 tp=self.tp,
             )
-        self.facts = ModelFacts(
-            num_blocks=num_blocks,
-            block_size=self.block_size,
-            max_model_len=max_model_len,
-            vocab_size=cfg.vocab_size,
-            eos_token_ids=list(cfg.eos_token_ids),
-            num_layers=cfg.num_layers,
-            num_kv_heads=num_kv_heads,
-            head_dim=cfg.head_dim,
-            kv_dtype=dtype_name(self.dtype),
-        )
-        return self.facts
 
     def _join_tp_group(self) -> None:
         if torch.distributed.is_initialized():
