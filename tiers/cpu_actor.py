@@ -7,6 +7,16 @@ the bytes. Behind it, in order, the secondary tiers of ``secondary_tier_ids``: a
 misses here asks them and promotes what they hold into reserved slots; a store that lands here
 is cascaded to each of them.
 
+A lookup that meets a promotion in flight (another lookup's, of chunks its prefix goes on with)
+waits for it, pins for its own owner what it brought and goes on with the rest of its prefix:
+a chunk is promoted once, however many lookups want it. This is vLLM's RETRY answered inside
+the tier: the engine core's lookup is already asynchronous (its request is parked meanwhile), so
+a reply is always final, never "ask again". A promotion whose answer timed out is waited for no
+more (its slots stay reserved until their lease ends: pending). Chunks an engine core is still
+storing are not waited for either: their copy lands with that engine core's next step, whenever
+that comes (a long prefill; a stalled or dead engine core holds them until its lease ends), so
+the reply counts them in ``num_pending`` and the requester recomputes them.
+
 Every pin and pending store has a lease (``lease_s``); a periodic sweep hands back the expired
 ones, so a dead engine core, or a secondary whose answer never came, leaks no slot. A
 ``TierRelease`` or ``TierRenew`` naming another region generation than this one's (meant for an
@@ -19,9 +29,10 @@ Cascades are bounded per secondary (``max_cascades_in_flight``, promotions count
 that, stores are dropped and counted, loads never; a job whose answer timed out stays counted
 until its lease ends, since it may still be running there.
 
-Every wait on a secondary is bounded, and one lookup's waits on all secondaries together (their
-lookups and promotions) fit in ``promote_budget_s``, by default half the engine core's
-``kv_lookup_timeout_s``: the lookup is answered while the engine core still waits for it.
+Every wait on a secondary is bounded, and one lookup's waits together (on the secondaries'
+lookups and promotions, its own or others' in flight) fit in ``promote_budget_s``, by default
+half the engine core's ``kv_lookup_timeout_s``: the lookup is answered while the engine core
+still waits for it.
 
 Every inbound message is a request; ``TierRelease`` may also come as a plain publish (asked, it
 is answered with ``TierJobDone`` naming the stores that became readable), and ``TierRenew``
@@ -34,7 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -62,6 +73,7 @@ from shoal.tiers.backpressure import StoreBackpressure
 from shoal.tiers.cpu_books import CpuTierBooks
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.manager import OffloadManager
+from shoal.tiers.promotion_waits import PromotionWaits
 from shoal.tiers.region import SharedRegion
 from shoal.tiers.secondaries import SecondaryFailed, SecondaryLink, SecondaryTimeout
 
@@ -143,6 +155,7 @@ class CpuTierActor(Actor):
         }
         self.region: SharedRegion | None = None
         self.books: CpuTierBooks | None = None
+        self.promotion_waits = PromotionWaits()
         self._tasks: set[asyncio.Task[object]] = set()
 
     def inboxes(self) -> Sequence[Inbox]:
@@ -241,67 +254,85 @@ class CpuTierActor(Actor):
     ) -> TierLookupReply:
         """The leading chunks held here (pinned for ``owner``), then those promoted from the
         secondaries; ``tiers`` (a request's ``kv_load_tiers``) limits both: chunks held here
-        count only with ``cpu`` in it, a secondary is asked only if its type is."""
+        count only with ``cpu`` in it, a secondary is asked only if its type is.
+
+        Where the prefix goes on with chunks another lookup is promoting, it waits for that
+        promotion (vLLM's RETRY, answered here instead of by the engine core) and pins what
+        became readable; then it goes on: further waits, promotions from the secondaries not
+        asked yet. Every wait, its own and others' promotions, fits in ``promote_budget_s``."""
         books, region = self._books_and_region()
         use_held = tiers is None or "cpu" in tiers
-        head = books.lookup_head(owner, keys, time.monotonic(), use_held=use_held)
-        slot_ids = head.slot_ids
-        if head.may_promote:
-            slot_ids = slot_ids + await self._promote(owner, keys[len(slot_ids) :], tiers)
+        budget_end = time.monotonic() + self.promote_budget_s
+        step = books.lookup_head(owner, keys, time.monotonic(), use_held=use_held)
+        slot_ids = list(step.slot_ids)
+        links = self._links_for(tiers)
+        promoted: set[OffloadKey] = set()  # by this lookup (all it may take without "cpu")
+        waited: set[int] = set()  # promotions waited for, each once
+        while len(slot_ids) < len(keys) and budget_end - time.monotonic() >= _MIN_WAIT_S:
+            rest = keys[len(slot_ids) :]
+            if step.promotion is not None and step.promotion not in waited:
+                waited.add(step.promotion)
+                books.counters.num_promotion_waits += 1
+                await self.promotion_waits.wait(step.promotion, budget_end - time.monotonic())
+                step = books.lookup_more(owner, rest, time.monotonic(), reused=True)
+            elif step.may_promote and (link := next(links, None)) is not None:
+                promoted.update(await self._promote_from(link, rest, budget_end))
+                only = None if use_held else promoted
+                step = books.lookup_more(owner, rest, time.monotonic(), only=only)
+            else:
+                break
+            slot_ids += step.slot_ids
         return TierLookupReply(
-            region.ref.generation, slot_ids, head.num_pending, books.manager.usage
+            region.ref.generation, slot_ids, step.num_pending, books.manager.usage
         )
 
-    async def _promote(
-        self, owner: str, keys: list[OffloadKey], tiers: list[str] | None = None
-    ) -> list[int]:
-        """Promote from the secondaries, in order, the leading keys they hold; the slots of
-        the run now readable here, pinned for ``owner``. Every wait fits in what is left of
-        ``promote_budget_s``; a secondary not reached in it is not asked."""
-        slot_ids: list[int] = []
-        budget_end = time.monotonic() + self.promote_budget_s
+    def _links_for(self, tiers: list[str] | None) -> Iterator[SecondaryLink]:
+        """The secondaries a lookup may promote from, in order (each checked when reached)."""
         for link, tier in zip(self.links, self.kv_config.secondary_tiers, strict=True):
-            if not keys or budget_end - time.monotonic() < _MIN_WAIT_S:
-                break
-            if not self._usable(link) or (tiers is not None and tier.type not in tiers):
-                continue
-            num_held = await link.held(
-                keys, min(self.lookup_timeout_s, budget_end - time.monotonic())
-            )
-            left = budget_end - time.monotonic()
-            if num_held == 0 or left < _MIN_WAIT_S:
-                continue
-            pinned = await self._promote_run(link, owner, keys[:num_held], left)
-            slot_ids += pinned
-            if len(pinned) < num_held:
-                break
-            keys = keys[num_held:]
-        return slot_ids
+            if (tiers is None or tier.type in tiers) and self._usable(link):
+                yield link
 
-    async def _promote_run(
-        self, link: SecondaryLink, owner: str, keys: list[OffloadKey], timeout_s: float
-    ) -> list[int]:
+    async def _promote_from(
+        self, link: SecondaryLink, keys: list[OffloadKey], budget_end: float
+    ) -> list[OffloadKey]:
+        """Ask ``link`` how many leading ``keys`` it holds and read those not held here into
+        reserved slots (keys another promotion brings are left to it); the keys it promoted.
+        Every wait ends by ``budget_end``; whoever waits for the promotion is woken at its end,
+        however it ends."""
         books, region = self._books_and_region()
+        timeout_s = min(self.lookup_timeout_s, budget_end - time.monotonic())
+        num_held = await link.held(keys, timeout_s)
+        left = budget_end - time.monotonic()
+        if num_held == 0 or left < _MIN_WAIT_S:
+            return []
         started = time.monotonic()
-        reserved = books.reserve_promotion(keys, started)
-        if reserved is not None and reserved.keys_to_store:
-            # past the wait nobody reads what it writes: it stops then (well inside the lease)
-            deadline = time.time() + min(timeout_s, self.lease_s / 2)
-            link.num_in_flight += 1
-            try:
-                reply = await link.promote(
-                    region.ref, reserved.keys_to_store, reserved.slot_ids, timeout_s, deadline
-                )
-            except SecondaryTimeout:
-                # it may still write the slots: they stay reserved until their lease ends
-                self._spawn(self._count_out_at_lease_end(link, started))
-            except SecondaryFailed:
-                link.num_in_flight -= 1
-                books.finish_promotion(reserved.keys_to_store, [])
-            else:
-                link.num_in_flight -= 1
-                books.finish_promotion(reserved.keys_to_store, reply.done_keys)
-        return books.pin_ready_run(owner, keys, time.monotonic())
+        promotion = books.reserve_promotion(keys[:num_held], started)
+        if promotion is None:  # all held (or being promoted) here already, or no room
+            return []
+        self.promotion_waits.open(promotion.promotion_id)
+        # past the wait nobody reads what it writes: it stops then (well inside the lease)
+        deadline = time.time() + min(left, self.lease_s / 2)
+        link.num_in_flight += 1
+        try:
+            reply = await link.promote(
+                region.ref, promotion.keys, promotion.slot_ids, left, deadline
+            )
+        except SecondaryTimeout:
+            # it may still write the slots: they stay reserved until their lease ends
+            books.abandon_promotion(promotion)
+            self._spawn(self._count_out_at_lease_end(link, started))
+            return []
+        except SecondaryFailed:
+            link.num_in_flight -= 1
+            return books.finish_promotion(promotion, [])
+        except BaseException:  # cancelled (the tier stops): the secondary may still write
+            books.abandon_promotion(promotion)
+            raise
+        else:
+            link.num_in_flight -= 1
+            return books.finish_promotion(promotion, reply.done_keys)
+        finally:  # after the books: a waiter woken finds the promotion's end in them
+            self.promotion_waits.close(promotion.promotion_id)
 
     def _prepare_store(self, owner: str, keys: list[OffloadKey]) -> TierStoreSlots:
         books, region = self._books_and_region()

@@ -9,13 +9,22 @@ fails) exactly what it held.
 Owners ``PROMOTE_OWNER`` and ``CASCADE_OWNER`` are the tier itself: slots reserved for a
 promotion, and chunks pinned while a secondary reads them.
 
-Recency: a lookup's HIT run is a reuse (``touch``: the recent end for LRU, T1 → T2 for ARC).
-Stored and promoted chunks enter as new ones (the manager's insert) with no frequency credit.
+Promotions in flight are known by id (``Promotion``): a lookup whose next key is being promoted
+(HIT_PENDING for ``PROMOTE_OWNER``) learns which promotion brings it (``HeadLookup.promotion``)
+and may wait for it, then pin what became readable (``lookup_more``), so a chunk two lookups
+want is promoted once. A promotion ends finished (its keys readable or dropped) or abandoned
+(its answer timed out: the slots stay reserved until their lease ends, and nobody waits on it
+any more). Keys pending for an engine core's store have no promotion: a lookup stops there.
+
+Recency: a lookup's HIT run is a reuse (``touch``: the recent end for LRU, T1 → T2 for ARC), and
+so is a run pinned after waiting for another lookup's promotion. Stored and promoted chunks
+enter as new ones (the manager's insert) with no frequency credit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from shoal.tiers.keys import OffloadKey
@@ -29,11 +38,23 @@ CASCADE_OWNER = "~cascade"
 @dataclass(frozen=True, slots=True)
 class HeadLookup:
     """A lookup's answer from this tier alone: the leading HIT run (pinned), the HIT_PENDING
-    run right after it, and whether the key after those is a MISS (a secondary may have it)."""
+    run right after it, whether the key after those is a MISS (a secondary may have it), and
+    the promotion in flight that brings the first pending key (``None``: no pending key, or an
+    engine core's store is writing it)."""
 
     slot_ids: list[int]
     num_pending: int
     may_promote: bool
+    promotion: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Promotion:
+    """Slots reserved for a secondary to read ``keys`` into (``slot_ids``, co-indexed)."""
+
+    promotion_id: int
+    keys: list[OffloadKey]
+    slot_ids: list[int]
 
 
 @dataclass(slots=True)
@@ -49,6 +70,7 @@ class CpuTierCounters:
     num_pins_expired: int = 0
     num_stores_expired: int = 0
     num_stale_ignored: int = 0  # releases and renewals naming an earlier region generation
+    num_promotion_waits: int = 0  # lookups that waited for another lookup's promotion
 
 
 class CpuTierBooks:
@@ -56,6 +78,9 @@ class CpuTierBooks:
         self.manager = manager
         self.leases = OwnerLeases()
         self.counters = CpuTierCounters()
+        self._promotion_ids = itertools.count(1)
+        self._promotions: dict[int, set[OffloadKey]] = {}  # in flight: id → keys it brings
+        self._promoting: dict[OffloadKey, int] = {}  # key → the promotion in flight bringing it
 
     # -- engine cores -----------------------------------------------------------------------
 
@@ -66,25 +91,58 @@ class CpuTierBooks:
         Not ``use_held`` (a request that may not load from this tier): nothing is pinned, and a
         prefix that begins with a chunk held (or being stored) here may not be promoted either."""
         self.counters.num_lookups += 1
-        if not use_held:
-            first = self.manager.lookup(keys[0]) if keys else LookupResult.MISS
-            held = first in (LookupResult.HIT, LookupResult.HIT_PENDING)
-            return HeadLookup([], 0, bool(keys) and not held)
-        num_hits = num_pending = 0
+        return self._pin_run(owner, keys, now, self.manager.lookup, None if use_held else (), True)
+
+    def lookup_more(
+        self,
+        owner: str,
+        keys: Sequence[OffloadKey],
+        now: float,
+        *,
+        only: Collection[OffloadKey] | None = None,
+        reused: bool = False,
+    ) -> HeadLookup:
+        """A lookup goes on with the rest of its prefix, after a promotion (its own, or one it
+        waited for: ``reused``, a reuse for the policy): as ``lookup_head``, not counted as a
+        query again. ``only``: the keys it may take although held here (the ones it promoted
+        itself, for a request that may not load from this tier); it never waits then."""
+        return self._pin_run(owner, keys, now, self._peek, only, reused)
+
+    def _pin_run(
+        self,
+        owner: str,
+        keys: Sequence[OffloadKey],
+        now: float,
+        look: Callable[[OffloadKey], LookupResult],
+        only: Collection[OffloadKey] | None,
+        touch: bool,
+    ) -> HeadLookup:
+        """Pin the leading run ``look`` finds ready (of ``only``, if given) and ``touch`` it;
+        classify what follows (see ``HeadLookup``)."""
+        num_ready = num_pending = 0
+        may_promote = False
         for key in keys:
-            result = self.manager.lookup(key)
+            result = look(key)
+            if result is LookupResult.MISS:
+                may_promote = num_pending == 0
+                break
+            if only is not None and key not in only:
+                break  # held here, but not to be used by this request
             if result is LookupResult.HIT and not num_pending:
-                num_hits += 1
+                num_ready += 1
             elif result is LookupResult.HIT_PENDING:
                 num_pending += 1
             else:
                 break
-        head = list(keys[:num_hits])
-        slot_ids = self._pin(owner, head, now)
-        self.manager.touch(head)
-        self.counters.num_hit_chunks += num_hits
-        may_promote = num_pending == 0 and num_hits < len(keys)
-        return HeadLookup(slot_ids, num_pending, may_promote)
+        run = list(keys[:num_ready])
+        slot_ids = self._pin(owner, run, now)
+        if touch:
+            self.manager.touch(run)
+        self.counters.num_hit_chunks += num_ready
+        promotion = None
+        if num_pending and only is None:
+            promotion = self._promoting.get(keys[num_ready])
+        return HeadLookup(slot_ids, num_pending, may_promote, promotion)
 
     def prepare_store(
         self, owner: str, keys: Sequence[OffloadKey], now: float, *, filtered: bool = True
@@ -111,32 +169,42 @@ class CpuTierBooks:
 
     # -- promotions -------------------------------------------------------------------------
 
-    def reserve_promotion(
-        self, keys: Sequence[OffloadKey], now: float
-    ) -> PrepareStoreOutput | None:
-        """Slots for a secondary to read ``keys`` into (keys held already are skipped;
-        ``store_threshold`` is not applied: the chunk was stored once)."""
-        return self.prepare_store(PROMOTE_OWNER, keys, now, filtered=False)
+    def reserve_promotion(self, keys: Sequence[OffloadKey], now: float) -> Promotion | None:
+        """Slots for a secondary to read ``keys`` into: the keys not held here (those held or
+        being written are skipped; ``store_threshold`` is not applied: the chunk was stored
+        once). ``None``: nothing to read, or no room."""
+        output = self.prepare_store(PROMOTE_OWNER, keys, now, filtered=False)
+        if output is None or not output.keys_to_store:
+            return None
+        promotion = Promotion(next(self._promotion_ids), output.keys_to_store, output.slot_ids)
+        self._promotions[promotion.promotion_id] = set(promotion.keys)
+        for key in promotion.keys:
+            self._promoting[key] = promotion.promotion_id
+        return promotion
 
-    def finish_promotion(self, keys: Sequence[OffloadKey], done_keys: Sequence[OffloadKey]) -> None:
-        """A promotion answered: ``done_keys`` are readable, the rest of ``keys`` are dropped."""
+    def finish_promotion(
+        self, promotion: Promotion, done_keys: Collection[OffloadKey]
+    ) -> list[OffloadKey]:
+        """A promotion answered: ``done_keys`` are readable, the rest of its keys are dropped.
+        The keys promoted (an expired reservation is gone: its key is not among them)."""
+        self._end_promotion(promotion.promotion_id)
         done = set(done_keys)
-        reserved = self.leases.take_stores(PROMOTE_OWNER, keys)  # an expired one is gone
+        reserved = self.leases.take_stores(PROMOTE_OWNER, promotion.keys)
         promoted = [key for key in reserved if key in done]
         self.manager.complete_store(promoted, success=True)
         self.manager.complete_store([k for k in reserved if k not in done], success=False)
         self.counters.num_promoted += len(promoted)
         self.counters.num_promote_failures += len(reserved) - len(promoted)
+        return promoted
 
-    def pin_ready_run(self, owner: str, keys: Sequence[OffloadKey], now: float) -> list[int]:
-        """Pin the leading run of ``keys`` readable now (after a promotion) for ``owner``."""
-        run = []
-        for key in keys:
-            if not self._is_ready(key):
-                break
-            run.append(key)
-        self.counters.num_hit_chunks += len(run)
-        return self._pin(owner, run, now)
+    def abandon_promotion(self, promotion: Promotion) -> None:
+        """A promotion whose answer never came: the secondary may still write its slots, so
+        they stay reserved until their lease ends (``expire``); no lookup waits for it now."""
+        self._end_promotion(promotion.promotion_id)
+
+    @property
+    def num_promotions_in_flight(self) -> int:
+        return len(self._promotions)
 
     # -- cascades ---------------------------------------------------------------------------
 
@@ -154,6 +222,10 @@ class CpuTierBooks:
     def expire(self, cutoff: float) -> list[str]:
         """Unpin and fail everything held since before ``cutoff``; the owners concerned."""
         expired = self.leases.expire(cutoff)
+        for key in expired.stores:  # a promotion outlived by its lease brings nothing any more
+            promotion_id = self._promoting.pop(key, None)
+            if promotion_id is not None:
+                self._promotions[promotion_id].discard(key)
         self.manager.complete_load(expired.pins)
         self.manager.complete_store(expired.stores, success=False)
         self.counters.num_pins_expired += len(expired.pins)
@@ -168,6 +240,14 @@ class CpuTierBooks:
         self.leases.add_pins(owner, keys, now)
         return slot_ids
 
-    def _is_ready(self, key: OffloadKey) -> bool:
+    def _peek(self, key: OffloadKey) -> LookupResult:
+        """What ``manager.lookup`` answers, without counting a query."""
         chunk = self.manager.chunks.get(key)
-        return chunk is not None and chunk.is_ready
+        if chunk is None:
+            return LookupResult.MISS
+        return LookupResult.HIT if chunk.is_ready else LookupResult.HIT_PENDING
+
+    def _end_promotion(self, promotion_id: int) -> None:
+        for key in self._promotions.pop(promotion_id, set()):
+            if self._promoting.get(key) == promotion_id:
+                del self._promoting[key]

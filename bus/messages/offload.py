@@ -15,7 +15,8 @@ Engine core → CPU tier, request/reply on ``subjects.tier_in(tier_id)``:
   first attach; a different layout later is refused with ``TierError``).
 - ``TierLookup(owner, keys)`` → ``TierLookupReply``: the longest run of leading keys held,
   **pinned** (never evicted) for ``owner`` until it sends ``TierRelease``; the tier may first
-  promote keys from a secondary tier.
+  promote keys from a secondary tier, or wait for another lookup's promotion of them (vLLM's
+  RETRY, answered inside the tier: a reply is final).
 - ``TierPrepareStore(owner, keys)`` → ``TierStoreSlots``: slots for the keys not held yet
   (evicting idle chunks), not readable until the owner reports the copy done.
 - ``TierRelease(owner, loaded_keys, stored_keys, failed_keys)``: loads done (unpin), stores done
@@ -150,6 +151,11 @@ class TierAttach(msgspec.Struct, tag="attach", array_like=True, omit_defaults=Tr
 
 
 class TierLookup(msgspec.Struct, tag="lookup", array_like=True, omit_defaults=True):
+    """Which leading ``keys`` can ``owner`` load? Answered with ``TierLookupReply`` once, within
+    the tier's promote budget: no RETRY comes back. Keys another lookup is promoting are waited
+    for (each chunk is promoted once) and pinned for this owner too; keys an engine core is still
+    storing are not (they end the run, counted as pending)."""
+
     owner: str
     keys: list[bytes]  # a request's chunk keys in prefix order
     tiers: list[str] | None = None  # the tier types it may load from (None: all)
@@ -210,8 +216,9 @@ class TierAttached(msgspec.Struct, tag="attached", array_like=True, omit_default
 
 
 class TierLookupReply(msgspec.Struct, tag="lookup_reply", array_like=True, omit_defaults=True):
-    """``slot_ids`` of the leading keys held, pinned; ``num_pending``: keys after them that are
-    being written (a later lookup may find them)."""
+    """``slot_ids`` of the leading keys held, pinned (promotions in flight already waited for);
+    ``num_pending``: keys after them still being written, by an engine core's store or by a
+    promotion that outlasted the lookup's budget (a later lookup may find them)."""
 
     generation: str
     slot_ids: list[int] = []

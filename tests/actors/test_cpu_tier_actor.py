@@ -3,8 +3,9 @@
 ``SharedRegion.attach``) would, with a stand-in secondary tier (bytes kept in a dict): stores
 become hits with their bytes, pins protect chunks from eviction until released or expired, bad
 layouts and budgets are refused, a restarted tier makes a new region, chunks round-trip through
-a cascade and a promotion, a dead or slow secondary costs hits but never a prompt answer, and
-cascades past the bound are dropped while loads go on."""
+a cascade and a promotion, a dead or slow secondary costs hits but never a prompt answer,
+cascades past the bound are dropped while loads go on, and a lookup that meets another's
+promotion waits for it (within its own budget) instead of promoting the same chunks again."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ LIMIT_S = 10.0
 ENGINE_PATIENCE_S = 2.0  # kv_lookup_timeout_s: an engine core gives up on a lookup then
 LAYOUT = KVLayout("tiny", 1, 2, 1, 4, "float32", 1, 1)  # 64-byte slots
 OWNER = "engine-0/1"
+OTHER = "engine-1/1"  # another engine core
 K = [bytes([i]) * 16 + b"\0\0\0\0" for i in range(16)]
 _REPLY: Codec[TierReply] = Codec(TierReply)
 
@@ -72,9 +74,10 @@ class SecondaryAttached(msgspec.Struct, tag="secondary_attached", array_like=Tru
 
 
 class SecondaryDouble(Actor):
-    """A secondary tier keeping chunks in a dict; ``hang_lookups``, ``gate_cascades`` and
-    ``hang_promotes`` hold those requests until ``unblocked`` is set; ``cascade_delay_s`` makes
-    every cascade that slow."""
+    """A secondary tier keeping chunks in a dict; ``hang_lookups`` and ``gate_cascades`` hold
+    those requests until ``unblocked`` is set, ``hang_promotes`` until ``promotes_unblocked``
+    is; ``cascade_delay_s`` makes every cascade that slow; ``promotes`` lists each promotion's
+    keys as it came."""
 
     kind = "tier"
 
@@ -85,6 +88,8 @@ class SecondaryDouble(Actor):
         self.gate_cascades = False
         self.hang_promotes = False
         self.unblocked = asyncio.Event()
+        self.promotes_unblocked = asyncio.Event()
+        self.promotes: list[list[bytes]] = []
         self.cascade_delay_s = 0.0  # a slow tier: each cascade takes this long
         self.num_lookups = 0
         self.num_cascades_started = 0
@@ -117,8 +122,9 @@ class SecondaryDouble(Actor):
                 return TierJobDone(done_keys=keys)
             case TierPromote(region=region, keys=keys, slot_ids=slot_ids):
                 self.deadlines.append(("promote", request.deadline, time.time()))
+                self.promotes.append(keys)
                 if self.hang_promotes:
-                    await self.unblocked.wait()
+                    await self.promotes_unblocked.wait()
                 done = keys[: self._num_leading(keys)]
                 try:
                     with_region(region, lambda r: self._write(r, done, slot_ids))
@@ -198,9 +204,13 @@ class Deployment:
         return reply.region
 
     async def lookup(
-        self, *keys: bytes, timeout: float = LIMIT_S, tiers: list[str] | None = None
+        self,
+        *keys: bytes,
+        timeout: float = LIMIT_S,
+        tiers: list[str] | None = None,
+        owner: str = OWNER,
     ) -> TierLookupReply:
-        reply = await self.ask(TierLookup(OWNER, list(keys), tiers), timeout)
+        reply = await self.ask(TierLookup(owner, list(keys), tiers), timeout)
         assert isinstance(reply, TierLookupReply), reply
         return reply
 
@@ -213,11 +223,11 @@ class Deployment:
         assert isinstance(done, TierJobDone) and done.done_keys == slots.keys, done
         return slots
 
-    async def release(self, **keys: Any) -> None:
+    async def release(self, owner: str = OWNER, **keys: Any) -> None:
         """As an engine core sends it: no reply expected."""
         assert self.tier is not None
         subject = self.tier.subjects.tier_in(self.tier.actor_id)
-        await self.bus.publish(subject, Codec(TierRelease).encode(TierRelease(OWNER, **keys)))
+        await self.bus.publish(subject, Codec(TierRelease).encode(TierRelease(owner, **keys)))
 
     async def renew_for(self, seconds: float, renewal: TierRenew) -> None:
         """Send ``renewal`` every 0.1 s for ``seconds`` (what the engine core's link does)."""
@@ -247,6 +257,7 @@ async def deployment(bus_factory: BusFactory, tmp_path: Path) -> AsyncIterator[D
     for actor in reversed(d.actors):
         if isinstance(actor, SecondaryDouble):
             actor.unblocked.set()
+            actor.promotes_unblocked.set()
         await actor.stop()
 
 
@@ -585,3 +596,142 @@ async def test_one_lookup_waits_on_all_secondaries_within_one_budget(deployment)
     assert (await deployment.lookup(K[0], timeout=ENGINE_PATIENCE_S)).slot_ids == []
     assert time.monotonic() - started < 0.4 + 0.3
     assert [d.num_lookups for d in doubles] == [1, 1, 0]
+
+
+# -- a lookup that meets a promotion in flight (vLLM: RETRY, handled in the tier) ----------------
+
+
+async def test_a_lookup_meeting_a_promotion_waits_for_it_and_goes_on_with_the_rest(deployment):
+    """The chunks two lookups share are promoted once; the second lookup pins them for its own
+    owner (one release leaves the other's pins) and promotes the rest of its prefix itself."""
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.chunks = {key: payload(key) for key in K[:4]}
+    double.hang_promotes = True
+    tier = await deployment.start_tier(kv)
+    region = await deployment.attach()
+    first = asyncio.create_task(deployment.lookup(K[0], K[1]))
+    await wait_for(lambda: len(double.promotes) == 1, "the first lookup's promotion in flight")
+    second = asyncio.create_task(deployment.lookup(*K[:4], owner=OTHER))
+    await wait_for(lambda: tier.load()["num_promotion_waits"] == 1.0, "the second one waits")
+    double.promotes_unblocked.set()
+    mine, theirs = await first, await second
+    assert double.promotes == [[K[0], K[1]], [K[2], K[3]]]
+    assert theirs.slot_ids[:2] == mine.slot_ids and theirs.num_pending == 0
+    assert read_slots(region, theirs.slot_ids) == [payload(key) for key in K[:4]]
+    assert (tier.load()["num_promoted"], tier.load()["num_pins"]) == (4.0, 6.0)
+    await deployment.release(loaded_keys=[K[0], K[1]])
+    await wait_for(lambda: tier.load()["num_pins"] == 4.0, "the first lookup's pins released")
+    full = await deployment.ask(TierPrepareStore(OWNER, [K[5]]))
+    assert isinstance(full, TierStoreSlots) and not full.accepted  # the other's pins hold
+    await deployment.release(OTHER, loaded_keys=K[:4])
+    await wait_for(lambda: tier.load()["num_pins"] == 0.0, "the second lookup's pins released")
+    assert (await deployment.ask(TierPrepareStore(OWNER, [K[5]]))).accepted
+    assert len(tier.promotion_waits) == 0 and tier.books.num_promotions_in_flight == 0
+    assert tier.num_handler_errors == 0
+
+
+async def test_lookups_that_both_asked_the_secondary_first_promote_the_chunks_once(deployment):
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.chunks = {key: payload(key) for key in K[:3]}
+    double.hang_lookups = double.hang_promotes = True
+    tier = await deployment.start_tier(kv)
+    region = await deployment.attach()
+    first = asyncio.create_task(deployment.lookup(*K[:3]))
+    second = asyncio.create_task(deployment.lookup(*K[:3], owner=OTHER))
+    await wait_for(lambda: double.num_lookups == 2, "both lookups ask the secondary")
+    double.unblocked.set()
+    await wait_for(lambda: tier.load()["num_promotion_waits"] == 1.0, "one waits for the other")
+    double.promotes_unblocked.set()
+    mine, theirs = await first, await second
+    assert double.promotes == [K[:3]] and mine.slot_ids == theirs.slot_ids
+    assert read_slots(region, mine.slot_ids) == [payload(key) for key in K[:3]]
+    assert (tier.load()["num_promoted"], tier.load()["num_pins"]) == (3.0, 6.0)
+    assert len(tier.promotion_waits) == 0 and tier.num_handler_errors == 0
+
+
+async def test_a_waiter_on_a_promotion_that_fails_partly_gets_the_run_that_succeeded(deployment):
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.chunks = {key: payload(key) for key in K[:3]}
+    double.hang_promotes = True
+    tier = await deployment.start_tier(kv)
+    region = await deployment.attach()
+    first = asyncio.create_task(deployment.lookup(*K[:3]))
+    await wait_for(lambda: len(double.promotes) == 1, "the first lookup's promotion in flight")
+    second = asyncio.create_task(deployment.lookup(*K[:3], owner=OTHER))
+    await wait_for(lambda: tier.load()["num_promotion_waits"] == 1.0, "the second one waits")
+    del double.chunks[K[1]]  # lost before it is read: only K[0] comes
+    double.promotes_unblocked.set()
+    mine, theirs = await first, await second
+    assert mine.slot_ids == theirs.slot_ids and len(mine.slot_ids) == 1
+    assert read_slots(region, theirs.slot_ids) == [payload(K[0])]
+    assert (theirs.num_pending, theirs.usage) == (0, 0.25)
+    assert (tier.load()["num_promoted"], tier.load()["num_promote_failures"]) == (1.0, 2.0)
+    assert (tier.load()["num_pins"], tier.load()["num_pending_stores"]) == (2.0, 0.0)
+    assert double.promotes == [K[:3]]  # asked again, the secondary had nothing more
+    assert len(tier.promotion_waits) == 0 and tier.num_handler_errors == 0
+
+
+async def test_a_waiter_on_a_promotion_that_times_out_answers_within_its_budget(deployment):
+    """The promotion's slots stay reserved until their lease ends (the secondary may still
+    write them): the waiter, and every lookup after it, reports them pending and waits no more."""
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.chunks = {key: payload(key) for key in K[:2]}
+    double.hang_promotes = True
+    tier = await deployment.start_tier(
+        kv, lease_s=0.6, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
+    )
+    await deployment.attach()
+    first = asyncio.create_task(deployment.lookup(K[0], K[1]))
+    await wait_for(lambda: len(double.promotes) == 1, "the first lookup's promotion in flight")
+    started = time.monotonic()
+    waiter = await deployment.lookup(K[0], K[1], owner=OTHER)
+    assert time.monotonic() - started < tier.promote_budget_s + 0.3
+    assert (waiter.slot_ids, waiter.num_pending) == ([], 2)
+    assert ((await first).slot_ids, tier.load()["num_promotion_waits"]) == ([], 1.0)
+    later = await deployment.lookup(K[0], K[1], owner=OTHER)
+    assert (later.slot_ids, later.num_pending, later.usage) == ([], 2, 0.5)
+    assert tier.load()["num_promotion_waits"] == 1.0  # abandoned: nobody waits for it
+    assert len(tier.promotion_waits) == 0 and tier.books.num_promotions_in_flight == 0
+    await wait_for(lambda: tier.load()["num_pending_stores"] == 0.0, "the reservation's lease")
+    assert tier.load()["usage"] == 0.0 and tier.num_handler_errors == 0
+
+
+async def test_a_waiter_stops_at_its_own_budget_while_the_promotion_goes_on(deployment):
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.chunks = {key: payload(key) for key in K[:2]}
+    double.hang_promotes = True
+    tier = await deployment.start_tier(kv, secondary_timeout_s=1.0)  # a 2 s budget
+    region = await deployment.attach()
+    first = asyncio.create_task(deployment.lookup(K[0], K[1]))
+    await wait_for(lambda: len(double.promotes) == 1, "the first lookup's promotion in flight")
+    tier.promote_budget_s = 0.2  # the next lookup's budget ends long before the promotion's
+    started = time.monotonic()
+    waiter = await deployment.lookup(K[0], K[1], owner=OTHER)
+    assert time.monotonic() - started < 1.0
+    assert (waiter.slot_ids, waiter.num_pending) == ([], 2)
+    assert tier.load()["num_promotion_waits"] == 1.0 and not first.done()
+    double.promotes_unblocked.set()
+    assert read_slots(region, (await first).slot_ids) == [payload(K[0]), payload(K[1])]
+    assert tier.load()["num_pins"] == 2.0 and len(tier.promotion_waits) == 0
+
+
+async def test_chunks_an_engine_core_is_still_storing_are_reported_pending_not_waited_for(
+    deployment,
+):
+    """Its copy lands with that engine core's next step, whenever that is: not waited for."""
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.chunks = {key: payload(key) for key in K[:3]}
+    tier = await deployment.start_tier(kv)
+    region = await deployment.attach()
+    await deployment.store(region, K[0])
+    pending = await deployment.ask(TierPrepareStore(OTHER, [K[1]]))
+    assert isinstance(pending, TierStoreSlots) and pending.keys == [K[1]]
+    reply = await deployment.lookup(*K[:3])
+    assert (len(reply.slot_ids), reply.num_pending) == (1, 1)
+    assert double.promotes == [] and tier.load()["num_promotion_waits"] == 0.0

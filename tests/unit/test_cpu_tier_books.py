@@ -146,12 +146,13 @@ def test_expired_leases_unpin_and_fail_so_the_slots_can_be_reused():
 def test_a_promotion_makes_the_keys_read_readable_and_frees_the_others():
     books = CpuTierBooks(OffloadManager(4))
     reserved = books.reserve_promotion([K[0], K[1], K[2]], 0.0)
-    assert reserved is not None and reserved.keys_to_store == [K[0], K[1], K[2]]
-    books.finish_promotion(reserved.keys_to_store, [K[0], K[1]])
+    assert reserved is not None and reserved.keys == [K[0], K[1], K[2]]
+    assert books.finish_promotion(reserved, [K[0], K[1]]) == [K[0], K[1]]
     assert books.manager.num_used_slots == 2
-    assert len(books.pin_ready_run(A, [K[0], K[1], K[2]], 0.0)) == 2
+    more = books.lookup_more(A, [K[0], K[1], K[2]], 0.0)
+    assert (len(more.slot_ids), more.may_promote, more.promotion) == (2, True, None)
     assert (books.counters.num_promoted, books.counters.num_promote_failures) == (2, 1)
-    assert books.leases.owners() == [A]
+    assert books.leases.owners() == [A] and books.num_promotions_in_flight == 0
 
 
 def test_store_threshold_holds_back_engine_offers_but_never_a_promotion():
@@ -159,15 +160,17 @@ def test_store_threshold_holds_back_engine_offers_but_never_a_promotion():
     offered = books.prepare_store(A, [K[0]], 0.0)
     assert offered is not None and offered.keys_to_store == []  # offered once: held back
     reserved = books.reserve_promotion([K[1]], 0.0)
-    assert reserved is not None and reserved.keys_to_store == [K[1]]
+    assert reserved is not None and reserved.keys == [K[1]]
 
 
 def test_a_promotion_that_never_answered_is_freed_by_its_lease():
     books = CpuTierBooks(OffloadManager(2))
-    books.reserve_promotion([K[0]], 1.0)
+    reserved = books.reserve_promotion([K[0]], 1.0)
+    assert reserved is not None
     assert books.expire(cutoff=2.0) == [PROMOTE_OWNER]
     assert books.manager.num_used_slots == 0
-    books.finish_promotion([K[0]], [K[0]])  # a late answer changes nothing
+    assert books.lookup_head(A, [K[0]], 3.0).promotion is None  # nothing brings it now
+    assert books.finish_promotion(reserved, [K[0]]) == []  # a late answer changes nothing
     assert books.manager.num_used_slots == 0
 
 
@@ -193,5 +196,111 @@ def test_a_lookup_hit_is_a_reuse_for_the_policy(policy):
         books.release(A, [], [key], [])
     books.lookup_head(A, [K[0]], 0.0)  # K[0] reused: K[1] is the one to go
     books.release(A, [K[0]], [], [])
+    output = books.prepare_store(A, [K[2]], 0.0)
+    assert output is not None and output.evicted_keys == [K[1]]
+
+
+# -- promotions in flight ---------------------------------------------------------------------
+
+
+def test_a_lookup_learns_which_promotion_brings_its_next_key_and_an_engine_store_has_none():
+    books = books_with(8, [K[0]])
+    promotion = books.reserve_promotion([K[1], K[2]], 0.0)
+    assert promotion is not None and books.num_promotions_in_flight == 1
+    head = books.lookup_head(A, [K[0], K[1], K[2], K[3]], 0.0)
+    assert (len(head.slot_ids), head.num_pending, head.may_promote) == (1, 2, False)
+    assert head.promotion == promotion.promotion_id
+    books.prepare_store(B, [K[4]], 0.0)  # an engine core's store being copied
+    store = books.lookup_head(A, [K[4], K[5]], 0.0)
+    assert (store.slot_ids, store.num_pending, store.promotion) == ([], 1, None)
+    assert books.lookup_head(A, [K[1]], 0.0, use_held=False).promotion is None  # never waits
+
+
+def test_keys_already_being_promoted_are_left_to_that_promotion():
+    books = CpuTierBooks(OffloadManager(8))
+    first = books.reserve_promotion([K[0], K[1]], 0.0)
+    assert first is not None
+    assert books.reserve_promotion([K[0], K[1]], 0.0) is None  # nothing left to read
+    second = books.reserve_promotion([K[0], K[1], K[2]], 0.0)
+    assert second is not None and second.keys == [K[2]]
+    head = books.lookup_head(A, [K[0], K[1], K[2]], 0.0)
+    assert head.promotion == first.promotion_id and head.num_pending == 3
+    books.finish_promotion(first, [K[0], K[1]])
+    after_first = books.lookup_more(A, [K[0], K[1], K[2]], 0.0, reused=True)
+    assert (len(after_first.slot_ids), after_first.promotion) == (2, second.promotion_id)
+
+
+def test_after_the_promotion_the_waiter_pins_its_own_run_without_a_second_query():
+    books = CpuTierBooks(OffloadManager(4))
+    promotion = books.reserve_promotion([K[0], K[1]], 0.0)
+    assert promotion is not None
+    books.finish_promotion(promotion, [K[0], K[1]])
+    assert books.lookup_more(A, [K[0], K[1]], 0.0).slot_ids == promotion.slot_ids  # promoter
+    num_queries = books.manager.stats.num_queries
+    waiter = books.lookup_more(B, [K[0], K[1], K[2]], 0.0, reused=True)
+    assert waiter.slot_ids == promotion.slot_ids and waiter.may_promote
+    assert books.manager.stats.num_queries == num_queries  # a lookup is one query per key
+    assert [ref_cnt(books, k) for k in K[:2]] == [2, 2]
+    books.release(A, [K[0], K[1]], [], [])
+    assert [ref_cnt(books, k) for k in K[:2]] == [1, 1]  # the waiter's pins are its own
+    assert books.num_promotions_in_flight == 0 and books.counters.num_promoted == 2
+
+
+def test_a_partly_failed_promotion_leaves_its_successful_run_and_a_miss_after_it():
+    books = CpuTierBooks(OffloadManager(4))
+    promotion = books.reserve_promotion([K[0], K[1], K[2]], 0.0)
+    assert promotion is not None
+    assert books.finish_promotion(promotion, [K[0]]) == [K[0]]
+    more = books.lookup_more(A, [K[0], K[1], K[2]], 0.0, reused=True)
+    assert (len(more.slot_ids), more.num_pending, more.may_promote) == (1, 0, True)
+    assert (books.manager.num_used_slots, books.leases.num_stores) == (1, 0)
+    assert books.counters.num_promote_failures == 2
+
+
+def test_an_abandoned_promotion_keeps_its_slots_but_nobody_waits_for_it():
+    books = CpuTierBooks(OffloadManager(2))
+    promotion = books.reserve_promotion([K[0]], 1.0)
+    assert promotion is not None
+    books.abandon_promotion(promotion)
+    head = books.lookup_head(A, [K[0]], 1.5)
+    assert (head.num_pending, head.promotion, head.may_promote) == (1, None, False)
+    assert books.num_promotions_in_flight == 0 and books.manager.num_used_slots == 1
+    assert books.expire(cutoff=2.0) == [PROMOTE_OWNER]  # the lease frees the slot
+    assert books.manager.num_used_slots == 0
+
+
+def test_a_lease_that_outlives_a_promotion_in_flight_ends_it_for_waiters_too():
+    books = CpuTierBooks(OffloadManager(4))
+    promotion = books.reserve_promotion([K[0], K[1]], 1.0)
+    later = books.reserve_promotion([K[2]], 5.0)
+    assert promotion is not None and later is not None
+    books.expire(cutoff=2.0)
+    assert books.lookup_head(A, [K[0]], 3.0).may_promote  # gone: a miss, not a wait
+    assert books.lookup_head(A, [K[2]], 3.0).promotion == later.promotion_id
+    assert promotion.keys == [K[0], K[1]]  # the caller's record is left alone
+    assert books.finish_promotion(promotion, [K[0], K[1]]) == []
+    assert books.num_promotions_in_flight == 1 and books.manager.num_used_slots == 1
+
+
+def test_only_its_own_promoted_keys_count_for_a_request_that_may_not_use_held_ones():
+    books = books_with(4, [K[1]])
+    promotion = books.reserve_promotion([K[0]], 0.0)
+    assert promotion is not None
+    promoted = books.finish_promotion(promotion, [K[0]])
+    more = books.lookup_more(A, [K[0], K[1], K[2]], 0.0, only=promoted)
+    assert (len(more.slot_ids), more.may_promote, more.num_pending) == (1, False, 0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_run_pinned_after_waiting_is_a_reuse_and_the_promoters_is_not(policy):
+    books = CpuTierBooks(OffloadManager(2, eviction_policy=policy))
+    for key in (K[0], K[1]):
+        promotion = books.reserve_promotion([key], 0.0)
+        assert promotion is not None
+        books.finish_promotion(promotion, [key])
+    books.lookup_more(B, [K[0]], 0.0, reused=True)  # K[0]: B waited for it, a reuse
+    books.lookup_more(A, [K[1]], 0.0)  # K[1] came by A's own promotion: no reuse
+    books.release(A, [K[1]], [], [])
+    books.release(B, [K[0]], [], [])
     output = books.prepare_store(A, [K[2]], 0.0)
     assert output is not None and output.evicted_keys == [K[1]]
