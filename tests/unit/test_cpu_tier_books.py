@@ -276,10 +276,13 @@ def test_a_lease_that_outlives_a_promotion_in_flight_ends_it_for_waiters_too():
     assert promotion is not None and later is not None
     books.expire(cutoff=2.0)
     assert books.lookup_head(A, [K[0]], 3.0).may_promote  # gone: a miss, not a wait
+    books.prepare_store(B, [K[0]], 3.0)  # an engine core stores it again: nothing to wait for
+    assert books.lookup_head(A, [K[0]], 3.0).promotion is None
     assert books.lookup_head(A, [K[2]], 3.0).promotion == later.promotion_id
     assert promotion.keys == [K[0], K[1]]  # the caller's record is left alone
     assert books.finish_promotion(promotion, [K[0], K[1]]) == []
-    assert books.num_promotions_in_flight == 1 and books.manager.num_used_slots == 1
+    assert books.num_promotions_in_flight == 1
+    assert books.manager.lookup(K[0]) is LookupResult.HIT_PENDING  # still the engine's store
 
 
 def test_only_its_own_promoted_keys_count_for_a_request_that_may_not_use_held_ones():
