@@ -682,14 +682,14 @@ async def test_a_waiter_on_a_promotion_that_times_out_answers_within_its_budget(
     double.chunks = {key: payload(key) for key in K[:2]}
     double.hang_promotes = True
     tier = await deployment.start_tier(
-        kv, lease_s=0.6, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
+        kv, lease_s=0.8, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
     )
     await deployment.attach()
     first = asyncio.create_task(deployment.lookup(K[0], K[1]))
     await wait_for(lambda: len(double.promotes) == 1, "the first lookup's promotion in flight")
     started = time.monotonic()
     waiter = await deployment.lookup(K[0], K[1], owner=OTHER)
-    assert time.monotonic() - started < tier.promote_budget_s + 0.3
+    assert time.monotonic() - started < tier.promote_budget_s + 0.5
     assert (waiter.slot_ids, waiter.num_pending) == ([], 2)
     assert ((await first).slot_ids, tier.load()["num_promotion_waits"]) == ([], 1.0)
     later = await deployment.lookup(K[0], K[1], owner=OTHER)
@@ -712,7 +712,7 @@ async def test_a_waiter_stops_at_its_own_budget_while_the_promotion_goes_on(depl
     tier.promote_budget_s = 0.2  # the next lookup's budget ends long before the promotion's
     started = time.monotonic()
     waiter = await deployment.lookup(K[0], K[1], owner=OTHER)
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 1.2  # not the promotion's 2 s
     assert (waiter.slot_ids, waiter.num_pending) == ([], 2)
     assert tier.load()["num_promotion_waits"] == 1.0 and not first.done()
     double.promotes_unblocked.set()
