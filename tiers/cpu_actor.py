@@ -137,6 +137,12 @@ class CpuTierActor(Actor):
             )
             for secondary_id in secondary_ids
         ]
+        # the secondaries stores cascade to (a peer-to-peer tier keeps none)
+        self.cascade_links = [
+            link
+            for link, tier in zip(self.links, kv.secondary_tiers, strict=True)
+            if tier.takes_stores
+        ]
         # per secondary: its stores' latency, and whether to drop stores for now
         self.backpressure = {
             link.secondary_id: StoreBackpressure(kv.backpressure) for link in self.links
@@ -325,7 +331,7 @@ class CpuTierActor(Actor):
     def _cascade(self, keys: list[OffloadKey]) -> None:
         """Send newly stored chunks to every secondary that can take them now; drop the rest."""
         books, _ = self._books_and_region()
-        for link in self.links:
+        for link in self.cascade_links:
             if not self._usable(link) or link.num_in_flight >= self.max_cascades_in_flight:
                 books.counters.num_cascade_dropped += len(keys)
                 continue
