@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from shoal.bus.actor import Actor, call
-from shoal.bus.base import Bus
+from shoal.bus.base import Bus, Msg
 from shoal.bus.codec import Codec, encode
 from shoal.bus.messages.config import KVTransferConfig, P2PTierConfig
 from shoal.bus.messages.offload import (
@@ -32,7 +32,7 @@ from shoal.bus.messages.offload import (
     TierReply,
     TierStoreSlots,
 )
-from shoal.bus.messages.p2p import PeerLookup
+from shoal.bus.messages.p2p import PeerHeld, PeerLookup
 from shoal.tiers import p2p_actor
 from shoal.tiers.cpu_actor import CpuTierActor
 from shoal.tiers.p2p_actor import P2PTierActor
@@ -132,7 +132,10 @@ class Hosts:
     async def add(
         self, name: str, config: P2PTierConfig | None = None, **actor_options: Any
     ) -> Host:
+        """A host; its served sessions outlive the test unless ``session_ttl_s`` says less
+        (so pins seen handed back were handed back by the session's end)."""
         host = Host(await self.bus_factory(), name, self.namespace, self.directory)
+        actor_options.setdefault("session_ttl_s", 600.0)
         await host.start(config or P2PTierConfig(), **actor_options)
         self.hosts.append(host)
         return host
@@ -242,17 +245,28 @@ async def test_a_session_its_requester_never_ends_is_handed_back(hosts: Hosts) -
 async def test_a_peer_of_another_layout_holds_nothing(hosts: Hosts) -> None:
     a = await hosts.add("a")
     await a.store(*K[:2])
-    other = KVLayout("other", 1, 2, 1, 4, "float32", 1, 1)
-    lookup = PeerLookup("somebody", "s2", other, K[:2])
-    await a.bus.publish(a.p2p.subjects.tier_peers(), encode(lookup))
-    await a.bus.flush()
-    assert a.p2p.counters.num_sessions_served == 0
-    assert not a.pins_for_peers()
+    answers: list[PeerHeld] = []
+
+    async def collect(msg: Msg) -> None:
+        answers.append(Codec(PeerHeld).decode(msg.data))
+
+    subjects = a.p2p.subjects
+    await a.bus.subscribe(subjects.tier_peer_answers("somebody"), collect)
+    for session, layout in (("other", KVLayout("other", 1, 2, 1, 4, "float32", 1, 1)),
+                            ("same", LAYOUT)):  # fmt: skip
+        lookup = PeerLookup("somebody", session, layout, K[:2])
+        await a.bus.publish(subjects.tier_peers(), encode(lookup))
+        num_expected = len(answers) + 1
+        await wait_for(lambda: len(answers) == num_expected, f"{session} answered")  # noqa: B023
+    assert [(h.session, h.num_leading) for h in answers] == [("other", 0), ("same", 2)]
+    assert a.p2p.counters.num_sessions_served == 1
 
 
 async def test_nothing_is_cascaded_to_a_peer_tier(hosts: Hosts) -> None:
     a = await hosts.add("a")
+    assert a.tier.links and not a.tier.cascade_links
     await a.store(*K[:3])
+    await a.lookup(*K[:3])  # a round trip after the store's cascades were sent
     assert a.tier.books is not None
     counters = a.tier.books.counters
     assert (counters.num_cascaded, counters.num_cascade_failures) == (0, 0)
