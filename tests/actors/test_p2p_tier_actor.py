@@ -257,7 +257,7 @@ async def test_a_peer_of_another_layout_holds_nothing(hosts: Hosts) -> None:
         lookup = PeerLookup("somebody", session, layout, K[:2])
         await a.bus.publish(subjects.tier_peers(), encode(lookup))
         num_expected = len(answers) + 1
-        await wait_for(lambda: len(answers) == num_expected, f"{session} answered")  # noqa: B023
+        await wait_for(lambda n=num_expected: len(answers) == n, f"{session} answered")
     assert [(h.session, h.num_leading) for h in answers] == [("other", 0), ("same", 2)]
     assert a.p2p.counters.num_sessions_served == 1
 
