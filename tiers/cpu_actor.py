@@ -188,8 +188,8 @@ class CpuTierActor(Actor):
 
     async def on_request(self, request: TierInbound, msg: Msg) -> TierReply | None:
         match request:
-            case TierAttach(layout=layout):
-                return await self._attach(layout)
+            case TierAttach(layout=layout, create=create):
+                return await self._attach(layout, create)
         if self.books is None or self.region is None:
             if isinstance(request, TierRenew):
                 return None
@@ -211,7 +211,9 @@ class CpuTierActor(Actor):
                 return None
         return TierError(f"tier {self.actor_id} does not serve {type(request).__name__}")
 
-    async def _attach(self, layout: KVLayout) -> TierReply:
+    async def _attach(self, layout: KVLayout, create: bool = True) -> TierReply:
+        if self.region is None and not create:
+            return TierError(f"tier {self.actor_id} has no region yet")
         if self.region is None:
             num_slots = self.kv_config.cpu_bytes_to_use // layout.slot_bytes
             if num_slots < 1:

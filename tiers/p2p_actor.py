@@ -14,7 +14,12 @@ It keeps no chunks of its own (the CPU tier cascades nothing to it) and plays tw
   there for the session (``TierLookup`` as owner ``<actor id>.<incarnation>`` asking for ``cpu``
   only, so a peer's lookup never promotes or asks peers in turn), and each ``PeerRead`` is
   answered with a slot's bytes in the part format (digest included) read from the mapped
-  region. ``PeerDone`` (or ``session_ttl_s``) hands the pins back.
+  region. ``PeerDone`` (or ``session_ttl_s``) hands the pins back. The region is this host's
+  CPU tier's (``TierAttach(create=False)``: a host whose CPU tier has none, or another layout,
+  holds nothing).
+
+Until its CPU tier attaches it (at start, and again after a restart of this actor) it refuses
+lookups and promotions with a ``TierError``: the CPU tier's link then attaches it again.
 
 Bulk bytes ride on NATS (chunked by the bus past its payload limit, pulled by the receiver)
 rather than a direct socket: the bus is the one path every host of a deployment is known to
@@ -171,9 +176,11 @@ class P2PTierActor(Actor):
     async def on_request(self, request: SecondaryInbound, msg: Msg) -> TierReply:
         match request:
             case TierAttach(layout=layout):
-                if layout != self.layout:
-                    self.layout, self._local_region = layout, None
+                self.layout = layout
                 return SecondaryAttached(0, 0.0)
+        if self.layout is None:  # restarted: the CPU tier's link attaches it again
+            return TierError(f"tier {self.actor_id} is not attached: send TierAttach first")
+        match request:
             case TierLookup(keys=keys):
                 return TierHeld(await self._ask_peers(keys))
             case TierPromote():
@@ -309,9 +316,7 @@ class P2PTierActor(Actor):
 
     async def _pin_for_peer(self, lookup: PeerLookup) -> int:
         """Pin in this host's CPU tier the leading keys it holds for the peer's session."""
-        if lookup.layout != self.layout or not lookup.keys:
-            return 0
-        region = await self._cpu_region()
+        region = await self._cpu_region(lookup.layout) if lookup.keys else None
         if region is None:
             return 0
         request = TierLookup(self.owner, list(lookup.keys), ["cpu"])
@@ -329,12 +334,15 @@ class P2PTierActor(Actor):
             self.counters.num_sessions_served += 1
         return len(pinned)
 
-    async def _cpu_region(self) -> RegionRef | None:
-        if self._local_region is None and self.layout is not None:
-            reply = await self._ask_cpu_tier(TierAttach(self.layout), _ATTACHED)
-            if isinstance(reply, TierAttached):
-                self._local_region = reply.region
-        return self._local_region
+    async def _cpu_region(self, layout: KVLayout) -> RegionRef | None:
+        """This host's CPU tier's region if it holds ``layout`` (it makes none for a peer)."""
+        region = self._local_region
+        if region is None or region.layout != layout:
+            reply = await self._ask_cpu_tier(TierAttach(layout, create=False), _ATTACHED)
+            if not isinstance(reply, TierAttached):
+                return None
+            region = self._local_region = reply.region
+        return region
 
     async def _ask_cpu_tier(self, request: object, codec: Codec[Any]) -> object | None:
         subject = self.subjects.tier_in(self.cpu_tier_id)

@@ -8,6 +8,7 @@ is cascaded to a p2p tier."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -271,3 +272,27 @@ async def test_nothing_is_cascaded_to_a_peer_tier(hosts: Hosts) -> None:
     counters = a.tier.books.counters
     assert (counters.num_cascaded, counters.num_cascade_failures) == (0, 0)
     assert counters.num_cascade_dropped == 0
+
+
+async def test_a_restarted_p2p_tier_is_attached_again_and_finds_peers(hosts: Hosts) -> None:
+    a, b = await hosts.add("a"), await hosts.add("b")
+    await a.store(*K[:2])
+    await b.p2p.stop("restarted")
+    fresh = P2PTierActor(
+        b.bus,
+        b.p2p.actor_id,
+        tier_config=P2PTierConfig(),
+        cpu_tier_id=b.tier.actor_id,
+        namespace=b.namespace,
+        drain_timeout_s=0.5,
+    )
+    await fresh.start()
+    b.actors.append(fresh)
+    found: list[int] = []
+    for _ in range(50):  # bounded: the CPU tier attaches a refusing secondary again in 1 s
+        found = (await b.lookup(*K[:2])).slot_ids
+        if found:
+            break
+        await asyncio.sleep(0.1)
+    assert b.read(found) == [payload(k) for k in K[:2]]
+    assert fresh.layout == LAYOUT
