@@ -309,6 +309,7 @@ class CpuTierActor(Actor):
             else:
                 link.num_in_flight -= 1
                 books.finish_promotion(reserved.keys_to_store, reply.done_keys)
+            books.counters.promote_time_s += time.monotonic() - started
         return books.pin_ready_run(owner, keys, time.monotonic())
 
     def _prepare_store(self, owner: str, keys: list[OffloadKey]) -> TierStoreSlots:

@@ -57,7 +57,15 @@ from shoal.bus.messages.offload import (
     TierRelease,
     TierReply,
 )
-from shoal.bus.messages.p2p import PeerDone, PeerHeld, PeerInbound, PeerLookup, PeerRead
+from shoal.bus.messages.p2p import (
+    PeerBroadcast,
+    PeerDone,
+    PeerHeld,
+    PeerHello,
+    PeerInbound,
+    PeerLookup,
+    PeerRead,
+)
 from shoal.tiers.chunk_format import CorruptChunk, pack_head
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.mapped_regions import MappedRegions
@@ -73,7 +81,7 @@ from shoal.tiers.secondary_actor import is_past
 log = logging.getLogger(__name__)
 
 _SECONDARY: Codec[SecondaryInbound] = Codec(SecondaryInbound)
-_LOOKUP: Codec[PeerLookup] = Codec(PeerLookup)
+_BROADCAST: Codec[PeerBroadcast] = Codec(PeerBroadcast)
 _HELD: Codec[PeerHeld] = Codec(PeerHeld)
 _PEER: Codec[PeerInbound] = Codec(PeerInbound)
 _ATTACHED: Codec[TierAttached | TierError] = Codec(TierAttached | TierError)
@@ -133,7 +141,7 @@ class P2PTierActor(Actor):
         self.layout: KVLayout | None = None  # the layout this host's CPU tier attached with
         self.served = ServedSessions(session_ttl_s)
         self.plans = PlannedPulls(plan_ttl_s)
-        self.peers = PeerDirectory(forget_after_s=60.0)
+        self.peers = PeerDirectory()
         self.regions = MappedRegions(keep_regions)
         self._local_region: RegionRef | None = None  # this host's CPU tier's (serving side)
         self._rounds: dict[str, asyncio.Queue[PeerHeld]] = {}
@@ -148,13 +156,20 @@ class P2PTierActor(Actor):
         subjects = self.subjects
         return [
             Inbox(subjects.tier_in(self.actor_id), self.on_request, _SECONDARY),
-            Inbox(subjects.tier_peers(), self.on_peer_lookup, _LOOKUP),
+            Inbox(subjects.tier_peers(), self.on_peer_broadcast, _BROADCAST),
             Inbox(subjects.tier_peer_reads(self.actor_id), self.on_peer_request, _PEER),
             Inbox(subjects.tier_peer_answers(self.actor_id), self.on_peer_held, _HELD),
         ]
 
     async def on_start(self) -> None:
         self._sweeper = asyncio.create_task(self._sweep_loop())
+
+    async def start(self) -> None:
+        await super().start()  # subscribed: the answers to the hello reach it
+        try:
+            await self.bus.publish(self.subjects.tier_peers(), encode(PeerHello(self.actor_id)))
+        except BusError as exc:  # the peers learn of it from its first round instead
+            log.warning("%r: hello not sent: %r", self, exc)
 
     async def on_stop(self) -> None:
         if self._sweeper is not None:
@@ -168,7 +183,7 @@ class P2PTierActor(Actor):
         figures = {name: float(value) for name, value in asdict(self.counters).items()}
         figures["num_sessions_open"] = float(len(self.served))
         figures["num_planned_pulls"] = float(len(self.plans))
-        figures["num_peers"] = float(len(self.peers.expected(time.monotonic())))
+        figures["num_peers"] = float(len(self.peers.expected()))
         return figures
 
     # -- this host's CPU tier ---------------------------------------------------------------
@@ -196,7 +211,7 @@ class P2PTierActor(Actor):
         session = secrets.token_hex(8)
         answers = self._rounds[session] = asyncio.Queue()
         self.counters.num_rounds += 1
-        expected = self.peers.expected(time.monotonic())
+        expected = self.peers.expected()
         lookup = PeerLookup(self.actor_id, session, self.layout, keys)
         try:
             await self.bus.publish(self.subjects.tier_peers(), encode(lookup))
@@ -241,8 +256,9 @@ class P2PTierActor(Actor):
         return heard
 
     async def on_peer_held(self, held: PeerHeld, msg: Msg) -> None:
-        now = time.monotonic()
-        self.peers.answered(held.peer, now)
+        self.peers.heard(held.peer)
+        if not held.session:  # an answer to this tier's hello
+            return
         answers = self._rounds.get(held.session)
         if answers is not None:
             answers.put_nowait(held)
@@ -302,17 +318,28 @@ class P2PTierActor(Actor):
 
     # -- peers ------------------------------------------------------------------------------
 
-    async def on_peer_lookup(self, lookup: PeerLookup, msg: Msg) -> None:
-        if lookup.requester == self.actor_id:
-            return
+    async def on_peer_broadcast(self, broadcast: PeerBroadcast, msg: Msg) -> None:
+        match broadcast:
+            case PeerHello(peer=peer) if peer != self.actor_id:
+                self.peers.heard(peer)
+                await self._answer(peer, PeerHeld(self.actor_id, "", 0))
+            case PeerLookup() if broadcast.requester != self.actor_id:
+                await self._serve_lookup(broadcast)
+
+    async def _serve_lookup(self, lookup: PeerLookup) -> None:
+        self.peers.heard(lookup.requester)
         num = await self._pin_for_peer(lookup)
-        held = PeerHeld(self.actor_id, lookup.session, num)
+        sent = await self._answer(lookup.requester, PeerHeld(self.actor_id, lookup.session, num))
+        if num and not sent:
+            await self._end_served(lookup.session)
+
+    async def _answer(self, peer: str, held: PeerHeld) -> bool:
         try:
-            await self.bus.publish(self.subjects.tier_peer_answers(lookup.requester), encode(held))
+            await self.bus.publish(self.subjects.tier_peer_answers(peer), encode(held))
         except BusError as exc:
-            log.debug("%r: answer to %s not sent: %r", self, lookup.requester, exc)
-            if num:
-                await self._end_served(lookup.session)
+            log.debug("%r: answer to %s not sent: %r", self, peer, exc)
+            return False
+        return True
 
     async def _pin_for_peer(self, lookup: PeerLookup) -> int:
         """Pin in this host's CPU tier the leading keys it holds for the peer's session."""

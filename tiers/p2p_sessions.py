@@ -5,8 +5,8 @@ plans to pull from them, and which peers answer.
   peer and their slots; a session not ended by its peer within ``ttl_s`` is handed back.
 - ``PlannedPulls`` (asking side): the peer and session chosen by a lookup round, kept until the
   CPU tier's promotion of those keys comes (or ``ttl_s`` passes: the peer's session is ended).
-- ``PeerDirectory``: the peers that answered lately; a round may end as soon as all of them
-  answered, and one that missed a round is not waited for again until it answers.
+- ``PeerDirectory``: the peers heard from; a round may end as soon as all of them answered,
+  and one that missed a round is not waited for again until it is heard from.
 """
 
 from __future__ import annotations
@@ -119,24 +119,21 @@ class PlannedPulls:
 
 
 class PeerDirectory:
-    """The peers expected to answer a lookup round: those that answered the last one they were
-    asked (within ``forget_after_s``)."""
+    """The peers a lookup round waits for: every peer heard from (a hello, an answer) that has
+    not missed a round since."""
 
-    def __init__(self, forget_after_s: float) -> None:
-        self.forget_after_s = forget_after_s
-        self._last_answer: dict[str, float] = {}
+    def __init__(self) -> None:
+        self._peers: set[str] = set()
 
-    def answered(self, peer: str, now: float) -> None:
-        self._last_answer[peer] = now
+    def heard(self, peer: str) -> None:
+        self._peers.add(peer)
 
     def missed(self, peers: Iterable[str]) -> None:
         """Peers that did not answer a round they were expected in (dead, or too slow)."""
-        for peer in peers:
-            self._last_answer.pop(peer, None)
+        self._peers.difference_update(peers)
 
-    def expected(self, now: float) -> frozenset[str]:
-        cutoff = now - self.forget_after_s
-        return frozenset(p for p, t in self._last_answer.items() if t >= cutoff)
+    def expected(self) -> frozenset[str]:
+        return frozenset(self._peers)
 
 
 def best_answer(answers: Sequence[tuple[str, str, int]]) -> tuple[str, str, int] | None:

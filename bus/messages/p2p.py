@@ -14,6 +14,8 @@ A CPU tier's lookup that misses reaches its p2p tier, which asks every peer at o
   and the bus carries a large reply in pulled chunks: nobody is flooded.
 - ``PeerDone(session)`` (published, no reply) on the same subject: unpin. A session never ended
   (its requester died) is ended by the peer after its time to live.
+- ``PeerHello(peer)`` on ``subjects.tier_peers()`` when a p2p tier starts: the others answer
+  ``PeerHeld(session="")``, and a round can end once every known peer answered.
 """
 
 from __future__ import annotations
@@ -28,6 +30,13 @@ class PeerLookup(msgspec.Struct, tag="peer_lookup", array_like=True, omit_defaul
     session: str  # names the pins a peer takes for this lookup
     layout: KVLayout  # a peer whose host keeps another layout holds none of these
     keys: list[bytes]  # a request's chunk keys in prefix order
+
+
+class PeerHello(msgspec.Struct, tag="peer_hello", array_like=True, omit_defaults=True):
+    """A p2p tier that starts announces itself; every peer answers ``PeerHeld(session="")``,
+    so each knows whom a lookup round waits for."""
+
+    peer: str
 
 
 class PeerHeld(msgspec.Struct, tag="peer_held", array_like=True, omit_defaults=True):
@@ -46,3 +55,4 @@ class PeerDone(msgspec.Struct, tag="peer_done", array_like=True, omit_defaults=T
 
 
 PeerInbound = PeerRead | PeerDone
+PeerBroadcast = PeerLookup | PeerHello

@@ -296,3 +296,14 @@ async def test_a_restarted_p2p_tier_is_attached_again_and_finds_peers(hosts: Hos
         await asyncio.sleep(0.1)
     assert b.read(found) == [payload(k) for k in K[:2]]
     assert fresh.layout == LAYOUT
+
+
+async def test_peers_that_start_know_each_other_and_a_dead_one_is_not_waited_for(
+    hosts: Hosts,
+) -> None:
+    a, b = await hosts.add("a"), await hosts.add("b")
+    await wait_for(lambda: a.p2p.peers.expected() == {b.p2p.actor_id}, "a heard b's hello")
+    await wait_for(lambda: b.p2p.peers.expected() == {a.p2p.actor_id}, "a answered the hello")
+    await a.p2p.stop("gone")
+    assert (await b.lookup(*K[:2])).slot_ids == []
+    assert b.p2p.peers.expected() == frozenset()  # it missed the round

@@ -55,15 +55,17 @@ def test_a_newer_plan_for_the_same_head_replaces_and_returns_the_old_one() -> No
     assert plans.take(K[:1], now=5.5) is None
 
 
-def test_the_directory_expects_the_peers_that_answered_lately() -> None:
-    peers = PeerDirectory(forget_after_s=60.0)
-    assert peers.expected(now=0.0) == frozenset()
-    peers.answered("a", now=0.0)
-    peers.answered("b", now=30.0)
-    assert peers.expected(now=59.0) == {"a", "b"}
-    assert peers.expected(now=61.0) == {"b"}
-    peers.missed(["b"])
-    assert peers.expected(now=61.0) == frozenset()  # not waited for until it answers again
+def test_the_directory_expects_every_peer_heard_until_it_misses_a_round() -> None:
+    peers = PeerDirectory()
+    assert peers.expected() == frozenset()
+    peers.heard("a")
+    peers.heard("b")
+    peers.heard("a")
+    assert peers.expected() == {"a", "b"}
+    peers.missed(["b", "c"])
+    assert peers.expected() == {"a"}  # b is not waited for until it is heard again
+    peers.heard("b")
+    assert peers.expected() == {"a", "b"}
 
 
 def test_the_longest_answer_wins_the_first_among_equals() -> None:
