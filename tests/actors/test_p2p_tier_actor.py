@@ -307,3 +307,12 @@ async def test_peers_that_start_know_each_other_and_a_dead_one_is_not_waited_for
     await a.p2p.stop("gone")
     assert (await b.lookup(*K[:2])).slot_ids == []
     assert b.p2p.peers.expected() == frozenset()  # it missed the round
+
+
+async def test_a_request_that_may_not_load_from_peers_asks_none(hosts: Hosts) -> None:
+    a, b = await hosts.add("a"), await hosts.add("b")
+    await a.store(*K[:2])
+    reply = await b.ask(TierLookup(b.owner, K[:2], ["cpu", "fs", "obj"]))  # kv_load_tiers
+    assert isinstance(reply, TierLookupReply) and reply.slot_ids == []
+    assert b.p2p.counters.num_rounds == 0
+    assert len((await b.lookup(*K[:2])).slot_ids) == 2  # p2p allowed (all tiers)
