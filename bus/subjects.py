@@ -93,6 +93,18 @@ class Subjects:
         """A KV tier's inbox: ``TierInbound`` requests (or ``SecondaryInbound``)."""
         return self._build("tier", tier_id, "in")
 
+    def tier_peers(self) -> str:
+        """Where the peer-to-peer tiers of every host ask each other (``PeerLookup``)."""
+        return f"{self._root}.tier.peers.lookup"
+
+    def tier_peer_reads(self, tier_id: str) -> str:
+        """A peer-to-peer tier's chunk reads and session ends (``PeerRead``, ``PeerDone``)."""
+        return self._build("tier", tier_id, "peer")
+
+    def tier_peer_answers(self, tier_id: str) -> str:
+        """Where a peer-to-peer tier's lookup rounds are answered (``PeerHeld``)."""
+        return self._build("tier", tier_id, "answers")
+
     # any actor
     def control(self, kind: str, actor_id: str) -> str:
         """Commands to one actor (recovery, shutdown)."""

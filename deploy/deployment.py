@@ -31,7 +31,8 @@ RECOVERY_ID = "recovery-0"
 CPU_TIER_TARGET = "shoal.tiers.cpu_actor:CpuTierActor"
 FS_TIER_TARGET = "shoal.tiers.fs_actor:FsTierActor"
 OBJ_TIER_TARGET = "shoal.tiers.obj_actor:ObjTierActor"
-SECONDARY_TIER_TARGETS = {"fs": FS_TIER_TARGET, "obj": OBJ_TIER_TARGET}
+P2P_TIER_TARGET = "shoal.tiers.p2p_actor:P2PTierActor"
+SECONDARY_TIER_TARGETS = {"fs": FS_TIER_TARGET, "obj": OBJ_TIER_TARGET, "p2p": P2P_TIER_TARGET}
 
 
 @dataclass(frozen=True)
@@ -107,17 +108,14 @@ def plan_tiers(config: ShoalConfig) -> list[ActorPlan]:
     if not kv.enabled:
         return []
     namespace = config.bus_config.namespace
-    secondaries = [
-        ActorPlan(
-            tier_id,
-            SECONDARY_TIER_TARGETS[tier.type],
-            {"actor_id": tier_id, "tier_config": tier, "namespace": namespace},
-            "tier",
-        )
-        for tier_id, tier in zip(kv.secondary_tier_ids, kv.secondary_tiers, strict=True)
-    ]
-    kwargs = {"tier_id": kv.cpu_tier_id, "config": config}
-    return [*secondaries, ActorPlan(kv.cpu_tier_id, CPU_TIER_TARGET, kwargs, "tier")]
+    secondaries = []
+    for tier_id, tier in zip(kv.secondary_tier_ids, kv.secondary_tiers, strict=True):
+        kwargs: dict[str, Any] = {"actor_id": tier_id, "tier_config": tier, "namespace": namespace}
+        if tier.type == "p2p":  # it serves peers from this host's CPU tier
+            kwargs["cpu_tier_id"] = kv.cpu_tier_id
+        secondaries.append(ActorPlan(tier_id, SECONDARY_TIER_TARGETS[tier.type], kwargs, "tier"))
+    cpu_kwargs = {"tier_id": kv.cpu_tier_id, "config": config}
+    return [*secondaries, ActorPlan(kv.cpu_tier_id, CPU_TIER_TARGET, cpu_kwargs, "tier")]
 
 
 def runs_recovery_controller(config: ShoalConfig) -> bool:

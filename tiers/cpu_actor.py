@@ -149,6 +149,12 @@ class CpuTierActor(Actor):
             )
             for secondary_id in secondary_ids
         ]
+        # the secondaries stores cascade to (a peer-to-peer tier keeps none)
+        self.cascade_links = [
+            link
+            for link, tier in zip(self.links, kv.secondary_tiers, strict=True)
+            if tier.takes_stores
+        ]
         # per secondary: its stores' latency, and whether to drop stores for now
         self.backpressure = {
             link.secondary_id: StoreBackpressure(kv.backpressure) for link in self.links
@@ -195,8 +201,8 @@ class CpuTierActor(Actor):
 
     async def on_request(self, request: TierInbound, msg: Msg) -> TierReply | None:
         match request:
-            case TierAttach(layout=layout):
-                return await self._attach(layout)
+            case TierAttach(layout=layout, create=create):
+                return await self._attach(layout, create)
         if self.books is None or self.region is None:
             if isinstance(request, TierRenew):
                 return None
@@ -218,7 +224,9 @@ class CpuTierActor(Actor):
                 return None
         return TierError(f"tier {self.actor_id} does not serve {type(request).__name__}")
 
-    async def _attach(self, layout: KVLayout) -> TierReply:
+    async def _attach(self, layout: KVLayout, create: bool = True) -> TierReply:
+        if self.region is None and not create:
+            return TierError(f"tier {self.actor_id} has no region yet")
         if self.region is None:
             num_slots = self.kv_config.cpu_bytes_to_use // layout.slot_bytes
             if num_slots < 1:
@@ -332,6 +340,7 @@ class CpuTierActor(Actor):
             link.num_in_flight -= 1
             return books.finish_promotion(promotion, reply.done_keys)
         finally:  # after the books: a waiter woken finds the promotion's end in them
+            books.counters.promote_time_s += time.monotonic() - started
             self.promotion_waits.close(promotion.promotion_id)
 
     def _prepare_store(self, owner: str, keys: list[OffloadKey]) -> TierStoreSlots:
@@ -356,7 +365,7 @@ class CpuTierActor(Actor):
     def _cascade(self, keys: list[OffloadKey]) -> None:
         """Send newly stored chunks to every secondary that can take them now; drop the rest."""
         books, _ = self._books_and_region()
-        for link in self.links:
+        for link in self.cascade_links:
             if not self._usable(link) or link.num_in_flight >= self.max_cascades_in_flight:
                 books.counters.num_cascade_dropped += len(keys)
                 continue

@@ -63,6 +63,7 @@ class CpuTierCounters:
     num_hit_chunks: int = 0  # chunks answered as held (here or promoted)
     num_promoted: int = 0
     num_promote_failures: int = 0
+    promote_time_s: float = 0.0  # waited on secondaries' promotions (their reads)
     num_cascaded: int = 0  # chunks a secondary wrote
     num_cascade_failures: int = 0
     num_cascade_dropped: int = 0  # chunks not cascaded: backpressure or a detached secondary

@@ -50,6 +50,9 @@ class OwnerLeases:
 
     def add_pins(self, owner: str, keys: Iterable[OffloadKey], now: float) -> None:
         """``owner`` pinned ``keys`` (a key named twice holds two pins)."""
+        keys = list(keys)
+        if not keys:
+            return  # an owner holding nothing is not listed
         pins = self._owners.setdefault(owner, _Holdings()).pins
         for key in keys:
             pins.setdefault(key, deque()).append(now)
@@ -75,6 +78,9 @@ class OwnerLeases:
 
     def add_stores(self, owner: str, keys: Iterable[OffloadKey], now: float) -> None:
         """``owner`` is writing ``keys`` (slots reserved, not readable yet)."""
+        keys = list(keys)
+        if not keys:
+            return
         stores = self._owners.setdefault(owner, _Holdings()).stores
         for key in keys:
             if key not in stores:

@@ -26,6 +26,7 @@ from shoal.bus.messages.kv_transfer import (
     FsTierConfig,
     KVTransferConfig,
     ObjTierConfig,
+    P2PTierConfig,
     kv_offload_options,
 )
 from shoal.bus.messages.spec_decode import SpeculativeConfig, speculative_options
@@ -355,6 +356,7 @@ __all__ = [
     "KVTransferConfig",
     "ModelConfig",
     "ObjTierConfig",
+    "P2PTierConfig",
     "ParallelConfig",
     "SchedulerConfig",
     "ShoalConfig",

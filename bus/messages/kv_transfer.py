@@ -18,11 +18,20 @@ class SecondaryTier(
 ):
     """A ``secondary_tiers`` entry: a tier behind the CPU tier; its ``type`` is its tag."""
 
-    bytes_to_use: int = 8 << 30  # byte budget; the oldest chunks are evicted past it
-
     @property
     def type(self) -> str:
         return str(self.__struct_config__.tag)
+
+    @property
+    def takes_stores(self) -> bool:
+        """Whether the CPU tier cascades its stores to this tier (a peer tier keeps none)."""
+        return True
+
+
+class StoringTier(SecondaryTier, kw_only=True, frozen=True):
+    """A secondary tier that keeps its own copy of every chunk cascaded to it."""
+
+    bytes_to_use: int = 8 << 30  # byte budget; the oldest chunks are evicted past it
 
     def __post_init__(self) -> None:
         _require(
@@ -32,7 +41,7 @@ class SecondaryTier(
         )
 
 
-class FsTierConfig(SecondaryTier, frozen=True, tag="fs"):
+class FsTierConfig(StoringTier, frozen=True, tag="fs"):
     """A filesystem tier (type ``fs``) on the CPU tier's host."""
 
     path: str  # root directory; chunks go under <path>/<model tag>/tp<size>_r<rank>/
@@ -42,7 +51,7 @@ class FsTierConfig(SecondaryTier, frozen=True, tag="fs"):
         super().__post_init__()
 
 
-class ObjTierConfig(SecondaryTier, frozen=True, tag="obj"):
+class ObjTierConfig(StoringTier, frozen=True, tag="obj"):
     """An object-store tier (type ``obj``): the JetStream Object Store of the deployment's
     NATS, reachable from every host."""
 
@@ -57,8 +66,32 @@ class ObjTierConfig(SecondaryTier, frozen=True, tag="obj"):
         super().__post_init__()
 
 
-SecondaryTierConfig = FsTierConfig | ObjTierConfig
-SECONDARY_TIER_TYPES = ("fs", "obj")
+class P2PTierConfig(SecondaryTier, frozen=True, tag="p2p"):
+    """A peer-to-peer tier (type ``p2p``): a miss here is looked up in the CPU tiers of the
+    other hosts (their p2p tier actors answer) and pulled from the one holding the longest
+    prefix. It stores nothing of its own: the CPU tier cascades nothing to it."""
+
+    peer_lookup_timeout_s: float = 0.25  # one lookup round waits this long for the peers
+    transfer_window: int = 4  # chunk reads in flight from one peer
+    read_timeout_s: float = 1.0  # one chunk read from a peer
+
+    @property
+    def takes_stores(self) -> bool:
+        return False
+
+    def __post_init__(self) -> None:
+        for name in ("peer_lookup_timeout_s", "read_timeout_s"):
+            value = getattr(self, name)
+            _require(value > 0, f"secondary_tiers[].{name}", f"must be positive, got {value}")
+        _require(
+            self.transfer_window >= 1,
+            "secondary_tiers[].transfer_window",
+            f"must be a positive integer, got {self.transfer_window}",
+        )
+
+
+SecondaryTierConfig = FsTierConfig | ObjTierConfig | P2PTierConfig
+SECONDARY_TIER_TYPES = ("fs", "obj", "p2p")
 
 
 class BackpressureConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -107,7 +140,7 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     max_tracker_size: int = 64_000
     offload_prompt_only: bool = True
     offload_policy: str = "chunk_level"  # chunk_level: newly computed chunks; request_level: all
-    secondary_tiers: tuple[FsTierConfig | ObjTierConfig, ...] = ()
+    secondary_tiers: tuple[FsTierConfig | ObjTierConfig | P2PTierConfig, ...] = ()
     # shoal's own: the CPU tier actor's id, how long a lookup may take before the request
     # recomputes, and how many chunks may wait to be stored before more stores are dropped.
     cpu_tier_id: str = "kv-cpu"
@@ -140,6 +173,11 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
             self.kv_lookup_timeout_s > 0,
             "kv_lookup_timeout_s",
             f"must be positive, got {self.kv_lookup_timeout_s}",
+        )
+        _require(
+            sum(tier.type == "p2p" for tier in self.secondary_tiers) <= 1,
+            "secondary_tiers",
+            "may hold one p2p tier (every peer is asked in one round)",
         )
 
     @property
@@ -179,6 +217,8 @@ OBJ_TIER_UNSUPPORTED = (
     "scheme",
     "ca_bundle",
 )
+# vLLM's p2p tier is a ZMQ side channel plus NIXL; shoal's peers meet on the bus.
+P2P_TIER_UNSUPPORTED = ("host", "port", "unbound_store_timeout_s")
 EXTRA = "kv_connector_extra_config"
 
 
@@ -287,14 +327,17 @@ def _secondary_tier(tier: Any, index: int) -> Any:
     where = f"{EXTRA}.secondary_tiers[{index}]"
     _require(isinstance(tier, dict), where, f"must be a JSON object, got {tier!r}")
     kind = tier.get("type")
-    _require(kind is not None, f"{where}.type", "is required ('fs' or 'obj')")
+    _require(kind is not None, f"{where}.type", "is required ('fs', 'obj' or 'p2p')")
     _require(
         kind in SECONDARY_TIER_TYPES,
         f"{where}.type",
-        f"{kind!r} is not supported; shoal has {' and '.join(map(repr, SECONDARY_TIER_TYPES))}",
+        f"{kind!r} is not supported; shoal has {', '.join(map(repr, SECONDARY_TIER_TYPES))}",
     )
     if kind == "obj":
         _check_keys(tier, where, ("type", *ObjTierConfig.__struct_fields__), OBJ_TIER_UNSUPPORTED)
+        return tier
+    if kind == "p2p":
+        _check_keys(tier, where, ("type", *P2PTierConfig.__struct_fields__), P2P_TIER_UNSUPPORTED)
         return tier
     _check_keys(tier, where, ("type", *FsTierConfig.__struct_fields__, "root_dir"), FS_UNSUPPORTED)
     if "root_dir" in tier:

@@ -148,6 +148,7 @@ class KVTransferResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 class TierAttach(msgspec.Struct, tag="attach", array_like=True, omit_defaults=True):
     layout: KVLayout
+    create: bool = True  # False: a CPU tier without a region yet refuses (makes none)
 
 
 class TierLookup(msgspec.Struct, tag="lookup", array_like=True, omit_defaults=True):

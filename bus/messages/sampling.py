@@ -71,7 +71,7 @@ def _fail(field: str, message: str) -> None:
     raise ValueError(f"{field} {message}")
 
 
-KV_TIER_TYPES = ("cpu", "fs", "obj")  # the CPU tier, and the secondary tiers' types
+KV_TIER_TYPES = ("cpu", "fs", "obj", "p2p")  # the CPU tier, and the secondary tiers' types
 
 
 def _check_sampling_params(p: SamplingParams) -> None:

@@ -3,7 +3,7 @@ transformers' static batches at each swept size and its continuous batching, one
 same rounds each), ``bench/throughput_e2e.py`` (NATS, in-memory bus and transformers, the same
 warm-up and rounds, processes per side) and ``bench/serve.py`` (distinct or shared-prefix
 prompts, a warm-up, fixed concurrency and Poisson rate levels, failed requests counted) against
-the real engine stack, ``bench/offload.py`` (returning turns in three modes, loads beside a
+the real engine stack, ``bench/offload.py`` (returning turns in five modes, loads beside a
 memory copy, LRU vs ARC) and ``bench/spec_decode.py`` (every static K and dynamic mode on each
 workload, greedy outputs unchanged by speculation). Each ends with one JSON line; no timing is
 asserted (the machine is shared)."""
@@ -341,16 +341,21 @@ def test_offload_compares_modes_bandwidth_and_policies():
         timeout=110,
     )  # fmt: skip
     figures = _last_json(done)
-    assert set(figures["ttft_ms"]) == {"recompute", "cpu", "fs"}
+    tiers = ("cpu", "fs", "obj", "p2p")
+    assert set(figures["ttft_ms"]) == {"recompute", *tiers}
     assert all(t > 0 for t in figures["ttft_ms"].values()), figures
     # The returning turns (greedy) come out the same whichever way their prefix came back.
     assert figures["outputs_equal"] is True and figures["trace_outputs_equal"] is True
     # Only the offload modes load: the whole prefix is back, from the CPU tier or (promoted)
-    # from the filesystem tier; offload off recomputes it.
-    assert figures["cached_tokens"]["cpu"] == figures["cached_tokens"]["fs"] == [256, 256]
+    # from the filesystem tier, the object store or the other host's CPU tier; offload off
+    # recomputes it.
+    assert all(figures["cached_tokens"][tier] == [256, 256] for tier in tiers), figures
     assert figures["hit_tokens"]["recompute"] == 0 < figures["hit_tokens"]["cpu"]
-    assert figures["fs_promoted_chunks"] > 0 and figures["fs_cascade_dropped_chunks"] == 0
-    for key in ("load_gbps", "memcpy_gbps", "load_vs_memcpy", "load_gbps_fs"):
+    for tier in ("fs", "obj", "p2p"):
+        assert figures["promoted_chunks"][tier] > 0, figures
+        assert figures["cascade_dropped_chunks"][tier] == 0, figures
+        assert figures["promote_gbps"][tier] > 0, figures
+    for key in ("load_gbps", "memcpy_gbps", "load_vs_memcpy", "load_gbps_fs", "p2p_vs_cpu"):
         assert isinstance(figures[key], float) and figures[key] > 0, (key, figures)
     # Scans outgrow the CPU tier between hot returns: LRU loses the hot prefixes, ARC keeps them.
     assert 0 <= figures["hit_rate_lru"] < figures["hit_rate_arc"] <= 1, figures

@@ -15,7 +15,12 @@ import pytest
 from shoal.bus.actor import Actor
 from shoal.bus.memory import InMemoryBus
 from shoal.bus.messages.config import ShoalConfig
-from shoal.bus.messages.kv_transfer import FsTierConfig, KVTransferConfig, ObjTierConfig
+from shoal.bus.messages.kv_transfer import (
+    FsTierConfig,
+    KVTransferConfig,
+    ObjTierConfig,
+    P2PTierConfig,
+)
 from shoal.bus.run_actor import build_actor
 from shoal.bus.supervisor import ActorSpec
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
@@ -24,6 +29,7 @@ from shoal.deploy.deployment import (
     CPU_TIER_TARGET,
     FS_TIER_TARGET,
     OBJ_TIER_TARGET,
+    P2P_TIER_TARGET,
     build_config,
     plan_actors,
     plan_tiers,
@@ -45,6 +51,7 @@ FULL = {
             {"type": "fs", "path": "/mnt/a", "bytes_to_use": 1000},
             {"type": "fs", "root_dir": "/mnt/b"},  # vLLM's name for the path
             {"type": "obj", "bytes_to_use": 2000},
+            {"type": "p2p", "transfer_window": 8},
         ],
         "cpu_tier_id": "kv-host",
         "kv_lookup_timeout_s": 0.5,
@@ -64,6 +71,7 @@ EXPECTED = KVTransferConfig(
         FsTierConfig(path="/mnt/a", bytes_to_use=1000),
         FsTierConfig(path="/mnt/b"),
         ObjTierConfig(bytes_to_use=2000),
+        P2PTierConfig(transfer_window=8),
     ),
     cpu_tier_id="kv-host",
     kv_lookup_timeout_s=0.5,
@@ -149,7 +157,27 @@ def test_kv_role_defaults_to_both_and_missing_extra_config_still_needs_the_bytes
         (_extra(eviction_policy="lfu"), "eviction_policy must be one of lru, arc"),
         (_extra(store_threshold=-1), "store_threshold must be non-negative"),
         (_extra(cpu_bytes_to_use="lots"), r"Expected `int`.*extra_config.cpu_bytes_to_use"),
-        (_extra(secondary_tiers=[{"type": "p2p"}]), r"secondary_tiers\[0\].type 'p2p' is not"),
+        (_extra(secondary_tiers=[{"type": "kvcr"}]), r"secondary_tiers\[0\].type 'kvcr' is not"),
+        (
+            _extra(secondary_tiers=[{"type": "p2p", "port": 5710}]),
+            r"secondary_tiers\[0\].port is not supported",
+        ),
+        (
+            _extra(secondary_tiers=[{"type": "p2p", "bytes_to_use": 1}]),
+            r"secondary_tiers\[0\].bytes_to_use is an unknown key",
+        ),
+        (
+            _extra(secondary_tiers=[{"type": "p2p", "transfer_window": 0}]),
+            r"secondary_tiers\[\]?.transfer_window must be a positive",
+        ),
+        (
+            _extra(secondary_tiers=[{"type": "p2p", "peer_lookup_timeout_s": 0}]),
+            r"peer_lookup_timeout_s must be positive",
+        ),
+        (
+            _extra(secondary_tiers=[{"type": "p2p"}, {"type": "p2p"}]),
+            "secondary_tiers may hold one p2p tier",
+        ),
         (
             _extra(secondary_tiers=[{"type": "obj", "access_key": "k"}]),
             r"secondary_tiers\[0\].access_key is not supported",
@@ -263,9 +291,12 @@ def test_each_secondary_tier_gets_its_actor_before_the_cpu_tier() -> None:
         ("kv-host-fs0", FS_TIER_TARGET),
         ("kv-host-fs1", FS_TIER_TARGET),
         ("kv-host-obj2", OBJ_TIER_TARGET),
+        ("kv-host-p2p3", P2P_TIER_TARGET),
         ("kv-host", CPU_TIER_TARGET),
     ]
     assert plans[2].kwargs["tier_config"] == ObjTierConfig(bytes_to_use=2000)
+    assert "cpu_tier_id" not in plans[2].kwargs
+    assert plans[3].kwargs["cpu_tier_id"] == "kv-host"  # the CPU tier it serves peers from
 
 
 def test_serve_and_actor_take_the_flags(tmp_path) -> None:  # type: ignore[no-untyped-def]
