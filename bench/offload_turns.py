@@ -61,6 +61,7 @@ def mode_options(model: Model, args: Any, mode: str, host: str = "") -> dict[str
     elif mode == "p2p":  # A keeps both conversations, B one prefix
         chunks = 2 * turn_blocks + 8 if host == "a" else prefix_chunks
         p2p = {"type": "p2p", "peer_lookup_timeout_s": 0.5, "read_timeout_s": 10.0}
+        p2p["data_host"] = "127.0.0.1"  # its direct stream: both hosts are this one
         options |= offload_options(model, chunks, secondary_tiers=[p2p], cpu_tier_id=f"kv-{host}")
     return options
 

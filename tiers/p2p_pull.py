@@ -1,33 +1,35 @@
 """Pulling a peer's pinned chunks into this host's region slots (the asking side of a p2p
-promotion; ``bus.messages.p2p``).
+promotion; ``bus.messages.p2p``): over the direct stream (``tiers.p2p_channel``) when the peer
+offers one and it connects, else over the bus.
 
-One ``PeerRead`` request per chunk, at most ``window`` in flight: the peer sends a chunk only
-when asked, and the bus carries a reply larger than its payload limit in chunks it pulls too
-(``bus.chunking``), so a large transfer never floods a slow receiver. Each reply is checked
-(the part format's header, key, length and xxh3 digest) and copied into its slot in a thread,
-only before the job's deadline. No read is issued after one failed: the caller keeps the
-leading run that arrived.
+Over the bus: one ``PeerRead`` request per chunk, at most ``window`` in flight: the peer sends
+a chunk only when asked, and the bus carries a reply larger than its payload limit in chunks it
+pulls too (``bus.chunking``), so a large transfer never floods a slow receiver. Each reply is
+checked (the part format's header, key, length and xxh3 digest) and copied into its slot in a
+thread. No read is issued after one failed or past the job's stop time, and each read is cut
+at it: the caller keeps the leading run that arrived, in time to answer the CPU tier.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shoal.bus.base import ERROR_CODE_HEADER, Bus, BusError
 from shoal.bus.codec import encode
+from shoal.bus.messages.kv_transfer import P2PTierConfig
 from shoal.bus.messages.p2p import PeerRead
-from shoal.tiers.chunk_format import (
-    CorruptChunk,
-    DeadlinePassed,
-    check_deadline,
-    check_head,
-    head_size,
-    payload_digest,
-)
+from shoal.bus.subjects import Subjects
+from shoal.tiers.chunk_format import CorruptChunk, check_head, head_size, payload_digest
 from shoal.tiers.keys import OffloadKey
+from shoal.tiers.p2p_channel import StreamJob, receive_stream
+from shoal.tiers.p2p_sessions import PlannedPull
 from shoal.tiers.region import SharedRegion
+
+log = logging.getLogger(__name__)
 
 
 class PeerReadFailed(Exception):
@@ -37,31 +39,36 @@ class PeerReadFailed(Exception):
 @dataclass(frozen=True, slots=True)
 class PullJob:
     """Where the pulled chunks go: ``keys`` (the peer session's leading keys) into
-    ``slot_ids`` of ``region``, none touched after ``deadline`` (``time.time()``)."""
+    ``slot_ids`` of ``region``; no read starts or goes on past ``stop`` (``time.time()``, a
+    little before the promotion's deadline)."""
 
     subject: str  # the peer's ``subjects.tier_peer_reads``
     session: str
     region: SharedRegion
     keys: Sequence[OffloadKey]
     slot_ids: Sequence[int]
-    deadline: float
+    stop: float
 
 
 async def pull_run(
     bus: Bus, job: PullJob, *, window: int, read_timeout_s: float
 ) -> list[Exception | None]:
-    """Each key's error (None: in its slot now); keys not asked for, after a failure, carry the
-    ``PeerReadFailed`` that stopped the run."""
+    """Each key's error (None: in its slot now); keys not asked for after a failure carry a
+    ``PeerReadFailed``."""
     gate = asyncio.Semaphore(window)
     stopped: list[Exception] = []
 
     async def pull(index: int) -> Exception | None:
         async with gate:
             if stopped:
-                return stopped[0]
+                return PeerReadFailed(f"chunk {index}: not read, an earlier one failed")
             try:
-                await _read_into_slot(bus, job, index, read_timeout_s)
-            except (PeerReadFailed, CorruptChunk, DeadlinePassed, OSError, ValueError) as exc:
+                left = job.stop - time.time()
+                if left <= 0:
+                    raise PeerReadFailed(f"chunk {index}: the promotion's time is up")
+                async with asyncio.timeout(min(read_timeout_s, left)):
+                    await _read_into_slot(bus, job, index)
+            except (PeerReadFailed, CorruptChunk, OSError, ValueError, TimeoutError) as exc:
                 stopped.append(exc)
                 return exc.with_traceback(None)
         return None
@@ -69,11 +76,12 @@ async def pull_run(
     return list(await asyncio.gather(*(pull(i) for i in range(len(job.keys)))))
 
 
-async def _read_into_slot(bus: Bus, job: PullJob, index: int, read_timeout_s: float) -> None:
+async def _read_into_slot(bus: Bus, job: PullJob, index: int) -> None:
+    """One read, bounded by the caller (``asyncio.timeout``: a chunked reply's pieces too)."""
     key = job.keys[index]
     try:
         reply = await bus.request(
-            job.subject, encode(PeerRead(job.session, index)), timeout=read_timeout_s
+            job.subject, encode(PeerRead(job.session, index)), timeout=job.stop - time.time()
         )
     except BusError as exc:
         raise PeerReadFailed(f"chunk {key.hex()}: {exc!r}") from None
@@ -92,5 +100,41 @@ def _check_and_copy(job: PullJob, index: int, part: bytes) -> None:
         payload = memoryview(part)[start:]
         if payload_digest(payload) != digest:
             raise CorruptChunk(key, "payload digest mismatch")
-        check_deadline(key, job.deadline)
+        if time.time() > job.stop:
+            raise PeerReadFailed(f"chunk {key.hex()}: arrived after the promotion's time")
         slot[:] = payload
+
+
+@dataclass(frozen=True, slots=True)
+class Pulled:
+    errors: list[Exception | None]  # per key (None: in its slot)
+    num_streamed: int  # chunks that came over the direct stream
+
+
+async def pull_chunks(
+    bus: Bus,
+    subjects: Subjects,
+    plan: PlannedPull,
+    region: SharedRegion,
+    keys: Sequence[OffloadKey],
+    slot_ids: Sequence[int],
+    stop: float,
+    config: P2PTierConfig,
+) -> Pulled:
+    """``keys`` (a prefix of the plan's) from the plan's peer into ``slot_ids``: over its
+    direct stream if it offered one and it connects, else (or if it does not) over the bus."""
+    if config.direct_transfer and plan.data_address:
+        stream = StreamJob(
+            plan.data_address, plan.session, 0, region, keys, slot_ids, stop, config.read_timeout_s
+        )
+        try:
+            errors = await receive_stream(stream)
+        except OSError as exc:  # no direct path to this peer: the bus carries the chunks
+            log.info("p2p: no stream to %s (%s): reading over the bus", plan.data_address, exc)
+        else:
+            return Pulled(errors, sum(e is None for e in errors))
+    job = PullJob(subjects.tier_peer_reads(plan.peer), plan.session, region, keys, slot_ids, stop)
+    errors = await pull_run(
+        bus, job, window=config.transfer_window, read_timeout_s=config.read_timeout_s
+    )
+    return Pulled(errors, 0)

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from shoal.bus.messages.offload import RegionRef
+from shoal.bus.messages.p2p import PeerHeld
 from shoal.tiers.keys import OffloadKey
 
 
@@ -31,6 +32,8 @@ class ServedSession:
 
 
 class ServedSessions:
+    """The sessions served, by id; a session past its time to live serves no chunk."""
+
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self._sessions: dict[str, ServedSession] = {}
@@ -46,12 +49,18 @@ class ServedSessions:
         keys: Sequence[OffloadKey],
         slot_ids: Sequence[int],
         now: float,
-    ) -> None:
+    ) -> ServedSession | None:
+        """Serve a session; the one it replaces (the same id), whose pins must go back."""
         if len(keys) != len(slot_ids):
             raise ValueError("a served session needs one slot per key")
+        replaced = self._sessions.get(session)
         self._sessions[session] = ServedSession(
             session, requester, region, list(keys), list(slot_ids), now + self.ttl_s
         )
+        return replaced
+
+    def open(self) -> list[ServedSession]:
+        return list(self._sessions.values())
 
     def chunk_of(
         self, session: str, index: int, now: float
@@ -68,21 +77,27 @@ class ServedSessions:
 
     def expire(self, now: float) -> list[ServedSession]:
         """End every session past its time to live."""
-        return [self._sessions.pop(s.session) for s in list(self._sessions.values())
-                if now >= s.expires_at]  # fmt: skip
+        expired = [served for served in self._sessions.values() if now >= served.expires_at]
+        for served in expired:
+            del self._sessions[served.session]
+        return expired
 
 
 @dataclass(frozen=True, slots=True)
 class PlannedPull:
-    """The keys a peer pinned for ``session``: a promotion of (a prefix of) them pulls there."""
+    """The keys a peer pinned for ``session``: a promotion of (a prefix of) them pulls there,
+    over the peer's direct stream at ``data_address`` if it has one."""
 
     peer: str
     session: str
     keys: list[OffloadKey]
     expires_at: float
+    data_address: str = ""
 
 
 class PlannedPulls:
+    """The planned pulls, by their first key (a promotion names a prefix of the keys)."""
+
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = ttl_s
         self._by_head: dict[OffloadKey, PlannedPull] = {}
@@ -91,14 +106,25 @@ class PlannedPulls:
         return len(self._by_head)
 
     def add(
-        self, peer: str, session: str, keys: Sequence[OffloadKey], now: float
+        self,
+        peer: str,
+        session: str,
+        keys: Sequence[OffloadKey],
+        now: float,
+        data_address: str = "",
     ) -> PlannedPull | None:
         """Plan a pull; the plan it replaces (same first key), whose session must be ended."""
         if not keys:
             raise ValueError("a planned pull needs keys")
         replaced = self._by_head.get(keys[0])
-        self._by_head[keys[0]] = PlannedPull(peer, session, list(keys), now + self.ttl_s)
+        plan = PlannedPull(peer, session, list(keys), now + self.ttl_s, data_address)
+        self._by_head[keys[0]] = plan
         return replaced
+
+    def take_all(self) -> list[PlannedPull]:
+        """Every plan (the actor stops): their sessions must be ended."""
+        plans, self._by_head = list(self._by_head.values()), {}
+        return plans
 
     def take(self, keys: Sequence[OffloadKey], now: float) -> PlannedPull | None:
         """The live plan whose keys begin with ``keys`` (taken out); None: none such."""
@@ -136,11 +162,11 @@ class PeerDirectory:
         return frozenset(self._peers)
 
 
-def best_answer(answers: Sequence[tuple[str, str, int]]) -> tuple[str, str, int] | None:
-    """Of ``(peer, session, num_leading)`` answers in arrival order, the longest run (the first
-    to arrive among equals); None when no peer holds any key."""
+def best_answer(answers: Sequence[PeerHeld]) -> PeerHeld | None:
+    """Of the answers of a round in arrival order, the longest run (the first to arrive among
+    equals); None when no peer holds any key."""
     best = None
-    for answer in answers:
-        if answer[2] > 0 and (best is None or answer[2] > best[2]):
-            best = answer
+    for held in answers:
+        if held.num_leading > 0 and (best is None or held.num_leading > best.num_leading):
+            best = held
     return best

@@ -72,8 +72,11 @@ class P2PTierConfig(SecondaryTier, frozen=True, tag="p2p"):
     prefix. It stores nothing of its own: the CPU tier cascades nothing to it."""
 
     peer_lookup_timeout_s: float = 0.25  # one lookup round waits this long for the peers
-    transfer_window: int = 4  # chunk reads in flight from one peer
+    transfer_window: int = 4  # chunk reads over the bus in flight, per promotion
     read_timeout_s: float = 1.0  # one chunk read from a peer
+    direct_transfer: bool = True  # chunks over a TCP stream from peer to peer where it connects
+    data_host: str = ""  # the stream's address (bound and given to peers); "": this host's name
+    data_port: int = 0  # its port (0: any free one)
 
     @property
     def takes_stores(self) -> bool:
@@ -87,6 +90,11 @@ class P2PTierConfig(SecondaryTier, frozen=True, tag="p2p"):
             self.transfer_window >= 1,
             "secondary_tiers[].transfer_window",
             f"must be a positive integer, got {self.transfer_window}",
+        )
+        _require(
+            0 <= self.data_port < 65536,
+            "secondary_tiers[].data_port",
+            f"must be a TCP port (0: any), got {self.data_port}",
         )
 
 
@@ -174,10 +182,18 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
             "kv_lookup_timeout_s",
             f"must be positive, got {self.kv_lookup_timeout_s}",
         )
+        peers = [tier for tier in self.secondary_tiers if isinstance(tier, P2PTierConfig)]
         _require(
-            sum(tier.type == "p2p" for tier in self.secondary_tiers) <= 1,
+            len(peers) <= 1,
             "secondary_tiers",
-            "may hold one p2p tier (every peer is asked in one round)",
+            "may hold one p2p tier (every peer is asked at once)",
+        )
+        # the CPU tier waits kv_lookup_timeout_s / 4 for one secondary's answer: the round,
+        # the peers' own CPU tiers and the answers fit in it
+        _require(
+            not peers or peers[0].peer_lookup_timeout_s <= self.kv_lookup_timeout_s / 8,
+            "secondary_tiers[].peer_lookup_timeout_s",
+            f"must be at most kv_lookup_timeout_s / 8 ({self.kv_lookup_timeout_s / 8:g} s)",
         )
 
     @property

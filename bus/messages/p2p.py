@@ -5,13 +5,14 @@ A CPU tier's lookup that misses reaches its p2p tier, which asks every peer at o
 - ``PeerLookup(requester, session, layout, keys)`` published on ``subjects.tier_peers()``; every
   other p2p tier answers ``PeerHeld(peer, session, num_leading)`` on
   ``subjects.tier_peer_answers(requester)``: how many leading keys its own host's CPU tier
-  holds, **pinned** for the session (none: 0, nothing pinned). The requester keeps the longest
-  answer and ends the other sessions.
+  holds, **pinned** for the session (none: 0, nothing pinned), and where its direct stream
+  listens. The requester keeps the longest answer and ends the other sessions.
 - ``PeerRead(session, index)`` → the session's ``index``-th chunk, its slot's bytes (every
   rank) as a raw reply in the secondary tiers' part format (``tiers.chunk_format``: header,
   key, payload, digest), or an error reply once the session is gone; on
   ``subjects.tier_peer_reads(peer)``. The requester keeps at most a window of reads in flight,
-  and the bus carries a large reply in pulled chunks: nobody is flooded.
+  and the bus carries a large reply in pulled chunks: nobody is flooded. Where the direct stream
+  connects, the chunks come over it instead (``tiers.p2p_channel``).
 - ``PeerDone(session)`` (published, no reply) on the same subject: unpin. A session never ended
   (its requester died) is ended by the peer after its time to live.
 - ``PeerHello(peer)`` on ``subjects.tier_peers()`` when a p2p tier starts: the others answer
@@ -43,6 +44,7 @@ class PeerHeld(msgspec.Struct, tag="peer_held", array_like=True, omit_defaults=T
     peer: str
     session: str
     num_leading: int
+    data_address: str = ""  # "host:port" of its direct stream (``tiers.p2p_channel``); "": none
 
 
 class PeerRead(msgspec.Struct, tag="peer_read", array_like=True, omit_defaults=True):

@@ -78,6 +78,13 @@ async def settled_stats(built: EngineStack) -> SchedulerStats:
     return engine._stats(core)
 
 
+async def heard_each_other(host_a: EngineStack, host_b: EngineStack) -> None:
+    """B's p2p tier knows A's (its hello was answered; A's may be another process)."""
+    peer_a = _tier(host_a, "P2PTierActor").actor_id
+    p2p_b = _tier(host_b, "P2PTierActor")
+    await wait_for(lambda: peer_a in p2p_b.peers.expected(), 60, "B heard A's p2p tier")
+
+
 def _tier(built: EngineStack, kind: str) -> Any:
     return next(t for t in built.tiers if type(t).__name__ == kind)
 
@@ -99,11 +106,18 @@ async def reference(model_dir: Path) -> Turns:
         await bus.close()
 
 
+def p2p_tier(direct: bool) -> dict[str, Any]:
+    """A p2p tier; its direct stream (if ``direct``) on loopback."""
+    tier = {"type": "p2p", "direct_transfer": direct, "data_host": "127.0.0.1"}
+    return {"secondary_tiers": [tier]}
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["stream", "bus-reads"])
 async def test_a_conversation_prefilled_on_one_host_continues_on_another_through_p2p(
-    bus_factory, model_dir, reference
+    bus_factory, model_dir, reference, direct
 ) -> None:  # type: ignore[no-untyped-def]
     namespace = f"xhost{next(_namespaces)}"
-    p2p = {"secondary_tiers": [{"type": "p2p"}]}
+    p2p = p2p_tier(direct)
     bus_a, bus_b = await bus_factory(), await bus_factory()
     async with host(bus_a, model_dir, "a", namespace, **p2p) as host_a:
         answers = await first_turns(host_a.client)
@@ -111,6 +125,7 @@ async def test_a_conversation_prefilled_on_one_host_continues_on_another_through
         for actor in [*host_a.engines, *host_a.workers]:  # engine core A goes; its tiers stay
             await actor.stop()
         async with host(bus_b, model_dir, "b", namespace, **p2p) as host_b:
+            await heard_each_other(host_a, host_b)
             second = await second_turns(host_b.client, answers)
             stats = await settled_stats(host_b)
             pulled = _tier(host_b, "P2PTierActor").load()
@@ -118,6 +133,7 @@ async def test_a_conversation_prefilled_on_one_host_continues_on_another_through
             promoted = _tier(host_b, "CpuTierActor").load()["num_promoted"]
     assert answers + second == reference
     assert pulled["num_chunks_loaded"] >= 4 * 8 and served["num_chunks_served"] >= 4 * 8
+    assert pulled["num_chunks_streamed"] == (pulled["num_chunks_loaded"] if direct else 0)
     assert promoted == pulled["num_chunks_loaded"]
     assert stats.kv_offload_hits >= 4 * 8 * BLOCK_SIZE
 
@@ -126,11 +142,12 @@ async def test_a_peer_sigkilled_mid_transfer_costs_recomputes_not_wrong_tokens(
     nats_url, model_dir, reference
 ) -> None:  # type: ignore[no-untyped-def]
     """Host A's p2p tier runs in its own process and is SIGKILLed as soon as host B's first
-    chunk read reaches it: B's promotion keeps what arrived whole, the rest is recomputed, and
-    every returning conversation decodes the offload-off tokens (the supervisor restarts A's
-    p2p tier meanwhile; A's CPU tier kept its chunks)."""
+    chunk read reaches it (chunks read over the bus, so the test sees the reads): B's
+    promotion keeps what arrived whole, the rest is recomputed, and every returning
+    conversation decodes the offload-off tokens (the supervisor restarts A's p2p tier
+    meanwhile; A's CPU tier kept its chunks)."""
     namespace = f"xhost{next(_namespaces)}"
-    p2p = {"secondary_tiers": [{"type": "p2p"}]}
+    p2p = p2p_tier(direct=False)
     bus_a, bus_b = NatsBus([nats_url]), NatsBus([nats_url])
     await bus_a.connect()
     await bus_b.connect()
@@ -144,6 +161,7 @@ async def test_a_peer_sigkilled_mid_transfer_costs_recomputes_not_wrong_tokens(
             supervisor = await _p2p_tier_in_a_process(nats_url, bus_a, host_a)
             killed = await _kill_at_first_read(bus_a, host_a, supervisor)
             async with host(bus_b, model_dir, "b", namespace, **p2p) as host_b:
+                await heard_each_other(host_a, host_b)
                 second = await second_turns(host_b.client, answers)
                 pulled = _tier(host_b, "P2PTierActor").load()
             assert killed.is_set(), "a chunk read reached host A's p2p tier"

@@ -51,7 +51,7 @@ FULL = {
             {"type": "fs", "path": "/mnt/a", "bytes_to_use": 1000},
             {"type": "fs", "root_dir": "/mnt/b"},  # vLLM's name for the path
             {"type": "obj", "bytes_to_use": 2000},
-            {"type": "p2p", "transfer_window": 8},
+            {"type": "p2p", "transfer_window": 8, "peer_lookup_timeout_s": 0.05},
         ],
         "cpu_tier_id": "kv-host",
         "kv_lookup_timeout_s": 0.5,
@@ -71,7 +71,7 @@ EXPECTED = KVTransferConfig(
         FsTierConfig(path="/mnt/a", bytes_to_use=1000),
         FsTierConfig(path="/mnt/b"),
         ObjTierConfig(bytes_to_use=2000),
-        P2PTierConfig(transfer_window=8),
+        P2PTierConfig(transfer_window=8, peer_lookup_timeout_s=0.05),
     ),
     cpu_tier_id="kv-host",
     kv_lookup_timeout_s=0.5,
@@ -177,6 +177,14 @@ def test_kv_role_defaults_to_both_and_missing_extra_config_still_needs_the_bytes
         (
             _extra(secondary_tiers=[{"type": "p2p"}, {"type": "p2p"}]),
             "secondary_tiers may hold one p2p tier",
+        ),
+        (
+            _extra(kv_lookup_timeout_s=1.0, secondary_tiers=[{"type": "p2p"}]),
+            r"peer_lookup_timeout_s must be at most kv_lookup_timeout_s / 8 \(0.125 s\)",
+        ),
+        (
+            _extra(secondary_tiers=[{"type": "p2p", "data_port": 70000}]),
+            r"data_port must be a TCP port",
         ),
         (
             _extra(secondary_tiers=[{"type": "obj", "access_key": "k"}]),

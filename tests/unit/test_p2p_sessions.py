@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.bus.messages.offload import KVLayout, RegionRef
+from shoal.bus.messages.p2p import PeerHeld
 from shoal.tiers.p2p_sessions import PeerDirectory, PlannedPulls, ServedSessions, best_answer
 
 REGION = RegionRef("/dev/shm/x.kv", "g1", 4, KVLayout("m", 1, 2, 1, 4, "float32", 1, 1))
@@ -70,5 +71,23 @@ def test_the_directory_expects_every_peer_heard_until_it_misses_a_round() -> Non
 
 def test_the_longest_answer_wins_the_first_among_equals() -> None:
     assert best_answer([]) is None
-    assert best_answer([("a", "s", 0), ("b", "s", 0)]) is None
-    assert best_answer([("a", "s", 2), ("b", "s", 3), ("c", "s", 3)]) == ("b", "s", 3)
+    assert best_answer([PeerHeld("a", "s", 0), PeerHeld("b", "s", 0)]) is None
+    answers = [PeerHeld("a", "s", 2), PeerHeld("b", "s", 3), PeerHeld("c", "s", 3)]
+    assert best_answer(answers) is answers[1]
+
+
+def test_a_session_served_twice_returns_the_one_it_replaces() -> None:
+    served = ServedSessions(ttl_s=10.0)
+    assert served.add("s", "peer", REGION, K[:1], [0], now=0.0) is None
+    replaced = served.add("s", "peer", REGION, K[1:3], [1, 2], now=1.0)
+    assert replaced is not None and replaced.keys == K[:1]  # its pins must go back
+    assert [s.keys for s in served.open()] == [K[1:3]]
+
+
+def test_every_plan_is_taken_when_the_actor_stops() -> None:
+    plans = PlannedPulls(ttl_s=5.0)
+    plans.add("a", "s1", K[:1], now=0.0, data_address="127.0.0.1:9")
+    plans.add("b", "s2", K[2:4], now=0.0)
+    taken = plans.take_all()
+    assert [(p.session, p.data_address) for p in taken] == [("s1", "127.0.0.1:9"), ("s2", "")]
+    assert len(plans) == 0
