@@ -84,13 +84,15 @@ def test_the_fs_tier_keeps_a_canonical_chunk_as_one_part(tmp_path: Path) -> None
     canonical, per_rank = ChunkFiles(tmp_path, CANONICAL), ChunkFiles(tmp_path, PER_RANK)
     data = slot(CANONICAL, 1)
     canonical.write_chunk(key(1), data)
-    per_rank.write_chunk(key(2), slot(PER_RANK, 2))
+    for i in (1, 2):  # key 1 in both layouts
+        per_rank.write_chunk(key(i), slot(PER_RANK, 2), stamp_ns=i)
     name = key(1).hex()
     path = tmp_path / model_dir_name(CANONICAL.model_tag) / "canonical" / name[:2] / f"{name}.bin"
     assert canonical.path(key(1), 0) == path and path.read_bytes().endswith(bytes(data))
-    assert len(list(tmp_path.rglob("*.bin"))) == 3  # one canonical part, two rank parts
+    assert len(list(tmp_path.rglob("*.bin"))) == 5  # one canonical part, four rank parts
     assert canonical.scan().keys == [key(1)]
-    assert per_rank.scan().keys == [key(2)]  # neither scan took the other's files as partial
+    assert per_rank.scan().keys == [key(1), key(2)]  # neither took the other's as partial
+    assert len(list(tmp_path.rglob("*.bin"))) == 5
     back = memoryview(bytearray(CANONICAL.slot_bytes))
     canonical.read_chunk(key(1), back)
     assert bytes(back) == bytes(data)
@@ -127,15 +129,16 @@ def test_the_object_tier_keeps_a_canonical_chunk_as_one_object() -> None:
         canonical, per_rank = ObjectChunks(store, CANONICAL), ObjectChunks(store, PER_RANK)
         data = slot(CANONICAL, 3)
         await canonical.write_chunk(key(1), data)
-        await per_rank.write_chunk(key(2), slot(PER_RANK, 4))
+        for i in (1, 2):  # key 1 in both layouts
+            await per_rank.write_chunk(key(i), slot(PER_RANK, 4))
         model_dir = model_dir_name(CANONICAL.model_tag)
         assert set(store.objects) == {
             f"{model_dir}/canonical/{key(1).hex()}",
-            *(f"{model_dir}/tp2_r{rank}/{key(2).hex()}" for rank in (0, 1)),
+            *(f"{model_dir}/tp2_r{rank}/{key(i).hex()}" for rank in (0, 1) for i in (1, 2)),
         }
         assert await canonical.scan() == [key(1)]
-        assert await per_rank.scan() == [key(2)]
-        assert len(store.objects) == 3  # neither scan removed the other's objects
+        assert await per_rank.scan() == [key(1), key(2)]
+        assert len(store.objects) == 5  # neither scan took the other's objects for its own
         back = memoryview(bytearray(CANONICAL.slot_bytes))
         await canonical.read_chunk(key(1), back)
         assert bytes(back) == bytes(data)

@@ -102,7 +102,15 @@ def test_every_tp_size_writes_the_bytes_tp1_writes(
         mapping = CanonicalMapping.of(num_kv_heads, tp_size, rank)
         num_bytes += store(shared.ref, rank_cache(model, mapping), job, rank, tp_size)
     assert bytes(shared.view) == bytes(alone.view)
-    assert any(alone.view), "something was stored"
+    # the slots hold the documented layout: [S, L, k|v, C, head, block_size, D]
+    slots = torch.frombuffer(alone.view, dtype=torch.float32).view(
+        SLOTS, LAYERS, 2, PER_CHUNK, num_kv_heads, BLOCK, DIM
+    )
+    for block, slot, offset in zip(job.block_ids, job.slot_ids, job.block_offsets, strict=True):
+        for layer in range(LAYERS):
+            for kv, cache in enumerate((model.k, model.v)):
+                want = cache[layer][block].transpose(0, 1)  # [block_size, H, D] → [H, ...]
+                assert torch.equal(slots[slot, layer, kv, offset], want)
     assert num_bytes == len(job.block_ids) * layout.rank_block_bytes  # each byte written once
 
 
@@ -154,6 +162,35 @@ def test_replicated_ranks_take_turns_writing_chunks(tmp_path: Path) -> None:
             written = bool(torch.count_nonzero(slots[slot, :, :, :, 0]))
             assert written == mapping.is_writer(slot) == (slot % 2 == rank), (rank, slot)
         assert torch.count_nonzero(slots[:, :, :, :, 1]) == 0
+
+
+def test_a_rank_that_writes_none_of_a_store_still_agrees_on_its_failure(tmp_path: Path) -> None:
+    """One KV head on two ranks: rank 1 writes odd slots only. A store to slot 0 with a bad
+    block is failed by rank 1 too (it validates what it does not write), and a store that
+    failed on the other rank is skipped and reported here as well."""
+    layout = canonical(1)
+    mapping = CanonicalMapping.of(1, 2, 1)
+    cache = rank_cache(model_cache(1), mapping)
+    shared = region(tmp_path, layout, "agree")
+    bad_block = KVStore(7, [NUM_BLOCKS], [0], [0])  # slot 0: rank 0's turn
+    elsewhere = KVStore(8, [3, 4], [1, 1], [0, 1])  # slot 1: rank 1's turn
+    seen: list[list[bool]] = []
+
+    def agree(failed: list[bool]) -> list[bool]:  # the other rank failed job 8
+        seen.append(failed)
+        return [failed[0], True]
+
+    result = run_kv_transfers(
+        KVTransfers(shared.ref, stores=[bad_block, elsewhere]),
+        cache,
+        tp_rank=1,
+        tp_size=2,
+        regions=RegionViews(),
+        agree=agree,
+    )
+    assert seen == [[True, False]]
+    assert result.failed_store_job_ids == [7, 8] and result.num_store_bytes == 0
+    assert not any(shared.view)
 
 
 def test_a_canonical_layout_checks_this_ranks_share_of_the_heads() -> None:
