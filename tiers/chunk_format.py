@@ -1,6 +1,6 @@
 """What every secondary tier's stored chunk looks like, and the errors its reads and writes raise.
 
-A stored part (one tensor-parallel rank's bytes of a chunk) is ``HEADER``, the key, then the
+A stored part (a rank's bytes of a chunk, or a canonical chunk) is ``HEADER``, the key, then the
 payload: magic ``SHKV``, format version, key length, payload length and the payload's xxh3-128
 digest (about 12 GB/s here: crc32 is 2.6, blake2b 0.8). ``check_header`` refuses a part of
 another format, key or length (``CorruptChunk``); the caller compares the digest once it has the

@@ -1,8 +1,10 @@
 """The filesystem tier's chunk files: one file per tensor-parallel rank part of a chunk.
 
-Path: ``<root>/<model dir>/tp<tp_size>_r<rank>/<2 hex>/<key hex>.bin``; the model dir is the
-layout's ``model_tag`` made safe as one directory name (``model_dir_name``). Layouts with another
-tag or tensor-parallel size never share a file; two layouts that share a tag and a size but not a
+Path: ``<root>/<model dir>/<part dir>/<2 hex>/<key hex>.bin``; the model dir is the layout's
+``model_tag`` made safe as one directory name (``model_dir_name``), the part dir
+``tp<tp_size>_r<rank>``, or ``canonical`` for the one part of a canonical layout (the same
+whatever tensor-parallel size wrote it: ``part_dir_name``). Layouts with another tag or
+tensor-parallel size never share a file; two layouts that share a tag and a size but not a
 chunk size would find each other's files the wrong length (corrupt, removed), so a ``model_tag``
 must name the KV format too.
 
@@ -64,6 +66,12 @@ def model_dir_name(model_tag: str) -> str:
     return f"{safe or 'model'}-{xxhash.xxh3_64_hexdigest(model_tag.encode())[:8]}"
 
 
+def part_dir_name(layout: KVLayout, rank: int) -> str:
+    """The directory (or object name part) of a chunk's part ``rank``: ``tp<size>_r<rank>``, or
+    ``canonical`` (a canonical layout's one part, independent of the tensor-parallel size)."""
+    return "canonical" if layout.canonical else f"tp{layout.tp_size}_r{rank}"
+
+
 @dataclass(slots=True)
 class ScanResult:
     """Complete chunks on disk (every rank part), least recently used first, and what was
@@ -80,16 +88,15 @@ class ChunkFiles:
     def __init__(self, root: str | os.PathLike[str], layout: KVLayout) -> None:
         self.layout = layout
         self.model_dir = Path(root) / model_dir_name(layout.model_tag)
-        self.rank_dirs = [
-            self.model_dir / f"tp{layout.tp_size}_r{r}" for r in range(layout.tp_size)
-        ]
+        self.rank_dirs = [self.model_dir / part_dir_name(layout, r) for r in range(layout.tp_size)]
 
     def path(self, key: OffloadKey, rank: int) -> Path:
         name = key.hex()
         return self.rank_dirs[rank] / name[:2] / f"{name}{SUFFIX}"
 
     def rank_part(self, slot: memoryview, rank: int) -> memoryview:
-        """Rank ``rank``'s bytes of a region slot (``[tp_rank][layer][k|v][block][...]``)."""
+        """Part ``rank``'s bytes of a region slot (``[tp_rank][layer][k|v][block][...]``; a
+        canonical slot is one part)."""
         size = self.layout.rank_chunk_bytes
         return slot[rank * size : (rank + 1) * size]
 

@@ -1,13 +1,15 @@
 """The object-store tier's chunks: one JetStream Object Store object per tensor-parallel rank
 part of a chunk, in one bucket that any host of the deployment can reach.
 
-Name: ``<model dir>/tp<tp_size>_r<rank>/<key hex>`` (the filesystem tier's path, without the
-fan-out directory; ``fs_store.model_dir_name``). An object is a part as ``tiers.chunk_format``
-lays it out (header, key, payload, the payload's xxh3-128 digest); the object store checks its
-own SHA-256 digest as well. A read that finds a part missing, of another format, key or length,
-or failing either digest raises ``CorruptChunk`` and removes every part of that chunk. A write
-publishes its parts only if ``deadline`` (``time.time()``; 0.0: none) had not passed once the
-slot was copied, and a read copies into the slot only before it (``DeadlinePassed``).
+Name: ``<model dir>/<part dir>/<key hex>`` (the filesystem tier's path, without the fan-out
+directory; ``fs_store.model_dir_name``, ``fs_store.part_dir_name``: ``tp<tp_size>_r<rank>``, or
+``canonical`` for the one part of a canonical layout, whatever tensor-parallel size wrote it).
+An object is a part as ``tiers.chunk_format`` lays it out (header, key, payload, the payload's
+xxh3-128 digest); the object store checks its own SHA-256 digest as well. A read that finds a
+part missing, of another format, key or length, or failing either digest raises
+``CorruptChunk`` and removes every part of that chunk. A write publishes its parts only if
+``deadline`` (``time.time()``; 0.0: none) had not passed once the slot was copied, and a read
+copies into the slot only before it (``DeadlinePassed``).
 
 Async over ``bus.jetstream.ObjectStore`` (chunked reads through a pull consumer); the copies and
 digests of a part run in a thread, so a large chunk never holds the event loop. ``scan`` lists
@@ -35,7 +37,7 @@ from shoal.tiers.chunk_format import (
     pack_head,
     payload_digest,
 )
-from shoal.tiers.fs_store import model_dir_name
+from shoal.tiers.fs_store import model_dir_name, part_dir_name
 from shoal.tiers.keys import OffloadKey
 
 T = TypeVar("T")
@@ -58,10 +60,11 @@ class ObjectChunks:
         self.store = store
         self.layout = layout
         self.timeout_s = timeout_s
-        self.prefix = f"{model_dir_name(layout.model_tag)}/tp{layout.tp_size}_r"
+        self.prefix = f"{model_dir_name(layout.model_tag)}/"
+        self.part_dirs = [part_dir_name(layout, rank) for rank in range(layout.tp_size)]
 
     def name(self, key: OffloadKey, rank: int) -> str:
-        return f"{self.prefix}{rank}/{key.hex()}"
+        return f"{self.prefix}{self.part_dirs[rank]}/{key.hex()}"
 
     async def write_chunk(self, key: OffloadKey, slot: memoryview, deadline: float = 0.0) -> None:
         """Store every rank part of a slot; on an error no part of the chunk is left.
@@ -103,8 +106,8 @@ class ObjectChunks:
         """The complete chunks of this layout, oldest first; removes incomplete chunks' parts."""
         times: dict[str, list[str]] = {}
         for entry in await self._call(self.store.list()):
-            rank, sep, name = entry.name.removeprefix(self.prefix).partition("/")
-            if entry.name.startswith(self.prefix) and sep and rank.isdigit() and _is_hex(name):
+            part, _, name = entry.name.removeprefix(self.prefix).partition("/")
+            if entry.name.startswith(self.prefix) and part in self.part_dirs and _is_hex(name):
                 times.setdefault(name, []).append(entry.mtime)
         found = []
         for name, stamps in times.items():

@@ -33,7 +33,7 @@ collective) and is answered as if its forward pass had raised ``InjectedFault`` 
 
 The runner contract (``StepRunner``): ``load() -> facts`` (num_blocks, block_size,
 max_model_len, vocab_size, eos_token_ids; optionally the KV geometry num_layers, num_kv_heads,
-head_dim, kv_dtype for KV offload), ``execute(step) -> StepResult``, ``reset()``;
+head_dim, kv_dtype, total_kv_heads for KV offload), ``execute(step) -> StepResult``, ``reset()``;
 optionally ``num_requests`` (else ``len(runner.batch)``), ``num_blocks_in_use``,
 ``num_split_steps`` (steps run as two micro-batches, with DBO) and ``tp``
 (``.rank``/``.size``) for heartbeats and ``WorkerInfo``, and ``group`` (a ``GroupMember``, or
@@ -327,6 +327,7 @@ class WorkerActor(Actor):
             num_kv_heads=getattr(self.facts, "num_kv_heads", 0),
             head_dim=getattr(self.facts, "head_dim", 0),
             kv_dtype=getattr(self.facts, "kv_dtype", ""),
+            total_kv_heads=getattr(self.facts, "total_kv_heads", 0),
         )
 
     # -- helpers -------------------------------------------------------------------------------

@@ -2,12 +2,11 @@
 (``workers.kv_cache``) and a CPU tier's shared-memory region (``tiers.region``), as a step's
 ``KVTransfers`` says. No KV bytes travel on the bus.
 
-``RegionViews`` maps a ``RegionRef`` (the file at ``ref.path``) as a tensor view of
-``[num_slots, tp_size, num_layers, 2, blocks_per_chunk, block_size, num_kv_heads, head_dim]``
-and keeps the two most recent generations mapped. ``run_kv_transfers`` validates every job
-first, then runs the valid stores (KV → region) and then the valid loads (region → KV)
-(``workers.kv_copy``: a pass per run of consecutive blocks, or a gather); a rank touches only its
-own part of a slot (``[:, rank]``).
+``run_kv_transfers`` validates every job first, then runs the valid stores (KV → region) and
+then the valid loads (region → KV) (``workers.kv_copy``: a pass per run of consecutive blocks,
+or a gather) through the region's view (``workers.region_views``). A rank touches only its own
+part of a slot (``[:, rank]``) or, canonical, its own heads (``workers.kv_canonical``), storing
+only the chunks it is the writer of when other ranks hold the same heads.
 
 Validation depends only on the step and the region file, never on this rank's own history: a
 region that cannot be mapped (file gone, wrong size) or whose layout is not this cache's fails
@@ -23,10 +22,7 @@ has seen the failure.
 from __future__ import annotations
 
 import logging
-import mmap
-import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -41,18 +37,24 @@ from shoal.bus.messages.offload import (
     RegionRef,
 )
 from shoal.workers.kv_cache import KVCache
-from shoal.workers.kv_copy import CopyBatch, load_blocks, store_blocks
+from shoal.workers.kv_canonical import CanonicalMapping, local_kv_heads
+from shoal.workers.kv_copy import CopyBatch, canonical_part, load_blocks, store_blocks
+from shoal.workers.region_views import TORCH_DTYPES, RegionUnavailable, RegionViews
+
+__all__ = [
+    "DroppedLoads",
+    "KVGeometry",
+    "RegionUnavailable",
+    "RegionViews",
+    "dtype_name",
+    "job_fault",
+    "run_kv_transfers",
+]
 
 log = logging.getLogger(__name__)
 
 MAX_DROPPED = 4096  # dropped ids kept while waiting for the engine core to let them go
-KEEP_GENERATIONS = 2
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
-
-
-class RegionUnavailable(OSError):
-    """A region this worker cannot map (its file is gone or has the wrong size)."""
 
 
 @dataclass(frozen=True)
@@ -79,11 +81,24 @@ class KVGeometry:
         )
 
     def mismatch(self, layout: KVLayout) -> str | None:
-        """Why ``layout`` cannot be copied to or from this cache (None: it can)."""
+        """Why ``layout`` cannot be copied to or from this cache (None: it can). A canonical
+        layout names the model's KV heads, one part: this rank's heads must be its share."""
+        mine = vars(self)
+        if layout.canonical:
+            try:
+                num_heads = local_kv_heads(layout.num_kv_heads, self.tp_size)
+            except ValueError as exc:
+                return f"canonical num_kv_heads: {exc}"
+            if num_heads != self.num_kv_heads:
+                return (
+                    f"canonical num_kv_heads {layout.num_kv_heads} over {self.tp_size} ranks is "
+                    f"{num_heads} per rank != {self.num_kv_heads}"
+                )
+            mine = {**mine, "num_kv_heads": layout.num_kv_heads, "tp_size": 1}
         differ = [
-            f"{name} {getattr(layout, name)} != {mine}"
-            for name, mine in vars(self).items()
-            if getattr(layout, name) != mine
+            f"{name} {getattr(layout, name)} != {value}"
+            for name, value in mine.items()
+            if getattr(layout, name) != value
         ]
         return "; ".join(differ) or None
 
@@ -91,73 +106,6 @@ class KVGeometry:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` → ``"bfloat16"`` (the spelling of ``KVLayout.dtype``)."""
     return DTYPE_NAMES[dtype]
-
-
-@dataclass
-class _Mapped:
-    ref: RegionRef
-    identity: tuple[int, int]  # (st_dev, st_ino) of the file mapped
-    mapping: mmap.mmap
-    view: torch.Tensor  # [S, tp, L, 2, C, block_size, H, D], over ``mapping``
-
-
-class RegionViews:
-    """Region files mapped as tensors, the ``keep`` most recently used generations at most.
-
-    Each use checks the file again (one ``stat``): a file that is gone, resized or replaced is
-    never read through an old mapping (ranks that still judge it differently agree before any
-    copy: ``run_kv_transfers``)."""
-
-    def __init__(self, keep: int = KEEP_GENERATIONS) -> None:
-        self.keep = keep
-        self._mapped: OrderedDict[tuple[str, str], _Mapped] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._mapped)
-
-    def view(self, ref: RegionRef) -> torch.Tensor:
-        """The region as ``[num_slots, tp_size, num_layers, 2, blocks_per_chunk, block_size,
-        num_kv_heads, head_dim]``; raises ``RegionUnavailable``."""
-        key = (ref.path, ref.generation)
-        size = ref.num_slots * ref.layout.slot_bytes
-        try:
-            stat = os.stat(ref.path)
-        except OSError as exc:
-            self._mapped.pop(key, None)
-            raise RegionUnavailable(f"region {ref.path} cannot be opened: {exc}") from exc
-        if stat.st_size != size or size == 0:
-            self._mapped.pop(key, None)
-            raise RegionUnavailable(f"region {ref.path} is {stat.st_size} bytes, not {size}")
-        mapped = self._mapped.get(key)
-        if mapped is None or mapped.ref != ref or mapped.identity != (stat.st_dev, stat.st_ino):
-            mapped = self._map(ref, size)
-            self._mapped[key] = mapped
-        self._mapped.move_to_end(key)
-        while len(self._mapped) > self.keep:
-            self._mapped.popitem(last=False)  # the mapping closes with its last view
-        return mapped.view
-
-    @staticmethod
-    def _map(ref: RegionRef, size: int) -> _Mapped:
-        try:
-            fd = os.open(ref.path, os.O_RDWR)
-        except OSError as exc:
-            raise RegionUnavailable(f"region {ref.path} cannot be opened: {exc}") from exc
-        try:
-            stat = os.fstat(fd)
-            if stat.st_size != size:
-                raise RegionUnavailable(f"region {ref.path} is {stat.st_size} bytes, not {size}")
-            mapping = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        layout = ref.layout
-        shape = (
-            *(ref.num_slots, layout.tp_size, layout.num_layers, 2, layout.blocks_per_chunk),
-            *(layout.block_size, layout.num_kv_heads, layout.head_dim),
-        )
-        with torch.inference_mode(False):  # a plain tensor, writable inside and outside
-            view = torch.frombuffer(mapping, dtype=TORCH_DTYPES[layout.dtype]).view(shape)
-        return _Mapped(ref, (stat.st_dev, stat.st_ino), mapping, view)
 
 
 Agree = Callable[[list[bool]], list[bool]]
@@ -271,34 +219,50 @@ def run_kv_transfers(
     )
     if view is None:
         return result
-    _copy(
-        result,
-        view[:, tp_rank],
-        kv_cache,
-        _batch(stores, failed_stores),
-        _batch(loads, failed_loads),
-        ref.layout.rank_block_bytes,
-    )
+    part = _RankPart.of(view, ref.layout, tp_rank, tp_size)
+    store_batch = _batch(stores, failed_stores)
+    if part.mapping is not None:  # ranks holding the same heads take turns writing a chunk
+        store_batch = store_batch.only_slots(part.mapping.is_writer)
+    _copy(result, part, kv_cache, store_batch, _batch(loads, failed_loads))
     return result
+
+
+@dataclass(frozen=True)
+class _RankPart:
+    """This rank's part of every slot of a region (``view``), its bytes per block, and its
+    canonical mapping (None: the layout is per rank)."""
+
+    view: torch.Tensor
+    block_bytes: int
+    mapping: CanonicalMapping | None
+
+    @classmethod
+    def of(cls, view: torch.Tensor, layout: KVLayout, tp_rank: int, tp_size: int) -> _RankPart:
+        if not layout.canonical:
+            return cls(view[:, tp_rank], layout.rank_block_bytes, None)
+        mapping = CanonicalMapping.of(layout.num_kv_heads, tp_size, tp_rank)
+        part = canonical_part(view, mapping.run(layout), mapping.num_heads)
+        block_bytes = layout.rank_block_bytes * mapping.num_heads // layout.num_kv_heads
+        return cls(part, block_bytes, mapping)
 
 
 def _copy(
     result: KVTransferResult,
-    rank_view: torch.Tensor,
+    part: _RankPart,
     kv_cache: KVCache,
     stores: CopyBatch,
     loads: CopyBatch,
-    block_bytes: int,
 ) -> None:
     """Run the stores, then the loads; record their bytes and seconds in ``result``."""
+    head_major = part.mapping is not None
     started = time.perf_counter()
     if stores.block_ids:
-        store_blocks(rank_view, kv_cache, stores)
-        result.num_store_bytes = len(stores.block_ids) * block_bytes
+        store_blocks(part.view, kv_cache, stores, head_major=head_major)
+        result.num_store_bytes = len(stores.block_ids) * part.block_bytes
     loaded = time.perf_counter()
     if loads.block_ids:
-        load_blocks(rank_view, kv_cache, loads)
-        result.num_load_bytes = len(loads.block_ids) * block_bytes
+        load_blocks(part.view, kv_cache, loads, head_major=head_major)
+        result.num_load_bytes = len(loads.block_ids) * part.block_bytes
     result.store_time_s = loaded - started
     result.load_time_s = time.perf_counter() - loaded
 

@@ -59,11 +59,11 @@ class ModelFacts:
     max_model_len: int
     vocab_size: int
     eos_token_ids: list[int]
-    # this rank's KV cache geometry (``WorkerInfo``'s, for KV offload)
-    num_layers: int = 0
+    num_layers: int = 0  # this rank's KV cache geometry (``WorkerInfo``'s, for KV offload)
     num_kv_heads: int = 0
     head_dim: int = 0
     kv_dtype: str = ""
+    total_kv_heads: int = 0  # the model's
 
 
 @dataclass
@@ -153,6 +153,7 @@ class ModelRunner:
             num_kv_heads=num_kv_heads,
             head_dim=cfg.head_dim,
             kv_dtype=dtype_name(self.dtype),
+            total_kv_heads=cfg.num_kv_heads,
         )
         return self.facts
 

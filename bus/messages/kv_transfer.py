@@ -155,6 +155,9 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
     kv_lookup_timeout_s: float = 2.0
     max_pending_store_chunks: int = 1024
     backpressure: BackpressureConfig = msgspec.field(default_factory=BackpressureConfig)
+    # Chunks in a layout independent of the tensor-parallel size (``KVLayout.canonical``): a
+    # chunk stored at TP=2 loads at TP=1 and back.
+    canonical_layout: bool = False
 
     def __post_init__(self) -> None:
         _one_of(str(self.kv_connector), ("None", "OffloadingConnector"), "kv_connector")
@@ -219,7 +222,7 @@ EXTRA_KEYS = (
     *(f for f in KVTransferConfig.__struct_fields__ if f not in ("kv_connector", "kv_role")),
 )  # fmt: skip
 EXTRA_UNSUPPORTED = (
-    "cache_policy_module_path", "canonical_layout", "tier_poll_interval_s",
+    "cache_policy_module_path", "tier_poll_interval_s",
     "sync_load_budget_bytes", "self_describing_kv_events", "spec_module_path",
 )  # fmt: skip
 FS_UNSUPPORTED = ("n_read_threads", "n_write_threads")

@@ -6,8 +6,10 @@ cores on its host copy blocks between their KV cache and those slots (``KVTransf
 by ``ExecuteStep``). Secondary tiers (filesystem) read and write the same region.
 
 A slot's layout (``KVLayout``): ``[tp_rank][layer][k|v][block_in_chunk][block_size, heads,
-head_dim]``; each tensor-parallel rank copies its own part. Keys are offload keys
-(``tiers.keys``: block hash + KV group index).
+head_dim]``, each tensor-parallel rank copying its own part; or, canonical (independent of the
+tensor-parallel size), ``[layer][k|v][block_in_chunk][kv_head][block_size, head_dim]`` over
+every KV head of the model, each rank copying its heads. Keys are offload keys (``tiers.keys``:
+block hash + KV group index).
 
 Engine core → CPU tier, request/reply on ``subjects.tier_in(tier_id)``:
 
@@ -39,22 +41,34 @@ DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class KVLayout(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
-    """The KV cache geometry an offloaded chunk has; equal layouts can share chunks."""
+    """The KV cache geometry an offloaded chunk has; equal layouts can share chunks.
+
+    A slot holds ``tp_size`` parts, one per tensor-parallel rank, each ``[layer][k|v]
+    [block_in_chunk][block_size, num_kv_heads, head_dim]`` (token-major, as the rank's cache
+    has it). A ``canonical`` layout describes the chunk instead of the deployment that wrote
+    it: one part (``tp_size`` 1) of every KV head of the model (``num_kv_heads`` is the
+    model's), ``[layer][k|v][block_in_chunk][kv_head][block_size, head_dim]`` in global head
+    order (head-major: a rank's heads are one contiguous run per layer, k|v and block;
+    ``workers.kv_canonical``). Its bytes are the same whatever tensor-parallel size wrote
+    them, so deployments of one model at TP=1 and TP=2 have equal canonical layouts."""
 
     model_tag: str  # names the model and its KV format (also a directory name of the fs tier)
     num_layers: int
     block_size: int
-    num_kv_heads: int  # per tensor-parallel rank
+    num_kv_heads: int  # per part: a rank's, or the model's (canonical)
     head_dim: int
     dtype: str
-    tp_size: int
+    tp_size: int  # parts per slot: the tensor-parallel size, or 1 (canonical)
     blocks_per_chunk: int
+    canonical: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
             raise ValueError(
                 f"KV dtype must be one of {', '.join(DTYPE_SIZES)}, got {self.dtype!r}"
             )
+        if self.canonical and self.tp_size != 1:
+            raise ValueError(f"a canonical KV layout has one part (tp_size 1), not {self.tp_size}")
         for name in (
             "num_layers",
             "block_size",
@@ -72,7 +86,7 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True)
 
     @property
     def rank_block_bytes(self) -> int:
-        """K and V of one block, every layer, one rank."""
+        """K and V of one block, every layer, one part (a rank's, or every head: canonical)."""
         return (
             2
             * self.num_layers
@@ -88,7 +102,7 @@ class KVLayout(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True)
 
     @property
     def slot_bytes(self) -> int:
-        """One chunk, every rank."""
+        """One chunk, every part."""
         return self.tp_size * self.rank_chunk_bytes
 
 

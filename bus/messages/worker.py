@@ -195,6 +195,7 @@ class WorkerInfo(msgspec.Struct, tag="info", array_like=True, omit_defaults=True
     num_kv_heads: int = 0  # this rank's
     head_dim: int = 0
     kv_dtype: str = ""
+    total_kv_heads: int = 0  # the model's (every rank's together), for a canonical layout
 
 
 class ResetDone(msgspec.Struct, tag="reset_done", array_like=True, omit_defaults=True):

@@ -58,22 +58,30 @@ _REPLY: Codec[TierReply] = Codec(TierReply)
 
 def kv_layout(config: ShoalConfig, infos: Sequence[WorkerInfo]) -> KVLayout:
     """The chunk layout of an engine core whose workers reported ``infos``; its model tag names
-    the checkpoint and everything that shapes its KV bytes or its keys. ``ValueError`` when the
-    workers did not report their KV geometry."""
+    the checkpoint and everything that shapes its KV bytes or its keys. With
+    ``canonical_layout`` it names every KV head of the model in one part, not the
+    tensor-parallel size, so deployments of the model at any TP size share it. ``ValueError``
+    when the workers did not report their KV geometry."""
     info = infos[0]
     if info.num_layers < 1 or info.kv_dtype not in DTYPE_SIZES:
         raise ValueError(f"worker {info.worker_id} did not report its KV cache geometry")
-    model = config.model_config
+    model, transfer = config.model_config, config.kv_transfer_config
+    num_kv_heads, tp_size = info.num_kv_heads, info.tp_size
+    if transfer.canonical_layout:
+        if info.total_kv_heads < 1:
+            raise ValueError(f"worker {info.worker_id} did not report its model's KV heads")
+        num_kv_heads, tp_size = info.total_kv_heads, 1
     shape = (
         model.model,
         info.num_layers,
         info.block_size,
-        info.num_kv_heads,
+        num_kv_heads,
         info.head_dim,
         info.kv_dtype,
-        info.tp_size,
-        config.kv_transfer_config.blocks_per_chunk,
+        tp_size,
+        transfer.blocks_per_chunk,
         config.cache_config.prefix_caching_hash_algo,
+        *(("canonical",) if transfer.canonical_layout else ()),
     )
     digest = hashlib.sha256(repr(shape).encode()).hexdigest()[:12]
     name = re.sub(r"[^A-Za-z0-9_-]+", "-", model.name.rstrip("/").rsplit("/", 1)[-1])[:48]
@@ -81,11 +89,12 @@ def kv_layout(config: ShoalConfig, infos: Sequence[WorkerInfo]) -> KVLayout:
         model_tag=f"{name or 'model'}-{digest}",
         num_layers=info.num_layers,
         block_size=info.block_size,
-        num_kv_heads=info.num_kv_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=info.head_dim,
         dtype=info.kv_dtype,
-        tp_size=info.tp_size,
-        blocks_per_chunk=config.kv_transfer_config.blocks_per_chunk,
+        tp_size=tp_size,
+        blocks_per_chunk=transfer.blocks_per_chunk,
+        canonical=transfer.canonical_layout,
     )
 
 

@@ -57,6 +57,7 @@ FULL = {
         "kv_lookup_timeout_s": 0.5,
         "max_pending_store_chunks": 8,
         "offload_policy": "request_level",
+        "canonical_layout": True,
     },
 }
 EXPECTED = KVTransferConfig(
@@ -77,6 +78,7 @@ EXPECTED = KVTransferConfig(
     kv_lookup_timeout_s=0.5,
     max_pending_store_chunks=8,
     offload_policy="request_level",
+    canonical_layout=True,
 )
 
 
@@ -134,7 +136,7 @@ def test_kv_role_defaults_to_both_and_missing_extra_config_still_needs_the_bytes
 @pytest.mark.parametrize(
     ("kv_transfer_config", "problem"),
     [
-        (_extra(canonical_layout=True), "extra_config.canonical_layout is not supported"),
+        (_extra(canonical_layout="yes"), r"`bool`.*`kv_connector_extra_config\.canonical_layout`"),
         (_extra(cache_policy_module_path="x"), "cache_policy_module_path is not supported"),
         (_extra(tier_poll_interval_s=0.01), "tier_poll_interval_s is not supported"),
         (_extra(sync_load_budget_bytes=1), "sync_load_budget_bytes is not supported"),
