@@ -22,7 +22,7 @@ from shoal.bus.jetstream import ObjectStore
 from shoal.bus.messages.offload import SecondaryAttached
 from shoal.bus.nats_bus import NatsBus
 from shoal.tiers.obj_actor import ObjTierActor
-from shoal.tiers.obj_store import ObjectChunks, TierStoreError
+from shoal.tiers.obj_store import ObjectChunks
 from tests.actors.test_fs_tier_actor import LAYOUT, REPLY_S, done, key, pattern
 from tests.actors.test_obj_tier_actor import ObjHarness, object_names
 from tests.integration.conditions import wait_for
@@ -207,16 +207,37 @@ async def test_an_object_whose_chunks_are_gone_is_a_miss_at_once(
     assert tier.load()["num_chunks_corrupt"] == 1
 
 
-async def test_probe_errors_are_store_errors(hosts: tuple[Host, Host]) -> None:
-    """A probe over a store that cannot answer raises the tier's own error (so a lookup
-    answers from its index), not the NATS client's."""
+async def test_a_store_that_cannot_answer_a_probe_costs_a_miss(hosts: tuple[Host, Host]) -> None:
+    """The store's own error in a probe (not a timeout) is the tier's: the lookup is answered
+    from the index."""
     a, _ = hosts
     tier = await a.tier()
-    chunks = chunks_of(tier)
+    a.fill([0], [1])
+    assert await a.cascade([1], [0]) == done(1)
 
     async def broken_info(name: str) -> Any:
         raise OSError("connection reset")
 
-    chunks.store.info = broken_info  # type: ignore[method-assign]
-    with pytest.raises(TierStoreError):
-        await chunks.probe([key(1)])
+    chunks_of(tier).store.info = broken_info  # type: ignore[method-assign]
+    assert await a.held(1, 2) == 1
+    assert tier.load()["num_probe_failures"] == 1
+
+
+async def test_a_replaced_object_leaves_only_its_new_chunks(hosts: tuple[Host, Host]) -> None:
+    """shoal's put in nats-py's format: nats-py's own client reads the object (and who wrote
+    it); putting the name again purges the old chunks."""
+    a, _ = hosts
+    assert isinstance(a.client, NatsBus)
+    bucket = f"shoal_kv_{a.namespace}"
+    store = await ObjectStore.open(a.client, bucket)
+    await store.put("x", b"1" * (200 * 1024), writer="ha-cpu-obj0")
+    first = await chunk_subjects(a)
+    assert [e.writer for e in await store.list()] == ["ha-cpu-obj0"]
+    await store.put("x", b"2" * (300 * 1024))
+    await wait_for(lambda: store.num_orphans == 0, REPLY_S, "the old chunks purged")
+    now = await chunk_subjects(a)
+    assert len(first) == len(now) == 1 and first != now and list(now.values()) == [3]
+    theirs = await a.client.client.jetstream().object_store(bucket)
+    assert (await theirs.get("x")).data == b"2" * (300 * 1024)
+    entry = await store.info("x")
+    assert entry is not None and entry.writer == "" and entry.size == 300 * 1024
