@@ -181,7 +181,7 @@ async def test_a_timed_out_chunk_write_leaves_nothing(hosts: tuple[Host, Host]) 
     a, _ = hosts
     tier = await a.tier(io_timeout_s=0.5)
     a.fill([0], [1])
-    held = await hold_publishes(chunks_of(tier).store, after=2)  # part 0 (chunk, meta) put
+    held = await hold_publishes(chunks_of(tier).store, after=3)  # part 1's meta is held
     assert await a.cascade([1], [0]) == done(failed=(1,))
     assert held.is_set()
     await wait_for(lambda: chunks_of(tier).store.num_orphans == 0, REPLY_S, "purged")
