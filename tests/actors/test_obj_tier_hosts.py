@@ -241,3 +241,38 @@ async def test_a_replaced_object_leaves_only_its_new_chunks(hosts: tuple[Host, H
     assert (await theirs.get("x")).data == b"2" * (300 * 1024)
     entry = await store.info("x")
     assert entry is not None and entry.writer == "" and entry.size == 300 * 1024
+
+
+async def test_an_adoptions_delete_spares_a_chunk_stored_again_meanwhile(
+    hosts: tuple[Host, Host],
+) -> None:
+    """An adoption evicts B's own chunk 7 while a cascade that stores 7 again waits for the
+    write lock: the delete runs behind it and leaves the live object alone."""
+    a, b = hosts
+    await a.tier()
+    tier = await b.tier(num_chunks=2)
+    b.fill([0, 1, 2], [6, 7, 8])
+    assert await b.cascade([6], [0]) == done(6)
+    assert await b.cascade([7], [1]) == done(7)
+    chunks, release, entered = chunks_of(tier), asyncio.Event(), asyncio.Event()
+    real = chunks.write_chunk
+
+    async def held_write(key: bytes, slot: memoryview, deadline: float = 0.0) -> None:
+        entered.set()
+        await asyncio.wait_for(release.wait(), REPLY_S)
+        await real(key, slot, deadline)
+
+    chunks.write_chunk = held_write  # type: ignore[method-assign]
+    first = asyncio.create_task(b.cascade([8], [2]))  # 6 evicted; 8's write holds the lock
+    await asyncio.wait_for(entered.wait(), REPLY_S)
+    again = asyncio.create_task(b.cascade([7], [1]))  # waits for the lock
+    await wait_for(lambda: tier.num_cascades_queued == 2, REPLY_S, "the second cascade queued")
+    a.fill([3], [1])
+    assert await a.cascade([1], [3]) == done(1)
+    assert await b.held(1) == 1  # adopted: 7 evicted, its delete queued behind the cascades
+    release.set()
+    assert await first == done(8) and await again == done(7)
+    await wait_for(lambda: not tier._evictions, REPLY_S, "the adoption's delete ran")
+    assert await b.held(7) == 1
+    assert object_names(tier, 7) <= await b.names()
+    assert await b.promote([7], [4]) == done(7) and b.slot(4) == pattern(7, SIZE)
