@@ -3,10 +3,12 @@ as their CPU tiers drive them.
 
 A chunk host A puts after host B attached is found by B's lookup (the store is asked for the
 keys past B's index; an incomplete chunk is not) and promoted; each tier's budget deletes only
-the objects it wrote and only forgets the other host's, at attach and later; a lookup whose
-probe of the store hangs is answered from the index in time; a put cut short by a cancellation
-or a timeout leaves neither its object nor its chunk messages in the stream; an object whose
-chunk messages are gone is a miss at once (not a read timeout), and removed."""
+the objects it wrote and only forgets the other host's, at attach and later, and an adoption's
+delete spares a chunk stored again while it waited; a lookup whose probe of the store hangs or
+fails is answered from the index in time; a put cut short by a cancellation or a timeout leaves
+neither its object nor its chunk messages in the stream, and a replaced object's old chunks are
+purged (the objects stay readable by nats-py); an object whose chunk messages are gone is a miss
+at once (not a read timeout), and removed."""
 
 from __future__ import annotations
 
