@@ -121,7 +121,8 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
             log.debug("%r: probe failed: %s", self, exc)
             return num
         if found and self.store is store and self.index is index:
-            self._adopt(store, index, keys[:num], found)
+            held = [key for key in keys[:num] if key in index.chunks]  # a cascade may evict
+            self._adopt(store, index, held, found)
         return self._num_leading_ready(keys)
 
     def _adopt(
@@ -142,13 +143,18 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         index.take_events()
         self.num_chunks_adopted += len(new)
         if out.evicted_keys:
-            task = asyncio.create_task(self._evict_behind_writes(store, out.evicted_keys))
+            evict = self._evict_behind_writes(store, index, out.evicted_keys)
+            task = asyncio.create_task(evict)
             self._evictions.add(task)
             task.add_done_callback(self._evictions.discard)
 
-    async def _evict_behind_writes(self, store: ObjectChunks, keys: Sequence[OffloadKey]) -> None:
+    async def _evict_behind_writes(
+        self, store: ObjectChunks, index: OffloadManager, keys: Sequence[OffloadKey]
+    ) -> None:
+        """Evict ``keys`` once the cascades before have run, but not one that a cascade stored
+        or a lookup adopted again meanwhile (its object is live)."""
         async with self._write_lock:
-            await self._evict(store, keys)
+            await self._evict(store, [key for key in keys if key not in index.chunks])
 
     async def _evict(self, store: ObjectChunks, keys: Sequence[OffloadKey]) -> None:
         """Past the budget: this tier's own chunks deleted, foreign ones only forgotten."""
