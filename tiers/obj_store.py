@@ -12,10 +12,13 @@ part missing, of another format, key or length, or failing either digest raises
 copies into the slot only before it (``DeadlinePassed``).
 
 Async over ``bus.jetstream.ObjectStore`` (chunked reads through a pull consumer); the copies and
-digests of a part run in a thread, so a large chunk never holds the event loop. ``scan`` lists
-the bucket: the complete chunks of this layout, oldest put first (reads do not refresh an
-object's time, so after a restart recency is the order of storing), parts of incomplete chunks
-removed. A store that cannot be reached raises ``TierStoreError``.
+digests of a part run in a thread, so a large chunk never holds the event loop. Each object
+records its writer (the tier actor's id): ``FoundChunk.is_own`` tells a tier the chunks it may
+delete for its byte budget from those another host's tier wrote. ``scan`` lists the bucket: the
+complete chunks of this layout, oldest put first (reads do not refresh an object's time, so
+after a restart recency is the order of storing), parts of incomplete chunks removed. ``probe``
+asks the store, without a listing, which of a prefix's chunks another host put since. A store
+that cannot be reached raises ``TierStoreError``.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Sequence
+from typing import NamedTuple, TypeVar
 
 from shoal.bus.base import BusError, PayloadIntegrityError
-from shoal.bus.jetstream import ObjectStore
+from shoal.bus.jetstream import ObjectEntry, ObjectStore
 from shoal.bus.messages.offload import KVLayout
 from shoal.tiers.chunk_format import (
     CorruptChunk,
@@ -42,6 +45,14 @@ from shoal.tiers.keys import OffloadKey
 
 T = TypeVar("T")
 _UNSAFE_BUCKET = re.compile(r"[^A-Za-z0-9_-]+")
+PROBE_BATCH = 64  # keys asked at once by ``probe`` after its first one was found
+
+
+class FoundChunk(NamedTuple):
+    """A complete chunk in the store, and whether this tier wrote every part of it."""
+
+    key: OffloadKey
+    is_own: bool
 
 
 class TierStoreError(Exception):
@@ -56,9 +67,12 @@ def default_bucket(namespace: str) -> str:
 class ObjectChunks:
     """The chunk objects of one layout in ``store``."""
 
-    def __init__(self, store: ObjectStore, layout: KVLayout, *, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, store: ObjectStore, layout: KVLayout, *, writer: str = "", timeout_s: float = 10.0
+    ) -> None:
         self.store = store
         self.layout = layout
+        self.writer = writer  # recorded in every object put, to tell this tier's own apart
         self.timeout_s = timeout_s
         self.prefix = f"{model_dir_name(layout.model_tag)}/"
         self.part_dirs = [part_dir_name(layout, rank) for rank in range(layout.tp_size)]
@@ -75,7 +89,7 @@ class ObjectChunks:
         check_deadline(key, deadline)  # the slot may have been reused while it was copied
         try:
             for rank, part in enumerate(parts):
-                await self._call(self.store.put(self.name(key, rank), part))
+                await self._call(self.store.put(self.name(key, rank), part, writer=self.writer))
         except BaseException:
             with contextlib.suppress(TierStoreError):
                 await asyncio.shield(self.delete(key))
@@ -102,22 +116,47 @@ class ObjectChunks:
             found |= await self._call(self.store.delete(self.name(key, rank)))
         return found
 
-    async def scan(self) -> list[OffloadKey]:
+    async def scan(self) -> list[FoundChunk]:
         """The complete chunks of this layout, oldest first; removes incomplete chunks' parts."""
-        times: dict[str, list[str]] = {}
+        parts: dict[str, list[ObjectEntry]] = {}
         for entry in await self._call(self.store.list()):
             part, _, name = entry.name.removeprefix(self.prefix).partition("/")
             if entry.name.startswith(self.prefix) and part in self.part_dirs and _is_hex(name):
-                times.setdefault(name, []).append(entry.mtime)
+                parts.setdefault(name, []).append(entry)
         found = []
-        for name, stamps in times.items():
-            if len(stamps) == self.layout.tp_size:
-                found.append((max(stamps), name))
+        for name, entries in parts.items():
+            if len(entries) == self.layout.tp_size:
+                found.append((max(e.mtime for e in entries), name, self._is_own(entries)))
             else:
                 await self.delete(bytes.fromhex(name))
-        return [bytes.fromhex(name) for _, name in sorted(found)]
+        return [FoundChunk(bytes.fromhex(name), own) for _, name, own in sorted(found)]
+
+    async def probe(self, keys: Sequence[OffloadKey]) -> list[FoundChunk]:
+        """The leading ``keys`` whose every part is in the store now: the first key's parts
+        asked alone (a miss costs one round trip), then ``PROBE_BATCH`` keys at a time while
+        all are found. Nothing is read or removed."""
+        found: list[FoundChunk] = []
+        batch = 1
+        while len(found) < len(keys):
+            wanted = keys[len(found) : len(found) + batch]
+            answers = await asyncio.gather(*(self._parts_info(key) for key in wanted))
+            for key, entries in zip(wanted, answers, strict=True):
+                if entries is None:
+                    return found
+                found.append(FoundChunk(key, self._is_own(entries)))
+            batch = PROBE_BATCH
+        return found
 
     # -- helpers --------------------------------------------------------------------------------
+
+    async def _parts_info(self, key: OffloadKey) -> list[ObjectEntry] | None:
+        """Every part's entry, or None if one is missing."""
+        names = [self.name(key, rank) for rank in range(self.layout.tp_size)]
+        entries = await asyncio.gather(*(self._call(self.store.info(n)) for n in names))
+        return None if any(e is None for e in entries) else [e for e in entries if e is not None]
+
+    def _is_own(self, entries: Sequence[ObjectEntry]) -> bool:
+        return bool(self.writer) and all(e.writer == self.writer for e in entries)
 
     async def _get_part(self, key: OffloadKey, rank: int) -> bytes | bytearray:
         try:

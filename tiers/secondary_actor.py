@@ -8,7 +8,7 @@ Requests on ``subjects.tier_in(actor_id)`` (``bus.messages.offload``), each answ
   by the subclass's ``_open`` (least recently used first) and indexed within the byte budget
   (``bytes_to_use // layout.slot_bytes`` chunks; the oldest past it are deleted).
 - ``TierLookup`` → ``TierHeld``: the leading keys held and ready (nothing is pinned: a promote
-  that follows reads what is still there).
+  that follows reads what is still there); a subclass's ``_lookup`` may find more in its store.
 - ``TierCascade`` → ``TierJobDone``: stores the slots. Cascades run one at a time in arrival
   order (an eviction's delete and a rewrite of the same key never race); at most
   ``max_queued_cascades`` wait or run, and one past that is answered at once with every key
@@ -193,7 +193,7 @@ class SecondaryTierActor(Actor, Generic[S]):
             case TierAttach(layout=layout):
                 return await self._attach(layout)
             case TierLookup(keys=keys):
-                return TierHeld(self._num_leading_ready(keys))
+                return TierHeld(await self._lookup(keys))
             case TierCascade():
                 return await self._cascade(request)
             case TierPromote():
@@ -221,6 +221,11 @@ class SecondaryTierActor(Actor, Generic[S]):
                 log.info("%r: %d chunks found (%d over budget)", self, len(found), len(evicted))
             assert self.index is not None
             return SecondaryAttached(len(self.index.chunks), self.index.usage)
+
+    async def _lookup(self, keys: Sequence[OffloadKey]) -> int:
+        """How many leading ``keys`` are held: the index's answer (a subclass whose store other
+        hosts write to may look there for the keys past it)."""
+        return self._num_leading_ready(keys)
 
     def _num_leading_ready(self, keys: Iterable[OffloadKey]) -> int:
         index, num = self.index, 0
