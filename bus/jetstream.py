@@ -29,6 +29,7 @@ from shoal.bus.base import BusTimeoutError, PayloadIntegrityError
 from shoal.bus.nats_bus import NatsBus
 
 FETCH_BATCH = 64
+CONSUMER_IDLE_S = 30.0  # a read's consumer left behind (its delete lost) goes after this
 CHUNK_BYTES = 128 * 1024  # nats-py's chunk size, well under any server's max_payload
 
 
@@ -217,12 +218,23 @@ class ObjectStore:
             filter_subject=f"$O.{self.name}.C.{info.nuid}",
             ack_policy=api.AckPolicy.NONE,
             deliver_policy=api.DeliverPolicy.ALL,
+            inactive_threshold=CONSUMER_IDLE_S,  # the server's clean-up if ours never runs
         )
         created = await self._js.add_consumer(self._stream, config=config)
-        if (created.num_pending or 0) < num_chunks:  # purged or never complete: fail now
-            raise PayloadIntegrityError(
-                f"object {name!r}: {created.num_pending or 0} of {num_chunks} chunks"
-            )
+        try:
+            if (created.num_pending or 0) < num_chunks:  # purged or never complete: fail now
+                raise PayloadIntegrityError(
+                    f"object {name!r}: {created.num_pending or 0} of {num_chunks} chunks"
+                )
+            buffer = await self._fetch(name, consumer, size, num_chunks, timeout)
+        finally:  # one consumer per read: a stream holds a bounded number of them
+            self._delete_consumer_soon(consumer)
+        await asyncio.to_thread(_check_digest, name, buffer, info.digest or "")
+        return buffer
+
+    async def _fetch(
+        self, name: str, consumer: str, size: int, num_chunks: int, timeout: float
+    ) -> bytearray:
         sub = await self._js.pull_subscribe_bind(consumer, stream=self._stream)
         buffer = bytearray()
         try:
@@ -235,8 +247,19 @@ class ObjectStore:
             raise BusTimeoutError(f"object {name!r}: {len(buffer)}/{size} bytes") from None
         finally:
             await sub.unsubscribe()
-        await asyncio.to_thread(_check_digest, name, buffer, info.digest or "")
         return buffer
+
+    def _delete_consumer_soon(self, consumer: str) -> None:
+        """Delete a read's consumer in a task of its own (a cancelled read does not wait)."""
+        task = asyncio.get_running_loop().create_task(self._delete_consumer(consumer))
+        self._purges.add(task)
+        task.add_done_callback(self._purges.discard)
+
+    async def _delete_consumer(self, consumer: str) -> None:
+        try:
+            await self._js.delete_consumer(self._stream, consumer)
+        except Exception:  # unreachable now: the server drops it once idle
+            return
 
     # -- helpers --------------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ Requests on ``subjects.tier_in(actor_id)`` (``bus.messages.offload``), each answ
   changes nothing, another one (a restarted CPU tier) switches to that layout's chunks, found
   by the subclass's ``_open`` (least recently used first) and indexed within the byte budget
   (``bytes_to_use // layout.slot_bytes`` chunks; the oldest past it are deleted).
+- Before its first attach (this actor restarted), every other request gets a ``TierError``:
+  the CPU tier's link then attaches it again.
 - ``TierLookup`` → ``TierHeld``: the leading keys held and ready (nothing is pinned: a promote
   that follows reads what is still there); a subclass's ``_lookup`` may find more in its store.
 - ``TierCascade`` → ``TierJobDone``: stores the slots. Cascades run one at a time in arrival
@@ -192,6 +194,10 @@ class SecondaryTierActor(Actor, Generic[S]):
         match request:
             case TierAttach(layout=layout):
                 return await self._attach(layout)
+        if self.store is None and not self._attach_lock.locked():
+            # never attached (this actor restarted): the CPU tier's link attaches it again
+            return TierError(f"tier {self.actor_id} is not attached: send TierAttach first")
+        match request:
             case TierLookup(keys=keys):
                 return TierHeld(await self._lookup(keys))
             case TierCascade():

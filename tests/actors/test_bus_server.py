@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from shoal.bus import connect_bus
-from shoal.bus.base import BusError, Msg
+from shoal.bus.base import BusError, Msg, PayloadIntegrityError
 from shoal.bus.jetstream import KvBucket, KvEntry, ObjectStore
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server, keep_running
@@ -147,6 +147,32 @@ async def test_a_deleted_object_leaves_no_marker_behind(nats_bus: NatsBus):
     js = nats_bus.client.jetstream()
     info = await js.stream_info("OBJ_test_deletes", subjects_filter="$O.test_deletes.M.>")
     assert len(info.state.subjects or {}) == 2  # the two live names' metadata only
+
+
+async def test_reads_leave_no_consumer_behind(nats_bus: NatsBus):
+    """Each read pulls through a consumer of its own: it is deleted once the read is over,
+    whole, failed or cut short, so a tier reading thousands of chunks never hits the
+    stream's consumer limit."""
+    store = await ObjectStore.open(nats_bus, "test_consumers")
+    await store.put("whole", b"x" * 300_000)  # three chunks
+    await store.put("gone", b"y" * 300_000)
+    js = nats_bus.client.jetstream()
+    info = await js.object_store("test_consumers")
+    gone = await info.get_info("gone")
+    await js.purge_stream("OBJ_test_consumers", subject=f"$O.test_consumers.C.{gone.nuid}")
+    for _ in range(5):
+        assert await store.get("whole") == b"x" * 300_000
+    with pytest.raises(PayloadIntegrityError):
+        await store.get("gone")
+
+    async def num_consumers() -> int:
+        return (await js.stream_info("OBJ_test_consumers")).state.consumer_count
+
+    for _ in range(100):  # bounded: the deletes run in tasks of their own
+        if await num_consumers() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert await num_consumers() == 0
 
 
 async def test_user_password_and_token_authentication():

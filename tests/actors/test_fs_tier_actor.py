@@ -26,7 +26,7 @@ import pytest
 from shoal.bus.actor import Actor, call
 from shoal.bus.base import Bus, BusTimeoutError, Msg, NoRespondersError
 from shoal.bus.codec import Codec
-from shoal.bus.messages.config import FsTierConfig, ShoalConfig
+from shoal.bus.messages.config import FsTierConfig, KVTransferConfig, ShoalConfig
 from shoal.bus.messages.control import Heartbeat
 from shoal.bus.messages.offload import (
     KVLayout,
@@ -56,6 +56,7 @@ from shoal.deploy.deployment import (
     start_in_process,
     stop_in_process,
 )
+from shoal.tiers.cpu_actor import CpuTierActor
 from shoal.tiers.fs_actor import FsTierActor
 from shoal.tiers.fs_store import TMP_SUFFIX, ChunkFiles
 from shoal.tiers.keys import make_offload_key
@@ -318,8 +319,13 @@ async def test_layouts_live_apart_and_a_new_one_switches(h: Harness, tmp_path: P
 
 async def test_bad_requests_get_clear_answers(h: Harness) -> None:
     await h.tier()
-    assert await h.held(1) == 0  # nothing attached yet
-    assert await h.promote([1], [0]) == done(failed=(1,))
+    for request in (  # nothing attached yet (a restarted tier): the CPU tier attaches again
+        TierLookup("engine-0/1", keys(1)),
+        TierPromote(h.region.ref, keys(1), [0]),
+        TierCascade(h.region.ref, keys(1), [0]),
+    ):
+        reply = await h.ask(request)
+        assert isinstance(reply, TierError) and "not attached" in reply.message, reply
     huge = KVLayout("huge", 64, 16, 8, 128, "float16", 1, 1)
     reply = await h.ask(TierAttach(huge))
     assert isinstance(reply, TierError) and "bytes_to_use" in reply.message
@@ -548,5 +554,64 @@ async def test_behind_the_cpu_tier_as_the_deployment_plans_them(
         region.close()
         assert read == [pattern(i, layout.slot_bytes) for i in (1, 2)]
         assert fs.load()["num_chunks_loaded"] == 2
+    finally:
+        await stop_in_process(actors)
+
+
+async def test_a_restarted_fs_tier_is_attached_again_by_its_cpu_tier(
+    bus_factory: BusFactory, tmp_path: Path
+) -> None:
+    """The fs tier process restarts: the CPU tier's next job finds it unattached, detaches the
+    link, attaches it again (its files found) and cascades and promotes through it again."""
+    layout = KVLayout("tiny/llama:f16", 2, 4, 2, 8, "float16", 1, 1)
+    fs_config = FsTierConfig(path=str(tmp_path / "kv"), bytes_to_use=1 << 20)
+    kv = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        cpu_bytes_to_use=8 * layout.slot_bytes,
+        secondary_tiers=(fs_config,),
+    )
+    namespace = f"fsr{secrets.token_hex(4)}"
+    bus = await bus_factory()
+    fs_id = kv.secondary_tier_ids[0]
+
+    def new_fs() -> FsTierActor:
+        return FsTierActor(bus, fs_id, tier_config=fs_config, namespace=namespace)
+
+    cpu = CpuTierActor(
+        bus, kv_config=kv, namespace=namespace, region_directory=tmp_path,
+        sweep_interval_s=0.1, secondary_retry_s=0.1, drain_timeout_s=0.5,
+    )  # fmt: skip
+    fs = new_fs()
+    actors: list[Actor] = [fs, cpu]
+    for actor in actors:
+        await actor.start()
+    subject = Subjects(namespace).tier_in(kv.cpu_tier_id)
+
+    async def ask(request: Any) -> Any:
+        return await call(bus, subject, request, _REPLY, timeout=REPLY_S)
+
+    async def store(*ids: int) -> None:
+        slots = await ask(TierPrepareStore("engine-0/1", keys(*ids)))
+        assert isinstance(slots, TierStoreSlots)
+        region = SharedRegion.attach(attached.region)
+        for seed, slot_id in zip(ids, slots.slot_ids, strict=True):
+            region.slot(slot_id)[:] = pattern(seed, layout.slot_bytes)
+        region.close()
+        await ask(TierRelease("engine-0/1", stored_keys=slots.keys))
+
+    try:
+        attached = await ask(TierAttach(layout))
+        assert isinstance(attached, TierAttached)
+        await store(1)
+        await wait_for(lambda: fs.load()["num_chunks_stored"] == 1, REPLY_S, "cascaded")
+        await fs.stop()
+        actors[0] = fs = new_fs()
+        await fs.start()
+        await store(2)  # its cascade is refused: the link detaches, and is attached again
+        link = cpu.links[0]
+        await wait_for(lambda: link.is_attached and fs.store is not None, REPLY_S, "attached")
+        await store(3)
+        await wait_for(lambda: fs.load()["num_chunks_stored"] == 1, REPLY_S, "cascaded again")
+        assert fs.load()["num_chunks_held"] == 2  # chunk 1 found on disk, chunk 3 written
     finally:
         await stop_in_process(actors)
