@@ -280,8 +280,8 @@ def _add_kv_offload_arguments(g: Group) -> None:
         help="KV offload in vLLM's spelling: JSON such as '{\"kv_connector\": "
         '"OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": '
         '{"cpu_bytes_to_use": 8589934592, "eviction_policy": "arc", "secondary_tiers": '
-        '[{"type": "fs", "path": "/mnt/kv"}, {"type": "obj", "bytes_to_use": 68719476736}], '
-        '"backpressure": {"high_water_s": 2.0}}}\'',
+        '[{"type": "fs", "path": "/mnt/kv"}, {"type": "obj", "bytes_to_use": 68719476736}, '
+        '{"type": "p2p"}], "canonical_layout": true, "backpressure": {"high_water_s": 2.0}}}\'',
     )
     either.add_argument(
         "--kv-offloading-size",

@@ -323,3 +323,15 @@ def test_serve_and_actor_take_the_flags(tmp_path) -> None:  # type: ignore[no-un
 def test_offload_without_prefix_caching_is_refused_naming_both() -> None:
     with pytest.raises(ValueError, match=r"kv_transfer_config.*enable_prefix_caching"):
         ShoalConfig.from_options(model="m", enable_prefix_caching=False, kv_offloading_size=1)
+
+
+def test_the_help_example_parses_with_every_tier_type() -> None:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a.choices, dict))
+    serve = commands.choices["serve"]
+    text = next(a.help for a in serve._actions if a.dest == "kv_transfer_config")
+    assert text is not None
+    example = json.loads(text[text.index("'{") + 1 : text.rindex("}'") + 1])
+    tiers = ShoalConfig.from_options(model="m", kv_transfer_config=example).kv_transfer_config
+    assert [t.type for t in tiers.secondary_tiers] == ["fs", "obj", "p2p"]
+    assert tiers.canonical_layout
