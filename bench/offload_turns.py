@@ -7,17 +7,24 @@ one of them (each turn evicts the other's prefix from the local prefix cache).
 - ``fs`` / ``obj``: a CPU tier holding one prefix in front of a filesystem / object-store tier
   (the other conversation evicted it from the CPU tier: it is promoted, then loaded). ``obj``
   runs on a NATS server (the JetStream Object Store).
-- ``p2p``: two hosts of one deployment on a NATS server. The first turns run on host A (its CPU
-  tier keeps both conversations), then A's engine core goes and the returning turns run on
-  host B, whose CPU tier holds one prefix: each return is looked up in A's CPU tier through
-  the p2p tiers, pulled over NATS and loaded.
+- ``p2p``: two hosts of one deployment on a NATS server. The first turns run on host A, a
+  process of its own (``bench/offload_host.py``; its CPU tier keeps both conversations), then
+  A's engine core goes and the returning turns run on host B, here, whose CPU tier holds one
+  prefix: each return is looked up in A's CPU tier through the p2p tiers, streamed from A's
+  region into B's over TCP on loopback, and loaded.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import random
 import statistics
+import sys
 import uuid
+from asyncio.subprocess import PIPE
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -36,6 +43,7 @@ from bench.offload_engine import (
 
 MODES = ("recompute", "cpu", "fs", "obj", "p2p")
 NATS_MODES = ("obj", "p2p")
+HOST_A_TIMEOUT_S = 600.0  # host A's start and first turns
 
 
 def turn_tokens(args: Any) -> int:
@@ -76,17 +84,20 @@ async def returning_turns(
     url = nats_url if mode in NATS_MODES else None
     namespace = f"bench-offload-{uuid.uuid4().hex[:8]}"
     async with AsyncExitStack() as stack:
-        host = "a" if mode == "p2p" else ""
-        engine = await open_engine(
-            stack, model, args, url, namespace, **mode_options(model, args, mode, host)
-        )
-        answers = []
-        for i, first in enumerate(firsts):
-            answers.append((await turn(engine, first, args.max_tokens, f"first-{i}")).token_ids)
-        if mode == "p2p":  # the conversations return on another host
-            await engine.stop_engine_core()
+        if mode == "p2p":  # first turns on host A (another process), the returns on B (here)
+            host_a = mode_options(model, args, mode, "a")
+            answers = await stack.enter_async_context(
+                host_in_a_process(model, args, url, namespace, host_a, firsts)
+            )
             options = mode_options(model, args, mode, "b")
             engine = await open_engine(stack, model, args, url, namespace, **options)
+        else:
+            options = mode_options(model, args, mode)
+            engine = await open_engine(stack, model, args, url, namespace, **options)
+            answers = []
+            for i, first in enumerate(firsts):
+                done = await turn(engine, first, args.max_tokens, f"first-{i}")
+                answers.append(done.token_ids)
         before = stats(engine)
         returns = []
         for n, follow_up in enumerate(follow_ups):
@@ -123,3 +134,46 @@ def figures(
 
 
 __all__ = ["MODES", "NATS_MODES", "Engine", "returning_turns"]
+
+
+@contextlib.asynccontextmanager
+async def host_in_a_process(
+    model: Model,
+    args: Any,
+    nats_url: str | None,
+    namespace: str,
+    options: dict[str, Any],
+    prompts: list[list[int]],
+) -> AsyncIterator[list[list[int]]]:
+    """``bench/offload_host.py`` running the first turns on host A; their answers. Host A's
+    tiers serve its peers until the context ends."""
+    job = {
+        "model": str(model.path),
+        "kv_bytes_per_token": model.kv_bytes_per_token,
+        "nats_url": nats_url,
+        "namespace": namespace,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "max_tokens": args.max_tokens,
+        "options": options,
+        "prompts": prompts,
+    }
+    script = Path(__file__).with_name("offload_host.py")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(script), stdin=PIPE, stdout=PIPE
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        proc.stdin.write(json.dumps(job).encode() + b"\n")
+        await proc.stdin.drain()
+        line = await asyncio.wait_for(proc.stdout.readline(), HOST_A_TIMEOUT_S)
+        if not line:
+            raise RuntimeError(f"host A exited ({await proc.wait()}) before answering")
+        yield json.loads(line)["answers"]
+    finally:
+        proc.stdin.close()
+        try:
+            await asyncio.wait_for(proc.wait(), 30)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()

@@ -8,9 +8,10 @@ region and received into the asking host's slot (no copy in between). TCP paces 
 the receiver. The server closes the stream at a chunk it cannot serve (the session ended): the
 asker keeps the leading chunks that arrived whole and checked.
 
-A chunk's receive starts only before the asker's stop time and is cut at it (its slot is then
-never written past the promotion's deadline); a damaged chunk (digest) fails, and its slot is
-left to be freed by the CPU tier, never marked readable.
+The asker receives in a thread (blocking reads straight into the slots; its event loop stays
+free). A chunk's receive starts only before the asker's stop time and every read is cut at it
+(a slot is never written past the promotion's deadline); a damaged chunk (digest) fails, and its
+slot is left to be freed by the CPU tier, never marked readable.
 """
 
 from __future__ import annotations
@@ -164,7 +165,9 @@ class StreamJob:
 
 async def receive_stream(job: StreamJob) -> list[Exception | None]:
     """Each key's error (None: in its slot, checked); the keys after the first failure are not
-    received. Connecting failing raises ``OSError`` (the caller may read over the bus instead)."""
+    received. Connecting failing raises ``OSError`` (the caller may read over the bus instead).
+    The chunks are received in a thread (blocking reads straight into the slots, the event
+    loop left free); a cancelled caller shuts the stream, which ends the thread's read."""
     loop = asyncio.get_running_loop()
     host, port = job.address.rsplit(":", 1)
     conn = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -174,31 +177,50 @@ async def receive_stream(job: StreamJob) -> list[Exception | None]:
             await loop.sock_connect(conn, (host, int(port)))
         request = msgspec.msgpack.encode(PeerStream(job.session, job.start, len(job.keys)))
         await loop.sock_sendall(conn, _LENGTH.pack(len(request)) + request)
-        errors: list[Exception | None] = []
-        for index in range(len(job.keys)):
-            try:
-                await _receive_chunk(loop, conn, job, index)
-            except (ChannelClosed, CorruptChunk, OSError, TimeoutError) as exc:
-                rest = ChannelClosed("not received: an earlier chunk failed")
-                return [*errors, exc.with_traceback(None)] + [rest] * (len(job.keys) - index - 1)
-            errors.append(None)
-        return errors
+        conn.setblocking(True)
+        try:
+            return await asyncio.to_thread(_receive_all, conn, job)
+        finally:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
 
-async def _receive_chunk(
-    loop: asyncio.AbstractEventLoop, conn: socket.socket, job: StreamJob, index: int
-) -> None:
+def _receive_all(conn: socket.socket, job: StreamJob) -> list[Exception | None]:
+    errors: list[Exception | None] = []
+    for index in range(len(job.keys)):
+        try:
+            _receive_chunk(conn, job, index)
+        except (ChannelClosed, CorruptChunk, OSError) as exc:
+            rest = ChannelClosed("not received: an earlier chunk failed")
+            return [*errors, exc.with_traceback(None)] + [rest] * (len(job.keys) - index - 1)
+        errors.append(None)
+    return errors
+
+
+def _receive_chunk(conn: socket.socket, job: StreamJob, index: int) -> None:
+    """One chunk into its slot; no read lasts past ``job.stop`` or the chunk's time."""
     key = job.keys[index]
-    left = job.stop - time.time()
-    if left <= 0:
-        raise TimeoutError(f"chunk {key.hex()}: the promotion's time is up")
+    end = min(job.stop, time.time() + job.chunk_timeout_s)
     with job.region.slot(job.slot_ids[index]) as slot:
-        async with asyncio.timeout(min(job.chunk_timeout_s, left)):
-            head = await _recv_exactly(loop, conn, head_size(key))
-            digest = check_head(head, key, len(slot))
-            await _recv_into(loop, conn, slot)
+        head = bytearray(head_size(key))
+        _read_into(conn, memoryview(head), end, key)
+        digest = check_head(head, key, len(slot))
+        _read_into(conn, slot, end, key)
         if payload_digest(slot) != digest:
             raise CorruptChunk(key, "payload digest mismatch")
+
+
+def _read_into(conn: socket.socket, view: memoryview, end: float, key: OffloadKey) -> None:
+    got = 0
+    while got < len(view):
+        left = end - time.time()
+        if left <= 0:
+            raise TimeoutError(f"chunk {key.hex()}: not received in its time")
+        conn.settimeout(left)
+        num = conn.recv_into(view[got:])
+        if num == 0:
+            raise ChannelClosed(f"stream closed after {got} of {len(view)} bytes")
+        got += num
 
 
 def advertised_host(data_host: str) -> tuple[str, str]:
