@@ -12,10 +12,10 @@ waits for it, pins for its own owner what it brought and goes on with the rest o
 a chunk is promoted once, however many lookups want it. This is vLLM's RETRY answered inside
 the tier: the engine core's lookup is already asynchronous (its request is parked meanwhile), so
 a reply is always final, never "ask again". A promotion whose answer timed out is waited for no
-more (its slots stay reserved until their lease ends: pending). Chunks an engine core is still
-storing are not waited for either: their copy lands with that engine core's next step, whenever
-that comes (a long prefill; a stalled or dead engine core holds them until its lease ends), so
-the reply counts them in ``num_pending`` and the requester recomputes them.
+more (its slots stay reserved, pending, until just past its deadline). Chunks an engine core
+is still storing are not waited for either: their copy lands with that engine core's next step,
+whenever that comes (a long prefill; a stalled or dead engine core holds them until its lease
+ends), so the reply counts them in ``num_pending`` and the requester recomputes them.
 
 Every pin and pending store has a lease (``lease_s``); a periodic sweep hands back the expired
 ones, so a dead engine core, or a secondary whose answer never came, leaks no slot. A
@@ -26,8 +26,9 @@ it named this one.
 Every cascade and promotion carries a ``deadline`` (wall clock): the instant, well inside the
 lease of its pins or reserved slots, after which the secondary must touch none of its slots.
 Cascades are bounded per secondary (``max_cascades_in_flight``, promotions counted too): past
-that, stores are dropped and counted, loads never; a job whose answer timed out stays counted
-until its lease ends, since it may still be running there.
+that, stores are dropped and counted, loads never. A job whose answer timed out may still be
+running there: its pins or reserved slots are held, and it stays counted, until a little past its
+deadline (``_DEADLINE_MARGIN_S``), then handed back (a failed job).
 
 Every wait on a secondary is bounded, and one lookup's waits together (on the secondaries'
 lookups and promotions, its own or others' in flight) fit in ``promote_budget_s``, by default
@@ -70,7 +71,7 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.tiers.backpressure import StoreBackpressure
-from shoal.tiers.cpu_books import CpuTierBooks
+from shoal.tiers.cpu_books import CpuTierBooks, Promotion
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.manager import OffloadManager
 from shoal.tiers.promotion_waits import PromotionWaits
@@ -81,6 +82,13 @@ log = logging.getLogger(__name__)
 
 _INBOUND: Codec[TierInbound] = Codec(TierInbound)
 _MIN_WAIT_S = 0.01  # less budget than this left: ask no further secondary
+_DEADLINE_MARGIN_S = 0.5  # a job's slots are freed this long after its deadline (wall clock)
+
+
+async def _past(deadline: float) -> None:
+    """Sleep until a little past ``deadline`` (``time.time()``): a secondary whose answer did
+    not come touches none of the job's slots after it."""
+    await asyncio.sleep(max(0.0, deadline - time.time() + _DEADLINE_MARGIN_S))
 
 
 class CpuTierActor(Actor):
@@ -326,15 +334,19 @@ class CpuTierActor(Actor):
                 region.ref, promotion.keys, promotion.slot_ids, left, deadline
             )
         except SecondaryTimeout:
-            # it may still write the slots: they stay reserved until their lease ends
+            # it may still write the slots until the deadline: they are freed just after it
             books.abandon_promotion(promotion)
-            self._spawn(self._count_out_at_lease_end(link, started))
+            self._spawn(self._end_abandoned(link, promotion, deadline))
             return []
         except SecondaryFailed:
             link.num_in_flight -= 1
             return books.finish_promotion(promotion, [])
-        except BaseException:  # cancelled (the tier stops): the secondary may still write
+        except asyncio.CancelledError:  # the tier stops
             books.abandon_promotion(promotion)
+            raise
+        except BaseException:  # a bug of ours: the secondary may still write, as on a timeout
+            books.abandon_promotion(promotion)
+            self._spawn(self._end_abandoned(link, promotion, deadline))
             raise
         else:
             link.num_in_flight -= 1
@@ -388,9 +400,12 @@ class CpuTierActor(Actor):
             reply = await link.cascade(region.ref, keys, slot_ids, self.cascade_timeout_s, deadline)
         except SecondaryTimeout:
             pressure.record_store(time.monotonic() - pinned_at, succeeded=False)
-            books.counters.num_cascade_failures += len(keys)
-            # it may still read the slots: they stay pinned, and it counted, until the lease ends
-            await self._count_out_at_lease_end(link, pinned_at)
+            # it may still read the slots until the deadline: pinned, and counted, until then
+            try:
+                await _past(deadline)
+            finally:
+                link.num_in_flight -= 1
+                books.finish_cascade(keys, 0)
             return
         except SecondaryFailed:
             pressure.record_store(time.monotonic() - pinned_at, succeeded=False)
@@ -401,13 +416,16 @@ class CpuTierActor(Actor):
         pressure.record_store(time.monotonic() - pinned_at, succeeded=True)  # it answered
         books.finish_cascade(keys, len(set(reply.done_keys) & set(keys)))
 
-    async def _count_out_at_lease_end(self, link: SecondaryLink, taken_at: float) -> None:
-        """A job whose answer timed out may still run on the secondary: it stays counted in
-        ``num_in_flight`` until the lease of its slots (taken at ``taken_at``) ends."""
+    async def _end_abandoned(
+        self, link: SecondaryLink, promotion: Promotion, deadline: float
+    ) -> None:
+        """A promotion whose answer never came may still run on the secondary until its
+        deadline: its slots stay reserved, and it counted in ``num_in_flight``, until then."""
         try:
-            await asyncio.sleep(max(0.0, taken_at + self.lease_s - time.monotonic()))
+            await _past(deadline)
         finally:
             link.num_in_flight -= 1
+            self._books_and_region()[0].finish_promotion(promotion, [])
 
     # -- helpers ----------------------------------------------------------------------------
 

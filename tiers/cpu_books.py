@@ -24,7 +24,7 @@ enter as new ones (the manager's insert) with no frequency credit.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from shoal.tiers.keys import OffloadKey
@@ -80,8 +80,10 @@ class CpuTierBooks:
         self.leases = OwnerLeases()
         self.counters = CpuTierCounters()
         self._promotion_ids = itertools.count(1)
-        self._promotions: dict[int, set[OffloadKey]] = {}  # in flight: id → keys it brings
-        self._promoting: dict[OffloadKey, int] = {}  # key → the promotion in flight bringing it
+        # id → the keys a promotion still holds reserved (until it ends or their lease does)
+        self._promotions: dict[int, set[OffloadKey]] = {}
+        # key → the promotion in flight bringing it (a lookup may wait for it; not abandoned)
+        self._promoting: dict[OffloadKey, int] = {}
 
     # -- engine cores -----------------------------------------------------------------------
 
@@ -186,11 +188,15 @@ class CpuTierBooks:
     def finish_promotion(
         self, promotion: Promotion, done_keys: Collection[OffloadKey]
     ) -> list[OffloadKey]:
-        """A promotion answered: ``done_keys`` are readable, the rest of its keys are dropped.
-        The keys promoted (an expired reservation is gone: its key is not among them)."""
-        self._end_promotion(promotion.promotion_id)
+        """A promotion answered (or, abandoned, is past the time its secondary may write):
+        ``done_keys`` are readable, the rest of its keys are dropped. The keys promoted; a key
+        whose reservation expired is not settled (another promotion may hold it now)."""
+        held = self._promotions.pop(promotion.promotion_id, set())
+        self._stop_waits(promotion.promotion_id, held)
         done = set(done_keys)
-        reserved = self.leases.take_stores(PROMOTE_OWNER, promotion.keys)
+        reserved = self.leases.take_stores(
+            PROMOTE_OWNER, [key for key in promotion.keys if key in held]
+        )
         promoted = [key for key in reserved if key in done]
         self.manager.complete_store(promoted, success=True)
         self.manager.complete_store([k for k in reserved if k not in done], success=False)
@@ -199,13 +205,16 @@ class CpuTierBooks:
         return promoted
 
     def abandon_promotion(self, promotion: Promotion) -> None:
-        """A promotion whose answer never came: the secondary may still write its slots, so
-        they stay reserved until their lease ends (``expire``); no lookup waits for it now."""
-        self._end_promotion(promotion.promotion_id)
+        """A promotion whose answer never came: no lookup waits for it now; the secondary may
+        still write its slots until the promotion's deadline, so they stay reserved until the
+        caller finishes it (``finish_promotion(promotion, [])``) past that, or their lease
+        ends (``expire``)."""
+        self._stop_waits(promotion.promotion_id, self._promotions.get(promotion.promotion_id, ()))
 
     @property
     def num_promotions_in_flight(self) -> int:
-        return len(self._promotions)
+        """Promotions a lookup may still wait for."""
+        return len(set(self._promoting.values()))
 
     # -- cascades ---------------------------------------------------------------------------
 
@@ -224,9 +233,10 @@ class CpuTierBooks:
         """Unpin and fail everything held since before ``cutoff``; the owners concerned."""
         expired = self.leases.expire(cutoff)
         for key in expired.stores:  # a promotion outlived by its lease brings nothing any more
-            promotion_id = self._promoting.pop(key, None)
-            if promotion_id is not None:
-                self._promotions[promotion_id].discard(key)
+            self._promoting.pop(key, None)
+            for held in self._promotions.values():
+                held.discard(key)
+        self._promotions = {pid: held for pid, held in self._promotions.items() if held}
         self.manager.complete_load(expired.pins)
         self.manager.complete_store(expired.stores, success=False)
         self.counters.num_pins_expired += len(expired.pins)
@@ -248,7 +258,7 @@ class CpuTierBooks:
             return LookupResult.MISS
         return LookupResult.HIT if chunk.is_ready else LookupResult.HIT_PENDING
 
-    def _end_promotion(self, promotion_id: int) -> None:
-        for key in self._promotions.pop(promotion_id, set()):
+    def _stop_waits(self, promotion_id: int, keys: Iterable[OffloadKey]) -> None:
+        for key in keys:
             if self._promoting.get(key) == promotion_id:
                 del self._promoting[key]

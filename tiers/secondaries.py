@@ -6,8 +6,10 @@ cascade is dropped) and attaches it again in the background, at most once per ``
 a dead or slow secondary never holds up an engine core.
 
 A request that timed out may still be running on the secondary (it may still be reading or
-writing region slots): ``SecondaryTimeout`` tells the caller to keep those slots held until their
-lease runs out instead of freeing them at once.
+writing region slots): ``SecondaryTimeout`` tells the caller to keep those slots held until the
+job's deadline has passed instead of freeing them at once. A timeout detaches the link only when
+the wait was the link's own (``timeout_s``): one cut short by the caller's budget says nothing
+about the secondary.
 """
 
 from __future__ import annotations
@@ -157,7 +159,8 @@ class SecondaryLink:
         try:
             reply = await call(self.bus, self.subject, request, codec, timeout=timeout_s)
         except BusTimeoutError as exc:
-            self.detach(f"{type(request).__name__}: {exc}")
+            if timeout_s >= self.timeout_s:  # a shorter wait was the caller's budget running out
+                self.detach(f"{type(request).__name__}: {exc}")
             raise SecondaryTimeout(str(exc)) from None
         except (BusError, DecodeError) as exc:
             self.detach(f"{type(request).__name__}: {exc!r}")

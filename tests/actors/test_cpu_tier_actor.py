@@ -503,21 +503,34 @@ async def test_a_slow_secondary_gets_its_stores_dropped_but_loads_go_on(deployme
     assert tier.load()["num_backpressure_dropped"] == 2.0
 
 
-async def test_a_cascade_left_unanswered_keeps_its_pins_until_their_lease(deployment):
+async def test_a_cascade_left_unanswered_keeps_its_pins_until_its_deadline(deployment):
     kv = deployment.kv_config(num_slots=4, secondary=True)
     double = await deployment.start_secondary(kv)
     double.gate_cascades = True  # it may still read the slots after the tier stops waiting
-    tier = await deployment.start_tier(
-        kv, lease_s=1.0, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
+    tier = await deployment.start_tier(  # the cascade's deadline: lease_s / 2, 1.5 s in
+        kv, lease_s=3.0, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
     )
     region = await deployment.attach()
     await deployment.store(region, K[0])
-    await wait_for(lambda: tier.load()["num_cascade_failures"] == 1.0, "the cascade timed out")
-    assert tier.load()["num_pins"] == 1.0 and not tier.links[0].is_attached
-    assert tier.links[0].num_in_flight == 1  # it may still run there: it still counts
-    await wait_for(lambda: tier.load()["num_pins"] == 0.0, "the cascade's lease ran out")
-    assert tier.load()["num_pins_expired"] == 1.0
-    await wait_for(lambda: tier.links[0].num_in_flight == 0, "counted out at the lease's end")
+    await wait_for(lambda: not tier.links[0].is_attached, "the cascade timed out")
+    assert tier.load()["num_pins"] == 1.0  # it may still read the slot until the deadline
+    assert tier.links[0].num_in_flight == 1  # and it still counts
+    await wait_for(lambda: tier.load()["num_pins"] == 0.0, "handed back past the deadline")
+    assert tier.links[0].num_in_flight == 0 and tier.load()["num_cascade_failures"] == 1.0
+    assert tier.load()["num_pins_expired"] == 0.0  # not by the lease (3 s)
+
+
+async def test_only_a_wait_of_the_links_own_length_detaches_it(deployment):
+    """A lookup whose budget is nearly spent (it waited for another's promotion) asks a
+    secondary with what is left: that running out says nothing about the secondary."""
+    kv = deployment.kv_config(num_slots=4, secondary=True)
+    double = await deployment.start_secondary(kv)
+    double.hang_lookups = True
+    tier = await deployment.start_tier(kv, secondary_timeout_s=0.2)
+    await deployment.attach()
+    link = tier.links[0]
+    assert await link.held([K[0]], timeout_s=0.05) == 0 and link.is_attached
+    assert await link.held([K[0]]) == 0 and not link.is_attached  # its own 0.2 s: detached
 
 
 async def test_run_actor_builds_it_from_the_deployments_json(deployment):
@@ -535,23 +548,23 @@ async def test_run_actor_builds_it_from_the_deployments_json(deployment):
     assert Path((await deployment.attach()).path).parent == deployment.directory
 
 
-async def test_a_promotion_left_unanswered_keeps_its_slots_until_their_lease(deployment):
+async def test_a_promotion_left_unanswered_keeps_its_slots_until_its_deadline(deployment):
     kv = deployment.kv_config(num_slots=4, secondary=True)
     double = await deployment.start_secondary(kv)
     double.chunks[K[1]] = payload(K[1])
     double.hang_promotes = True  # it may still write the slots after the tier stops waiting
     tier = await deployment.start_tier(
-        kv, lease_s=1.0, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
+        kv, lease_s=3.0, sweep_interval_s=0.05, secondary_timeout_s=0.1, cascade_timeout_s=0.1
     )
     region = await deployment.attach()
     await deployment.store(region, K[0])
     reply = await deployment.lookup(K[0], K[1], timeout=ENGINE_PATIENCE_S)
     assert len(reply.slot_ids) == 1 and reply.usage == 0.5  # K[1]'s slot is still reserved
-    assert tier.load()["num_pending_stores"] == 1.0 and not tier.links[0].is_attached
-    assert tier.links[0].num_in_flight == 1  # it may still write the slot: it still counts
-    await wait_for(lambda: tier.load()["num_pending_stores"] == 0.0, "the reservation's lease")
-    await wait_for(lambda: tier.links[0].num_in_flight == 0, "counted out at the lease's end")
-    assert tier.load()["usage"] == 0.25 and tier.load()["num_stores_expired"] == 1.0
+    assert tier.load()["num_pending_stores"] == 1.0 and tier.links[0].num_in_flight == 1
+    await wait_for(lambda: tier.load()["num_pending_stores"] == 0.0, "freed past the deadline")
+    assert tier.links[0].num_in_flight == 0 and tier.load()["usage"] == 0.25
+    assert tier.load()["num_stores_expired"] == 0.0  # not by the lease (3 s)
+    assert tier.load()["num_promote_failures"] == 1.0
 
 
 async def test_other_generations_are_ignored_and_renewals_counted(deployment):

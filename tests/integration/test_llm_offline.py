@@ -124,13 +124,22 @@ def _engine_core(llm: LLM) -> EngineCore:
 
 
 def _poll(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    """Poll from a plain thread, bounded; True once ``predicate`` holds."""
+    """Poll from a plain thread, bounded; True once ``predicate`` holds. It reads the engine
+    core while the loop thread changes it: a read that meets a change midway (a dict resized)
+    is tried again."""
     deadline = time.monotonic() + timeout_s
-    while not predicate():
+    while not _holds(predicate):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
     return True
+
+
+def _holds(predicate: Callable[[], bool]) -> bool:
+    try:
+        return predicate()
+    except RuntimeError:  # "dictionary changed size during iteration"
+        return False
 
 
 def test_an_interrupted_generate_aborts_its_requests_in_the_engine_core(tiny_checkpoint):  # type: ignore[no-untyped-def]
