@@ -269,6 +269,32 @@ def test_an_abandoned_promotion_keeps_its_slots_but_nobody_waits_for_it():
     assert books.manager.num_used_slots == 0
 
 
+def test_an_abandoned_promotion_finished_past_its_deadline_frees_its_slots():
+    books = CpuTierBooks(OffloadManager(2))
+    promotion = books.reserve_promotion([K[0], K[1]], 1.0)
+    assert promotion is not None
+    books.abandon_promotion(promotion)
+    assert books.finish_promotion(promotion, []) == []
+    assert books.manager.num_used_slots == 0 and books.leases.num_stores == 0
+    assert books.counters.num_promote_failures == 2
+    assert books.lookup_head(A, [K[0]], 1.5).may_promote  # a miss now: promote it again
+
+
+def test_a_late_finish_never_settles_a_key_another_promotion_holds_now():
+    """P1's reservation expires, P2 reserves the same key (another slot, unwritten): P1's
+    late answer must not make P2's slot readable."""
+    books = CpuTierBooks(OffloadManager(2))
+    first = books.reserve_promotion([K[0]], 1.0)
+    assert first is not None
+    books.expire(cutoff=2.0)
+    second = books.reserve_promotion([K[0]], 3.0)
+    assert second is not None
+    assert books.finish_promotion(first, [K[0]]) == []
+    assert books.manager.lookup(K[0]) is LookupResult.HIT_PENDING  # still P2's to write
+    assert books.finish_promotion(second, [K[0]]) == [K[0]]
+    assert books.manager.lookup(K[0]) is LookupResult.HIT
+
+
 def test_a_lease_that_outlives_a_promotion_in_flight_ends_it_for_waiters_too():
     books = CpuTierBooks(OffloadManager(4))
     promotion = books.reserve_promotion([K[0], K[1]], 1.0)
