@@ -37,13 +37,10 @@ async def engine_stack(
     block_size: int = 16,
     max_num_seqs: int = 32,
     max_num_batched_tokens: int = 512,
-    id_prefix: str = "",
     **options: Any,
 ) -> AsyncIterator[EngineStack]:
-    """Workers ``<id_prefix>w<rank>`` and engine cores ``<id_prefix>e<rank>`` serving
-    ``model_dir`` in fp32, plus a started client; ``options`` are more config options
-    (``namespace``, ``max_model_len``...). Two stacks of one namespace with their own
-    ``id_prefix`` (and ``cpu_tier_id``) are two hosts of one deployment."""
+    """Workers ``w<rank>`` and engine cores ``e<rank>`` serving ``model_dir`` in fp32, plus a
+    started client; ``options`` are more config options (``namespace``, ``max_model_len``...)."""
     config = ShoalConfig.from_options(
         model=str(model_dir),
         dtype="float32",
@@ -57,12 +54,11 @@ async def engine_stack(
     tiers = await start_in_process(bus, plan_tiers(config))
     try:
         for rank in range(num_engines):
-            worker_id, engine_id = f"{id_prefix}w{rank}", f"{id_prefix}e{rank}"
-            worker = WorkerActor(bus, worker_id, config=config, heartbeat_interval_s=0.2)
+            worker = WorkerActor(bus, f"w{rank}", config=config, heartbeat_interval_s=0.2)
             await worker.start()
             workers.append(worker)
             engine = EngineCoreActor(
-                bus, engine_id, config=config, worker_ids=[worker_id], heartbeat_interval_s=0.2
+                bus, f"e{rank}", config=config, worker_ids=[f"w{rank}"], heartbeat_interval_s=0.2
             )
             await engine.start()
             engines.append(engine)

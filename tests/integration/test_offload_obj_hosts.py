@@ -21,13 +21,18 @@ import pytest
 import pytest_asyncio
 
 from shoal.bus.jetstream import ObjectEntry, ObjectStore
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.server import NatsServer
 from shoal.engine.recovery.actor import RecoveryControllerActor
 from tests.integration.conditions import wait_for
 from tests.integration.engine_stack import EngineStack, engine_stack
-from tests.integration.obj_hosts import OBJ_TIER, Host, fresh_cpu_tier, start_host
+from tests.integration.offload_hosts import (
+    OBJ_TIER,
+    Host,
+    fresh_cpu_tier,
+    reference_turns,
+    start_host,
+)
 from tests.integration.offload_workload import (
     BLOCK_SIZE,
     FIRST_TURNS,
@@ -52,16 +57,7 @@ def model_dir(tiny_checkpoint) -> Path:  # type: ignore[no-untyped-def]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def reference(model_dir: Path) -> Turns:
-    """Offload off: both turns of every conversation computed on one host."""
-    bus = InMemoryBus(InMemoryBroker())
-    await bus.connect()
-    host = await start_host(bus, model_dir, "objref", "ref", offload=False)
-    try:
-        answers = await host.first_turns()
-        return answers + await host.second_turns(answers)
-    finally:
-        await host.stop()
-        await bus.close()
+    return await reference_turns(model_dir)
 
 
 @pytest.fixture

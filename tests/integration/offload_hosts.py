@@ -1,16 +1,19 @@
-"""Hosts that share one NATS (one namespace, so one object-tier bucket) in one event loop: each
-its own CPU tier (``<name>-cpu``), object tier (``<name>-cpu-obj0``), worker ``w-<name>`` and
-engine core ``e-<name>``; requests go straight to a host's engine core (``BareClient``), so a
-conversation can start on one host and go on on another."""
+"""Hosts of one deployment (one namespace: one object-tier bucket, one set of p2p peers) in one
+event loop: each its own CPU tier (``<name>-cpu``) and secondary tiers (an object tier
+``<name>-cpu-obj0`` by default), worker ``w-<name>`` and engine core ``e-<name>``; requests go
+straight to a host's engine core (``BareClient``), so a conversation can start on one host and
+go on on another."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
+from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.deploy.deployment import CPU_TIER_TARGET, plan_tiers, start_in_process, stop_in_process
@@ -32,11 +35,18 @@ OBJ_TIER = {"type": "obj", "bytes_to_use": 64 << 20}
 REPLY_S = 60.0  # a turn on one tiny model, however loaded the machine
 
 
-def host_config(model_dir: Path, namespace: str, name: str, offload: bool = True) -> ShoalConfig:
-    """One host's config; with ``offload`` a CPU tier of its own and an object tier."""
+def host_config(
+    model_dir: Path,
+    namespace: str,
+    name: str,
+    offload: bool = True,
+    secondary_tiers: Sequence[dict[str, Any]] = (OBJ_TIER,),
+) -> ShoalConfig:
+    """One host's config; with ``offload`` a CPU tier of its own and ``secondary_tiers``."""
     options: dict[str, Any] = {}
     if offload:
-        options = offload_options(cpu_tier_id=f"{name}-cpu", secondary_tiers=[OBJ_TIER])
+        tiers = list(secondary_tiers)
+        options = offload_options(cpu_tier_id=f"{name}-cpu", secondary_tiers=tiers)
     return ShoalConfig.from_options(
         model=str(model_dir),
         dtype="float32",
@@ -91,10 +101,15 @@ class Host:
 
 
 async def start_host(
-    bus: Bus, model_dir: Path, namespace: str, name: str, offload: bool = True
+    bus: Bus,
+    model_dir: Path,
+    namespace: str,
+    name: str,
+    offload: bool = True,
+    secondary_tiers: Sequence[dict[str, Any]] = (OBJ_TIER,),
 ) -> Host:
     """A host's tiers, worker and engine core, started; returns once its CPU tier is attached."""
-    config = host_config(model_dir, namespace, name, offload)
+    config = host_config(model_dir, namespace, name, offload, secondary_tiers)
     tiers = await start_in_process(bus, plan_tiers(config))
     worker = WorkerActor(bus, f"w-{name}", config=config, heartbeat_interval_s=0.2)
     await worker.start()
@@ -123,3 +138,16 @@ async def fresh_cpu_tier(bus: Bus, config: ShoalConfig, tiers: list[Actor]) -> A
     (fresh,) = await start_in_process(bus, [plan])
     tiers[tiers.index(cpu)] = fresh
     return fresh
+
+
+async def reference_turns(model_dir: Path) -> Turns:
+    """Offload off: both turns of every conversation computed on one host."""
+    bus = InMemoryBus(InMemoryBroker())
+    await bus.connect()
+    host = await start_host(bus, model_dir, "offref", "ref", offload=False)
+    try:
+        answers = await host.first_turns()
+        return answers + await host.second_turns(answers)
+    finally:
+        await host.stop()
+        await bus.close()
