@@ -121,7 +121,7 @@ class NatsBus(Bus):
 
     @property
     def client(self) -> Client:
-        """The nats-py client (for ``bus.jetstream``)."""
+        """The nats-py client (for ``bus.jetstream`` and ``bus.object_store``)."""
         if self._nc is None:
             raise BusClosedError("NATS bus is not connected")
         return self._nc

@@ -31,10 +31,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from shoal.bus.base import Bus
-from shoal.bus.jetstream import ObjectStore
 from shoal.bus.messages.config import ObjTierConfig
 from shoal.bus.messages.offload import KVLayout
 from shoal.bus.nats_bus import NatsBus
+from shoal.bus.object_store import ObjectStore
 from shoal.tiers.chunk_format import CorruptChunk, DeadlinePassed
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.manager import OffloadManager

@@ -11,7 +11,7 @@ part missing, of another format, key or length, or failing either digest raises
 ``deadline`` (``time.time()``; 0.0: none) had not passed once the slot was copied, and a read
 copies into the slot only before it (``DeadlinePassed``).
 
-Async over ``bus.jetstream.ObjectStore`` (chunked reads through a pull consumer); the copies and
+Async over ``bus.object_store.ObjectStore`` (chunked reads through a pull consumer); the copies and
 digests of a part run in a thread, so a large chunk never holds the event loop. Each object
 records its writer (the tier actor's id): ``FoundChunk.is_own`` tells a tier the chunks it may
 delete for its byte budget from those another host's tier wrote. ``scan`` lists the bucket: the
@@ -30,8 +30,8 @@ from collections.abc import Awaitable, Sequence
 from typing import NamedTuple, TypeVar
 
 from shoal.bus.base import BusError, PayloadIntegrityError
-from shoal.bus.jetstream import ObjectEntry, ObjectStore
 from shoal.bus.messages.offload import KVLayout
+from shoal.bus.object_store import ObjectEntry, ObjectStore
 from shoal.tiers.chunk_format import (
     CorruptChunk,
     check_deadline,

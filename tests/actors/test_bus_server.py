@@ -11,8 +11,9 @@ import pytest
 
 from shoal.bus import connect_bus
 from shoal.bus.base import BusError, Msg, PayloadIntegrityError
-from shoal.bus.jetstream import KvBucket, KvEntry, ObjectStore
+from shoal.bus.jetstream import KvBucket, KvEntry
 from shoal.bus.nats_bus import NatsBus
+from shoal.bus.object_store import ObjectStore
 from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server, keep_running
 
 pytestmark = pytest.mark.nats

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.jetstream import ObjectStore
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.config import ObjTierConfig
 from shoal.bus.messages.offload import SecondaryAttached, TierAttach, TierCascade, TierError
 from shoal.bus.nats_bus import NatsBus
+from shoal.bus.object_store import ObjectStore
 from shoal.tiers.obj_actor import ObjTierActor
 from shoal.tiers.obj_store import ObjectChunks
 from tests.actors.test_fs_tier_actor import LAYOUT, NUM_SLOTS, REPLY_S, Harness, done, key, pattern

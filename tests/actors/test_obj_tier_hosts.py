@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.jetstream import ObjectStore
 from shoal.bus.messages.offload import SecondaryAttached
 from shoal.bus.nats_bus import NatsBus
+from shoal.bus.object_store import ObjectStore
 from shoal.tiers.obj_actor import ObjTierActor
 from shoal.tiers.obj_store import ObjectChunks
 from tests.actors.test_fs_tier_actor import LAYOUT, REPLY_S, done, key, pattern

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from shoal.bus.jetstream import ObjectEntry, ObjectStore
 from shoal.bus.nats_bus import NatsBus
+from shoal.bus.object_store import ObjectEntry, ObjectStore
 from shoal.bus.server import NatsServer
 from shoal.engine.recovery.actor import RecoveryControllerActor
 from tests.integration.conditions import wait_for
