@@ -7,20 +7,26 @@ Chunks are objects (``tiers.obj_store.ObjectChunks``) in ``ObjTierConfig.bucket`
 ``bytes_to_use``, the cascade queue and the deadlines are every secondary tier's
 (``tiers.secondary_actor``). At attach the index is rebuilt from the bucket's listing (oldest
 put first); a lookup that the index does not answer in full asks the store for the keys past
-it (``ObjectChunks.probe``, bounded by ``probe_timeout_s``) and adopts what another host put.
+it (``ObjectChunks.probe``, bounded by ``probe_timeout_s``; ``plan_tiers`` gives it an eighth
+of ``kv_lookup_timeout_s``, half the CPU tier's wait for one secondary) and adopts what another
+host put.
 
 The byte budget is this tier's: the index holds at most ``bytes_to_use`` of chunks, its own
 (written by it, under its actor id: a restarted tier owns its predecessor's) and foreign ones
 (found at attach or adopted by a lookup). Past the budget the least recently used leave: an own
 chunk's objects are deleted, a foreign one is only forgotten (its writer's budget deletes it),
 so no tier deletes another host's fresh objects because the bucket holds more than its own
-budget. A damaged object is removed whoever wrote it. Deletes caused by a lookup's adoption run
-behind the cascades (the write lock), so a delete never races a rewrite of the same key.
+budget. A damaged object is removed whoever wrote it. Whether a chunk that leaves is deleted or
+forgotten is decided as it leaves; the deletes caused by a lookup's adoption then run behind the
+cascades (the write lock), so a delete never races a rewrite of the same key (and a layout
+switch meanwhile does not make another host's chunk look like this tier's).
 
 It needs a NATS bus (on another bus an attach is refused). At most ``max_concurrent_io`` chunks
 are read and as many written at once (apart: a promote never waits behind a cascade's puts);
-a job whose deadline passes while one of its keys is on the wire waits for that
-key (its copy into or out of the slot happens only before the deadline).
+a read waits for the store only until its job's deadline, and a cascade whose deadline passes
+while one of its keys is on the wire waits for that key (its copy into or out of the slot
+happens only before the deadline). Stopped, it waits a moment for its object store's purges
+and consumer deletes still running (``ObjectStore.close``).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         tier_config: ObjTierConfig,
         max_concurrent_io: int = 4,
         io_timeout_s: float = 10.0,
-        probe_timeout_s: float = 0.25,  # well within the CPU tier's lookup wait (0.5 s default)
+        probe_timeout_s: float = 0.25,  # plan_tiers passes kv_lookup_timeout_s / 8
         **options: Any,  # SecondaryTierActor's: namespace, max_queued_cascades, keep_regions, ...
     ) -> None:
         super().__init__(bus, actor_id, bytes_to_use=tier_config.bytes_to_use, **options)
@@ -87,6 +93,8 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
     async def on_stop(self) -> None:
         for task in list(self._evictions):
             task.cancel()  # an own object left in the bucket is found again at the next attach
+        if self._objects is not None:
+            await self._objects.close()  # its purges and consumer deletes, within a bound
         await super().on_stop()
 
     async def _open(self, layout: KVLayout) -> tuple[ObjectChunks, list[OffloadKey]]:
@@ -142,26 +150,30 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         index.complete_store(out.keys_to_store)
         index.take_events()
         self.num_chunks_adopted += len(new)
-        if out.evicted_keys:
-            evict = self._evict_behind_writes(store, index, out.evicted_keys)
-            task = asyncio.create_task(evict)
+        own = self._forget_foreign(out.evicted_keys)  # decided now: a layout switch replaces
+        if own:  # ``foreign`` before the task runs
+            task = asyncio.create_task(self._evict_behind_writes(store, index, own))
             self._evictions.add(task)
             task.add_done_callback(self._evictions.discard)
 
     async def _evict_behind_writes(
-        self, store: ObjectChunks, index: OffloadManager, keys: Sequence[OffloadKey]
+        self, store: ObjectChunks, index: OffloadManager, own: Sequence[OffloadKey]
     ) -> None:
-        """Evict ``keys`` once the cascades before have run, but not one that a cascade stored
-        or a lookup adopted again meanwhile (its object is live)."""
+        """Delete ``own`` chunks once the cascades before have run, but not one that a cascade
+        stored or a lookup adopted again meanwhile (its object is live)."""
         async with self._write_lock:
-            await self._evict(store, [key for key in keys if key not in index.chunks])
+            await super()._evict(store, [key for key in own if key not in index.chunks])
 
     async def _evict(self, store: ObjectChunks, keys: Sequence[OffloadKey]) -> None:
         """Past the budget: this tier's own chunks deleted, foreign ones only forgotten."""
+        await super()._evict(store, self._forget_foreign(keys))
+
+    def _forget_foreign(self, keys: Sequence[OffloadKey]) -> list[OffloadKey]:
+        """Forget the foreign ``keys`` (left in the store); the own ones, which go."""
         foreign = {key for key in keys if key in self.foreign}
         self.foreign -= foreign
         self.num_chunks_forgotten += len(foreign)
-        await super()._evict(store, [key for key in keys if key not in foreign])
+        return [key for key in keys if key not in foreign]
 
     # -- chunk I/O ------------------------------------------------------------------------------
 

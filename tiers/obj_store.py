@@ -6,27 +6,34 @@ directory; ``fs_store.model_dir_name``, ``fs_store.part_dir_name``: ``tp<tp_size
 ``canonical`` for the one part of a canonical layout, whatever tensor-parallel size wrote it).
 An object is a part as ``tiers.chunk_format`` lays it out (header, key, payload, the payload's
 xxh3-128 digest); the object store checks its own SHA-256 digest as well. A read that finds a
-part missing, of another format, key or length, or failing either digest raises
-``CorruptChunk`` and removes every part of that chunk. A write publishes its parts only if
-``deadline`` (``time.time()``; 0.0: none) had not passed once the slot was copied, and a read
-copies into the slot only before it (``DeadlinePassed``).
+part missing (also its chunk messages purged while it reads: found at once), of another
+format, key or length, or failing either digest raises ``CorruptChunk`` and removes every part
+of that chunk; a part put again while it was read (another host stored the chunk too: same
+bytes) is a miss that removes nothing. A write publishes its parts only if ``deadline``
+(``time.time()``; 0.0: none) had not passed once the slot was copied; a read waits for the
+store only until it (and at most the timeout) and copies into the slot only before it
+(``DeadlinePassed``).
 
-Async over ``bus.object_store.ObjectStore`` (chunked reads through a pull consumer); the copies and
-digests of a part run in a thread, so a large chunk never holds the event loop. Each object
+Async over ``bus.object_store.ObjectStore`` (chunked reads through a pull consumer); the copies
+and digests of a part run in a thread, so a large chunk never holds the event loop. Each object
 records its writer (the tier actor's id): ``FoundChunk.is_own`` tells a tier the chunks it may
 delete for its byte budget from those another host's tier wrote. ``scan`` lists the bucket: the
 complete chunks of this layout, oldest put first (reads do not refresh an object's time, so
-after a restart recency is the order of storing), parts of incomplete chunks removed. ``probe``
-asks the store, without a listing, which of a prefix's chunks another host put since. A store
-that cannot be reached raises ``TierStoreError``.
+after a restart recency is the order of storing); of an incomplete chunk it removes the parts
+this tier wrote, and another tier's only once older than ``STALE_PART_S`` (that tier may be
+putting the parts now). ``probe`` asks the store, without a listing, which of a prefix's
+chunks another host put since. A store that cannot be reached raises ``TierStoreError``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
+import time
 from collections.abc import Awaitable, Sequence
+from datetime import UTC, datetime
 from typing import NamedTuple, TypeVar
 
 from shoal.bus.base import BusError, PayloadIntegrityError
@@ -46,6 +53,7 @@ from shoal.tiers.keys import OffloadKey
 T = TypeVar("T")
 _UNSAFE_BUCKET = re.compile(r"[^A-Za-z0-9_-]+")
 PROBE_BATCH = 64  # keys asked at once by ``probe`` after its first one was found
+STALE_PART_S = 600.0  # a part of an incomplete chunk this old is removed whoever wrote it
 
 
 class FoundChunk(NamedTuple):
@@ -101,7 +109,7 @@ class ObjectChunks:
         self._check_slot(slot)
         check_deadline(key, deadline)
         try:
-            parts = [await self._get_part(key, rank) for rank in range(self.layout.tp_size)]
+            parts = [await self._get_part(key, r, deadline) for r in range(self.layout.tp_size)]
             await asyncio.to_thread(self._check_parts, key, parts)
         except CorruptChunk:
             with contextlib.suppress(TierStoreError):
@@ -117,18 +125,22 @@ class ObjectChunks:
         return found
 
     async def scan(self) -> list[FoundChunk]:
-        """The complete chunks of this layout, oldest first; removes incomplete chunks' parts."""
+        """The complete chunks of this layout, oldest first. Of an incomplete chunk, the parts
+        this tier wrote are removed, and others' only once older than ``STALE_PART_S`` (another
+        host's tier may be putting that chunk's parts one after another now)."""
         parts: dict[str, list[ObjectEntry]] = {}
         for entry in await self._call(self.store.list()):
             part, _, name = entry.name.removeprefix(self.prefix).partition("/")
             if entry.name.startswith(self.prefix) and part in self.part_dirs and _is_hex(name):
                 parts.setdefault(name, []).append(entry)
-        found = []
+        found, now = [], datetime.now(UTC)
         for name, entries in parts.items():
             if len(entries) == self.layout.tp_size:
                 found.append((max(e.mtime for e in entries), name, self._is_own(entries)))
-            else:
-                await self.delete(bytes.fromhex(name))
+                continue
+            for entry in entries:
+                if self._is_own([entry]) or _age_s(entry, now) > STALE_PART_S:
+                    await self._call(self.store.delete(entry.name))
         return [FoundChunk(bytes.fromhex(name), own) for _, name, own in sorted(found)]
 
     async def probe(self, keys: Sequence[OffloadKey]) -> list[FoundChunk]:
@@ -158,14 +170,25 @@ class ObjectChunks:
     def _is_own(self, entries: Sequence[ObjectEntry]) -> bool:
         return bool(self.writer) and all(e.writer == self.writer for e in entries)
 
-    async def _get_part(self, key: OffloadKey, rank: int) -> bytes | bytearray:
+    async def _get_part(self, key: OffloadKey, rank: int, deadline: float) -> bytes | bytearray:
+        """A part's object, read within the timeout and before ``deadline`` (past it:
+        ``DeadlinePassed``). ``CorruptChunk`` if it is missing or damaged, but not if it was
+        put again while it was read (another host stored the chunk too): a miss, left alone."""
+        name = self.name(key, rank)
+        timeout = min(self.timeout_s, deadline - time.time()) if deadline else self.timeout_s
         try:
-            part = await self._call(self.store.get(self.name(key, rank), timeout=self.timeout_s))
+            check_deadline(key, deadline)
+            part = await self._call(self.store.get(name, timeout=timeout), timeout)
         except PayloadIntegrityError:
             raise CorruptChunk(key, f"part {rank}: the object store's digest mismatch") from None
-        if part is None:
-            raise CorruptChunk(key, f"part {rank} is missing")
-        return part
+        except TierStoreError:
+            check_deadline(key, deadline)  # it ran into the job's deadline: late, not failed
+            raise
+        if part is not None:
+            return part
+        if await self._call(self.store.info(name)) is not None:
+            raise TierStoreError(f"chunk {key.hex()}: part {rank} was put again while read")
+        raise CorruptChunk(key, f"part {rank} is missing")
 
     def _pack_parts(self, key: OffloadKey, slot: memoryview) -> list[bytes]:
         size = self.layout.rank_chunk_bytes
@@ -199,10 +222,11 @@ class ObjectChunks:
         if len(slot) != self.layout.slot_bytes:
             raise ValueError(f"a slot of this layout is {self.layout.slot_bytes} bytes")
 
-    async def _call(self, operation: Awaitable[T]) -> T:
-        """``operation`` within the timeout; a failure of the store is ``TierStoreError``."""
+    async def _call(self, operation: Awaitable[T], timeout: float | None = None) -> T:
+        """``operation`` within ``timeout`` (default: the tier's); a failure of the store is
+        ``TierStoreError``."""
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with asyncio.timeout(self.timeout_s if timeout is None else timeout):
                 return await operation
         except PayloadIntegrityError:
             raise  # the object's bytes are wrong: the caller's CorruptChunk
@@ -210,6 +234,17 @@ class ObjectChunks:
             raise TierStoreError(str(exc) or type(exc).__name__) from exc
         except Exception as exc:  # the NATS client's own errors (only bus/ may name them)
             raise TierStoreError(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _age_s(entry: ObjectEntry, now: datetime) -> float:
+    """Seconds since the object was put (infinite if its time cannot be read)."""
+    try:
+        put_at = datetime.fromisoformat(entry.mtime)
+    except ValueError:
+        return math.inf
+    if put_at.tzinfo is None:
+        put_at = put_at.replace(tzinfo=UTC)
+    return (now - put_at).total_seconds()
 
 
 def _is_hex(name: str) -> bool:

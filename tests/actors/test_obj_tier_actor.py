@@ -194,6 +194,27 @@ async def test_past_its_deadline_a_job_stores_nothing_and_touches_no_slot(h: Obj
     assert h.slot(3) == bytes(SIZE)
 
 
+async def test_a_stopped_tier_waits_for_its_stores_clean_ups(h: ObjHarness) -> None:
+    """Stopping the tier closes its object store: the purges and consumer deletes still
+    running are waited for (within the store's bound), not left to a closed connection."""
+    tier = await h.tier()
+    await h.attach()
+    h.fill([0], [1])
+    assert await h.cascade([1], [0]) == done(1)
+    assert await h.promote([1], [4]) == done(1)
+    store = chunks_of(tier).store
+    closed: list[float] = []
+    real = store.close
+
+    async def close(timeout: float = 1.0) -> None:
+        closed.append(timeout)
+        await real(timeout)
+
+    store.close = close  # type: ignore[method-assign]
+    await tier.stop()
+    assert closed and not store._purges
+
+
 async def test_without_jetstream_the_attach_is_refused(tmp_path: Path) -> None:
     broker = InMemoryBroker()
     bus, client = InMemoryBus(broker), InMemoryBus(broker)

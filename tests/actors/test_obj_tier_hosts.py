@@ -14,18 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from shoal.bus.messages.offload import SecondaryAttached
+from shoal.bus.base import BusTimeoutError
+from shoal.bus.messages.offload import SecondaryAttached, TierPromote
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.object_store import ObjectStore
+from shoal.tiers import obj_store
 from shoal.tiers.obj_actor import ObjTierActor
 from shoal.tiers.obj_store import ObjectChunks
-from tests.actors.test_fs_tier_actor import LAYOUT, REPLY_S, done, key, pattern
+from tests.actors.test_fs_tier_actor import LAYOUT, OTHER, REPLY_S, done, key, pattern
 from tests.actors.test_obj_tier_actor import ObjHarness, object_names
 from tests.integration.conditions import wait_for
 
@@ -278,3 +281,131 @@ async def test_an_adoptions_delete_spares_a_chunk_stored_again_meanwhile(
     assert await b.held(7) == 1
     assert object_names(tier, 7) <= await b.names()
     assert await b.promote([7], [4]) == done(7) and b.slot(4) == pattern(7, SIZE)
+
+
+def at_consumer(store: ObjectStore, action: Callable[[], Awaitable[None]], *, after: bool) -> None:
+    """Run ``action`` before (or after) the store's next read creates its consumer."""
+    js: Any = store._js
+    real = js.add_consumer
+
+    async def add_consumer(*args: Any, **kwargs: Any) -> Any:
+        js.add_consumer = real
+        if not after:
+            await action()
+        created = await real(*args, **kwargs)
+        if after:
+            await action()
+        return created
+
+    js.add_consumer = add_consumer
+
+
+async def test_a_chunk_its_writer_deletes_while_another_host_reads_it_is_a_miss_at_once(
+    hosts: tuple[Host, Host],
+) -> None:
+    """A's budget deletes its chunk while B, which adopted it, reads it (its consumer made,
+    nothing pulled yet): B's promote fails that key at once (not at the read's timeout) and B
+    forgets it."""
+    a, b = hosts
+    tier_a, tier_b = await a.tier(), await b.tier(io_timeout_s=30.0)
+    a.fill([0], [1])
+    assert await a.cascade([1], [0]) == done(1)
+    assert await b.held(1) == 1  # adopted
+
+    async def delete() -> None:
+        assert await chunks_of(tier_a).delete(key(1))
+
+    at_consumer(chunks_of(tier_b).store, delete, after=True)
+    assert await b.promote([1], [4], timeout=2.0) == done(failed=(1,))
+    assert await b.held(1) == 0 and tier_b.load()["num_chunks_corrupt"] == 1
+
+
+async def test_a_read_that_hangs_ends_at_its_jobs_deadline(hosts: tuple[Host, Host]) -> None:
+    """A read is given what is left before the job's deadline, not the whole I/O timeout: the
+    promote answers in time, the key late, the slot untouched."""
+    a, _ = hosts
+    tier = await a.tier(io_timeout_s=30.0)
+    a.fill([0], [1])
+    assert await a.cascade([1], [0]) == done(1)
+
+    async def hung_get(name: str, *, timeout: float = 10.0) -> bytes | None:
+        try:  # a read that waits as long as it is allowed to
+            await asyncio.wait_for(asyncio.Event().wait(), timeout)
+        except TimeoutError:
+            raise BusTimeoutError(f"{name}: nothing within {timeout}s") from None
+        return None
+
+    chunks_of(tier).store.get = hung_get  # type: ignore[method-assign]
+    a.region.slot(4)[:] = bytes(SIZE)
+    promote = TierPromote(a.region.ref, [key(1)], [4], deadline=time.time() + 0.3)
+    assert await a.ask(promote, timeout=2.0) == done(failed=(1,))
+    assert a.slot(4) == bytes(SIZE)
+    assert tier.load()["num_chunks_late"] == 1 and await a.held(1) == 1
+
+
+async def test_a_part_put_again_while_read_is_a_miss_left_in_place(
+    hosts: tuple[Host, Host],
+) -> None:
+    """Another host puts a part of B's chunk again (the same bytes) while B reads it: B's
+    read is a miss, nothing is deleted, and the next promote reads the new object."""
+    a, b = hosts
+    tier = await b.tier()
+    b.fill([0], [1])
+    assert await b.cascade([1], [0]) == done(1)
+    assert isinstance(a.client, NatsBus)
+    other = await ObjectStore.open(a.client, f"shoal_kv_{a.namespace}")
+    name = chunks_of(tier).name(key(1), 0)  # read first
+    part = await other.get(name)
+    assert part is not None
+
+    async def put_again() -> None:
+        assert await other.put(name, bytes(part), writer="ha-cpu-obj0")
+        await wait_for(lambda: other.num_orphans == 0, REPLY_S, "the old chunks purged")
+
+    at_consumer(chunks_of(tier).store, put_again, after=False)
+    assert await b.promote([1], [4]) == done(failed=(1,))
+    assert await b.names() == object_names(tier, 1) and await b.held(1) == 1
+    assert tier.load()["num_chunks_corrupt"] == 0
+    assert await b.promote([1], [4]) == done(1) and b.slot(4) == pattern(1, SIZE)
+    await other.close()
+
+
+async def test_an_adoptions_delete_queued_over_a_layout_switch_spares_others_chunks(
+    hosts: tuple[Host, Host],
+) -> None:
+    """B adopts A's chunks while its cascades hold the write lock, so the eviction of the least
+    recent waits; B then switches layout (its foreign set is the new layout's): A's chunk is
+    only forgotten, never deleted."""
+    a, b = hosts
+    tier_a, tier_b = await a.tier(), await b.tier(num_chunks=2)
+    a.fill([0, 1, 2], [1, 2, 3])
+    assert await a.cascade([1, 2, 3], [0, 1, 2]) == done(1, 2, 3)
+    assert await b.held(1, 2) == 2  # adopted, both A's
+    await tier_b._write_lock.acquire()  # a cascade running
+    try:
+        assert await b.held(3) == 1  # adopted: one of A's leaves B's index
+        assert await b.attach(OTHER) == SecondaryAttached(0, 0.0)
+    finally:
+        tier_b._write_lock.release()
+    await wait_for(lambda: not tier_b._evictions, REPLY_S, "the queued eviction ran")
+    assert await a.names() == object_names(tier_a, 1, 2, 3)
+    assert (tier_b.load()["num_chunks_forgotten"], tier_b.load()["num_chunks_evicted"]) == (1, 0)
+
+
+async def test_a_scan_spares_another_hosts_chunk_while_it_is_written(
+    hosts: tuple[Host, Host], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An incomplete chunk (one part of two put) is another host's write in progress: a scan
+    removes it only once it is stale; its own incomplete chunks it removes at once."""
+    a, b = hosts
+    assert isinstance(a.client, NatsBus)
+    store = await ObjectStore.open(a.client, f"shoal_kv_{a.namespace}")
+    names = ObjectChunks(store, LAYOUT)
+    await store.put(names.name(key(5), 0), b"A's part 0", writer="ha-cpu-obj0")
+    await store.put(names.name(key(6), 0), b"B's part 0", writer="hb-cpu-obj0")
+    await (await b.tier()).stop()  # its attach scans the bucket
+    assert await b.names() == {names.name(key(5), 0)}
+    monkeypatch.setattr(obj_store, "STALE_PART_S", 0.0)
+    await b.tier()  # B restarted: A's part is stale now
+    assert await b.names() == set()
+    await store.close()
