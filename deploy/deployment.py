@@ -113,6 +113,8 @@ def plan_tiers(config: ShoalConfig) -> list[ActorPlan]:
         kwargs: dict[str, Any] = {"actor_id": tier_id, "tier_config": tier, "namespace": namespace}
         if tier.type == "p2p":  # it serves peers from this host's CPU tier
             kwargs["cpu_tier_id"] = kv.cpu_tier_id
+        if tier.type == "obj":  # its probe within the CPU tier's wait for one secondary (/ 4)
+            kwargs["probe_timeout_s"] = kv.kv_lookup_timeout_s / 8
         secondaries.append(ActorPlan(tier_id, SECONDARY_TIER_TARGETS[tier.type], kwargs, "tier"))
     cpu_kwargs = {"tier_id": kv.cpu_tier_id, "config": config}
     return [*secondaries, ActorPlan(kv.cpu_tier_id, CPU_TIER_TARGET, cpu_kwargs, "tier")]

@@ -306,6 +306,9 @@ def test_each_secondary_tier_gets_its_actor_before_the_cpu_tier() -> None:
     ]
     assert plans[2].kwargs["tier_config"] == ObjTierConfig(bytes_to_use=2000)
     assert "cpu_tier_id" not in plans[2].kwargs
+    # the obj tier's probe fits the CPU tier's wait for one secondary (kv_lookup_timeout_s / 4)
+    assert plans[2].kwargs["probe_timeout_s"] == config.kv_transfer_config.kv_lookup_timeout_s / 8
+    assert all("probe_timeout_s" not in plans[i].kwargs for i in (0, 1, 3, 4))
     assert plans[3].kwargs["cpu_tier_id"] == "kv-host"  # the CPU tier it serves peers from
 
 
