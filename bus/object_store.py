@@ -176,7 +176,10 @@ class ObjectStore:
     async def list(self) -> list[ObjectEntry]:
         """The objects held (deleted ones left out), oldest put first. Cut short (a timeout, a
         cancellation), its watcher (a subscription and its consumer) is stopped all the same."""
-        watcher = await self._watch()
+        try:
+            watcher = await self._watch()
+        except nats.js.errors.NotFoundError:  # no such stream (any more)
+            return []
         try:
             infos = []
             async for info in watcher:

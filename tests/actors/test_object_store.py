@@ -4,10 +4,10 @@ clients (two hosts) on one bucket.
 A read whose chunks are purged while it reads fails at once (not at its timeout), and one whose
 object was put again meanwhile is a miss (None), whether the old chunks went before its
 consumer was created or while it read; a listing or a read cut short leaves no subscription or
-consumer behind; of overlapping puts of one name the first to publish wins and the loser's chunk
-messages are purged; a delete spares a put of the name that lands while it runs, and a put
-publishes again over a delete that landed under it; ``close`` waits for the purges still
-running, within its bound."""
+consumer behind (a bucket whose stream is gone lists empty); of overlapping puts of one name
+the first to publish wins and the loser's chunk messages are purged; a delete spares a put of
+the name that lands while it runs, and a put publishes again over a delete that landed under
+it; ``close`` waits for the purges still running, within its bound."""
 
 from __future__ import annotations
 
@@ -199,6 +199,15 @@ async def test_a_listing_cut_short_leaves_no_watcher(
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(listing, 0.2)
     await wait_for(lambda: len(client._subs) == num_subs, QUICK_S, "the watcher stopped")
+
+
+async def test_a_bucket_whose_stream_is_gone_lists_empty(
+    stores: tuple[ObjectStore, ObjectStore],
+) -> None:
+    a, _ = stores
+    await a.put("x", b"1")
+    await js_of(a).delete_stream(a._stream)
+    assert await a.list() == []
 
 
 async def test_a_read_cancelled_while_its_consumer_is_created_leaves_none(
