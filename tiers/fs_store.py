@@ -229,7 +229,7 @@ class ChunkFiles:
                 if entry.name.endswith(TMP_SUFFIX):
                     Path(entry.path).unlink(missing_ok=True)
                     result.num_temp_removed += 1
-                elif entry.name.endswith(SUFFIX) and _is_hex(name := entry.name[: -len(SUFFIX)]):
+                elif entry.name.endswith(SUFFIX) and is_key_hex(name := entry.name[: -len(SUFFIX)]):
                     mtimes.setdefault(name, []).append(entry.stat().st_mtime_ns)
         found = []
         for name, times in mtimes.items():
@@ -270,5 +270,6 @@ def _files_below(rank_dir: Path) -> list[os.DirEntry[str]]:
     return files
 
 
-def _is_hex(name: str) -> bool:
+def is_key_hex(name: str) -> bool:
+    """Whether a file or object name is a chunk key in lower-case hex."""
     return len(name) % 2 == 0 and bool(name) and all(c in "0123456789abcdef" for c in name)

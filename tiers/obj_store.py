@@ -47,7 +47,7 @@ from shoal.tiers.chunk_format import (
     pack_head,
     payload_digest,
 )
-from shoal.tiers.fs_store import model_dir_name, part_dir_name
+from shoal.tiers.fs_store import is_key_hex, model_dir_name, part_dir_name
 from shoal.tiers.keys import OffloadKey
 
 T = TypeVar("T")
@@ -131,7 +131,7 @@ class ObjectChunks:
         parts: dict[str, list[ObjectEntry]] = {}
         for entry in await self._call(self.store.list()):
             part, _, name = entry.name.removeprefix(self.prefix).partition("/")
-            if entry.name.startswith(self.prefix) and part in self.part_dirs and _is_hex(name):
+            if entry.name.startswith(self.prefix) and part in self.part_dirs and is_key_hex(name):
                 parts.setdefault(name, []).append(entry)
         found, now = [], datetime.now(UTC)
         for name, entries in parts.items():
@@ -245,7 +245,3 @@ def _age_s(entry: ObjectEntry, now: datetime) -> float:
     if put_at.tzinfo is None:
         put_at = put_at.replace(tzinfo=UTC)
     return (now - put_at).total_seconds()
-
-
-def _is_hex(name: str) -> bool:
-    return len(name) % 2 == 0 and bool(name) and all(c in "0123456789abcdef" for c in name)

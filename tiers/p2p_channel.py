@@ -64,7 +64,6 @@ class ChannelServer:
         self.source = source
         self.max_streams = max_streams
         self.address = ""  # "host:port" peers connect to, once started
-        self.num_chunks_sent = 0
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._streams: set[asyncio.Task[None]] = set()
@@ -116,7 +115,6 @@ class ChannelServer:
                     with slot:
                         await loop.sock_sendall(conn, pack_head(key, slot))
                         await loop.sock_sendall(conn, slot)
-                    self.num_chunks_sent += 1
         except (OSError, ValueError, msgspec.DecodeError) as exc:
             log.debug("p2p channel: stream ended: %r", exc)
         finally:

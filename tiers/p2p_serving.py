@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
 from typing import Any
 
 from shoal.bus.actor import call
@@ -37,7 +36,7 @@ from shoal.bus.subjects import Subjects
 from shoal.tiers.chunk_format import pack_head
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.mapped_regions import MappedRegions
-from shoal.tiers.p2p_sessions import ServedSession, ServedSessions
+from shoal.tiers.p2p_sessions import ServedSessions
 
 log = logging.getLogger(__name__)
 
@@ -137,10 +136,7 @@ class PeerServing:
 
     async def close(self) -> None:
         """Hand back every session's pins (the actor stops)."""
-        await self._unpin_all(self.sessions.expire(float("inf")))
-
-    async def _unpin_all(self, sessions: Iterable[ServedSession]) -> None:
-        for served in sessions:
+        for served in self.sessions.expire(float("inf")):
             await self._unpin(served.keys, served.region.generation)
 
     async def _cpu_region(self, layout: KVLayout) -> RegionRef | None:

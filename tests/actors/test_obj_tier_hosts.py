@@ -29,7 +29,7 @@ from shoal.tiers import obj_store
 from shoal.tiers.obj_actor import ObjTierActor
 from shoal.tiers.obj_store import ObjectChunks
 from tests.actors.test_fs_tier_actor import LAYOUT, OTHER, REPLY_S, done, key, pattern
-from tests.actors.test_obj_tier_actor import ObjHarness, object_names
+from tests.actors.test_obj_tier_actor import ObjHarness, chunks_of, object_names
 from tests.integration.conditions import wait_for
 
 SIZE = LAYOUT.slot_bytes
@@ -63,11 +63,6 @@ async def hosts(nats_url: str, tmp_path: Path) -> AsyncIterator[tuple[Host, Host
         await host.close()
     for bus in buses:
         await bus.close()
-
-
-def chunks_of(tier: ObjTierActor) -> ObjectChunks:
-    assert tier.store is not None
-    return tier.store
 
 
 async def chunk_subjects(host: Host) -> dict[str, int]:
