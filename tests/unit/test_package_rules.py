@@ -228,7 +228,10 @@ def test_the_checker_lets_allowed_imports_through():
         ("shoal.engine.core.scheduler", "from shoal.bus.messages.worker import ExecuteStep"),
         ("shoal.engine.actor.core_actor", "from shoal.engine.core.engine_core import EngineCore"),
         ("shoal.gateway.app", "from shoal.engine.client.interface import EngineClientInterface"),
-        ("shoal.engine.client.prefix_routing", "from shoal.engine.core.block_hash import BlockHasher"),
+        (
+            "shoal.engine.client.prefix_routing",
+            "from shoal.engine.core.block_hash import BlockHasher",
+        ),
         ("shoal.workers.model_runner", "from shoal.kernels import ops\nimport torch"),
         ("shoal.deploy.llm", "from shoal.engine.actor import core_actor"),
         ("shoal.engine.recovery.actor", "from shoal.bus.actor import call"),
