@@ -135,4 +135,6 @@ def test_the_pick_has_the_best_score_and_the_least_load_among_the_best(
     scores = [kv_score(cached, load, load_weight) for cached, load in engines]
     best = max(scores)
     assert scores[choice] == best
-    assert engines[choice][1] == min(load for (_, load), s in zip(engines, scores) if s == best)
+    assert engines[choice][1] == min(
+        load for (_, load), s in zip(engines, scores, strict=True) if s == best
+    )
