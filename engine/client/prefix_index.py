@@ -65,6 +65,11 @@ class PrefixIndex:
         if engine is not None:
             engine.hashes.clear()
 
+    def incarnation_of(self, engine_id: str) -> str | None:
+        """The incarnation of ``engine_id`` whose events the index follows."""
+        engine = self._engines.get(engine_id)
+        return engine.incarnation if engine is not None else None
+
     def hashes_of(self, engine_id: str) -> set[bytes]:
         engine = self._engines.get(engine_id)
         return set(engine.hashes) if engine is not None else set()
