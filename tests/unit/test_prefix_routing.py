@@ -138,3 +138,25 @@ def test_the_pick_has_the_best_score_and_the_least_load_among_the_best(
     assert engines[choice][1] == min(
         load for (_, load), s in zip(engines, scores, strict=True) if s == best
     )
+
+
+def test_an_engine_core_seen_dead_or_stopped_is_dropped_from_the_index() -> None:
+    from shoal.bus.liveness import LivenessTable
+    from shoal.bus.memory import InMemoryBus
+    from shoal.bus.messages.config import ShoalConfig
+    from shoal.bus.subjects import Subjects
+    from shoal.engine.client.prefix_routing import PrefixRouting
+
+    routing = PrefixRouting(InMemoryBus(), Subjects(), ShoalConfig.from_options(model="m"))
+    routing.index.apply(batch("e0", 0, BlockStored([h(1)])))
+    routing.index.apply(batch("e1", 0, BlockStored([h(1)])))
+    table = LivenessTable()
+    table.on_event(StatusEvent("e0", "engine", ActorState.UNHEALTHY, 0.0), now=0.0)
+    table.on_event(StatusEvent("e1", "engine", ActorState.DEAD, 0.0), now=0.0)
+    for engine_id in ("e0", "e1"):
+        routing.on_engine_change(engine_id, table)
+    assert routing.index.hashes_of("e0") == {h(1)}  # unhealthy: may come back as it was
+    assert routing.index.hashes_of("e1") == set()
+    assert routing.block_hashes(list(range(33))) == routing.hasher.prompt_block_hashes(
+        list(range(32))
+    )  # 33 tokens: two full blocks, both usable (the last token is computed anyway)
