@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shoal.bus.event_stream import EventStream
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +218,19 @@ class Bus(abc.ABC):
         stream = iterate_reply_stream(self, subject, data, timeout=timeout, headers=headers)
         async for msg in stream:
             yield msg
+
+    async def open_stream(
+        self,
+        name: str,
+        subjects: Sequence[str],
+        *,
+        max_age_s: float | None = None,
+        max_msgs: int | None = None,
+        replicas: int = 1,
+    ) -> EventStream:
+        """Open (creating when missing) the event stream ``name`` capturing ``subjects``
+        (``bus.event_stream``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no event streams")
 
     async def __aenter__(self) -> Bus:
         await self.connect()

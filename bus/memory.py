@@ -12,7 +12,9 @@ import itertools
 import random
 import uuid
 import weakref
+from collections.abc import Callable, Sequence
 from functools import partial
+from typing import TYPE_CHECKING
 
 from shoal.bus.base import (
     Bus,
@@ -28,6 +30,9 @@ from shoal.bus.chunking import ChunkSender, resolve_chunked
 from shoal.bus.dispatch import Dispatcher
 from shoal.bus.streams import NO_RESPONDERS_STATUS, STATUS_HEADER, is_no_responders
 from shoal.bus.subjects import validate_subject
+
+if TYPE_CHECKING:
+    from shoal.bus.event_stream import EventStream
 
 
 def subject_matches(pattern: tuple[str, ...], subject: tuple[str, ...]) -> bool:
@@ -68,6 +73,8 @@ class InMemoryBroker:
         self._subs: list[_MemorySubscription] = []
         self._cache: dict[str, list[_MemorySubscription]] = {}
         self._round_robin = itertools.count(random.randrange(1 << 16))
+        # Called with every publish (subject, data, headers): the streams' captures.
+        self.taps: list[Callable[[str, bytes, dict[str, str] | None], None]] = []
 
     def add(self, sub: _MemorySubscription) -> None:
         self._subs.append(sub)
@@ -181,6 +188,8 @@ class InMemoryBus(Bus):
     ) -> None:
         self._check_open()
         validate_subject(subject)
+        for tap in self._broker.taps:
+            tap(subject, data, headers)
         if self._chunks is not None:
             data, headers = await self._chunks.wrap(subject, data, headers)
         self._deliver(subject, bytes(data), reply, headers)
@@ -249,6 +258,24 @@ class InMemoryBus(Bus):
         if is_no_responders(msg):
             raise NoRespondersError(f"no responders on {subject!r}")
         return msg
+
+    async def open_stream(
+        self,
+        name: str,
+        subjects: Sequence[str],
+        *,
+        max_age_s: float | None = None,
+        max_msgs: int | None = None,
+        replicas: int = 1,
+    ) -> EventStream:
+        """This broker's stream ``name`` (``bus.memory_stream``; ``replicas`` has no meaning
+        in one process)."""
+        from shoal.bus.memory_stream import open_memory_stream
+
+        self._check_open()
+        return open_memory_stream(
+            self, self._broker, name, subjects, max_age_s=max_age_s, max_msgs=max_msgs
+        )
 
 
 __all__ = ["BusError", "InMemoryBroker", "InMemoryBus", "named_broker", "subject_matches"]

@@ -11,8 +11,9 @@ import asyncio
 import contextlib
 import logging
 import ssl
+from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats
 import nats.errors
@@ -34,6 +35,9 @@ from shoal.bus.base import (
 from shoal.bus.chunking import ChunkSender, resolve_chunked
 from shoal.bus.dispatch import Dispatcher
 from shoal.bus.subjects import validate_subject
+
+if TYPE_CHECKING:
+    from shoal.bus.event_stream import EventStream
 
 log = logging.getLogger(__name__)
 
@@ -298,3 +302,19 @@ class NatsBus(Bus):
             self._cut_off.discard(task)
         msg = Msg(self, raw.subject, raw.data, raw.reply, raw.headers)
         return await resolve_chunked(self, msg, timeout=timeout)
+
+    async def open_stream(
+        self,
+        name: str,
+        subjects: Sequence[str],
+        *,
+        max_age_s: float | None = None,
+        max_msgs: int | None = None,
+        replicas: int = 1,
+    ) -> EventStream:
+        """A JetStream stream (``bus.nats_stream``)."""
+        from shoal.bus.nats_stream import open_nats_stream
+
+        return await open_nats_stream(
+            self, name, subjects, max_age_s=max_age_s, max_msgs=max_msgs, replicas=replicas
+        )

@@ -75,6 +75,10 @@ class Subjects:
         """``EngineStats`` of one engine core (``"*"``: all of them)."""
         return self._build("engine", engine_id, "stats", wildcard=True)
 
+    def kv_events(self, engine_id: str = "*") -> str:
+        """``KVEventBatch`` of one engine core's prefix cache (``"*"``: all of them)."""
+        return self._build("engine", engine_id, "kv_events", wildcard=True)
+
     def engine_results(self, engine_id: str) -> str:
         """Where an engine core's workers send ``StepResult``."""
         return self._build("engine", engine_id, "results")
@@ -136,6 +140,10 @@ class Subjects:
     def group_ports_bucket(self) -> str:
         """KV bucket of the tensor-parallel groups' rendezvous addresses, keyed by epoch."""
         return f"{self.namespace.replace('.', '-')}-group-ports"
+
+    def kv_events_stream(self) -> str:
+        """JetStream stream capturing every engine core's ``kv_events`` (prefix routing)."""
+        return f"{self.namespace.replace('.', '-')}-kv-events"
 
     def all(self) -> str:
         """Every subject of this deployment (for debugging taps)."""

@@ -19,6 +19,7 @@ from shoal.bus.messages.config import (
     GROUPS,
     OPTION_GROUPS,
     POLICIES,
+    ROUTING_MODES,
     FaultToleranceConfig,
     ShoalConfig,
 )
@@ -221,6 +222,22 @@ def _add_parallel_arguments(g: Group) -> None:
         dest="dbo_prefill_token_threshold",
         type=positive_int,
         help="tokens from which any other step is split",
+    )
+
+    _option(
+        g,
+        "--routing-mode",
+        dest="routing_mode",
+        choices=ROUTING_MODES,
+        help="kv: send a request to the engine core holding its longest cached prefix, "
+        "weighed against load; load: to the least loaded (default: kv with prefix caching)",
+    )
+    _option(
+        g,
+        "--routing-load-weight",
+        dest="routing_load_weight",
+        type=float,
+        help="kv routing's alpha: score = cached prefix blocks - alpha * requests queued",
     )
 
 

@@ -38,6 +38,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("sha256", "xxhash")
 BUS_KINDS = ("nats", "memory")
+ROUTING_MODES = ("kv", "load")
 MAX_BLOCK_SIZE = 128
 NUM_UBATCHES = 2  # micro-batches of a DBO step
 
@@ -153,9 +154,21 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     enable_dbo: bool = False
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
+    # Which engine core takes a request: "kv" (the longest cached prefix, weighed against
+    # load: score = cached blocks - routing_load_weight * load), "load" (the least loaded), or
+    # None: kv when prefix caching is on (``ShoalConfig.resolved_routing_mode``).
+    routing_mode: str | None = None
+    routing_load_weight: float = 1.0
 
     def __post_init__(self) -> None:
         _positive(self, "data_parallel_size", "tensor_parallel_size")
+        if self.routing_mode is not None:
+            _one_of(self.routing_mode, ROUTING_MODES, "routing_mode")
+        _require(
+            self.routing_load_weight >= 0,
+            "routing_load_weight",
+            f"must be non-negative, got {self.routing_load_weight}",
+        )
         for option in ("step_timeout_s", "worker_dead_after_s"):
             value = getattr(self, option)
             _require(value > 0, option, f"must be positive, got {value}")
@@ -265,6 +278,19 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             "kv_transfer_config",
             "(KV offload) needs enable_prefix_caching: its keys are the prefix cache's hashes",
         )
+        _require(
+            self.parallel_config.routing_mode != "kv" or self.cache_config.enable_prefix_caching,
+            "routing_mode",
+            "kv routes by the prefix cache's blocks: it needs enable_prefix_caching",
+        )
+
+    @property
+    def resolved_routing_mode(self) -> str:
+        """The routing mode in force: the one set, else kv with prefix caching on."""
+        mode = self.parallel_config.routing_mode
+        if mode is not None:
+            return mode
+        return "kv" if self.cache_config.enable_prefix_caching else "load"
 
     @classmethod
     def from_options(cls, **options: Any) -> ShoalConfig:

@@ -4,7 +4,8 @@ Inbox ``engine_in(engine_id)``: ``AddRequest`` / ``AbortRequest``, queued and ap
 before each step. The step loop sleeps while there is nothing to do, then: apply inputs,
 schedule and send a step to the workers (``WorkerLink.submit``) while the core has room for one
 more in flight, else await the oldest step's result, apply it (aborts that arrived meanwhile
-first) and publish one ``EngineOutputs`` per client. With ``async_scheduling`` the core allows
+first) and publish one ``EngineOutputs`` per client (and, for prefix routing, one batch of KV
+events: ``KvEventsLink``). With ``async_scheduling`` the core allows
 two steps in flight, so step N+1 is sent before step N's result is back and the worker never
 waits for this loop; without it each step is awaited before the next is scheduled. The order
 rules (results applied strictly in step order, placeholders) live in ``EngineCore``.
@@ -52,6 +53,7 @@ from shoal.bus.messages.fault import (
     EngineControl,
 )
 from shoal.engine.actor.fault_handling import FaultHandlingActor
+from shoal.engine.actor.kv_events_link import KvEventsLink
 from shoal.engine.actor.lockstep_link import LockstepLink
 from shoal.engine.actor.offload_link import OffloadLink, kv_layout
 from shoal.engine.actor.sentinel import FaultSentinel
@@ -147,6 +149,12 @@ class EngineCoreActor(FaultHandlingActor):
             if config.kv_transfer_config.enabled
             else None
         )
+        replicas = getattr(config.bus_config, "jetstream_replicas", 1)
+        self.kv_events = (
+            KvEventsLink(bus, self.subjects, engine_id, replicas)
+            if config.resolved_routing_mode == "kv"
+            else None
+        )
 
     # ----- lifecycle
 
@@ -160,6 +168,8 @@ class EngineCoreActor(FaultHandlingActor):
         ]
 
     async def on_start(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.start()
         if self.lockstep is not None:
             await self.lockstep.start()
         await self.workers.start()
@@ -169,6 +179,8 @@ class EngineCoreActor(FaultHandlingActor):
         await super().start()
         self._loop_task = asyncio.create_task(self._step_loop(), name=f"steps-{self.engine_id}")
         await self._publish_stats()
+        if self.kv_events is not None:  # a fresh incarnation: clients drop what they knew
+            await self.kv_events.publish(self.core, self.incarnation)
 
     async def on_stop(self) -> None:
         if self._loop_task is not None:
@@ -385,6 +397,8 @@ class EngineCoreActor(FaultHandlingActor):
         now = time.time()
         for client_id, client_outputs in outputs.items():
             await self._send(client_id, EngineOutputs(self.engine_id, client_outputs, now, stats))
+        if self.kv_events is not None:  # once per step, like the outputs
+            await self.kv_events.publish(self.core, self.incarnation)
 
     async def _send(self, client_id: str, message: EngineOutputs | RequestRejected) -> None:
         try:

@@ -1,6 +1,6 @@
-"""The engine client (shoal's AsyncLLM): tokenizes, routes each request to an engine core by
-load, streams its outputs as ``outputs.RequestOutput`` and aborts it when the consumer
-goes away.
+"""The engine client (shoal's AsyncLLM): tokenizes, routes each request to an engine core (by
+load, or with ``routing_mode`` kv by its cached prefix too: ``prefix_routing.PrefixRouting``),
+streams its outputs as ``outputs.RequestOutput`` and aborts it when the consumer goes away.
 
 It listens on its own output subject for every engine core's ``EngineOutputs`` (fed to the pure
 ``OutputProcessor``, which detokenizes and applies stop strings) and ``RequestRejected``; on
@@ -50,6 +50,7 @@ from shoal.engine.client.model_info import read_max_model_len
 from shoal.engine.client.output_processor import ChildRequest, OutputProcessor, ResumeRequest
 from shoal.engine.client.outputs import RequestOutput
 from shoal.engine.client.placements import RequestPlacements
+from shoal.engine.client.prefix_routing import PrefixRouting
 from shoal.engine.client.resumption import Resumptions
 from shoal.engine.client.router import EngineRouter
 from shoal.engine.client.tokenizer import Tokenizer
@@ -80,7 +81,16 @@ class AsyncEngineClient:
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self._model_name = model.name
         self._max_model_len = model.max_model_len or read_max_model_len(Path(model.model))
-        self.router = EngineRouter(engine_stale_after_s)
+        self.prefix_routing = (
+            PrefixRouting(bus, self.subjects, config)
+            if config.resolved_routing_mode == "kv"
+            else None
+        )
+        self.router = EngineRouter(
+            engine_stale_after_s,
+            index=self.prefix_routing.index if self.prefix_routing is not None else None,
+            load_weight=config.parallel_config.routing_load_weight,
+        )
         self.fault_tolerance = FaultTolerance(bus, self.subjects, self.router)
         self.stats_listeners: list[StatsListener] = []
         self._tokenizer: Tokenizer | None = None
@@ -112,9 +122,11 @@ class AsyncEngineClient:
             ),
             await self.bus.subscribe(s.engine_stats("*"), self._on_stats),
             *await watch_liveness(
-                self.bus, s, "engine", self.router.liveness, on_change=self._faults.check_engine
+                self.bus, s, "engine", self.router.liveness, on_change=self._on_engine_change
             ),
         ]
+        if self.prefix_routing is not None:  # replays the stream: a restart rebuilds the index
+            await self.prefix_routing.start()
         self._stop_listening = self.bus.on_reconnect(self._faults.on_bus_reconnected)
         await self.bus.flush()
         self._watchdog = asyncio.create_task(self._faults.watch())
@@ -131,6 +143,8 @@ class AsyncEngineClient:
             self._watchdog = None
         for request_id in self.placements.request_ids():
             await self.abort(request_id)
+        if self.prefix_routing is not None:
+            await self.prefix_routing.stop()
         subs, self._subs = self._subs, []
         for sub in subs:
             with contextlib.suppress(BusError):
@@ -214,7 +228,8 @@ class AsyncEngineClient:
         prompt_text, prompt_ids = self._tokenize(prompt)
         if request_id in self.placements:
             raise RequestValidationError(f"request id {request_id!r} is already in flight")
-        engine = self.router.pick()
+        routing = self.prefix_routing
+        engine = self.router.pick(block_hashes=routing.block_hashes(prompt_ids) if routing else ())
         # With resumption on, a request that finds every known engine core faulted waits for one
         # as a cut request would (parked); with none known, or resumption off, it is refused.
         may_wait = self.resumptions.enabled and bool(self.router.engines)
@@ -382,6 +397,11 @@ class AsyncEngineClient:
         if self.router.on_stats(stats):
             self._faults.check_engine(stats.engine_id)
             self._notify_stats(stats.stats, stats.engine_id)
+
+    def _on_engine_change(self, engine_id: str) -> None:
+        if self.prefix_routing is not None:
+            self.prefix_routing.on_engine_change(engine_id, self.router.liveness)
+        self._faults.check_engine(engine_id)
 
     def _notify_stats(self, stats: SchedulerStats, engine_id: str) -> None:
         for listener in self.stats_listeners:

@@ -7,16 +7,23 @@ lost once DEAD or STOPPED or silent for twice that. Its ``epoch`` counts its res
 incarnations): a request sent in an earlier epoch died with the process that had it. The least
 loaded ready one wins: waiting + running requests as last reported, plus what this client sent
 since (not yet in a report), ties broken by KV usage.
+
+Prefix-aware routing (``mode="kv"``, with a ``prefix_index.PrefixIndex`` fed by the engine
+cores' KV events): given a request's chained block hashes, the ready engine core with the best
+``cached prefix blocks - load_weight * load`` wins (``kv_score``); ties go to the least loaded,
+as in load mode, which is also what a request without full blocks gets.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shoal.bus.liveness import GONE_STATES, LivenessTable
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.engine import EngineStats
+from shoal.engine.client.prefix_index import PrefixIndex
 
 
 @dataclass(slots=True)
@@ -25,19 +32,39 @@ class EngineView:
     stats: EngineStats
     num_sent_since_stats: int = 0
 
-    def score(self) -> tuple[float, float]:
+    @property
+    def load(self) -> int:
+        """Requests queued or running there, as last reported plus sent since."""
         s = self.stats.stats
-        return (s.num_waiting + s.num_running + self.num_sent_since_stats, s.kv_usage)
+        return s.num_waiting + s.num_running + self.num_sent_since_stats
+
+    def score(self) -> tuple[float, float]:
+        return (self.load, self.stats.stats.kv_usage)
+
+
+def kv_score(num_cached_blocks: int, load: float, load_weight: float) -> float:
+    """An engine core's worth for a request in kv mode (higher is better)."""
+    return num_cached_blocks - load_weight * load
 
 
 class EngineRouter:
     """Engine views by id; ``liveness`` is fed with the engine cores' heartbeats and status
     events (``bus.liveness.watch_liveness``) and touched by their stats."""
 
-    def __init__(self, stale_after_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        stale_after_s: float = 10.0,
+        *,
+        index: PrefixIndex | None = None,
+        load_weight: float = 1.0,
+    ) -> None:
         self.stale_after_s = stale_after_s
         self.engines: dict[str, EngineView] = {}
         self.liveness = LivenessTable()
+        self.index = index  # kv mode when set
+        self.load_weight = load_weight
+        self.num_prefix_routed = 0  # picks that went where some prefix was cached
+        self.num_prefix_blocks = 0  # cached prefix blocks of the picked engine cores, summed
 
     def on_stats(self, stats: EngineStats, now: float | None = None) -> bool:
         """Take an engine core's stats; False if ignored (sent by a retired incarnation)."""
@@ -66,13 +93,38 @@ class EngineRouter:
         now = time.monotonic() if now is None else now
         return [v for v in self.engines.values() if self.is_ready(v.engine_id, now)]
 
-    def pick(self, now: float | None = None, exclude: str | None = None) -> EngineView | None:
-        """The least loaded ready engine core (other than ``exclude``), counted as sent one more."""
+    def pick(
+        self,
+        now: float | None = None,
+        exclude: str | None = None,
+        block_hashes: Sequence[bytes] = (),
+    ) -> EngineView | None:
+        """The ready engine core (other than ``exclude``) for a request whose chained block
+        hashes are ``block_hashes`` (kv mode; else the least loaded), counted as sent one more."""
         ready = [v for v in self.ready_engines(now) if v.engine_id != exclude]
         if not ready:
             return None
-        best = min(ready, key=EngineView.score)
+        if self.index is None or not block_hashes:
+            best = min(ready, key=EngineView.score)
+        else:
+            best = self._best_prefix(ready, block_hashes)
         best.num_sent_since_stats += 1
+        return best
+
+    def _best_prefix(self, ready: list[EngineView], block_hashes: Sequence[bytes]) -> EngineView:
+        index = self.index
+        assert index is not None
+        cached = {v.engine_id: index.num_cached_blocks(v.engine_id, block_hashes) for v in ready}
+
+        def key(view: EngineView) -> tuple[float, float, float]:
+            load = view.load
+            score = kv_score(cached[view.engine_id], load, self.load_weight)
+            return (-score, load, view.stats.stats.kv_usage)
+
+        best = min(ready, key=key)
+        if cached[best.engine_id]:
+            self.num_prefix_routed += 1
+            self.num_prefix_blocks += cached[best.engine_id]
         return best
 
     def max_model_len(self) -> int | None:

@@ -96,3 +96,23 @@ class BlockHasher:
             )
             new_hashes.append(parent)
         return new_hashes
+
+    def prompt_block_hashes(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, max_blocks: int = -1
+    ) -> list[BlockHash]:
+        """The chained hashes of a prompt's full blocks (at most ``max_blocks``; -1: all), as
+        an engine core computes them for a request with this prompt (a router's lookup key)."""
+        block_size = self.block_size
+        num_blocks = len(token_ids) // block_size
+        if max_blocks >= 0:
+            num_blocks = min(num_blocks, max_blocks)
+        hashes: list[BlockHash] = []
+        parent = self.none_hash
+        for index in range(num_blocks):
+            extra = salt_extra_key(cache_salt) if index == 0 else b""
+            first = index * block_size
+            parent = hash_block_tokens(
+                self.hash_fn, parent, token_ids[first : first + block_size], extra
+            )
+            hashes.append(parent)
+        return hashes

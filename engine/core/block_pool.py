@@ -13,8 +13,13 @@
 - Callers free a request's blocks **tail first** (``KVCacheManager.free``), so the head of a
   prompt, the part most likely shared, stays cached the longest.
 
+- **KV events** (for prefix-aware routers): with a ``kv_events.KVEventLog`` attached
+  (``kv_events``; None by default, costing nothing), every hash entering the map is logged as
+  stored (with its chain parent), every hash leaving it as removed, and a reset as cleared, so
+  replaying the log gives exactly the keys of ``cached_blocks``.
+
 Seam: an offload connector would be told of evictions (``on_evict``) to keep the block in a
-lower tier; KV events for routers would be emitted where hashes are set and evicted.
+lower tier.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from shoal.engine.core.block_hash import BlockHash
+from shoal.engine.core.kv_events import KVEventLog
 
 
 class KVCacheBlock:
@@ -60,6 +66,7 @@ class BlockPool:
             (block.block_id, block) for block in self.blocks[1:]
         )
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.kv_events: KVEventLog | None = None  # attached by whoever publishes KV events
 
     @property
     def num_free_blocks(self) -> int:
@@ -85,6 +92,8 @@ class BlockPool:
             if block_hash is not None:
                 if cached.get(block_hash) is block:
                     del cached[block_hash]
+                    if self.kv_events is not None:
+                        self.kv_events.removed(block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
         return blocks
@@ -93,14 +102,34 @@ class BlockPool:
         return self.cached_blocks.get(block_hash)
 
     def cache_blocks(
-        self, blocks: Iterable[KVCacheBlock], block_hashes: Iterable[BlockHash]
+        self,
+        blocks: Iterable[KVCacheBlock],
+        block_hashes: Iterable[BlockHash],
+        parent_hash: BlockHash | None = None,
     ) -> None:
         """Mark each full block as holding the tokens its hash names, in order (for a hash
-        already cached, the first block keeps it)."""
+        already cached, the first block keeps it). ``parent_hash``: the hash of the block
+        before the first (for KV events)."""
         setdefault = self.cached_blocks.setdefault
+        if self.kv_events is None:
+            for block, block_hash in zip(blocks, block_hashes, strict=True):
+                block.block_hash = block_hash
+                setdefault(block_hash, block)
+            return
+        # Runs of hashes new to the map, each logged with the hash before it as its parent.
+        run: list[BlockHash] = []
+        run_parent = previous = parent_hash
         for block, block_hash in zip(blocks, block_hashes, strict=True):
             block.block_hash = block_hash
-            setdefault(block_hash, block)
+            if setdefault(block_hash, block) is block:
+                if not run:
+                    run_parent = previous
+                run.append(block_hash)
+            elif run:
+                self.kv_events.stored(run, run_parent)
+                run = []
+            previous = block_hash
+        self.kv_events.stored(run, run_parent)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits; free ones leave the free queue."""
@@ -131,6 +160,8 @@ class BlockPool:
         block_hash = block.block_hash
         if block_hash is not None and self.cached_blocks.get(block_hash) is block:
             del self.cached_blocks[block_hash]
+            if self.kv_events is not None:
+                self.kv_events.removed(block_hash)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -140,4 +171,6 @@ class BlockPool:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.kv_events is not None:
+            self.kv_events.cleared()
         return True

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
+from shoal.engine.core.kv_events import KVEventLog
 from shoal.engine.core.request import Request
 
 _NO_BLOCKS: list[KVCacheBlock] = []
@@ -152,7 +153,8 @@ class KVCacheManager:
         num_full = min(num_full, len(hashes))
         start = self.num_cached_blocks[request.request_id]
         if start < num_full:
-            self.block_pool.cache_blocks(blocks[start:num_full], hashes[start:num_full])
+            parent = hashes[start - 1] if start else None
+            self.block_pool.cache_blocks(blocks[start:num_full], hashes[start:num_full], parent)
             self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request, drop_cached: bool = False) -> None:
@@ -181,3 +183,13 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.block_pool.reset_prefix_cache()
+
+    def record_kv_events(self) -> KVEventLog | None:
+        """Start logging the prefix cache's KV events (idempotent); None without prefix
+        caching (nothing to log)."""
+        pool = self.block_pool
+        if not self.enable_caching:
+            return None
+        if pool.kv_events is None:
+            pool.kv_events = KVEventLog(self.block_size)
+        return pool.kv_events

@@ -65,9 +65,10 @@ RULES = (
     ),
     Rule(
         "shoal.engine.client",
-        ("shoal.engine.client", "shoal.bus"),
+        ("shoal.engine.client", "shoal.bus", "shoal.engine.core.block_hash"),
         TORCH,
-        "the client runs in the gateway's process: it talks to engine cores over the bus",
+        "the client runs in the gateway's process: it talks to engine cores over the bus "
+        "(and hashes prompts as they do, for prefix routing: block_hash is pure)",
     ),
     Rule(
         "shoal.engine.recovery",
@@ -201,6 +202,7 @@ def test_nothing_outside_the_composition_imports_gateway_or_deploy():
         ("shoal.engine.core.scheduler", "from ..actor import core_actor", "actor"),
         ("shoal.engine.core.scheduler", "def f():\n    import asyncio\n", "asyncio"),
         ("shoal.gateway.app", "from shoal.engine.core.request import Request", "core"),
+        ("shoal.engine.client.router", "from shoal.engine.core import scheduler", "core"),
         ("shoal.gateway.app", "from shoal.deploy import llm", "deploy"),
         ("shoal.workers.actor", "from shoal.engine.core import config", "engine"),
         ("shoal.engine.actor.core_actor", "from shoal import workers", "workers"),
@@ -226,6 +228,10 @@ def test_the_checker_lets_allowed_imports_through():
         ("shoal.engine.core.scheduler", "from shoal.bus.messages.worker import ExecuteStep"),
         ("shoal.engine.actor.core_actor", "from shoal.engine.core.engine_core import EngineCore"),
         ("shoal.gateway.app", "from shoal.engine.client.interface import EngineClientInterface"),
+        (
+            "shoal.engine.client.prefix_routing",
+            "from shoal.engine.core.block_hash import BlockHasher",
+        ),
         ("shoal.workers.model_runner", "from shoal.kernels import ops\nimport torch"),
         ("shoal.deploy.llm", "from shoal.engine.actor import core_actor"),
         ("shoal.engine.recovery.actor", "from shoal.bus.actor import call"),

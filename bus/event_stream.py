@@ -1,0 +1,81 @@
+"""Event streams (``Bus.open_stream``): every message published on a set of subjects, stored in
+order with bounded retention, replayed to each follower from the start and then live.
+
+On NATS this is a JetStream stream read by an ordered push consumer delivering everything
+(``bus.nats_stream``); on the in-memory bus, an in-memory stream shared by every bus of one
+broker (``bus.memory_stream``), with the same semantics:
+
+- ``Bus.open_stream(name, subjects, *, max_age_s=None, max_msgs=None, replicas=1)`` creates
+  the stream when missing (idempotent: several actors may open it at once; an existing stream
+  keeps its configuration) and returns an ``EventStream``.
+- ``EventStream.follow(handler)`` calls ``handler(msg)`` for every stored message in order,
+  then for each new one, one at a time; ``StreamFollower.caught_up`` is set once every message
+  stored when following began has been handled (at once for an empty stream).
+- Retention: at most ``max_msgs`` messages, none older than ``max_age_s`` (oldest dropped
+  first); ``purge`` drops them all. Messages are stored as published (a follower sees
+  ``Msg.subject``, ``data`` and ``headers``; no reply subject).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from dataclasses import dataclass
+
+from shoal.bus.base import Bus, Handler
+from shoal.bus.subjects import Subjects
+
+
+@dataclass(frozen=True, slots=True)
+class StreamInfo:
+    name: str
+    subjects: tuple[str, ...]
+    num_msgs: int
+    first_seq: int  # 0 when empty
+    last_seq: int  # the last sequence ever stored (0: none yet)
+
+
+class StreamFollower(abc.ABC):
+    """One follower of a stream. ``stop`` ends delivery (idempotent)."""
+
+    def __init__(self) -> None:
+        self.caught_up = asyncio.Event()
+        self.num_delivered = 0
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+
+class EventStream(abc.ABC):
+    """A stream opened through ``Bus.open_stream``."""
+
+    name: str
+    subjects: tuple[str, ...]
+
+    @abc.abstractmethod
+    async def follow(self, handler: Handler) -> StreamFollower:
+        """Deliver every stored message in order, then the live ones (see the module doc)."""
+
+    @abc.abstractmethod
+    async def info(self) -> StreamInfo: ...
+
+    @abc.abstractmethod
+    async def purge(self) -> None:
+        """Drop every stored message (followers keep following new ones)."""
+
+
+# The prefix-routing stream: engine cores publish about one batch per busy step; a client
+# replays what is left of it on start (older batches only tell of blocks long evicted).
+KV_EVENTS_MAX_MSGS = 100_000
+KV_EVENTS_MAX_AGE_S = 3600.0
+
+
+async def open_kv_events_stream(bus: Bus, subjects: Subjects, replicas: int = 1) -> EventStream:
+    """The stream of every engine core's KV events (opened by engine cores and clients)."""
+    return await bus.open_stream(
+        subjects.kv_events_stream(),
+        [subjects.kv_events("*")],
+        max_age_s=KV_EVENTS_MAX_AGE_S,
+        max_msgs=KV_EVENTS_MAX_MSGS,
+        replicas=replicas,
+    )

@@ -1,0 +1,86 @@
+"""The engine client's side of prefix-aware routing (``routing_mode`` kv): follows the
+kv-events stream into a ``prefix_index.PrefixIndex`` (every stored batch first, so a restarted
+client or gateway rebuilds its index, then live ones), drops an engine core's entries when it
+is seen DEAD or STOPPED, and hashes prompts the way the engine cores do (``BlockHasher``, with
+the deployment's block size, hash algorithm and the request's cache salt), so the router can
+look them up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from shoal.bus.base import Bus, BusError, Msg, Subscription
+from shoal.bus.codec import Codec, DecodeError
+from shoal.bus.event_stream import StreamFollower, open_kv_events_stream
+from shoal.bus.liveness import GONE_STATES, LivenessTable
+from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.messages.kv_events import KVEventBatch
+from shoal.bus.subjects import Subjects
+from shoal.engine.client.prefix_index import PrefixIndex
+from shoal.engine.core.block_hash import BlockHash, BlockHasher
+
+log = logging.getLogger(__name__)
+_BATCH: Codec[KVEventBatch] = Codec(KVEventBatch)
+
+
+class PrefixRouting:
+    def __init__(self, bus: Bus, subjects: Subjects, config: ShoalConfig) -> None:
+        cache = config.cache_config
+        self._bus = bus
+        self._subjects = subjects
+        self._replicas: int = getattr(config.bus_config, "jetstream_replicas", 1)
+        self.index = PrefixIndex()
+        self.hasher = BlockHasher(cache.block_size, cache.prefix_caching_hash_algo)
+        self.follower: StreamFollower | None = None
+        self._sub: Subscription | None = None
+
+    async def start(self, replay_timeout_s: float = 10.0) -> None:
+        """Follow the stream and wait (bounded) until what it stored has been applied; without
+        a stream (a bus that has none, or JetStream off), follow the live events only."""
+        try:
+            stream = await open_kv_events_stream(self._bus, self._subjects, self._replicas)
+            self.follower = await stream.follow(self._on_batch)
+        except (BusError, NotImplementedError, OSError) as exc:
+            log.warning("kv-events stream unavailable (%r): following live events only", exc)
+            subject = self._subjects.kv_events("*")
+            self._sub = await self._bus.subscribe(subject, self._on_batch, sequential=True)
+            return
+        try:
+            await asyncio.wait_for(self.follower.caught_up.wait(), replay_timeout_s)
+        except TimeoutError:
+            log.warning("kv-events replay not done after %s s: routing on", replay_timeout_s)
+
+    async def stop(self) -> None:
+        follower, self.follower = self.follower, None
+        if follower is not None:
+            await follower.stop()
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            with contextlib.suppress(BusError):
+                await sub.unsubscribe()
+
+    async def _on_batch(self, msg: Msg) -> None:
+        try:
+            batch = _BATCH.decode(msg.data)
+        except DecodeError as exc:
+            log.warning("undecodable kv events on %s: %s", msg.subject, exc)
+            return
+        self.index.apply(batch)
+
+    def on_engine_change(self, engine_id: str, liveness: LivenessTable) -> None:
+        """An engine core's state changed: a gone one holds nothing any more."""
+        peer = liveness.get(engine_id)
+        if peer is not None and peer.state in GONE_STATES:
+            self.index.drop_engine(engine_id)
+
+    def block_hashes(
+        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[BlockHash]:
+        """The prompt's blocks an engine core could take from its cache (never the block of
+        the last token, whose logits must be computed)."""
+        max_blocks = (len(prompt_token_ids) - 1) // self.hasher.block_size
+        return self.hasher.prompt_block_hashes(prompt_token_ids, cache_salt, max_blocks)
