@@ -3,7 +3,7 @@
 shoal serve [MODEL]            the OpenAI-compatible server (default: the built-in demo model)
 shoal generate [MODEL] -p TEXT one completion, printed
 shoal actor KIND MODEL ...     one actor process joining a NATS deployment (multi-host)
-shoal probe KIND ID            exit 0 if that actor of a NATS deployment is ready (for probes)
+shoal probe KIND [ID]          exit 0 if that actor of a NATS deployment is ready (for probes)
 shoal bench NAME [ARGS...]     a benchmark from bench/ (throughput, serve, scheduler, bus, …)
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from shoal.bus.messages.config import ShoalConfig
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace, option_default
-from shoal.deploy.probe import add_probe_arguments, run_probe
+from shoal.deploy.probe import add_probe_arguments, probed_id, run_probe
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 ACTOR_KINDS = ("worker", "engine", "gateway", "recovery", "tier")
@@ -147,7 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.command == "bench":
         return _run_bench(parser, ns.name, ns.bench_args)
     if ns.command == "probe":
-        return asyncio.run(run_probe(ns))
+        try:
+            actor_id = probed_id(ns)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return asyncio.run(run_probe(ns, actor_id))
     try:
         return _run(parser, ns)
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are set (the demo build)

@@ -26,6 +26,7 @@ from shoal.bus.subjects import Subjects
 EXIT_READY, EXIT_NOT_READY, EXIT_UNHEARD = 0, 1, 2
 DEFAULT_TIMEOUT_S = 5.0  # five heartbeat intervals
 USER_ENV, PASSWORD_ENV = "SHOAL_NATS_USER", "SHOAL_NATS_PASSWORD"
+ACTOR_ID_ENV = "SHOAL_ACTOR_ID"
 
 
 def add_probe_arguments(
@@ -33,7 +34,14 @@ def add_probe_arguments(
 ) -> None:
     """``namespace``: the default of ``--namespace`` (the deployments' default)."""
     parser.add_argument("kind", choices=actor_kinds, help="the actor's kind")
-    parser.add_argument("actor_id", metavar="ID", help="the actor's id (engine-0, kv-cpu, ...)")
+    parser.add_argument(
+        "actor_id",
+        metavar="ID",
+        nargs="?",
+        default=None,
+        help=f"the actor's id (engine-0, kv-cpu, ...; default: ${ACTOR_ID_ENV}, as the "
+        "Kubernetes manifests set it: exec probes expand no variables)",
+    )
     parser.add_argument(
         "--nats-url",
         dest="probe_urls",
@@ -54,6 +62,15 @@ def add_probe_arguments(
         action="store_true",
         help="succeed in any state but dead or stopped (a liveness probe), not only ready",
     )
+
+
+def probed_id(ns: argparse.Namespace, env: dict[str, str] | None = None) -> str:
+    """The ID argument, else ``$SHOAL_ACTOR_ID``; ``ValueError`` if neither is set."""
+    env = dict(os.environ) if env is None else env
+    actor_id = ns.actor_id or env.get(ACTOR_ID_ENV)
+    if not actor_id:
+        raise ValueError(f"shoal probe needs the actor's ID (or ${ACTOR_ID_ENV})")
+    return str(actor_id)
 
 
 def bus_options_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
@@ -94,19 +111,19 @@ def exit_code(state: ActorState | None, *, alive: bool) -> int:
     return EXIT_NOT_READY
 
 
-async def run_probe(ns: argparse.Namespace) -> int:
+async def run_probe(ns: argparse.Namespace, actor_id: str) -> int:
     """The probe of ``shoal probe``: prints the state heard and returns the exit code."""
     url = ",".join(ns.probe_urls)
     try:
         bus = await connect_bus(url, **bus_options_from_env())
     except BusError as exc:
-        print(f"{ns.kind} {ns.actor_id}: no bus: {exc}", file=sys.stderr)
+        print(f"{ns.kind} {actor_id}: no bus: {exc}", file=sys.stderr)
         return EXIT_UNHEARD
     try:
-        state = await actor_state(bus, ns.namespace, ns.kind, ns.actor_id, ns.timeout_s)
+        state = await actor_state(bus, ns.namespace, ns.kind, actor_id, ns.timeout_s)
     finally:
         await bus.close()
     code = exit_code(state, alive=ns.alive)
     heard = "not heard from" if state is None else state.name.lower()
-    print(f"{ns.kind} {ns.actor_id}: {heard}", file=sys.stdout if code == 0 else sys.stderr)
+    print(f"{ns.kind} {actor_id}: {heard}", file=sys.stdout if code == 0 else sys.stderr)
     return code

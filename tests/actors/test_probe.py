@@ -23,6 +23,7 @@ from shoal.deploy.probe import (
     actor_state,
     bus_options_from_env,
     exit_code,
+    probed_id,
     run_probe,
 )
 from tests.actors.bus_helpers import EchoActor
@@ -94,10 +95,11 @@ async def test_command_line_on_nats(nats_url: str, capsys: pytest.CaptureFixture
     urls = f"nats://127.0.0.1:1,{nats_url}"  # a dead server first: the client tries the next
     argv = ["probe", "tier", "kv-cpu", "--nats-url", urls, "--namespace", NAMESPACE]
     async with beating(bus, "tier", "kv-cpu", ActorState.READY):
-        assert await run_probe(parser.parse_args([*argv, "--timeout-s", "10"])) == EXIT_READY
+        ns = parser.parse_args([*argv, "--timeout-s", "10"])
+        assert await run_probe(ns, probed_id(ns)) == EXIT_READY
     assert "tier kv-cpu: ready" in capsys.readouterr().out
     short = parser.parse_args([*argv, "--timeout-s", "0.3"])
-    assert await run_probe(short) == EXIT_UNHEARD
+    assert await run_probe(short, "kv-cpu") == EXIT_UNHEARD
     await bus.close()
 
 
@@ -105,3 +107,13 @@ def test_credentials_come_from_the_environment() -> None:
     env = {"SHOAL_NATS_USER": "engine", "SHOAL_NATS_PASSWORD": "s3cret"}
     assert bus_options_from_env(env) == {"user": "engine", "password": "s3cret"}
     assert bus_options_from_env({}) == {}
+
+
+def test_the_id_may_come_from_the_environment() -> None:
+    parser = build_parser()
+    ns = parser.parse_args(["probe", "engine", "--nats-url", "nats://nats-0:4222"])
+    assert probed_id(ns, {"SHOAL_ACTOR_ID": "engine-1"}) == "engine-1"
+    given = parser.parse_args(["probe", "engine", "engine-0", "--nats-url", "nats://x:4222"])
+    assert probed_id(given, {"SHOAL_ACTOR_ID": "engine-1"}) == "engine-0"
+    with pytest.raises(ValueError, match="SHOAL_ACTOR_ID"):
+        probed_id(ns, {})
