@@ -3,6 +3,7 @@
 shoal serve [MODEL]            the OpenAI-compatible server (default: the built-in demo model)
 shoal generate [MODEL] -p TEXT one completion, printed
 shoal actor KIND MODEL ...     one actor process joining a NATS deployment (multi-host)
+shoal probe KIND [ID]          exit 0 if that actor of a NATS deployment is ready (for probes)
 shoal bench NAME [ARGS...]     a benchmark from bench/ (throughput, serve, scheduler, bus, …)
 """
 
@@ -17,7 +18,8 @@ import sys
 from pathlib import Path
 
 from shoal.bus.messages.config import ShoalConfig
-from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
+from shoal.deploy.arguments import add_engine_arguments, config_from_namespace, option_default
+from shoal.deploy.probe import add_probe_arguments, probed_id, run_probe
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 ACTOR_KINDS = ("worker", "engine", "gateway", "recovery", "tier")
@@ -88,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_http_arguments(actor)
     add_engine_arguments(actor)
 
+    probe = commands.add_parser(
+        "probe", parents=[common], help="exit 0 if an actor of a NATS deployment is ready"
+    )
+    add_probe_arguments(probe, ACTOR_KINDS, option_default("namespace"))
+
     bench = commands.add_parser("bench", parents=[common], help="run a benchmark from bench/")
     bench.add_argument("name", help="benchmark name: " + ", ".join(_bench_names()))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own arguments")
@@ -139,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     if ns.command == "bench":
         return _run_bench(parser, ns.name, ns.bench_args)
+    if ns.command == "probe":
+        try:
+            actor_id = probed_id(ns)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return asyncio.run(run_probe(ns, actor_id))
     try:
         return _run(parser, ns)
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are set (the demo build)
