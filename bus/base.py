@@ -23,7 +23,10 @@ from __future__ import annotations
 import abc
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shoal.bus.buckets import KvBucket, ObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +197,19 @@ class Bus(abc.ABC):
     @abc.abstractmethod
     async def flush(self, timeout: float = 5.0) -> None:
         """Return once everything published so far has reached the transport."""
+
+    @abc.abstractmethod
+    async def open_kv(
+        self, name: str, *, history: int = 1, ttl_s: float | None = None, replicas: int = 1
+    ) -> KvBucket:
+        """Key-value bucket ``name`` (``bus.buckets``), created when missing with ``history``
+        revisions per key, entries expiring after ``ttl_s`` (None: never) and ``replicas``
+        copies in a NATS cluster (ignored in memory); a bucket that exists keeps its own."""
+
+    @abc.abstractmethod
+    async def open_object_store(self, name: str, *, replicas: int = 1) -> ObjectStore:
+        """Object store ``name`` (``bus.buckets``), created when missing (``replicas`` as for
+        ``open_kv``)."""
 
     async def request_stream(
         self,

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import ssl
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import nats
 import nats.errors
@@ -34,6 +34,10 @@ from shoal.bus.base import (
 from shoal.bus.chunking import ChunkSender, resolve_chunked
 from shoal.bus.dispatch import Dispatcher
 from shoal.bus.subjects import validate_subject
+
+if TYPE_CHECKING:
+    from shoal.bus.jetstream import NatsKvBucket
+    from shoal.bus.object_store import NatsObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +133,22 @@ class NatsBus(Bus):
     @property
     def is_connected(self) -> bool:
         return self._nc is not None and self._nc.is_connected
+
+    async def open_kv(
+        self, name: str, *, history: int = 1, ttl_s: float | None = None, replicas: int = 1
+    ) -> NatsKvBucket:
+        from shoal.bus.buckets import check_bucket_name
+        from shoal.bus.jetstream import NatsKvBucket
+
+        check_bucket_name(name)
+        return await NatsKvBucket.open(self, name, history=history, ttl_s=ttl_s, replicas=replicas)
+
+    async def open_object_store(self, name: str, *, replicas: int = 1) -> NatsObjectStore:
+        from shoal.bus.buckets import check_bucket_name
+        from shoal.bus.object_store import NatsObjectStore
+
+        check_bucket_name(name)
+        return await NatsObjectStore.open(self, name, replicas=replicas)
 
     @property
     def max_payload(self) -> int:
