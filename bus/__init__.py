@@ -1,8 +1,8 @@
 """shoal's message bus: the ``Bus`` interface (``bus.base``), its in-memory and NATS transports,
 subjects (``bus.subjects``), codecs (``bus.codec``), the actor runtime (``bus.actor``,
-``bus.supervisor``), the nats-server launcher (``bus.server``) and JetStream helpers
-(``bus.jetstream``, ``bus.object_store``). Only this package imports ``nats``. See
-``docs/bus.md``."""
+``bus.supervisor``), the nats-server launcher (``bus.server``) and the key-value buckets and
+object stores of both transports (``bus.buckets``: ``Bus.open_kv``, ``Bus.open_object_store``).
+Only this package imports ``nats``. See ``docs/bus.md``."""
 
 from __future__ import annotations
 

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from shoal.bus.buckets import KvBucket, ObjectStore
     from shoal.bus.event_stream import EventStream
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,19 @@ class Bus(abc.ABC):
     async def flush(self, timeout: float = 5.0) -> None:
         """Return once everything published so far has reached the transport."""
 
+    @abc.abstractmethod
+    async def open_kv(
+        self, name: str, *, history: int = 1, ttl_s: float | None = None, replicas: int = 1
+    ) -> KvBucket:
+        """Key-value bucket ``name`` (``bus.buckets``), created when missing with ``history``
+        revisions per key, entries expiring after ``ttl_s`` (None: never) and ``replicas``
+        copies in a NATS cluster (ignored in memory); a bucket that exists keeps its own."""
+
+    @abc.abstractmethod
+    async def open_object_store(self, name: str, *, replicas: int = 1) -> ObjectStore:
+        """Object store ``name`` (``bus.buckets``), created when missing (``replicas`` as for
+        ``open_kv``)."""
+
     async def request_stream(
         self,
         subject: str,
@@ -219,6 +233,7 @@ class Bus(abc.ABC):
         async for msg in stream:
             yield msg
 
+    @abc.abstractmethod
     async def open_stream(
         self,
         name: str,
@@ -230,7 +245,6 @@ class Bus(abc.ABC):
     ) -> EventStream:
         """Open (creating when missing) the event stream ``name`` capturing ``subjects``
         (``bus.event_stream``)."""
-        raise NotImplementedError(f"{type(self).__name__} has no event streams")
 
     async def __aenter__(self) -> Bus:
         await self.connect()

@@ -1,32 +1,24 @@
-"""JetStream helpers on a ``NatsBus``: a key-value bucket (put/get/delete/watch, per-key TTL).
-The Object Store is ``bus.object_store``."""
+"""The key-value bucket on NATS: ``NatsKvBucket``, a JetStream KV bucket (``NatsBus.open_kv``;
+put/get/delete/history/watch, per-key TTL). The Object Store is ``bus.object_store``; the
+interface both buses share is ``bus.buckets``."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
 
 import nats.errors
 import nats.js.errors
-from nats.js import JetStreamContext
+from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
 from shoal.bus.base import BusTimeoutError
+from shoal.bus.buckets import KvBucket, KvEntry, ValueTooLargeError, check_key
 from shoal.bus.nats_bus import NatsBus
 
-
-@dataclass(frozen=True)
-class KvEntry:
-    key: str
-    value: bytes | None  # None: deleted, purged or expired
-    revision: int
+__all__ = ["KvEntry", "NatsKvBucket"]
 
 
-def _jetstream(bus: NatsBus, timeout: float) -> JetStreamContext:
-    return bus.client.jetstream(timeout=timeout)
-
-
-class KvBucket:
+class NatsKvBucket(KvBucket):
     """A JetStream key-value bucket. ``open`` creates it when missing."""
 
     def __init__(self, kv: KeyValue, js: JetStreamContext, name: str) -> None:
@@ -36,24 +28,34 @@ class KvBucket:
 
     @classmethod
     async def open(
-        cls, bus: NatsBus, name: str, *, history: int = 1, ttl_s: float | None = None
-    ) -> KvBucket:
-        """Open (or create) bucket ``name``; ``ttl_s`` is the bucket-wide max age."""
-        js = _jetstream(bus, timeout=5.0)
+        cls,
+        bus: NatsBus,
+        name: str,
+        *,
+        history: int = 1,
+        ttl_s: float | None = None,
+        replicas: int = 1,
+    ) -> NatsKvBucket:
+        """Open (or create) bucket ``name``; ``ttl_s`` is the bucket-wide max age, ``replicas``
+        the copies a cluster keeps."""
+        js = bus.client.jetstream(timeout=5.0)
         try:
             kv = await js.key_value(name)
         except nats.js.errors.BucketNotFoundError:
-            kv = await js.create_key_value(bucket=name, history=history, ttl=ttl_s)
+            config = api.KeyValueConfig(bucket=name, history=history, ttl=ttl_s, replicas=replicas)
+            kv = await js.create_key_value(config)
         return cls(kv, js, name)
 
     async def put(self, key: str, value: bytes, *, ttl_s: float | None = None) -> int:
-        """Store ``value``; with ``ttl_s`` (whole seconds, at least 1) the key expires on its
-        own. Returns the revision."""
-        if ttl_s is None:
-            return await self._kv.put(key, value)
-        if ttl_s < 1:
+        check_key(key)
+        if ttl_s is not None and ttl_s < 1:
             raise ValueError(f"per-key ttl must be at least 1 s, got {ttl_s}")
-        ack = await self._js.publish(f"$KV.{self.name}.{key}", value, msg_ttl=ttl_s)
+        try:
+            if ttl_s is None:
+                return await self._kv.put(key, value)
+            ack = await self._js.publish(f"$KV.{self.name}.{key}", value, msg_ttl=ttl_s)
+        except nats.errors.MaxPayloadError:
+            raise ValueTooLargeError(f"{len(value)} bytes for key {key!r}") from None
         return ack.seq
 
     async def get(self, key: str) -> bytes | None:
@@ -64,14 +66,19 @@ class KvBucket:
         return entry.value
 
     async def delete(self, key: str) -> None:
+        check_key(key)
         await self._kv.delete(key)
+
+    async def history(self, key: str) -> list[KvEntry]:
+        try:
+            entries = await self._kv.history(key)
+        except nats.js.errors.NoKeysError:
+            return []
+        return [_entry(entry) for entry in entries]
 
     async def watch(
         self, keys: str = ">", *, timeout: float = 5.0
     ) -> AsyncGenerator[KvEntry, None]:
-        """Yield the current value of each matching key, then every change, as ``KvEntry``
-        (value None for a delete). Stop by breaking out of the loop. ``timeout`` bounds the
-        wait for each next entry (``BusTimeoutError``)."""
         watcher = await self._kv.watch(keys)
         try:
             while True:
@@ -81,7 +88,11 @@ class KvBucket:
                     raise BusTimeoutError(f"no update of {keys!r} within {timeout}s") from None
                 if entry is None:  # the marker "caught up with existing keys"
                     continue
-                value = None if entry.operation in ("DEL", "PURGE") else entry.value
-                yield KvEntry(entry.key, value, entry.revision)
+                yield _entry(entry)
         finally:
             await watcher.stop()
+
+
+def _entry(entry: KeyValue.Entry) -> KvEntry:
+    value = None if entry.operation in ("DEL", "PURGE") else entry.value
+    return KvEntry(entry.key, value, entry.revision or 0)

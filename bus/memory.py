@@ -1,7 +1,8 @@
 """``InMemoryBus``: the bus inside one process, with NATS's semantics (wildcards, queue groups,
 request/reply with "no responders", streamed replies, chunking above an optional max_payload).
 
-Buses on one ``InMemoryBroker`` see each other's messages; each bus closes on its own. Used by the
+Buses on one ``InMemoryBroker`` see each other's messages and share its key-value buckets and
+object stores (``bus.memory_jetstream``); each bus closes on its own. Used by the
 offline API, local single-process mode and fast tests.
 """
 
@@ -33,6 +34,7 @@ from shoal.bus.subjects import validate_subject
 
 if TYPE_CHECKING:
     from shoal.bus.event_stream import EventStream
+    from shoal.bus.memory_jetstream import MemoryKvBucket, MemoryObjectStore
 
 
 def subject_matches(pattern: tuple[str, ...], subject: tuple[str, ...]) -> bool:
@@ -169,6 +171,26 @@ class InMemoryBus(Bus):
 
     def new_inbox(self) -> str:
         return f"{self._inbox_prefix}.{next(self._inbox_ids)}"
+
+    async def open_kv(
+        self, name: str, *, history: int = 1, ttl_s: float | None = None, replicas: int = 1
+    ) -> MemoryKvBucket:
+        """The broker's bucket ``name``, shared by its buses (``replicas`` ignored)."""
+        from shoal.bus.buckets import check_bucket_name
+        from shoal.bus.memory_jetstream import MemoryKvBucket
+
+        self._check_open()
+        check_bucket_name(name)
+        return MemoryKvBucket.open(self, self._broker, name, history=history, ttl_s=ttl_s)
+
+    async def open_object_store(self, name: str, *, replicas: int = 1) -> MemoryObjectStore:
+        """The broker's object store ``name``, shared by its buses (``replicas`` ignored)."""
+        from shoal.bus.buckets import check_bucket_name
+        from shoal.bus.memory_jetstream import MemoryObjectStore
+
+        self._check_open()
+        check_bucket_name(name)
+        return MemoryObjectStore.open(self, self._broker, name)
 
     async def flush(self, timeout: float = 5.0) -> None:
         self._check_open()

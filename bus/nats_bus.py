@@ -38,6 +38,8 @@ from shoal.bus.subjects import validate_subject
 
 if TYPE_CHECKING:
     from shoal.bus.event_stream import EventStream
+    from shoal.bus.jetstream import NatsKvBucket
+    from shoal.bus.object_store import NatsObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +135,22 @@ class NatsBus(Bus):
     @property
     def is_connected(self) -> bool:
         return self._nc is not None and self._nc.is_connected
+
+    async def open_kv(
+        self, name: str, *, history: int = 1, ttl_s: float | None = None, replicas: int = 1
+    ) -> NatsKvBucket:
+        from shoal.bus.buckets import check_bucket_name
+        from shoal.bus.jetstream import NatsKvBucket
+
+        check_bucket_name(name)
+        return await NatsKvBucket.open(self, name, history=history, ttl_s=ttl_s, replicas=replicas)
+
+    async def open_object_store(self, name: str, *, replicas: int = 1) -> NatsObjectStore:
+        from shoal.bus.buckets import check_bucket_name
+        from shoal.bus.object_store import NatsObjectStore
+
+        check_bucket_name(name)
+        return await NatsObjectStore.open(self, name, replicas=replicas)
 
     @property
     def max_payload(self) -> int:

@@ -1,4 +1,5 @@
-"""The JetStream Object Store on a ``NatsBus``: an ``ObjectStore`` whose ``get`` pulls chunks
+"""The JetStream Object Store on a ``NatsBus`` (``NatsBus.open_object_store``): a
+``NatsObjectStore`` (``bus.buckets.ObjectStore`` on NATS) whose ``get`` pulls chunks
 with a pull consumer into one buffer (nats-py's own ``get`` concatenates bytes chunk by chunk,
 which is slow for multi-MiB objects), in short pulls: a read whose chunks are purged under it
 fails at once, not at its timeout.
@@ -27,9 +28,10 @@ from typing import Any
 
 import nats.js.errors
 from nats.js import JetStreamContext, api
-from nats.js.object_store import ObjectStore as NatsObjectStore
+from nats.js.object_store import ObjectStore as NatsPyObjectStore
 
 from shoal.bus.base import BusTimeoutError, PayloadIntegrityError
+from shoal.bus.buckets import ObjectEntry, ObjectStore
 from shoal.bus.nats_bus import NatsBus
 
 FETCH_BATCH = 64
@@ -38,14 +40,6 @@ WRONG_LAST_SEQUENCE = 10071  # the server's error code: an expected last sequenc
 PUBLISH_TRIES = 3  # of a put's meta, while the name's meta is deleted under it
 CONSUMER_IDLE_S = 30.0  # a read's consumer left behind (its delete lost) goes after this
 CHUNK_BYTES = 128 * 1024  # nats-py's chunk size, well under any server's max_payload
-
-
-@dataclass(frozen=True)
-class ObjectEntry:
-    name: str
-    size: int
-    mtime: str  # when it was put (ISO 8601, UTC)
-    writer: str = ""  # who put it (``put(writer=...)``; "" when unknown)
 
 
 @dataclass(frozen=True)
@@ -64,10 +58,10 @@ class _ChunksGone(Exception):
     """A read found fewer chunk messages than the object's meta names (purged, or replaced)."""
 
 
-class ObjectStore:
+class NatsObjectStore(ObjectStore):
     """A JetStream Object Store bucket for multi-MiB objects. ``open`` creates it when missing."""
 
-    def __init__(self, store: NatsObjectStore, js: JetStreamContext, name: str) -> None:
+    def __init__(self, store: NatsPyObjectStore, js: JetStreamContext, name: str) -> None:
         self._store = store
         self._js = js
         self.name = name
@@ -76,12 +70,16 @@ class ObjectStore:
         self._purges: set[asyncio.Task[None]] = set()  # purges, consumer deletes, watcher stops
 
     @classmethod
-    async def open(cls, bus: NatsBus, name: str, *, timeout: float = 10.0) -> ObjectStore:
+    async def open(
+        cls, bus: NatsBus, name: str, *, replicas: int = 1, timeout: float = 10.0
+    ) -> NatsObjectStore:
+        """Open (or create, with ``replicas`` copies in a cluster) bucket ``name``."""
         js = bus.client.jetstream(timeout=timeout)
         try:
             store = await js.object_store(name)
         except nats.js.errors.BucketNotFoundError:
-            store = await js.create_object_store(name)
+            config = api.ObjectStoreConfig(bucket=name, replicas=replicas)
+            store = await js.create_object_store(name, config=config)
         return cls(store, js, name)
 
     @property
@@ -278,7 +276,7 @@ class ObjectStore:
 
     # -- listing --------------------------------------------------------------------------------
 
-    async def _watch(self) -> NatsObjectStore.ObjectWatcher:
+    async def _watch(self) -> NatsPyObjectStore.ObjectWatcher:
         """nats-py's watcher of the live objects' metas. Opened in a task of its own: cut short
         while it opens, the watcher is stopped once it is open."""
         opening = asyncio.ensure_future(self._store.watch(ignore_deletes=True))
@@ -288,7 +286,7 @@ class ObjectStore:
             opening.add_done_callback(self._stop_watcher_soon)
             raise
 
-    def _stop_watcher_soon(self, opening: asyncio.Future[NatsObjectStore.ObjectWatcher]) -> None:
+    def _stop_watcher_soon(self, opening: asyncio.Future[NatsPyObjectStore.ObjectWatcher]) -> None:
         if not opening.cancelled() and opening.exception() is None:
             self._track(opening.result().stop())
 

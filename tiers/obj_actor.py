@@ -1,6 +1,7 @@
-"""The object-store tier actor: a secondary tier behind a CPU tier, on the JetStream Object
-Store of the deployment's NATS, so chunks outlive every engine core and this actor, and one
-host's tier finds what another host's tier put in the same bucket.
+"""The object-store tier actor: a secondary tier behind a CPU tier, on the bus's object store
+(``Bus.open_object_store``: the JetStream Object Store of the deployment's NATS, or the
+in-memory broker's own), so chunks outlive every engine core and this actor, and one host's
+tier finds what another host's tier put in the same bucket.
 
 Chunks are objects (``tiers.obj_store.ObjectChunks``) in ``ObjTierConfig.bucket`` (default
 ``shoal_kv_<namespace>``), one per tensor-parallel rank; the protocol, the LRU index within
@@ -21,8 +22,9 @@ forgotten is decided as it leaves; the deletes caused by a lookup's adoption the
 cascades (the write lock), so a delete never races a rewrite of the same key (and a layout
 switch meanwhile does not make another host's chunk look like this tier's).
 
-It needs a NATS bus (on another bus an attach is refused). At most ``max_concurrent_io`` chunks
-are read and as many written at once (apart: a promote never waits behind a cascade's puts);
+A bucket that cannot be opened (a NATS server without JetStream) refuses the attach. At most
+``max_concurrent_io`` chunks are read and as many written at once (apart: a promote never waits
+behind a cascade's puts);
 a read waits for the store only until its job's deadline, and a cascade whose deadline passes
 while one of its keys is on the wire waits for that key (its copy into or out of the slot
 happens only before the deadline). Stopped, it waits a moment for its object store's purges
@@ -37,10 +39,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from shoal.bus.base import Bus
+from shoal.bus.buckets import ObjectStore
 from shoal.bus.messages.config import ObjTierConfig
 from shoal.bus.messages.offload import KVLayout
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.object_store import ObjectStore
 from shoal.tiers.chunk_format import CorruptChunk, DeadlinePassed
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.manager import OffloadManager
@@ -98,11 +99,9 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         await super().on_stop()
 
     async def _open(self, layout: KVLayout) -> tuple[ObjectChunks, list[OffloadKey]]:
-        if not isinstance(self.bus, NatsBus):
-            raise TierUnavailable("the object tier needs a NATS bus")
         try:
             if self._objects is None:
-                self._objects = await ObjectStore.open(self.bus, self.bucket)
+                self._objects = await self.bus.open_object_store(self.bucket)
             chunks = ObjectChunks(
                 self._objects, layout, writer=self.actor_id, timeout_s=self.io_timeout_s
             )

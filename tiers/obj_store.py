@@ -1,5 +1,6 @@
-"""The object-store tier's chunks: one JetStream Object Store object per tensor-parallel rank
-part of a chunk, in one bucket that any host of the deployment can reach.
+"""The object-store tier's chunks: one object per tensor-parallel rank part of a chunk, in one
+object store bucket (``bus.buckets.ObjectStore``: JetStream's on NATS) that any host of the
+deployment can reach.
 
 Name: ``<model dir>/<part dir>/<key hex>`` (the filesystem tier's path, without the fan-out
 directory; ``fs_store.model_dir_name``, ``fs_store.part_dir_name``: ``tp<tp_size>_r<rank>``, or
@@ -14,7 +15,7 @@ bytes) is a miss that removes nothing. A write publishes its parts only if ``dea
 store only until it (and at most the timeout) and copies into the slot only before it
 (``DeadlinePassed``).
 
-Async over ``bus.object_store.ObjectStore`` (chunked reads through a pull consumer); the copies
+Async over ``bus.buckets.ObjectStore`` (on NATS, chunked reads through a pull consumer); the copies
 and digests of a part run in a thread, so a large chunk never holds the event loop. Each object
 records its writer (the tier actor's id): ``FoundChunk.is_own`` tells a tier the chunks it may
 delete for its byte budget from those another host's tier wrote. ``scan`` lists the bucket: the
@@ -37,8 +38,8 @@ from datetime import UTC, datetime
 from typing import NamedTuple, TypeVar
 
 from shoal.bus.base import BusError, PayloadIntegrityError
+from shoal.bus.buckets import ObjectEntry, ObjectStore
 from shoal.bus.messages.offload import KVLayout
-from shoal.bus.object_store import ObjectEntry, ObjectStore
 from shoal.tiers.chunk_format import (
     CorruptChunk,
     check_deadline,

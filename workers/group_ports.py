@@ -2,9 +2,9 @@
 (``tcp://host:port``) on a board under a key made of the engine id and the epoch, the other ranks
 read it there.
 
-On NATS the board is the JetStream KV bucket ``subjects.group_ports_bucket()`` (entries expire
-after ``PORTS_TTL_S``, long after every rank has read them); on the in-memory bus it is a table
-shared by the buses of one broker. An epoch must be unique for the engine core (across its
+The board is the key-value bucket ``subjects.group_ports_bucket()`` (``Bus.open_kv``: JetStream
+on NATS, shared by the buses of one broker in memory; entries expire after ``PORTS_TTL_S``, long
+after every rank has read them). An epoch must be unique for the engine core (across its
 restarts too): a key left by an earlier group of the same epoch would send the readers to a
 dead address.
 
@@ -17,16 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import string
-import weakref
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from shoal.bus.base import Bus, BusTimeoutError
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.buckets import KvBucket
 from shoal.bus.subjects import Subjects
-
-if TYPE_CHECKING:
-    from shoal.bus.jetstream import KvBucket
 
 LOOPBACK = "127.0.0.1"
 PORTS_TTL_S = 3600.0
@@ -77,22 +73,17 @@ class PortBoard(Protocol):
 
 
 class KvPortBoard:
-    """The board on JetStream KV (the bucket is opened, or created, on first use)."""
+    """The board on the bus's key-value bucket ``bucket_name`` (``Bus.open_kv``: JetStream on
+    NATS, the broker's own in memory), opened, or created, on first use."""
 
     def __init__(self, bus: Bus, bucket_name: str) -> None:
-        from shoal.bus.nats_bus import NatsBus
-
-        if not isinstance(bus, NatsBus):
-            raise TypeError(f"a JetStream board needs a NatsBus, got {type(bus).__name__}")
         self._bus = bus
         self._name = bucket_name
         self._bucket: KvBucket | None = None
 
     async def _open(self) -> KvBucket:
-        from shoal.bus.jetstream import KvBucket
-
         if self._bucket is None:
-            self._bucket = await KvBucket.open(self._bus, self._name, ttl_s=PORTS_TTL_S)
+            self._bucket = await self._bus.open_kv(self._name, ttl_s=PORTS_TTL_S)
         return self._bucket
 
     async def put(self, key: str, init_method: str) -> None:
@@ -110,34 +101,8 @@ class KvPortBoard:
         raise TimeoutError(f"no group address under {key!r} within {timeout_s} s")
 
 
-class MemoryPortBoard:
-    """The board of one in-memory broker (tests and embedded use)."""
-
-    def __init__(self) -> None:
-        self._values: dict[str, str] = {}
-
-    async def put(self, key: str, init_method: str) -> None:
-        self._values[key] = init_method
-
-    async def read(self, key: str, timeout_s: float) -> str:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while key not in self._values:
-            if loop.time() > deadline:
-                raise TimeoutError(f"no group address under {key!r} within {timeout_s} s")
-            await asyncio.sleep(0.01)
-        return self._values[key]
-
-
-_MEMORY_BOARDS: weakref.WeakKeyDictionary[InMemoryBroker, MemoryPortBoard] = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def port_board_for(bus: Bus, subjects: Subjects) -> PortBoard:
     """The board of the deployment ``bus`` belongs to."""
-    if isinstance(bus, InMemoryBus):
-        return _MEMORY_BOARDS.setdefault(bus.broker, MemoryPortBoard())
     return KvPortBoard(bus, subjects.group_ports_bucket())
 
 

@@ -52,8 +52,8 @@ class FsTierConfig(StoringTier, frozen=True, tag="fs"):
 
 
 class ObjTierConfig(StoringTier, frozen=True, tag="obj"):
-    """An object-store tier (type ``obj``): the JetStream Object Store of the deployment's
-    NATS, reachable from every host."""
+    """An object-store tier (type ``obj``): the bus's object store (the JetStream Object Store
+    of the deployment's NATS, reachable from every host; the broker's own in memory)."""
 
     bucket: str = ""  # "": shoal_kv_<namespace>
 

@@ -11,9 +11,9 @@ import pytest
 
 from shoal.bus import connect_bus
 from shoal.bus.base import BusError, Msg, PayloadIntegrityError
-from shoal.bus.jetstream import KvBucket, KvEntry
+from shoal.bus.jetstream import KvEntry, NatsKvBucket
 from shoal.bus.nats_bus import NatsBus
-from shoal.bus.object_store import ObjectStore
+from shoal.bus.object_store import NatsObjectStore
 from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server, keep_running
 
 pytestmark = pytest.mark.nats
@@ -51,7 +51,7 @@ async def test_keep_running_brings_a_killed_server_back_with_its_store():
         watcher = asyncio.create_task(keep_running(server, on_restart=restarted.append))
         bus = NatsBus([url])
         await bus.connect()
-        await (await KvBucket.open(bus, "test_survives")).put("key", b"kept")
+        await (await NatsKvBucket.open(bus, "test_survives")).put("key", b"kept")
         assert first is not None
         os.kill(first, signal.SIGKILL)
         async with asyncio.timeout(20):
@@ -60,7 +60,7 @@ async def test_keep_running_brings_a_killed_server_back_with_its_store():
             assert server.url == url and server.pid != first and server.is_running
             while True:  # bounded by the timeout: until the client is back and JetStream up
                 try:
-                    value = await (await KvBucket.open(bus, "test_survives")).get("key")
+                    value = await (await NatsKvBucket.open(bus, "test_survives")).get("key")
                     break
                 except BusError:
                     await asyncio.sleep(0.05)  # paces the retries
@@ -88,7 +88,7 @@ async def nats_bus(nats_url: str):
 
 
 async def test_kv_put_get_delete_and_watch(nats_bus: NatsBus):
-    bucket = await KvBucket.open(nats_bus, "test_kv_watch")
+    bucket = await NatsKvBucket.open(nats_bus, "test_kv_watch")
     await bucket.put("engine.e0", b"ready")
     assert await bucket.get("engine.e0") == b"ready"
     assert await bucket.get("engine.missing") is None
@@ -113,7 +113,7 @@ async def test_kv_put_get_delete_and_watch(nats_bus: NatsBus):
 
 
 async def test_kv_per_key_ttl_expires_only_that_key(nats_bus: NatsBus):
-    bucket = await KvBucket.open(nats_bus, "test_kv_ttl")
+    bucket = await NatsKvBucket.open(nats_bus, "test_kv_ttl")
     await bucket.put("lease", b"held", ttl_s=1)
     await bucket.put("config", b"kept")
     assert await bucket.get("lease") == b"held"
@@ -128,7 +128,7 @@ async def test_kv_per_key_ttl_expires_only_that_key(nats_bus: NatsBus):
 
 
 async def test_object_store_round_trips_a_multi_mib_object(nats_bus: NatsBus):
-    store = await ObjectStore.open(nats_bus, "test_objects")
+    store = await NatsObjectStore.open(nats_bus, "test_objects")
     payload = os.urandom(6 << 20)
     await store.put("kv-block-0", payload)
     assert await store.get("kv-block-0") == payload
@@ -140,7 +140,7 @@ async def test_object_store_round_trips_a_multi_mib_object(nats_bus: NatsBus):
 async def test_a_deleted_object_leaves_no_marker_behind(nats_bus: NatsBus):
     """nats-py's delete keeps a marker message per name: the store purges it, so a bucket
     that stored and evicted many keys does not list them all forever."""
-    store = await ObjectStore.open(nats_bus, "test_deletes")
+    store = await NatsObjectStore.open(nats_bus, "test_deletes")
     for i in range(3):
         await store.put(f"k{i}", b"x" * 10)
     assert await store.delete("k1") and not await store.delete("k1")
@@ -154,7 +154,7 @@ async def test_reads_leave_no_consumer_behind(nats_bus: NatsBus):
     """Each read pulls through a consumer of its own: it is deleted once the read is over,
     whole, failed or cut short, so a tier reading thousands of chunks never hits the
     stream's consumer limit."""
-    store = await ObjectStore.open(nats_bus, "test_consumers")
+    store = await NatsObjectStore.open(nats_bus, "test_consumers")
     await store.put("whole", b"x" * 300_000)  # three chunks
     await store.put("gone", b"y" * 300_000)
     js = nats_bus.client.jetstream()

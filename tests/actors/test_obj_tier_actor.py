@@ -1,11 +1,12 @@
-"""The object-store tier actor on a real nats-server, driven as the CPU tier drives it: attach,
-cascade region slots to objects, look up, promote objects back into slots.
+"""The object-store tier actor on the in-memory bus's object store and a real nats-server's,
+driven as the CPU tier drives it: attach, cascade region slots to objects, look up, promote
+objects back into slots.
 
 Round trip of the bytes; the byte budget evicts (objects deleted) least recently used first; a
 damaged or missing object is a miss, removed, and the keys after it are not returned; a new actor
 on the same bucket rebuilds its index from the bucket (incomplete chunks removed); cascades past
 the queue bound are dropped at once while a write is held up; a job past its deadline touches no
-slot; on a bus without JetStream the attach is refused."""
+slot; on a NATS server without JetStream the attach is refused."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ from typing import Any
 
 import pytest
 
+from shoal.bus.base import Bus
+from shoal.bus.buckets import ObjectStore
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.config import ObjTierConfig
 from shoal.bus.messages.offload import SecondaryAttached, TierAttach, TierCascade, TierError
 from shoal.bus.nats_bus import NatsBus
-from shoal.bus.object_store import ObjectStore
+from shoal.bus.object_store import NatsObjectStore
+from shoal.bus.server import NatsServer
 from shoal.tiers.obj_actor import ObjTierActor
 from shoal.tiers.obj_store import ObjectChunks
 from tests.actors.test_fs_tier_actor import LAYOUT, NUM_SLOTS, REPLY_S, Harness, done, key, pattern
@@ -46,14 +50,11 @@ class ObjHarness(Harness):
         return actor
 
     async def names(self) -> set[str]:
-        assert isinstance(self.client, NatsBus)
-        store = await ObjectStore.open(self.client, f"shoal_kv_{self.namespace}")
+        store = await self.client.open_object_store(f"shoal_kv_{self.namespace}")
         return {entry.name for entry in await store.list()}
 
 
-@pytest.fixture
-async def h(nats_url: str, tmp_path: Path) -> AsyncIterator[ObjHarness]:
-    buses = [NatsBus([nats_url]), NatsBus([nats_url])]
+async def harness_on(buses: list[Bus], tmp_path: Path) -> AsyncIterator[ObjHarness]:
     for bus in buses:
         await bus.connect()
     harness = ObjHarness(buses[0], buses[1], tmp_path)
@@ -61,6 +62,27 @@ async def h(nats_url: str, tmp_path: Path) -> AsyncIterator[ObjHarness]:
     await harness.close()
     for bus in buses:
         await bus.close()
+
+
+@pytest.fixture
+async def h(
+    bus_kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[ObjHarness]:
+    """A harness on the in-memory bus (its actor and client on one broker) or on NATS."""
+    if bus_kind == "memory":
+        broker = InMemoryBroker()
+        buses: list[Bus] = [InMemoryBus(broker), InMemoryBus(broker)]
+    else:
+        url = request.getfixturevalue("nats_url")
+        buses = [NatsBus([url]), NatsBus([url])]
+    async for harness in harness_on(buses, tmp_path):
+        yield harness
+
+
+@pytest.fixture
+async def nats_h(nats_url: str, tmp_path: Path) -> AsyncIterator[ObjHarness]:
+    async for harness in harness_on([NatsBus([nats_url]), NatsBus([nats_url])], tmp_path):
+        yield harness
 
 
 def chunks_of(tier: ObjTierActor) -> ObjectChunks:
@@ -194,15 +216,17 @@ async def test_past_its_deadline_a_job_stores_nothing_and_touches_no_slot(h: Obj
     assert h.slot(3) == bytes(SIZE)
 
 
-async def test_a_stopped_tier_waits_for_its_stores_clean_ups(h: ObjHarness) -> None:
+async def test_a_stopped_tier_waits_for_its_stores_clean_ups(nats_h: ObjHarness) -> None:
     """Stopping the tier closes its object store: the purges and consumer deletes still
     running are waited for (within the store's bound), not left to a closed connection."""
+    h = nats_h
     tier = await h.tier()
     await h.attach()
     h.fill([0], [1])
     assert await h.cascade([1], [0]) == done(1)
     assert await h.promote([1], [4]) == done(1)
     store = chunks_of(tier).store
+    assert isinstance(store, NatsObjectStore)
     closed: list[float] = []
     real = store.close
 
@@ -216,16 +240,8 @@ async def test_a_stopped_tier_waits_for_its_stores_clean_ups(h: ObjHarness) -> N
 
 
 async def test_without_jetstream_the_attach_is_refused(tmp_path: Path) -> None:
-    broker = InMemoryBroker()
-    bus, client = InMemoryBus(broker), InMemoryBus(broker)
-    await bus.connect()
-    await client.connect()
-    harness = ObjHarness(bus, client, tmp_path)
-    try:
-        await harness.tier()
-        reply = await harness.ask(TierAttach(LAYOUT))
-        assert isinstance(reply, TierError) and "NATS" in reply.message
-    finally:
-        await harness.close()
-        await bus.close()
-        await client.close()
+    with NatsServer(jetstream=False) as server:
+        async for harness in harness_on([NatsBus([server.url]), NatsBus([server.url])], tmp_path):
+            await harness.tier()
+            reply = await harness.ask(TierAttach(LAYOUT))
+            assert isinstance(reply, TierError) and "shoal_kv_" in reply.message

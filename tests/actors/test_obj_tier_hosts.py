@@ -24,7 +24,7 @@ import pytest
 from shoal.bus.base import BusTimeoutError
 from shoal.bus.messages.offload import SecondaryAttached, TierPromote
 from shoal.bus.nats_bus import NatsBus
-from shoal.bus.object_store import ObjectStore
+from shoal.bus.object_store import NatsObjectStore
 from shoal.tiers import obj_store
 from shoal.tiers.obj_actor import ObjTierActor
 from shoal.tiers.obj_store import ObjectChunks
@@ -141,7 +141,7 @@ async def test_a_hung_probe_is_answered_from_the_index_in_time(hosts: tuple[Host
     assert tier_b.load()["num_probe_failures"] == 2
 
 
-async def hold_publishes(store: ObjectStore, after: int) -> asyncio.Event:
+async def hold_publishes(store: NatsObjectStore, after: int) -> asyncio.Event:
     """Let ``after`` publishes of ``store`` through, then hold the next one (bounded); the
     event is set once it is held."""
     js: Any = store._js
@@ -163,7 +163,7 @@ async def hold_publishes(store: ObjectStore, after: int) -> asyncio.Event:
 async def test_a_cancelled_put_leaves_no_chunk_messages(hosts: tuple[Host, Host]) -> None:
     a, _ = hosts
     assert isinstance(a.client, NatsBus)
-    store = await ObjectStore.open(a.client, f"shoal_kv_{a.namespace}")
+    store = await NatsObjectStore.open(a.client, f"shoal_kv_{a.namespace}")
     await store.put("kept", b"k" * 1000)
     before = await chunk_subjects(a)
     held = await hold_publishes(store, after=3)  # three chunks of the four in the stream
@@ -229,7 +229,7 @@ async def test_a_replaced_object_leaves_only_its_new_chunks(hosts: tuple[Host, H
     a, _ = hosts
     assert isinstance(a.client, NatsBus)
     bucket = f"shoal_kv_{a.namespace}"
-    store = await ObjectStore.open(a.client, bucket)
+    store = await NatsObjectStore.open(a.client, bucket)
     await store.put("x", b"1" * (200 * 1024), writer="ha-cpu-obj0")
     first = await chunk_subjects(a)
     assert [e.writer for e in await store.list()] == ["ha-cpu-obj0"]
@@ -278,7 +278,9 @@ async def test_an_adoptions_delete_spares_a_chunk_stored_again_meanwhile(
     assert await b.promote([7], [4]) == done(7) and b.slot(4) == pattern(7, SIZE)
 
 
-def at_consumer(store: ObjectStore, action: Callable[[], Awaitable[None]], *, after: bool) -> None:
+def at_consumer(
+    store: NatsObjectStore, action: Callable[[], Awaitable[None]], *, after: bool
+) -> None:
     """Run ``action`` before (or after) the store's next read creates its consumer."""
     js: Any = store._js
     real = js.add_consumer
@@ -348,7 +350,7 @@ async def test_a_part_put_again_while_read_is_a_miss_left_in_place(
     b.fill([0], [1])
     assert await b.cascade([1], [0]) == done(1)
     assert isinstance(a.client, NatsBus)
-    other = await ObjectStore.open(a.client, f"shoal_kv_{a.namespace}")
+    other = await NatsObjectStore.open(a.client, f"shoal_kv_{a.namespace}")
     name = chunks_of(tier).name(key(1), 0)  # read first
     part = await other.get(name)
     assert part is not None
@@ -394,7 +396,7 @@ async def test_a_scan_spares_another_hosts_chunk_while_it_is_written(
     removes it only once it is stale; its own incomplete chunks it removes at once."""
     a, b = hosts
     assert isinstance(a.client, NatsBus)
-    store = await ObjectStore.open(a.client, f"shoal_kv_{a.namespace}")
+    store = await NatsObjectStore.open(a.client, f"shoal_kv_{a.namespace}")
     names = ObjectChunks(store, LAYOUT)
     await store.put(names.name(key(5), 0), b"A's part 0", writer="ha-cpu-obj0")
     await store.put(names.name(key(6), 0), b"B's part 0", writer="hb-cpu-obj0")

@@ -22,7 +22,7 @@ import pytest
 from shoal.bus import object_store
 from shoal.bus.base import PayloadIntegrityError
 from shoal.bus.nats_bus import NatsBus
-from shoal.bus.object_store import CHUNK_BYTES, ObjectStore
+from shoal.bus.object_store import CHUNK_BYTES, NatsObjectStore
 from tests.integration.conditions import wait_for
 
 pytestmark = pytest.mark.nats
@@ -33,12 +33,12 @@ Action = Callable[[], Awaitable[None]]
 
 
 @pytest.fixture
-async def stores(nats_url: str) -> AsyncIterator[tuple[ObjectStore, ObjectStore]]:
+async def stores(nats_url: str) -> AsyncIterator[tuple[NatsObjectStore, NatsObjectStore]]:
     buses = [NatsBus([nats_url]), NatsBus([nats_url])]
     for bus in buses:
         await bus.connect()
     bucket = f"objs{secrets.token_hex(4)}"
-    a, b = [await ObjectStore.open(bus, bucket) for bus in buses]
+    a, b = [await NatsObjectStore.open(bus, bucket) for bus in buses]
     yield a, b
     for store in (a, b):
         await store.close()
@@ -46,33 +46,33 @@ async def stores(nats_url: str) -> AsyncIterator[tuple[ObjectStore, ObjectStore]
         await bus.close()
 
 
-def js_of(store: ObjectStore) -> Any:
+def js_of(store: NatsObjectStore) -> Any:
     """The store's JetStream context, whose calls a test hooks."""
     return store._js
 
 
-async def chunk_subjects(store: ObjectStore) -> dict[str, int]:
+async def chunk_subjects(store: NatsObjectStore) -> dict[str, int]:
     info = await js_of(store).stream_info(store._stream, subjects_filter=f"$O.{store.name}.C.>")
     return dict(info.state.subjects or {})
 
 
-async def num_consumers(store: ObjectStore) -> int:
+async def num_consumers(store: NatsObjectStore) -> int:
     return int((await js_of(store).stream_info(store._stream)).state.consumer_count)
 
 
-async def purge_chunks(store: ObjectStore, name: str) -> None:
+async def purge_chunks(store: NatsObjectStore, name: str) -> None:
     """What the object's writer's budget does to its chunks (another host reading it)."""
     info = await store._store.get_info(name)
     await js_of(store).purge_stream(store._stream, subject=f"$O.{store.name}.C.{info.nuid}")
 
 
-async def put_again(store: ObjectStore, name: str, data: bytes) -> None:
+async def put_again(store: NatsObjectStore, name: str, data: bytes) -> None:
     """Another host puts the name again; once this returns, the old chunks are purged."""
     assert await store.put(name, data)
     await wait_for(lambda: store.num_orphans == 0, REPLY_S, "the replaced chunks purged")
 
 
-def hold(store: ObjectStore, method: str, match: Callable[..., bool] = lambda *a, **k: True):
+def hold(store: NatsObjectStore, method: str, match: Callable[..., bool] = lambda *a, **k: True):
     """Hold the first call of the store's JetStream ``method`` that ``match`` accepts until
     ``release`` is set (bounded); ``held`` is set once it is held."""
     js = js_of(store)
@@ -99,7 +99,7 @@ def is_meta(subject: str, *args: Any, **kwargs: Any) -> bool:
     return ".M." in subject
 
 
-def before_consumer(store: ObjectStore, action: Action) -> None:
+def before_consumer(store: NatsObjectStore, action: Action) -> None:
     """Run ``action`` before the store's next read creates its consumer."""
     js = js_of(store)
     real = js.add_consumer
@@ -112,7 +112,7 @@ def before_consumer(store: ObjectStore, action: Action) -> None:
     js.add_consumer = add_consumer
 
 
-def after_first_pull(store: ObjectStore, action: Action) -> None:
+def after_first_pull(store: NatsObjectStore, action: Action) -> None:
     """Run ``action`` once the store's next read has pulled its first batch of chunks."""
     js = js_of(store)
     real = js.pull_subscribe_bind
@@ -139,7 +139,7 @@ def after_first_pull(store: ObjectStore, action: Action) -> None:
     [("purged", "while read"), ("put again", "while read"), ("put again", "before read")],
 )
 async def test_a_read_whose_chunks_go_ends_at_once(
-    stores: tuple[ObjectStore, ObjectStore],
+    stores: tuple[NatsObjectStore, NatsObjectStore],
     monkeypatch: pytest.MonkeyPatch,
     what: str,
     when: str,
@@ -167,7 +167,7 @@ async def test_a_read_whose_chunks_go_ends_at_once(
 
 @pytest.mark.parametrize("when", ["opening", "listing"])
 async def test_a_listing_cut_short_leaves_no_watcher(
-    stores: tuple[ObjectStore, ObjectStore], when: str
+    stores: tuple[NatsObjectStore, NatsObjectStore], when: str
 ) -> None:
     """Cut short while nats-py opens its watcher (a cancellation) or while the listing waits
     for the next entry (a timeout: the server stopped answering), the watcher's subscription
@@ -202,7 +202,7 @@ async def test_a_listing_cut_short_leaves_no_watcher(
 
 
 async def test_a_bucket_whose_stream_is_gone_lists_empty(
-    stores: tuple[ObjectStore, ObjectStore],
+    stores: tuple[NatsObjectStore, NatsObjectStore],
 ) -> None:
     a, _ = stores
     await a.put("x", b"1")
@@ -211,7 +211,7 @@ async def test_a_bucket_whose_stream_is_gone_lists_empty(
 
 
 async def test_a_read_cancelled_while_its_consumer_is_created_leaves_none(
-    stores: tuple[ObjectStore, ObjectStore],
+    stores: tuple[NatsObjectStore, NatsObjectStore],
 ) -> None:
     a, _ = stores
     await a.put("x", b"1" * 1000)
@@ -238,7 +238,7 @@ async def test_a_read_cancelled_while_its_consumer_is_created_leaves_none(
 
 
 async def test_of_overlapping_puts_of_a_name_the_first_to_publish_wins(
-    stores: tuple[ObjectStore, ObjectStore],
+    stores: tuple[NatsObjectStore, NatsObjectStore],
 ) -> None:
     """Two hosts cascade one chunk: A's chunks are in the stream when B's put publishes; A's
     meta is refused, A purges its chunks, and B's object is the one read."""
@@ -258,7 +258,7 @@ async def test_of_overlapping_puts_of_a_name_the_first_to_publish_wins(
 
 
 async def test_a_delete_spares_a_put_that_lands_while_it_runs(
-    stores: tuple[ObjectStore, ObjectStore],
+    stores: tuple[NatsObjectStore, NatsObjectStore],
 ) -> None:
     """A deletes the object (its chunks purged, the delete held before its meta's purge) while
     B puts the name again: B's newer meta and chunks stay."""
@@ -277,7 +277,7 @@ async def test_a_delete_spares_a_put_that_lands_while_it_runs(
 
 
 async def test_a_put_publishes_again_over_a_delete_that_landed_under_it(
-    stores: tuple[ObjectStore, ObjectStore],
+    stores: tuple[NatsObjectStore, NatsObjectStore],
 ) -> None:
     a, b = stores
     await a.put("d", b"1" * CHUNK_BYTES)
@@ -292,7 +292,7 @@ async def test_a_put_publishes_again_over_a_delete_that_landed_under_it(
 
 
 async def test_close_waits_for_the_purges_still_running_within_its_bound(
-    stores: tuple[ObjectStore, ObjectStore],
+    stores: tuple[NatsObjectStore, NatsObjectStore],
 ) -> None:
     a, _ = stores
     for bounded in (False, True):

@@ -15,10 +15,8 @@ import pytest
 
 from shoal.bus.actor import call
 from shoal.bus.base import Bus
-from shoal.bus.jetstream import KvBucket
 from shoal.bus.messages.fault import FaultInjected, InjectFault
 from shoal.bus.messages.worker import GroupJoined, JoinGroup, StepResult
-from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
 from shoal.engine.actor.worker_link import WorkerFailure, WorkerLink
 from shoal.workers.actor import WorkerActor
@@ -155,9 +153,8 @@ async def test_every_rank_leaves_its_group_and_joins_the_epochs_new_one(ranks: R
         ]
         assert threading.get_ident() not in group.thread_ids  # joined in the runner thread
     assert [a.group_epoch for a in ranks.actors] == ["e2", "e2"]
-    if isinstance(ranks.engine_bus, NatsBus):  # the address went through the bucket
-        bucket = await KvBucket.open(ranks.engine_bus, ranks.subjects.group_ports_bucket())
-        assert await bucket.get(group_key("e0", "e1")) == address.encode()
+    bucket = await ranks.engine_bus.open_kv(ranks.subjects.group_ports_bucket())
+    assert await bucket.get(group_key("e0", "e1")) == address.encode()
 
 
 async def test_the_link_joins_every_rank_at_its_handshake(ranks: Ranks) -> None:

@@ -204,3 +204,41 @@ def test_stop_strings_cut_the_text_and_end_the_request_in_the_engine_core(llm, i
     assert after.num_finished_length == before.num_finished_length, after
     assert after.num_generation_tokens - before.num_generation_tokens < room // 4, after
     assert after.num_free_blocks == NUM_BLOCKS - 1
+
+
+def test_an_object_tier_serves_returning_prefixes_offline(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    """The offline ``LLM`` (in-memory bus) with an object tier behind a CPU tier too small for
+    the conversations: the returning prefixes are promoted from the in-memory object store,
+    and the greedy outputs equal transformers' (as with the tier off)."""
+    from tests.integration.offload_workload import (
+        BLOCK_SIZE,
+        FIRST_TURNS,
+        MAX_TOKENS,
+        follow_up,
+        offload_options,
+    )
+
+    model_dir = tiny_checkpoint("llama")
+    obj_tier = {"type": "obj", "bytes_to_use": 64 << 20}
+    options = offload_options(cpu_bytes=OFFLINE_CPU_BYTES, secondary_tiers=[obj_tier])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    engine = LLM(str(model_dir), num_gpu_blocks_override=24, block_size=BLOCK_SIZE, **options)
+    try:
+        first = [_greedy_one(engine, prompt, params) for prompt in FIRST_TURNS]
+        returning = [follow_up(i, answer) for i, answer in enumerate(first)]
+        second = [_greedy_one(engine, prompt, params) for prompt in returning]
+        (obj,) = [a for a in engine._actors if type(a).__name__ == "ObjTierActor"]
+        loaded = obj.load()["num_chunks_loaded"]
+    finally:
+        engine.shutdown()
+    assert first == hf_greedy(model_dir, list(FIRST_TURNS), MAX_TOKENS)
+    assert second == hf_greedy(model_dir, returning, MAX_TOKENS)
+    assert loaded >= 3 * 8, "the returning prefixes came from the object tier"
+
+
+OFFLINE_CPU_BYTES = 12 * 8192  # twelve chunks of the tiny model: a conversation and a bit
+
+
+def _greedy_one(engine: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
+    (result,) = engine.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    return list(result.outputs[0].token_ids)

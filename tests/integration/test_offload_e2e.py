@@ -18,7 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from shoal.bus.base import Bus, Msg
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.engine import SchedulerStats
-from shoal.bus.nats_bus import NatsBus
 from shoal.deploy.deployment import CPU_TIER_TARGET, plan_tiers, start_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.gateway.metrics import Metrics
@@ -216,25 +215,22 @@ async def test_a_silent_cpu_tier_costs_recomputes_not_a_hang(
 
 @pytest.mark.parametrize("load_tiers", [None, ["cpu"]], ids=["all-tiers", "cpu-only"])
 async def test_object_tier_after_a_cpu_tier_restart(
-    nats_url, model_dir, reference, load_tiers
+    bus_factory, model_dir, reference, load_tiers
 ) -> None:  # type: ignore[no-untyped-def]
     """The same with the object-store tier behind the CPU tier: the returning prefixes come
-    from the deployment's JetStream Object Store, and the greedy outputs equal recompute. With
-    ``kv_load_tiers=["cpu"]`` the returning requests may not load from the object tier: none
-    is promoted, they recompute, and the outputs are the same."""
-    bus = NatsBus([nats_url])
-    await bus.connect()
+    from the bus's object store (the deployment's JetStream Object Store on NATS, the broker's
+    own in memory), and the greedy outputs equal recompute. With ``kv_load_tiers=["cpu"]`` the
+    returning requests may not load from the object tier: none is promoted, they recompute,
+    and the outputs are the same."""
+    bus = await bus_factory()
     obj_tier = {"type": "obj", "bytes_to_use": 64 << 20}
-    try:
-        async with stack(bus, model_dir, **offload_options(secondary_tiers=[obj_tier])) as built:
-            answers = await first_turns(built.client)
-            fresh = await restart_cpu_tier(bus, built)
-            second = await second_turns(built.client, answers, kv_load_tiers=load_tiers)
-            stats = await settled_stats(built)
-            promoted = fresh.load()["num_promoted"]
-            obj = _tier(built, "ObjTierActor").load()
-    finally:
-        await bus.close()
+    async with stack(bus, model_dir, **offload_options(secondary_tiers=[obj_tier])) as built:
+        answers = await first_turns(built.client)
+        fresh = await restart_cpu_tier(bus, built)
+        second = await second_turns(built.client, answers, kv_load_tiers=load_tiers)
+        stats = await settled_stats(built)
+        promoted = fresh.load()["num_promoted"]
+        obj = _tier(built, "ObjTierActor").load()
     assert answers + second == reference
     if load_tiers is None:
         assert promoted >= 4 * 8 and obj["num_chunks_loaded"] >= 4 * 8

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from shoal.bus.buckets import ObjectEntry, ObjectStore
 from shoal.bus.nats_bus import NatsBus
-from shoal.bus.object_store import ObjectEntry, ObjectStore
 from shoal.bus.server import NatsServer
 from shoal.engine.recovery.actor import RecoveryControllerActor
 from tests.integration.conditions import wait_for
@@ -123,7 +123,7 @@ async def test_damaged_objects_are_recomputed_and_removed(
     try:
         answers = await hosts[0].first_turns()
         await stored_on(hosts[0], NUM_PROMPT_CHUNKS)
-        store = await ObjectStore.open(bus, f"shoal_kv_{namespace}")
+        store = await bus.open_object_store(f"shoal_kv_{namespace}")
         damaged = await damage_every_object(store)
         hosts.append(await start_host(bus, model_dir, namespace, "hb"))
         b = hosts[1]

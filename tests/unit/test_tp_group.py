@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from shoal.bus.memory import InMemoryBus
 from shoal.workers.group_ports import (
     LOOPBACK,
-    MemoryPortBoard,
+    KvPortBoard,
     advertised_host,
     group_key,
     rejoin_group,
@@ -71,7 +72,9 @@ async def _in_thread(fn: Any, *args: Any) -> Any:
 
 
 async def test_rank_zero_publishes_the_address_the_other_ranks_join() -> None:
-    board = MemoryPortBoard()
+    bus = InMemoryBus()
+    await bus.connect()
+    board = KvPortBoard(bus, "test-ports")
     log: list[tuple[Any, ...]] = []
     members = [FakeMember(0, log), FakeMember(1, log)]
 
@@ -96,10 +99,12 @@ async def test_rank_zero_publishes_the_address_the_other_ranks_join() -> None:
 
 
 async def test_a_rank_gives_up_when_no_address_comes() -> None:
+    bus = InMemoryBus()
+    await bus.connect()
     with pytest.raises(TimeoutError, match=r"engine-0\.e9"):
         await rejoin_group(
             FakeMember(1, []),
-            MemoryPortBoard(),
+            KvPortBoard(bus, "test-ports"),
             group_key("engine-0", "e9"),
             host="h",
             timeout_s=0.2,
