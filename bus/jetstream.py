@@ -36,14 +36,24 @@ class KvBucket:
 
     @classmethod
     async def open(
-        cls, bus: NatsBus, name: str, *, history: int = 1, ttl_s: float | None = None
+        cls,
+        bus: NatsBus,
+        name: str,
+        *,
+        history: int = 1,
+        ttl_s: float | None = None,
+        replicas: int = 1,
     ) -> KvBucket:
-        """Open (or create) bucket ``name``; ``ttl_s`` is the bucket-wide max age."""
+        """Open (or create) bucket ``name``; ``ttl_s`` is the bucket-wide max age, ``replicas``
+        how many nodes of a NATS cluster keep a copy (at most the cluster's size; 3 survives
+        losing one node). An existing bucket is opened as it is."""
         js = _jetstream(bus, timeout=5.0)
         try:
             kv = await js.key_value(name)
         except nats.js.errors.BucketNotFoundError:
-            kv = await js.create_key_value(bucket=name, history=history, ttl=ttl_s)
+            kv = await js.create_key_value(
+                bucket=name, history=history, ttl=ttl_s, replicas=replicas
+            )
         return cls(kv, js, name)
 
     async def put(self, key: str, value: bytes, *, ttl_s: float | None = None) -> int:

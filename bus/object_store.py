@@ -76,12 +76,15 @@ class ObjectStore:
         self._purges: set[asyncio.Task[None]] = set()  # purges, consumer deletes, watcher stops
 
     @classmethod
-    async def open(cls, bus: NatsBus, name: str, *, timeout: float = 10.0) -> ObjectStore:
+    async def open(
+        cls, bus: NatsBus, name: str, *, timeout: float = 10.0, replicas: int = 1
+    ) -> ObjectStore:
+        """Open (or create, kept on ``replicas`` nodes of a NATS cluster) bucket ``name``."""
         js = bus.client.jetstream(timeout=timeout)
         try:
             store = await js.object_store(name)
         except nats.js.errors.BucketNotFoundError:
-            store = await js.create_object_store(name)
+            store = await js.create_object_store(name, replicas=replicas)
         return cls(store, js, name)
 
     @property
