@@ -3,7 +3,8 @@
 read it there.
 
 On NATS the board is the JetStream KV bucket ``subjects.group_ports_bucket()`` (entries expire
-after ``PORTS_TTL_S``, long after every rank has read them); on the in-memory bus it is a table
+after ``PORTS_TTL_S``, long after every rank has read them; created with the deployment's
+``jetstream_replicas``, so it outlives a node of a NATS cluster); on the in-memory bus it is a table
 shared by the buses of one broker. An epoch must be unique for the engine core (across its
 restarts too): a key left by an earlier group of the same epoch would send the readers to a
 dead address.
@@ -79,20 +80,23 @@ class PortBoard(Protocol):
 class KvPortBoard:
     """The board on JetStream KV (the bucket is opened, or created, on first use)."""
 
-    def __init__(self, bus: Bus, bucket_name: str) -> None:
+    def __init__(self, bus: Bus, bucket_name: str, *, replicas: int = 1) -> None:
         from shoal.bus.nats_bus import NatsBus
 
         if not isinstance(bus, NatsBus):
             raise TypeError(f"a JetStream board needs a NatsBus, got {type(bus).__name__}")
         self._bus = bus
         self._name = bucket_name
+        self._replicas = replicas
         self._bucket: KvBucket | None = None
 
     async def _open(self) -> KvBucket:
         from shoal.bus.jetstream import KvBucket
 
         if self._bucket is None:
-            self._bucket = await KvBucket.open(self._bus, self._name, ttl_s=PORTS_TTL_S)
+            self._bucket = await KvBucket.open(
+                self._bus, self._name, ttl_s=PORTS_TTL_S, replicas=self._replicas
+            )
         return self._bucket
 
     async def put(self, key: str, init_method: str) -> None:
@@ -134,11 +138,11 @@ _MEMORY_BOARDS: weakref.WeakKeyDictionary[InMemoryBroker, MemoryPortBoard] = (
 )
 
 
-def port_board_for(bus: Bus, subjects: Subjects) -> PortBoard:
-    """The board of the deployment ``bus`` belongs to."""
+def port_board_for(bus: Bus, subjects: Subjects, *, replicas: int = 1) -> PortBoard:
+    """The board of the deployment ``bus`` belongs to (``replicas``: its JetStream bucket's)."""
     if isinstance(bus, InMemoryBus):
         return _MEMORY_BOARDS.setdefault(bus.broker, MemoryPortBoard())
-    return KvPortBoard(bus, subjects.group_ports_bucket())
+    return KvPortBoard(bus, subjects.group_ports_bucket(), replicas=replicas)
 
 
 class GroupMember(Protocol):
