@@ -3,6 +3,12 @@ imports ``nats``).
 
 Reconnects by itself (nats-py resubscribes every subscription after the server comes back),
 drains on close, chunks payloads above the server's ``max_payload`` (``bus.chunking``).
+
+Several servers (the nodes of a cluster): the client connects to one of them (in random order,
+spreading clients over the nodes) and, when that node goes, to another, among those given and
+those the cluster advertises (its ``connect_urls``): one node's URL is enough to find the rest.
+A node lost without closing its sockets (a host gone) is noticed after ``ping_interval_s`` ×
+``max_outstanding_pings`` unanswered pings. URLs are logged without their user info.
 """
 
 from __future__ import annotations
@@ -46,6 +52,15 @@ log = logging.getLogger(__name__)
 HEADER_RESERVE = 8 * 1024  # room left for headers when chunking
 PENDING_BUFFER = 64 * 1024 * 1024  # outgoing bytes buffered while reconnecting
 SUB_PENDING_BYTES = 256 * 1024 * 1024
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its user info (``nats://user:pass@host:4222`` → ``nats://host:4222``)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    host = rest.rpartition("@")[2]
+    return f"{scheme}{sep}{host}"
 
 
 class _NatsSubscription(Subscription):
@@ -94,6 +109,8 @@ class NatsBus(Bus):
         connect_timeout: float = 2.0,
         reconnect_time_wait: float = 0.2,
         max_reconnect_attempts: int = -1,
+        ping_interval_s: float = 10.0,
+        max_outstanding_pings: int = 2,
         connect_attempts: int = 3,
         drain_timeout: float = 5.0,
         chunk_ttl_s: float = 30.0,
@@ -111,6 +128,8 @@ class NatsBus(Bus):
             "tls_hostname": tls_hostname,
             "connect_timeout": connect_timeout,
             "reconnect_time_wait": reconnect_time_wait,
+            "ping_interval": ping_interval_s,
+            "max_outstanding_pings": max_outstanding_pings,
             "drain_timeout": int(max(1, drain_timeout)),
             "pending_size": PENDING_BUFFER,
         }
@@ -153,6 +172,12 @@ class NatsBus(Bus):
         return await NatsObjectStore.open(self, name, replicas=replicas)
 
     @property
+    def connected_url(self) -> str | None:
+        """The server this bus is connected to now (``nats://host:port``, no user info)."""
+        uri = self._nc.connected_url if self._nc is not None else None
+        return f"{uri.scheme}://{uri.hostname}:{uri.port}" if uri is not None else None
+
+    @property
     def max_payload(self) -> int:
         return self.client.max_payload
 
@@ -171,7 +196,8 @@ class NatsBus(Bus):
                 **options,
             )
         except (nats.errors.Error, OSError) as exc:
-            raise BusError(f"cannot connect to NATS at {self.servers}: {exc!r}") from exc
+            where = ", ".join(redact_url(url) for url in self.servers)
+            raise BusError(f"cannot connect to NATS at {where}: {exc!r}") from exc
         self._nc.options["max_reconnect_attempts"] = self._max_reconnect_attempts
         chunk_size = max(1024, self._nc.max_payload - HEADER_RESERVE)
         if self._chunk_size is not None:  # smaller chunks: pulled, so flow-controlled
@@ -182,7 +208,7 @@ class NatsBus(Bus):
         log.warning("NATS error: %r", exc)
 
     async def _on_disconnected(self) -> None:
-        log.info("NATS disconnected from %s", self.servers)
+        log.info("NATS disconnected")
         # nats-py keeps waiting for replies that went down with the connection: end each
         # waiting request now (ConnectionLostError) rather than at its timeout.
         for task in self._waiting - self._cut_off:
@@ -191,7 +217,7 @@ class NatsBus(Bus):
 
     async def _on_reconnected(self) -> None:
         self._reconnected()
-        log.info("NATS reconnected (%d)", self.num_reconnects)
+        log.info("NATS reconnected to %s (%d)", self.connected_url, self.num_reconnects)
 
     async def close(self) -> None:
         nc = self._nc

@@ -93,6 +93,7 @@ class NatsServer:
         self.work_dir = Path(self._tmp.name)
         self.store_dir = Path(store_dir) if store_dir else self.work_dir / "jetstream"
         self._proc: subprocess.Popen[bytes] | None = None
+        self.monitor_port: int | None = None  # with ``http`` in extra_config, read back at start
 
     @property
     def pid(self) -> int | None:
@@ -146,9 +147,11 @@ class NatsServer:
         while time.monotonic() < deadline:
             self._check_alive()
             for path in glob.glob(str(ports_dir / "*.ports")):
-                with contextlib.suppress(ValueError, OSError):
-                    client_urls = json.loads(Path(path).read_text())["nats"]
-                    return int(client_urls[0].rsplit(":", 1)[1])
+                with contextlib.suppress(ValueError, OSError, KeyError):
+                    ports = json.loads(Path(path).read_text())
+                    if ports.get("monitoring"):
+                        self.monitor_port = int(ports["monitoring"][0].rsplit(":", 1)[1])
+                    return int(ports["nats"][0].rsplit(":", 1)[1])
             time.sleep(0.01)
         self.stop()
         raise NatsServerError(f"nats-server wrote no ports file within {self.start_timeout}s")

@@ -246,7 +246,18 @@ def _add_bus_arguments(g: Group) -> None:
         g,
         "--nats-url",
         dest="nats_url",
-        help="join this NATS deployment (default: start an embedded nats-server)",
+        action=JoinNatsUrls,
+        help="join this NATS deployment (default: start an embedded nats-server); a cluster's "
+        "nodes comma-separated and/or the flag repeated (one node is enough to find the "
+        "others); no credentials in the URL",
+    )
+    _option(
+        g,
+        "--jetstream-replicas",
+        dest="jetstream_replicas",
+        type=positive_int,
+        help="copies of each JetStream bucket and stream on a NATS cluster (3 on 3 nodes "
+        "survives losing one)",
     )
     _option(
         g,
@@ -257,6 +268,48 @@ def _add_bus_arguments(g: Group) -> None:
     )
     _option(g, "--namespace", dest="namespace",
             help="subject prefix, so deployments can share a NATS cluster")  # fmt: skip
+
+
+NATS_SCHEMES = ("nats://", "tls://", "ws://", "wss://")
+
+
+def nats_urls(text: str) -> list[str]:
+    """The URLs of one ``--nats-url``: comma-separated, each with a NATS scheme and no user
+    info (a password there would show in the process list and in logs)."""
+    urls = [url.strip() for url in text.split(",") if url.strip()]
+    if not urls:
+        raise argparse.ArgumentTypeError(
+            f"expected nats://HOST:PORT[,nats://HOST:PORT...], got {text!r}"
+        )
+    for url in urls:
+        if not url.startswith(NATS_SCHEMES):
+            raise argparse.ArgumentTypeError(f"expected a nats:// (or tls://) URL, got {url!r}")
+        if "@" in url.partition("://")[2]:
+            raise argparse.ArgumentTypeError(
+                "credentials in a NATS URL would show on the command line: pass them in "
+                "SHOAL_NATS_USER and SHOAL_NATS_PASSWORD instead"
+            )
+    return urls
+
+
+class JoinNatsUrls(argparse.Action):
+    """``--nats-url`` given once or repeated: every URL of every occurrence, comma-joined (each
+    once, in order), as ``BusConfig.nats_url`` holds them."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        try:
+            urls = nats_urls(str(values))
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        previous = getattr(namespace, self.dest, None) or ""
+        joined = [*previous.split(","), *urls] if previous else urls
+        setattr(namespace, self.dest, ",".join(dict.fromkeys(joined)))
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -115,6 +115,7 @@ def plan_tiers(config: ShoalConfig) -> list[ActorPlan]:
             kwargs["cpu_tier_id"] = kv.cpu_tier_id
         if tier.type == "obj":  # its probe within the CPU tier's wait for one secondary (/ 4)
             kwargs["probe_timeout_s"] = kv.kv_lookup_timeout_s / 8
+            kwargs["jetstream_replicas"] = config.bus_config.jetstream_replicas
         secondaries.append(ActorPlan(tier_id, SECONDARY_TIER_TARGETS[tier.type], kwargs, "tier"))
     cpu_kwargs = {"tier_id": kv.cpu_tier_id, "config": config}
     return [*secondaries, ActorPlan(kv.cpu_tier_id, CPU_TIER_TARGET, cpu_kwargs, "tier")]

@@ -63,6 +63,7 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         max_concurrent_io: int = 4,
         io_timeout_s: float = 10.0,
         probe_timeout_s: float = 0.25,  # plan_tiers passes kv_lookup_timeout_s / 8
+        jetstream_replicas: int = 1,  # copies of a bucket it creates (plan_tiers: the config's)
         **options: Any,  # SecondaryTierActor's: namespace, max_queued_cascades, keep_regions, ...
     ) -> None:
         super().__init__(bus, actor_id, bytes_to_use=tier_config.bytes_to_use, **options)
@@ -72,6 +73,7 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         self.bucket = tier_config.bucket or default_bucket(self.subjects.namespace)
         self.io_timeout_s = io_timeout_s
         self.probe_timeout_s = probe_timeout_s
+        self.jetstream_replicas = jetstream_replicas
         self.foreign: set[OffloadKey] = set()  # indexed chunks another tier wrote
         self.num_chunks_adopted = 0  # found by lookups in the store
         self.num_chunks_forgotten = 0  # foreign chunks past the budget (left in the store)
@@ -101,7 +103,9 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
     async def _open(self, layout: KVLayout) -> tuple[ObjectChunks, list[OffloadKey]]:
         try:
             if self._objects is None:
-                self._objects = await self.bus.open_object_store(self.bucket)
+                self._objects = await self.bus.open_object_store(
+                    self.bucket, replicas=self.jetstream_replicas
+                )
             chunks = ObjectChunks(
                 self._objects, layout, writer=self.actor_id, timeout_s=self.io_timeout_s
             )

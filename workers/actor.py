@@ -288,7 +288,8 @@ class WorkerActor(Actor):
             raise RuntimeError(f"worker {self.worker_id} has no engine id to key its group")
         self.group_epoch = None
         if self._port_board is None:
-            self._port_board = port_board_for(self.bus, self.subjects)
+            replicas = self.config.bus_config.jetstream_replicas if self.config else 1
+            self._port_board = port_board_for(self.bus, self.subjects, replicas=replicas)
         init_method = await rejoin_group(
             member,
             self._port_board,

@@ -4,7 +4,8 @@ read it there.
 
 The board is the key-value bucket ``subjects.group_ports_bucket()`` (``Bus.open_kv``: JetStream
 on NATS, shared by the buses of one broker in memory; entries expire after ``PORTS_TTL_S``, long
-after every rank has read them). An epoch must be unique for the engine core (across its
+after every rank has read them; created with the deployment's ``jetstream_replicas``, so it
+outlives a node of a NATS cluster). An epoch must be unique for the engine core (across its
 restarts too): a key left by an earlier group of the same epoch would send the readers to a
 dead address.
 
@@ -76,14 +77,17 @@ class KvPortBoard:
     """The board on the bus's key-value bucket ``bucket_name`` (``Bus.open_kv``: JetStream on
     NATS, the broker's own in memory), opened, or created, on first use."""
 
-    def __init__(self, bus: Bus, bucket_name: str) -> None:
+    def __init__(self, bus: Bus, bucket_name: str, *, replicas: int = 1) -> None:
         self._bus = bus
         self._name = bucket_name
+        self._replicas = replicas
         self._bucket: KvBucket | None = None
 
     async def _open(self) -> KvBucket:
         if self._bucket is None:
-            self._bucket = await self._bus.open_kv(self._name, ttl_s=PORTS_TTL_S)
+            self._bucket = await self._bus.open_kv(
+                self._name, ttl_s=PORTS_TTL_S, replicas=self._replicas
+            )
         return self._bucket
 
     async def put(self, key: str, init_method: str) -> None:
@@ -101,9 +105,10 @@ class KvPortBoard:
         raise TimeoutError(f"no group address under {key!r} within {timeout_s} s")
 
 
-def port_board_for(bus: Bus, subjects: Subjects) -> PortBoard:
-    """The board of the deployment ``bus`` belongs to."""
-    return KvPortBoard(bus, subjects.group_ports_bucket())
+def port_board_for(bus: Bus, subjects: Subjects, *, replicas: int = 1) -> PortBoard:
+    """The board of the deployment ``bus`` belongs to (``replicas``: its bucket's copies in a
+    NATS cluster)."""
+    return KvPortBoard(bus, subjects.group_ports_bucket(), replicas=replicas)
 
 
 class GroupMember(Protocol):

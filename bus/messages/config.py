@@ -198,15 +198,27 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
         return self.expert_parallel_size > 1
 
 
+MAX_JETSTREAM_REPLICAS = 5  # JetStream's own limit
+
+
 class BusConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """The transport the actors share and the namespace of their subjects."""
 
     bus: str = "nats"  # nats: actors as processes; memory: everything in one process
-    nats_url: str | None = None  # join this NATS deployment (default: an embedded server)
+    # join this NATS deployment (default: an embedded server); a cluster's nodes comma-joined
+    nats_url: str | None = None
     namespace: str = "shoal"  # subject prefix, so deployments can share a NATS cluster
+    # copies of each JetStream bucket and stream shoal creates (3 in a 3-node cluster: survives
+    # losing a node); at most the cluster's size, 1 for a single server
+    jetstream_replicas: int = 1
 
     def __post_init__(self) -> None:
         _one_of(self.bus, BUS_KINDS, "bus")
+        _require(
+            1 <= self.jetstream_replicas <= MAX_JETSTREAM_REPLICAS,
+            "jetstream_replicas",
+            f"must be 1 to {MAX_JETSTREAM_REPLICAS}, got {self.jetstream_replicas}",
+        )
 
 
 class FaultToleranceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

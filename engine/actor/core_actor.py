@@ -149,7 +149,7 @@ class EngineCoreActor(FaultHandlingActor):
             if config.kv_transfer_config.enabled
             else None
         )
-        replicas = getattr(config.bus_config, "jetstream_replicas", 1)
+        replicas = config.bus_config.jetstream_replicas
         self.kv_events = (
             KvEventsLink(bus, self.subjects, engine_id, replicas)
             if config.resolved_routing_mode == "kv"

@@ -32,7 +32,7 @@ class PrefixRouting:
         cache = config.cache_config
         self._bus = bus
         self._subjects = subjects
-        self._replicas: int = getattr(config.bus_config, "jetstream_replicas", 1)
+        self._replicas = config.bus_config.jetstream_replicas
         self.index = PrefixIndex()
         self.hasher = BlockHasher(cache.block_size, cache.prefix_caching_hash_algo)
         self.follower: StreamFollower | None = None
