@@ -174,9 +174,10 @@ class NatsBus(Bus):
         except (nats.errors.Error, OSError) as exc:
             where = ", ".join(redact_url(u) for u in self.servers)
             if self._auth_refused or _is_auth_error(exc):
-                who = f"user {self.user!r}" if self.user else "no credentials"
+                who = f"user {self.user!r}" if self.user else self._credential_kind()
                 raise BusAuthError(
-                    f"NATS at {where} refused the credentials ({who}): authorization violation"
+                    f"cannot connect to NATS at {where}: it refused the credentials ({who}): "
+                    "authorization violation"
                 ) from None
             raise BusError(f"cannot connect to NATS at {where}: {exc!r}") from exc
         self._nc.options["max_reconnect_attempts"] = self._max_reconnect_attempts
@@ -184,6 +185,12 @@ class NatsBus(Bus):
         if self._chunk_size is not None:  # smaller chunks: pulled, so flow-controlled
             chunk_size = max(1024, min(chunk_size, self._chunk_size))
         self._chunks = ChunkSender(self, chunk_size, ttl_s=self._chunk_ttl_s)
+
+    def _credential_kind(self) -> str:
+        for option, what in (("token", "a token"), ("user_credentials", "a creds file")):
+            if self._options.get(option):
+                return what
+        return "no credentials"
 
     async def _on_error(self, exc: Exception) -> None:
         if _says(exc, PERMISSIONS_VIOLATION):

@@ -144,7 +144,7 @@ ROLES: dict[str, Role] = {
     "supervisor": Role(
         kind="supervisor",
         publish=(_g("status", ANY),),
-        subscribe=(),
+        subscribe=(_g("inbox_prefix", USER, tail=">"), _g("heartbeat", ANY), _g("status", ANY)),
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
         actor=False,
     ),
@@ -242,6 +242,8 @@ def permissions(namespace: str, role: str, *, gateway_may_command: bool = False)
     for kind, method in spec.buckets:
         stream, data = BUCKETS[kind](getattr(subjects, method)())
         perms.publish.extend(_stream_api(stream) + data)
+    if spec.buckets:  # nats-py finds a stream by its subject (names only, no contents)
+        perms.publish.append("$JS.API.STREAM.NAMES")
     return perms
 
 
