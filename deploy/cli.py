@@ -189,9 +189,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    if ns.command in ("serve", "actor"):  # before the model is looked at
+        urls = ns.nats_url if isinstance(ns.nats_url, str | None) else ",".join(ns.nats_url)
+        _credentials(parser, ns, urls)
     config = _config(parser, ns)
-    if ns.command in ("serve", "actor"):
-        _credentials(parser, ns, config.bus_config.nats_url)
     if ns.command == "serve":
         return asyncio.run(_serve(config, ns))
     if ns.command == "generate":

@@ -227,3 +227,64 @@ async def test_a_deployment_serves_with_one_user_per_role(connect_as, model_dir,
         await stop_in_process(actors)
     for role, bus in {**buses, "gateway": gateway_bus, "client": caller}.items():
         assert bus.num_permission_violations == 0, (role, list(bus.permission_violations))
+
+
+async def test_shoal_nats_auth_prints_a_config_nats_server_accepts(tmp_path: Path, capsys):  # type: ignore[no-untyped-def]
+    from shoal.bus.credentials import resolve_credentials
+    from shoal.deploy.cli import main
+
+    folder = tmp_path / "creds"
+    assert main(["nats-auth", "--namespace", "prod.x", "--credentials-dir", str(folder)]) == 0
+    printed = capsys.readouterr().out
+    try:
+        server = NatsServer(extra_config=printed)
+    except NatsServerNotFoundError as exc:
+        pytest.skip(str(exc))
+    with server:
+        credentials = resolve_credentials("prod-x-tier", folder / "tier.password", environ={})
+        assert credentials is not None
+        bus = NatsBus([server.url], **credentials.bus_options())
+        await bus.connect()
+        await bus.publish(Subjects("prod.x").tier_peers(), b"hello")
+        await bus.publish(Subjects("prod.x").engine_in("engine-0"), b"no")
+        await bus.flush()
+        await wait_for(lambda: bus.num_permission_violations == 1, WAIT_S, "refusal")
+        await bus.close()
+
+
+def test_credentials_in_the_url_are_refused(capsys):  # type: ignore[no-untyped-def]
+    from shoal.deploy.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["actor", "worker", "/nowhere", "--nats-url", "nats://u:pw@127.0.0.1:4222"])
+    assert exit_.value.code == 2
+    assert "must not hold credentials" in capsys.readouterr().err
+
+
+async def test_a_supervised_child_gets_its_credentials_by_environment():
+    """The child connects with the credentials given in its env; its command line has none."""
+    from shoal.bus.credentials import NatsCredentials
+    from shoal.bus.supervisor import ActorSpec, Supervisor
+    from tests.actors.test_bus_faults import ECHO_SUBJECT, echo_spec, ping_until_answered
+
+    credentials = NatsCredentials("u", secrets.token_urlsafe(12))
+    users = f'authorization {{ users = [ {{ user: "u", password: "{credentials.password}" }} ] }}'
+    try:
+        server = NatsServer(extra_config=users)
+    except NatsServerNotFoundError as exc:
+        pytest.skip(str(exc))
+    with server:
+        base = echo_spec(server.url)
+        spec = ActorSpec(
+            base.name, base.target, base.bus_url, base.kwargs, env=credentials.child_env()
+        )
+        client = NatsBus([server.url], **credentials.bus_options())
+        await client.connect()
+        try:
+            async with Supervisor([spec], grace_s=3) as supervisor:
+                pong = await ping_until_answered(client, ECHO_SUBJECT, limit_s=WAIT_S)
+                assert pong.pid == supervisor.pid(base.name)
+                cmdline = Path(f"/proc/{pong.pid}/cmdline").read_bytes()
+                assert credentials.password.encode() not in cmdline
+        finally:
+            await client.close()
