@@ -120,7 +120,9 @@ def _add_nats_auth_command(commands: Any, common: argparse.ArgumentParser) -> No
         default=Path("shoal-nats-credentials"),
         help="where each role's password file is (written 0600 when missing)",
     )
-    auth.add_argument("--roles", nargs="+", choices=list(ROLES), default=None, help="(all)")
+    auth.add_argument(
+        "--roles", nargs="+", choices=list(ROLES), default=None, metavar="ROLE", help="(all)"
+    )
     auth.add_argument(
         "--gateway-may-command",
         action="store_true",
