@@ -19,6 +19,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from shoal.bus.base import ERROR_CODE_HEADER, BusError, Msg, PayloadIntegrityError
+from shoal.bus.subjects import INBOX_ROOT, TRANSFER_PREFIX
 
 if TYPE_CHECKING:
     from shoal.bus.base import Bus, Subscription
@@ -26,8 +27,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CHUNKED_HEADER = "Shoal-Chunked"
-TRANSFER_PREFIX = "_SHOAL_XFER"
-INBOX_PREFIX = "_INBOX."
+INBOX_PREFIX = f"{INBOX_ROOT}."
 DEFAULT_WINDOW = 4
 
 

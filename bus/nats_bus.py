@@ -8,12 +8,18 @@ Several servers (the nodes of a cluster): the client connects to one of them (in
 spreading clients over the nodes) and, when that node goes, to another, among those given and
 those the cluster advertises (its ``connect_urls``): one node's URL is enough to find the rest.
 A node lost without closing its sockets (a host gone) is noticed after ``ping_interval_s`` ×
-``max_outstanding_pings`` unanswered pings. URLs are logged without their user info.
+``max_outstanding_pings`` unanswered pings.
+
+Connected as a user, its reply inboxes are ``Subjects.inbox_prefix(user)`` (what the user's
+permissions let it subscribe to, ``bus.permissions``); a publish or subscription the server
+refuses is counted and logged (``permission_violations``); refused credentials raise
+``BusAuthError``. Server URLs are logged without their passwords (``bus.credentials``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import ssl
@@ -39,8 +45,9 @@ from shoal.bus.base import (
     Subscription,
 )
 from shoal.bus.chunking import ChunkSender, resolve_chunked
+from shoal.bus.credentials import redact_url
 from shoal.bus.dispatch import Dispatcher
-from shoal.bus.subjects import validate_subject
+from shoal.bus.subjects import SubjectError, Subjects, validate_subject
 
 if TYPE_CHECKING:
     from shoal.bus.event_stream import EventStream
@@ -52,15 +59,13 @@ log = logging.getLogger(__name__)
 HEADER_RESERVE = 8 * 1024  # room left for headers when chunking
 PENDING_BUFFER = 64 * 1024 * 1024  # outgoing bytes buffered while reconnecting
 SUB_PENDING_BYTES = 256 * 1024 * 1024
+MAX_KEPT_VIOLATIONS = 100
+PERMISSIONS_VIOLATION = "permissions violation"
+AUTHORIZATION_VIOLATION = "authorization violation"
 
 
-def redact_url(url: str) -> str:
-    """``url`` without its user info (``nats://user:pass@host:4222`` → ``nats://host:4222``)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        scheme, rest = "", url
-    host = rest.rpartition("@")[2]
-    return f"{scheme}{sep}{host}"
+class BusAuthError(BusError):
+    """The NATS server refused the credentials (wrong user or password, or none given)."""
 
 
 class _NatsSubscription(Subscription):
@@ -93,7 +98,8 @@ class _NatsSubscription(Subscription):
 class NatsBus(Bus):
     """A bus on NATS. Credentials: ``user``/``password``, ``token`` or ``creds_file``; ``tls``
     is an ``ssl.SSLContext`` or True (system defaults). Payloads above ``chunk_size`` (default:
-    the server's max_payload less room for headers) travel chunked (``bus.chunking``)."""
+    the server's max_payload less room for headers) travel chunked (``bus.chunking``).
+    ``inbox_prefix`` (default: ``_INBOX.<user>`` with a user, else nats-py's ``_INBOX``)."""
 
     def __init__(
         self,
@@ -115,8 +121,10 @@ class NatsBus(Bus):
         drain_timeout: float = 5.0,
         chunk_ttl_s: float = 30.0,
         chunk_size: int | None = None,
+        inbox_prefix: str | None = None,
     ) -> None:
         self.servers = [servers] if isinstance(servers, str) else list(servers)
+        self.user = user
         self._options: dict[str, Any] = {
             "servers": self.servers,
             "name": name,
@@ -132,7 +140,13 @@ class NatsBus(Bus):
             "max_outstanding_pings": max_outstanding_pings,
             "drain_timeout": int(max(1, drain_timeout)),
             "pending_size": PENDING_BUFFER,
+            "inbox_prefix": inbox_prefix or _user_inbox_prefix(user),
         }
+        self.num_permission_violations = 0
+        self._auth_refused = False  # the server answered "authorization violation"
+        self.permission_violations: collections.deque[str] = collections.deque(
+            maxlen=MAX_KEPT_VIOLATIONS
+        )  # the server's refusals, latest last
         self._max_reconnect_attempts = max_reconnect_attempts
         self._connect_attempts = connect_attempts
         self._drain_timeout = drain_timeout
@@ -188,6 +202,7 @@ class NatsBus(Bus):
         # The first connection gives up after a few attempts (a wrong address or credentials
         # must fail, not hang); once connected, reconnecting follows max_reconnect_attempts.
         options["max_reconnect_attempts"] = self._connect_attempts
+        self._auth_refused = False
         try:
             self._nc = await nats.connect(
                 error_cb=self._on_error,
@@ -196,7 +211,13 @@ class NatsBus(Bus):
                 **options,
             )
         except (nats.errors.Error, OSError) as exc:
-            where = ", ".join(redact_url(url) for url in self.servers)
+            where = ", ".join(redact_url(u) for u in self.servers)
+            if self._auth_refused or _is_auth_error(exc):
+                who = f"user {self.user!r}" if self.user else self._credential_kind()
+                raise BusAuthError(
+                    f"cannot connect to NATS at {where}: it refused the credentials ({who}): "
+                    "authorization violation"
+                ) from None
             raise BusError(f"cannot connect to NATS at {where}: {exc!r}") from exc
         self._nc.options["max_reconnect_attempts"] = self._max_reconnect_attempts
         chunk_size = max(1024, self._nc.max_payload - HEADER_RESERVE)
@@ -204,11 +225,27 @@ class NatsBus(Bus):
             chunk_size = max(1024, min(chunk_size, self._chunk_size))
         self._chunks = ChunkSender(self, chunk_size, ttl_s=self._chunk_ttl_s)
 
+    def _credential_kind(self) -> str:
+        for option, what in (("token", "a token"), ("user_credentials", "a creds file")):
+            if self._options.get(option):
+                return what
+        return "no credentials"
+
     async def _on_error(self, exc: Exception) -> None:
+        if _says(exc, PERMISSIONS_VIOLATION):
+            self.num_permission_violations += 1
+            self.permission_violations.append(str(exc))
+            log.warning("NATS refused (user %r): %s", self.user, exc)
+            return
+        if _is_auth_error(exc):
+            if not self._auth_refused:
+                log.error("NATS refused the credentials of user %r", self.user)
+            self._auth_refused = True
+            return
         log.warning("NATS error: %r", exc)
 
     async def _on_disconnected(self) -> None:
-        log.info("NATS disconnected")
+        log.info("NATS disconnected from %s", ", ".join(redact_url(u) for u in self.servers))
         # nats-py keeps waiting for replies that went down with the connection: end each
         # waiting request now (ConnectionLostError) rather than at its timeout.
         for task in self._waiting - self._cut_off:
@@ -362,3 +399,21 @@ class NatsBus(Bus):
         return await open_nats_stream(
             self, name, subjects, max_age_s=max_age_s, max_msgs=max_msgs, replicas=replicas
         )
+
+
+def _says(exc: BaseException, what: str) -> bool:
+    return what in str(exc).lower()
+
+
+def _user_inbox_prefix(user: str | None) -> str | None:
+    """``_INBOX.<user>`` for a user whose name is one subject token, else nats-py's default."""
+    if not user:
+        return None
+    try:
+        return Subjects().inbox_prefix(user)
+    except SubjectError:
+        return None
+
+
+def _is_auth_error(exc: BaseException) -> bool:
+    return isinstance(exc, nats.errors.AuthorizationError) or _says(exc, AUTHORIZATION_VIOLATION)

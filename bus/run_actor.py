@@ -3,7 +3,8 @@
 (``build_actor``: a keyword whose parameter is typed as a msgspec struct, such as the
 deployment's config, is decoded into it) and served until SIGTERM/SIGINT (graceful drain),
 until the parent process dies, or until the actor stops itself; the process exits with the
-actor's ``exit_code``."""
+actor's ``exit_code``. NATS credentials come from the environment (``bus.credentials``), never
+from the command line."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import msgspec
 from shoal.bus import connect_bus
 from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
+from shoal.bus.credentials import resolve_credentials
 from shoal.bus.server import die_with_parent
 
 PARENT_POLL_S = 0.5
@@ -69,6 +71,10 @@ async def serve(
 ) -> int:
     """Run the actor until it stops; its exit code (non-zero asks the supervisor to restart)."""
     cls = load_target(target)
+    if not bus_url.startswith("memory") and not {"user", "token", "creds_file"} & set(bus_options):
+        credentials = resolve_credentials()  # $SHOAL_NATS_USER / $SHOAL_NATS_PASSWORD
+        if credentials is not None:
+            bus_options = {**bus_options, **credentials.bus_options()}
     bus = await connect_bus(bus_url, **bus_options)
     actor = build_actor(cls, bus, kwargs)
     actor.owns_bus = True

@@ -11,6 +11,10 @@ import functools
 import re
 
 VERSION = "v1"
+# Chunked transfers (``bus.chunking``) are pulled on ``<TRANSFER_PREFIX>.<sender>.<transfer>``;
+# reply inboxes live under ``<INBOX_ROOT>.<user>`` (``Subjects.inbox_prefix``).
+TRANSFER_PREFIX = "_SHOAL_XFER"
+INBOX_ROOT = "_INBOX"
 _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
 _SUBJECT_TOKEN = re.compile(r"[^\s.*>]+")
 
@@ -144,6 +148,24 @@ class Subjects:
     def kv_events_stream(self) -> str:
         """JetStream stream capturing every engine core's ``kv_events`` (prefix routing)."""
         return f"{self.namespace.replace('.', '-')}-kv-events"
+
+    def object_bucket(self) -> str:
+        """Object Store bucket of the deployment's object KV tier (``shoal_kv_<namespace>``)."""
+        return f"shoal_kv_{self.namespace.replace('.', '_')}"
+
+    # reply inboxes and chunked transfers (not namespaced: nats-py and bus.chunking name them)
+    def inbox_prefix(self, user: str) -> str:
+        """The reply inboxes of a bus connected as NATS user ``user`` (``_INBOX.<user>``): a
+        user may subscribe to its own inboxes only, so no one reads another's replies."""
+        return f"{INBOX_ROOT}.{validate_token(user, 'NATS user')}"
+
+    def inboxes(self) -> str:
+        """Every reply inbox (where replies are published)."""
+        return f"{INBOX_ROOT}.>"
+
+    def transfers(self) -> str:
+        """Every chunked transfer's pull subject (``bus.chunking``)."""
+        return f"{TRANSFER_PREFIX}.>"
 
     def all(self) -> str:
         """Every subject of this deployment (for debugging taps)."""

@@ -22,6 +22,7 @@ import msgspec
 
 from shoal.bus.base import Bus, BusError
 from shoal.bus.codec import encode
+from shoal.bus.credentials import SECRET_OPTIONS, url_has_secret
 from shoal.bus.messages.control import ActorState, StatusEvent
 from shoal.bus.subjects import Subjects
 
@@ -51,6 +52,12 @@ class ActorSpec:
     kind: str = ""  # the actor's kind, for the DEAD status the supervisor publishes
 
     def command(self) -> list[str]:
+        """The child's command line: no secret goes here (a process listing shows it); give
+        NATS credentials through ``env`` (``NatsCredentials.child_env``)."""
+        secrets = set(SECRET_OPTIONS) & set(self.bus_options)
+        if secrets or url_has_secret(self.bus_url):
+            what = ", ".join(sorted(secrets)) or "credentials in the bus url"
+            raise ValueError(f"{self.name}: {what} would show on a command line; use env")
         return [
             sys.executable, "-m", "shoal.bus.run_actor", "--target", self.target,
             "--bus", self.bus_url,

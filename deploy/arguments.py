@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from shoal.bus.credentials import url_has_secret
 from shoal.bus.messages.config import (
     BUS_KINDS,
     DTYPES,
@@ -284,7 +285,7 @@ def nats_urls(text: str) -> list[str]:
     for url in urls:
         if not url.startswith(NATS_SCHEMES):
             raise argparse.ArgumentTypeError(f"expected a nats:// (or tls://) URL, got {url!r}")
-        if "@" in url.partition("://")[2]:
+        if url_has_secret(url):
             raise argparse.ArgumentTypeError(
                 "credentials in a NATS URL would show on the command line: pass them in "
                 "SHOAL_NATS_USER and SHOAL_NATS_PASSWORD instead"

@@ -5,6 +5,10 @@ shoal generate [MODEL] -p TEXT one completion, printed
 shoal actor KIND MODEL ...     one actor process joining a NATS deployment (multi-host)
 shoal probe KIND [ID]          exit 0 if that actor of a NATS deployment is ready (for probes)
 shoal bench NAME [ARGS...]     a benchmark from bench/ (throughput, serve, scheduler, bus, …)
+shoal nats-auth --namespace NS the nats-server authorization config: one user per actor role
+
+NATS credentials: $SHOAL_NATS_USER and $SHOAL_NATS_PASSWORD, or --nats-user NAME with
+--nats-password-file PATH; never in --nats-url (a process listing would show them).
 """
 
 from __future__ import annotations
@@ -16,8 +20,15 @@ import runpy
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
+from shoal.bus.credentials import (
+    CredentialsError,
+    NatsCredentials,
+    resolve_credentials,
+)
 from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.permissions import ROLES
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace, option_default
 from shoal.deploy.probe import add_probe_arguments, probed_id, run_probe
 
@@ -52,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="local Hugging Face model directory (default: the demo model)",
     )
     _add_http_arguments(serve)
+    _add_credential_arguments(serve)
     add_engine_arguments(serve)
 
     generate = commands.add_parser(
@@ -88,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "rank's worker), tcp://HOST:PORT",
     )
     _add_http_arguments(actor)
+    _add_credential_arguments(actor)
     add_engine_arguments(actor)
 
     probe = commands.add_parser(
@@ -98,7 +111,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", parents=[common], help="run a benchmark from bench/")
     bench.add_argument("name", help="benchmark name: " + ", ".join(_bench_names()))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own arguments")
+    _add_nats_auth_command(commands, common)
     return parser  # fmt: skip
+
+
+def _add_nats_auth_command(commands: Any, common: argparse.ArgumentParser) -> None:
+    auth = commands.add_parser(
+        "nats-auth", parents=[common], help="print the nats-server authorization config"
+    )
+    auth.add_argument("--namespace", default="shoal", help="the deployment's subject namespace")
+    auth.add_argument(
+        "--credentials-dir",
+        type=Path,
+        default=Path("shoal-nats-credentials"),
+        help="where each role's password file is (written 0600 when missing)",
+    )
+    auth.add_argument(
+        "--roles", nargs="+", choices=list(ROLES), default=None, metavar="ROLE", help="(all)"
+    )
+    auth.add_argument(
+        "--gateway-may-command",
+        action="store_true",
+        help="let the gateway send recovery commands (POST /fault_tolerance/apply)",
+    )
+
+
+def _add_credential_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("NATS credentials (else $SHOAL_NATS_USER/$SHOAL_NATS_PASSWORD)")
+    g.add_argument("--nats-user", default=None, help="NATS user name")
+    g.add_argument("--nats-password-file", default=None, help="file holding its password")
 
 
 def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
@@ -152,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         return asyncio.run(run_probe(ns, actor_id))
+    if ns.command == "nats-auth":
+        return _nats_auth(parser, ns)
     try:
         return _run(parser, ns)
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are set (the demo build)
@@ -160,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    if ns.command in ("serve", "actor"):  # before the model is looked at
+        _credentials(parser, ns)
     config = _config(parser, ns)
     if ns.command == "serve":
         return asyncio.run(_serve(config, ns))
@@ -172,7 +217,30 @@ async def _serve(config: ShoalConfig, ns: argparse.Namespace) -> int:
     from shoal.deploy.local import HttpOptions, serve_local
 
     stop = _stop_on_signals()
-    await serve_local(config, HttpOptions.from_namespace(ns), stop)
+    credentials = ns.credentials if config.bus_config.nats_url else None
+    await serve_local(config, HttpOptions.from_namespace(ns), stop, credentials=credentials)
+    return 0
+
+
+def _credentials(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """``ns.credentials`` from the flags or the environment (``--nats-url`` refuses URLs
+    holding them: ``deploy.arguments``)."""
+    try:
+        ns.credentials = resolve_credentials(ns.nats_user, ns.nats_password_file)
+    except CredentialsError as exc:
+        parser.error(str(exc))
+
+
+def _nats_auth(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from shoal.deploy.nats_auth import nats_auth_config
+
+    try:
+        text = nats_auth_config(
+            ns.namespace, ns.credentials_dir, ns.roles, gateway_may_command=ns.gateway_may_command
+        )
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+    print(text, end="")
     return 0
 
 
@@ -216,7 +284,8 @@ async def _actor(
         target, kwargs = actor_target(ns.kind, config, ns.actor_id, ns)
     except ValueError as exc:
         parser.error(str(exc))
-    return await serve(target, nats_url, kwargs, {})
+    credentials: NatsCredentials | None = ns.credentials
+    return await serve(target, nats_url, kwargs, credentials.bus_options() if credentials else {})
 
 
 def _run_bench(parser: argparse.ArgumentParser, name: str, bench_args: list[str]) -> int:

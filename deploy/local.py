@@ -23,6 +23,7 @@ from shoal.bus import connect_bus
 from shoal.bus.actor import Actor
 from shoal.bus.base import Bus, Msg
 from shoal.bus.codec import Codec, DecodeError
+from shoal.bus.credentials import NatsCredentials
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import StatusEvent
 from shoal.bus.server import NatsServer, keep_running
@@ -81,13 +82,15 @@ def _log_child(event: ChildEvent) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _nats_actors(config: ShoalConfig, bus_url: str, bus: Bus) -> AsyncIterator[None]:
+async def _nats_actors(
+    config: ShoalConfig, bus_url: str, bus: Bus, credentials: NatsCredentials | None
+) -> AsyncIterator[None]:
     num_engines = config.parallel_config.data_parallel_size
     tp_inits = [f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(num_engines)]
+    # Credentials reach the children through their environment, never their command line.
+    env = {"SHOAL_LOG_LEVEL": _log_level(), **(credentials.child_env() if credentials else {})}
     specs = [
-        ActorSpec(
-            p.name, p.target, bus_url, p.kwargs, env={"SHOAL_LOG_LEVEL": _log_level()}, kind=p.kind
-        )
+        ActorSpec(p.name, p.target, bus_url, p.kwargs, env=env, kind=p.kind)
         for p in plan_actors(
             config,
             tp_init_methods=tp_inits,
@@ -135,18 +138,24 @@ def _log_server_restart(server: NatsServer) -> None:
 
 
 async def serve_local(
-    config: ShoalConfig, http: HttpOptions, stop: asyncio.Event, *, ready_timeout_s: float = 600
+    config: ShoalConfig,
+    http: HttpOptions,
+    stop: asyncio.Event,
+    *,
+    ready_timeout_s: float = 600,
+    credentials: NatsCredentials | None = None,
 ) -> None:
-    """Run the deployment until ``stop`` is set."""
+    """Run the deployment until ``stop`` is set; ``credentials``: every process's NATS user
+    (joining a server with authorization: one user for every role here)."""
     async with contextlib.AsyncExitStack() as stack:
         url = await stack.enter_async_context(_bus_url(config))
-        bus = await connect_bus(url)
+        bus = await connect_bus(url, **(credentials.bus_options() if credentials else {}))
         stack.push_async_callback(bus.close)
         await bus.subscribe(Subjects(config.bus_config.namespace).status("*"), _log_status)
         if config.bus_config.bus == "memory":
             await stack.enter_async_context(_memory_actors(config, bus))
         else:
-            await stack.enter_async_context(_nats_actors(config, url, bus))
+            await stack.enter_async_context(_nats_actors(config, url, bus, credentials))
         client = await AsyncEngineClient(bus, config).start()
         stack.push_async_callback(client.close)
         await _wait_ready(client, config, stop, ready_timeout_s)

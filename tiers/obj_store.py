@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import re
 import time
 from collections.abc import Awaitable, Sequence
 from datetime import UTC, datetime
@@ -40,6 +39,7 @@ from typing import NamedTuple, TypeVar
 from shoal.bus.base import BusError, PayloadIntegrityError
 from shoal.bus.buckets import ObjectEntry, ObjectStore
 from shoal.bus.messages.offload import KVLayout
+from shoal.bus.subjects import Subjects
 from shoal.tiers.chunk_format import (
     CorruptChunk,
     check_deadline,
@@ -52,7 +52,6 @@ from shoal.tiers.fs_store import is_key_hex, model_dir_name, part_dir_name
 from shoal.tiers.keys import OffloadKey
 
 T = TypeVar("T")
-_UNSAFE_BUCKET = re.compile(r"[^A-Za-z0-9_-]+")
 PROBE_BATCH = 64  # keys asked at once by ``probe`` after its first one was found
 STALE_PART_S = 600.0  # a part of an incomplete chunk this old is removed whoever wrote it
 
@@ -70,7 +69,7 @@ class TierStoreError(Exception):
 
 def default_bucket(namespace: str) -> str:
     """The bucket of a deployment's object tier: ``shoal_kv_<namespace>``, made a valid name."""
-    return f"shoal_kv_{_UNSAFE_BUCKET.sub('_', namespace)}"
+    return Subjects(namespace).object_bucket()
 
 
 class ObjectChunks:

@@ -12,7 +12,7 @@ import pytest
 from shoal.bus import connect_bus
 from shoal.bus.base import BusError, Msg, PayloadIntegrityError
 from shoal.bus.jetstream import KvEntry, NatsKvBucket
-from shoal.bus.nats_bus import NatsBus
+from shoal.bus.nats_bus import BusAuthError, NatsBus
 from shoal.bus.object_store import NatsObjectStore
 from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server, keep_running
 
@@ -183,13 +183,14 @@ async def test_user_password_and_token_authentication():
         await good.connect()
         assert good.is_connected
         await good.close()
-        with pytest.raises(BusError, match="cannot connect"):
+        with pytest.raises(BusAuthError, match=r"refused the credentials \(user 'shoal'\)") as err:
             await NatsBus([server.url], user="shoal", password="wrong", connect_timeout=1).connect()
+        assert "wrong" not in str(err.value) and "cannot connect" in str(err.value)
     with NatsServer(extra_config='authorization { token: "t0ken" }') as server:
         bus = await connect_bus(server.url, token="t0ken")
         assert bus.is_connected
         await bus.close()
-        with pytest.raises(BusError):
+        with pytest.raises(BusAuthError, match="a token"):
             await NatsBus([server.url], token="nope", connect_timeout=1).connect()
 
 

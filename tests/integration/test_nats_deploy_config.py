@@ -1,6 +1,7 @@
 """``deploy/nats/``: the committed configs are what ``deploy.nats_config`` renders, nats-server
-accepts each (``-t``), and three real nodes started from them (their ports, host names and store
-dir rewritten to free loopback ones) form one cluster whose JetStream elects a meta leader."""
+accepts each (``-t``) with the users ``shoal nats-auth`` writes beside them, and three real
+nodes started from them (their ports, host names and store dir rewritten to free loopback ones)
+form one cluster whose JetStream elects a meta leader."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from shoal.bus.nats_cluster import free_port, healthz
 from shoal.bus.server import NatsServerNotFoundError, find_nats_server
 from shoal.deploy import nats_config
+from shoal.deploy.nats_auth import nats_auth_config
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(120)]
 READY_S = 30.0
@@ -31,9 +33,18 @@ def test_the_committed_configs_are_the_rendered_ones() -> None:
     assert committed == nats_config.config_files()
 
 
-def test_nats_server_accepts_each_config(binary: str) -> None:
+def _with_users(directory: Path) -> None:
+    """``auth.conf`` in ``directory``, as an operator makes it (``shoal nats-auth``)."""
+    config = nats_auth_config("shoal", directory / "credentials")
+    (directory / nats_config.AUTH_FILE).write_text(config)
+
+
+def test_nats_server_accepts_each_config(binary: str, tmp_path: Path) -> None:
+    _with_users(tmp_path)
     for path in sorted(nats_config.CONFIG_DIR.glob("*.conf")):
-        done = subprocess.run([binary, "-t", "-c", str(path)], capture_output=True, timeout=30)
+        (tmp_path / path.name).write_text(path.read_text())
+        check = [binary, "-t", "-c", str(tmp_path / path.name)]
+        done = subprocess.run(check, capture_output=True, timeout=30)
         assert done.returncode == 0, done.stderr.decode()
 
 
@@ -51,6 +62,7 @@ def _on_loopback(text: str, index: int, ports: list[dict[str, int]], store: Path
 def test_three_nodes_from_the_configs_form_a_cluster(binary: str, tmp_path: Path) -> None:
     ports = [{kind: free_port() for kind in ("client", "cluster", "http")} for _ in range(3)]
     procs: list[subprocess.Popen[bytes]] = []
+    _with_users(tmp_path)
     try:
         for i in range(3):
             text = (nats_config.CONFIG_DIR / f"{nats_config.node_name(i)}.conf").read_text()

@@ -186,10 +186,10 @@ def test_compose_files_exist_and_nats_nodes_are_the_agreed_ones() -> None:
 def test_nats_configs_make_one_jetstream_cluster() -> None:
     for i, host in enumerate(NATS_HOSTS):
         text = (DEPLOY / "nats" / f"{host}.conf").read_text()
-        assert f"server_name: {host}" in text
-        assert "listen: 0.0.0.0:4222" in text and "listen: 0.0.0.0:6222" in text
-        assert "http: 0.0.0.0:8222" in text and "jetstream" in text, i
-        assert all(f"nats://{h}:6222" in text for h in NATS_HOSTS)
+        assert f'server_name: "{host}"' in text
+        assert 'listen: "0.0.0.0:4222"' in text and 'listen: "0.0.0.0:6222"' in text
+        assert 'http: "0.0.0.0:8222"' in text and "jetstream" in text, i
+        assert all(f"nats-route://{h}:6222" in text for h in NATS_HOSTS)
         assert "include ./auth.conf" in text
     (config_map, service, statefulset) = load_yaml_documents(K8S_DIR / "nats.yaml")
     assert statefulset["spec"]["replicas"] == 3 and service["spec"]["clusterIP"] == "None"

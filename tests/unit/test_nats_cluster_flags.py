@@ -4,15 +4,17 @@ creates (the group-ports board, the object tier)."""
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.base import Bus
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.subjects import Subjects
 from shoal.deploy.cli import build_parser
 from shoal.deploy.deployment import plan_tiers
 from shoal.workers import group_ports
-from shoal.workers.group_ports import KvPortBoard, port_board_for
+from shoal.workers.group_ports import port_board_for
 
 
 @pytest.mark.parametrize("command", [["serve"], ["actor", "engine", "model"]])
@@ -71,26 +73,19 @@ def test_the_object_tier_is_planned_with_the_replicas() -> None:
     assert obj_plan.kwargs["jetstream_replicas"] == 3
 
 
-async def test_the_ports_board_opens_its_bucket_with_the_replicas(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_the_ports_board_opens_its_bucket_with_the_replicas() -> None:
     opened: list[dict[str, object]] = []
 
     class FakeBucket:
-        @classmethod
-        async def open(cls, bus: object, name: str, **options: object) -> FakeBucket:
-            opened.append({"name": name, **options})
-            return cls()
-
         async def put(self, key: str, value: bytes) -> None:
             pass
 
-    import shoal.bus.jetstream
+    class FakeBus:
+        async def open_kv(self, name: str, **options: object) -> FakeBucket:
+            opened.append({"name": name, **options})
+            return FakeBucket()
 
-    monkeypatch.setattr(shoal.bus.jetstream, "KvBucket", FakeBucket)
-    from shoal.bus.nats_bus import NatsBus
-
-    board = port_board_for(NatsBus(["nats://127.0.0.1:1"]), Subjects("ns"), replicas=3)
+    board = port_board_for(cast(Bus, FakeBus()), Subjects("ns"), replicas=3)
     await board.put("k", "tcp://h:1")
     assert opened == [
         {
@@ -99,5 +94,3 @@ async def test_the_ports_board_opens_its_bucket_with_the_replicas(
             "replicas": 3,
         }
     ]
-    memory = port_board_for(InMemoryBus(InMemoryBroker()), Subjects("ns"), replicas=3)
-    assert not isinstance(memory, KvPortBoard)

@@ -1,0 +1,296 @@
+"""Least privilege on the bus: each actor role's NATS publish/subscribe permissions, built from
+``bus.subjects`` (the one source of truth: a grant names a ``Subjects`` method and its
+arguments, ``ANY`` where an id varies), and the nats-server ``authorization`` block giving one
+user per role. Pure: no I/O.
+
+Every role may publish its own kind's heartbeat and status, replies (``Subjects.inboxes``) and
+chunked-transfer pulls, and subscribe to every heartbeat and status, its own reply inboxes only
+(``Subjects.inbox_prefix(user)``: ``NatsBus`` takes that prefix when it connects as a user) and
+the transfer subjects. JetStream buckets a role uses are granted by name (``BUCKETS``): the
+JetStream API of their stream and their data subjects. See ``docs/security.md``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from shoal.bus.subjects import Subjects
+
+ANY = "*"  # a grant argument standing for every id (a "*" token)
+USER = "<user>"  # a grant argument standing for the role's own NATS user name
+_ANY_TOKEN = "zzANYzz"  # what ANY is passed as to a Subjects method, then made "*"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """The subject ``Subjects.<method>(*args)`` (``ANY`` ids become ``*``), plus ``tail``
+    tokens (``">"``: everything below it)."""
+
+    method: str
+    args: tuple[str, ...] = ()
+    tail: str = ""
+
+    def pattern(self, subjects: Subjects, user: str) -> str:
+        args = [_ANY_TOKEN if a == ANY else user if a == USER else a for a in self.args]
+        subject: str = getattr(subjects, self.method)(*args)
+        tokens = ["*" if t == _ANY_TOKEN else t for t in subject.split(".")]
+        return ".".join(tokens + ([self.tail] if self.tail else []))
+
+
+def _g(method: str, *args: str, tail: str = "") -> Grant:
+    return Grant(method, args, tail)
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one role may publish and subscribe to; ``deny_*`` are refused even if a later
+    allow would match (the issue's required denials, kept explicit)."""
+
+    kind: str  # the actor kind of its heartbeat and status
+    publish: tuple[Grant, ...]
+    subscribe: tuple[Grant, ...]
+    deny_publish: tuple[Grant, ...] = ()
+    deny_subscribe: tuple[Grant, ...] = ()
+    buckets: tuple[tuple[str, str], ...] = ()  # (BUCKETS kind, Subjects method naming it)
+    actor: bool = True  # an actor: heartbeat, status and the common grants
+
+
+# Every actor: its replies, chunk pulls, and everyone's heartbeats and status.
+COMMON_PUBLISH = (_g("inboxes"), _g("transfers"))
+COMMON_SUBSCRIBE = (
+    _g("inbox_prefix", USER, tail=">"),
+    _g("transfers"),
+    _g("heartbeat", ANY),
+    _g("status", ANY),
+)
+NEVER_FROM_OUTSIDE_THE_ENGINE = (  # only engine cores send steps and client outputs
+    _g("worker_in", ANY),
+    _g("engine_out", ANY),
+)
+CONTROL = _g("control", ANY, ANY)
+
+ROLES: dict[str, Role] = {
+    # The gateway process: HTTP + NATS API + the engine client (tokenize, route, stream).
+    "gateway": Role(
+        kind="gateway",
+        publish=(_g("engine_in", ANY),),
+        subscribe=(
+            _g("engine_out", ANY),
+            _g("engine_stats", ANY),
+            _g("kv_events", ANY),
+            _g("api_generate"),
+            _g("api", "cancel"),
+        ),
+        deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_results", ANY)),
+        buckets=(("stream", "kv_events_stream"),),  # replayed into the prefix-routing index
+    ),
+    "engine": Role(
+        kind="engine",
+        publish=(
+            _g("engine_out", ANY),
+            _g("engine_stats", ANY),
+            _g("worker_in", ANY),
+            _g("tier_in", ANY),
+            _g("lockstep"),
+            _g("kv_events", ANY),
+        ),
+        subscribe=(
+            _g("engine_in", ANY),
+            _g("engine_results", ANY),
+            _g("control", "engine", ANY),
+            _g("lockstep"),
+        ),
+        deny_publish=(CONTROL,),
+        buckets=(("stream", "kv_events_stream"),),  # created by whoever comes first
+    ),
+    "worker": Role(
+        kind="worker",
+        publish=(_g("engine_results", ANY),),
+        subscribe=(_g("worker_in", ANY),),
+        deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
+        buckets=(("kv", "group_ports_bucket"),),
+    ),
+    # Every KV tier (cpu, fs, obj, p2p): one role, the tiers ask each other.
+    "tier": Role(
+        kind="tier",
+        publish=(
+            _g("tier_in", ANY),
+            _g("tier_peers"),
+            _g("tier_peer_reads", ANY),
+            _g("tier_peer_answers", ANY),
+        ),
+        subscribe=(
+            _g("tier_in", ANY),
+            _g("tier_peers"),
+            _g("tier_peer_reads", ANY),
+            _g("tier_peer_answers", ANY),
+        ),
+        deny_publish=(
+            CONTROL,
+            *NEVER_FROM_OUTSIDE_THE_ENGINE,
+            _g("engine_in", ANY),
+            _g("engine_results", ANY),
+        ),
+        deny_subscribe=(_g("engine_in", ANY), _g("engine_results", ANY), CONTROL),
+        buckets=(("obj", "object_bucket"),),
+    ),
+    "recovery": Role(
+        kind="recovery",
+        publish=(_g("control", "engine", ANY),),
+        subscribe=(),
+        deny_publish=(*NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
+    ),
+    # A process launcher (bus.supervisor): reports a dead child's DEAD status for it.
+    "supervisor": Role(
+        kind="supervisor",
+        publish=(_g("status", ANY),),
+        subscribe=(_g("inbox_prefix", USER, tail=">"), _g("heartbeat", ANY), _g("status", ANY)),
+        deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
+        actor=False,
+    ),
+    # Another system calling the gateway's NATS API (with inbox prefix ``_INBOX.<user>``).
+    "client": Role(
+        kind="client",
+        publish=(_g("api_generate"), _g("api", "cancel"), _g("transfers")),
+        subscribe=(_g("inbox_prefix", USER, tail=">"), _g("transfers")),
+        deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
+        actor=False,
+    ),
+}
+
+# Subjects methods that name no subject anyone is granted (the coverage test reads this).
+NOT_GRANTED = {
+    "all": "a debugging tap of every subject: for an operator's own unrestricted user",
+    "api_queue": "a queue group name, not a subject",
+}
+
+
+def _stream_api(stream: str) -> list[str]:
+    """The JetStream API subjects nats-py uses on one stream (info, create, get, purge,
+    consumers, acks, flow control); NATS names them, not shoal."""
+    api = "$JS.API"
+    return [
+        f"{api}.STREAM.INFO.{stream}",
+        f"{api}.STREAM.CREATE.{stream}",
+        f"{api}.STREAM.PURGE.{stream}",
+        f"{api}.STREAM.MSG.GET.{stream}",
+        f"{api}.STREAM.MSG.DELETE.{stream}",
+        f"{api}.DIRECT.GET.{stream}",
+        f"{api}.DIRECT.GET.{stream}.>",
+        f"{api}.CONSUMER.CREATE.{stream}",
+        f"{api}.CONSUMER.CREATE.{stream}.>",
+        f"{api}.CONSUMER.DURABLE.CREATE.{stream}.>",
+        f"{api}.CONSUMER.DELETE.{stream}.>",
+        f"{api}.CONSUMER.INFO.{stream}.>",
+        f"{api}.CONSUMER.MSG.NEXT.{stream}.>",
+        f"$JS.ACK.{stream}.>",
+        f"$JS.FC.{stream}.>",
+    ]
+
+
+# JetStream kinds: bucket name → (stream name, data subjects).
+BUCKETS = {
+    "kv": lambda name: (f"KV_{name}", [f"$KV.{name}.>"]),
+    "obj": lambda name: (f"OBJ_{name}", [f"$O.{name}.>"]),
+    "stream": lambda name: (name, []),  # a plain stream: its subjects are granted as subjects
+}
+
+
+def user_name(namespace: str, role: str) -> str:
+    """The NATS user of ``role`` in ``namespace`` (``shoal-gateway``; dots become dashes)."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; choose from {', '.join(ROLES)}")
+    return f"{namespace.replace('.', '-')}-{role}"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """One user's allow/deny subject patterns."""
+
+    user: str
+    publish: list[str] = field(default_factory=list)
+    subscribe: list[str] = field(default_factory=list)
+    deny_publish: list[str] = field(default_factory=list)
+    deny_subscribe: list[str] = field(default_factory=list)
+
+    def may_publish(self, subject: str) -> bool:
+        return _allowed(subject, self.publish, self.deny_publish)
+
+    def may_subscribe(self, subject: str) -> bool:
+        return _allowed(subject, self.subscribe, self.deny_subscribe)
+
+
+def permissions(namespace: str, role: str, *, gateway_may_command: bool = False) -> Permissions:
+    """``role``'s permissions in ``namespace``. ``gateway_may_command`` lets the gateway send
+    recovery commands (vLLM's ``POST /fault_tolerance/apply``), refused by default."""
+    subjects, user, spec = Subjects(namespace), user_name(namespace, role), ROLES[role]
+    pub, sub = list(spec.publish), list(spec.subscribe)
+    deny_pub = list(spec.deny_publish)
+    if spec.actor:
+        pub += [*COMMON_PUBLISH, _g("heartbeat", spec.kind), _g("status", spec.kind)]
+        sub += COMMON_SUBSCRIBE
+    if role == "gateway" and gateway_may_command:
+        pub.append(_g("control", "engine", ANY))
+        deny_pub.remove(CONTROL)
+    perms = Permissions(
+        user,
+        _unique(g.pattern(subjects, user) for g in pub),
+        _unique(g.pattern(subjects, user) for g in sub),
+        _unique(g.pattern(subjects, user) for g in deny_pub),
+        _unique(g.pattern(subjects, user) for g in spec.deny_subscribe),
+    )
+    for kind, method in spec.buckets:
+        stream, data = BUCKETS[kind](getattr(subjects, method)())
+        perms.publish.extend(_stream_api(stream) + data)
+    if spec.buckets:  # nats-py finds a stream by its subject (names only, no contents)
+        perms.publish.append("$JS.API.STREAM.NAMES")
+    return perms
+
+
+def _unique(patterns: Iterable[str]) -> list[str]:
+    return list(dict.fromkeys(patterns))
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """NATS wildcard matching: ``*`` one token, ``>`` (last) one or more."""
+    p, s = pattern.split("."), subject.split(".")
+    for i, token in enumerate(p):
+        if token == ">":
+            return len(s) > i
+        if i >= len(s) or (token != "*" and token != s[i]):
+            return False
+    return len(p) == len(s)
+
+
+def _allowed(subject: str, allow: list[str], deny: list[str]) -> bool:
+    if any(subject_matches(d, subject) for d in deny):
+        return False
+    return any(subject_matches(a, subject) for a in allow)
+
+
+def authorization_config(
+    namespace: str, passwords: Mapping[str, str], *, gateway_may_command: bool = False
+) -> str:
+    """The nats-server ``authorization { users = [...] }`` block: one user per role in
+    ``passwords`` (role → its password; plain text, so keep the file 0600)."""
+    users = []
+    for role, password in passwords.items():
+        perms = permissions(namespace, role, gateway_may_command=gateway_may_command)
+        users.append(_user_block(perms, password))
+    return "authorization {\n  users = [\n" + "\n".join(users) + "\n  ]\n}\n"
+
+
+def _user_block(perms: Permissions, password: str) -> str:
+    def rule(allow: list[str], deny: list[str]) -> str:
+        parts = [f"allow: {json.dumps(allow)}"] + ([f"deny: {json.dumps(deny)}"] if deny else [])
+        return "{ " + ", ".join(parts) + " }"
+
+    return (
+        f"    {{ user: {json.dumps(perms.user)}, password: {json.dumps(password)},\n"
+        f"      permissions: {{\n"
+        f"        publish: {rule(perms.publish, perms.deny_publish)}\n"
+        f"        subscribe: {rule(perms.subscribe, perms.deny_subscribe)}\n"
+        f"      }} }}"
+    )

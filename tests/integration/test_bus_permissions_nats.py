@@ -1,0 +1,288 @@
+"""Least privilege on a real nats-server started with ``bus.permissions``' config: each role
+connects as its own user and a whole deployment (tiers with the object store, worker, engine
+core, recovery controller, gateway, a NATS API caller) serves a greedy request of the tiny
+model, with no refusal; a forbidden publish or subscription of each role is refused by the
+server, seen in the refused bus's ``permission_violations`` and by a subscriber that never gets
+it while an allowed message on the same subject arrives; a wrong password is refused clearly."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from shoal.bus.actor import Actor
+from shoal.bus.base import Msg
+from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.nats_bus import BusAuthError, NatsBus
+from shoal.bus.permissions import ROLES, authorization_config, user_name
+from shoal.bus.server import NatsServer, NatsServerNotFoundError
+from shoal.bus.subjects import Subjects
+from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
+from shoal.engine.client.engine_client import AsyncEngineClient
+from shoal.gateway.actor import GatewayActor
+from tests.integration.conditions import wait_for
+from tests.integration.offload_hosts import OBJ_TIER
+from tests.integration.offload_workload import offload_options
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.nats]
+NS = "perm"
+S = Subjects(NS)
+MAX_TOKENS = 8
+WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def passwords() -> dict[str, str]:
+    return {role: secrets.token_urlsafe(18) for role in ROLES}
+
+
+@pytest.fixture(scope="module")
+def auth_server(passwords: dict[str, str]) -> Iterator[NatsServer]:
+    try:
+        server = NatsServer(extra_config=authorization_config(NS, passwords))
+    except NatsServerNotFoundError as exc:
+        pytest.skip(str(exc))
+    with server:
+        yield server
+
+
+@pytest.fixture
+async def connect_as(
+    auth_server: NatsServer, passwords: dict[str, str]
+) -> AsyncIterator[Callable[[str], asyncio.Future[NatsBus]]]:
+    buses: list[NatsBus] = []
+
+    async def connect(role: str) -> NatsBus:
+        bus = NatsBus([auth_server.url], user=user_name(NS, role), password=passwords[role])
+        await bus.connect()
+        buses.append(bus)
+        return bus
+
+    yield connect  # type: ignore[misc]
+    for bus in reversed(buses):
+        await bus.close()
+
+
+class Inbox:
+    def __init__(self) -> None:
+        self.got: list[bytes] = []
+
+    async def __call__(self, msg: Msg) -> None:
+        self.got.append(msg.data)
+
+
+# (role, subject it may not publish, a role that may publish there, a role that may read it)
+FORBIDDEN_PUBLISH = [
+    ("gateway", S.control("engine", "engine-0"), "recovery", "engine"),
+    ("gateway", S.worker_in("worker-0-0"), "engine", "worker"),
+    ("worker", S.engine_out("client-1"), "engine", "gateway"),
+    ("tier", S.engine_in("engine-0"), "gateway", "engine"),
+    ("engine", S.control("engine", "engine-1"), "recovery", "engine"),
+    ("recovery", S.worker_in("worker-0-0"), "engine", "worker"),
+    ("supervisor", S.engine_in("engine-0"), "gateway", "engine"),
+    ("client", S.engine_in("engine-0"), "gateway", "engine"),
+]
+
+
+@pytest.mark.parametrize(("role", "subject", "sender", "reader"), FORBIDDEN_PUBLISH)
+async def test_a_forbidden_publish_is_refused(connect_as, role, subject, sender, reader):  # type: ignore[no-untyped-def]
+    bad, good, observer = await connect_as(role), await connect_as(sender), await connect_as(reader)
+    seen = Inbox()
+    await observer.subscribe(subject, seen)
+    await observer.flush()
+    await bad.publish(subject, b"forbidden")
+    await bad.flush()
+    await wait_for(lambda: bad.num_permission_violations == 1, WAIT_S, "refusal")
+    assert "publish" in bad.permission_violations[-1] and subject in bad.permission_violations[-1]
+    await good.publish(subject, b"allowed")
+    await wait_for(lambda: seen.got, WAIT_S, "the allowed message")
+    assert seen.got == [b"allowed"]
+    assert bad.is_connected and good.num_permission_violations == 0
+
+
+# (role, subject it may not read, a role that may publish there, a role that may read it)
+FORBIDDEN_SUBSCRIBE = [
+    ("tier", S.engine_in("engine-0"), "gateway", "engine"),
+    ("tier", S.control("engine", "engine-0"), "recovery", "engine"),
+    ("gateway", S.worker_in("worker-0-0"), "engine", "worker"),
+    ("worker", S.engine_out("client-1"), "engine", "gateway"),
+]
+
+
+@pytest.mark.parametrize(("role", "subject", "sender", "reader"), FORBIDDEN_SUBSCRIBE)
+async def test_a_forbidden_subscription_is_refused(connect_as, role, subject, sender, reader):  # type: ignore[no-untyped-def]
+    spy, good, observer = await connect_as(role), await connect_as(sender), await connect_as(reader)
+    spied, seen = Inbox(), Inbox()
+    await spy.subscribe(subject, spied)
+    await spy.flush()
+    await wait_for(lambda: spy.num_permission_violations == 1, WAIT_S, "refusal")
+    assert "subscription" in spy.permission_violations[-1]
+    await observer.subscribe(subject, seen)
+    await observer.flush()
+    await good.publish(subject, b"allowed")
+    await wait_for(lambda: seen.got, WAIT_S, "the allowed message")
+    await spy.flush()
+    assert spied.got == []
+
+
+async def test_replies_of_another_user_cannot_be_read(connect_as):  # type: ignore[no-untyped-def]
+    spy = await connect_as("gateway")
+    await spy.subscribe(S.inbox_prefix(user_name(NS, "engine")) + ".>", Inbox())
+    await spy.flush()
+    await wait_for(lambda: spy.num_permission_violations == 1, WAIT_S, "refusal")
+
+
+async def test_a_wrong_password_is_refused_clearly(auth_server: NatsServer):
+    bus = NatsBus([auth_server.url], user=user_name(NS, "worker"), password="wrong")
+    refused = r"refused the credentials \(user 'perm-worker'\)"
+    with pytest.raises(BusAuthError, match=refused) as err:
+        await bus.connect()
+    assert "wrong" not in str(err.value)
+
+
+async def test_buckets_work_with_the_roles_users(connect_as):  # type: ignore[no-untyped-def]
+    worker, tier = await connect_as("worker"), await connect_as("tier")
+    ports = await worker.open_kv(S.group_ports_bucket(), ttl_s=60)
+    await ports.put("epoch-1", b"tcp://h:1")
+    await ports.put("epoch-2", b"tcp://h:2", ttl_s=5)
+    assert await ports.get("epoch-1") == b"tcp://h:1"
+    async for entry in ports.watch():
+        assert entry.key == "epoch-1"
+        break
+    await ports.delete("epoch-1")
+    objects = await tier.open_object_store(S.object_bucket())
+    await objects.put("chunk-1", b"x" * 300_000, writer="t")
+    assert await objects.get("chunk-1") == b"x" * 300_000
+    assert [e.name for e in await objects.list()] == ["chunk-1"]
+    assert await objects.delete("chunk-1")
+    await worker.flush()
+    await tier.flush()
+    assert (
+        worker.permission_violations
+        == tier.permission_violations
+        == type(worker.permission_violations)()
+    )
+    gateway = await connect_as("gateway")  # no bucket of its own
+    with pytest.raises(Exception):  # noqa: B017 - nats-py's own timeout/permission errors
+        await gateway.open_kv(S.group_ports_bucket())
+    assert gateway.num_permission_violations >= 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_checkpoint) -> Path:  # type: ignore[no-untyped-def]
+    return tiny_checkpoint("llama")
+
+
+async def test_a_deployment_serves_with_one_user_per_role(connect_as, model_dir, hf_reference):  # type: ignore[no-untyped-def]
+    config = ShoalConfig.from_options(
+        model=str(model_dir),
+        dtype="float32",
+        namespace=NS,
+        num_gpu_blocks_override=64,
+        block_size=16,
+        enable_fault_tolerance=True,
+        **offload_options(secondary_tiers=[OBJ_TIER]),
+    )
+    buses = {role: await connect_as(role) for role in ("tier", "worker", "engine", "recovery")}
+    plans = plan_actors(config)
+    assert {p.kind for p in plans} == set(buses)
+    actors: list[Actor] = []
+    try:
+        for plan in plans:  # each actor on its role's bus
+            actors += await start_in_process(buses[plan.kind], [plan])
+        gateway_bus = await connect_as("gateway")
+        client = await AsyncEngineClient(gateway_bus, config).start()
+        await client.wait_until_ready(WAIT_S * 2)
+        gateway = GatewayActor(
+            gateway_bus, "gateway-0", config=config, engine_client=client, port=0
+        )
+        await gateway.start()
+        try:
+            caller = await connect_as("client")
+            prompt = [5, 17, 42, 99, 7, 3, 250, 31]
+            request = {
+                "prompt_token_ids": prompt,
+                "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+            }
+            reply = await caller.request(
+                S.api_generate(), json.dumps(request).encode(), timeout=WAIT_S * 2
+            )
+            answer = json.loads(reply.data)
+            assert answer["type"] == "result", answer
+            expected = hf_reference(model_dir, [prompt], MAX_TOKENS)[0]
+            assert answer["choices"][0]["token_ids"] == expected
+            recovery = next(a for a in actors if a.kind == "recovery")
+            await wait_for(lambda: recovery.policy.engines, WAIT_S, "recovery sees the engine")
+        finally:
+            await gateway.stop()
+            await client.close()
+    finally:
+        await stop_in_process(actors)
+    for role, bus in {**buses, "gateway": gateway_bus, "client": caller}.items():
+        assert bus.num_permission_violations == 0, (role, list(bus.permission_violations))
+
+
+async def test_shoal_nats_auth_prints_a_config_nats_server_accepts(tmp_path: Path, capsys):  # type: ignore[no-untyped-def]
+    from shoal.bus.credentials import resolve_credentials
+    from shoal.deploy.cli import main
+
+    folder = tmp_path / "creds"
+    assert main(["nats-auth", "--namespace", "prod.x", "--credentials-dir", str(folder)]) == 0
+    printed = capsys.readouterr().out
+    try:
+        server = NatsServer(extra_config=printed)
+    except NatsServerNotFoundError as exc:
+        pytest.skip(str(exc))
+    with server:
+        credentials = resolve_credentials("prod-x-tier", folder / "tier.password", environ={})
+        assert credentials is not None
+        bus = NatsBus([server.url], **credentials.bus_options())
+        await bus.connect()
+        await bus.publish(Subjects("prod.x").tier_peers(), b"hello")
+        await bus.publish(Subjects("prod.x").engine_in("engine-0"), b"no")
+        await bus.flush()
+        await wait_for(lambda: bus.num_permission_violations == 1, WAIT_S, "refusal")
+        await bus.close()
+
+
+def test_credentials_in_the_url_are_refused(capsys):  # type: ignore[no-untyped-def]
+    from shoal.deploy.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["actor", "worker", "/nowhere", "--nats-url", "nats://u:pw@127.0.0.1:4222"])
+    assert exit_.value.code == 2
+    assert "credentials in a NATS URL would show on the command line" in capsys.readouterr().err
+
+
+async def test_a_supervised_child_gets_its_credentials_by_environment():
+    """The child connects with the credentials given in its env; its command line has none."""
+    from shoal.bus.credentials import NatsCredentials
+    from shoal.bus.supervisor import ActorSpec, Supervisor
+    from tests.actors.test_bus_faults import ECHO_SUBJECT, echo_spec, ping_until_answered
+
+    credentials = NatsCredentials("u", secrets.token_urlsafe(12))
+    users = f'authorization {{ users = [ {{ user: "u", password: "{credentials.password}" }} ] }}'
+    try:
+        server = NatsServer(extra_config=users)
+    except NatsServerNotFoundError as exc:
+        pytest.skip(str(exc))
+    with server:
+        base = echo_spec(server.url)
+        spec = ActorSpec(
+            base.name, base.target, base.bus_url, base.kwargs, env=credentials.child_env()
+        )
+        client = NatsBus([server.url], **credentials.bus_options())
+        await client.connect()
+        try:
+            async with Supervisor([spec], grace_s=3) as supervisor:
+                pong = await ping_until_answered(client, ECHO_SUBJECT, limit_s=WAIT_S)
+                assert pong.pid == supervisor.pid(base.name)
+                cmdline = Path(f"/proc/{pong.pid}/cmdline").read_bytes()
+                assert credentials.password.encode() not in cmdline
+        finally:
+            await client.close()

@@ -1,0 +1,202 @@
+"""The role table of ``bus.permissions`` (pure): every subject method is covered, the issue's
+required denials hold, no role's deny shadows what it must do, inboxes are private, and the
+credentials of an actor process never reach a command line or a log line."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from shoal.bus.credentials import (
+    CredentialsError,
+    NatsCredentials,
+    redact_url,
+    resolve_credentials,
+    url_has_secret,
+)
+from shoal.bus.permissions import (
+    BUCKETS,
+    COMMON_PUBLISH,
+    COMMON_SUBSCRIBE,
+    NOT_GRANTED,
+    ROLES,
+    permissions,
+    subject_matches,
+    user_name,
+)
+from shoal.bus.subjects import Subjects
+from shoal.bus.supervisor import ActorSpec
+from shoal.deploy.nats_auth import nats_auth_config
+
+S = Subjects("prod.shoal")
+
+
+def _granted_methods() -> set[str]:
+    grants = [*COMMON_PUBLISH, *COMMON_SUBSCRIBE]
+    for role in ROLES.values():
+        grants += [*role.publish, *role.subscribe, *role.deny_publish, *role.deny_subscribe]
+    buckets = {method for role in ROLES.values() for _, method in role.buckets}
+    return {g.method for g in grants} | buckets
+
+
+def test_every_public_subjects_method_is_in_the_role_table():
+    public = {
+        name
+        for name, member in inspect.getmembers(Subjects, inspect.isfunction)
+        if not name.startswith("_")
+    }
+    missing = public - _granted_methods() - NOT_GRANTED.keys()
+    assert not missing, f"add these Subjects methods to bus.permissions.ROLES: {sorted(missing)}"
+    assert NOT_GRANTED.keys() <= public  # no stale exemption
+    assert not NOT_GRANTED.keys() & _granted_methods()
+
+
+def test_bucket_kinds_are_known():
+    assert {kind for role in ROLES.values() for kind, _ in role.buckets} <= BUCKETS.keys()
+
+
+@pytest.mark.parametrize(
+    ("role", "subject"),
+    [
+        ("gateway", S.control("engine", "engine-0")),  # no recovery commands
+        ("gateway", S.control("worker", "worker-0-0")),
+        ("gateway", S.worker_in("worker-0-0")),  # no steps
+        ("gateway", S.engine_results("engine-0")),
+        ("worker", S.engine_out("client-1")),  # no client outputs
+        ("worker", S.engine_in("engine-0")),
+        ("tier", S.engine_in("engine-0")),  # no engine inboxes
+        ("tier", S.engine_results("engine-0")),
+        ("tier", S.control("engine", "engine-0")),
+        ("tier", S.engine_out("client-1")),
+        ("recovery", S.worker_in("worker-0-0")),
+        ("recovery", S.engine_in("engine-0")),
+        ("engine", S.control("engine", "engine-1")),
+        ("engine", S.api_generate()),
+        ("client", S.engine_in("engine-0")),
+        ("supervisor", S.engine_in("engine-0")),
+        ("worker", S.heartbeat("engine")),  # only its own kind's heartbeat
+        ("tier", S.status("engine")),
+    ],
+)
+def test_required_publish_denials(role: str, subject: str):
+    assert not permissions(S.namespace, role).may_publish(subject)
+
+
+@pytest.mark.parametrize(
+    ("role", "subject"),
+    [
+        ("tier", S.engine_in("engine-0")),
+        ("tier", S.engine_results("engine-0")),
+        ("tier", S.control("engine", "engine-0")),
+        ("worker", S.engine_out("client-1")),
+        ("gateway", S.worker_in("worker-0-0")),
+        ("gateway", S.inbox_prefix(user_name(S.namespace, "engine")) + ".x"),  # private replies
+        ("engine", S.api_generate()),
+    ],
+)
+def test_required_subscribe_denials(role: str, subject: str):
+    assert not permissions(S.namespace, role).may_subscribe(subject)
+
+
+@pytest.mark.parametrize(
+    ("role", "publish", "subscribe"),
+    [
+        ("gateway", [S.engine_in("engine-3"), "_INBOX.x.y"], [S.engine_out("client-9")]),
+        ("engine", [S.worker_in("w"), S.engine_out("c"), S.tier_in("kv-cpu")], [S.engine_in("e")]),
+        ("worker", [S.engine_results("engine-0")], [S.worker_in("worker-0-1")]),
+        ("tier", [S.tier_peers(), S.tier_in("kv-cpu")], [S.tier_peer_reads("p2p-1")]),
+        ("recovery", [S.control("engine", "engine-0")], [S.heartbeat("engine")]),
+        ("supervisor", [S.status("worker")], []),
+        ("client", [S.api_generate(), S.api("cancel")], []),
+    ],
+)
+def test_what_each_role_needs_is_allowed(role: str, publish: list[str], subscribe: list[str]):
+    perms = permissions(S.namespace, role)
+    assert all(perms.may_publish(s) for s in publish)
+    assert all(perms.may_subscribe(s) for s in subscribe)
+    assert perms.may_subscribe(S.inbox_prefix(perms.user) + ".abc.1")
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_no_deny_shadows_an_allow(role: str):
+    perms = permissions(S.namespace, role)
+    for pattern in perms.publish:
+        sample = pattern.replace("*", "x").replace(">", "x")
+        assert perms.may_publish(sample), (role, pattern)
+    for pattern in perms.subscribe:
+        assert perms.may_subscribe(pattern.replace("*", "x").replace(">", "x")), (role, pattern)
+
+
+def test_gateway_may_command_only_when_asked():
+    command = S.control("engine", "engine-0")
+    assert not permissions(S.namespace, "gateway").may_publish(command)
+    assert permissions(S.namespace, "gateway", gateway_may_command=True).may_publish(command)
+    assert not permissions(S.namespace, "gateway", gateway_may_command=True).may_publish(
+        S.worker_in("worker-0-0")
+    )
+
+
+def test_buckets_granted_by_name():
+    worker = permissions(S.namespace, "worker")
+    assert worker.may_publish(f"$KV.{S.group_ports_bucket()}.epoch-1")
+    assert worker.may_publish(f"$JS.API.STREAM.INFO.KV_{S.group_ports_bucket()}")
+    assert not worker.may_publish(f"$JS.API.STREAM.INFO.OBJ_{S.object_bucket()}")
+    tier = permissions(S.namespace, "tier")
+    assert tier.may_publish(f"$O.{S.object_bucket()}.C.abc")
+    assert not tier.may_publish(f"$JS.API.STREAM.DELETE.OBJ_{S.object_bucket()}")
+    assert not tier.may_publish("$JS.API.STREAM.INFO.KV_other")
+
+
+def test_subject_matching():
+    assert subject_matches("a.*.c", "a.b.c") and not subject_matches("a.*.c", "a.b.c.d")
+    assert subject_matches("a.>", "a.b.c") and not subject_matches("a.>", "a")
+
+
+def test_credentials_from_env_and_file(tmp_path: Path):
+    env = {"SHOAL_NATS_USER": "u", "SHOAL_NATS_PASSWORD": "p"}
+    assert resolve_credentials(environ=env) == NatsCredentials("u", "p")
+    assert resolve_credentials(environ={}) is None
+    secret = tmp_path / "pw"
+    secret.write_text("from-file\n")
+    assert resolve_credentials("v", secret, environ=env) == NatsCredentials("v", "from-file")
+    with pytest.raises(CredentialsError, match="needs a password"):
+        resolve_credentials("u", environ={})
+    with pytest.raises(CredentialsError, match="needs a user"):
+        resolve_credentials(environ={"SHOAL_NATS_PASSWORD": "p"})
+    with pytest.raises(CredentialsError, match="cannot read"):
+        resolve_credentials("u", tmp_path / "missing", environ={})
+    assert "from-file" not in repr(NatsCredentials("v", "from-file"))
+
+
+def test_urls_are_redacted():
+    assert (
+        redact_url("nats://u:s3cret@h:4222,nats://h2:4222") == "nats://u:***@h:4222,nats://h2:4222"
+    )
+    assert redact_url("nats://t0ken@h:4222") == "nats://***@h:4222"
+    assert redact_url("nats://h:4222") == "nats://h:4222"
+    assert url_has_secret("nats://a:1,nats://u:p@b:2") and not url_has_secret("nats://a:1")
+
+
+def test_no_secret_on_a_child_command_line():
+    spec = ActorSpec("w", "m:C", "nats://h:4222", env=NatsCredentials("u", "pw").child_env())
+    assert "pw" not in " ".join(spec.command())
+    with pytest.raises(ValueError, match="password"):
+        ActorSpec("w", "m:C", "nats://h:4222", bus_options={"password": "pw"}).command()
+    with pytest.raises(ValueError, match="url"):
+        ActorSpec("w", "m:C", "nats://u:pw@h:4222").command()
+
+
+def test_nats_auth_writes_private_password_files_once(tmp_path: Path):
+    folder = tmp_path / "creds"
+    first = nats_auth_config("prod.shoal", folder, ["gateway", "worker"])
+    assert nats_auth_config("prod.shoal", folder, ["gateway", "worker"]) == first
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    for role in ("gateway", "worker"):
+        path = folder / f"{role}.password"
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert path.read_text().strip() in first
+    assert '"prod-shoal-gateway"' in first and "prod.shoal.v1.engine.*.in" in first
