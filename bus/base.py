@@ -242,6 +242,7 @@ class Bus(abc.ABC):
         max_age_s: float | None = None,
         max_msgs: int | None = None,
         replicas: int = 1,
+        max_msgs_per_subject: int | None = None,
     ) -> EventStream:
         """Open (creating when missing) the event stream ``name`` capturing ``subjects``
         (``bus.event_stream``)."""

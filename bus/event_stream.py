@@ -5,15 +5,19 @@ On NATS this is a JetStream stream read by an ordered push consumer delivering e
 (``bus.nats_stream``); on the in-memory bus, an in-memory stream shared by every bus of one
 broker (``bus.memory_stream``), with the same semantics:
 
-- ``Bus.open_stream(name, subjects, *, max_age_s=None, max_msgs=None, replicas=1)`` creates
+- ``Bus.open_stream(name, subjects, *, max_age_s=None, max_msgs=None, replicas=1,
+  max_msgs_per_subject=None)`` creates
   the stream when missing (idempotent: several actors may open it at once; an existing stream
   keeps its configuration) and returns an ``EventStream``.
 - ``EventStream.follow(handler)`` calls ``handler(msg)`` for every stored message in order,
   then for each new one, one at a time; ``StreamFollower.caught_up`` is set once every message
   stored when following began has been handled (at once for an empty stream).
-- Retention: at most ``max_msgs`` messages, none older than ``max_age_s`` (oldest dropped
-  first); ``purge`` drops them all. Messages are stored as published (a follower sees
-  ``Msg.subject``, ``data`` and ``headers``; no reply subject).
+- Retention: at most ``max_msgs`` messages, at most ``max_msgs_per_subject`` of each subject,
+  none older than ``max_age_s`` (oldest dropped first); ``purge`` drops them all. Messages are
+  stored as they travel (a follower sees ``Msg.subject``, ``data`` and ``headers``; no reply
+  subject): one above the bus's payload limit is stored as its chunking stand-in, whose chunks
+  are not kept, so publishers on a stream keep their messages under the limit.
+- Errors (a stream deleted, JetStream unavailable) are ``BusError``.
 """
 
 from __future__ import annotations
@@ -64,18 +68,23 @@ class EventStream(abc.ABC):
         """Drop every stored message (followers keep following new ones)."""
 
 
-# The prefix-routing stream: engine cores publish about one batch per busy step; a client
-# replays what is left of it on start (older batches only tell of blocks long evicted).
-KV_EVENTS_MAX_MSGS = 100_000
-KV_EVENTS_MAX_AGE_S = 3600.0
+# The prefix-routing stream: engine cores publish about one batch per busy step and a full
+# snapshot every snapshot interval; a client replays what is left of it on start. Retention is
+# per engine core (one subject each), so a busy one cannot push another's snapshot out, and a
+# few snapshot intervals long: older batches are superseded by a later snapshot.
+KV_EVENTS_MAX_MSGS_PER_ENGINE = 20_000
+KV_EVENTS_SNAPSHOTS_KEPT = 4
 
 
-async def open_kv_events_stream(bus: Bus, subjects: Subjects, replicas: int = 1) -> EventStream:
-    """The stream of every engine core's KV events (opened by engine cores and clients)."""
+async def open_kv_events_stream(
+    bus: Bus, subjects: Subjects, replicas: int = 1, snapshot_interval_s: float = 30.0
+) -> EventStream:
+    """The stream of every engine core's KV events (opened by engine cores and clients; the
+    first to create it sets its retention)."""
     return await bus.open_stream(
         subjects.kv_events_stream(),
         [subjects.kv_events("*")],
-        max_age_s=KV_EVENTS_MAX_AGE_S,
-        max_msgs=KV_EVENTS_MAX_MSGS,
+        max_age_s=KV_EVENTS_SNAPSHOTS_KEPT * snapshot_interval_s,
+        max_msgs_per_subject=KV_EVENTS_MAX_MSGS_PER_ENGINE,
         replicas=replicas,
     )

@@ -210,10 +210,10 @@ class InMemoryBus(Bus):
     ) -> None:
         self._check_open()
         validate_subject(subject)
-        for tap in self._broker.taps:
-            tap(subject, data, headers)
         if self._chunks is not None:
             data, headers = await self._chunks.wrap(subject, data, headers)
+        for tap in self._broker.taps:  # what travels, as a JetStream stream stores it
+            tap(subject, data, headers)
         self._deliver(subject, bytes(data), reply, headers)
 
     def _deliver(
@@ -289,6 +289,7 @@ class InMemoryBus(Bus):
         max_age_s: float | None = None,
         max_msgs: int | None = None,
         replicas: int = 1,
+        max_msgs_per_subject: int | None = None,
     ) -> EventStream:
         """This broker's stream ``name`` (``bus.memory_stream``; ``replicas`` has no meaning
         in one process)."""
@@ -296,7 +297,13 @@ class InMemoryBus(Bus):
 
         self._check_open()
         return open_memory_stream(
-            self, self._broker, name, subjects, max_age_s=max_age_s, max_msgs=max_msgs
+            self,
+            self._broker,
+            name,
+            subjects,
+            max_age_s=max_age_s,
+            max_msgs=max_msgs,
+            max_msgs_per_subject=max_msgs_per_subject,
         )
 
 

@@ -73,13 +73,20 @@ class MemoryStreamStore:
     """The stored messages of one in-memory stream."""
 
     def __init__(
-        self, name: str, subjects: tuple[str, ...], max_age_s: float | None, max_msgs: int | None
+        self,
+        name: str,
+        subjects: tuple[str, ...],
+        max_age_s: float | None,
+        max_msgs: int | None,
+        max_msgs_per_subject: int | None = None,
     ) -> None:
         self.name = name
         self.subjects = subjects
         self.patterns = [tuple(subject.split(".")) for subject in subjects]
         self.max_age_s = max_age_s
         self.max_msgs = max_msgs
+        self.max_msgs_per_subject = max_msgs_per_subject
+        self.counts: dict[str, int] = {}  # stored messages per subject
         self.messages: deque[_Stored] = deque()
         self.last_seq = 0
         self.followers: set[_MemoryFollower] = set()
@@ -91,19 +98,38 @@ class MemoryStreamStore:
         self.last_seq += 1
         entry = _Stored(self.last_seq, time.monotonic(), subject, bytes(data), headers)
         self.messages.append(entry)
+        self._trim_subject(subject)
         self.trim()
         for follower in self.followers:
             follower.push(entry)
+
+    def _trim_subject(self, subject: str) -> None:
+        """Count ``subject``'s new message; drop its oldest beyond ``max_msgs_per_subject``."""
+        limit = self.max_msgs_per_subject
+        counts = self.counts
+        counts[subject] = counts.get(subject, 0) + 1
+        if limit is None or counts[subject] <= limit:
+            return
+        oldest = next(entry for entry in self.messages if entry.subject == subject)
+        self.messages.remove(oldest)
+        counts[subject] -= 1
 
     def trim(self) -> None:
         messages = self.messages
         if self.max_msgs is not None:
             while len(messages) > self.max_msgs:
-                messages.popleft()
+                self._drop_oldest()
         if self.max_age_s is not None:
             oldest = time.monotonic() - self.max_age_s
             while messages and messages[0].time < oldest:
-                messages.popleft()
+                self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        self.counts[self.messages.popleft().subject] -= 1
+
+    def clear(self) -> None:
+        self.messages.clear()
+        self.counts.clear()
 
 
 _STORES: weakref.WeakKeyDictionary[InMemoryBroker, dict[str, MemoryStreamStore]] = (
@@ -129,7 +155,7 @@ class MemoryEventStream(EventStream):
         return StreamInfo(store.name, store.subjects, len(store.messages), first, store.last_seq)
 
     async def purge(self) -> None:
-        self._store.messages.clear()
+        self._store.clear()
 
 
 def open_memory_stream(
@@ -140,6 +166,7 @@ def open_memory_stream(
     *,
     max_age_s: float | None = None,
     max_msgs: int | None = None,
+    max_msgs_per_subject: int | None = None,
 ) -> MemoryEventStream:
     """The broker's stream ``name``, created (and tapped into its publishes) when missing."""
     validate_token(name, "stream name")
@@ -148,6 +175,8 @@ def open_memory_stream(
     stores = _STORES.setdefault(broker, {})
     store = stores.get(name)
     if store is None:
-        store = stores[name] = MemoryStreamStore(name, tuple(subjects), max_age_s, max_msgs)
+        store = stores[name] = MemoryStreamStore(
+            name, tuple(subjects), max_age_s, max_msgs, max_msgs_per_subject
+        )
         broker.taps.append(store.capture)
     return MemoryEventStream(bus, store)

@@ -392,12 +392,19 @@ class NatsBus(Bus):
         max_age_s: float | None = None,
         max_msgs: int | None = None,
         replicas: int = 1,
+        max_msgs_per_subject: int | None = None,
     ) -> EventStream:
         """A JetStream stream (``bus.nats_stream``)."""
         from shoal.bus.nats_stream import open_nats_stream
 
         return await open_nats_stream(
-            self, name, subjects, max_age_s=max_age_s, max_msgs=max_msgs, replicas=replicas
+            self,
+            name,
+            subjects,
+            max_age_s=max_age_s,
+            max_msgs=max_msgs,
+            replicas=replicas,
+            max_msgs_per_subject=max_msgs_per_subject,
         )
 
 

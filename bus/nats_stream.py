@@ -2,7 +2,7 @@
 JetStream stream (file storage, limits retention), followed by an ordered push consumer that
 delivers everything from the first stored message. nats-py runs a subscription's callbacks one
 at a time, so the handler sees messages in stream order; the ordered consumer recreates itself
-from the next sequence after a gap (e.g. a reconnect)."""
+from the next sequence after a gap (e.g. a reconnect). NATS errors come out as ``BusError``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,12 @@ class NatsEventStream(EventStream):
         self.subjects = tuple(subjects)
 
     async def follow(self, handler: Handler) -> StreamFollower:
+        try:
+            return await self._follow(handler)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise BusError(f"stream {self.name!r} not followed: {exc!r}") from exc
+
+    async def _follow(self, handler: Handler) -> StreamFollower:
         follower = _NatsFollower()
         if (await self.info()).num_msgs == 0:
             follower.caught_up.set()
@@ -72,11 +78,17 @@ class NatsEventStream(EventStream):
         return follower
 
     async def info(self) -> StreamInfo:
-        state = (await self._js.stream_info(self.name)).state
+        try:
+            state = (await self._js.stream_info(self.name)).state
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise BusError(f"stream {self.name!r}: no info: {exc!r}") from exc
         return StreamInfo(self.name, self.subjects, state.messages, state.first_seq, state.last_seq)
 
     async def purge(self) -> None:
-        await self._js.purge_stream(self.name)
+        try:
+            await self._js.purge_stream(self.name)
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise BusError(f"stream {self.name!r} not purged: {exc!r}") from exc
 
 
 async def open_nats_stream(
@@ -87,6 +99,7 @@ async def open_nats_stream(
     max_age_s: float | None = None,
     max_msgs: int | None = None,
     replicas: int = 1,
+    max_msgs_per_subject: int | None = None,
 ) -> NatsEventStream:
     """Open JetStream stream ``name``, creating it when missing (a concurrent creation with the
     same configuration is fine; an existing stream keeps its own)."""
@@ -94,32 +107,28 @@ async def open_nats_stream(
     for subject in subjects:
         validate_subject(subject, wildcards=True)
     js = bus.client.jetstream(timeout=_TIMEOUT_S)
+    config = api.StreamConfig(
+        name=name,
+        subjects=list(subjects),
+        max_age=max_age_s,
+        max_msgs=max_msgs if max_msgs is not None else -1,
+        max_msgs_per_subject=max_msgs_per_subject if max_msgs_per_subject is not None else -1,
+        num_replicas=replicas,
+        storage=api.StorageType.FILE,
+    )
     try:
-        await _create_stream(js, name, subjects, max_age_s, max_msgs, replicas)
-    except nats.errors.Error as exc:
+        await _create_stream(js, config)
+    except (nats.errors.Error, TimeoutError) as exc:
         raise BusError(f"stream {name!r} not opened: {exc!r}") from exc
     return NatsEventStream(bus, js, name, subjects)
 
 
-async def _create_stream(
-    js: JetStreamContext,
-    name: str,
-    subjects: Sequence[str],
-    max_age_s: float | None,
-    max_msgs: int | None,
-    replicas: int,
-) -> None:
+async def _create_stream(js: JetStreamContext, config: api.StreamConfig) -> None:
+    name = config.name
+    assert name is not None
     try:
         await js.stream_info(name)
     except nats.js.errors.NotFoundError:
-        config = api.StreamConfig(
-            name=name,
-            subjects=list(subjects),
-            max_age=max_age_s,
-            max_msgs=max_msgs if max_msgs is not None else -1,
-            num_replicas=replicas,
-            storage=api.StorageType.FILE,
-        )
         try:
             await js.add_stream(config)
         except nats.js.errors.BadRequestError:

@@ -231,14 +231,24 @@ def _add_parallel_arguments(g: Group) -> None:
         dest="routing_mode",
         choices=ROUTING_MODES,
         help="kv: send a request to the engine core holding its longest cached prefix, "
-        "weighed against load; load: to the least loaded (default: kv with prefix caching)",
+        "weighed against load; load: to the least loaded (default: kv with prefix caching and "
+        "--data-parallel-size above 1, else load)",
     )
     _option(
         g,
         "--routing-load-weight",
         dest="routing_load_weight",
         type=float,
-        help="kv routing's alpha: score = cached prefix blocks - alpha * requests queued",
+        help="kv routing's alpha: score = cached prefix blocks - alpha * requests queued "
+        "(how many cached prefix blocks one request of load is worth)",
+    )
+    _option(
+        g,
+        "--kv-events-snapshot-interval",
+        dest="kv_events_snapshot_interval_s",
+        type=float,
+        help="kv routing: seconds between an engine core's full snapshots of its prefix cache "
+        "(lost events heal within one interval)",
     )
 
 

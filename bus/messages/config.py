@@ -156,9 +156,13 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     dbo_prefill_token_threshold: int = 512
     # Which engine core takes a request: "kv" (the longest cached prefix, weighed against
     # load: score = cached blocks - routing_load_weight * load), "load" (the least loaded), or
-    # None: kv when prefix caching is on (``ShoalConfig.resolved_routing_mode``).
+    # None: kv when prefix caching is on and there are several engine cores to choose from
+    # (``ShoalConfig.resolved_routing_mode``). In kv mode each engine core also publishes a
+    # full snapshot of its prefix cache every ``kv_events_snapshot_interval_s``, so lost
+    # events heal within one interval and the stream always holds a recent snapshot.
     routing_mode: str | None = None
     routing_load_weight: float = 1.0
+    kv_events_snapshot_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
         _positive(self, "data_parallel_size", "tensor_parallel_size")
@@ -169,7 +173,7 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
             "routing_load_weight",
             f"must be non-negative, got {self.routing_load_weight}",
         )
-        for option in ("step_timeout_s", "worker_dead_after_s"):
+        for option in ("step_timeout_s", "worker_dead_after_s", "kv_events_snapshot_interval_s"):
             value = getattr(self, option)
             _require(value > 0, option, f"must be positive, got {value}")
         for option in ("dbo_decode_token_threshold", "dbo_prefill_token_threshold"):
@@ -298,11 +302,13 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     @property
     def resolved_routing_mode(self) -> str:
-        """The routing mode in force: the one set, else kv with prefix caching on."""
+        """The routing mode in force: the one set, else kv with prefix caching on and more than
+        one engine core (with one there is nothing to choose: no events, no prompt hashing)."""
         mode = self.parallel_config.routing_mode
         if mode is not None:
             return mode
-        return "kv" if self.cache_config.enable_prefix_caching else "load"
+        several = self.parallel_config.data_parallel_size > 1
+        return "kv" if self.cache_config.enable_prefix_caching and several else "load"
 
     @classmethod
     def from_options(cls, **options: Any) -> ShoalConfig:

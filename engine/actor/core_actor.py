@@ -151,7 +151,13 @@ class EngineCoreActor(FaultHandlingActor):
         )
         replicas = config.bus_config.jetstream_replicas
         self.kv_events = (
-            KvEventsLink(bus, self.subjects, engine_id, replicas)
+            KvEventsLink(
+                bus,
+                self.subjects,
+                engine_id,
+                replicas,
+                config.parallel_config.kv_events_snapshot_interval_s,
+            )
             if config.resolved_routing_mode == "kv"
             else None
         )
@@ -193,6 +199,8 @@ class EngineCoreActor(FaultHandlingActor):
             await self._publish(self.core.fail_all(reason, resumable=self.sentinel.enabled))
         if self.offload is not None:
             await self.offload.stop()
+        if self.kv_events is not None:
+            self.kv_events.stop()
         if self.lockstep is not None:
             await self.lockstep.stop()
         await self.workers.stop()
@@ -283,6 +291,8 @@ class EngineCoreActor(FaultHandlingActor):
                 self._busy = False  # the worker's wait for the next step is not idleness
                 self._wake.clear()
                 await self._publish_stats(force=True)  # also lets new clients discover us
+                if self.kv_events is not None:  # an idle engine core's periodic snapshot
+                    await self.kv_events.publish(self.core, self.incarnation)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.heartbeat_interval_s)
                 if (lost := self.workers.lost_worker() or self._group_broken()) is not None:

@@ -228,8 +228,9 @@ class AsyncEngineClient:
         prompt_text, prompt_ids = self._tokenize(prompt)
         if request_id in self.placements:
             raise RequestValidationError(f"request id {request_id!r} is already in flight")
-        routing = self.prefix_routing
-        engine = self.router.pick(block_hashes=routing.block_hashes(prompt_ids) if routing else ())
+        routing, router = self.prefix_routing, self.router
+        hashes = routing.request_hashes(prompt_ids, params, router.ready_engines) if routing else []
+        engine = router.pick(block_hashes=hashes, num_requests=max(1, params.n))
         # With resumption on, a request that finds every known engine core faulted waits for one
         # as a cut request would (parked); with none known, or resumption off, it is refused.
         may_wait = self.resumptions.enabled and bool(self.router.engines)

@@ -177,7 +177,8 @@ class EngineFaults:
                 request_id, None, f"no engine core ready to resume it within {timeout:g} s"
             )
         for request_id, parked in list(resumptions.parked.items()):
-            engine = self.router.pick(exclude=parked.avoid)
+            num_requests = max(1, len(parked.payload.children))
+            engine = self.router.pick(exclude=parked.avoid, num_requests=num_requests)
             if engine is None:
                 continue
             resumptions.unpark(request_id)

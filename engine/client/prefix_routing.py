@@ -3,7 +3,9 @@ kv-events stream into a ``prefix_index.PrefixIndex`` (every stored batch first, 
 client or gateway rebuilds its index, then live ones), drops an engine core's entries when it
 is seen DEAD or STOPPED, and hashes prompts the way the engine cores do (``BlockHasher``, with
 the deployment's block size, hash algorithm and the request's cache salt), so the router can
-look them up.
+look them up: only when there is a choice (two engine cores ready or more) and the engine core
+would use its cache (a request asking for prompt logprobs computes its whole prompt: routed by
+load).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Sized
 
 from shoal.bus.base import Bus, BusError, Msg, Subscription
 from shoal.bus.codec import Codec, DecodeError
@@ -19,6 +21,7 @@ from shoal.bus.event_stream import StreamFollower, open_kv_events_stream
 from shoal.bus.liveness import GONE_STATES, LivenessTable
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.kv_events import KVEventBatch
+from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.prefix_index import PrefixIndex
 from shoal.engine.core.block_hash import BlockHash, BlockHasher
@@ -33,6 +36,7 @@ class PrefixRouting:
         self._bus = bus
         self._subjects = subjects
         self._replicas = config.bus_config.jetstream_replicas
+        self._snapshot_interval_s = config.parallel_config.kv_events_snapshot_interval_s
         self.index = PrefixIndex()
         self.hasher = BlockHasher(cache.block_size, cache.prefix_caching_hash_algo)
         self.follower: StreamFollower | None = None
@@ -42,7 +46,9 @@ class PrefixRouting:
         """Follow the stream and wait (bounded) until what it stored has been applied; without
         a stream (a bus that has none, or JetStream off), follow the live events only."""
         try:
-            stream = await open_kv_events_stream(self._bus, self._subjects, self._replicas)
+            stream = await open_kv_events_stream(
+                self._bus, self._subjects, self._replicas, self._snapshot_interval_s
+            )
             self.follower = await stream.follow(self._on_batch)
         except (BusError, NotImplementedError, OSError) as exc:
             log.warning("kv-events stream unavailable (%r): following live events only", exc)
@@ -76,6 +82,19 @@ class PrefixRouting:
         peer = liveness.get(engine_id)
         if peer is not None and peer.state in GONE_STATES:
             self.index.drop_engine(engine_id)
+
+    def request_hashes(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        ready_engines: Callable[[], Sized],
+    ) -> list[BlockHash]:
+        """The hashes to route a request by: none (by load) when fewer than two engine cores
+        are ready (nothing to choose) or the request skips the prefix cache (prompt
+        logprobs)."""
+        if params.prompt_logprobs is not None or len(ready_engines()) < 2:
+            return []
+        return self.block_hashes(prompt_token_ids)
 
     def block_hashes(
         self, prompt_token_ids: Sequence[int], cache_salt: str | None = None

@@ -11,7 +11,11 @@ since (not yet in a report), ties broken by KV usage.
 Prefix-aware routing (``mode="kv"``, with a ``prefix_index.PrefixIndex`` fed by the engine
 cores' KV events): given a request's chained block hashes, the ready engine core with the best
 ``cached prefix blocks - load_weight * load`` wins (``kv_score``); ties go to the least loaded,
-as in load mode, which is also what a request without full blocks gets.
+as in load mode, which is also what a request without full blocks gets. Before scoring, the
+index drops the entries of an incarnation the liveness table knows to be over.
+
+A pick counts ``num_requests`` toward the engine core's load: a request with ``n`` > 1 sends
+``n`` engine requests there.
 """
 
 from __future__ import annotations
@@ -98,9 +102,11 @@ class EngineRouter:
         now: float | None = None,
         exclude: str | None = None,
         block_hashes: Sequence[bytes] = (),
+        num_requests: int = 1,
     ) -> EngineView | None:
         """The ready engine core (other than ``exclude``) for a request whose chained block
-        hashes are ``block_hashes`` (kv mode; else the least loaded), counted as sent one more."""
+        hashes are ``block_hashes`` (kv mode; else the least loaded), counted as sent
+        ``num_requests`` more (the engine requests it makes: its ``n``)."""
         ready = [v for v in self.ready_engines(now) if v.engine_id != exclude]
         if not ready:
             return None
@@ -108,12 +114,16 @@ class EngineRouter:
             best = min(ready, key=EngineView.score)
         else:
             best = self._best_prefix(ready, block_hashes)
-        best.num_sent_since_stats += 1
+        best.num_sent_since_stats += num_requests
         return best
 
     def _best_prefix(self, ready: list[EngineView], block_hashes: Sequence[bytes]) -> EngineView:
         index = self.index
         assert index is not None
+        for view in ready:  # a new life whose snapshot is late holds nothing known yet
+            peer = self.liveness.get(view.engine_id)
+            if peer is not None:
+                index.follow_incarnation(view.engine_id, peer.incarnation, peer.retired)
         cached = {v.engine_id: index.num_cached_blocks(v.engine_id, block_hashes) for v in ready}
 
         def key(view: EngineView) -> tuple[float, float, float]:

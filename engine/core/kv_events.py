@@ -47,3 +47,38 @@ def snapshot_events(block_hashes: list[bytes], block_size: int) -> list[KVEvent]
     if block_hashes:
         events.append(BlockStored(block_hashes, None, block_size))
     return events
+
+
+def split_events(events: list[KVEvent], max_units: int) -> list[list[KVEvent]]:
+    """``events`` cut into runs of at most ``max_units`` units each (one batch per run, so no
+    batch outgrows the bus's payload limit), in order: a hash is a unit, and so is each event
+    (its tag and parent hash). A long event is cut into pieces; a ``BlockStored`` piece has the
+    last hash of the piece before it as parent. Replaying the runs in order replays ``events``."""
+    max_units = max(2, max_units)
+    runs: list[list[KVEvent]] = [[]]
+    room = max_units
+    for event in events:
+        hashes = [] if isinstance(event, AllBlocksCleared) else event.block_hashes
+        start = 0
+        while True:
+            if room < (2 if hashes else 1):
+                runs.append([])
+                room = max_units
+            piece = hashes[start : start + room - 1]
+            runs[-1].append(_piece(event, piece, hashes[start - 1] if start else None))
+            start += len(piece)
+            room -= 1 + len(piece)
+            if start >= len(hashes):
+                break
+    return runs if runs[0] else []
+
+
+def _piece(event: KVEvent, hashes: list[bytes], parent: bytes | None) -> KVEvent:
+    match event:
+        case AllBlocksCleared():
+            return event
+        case BlockRemoved():
+            return BlockRemoved(hashes)
+        case BlockStored():
+            parent = parent if parent is not None else event.parent_block_hash
+            return BlockStored(hashes, parent, event.block_size)
