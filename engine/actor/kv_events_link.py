@@ -90,9 +90,8 @@ class KvEventsLink:
         if events_log is None:
             return []  # no prefix caching: nothing to tell
         now = time.monotonic()
-        if not (
-            fresh or self._snapshot_due or now - self._last_snapshot >= self.snapshot_interval_s
-        ):
+        periodic = now - self._last_snapshot >= self.snapshot_interval_s
+        if not (fresh or self._snapshot_due or periodic):
             return events_log.take()
         events_log.take()  # superseded by the snapshot
         if fresh:

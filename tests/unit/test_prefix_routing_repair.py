@@ -137,6 +137,11 @@ def test_split_events_keep_every_batch_small_and_replay_the_same(
     assert [x for c in chained for x in c] == [
         x for e in events if isinstance(e, BlockStored) for x in e.block_hashes
     ]
+    starts = [s for s in stored if s.parent_block_hash == h(99)]  # an event's first piece
+    assert len(starts) == sum(isinstance(e, BlockStored) for e in events)
+    for before, piece in zip(stored, stored[1:], strict=False):
+        if piece.parent_block_hash != h(99):  # a continuation: chained to the piece before
+            assert piece.parent_block_hash == before.block_hashes[-1]
 
 
 def test_a_snapshot_cut_for_a_small_payload_fits_it() -> None:
