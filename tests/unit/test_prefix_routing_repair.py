@@ -6,6 +6,8 @@ batches that stay under the payload limit and replay to the same cache."""
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -139,7 +141,7 @@ def test_split_events_keep_every_batch_small_and_replay_the_same(
     ]
     starts = [s for s in stored if s.parent_block_hash == h(99)]  # an event's first piece
     assert len(starts) == sum(isinstance(e, BlockStored) for e in events)
-    for before, piece in zip(stored, stored[1:], strict=False):
+    for before, piece in itertools.pairwise(stored):
         if piece.parent_block_hash != h(99):  # a continuation: chained to the piece before
             assert piece.parent_block_hash == before.block_hashes[-1]
 
