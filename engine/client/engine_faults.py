@@ -93,7 +93,7 @@ class EngineFaults:
             return
         self._epochs_checked[engine_id] = epoch
         doomed = self._placements.on_engine(engine_id, sent_before=None if lost else epoch)
-        reason = "is gone" if lost else "restarted"
+        reason = "is gone" if lost else "restarted or reconnected to the bus"
         error = f"engine core {engine_id} {reason}"
         for request_id in doomed:
             # A new incarnation is a fresh process: the requests may go back to it at once.
