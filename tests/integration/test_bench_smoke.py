@@ -4,8 +4,9 @@ same rounds each), ``bench/throughput_e2e.py`` (NATS, in-memory bus and transfor
 warm-up and rounds, processes per side) and ``bench/serve.py`` (distinct or shared-prefix
 prompts, a warm-up, fixed concurrency and Poisson rate levels, failed requests counted) against
 the real engine stack, ``bench/offload.py`` (returning turns in five modes, loads beside a
-memory copy, LRU vs ARC) and ``bench/spec_decode.py`` (every static K and dynamic mode on each
-workload, greedy outputs unchanged by speculation). Each ends with one JSON line; no timing is
+memory copy, LRU vs ARC), ``bench/spec_decode.py`` (every static K and dynamic mode on each
+workload, greedy outputs unchanged by speculation) and ``bench/routing.py`` (kv and load routing
+on a shared-prefix and a unique trace). Each ends with one JSON line; no timing is
 asserted (the machine is shared)."""
 
 from __future__ import annotations
@@ -432,3 +433,19 @@ def test_dbo_runs_both_kinds_on_and_off_with_a_labelled_injected_link():
     assert all(r["dbo_off_ms"] > 0 and r["dbo_on_ms"] > 0 for r in out["rows"])
     assert out["best_gain_pct"] == max(r["gain_pct"] for r in out["rows"])
     assert out["link_delay"] == "injected" and out["link_delay_ms"] > 0
+
+
+# ----- bench/routing.py
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.nats
+@pytest.mark.slow
+def test_routing_compares_kv_and_load_routing_on_both_traces():
+    figures = _last_json(_run(str(BENCH / "routing.py"), "--quick", "--tiny", timeout=280))
+    keys = ("hit_rate_kv", "hit_rate_load", "hit_rate_max", "ttft_p50_kv_ms", "ttft_p50_load_ms")
+    assert all(isinstance(figures[k], int | float) for k in keys), figures
+    assert 0 < figures["hit_rate_max"] <= 1 and figures["hit_rate_kv"] <= figures["hit_rate_max"]
+    # kv routing sends returning turns to their cache (load routing reached ~57% of the best)
+    assert figures["hit_rate_kv"] >= 0.9 * figures["hit_rate_max"], figures
+    assert figures["ttft_p50_kv_ms"] > 0 and figures["unique_ttft_p50_load_ms"] > 0
