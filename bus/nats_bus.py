@@ -8,7 +8,8 @@ Several servers (the nodes of a cluster): the client connects to one of them (in
 spreading clients over the nodes) and, when that node goes, to another, among those given and
 those the cluster advertises (its ``connect_urls``): one node's URL is enough to find the rest.
 A node lost without closing its sockets (a host gone) is noticed after ``ping_interval_s`` ×
-``max_outstanding_pings`` unanswered pings.
+``max_outstanding_pings`` unanswered pings (about 3 s: within an engine core's
+``worker_dead_after_s``, so it reconnects before it would declare its workers dead).
 
 Connected as a user, its reply inboxes are ``Subjects.inbox_prefix(user)`` (what the user's
 permissions let it subscribe to, ``bus.permissions``); a publish or subscription the server
@@ -115,7 +116,7 @@ class NatsBus(Bus):
         connect_timeout: float = 2.0,
         reconnect_time_wait: float = 0.2,
         max_reconnect_attempts: int = -1,
-        ping_interval_s: float = 10.0,
+        ping_interval_s: float = 1.0,
         max_outstanding_pings: int = 2,
         connect_attempts: int = 3,
         drain_timeout: float = 5.0,

@@ -6,6 +6,8 @@ replicas keep their data and take writes with their leader's node gone."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 
@@ -17,6 +19,7 @@ from shoal.bus.nats_cluster import NatsCluster, cluster_block, healthz
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(120)]
 
+HUNG_NODE_S = 8.0  # pings every 1 s, 2 may go unanswered: ~3 s
 FAILOVER_S = 30.0  # JetStream elects new stream leaders within seconds; bounded generously
 
 
@@ -110,6 +113,28 @@ async def test_a_client_moves_to_a_node_it_was_not_given(nats_cluster: NatsClust
     finally:
         await moving.close()
         await other.close()
+
+
+async def test_a_client_leaves_a_node_that_hangs_without_closing_its_sockets(
+    nats_cluster: NatsCluster,
+):
+    """Node 0 frozen (SIGSTOP: its sockets stay open, as when a host vanishes): the client's
+    unanswered pings give it up within ``HUNG_NODE_S`` (below an engine core's 5 s
+    worker_dead_after_s plus a margin), and it moves to another node."""
+    moving = await _node_bus(nats_cluster, 0)
+    heard: list[int] = []
+    moving.on_reconnect(lambda: heard.append(1))
+    pid = nats_cluster.nodes[0].pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        async with asyncio.timeout(HUNG_NODE_S):
+            while not heard:
+                await asyncio.sleep(0.02)  # paces the polling
+        assert moving.connected_url in nats_cluster.urls[1:]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        await moving.close()
 
 
 async def test_replicated_buckets_survive_a_node(nats_cluster: NatsCluster):
