@@ -30,21 +30,11 @@ from shoal.bus.base import (
 from shoal.bus.chunking import ChunkSender, resolve_chunked
 from shoal.bus.dispatch import Dispatcher
 from shoal.bus.streams import NO_RESPONDERS_STATUS, STATUS_HEADER, is_no_responders
-from shoal.bus.subjects import validate_subject
+from shoal.bus.subjects import tokens_match, validate_subject
 
 if TYPE_CHECKING:
     from shoal.bus.event_stream import EventStream
     from shoal.bus.memory_jetstream import MemoryKvBucket, MemoryObjectStore
-
-
-def subject_matches(pattern: tuple[str, ...], subject: tuple[str, ...]) -> bool:
-    """NATS matching: ``*`` is one token, a trailing ``>`` is one or more tokens."""
-    for i, token in enumerate(pattern):
-        if token == ">":
-            return len(subject) > i
-        if i >= len(subject) or (token != "*" and token != subject[i]):
-            return False
-    return len(pattern) == len(subject)
 
 
 class _MemorySubscription(Subscription):
@@ -92,7 +82,7 @@ class InMemoryBroker:
         matching = self._cache.get(subject)
         if matching is None:
             tokens = tuple(subject.split("."))
-            matching = [s for s in self._subs if subject_matches(s.pattern, tokens)]
+            matching = [s for s in self._subs if tokens_match(s.pattern, tokens)]
             if len(self._cache) > 10_000:
                 self._cache.clear()
             self._cache[subject] = matching
@@ -307,4 +297,4 @@ class InMemoryBus(Bus):
         )
 
 
-__all__ = ["BusError", "InMemoryBroker", "InMemoryBus", "named_broker", "subject_matches"]
+__all__ = ["BusError", "InMemoryBroker", "InMemoryBus", "named_broker"]

@@ -28,12 +28,7 @@ from shoal.bus.buckets import (
     ValueTooLargeError,
     check_key,
 )
-
-
-def _matches(pattern: tuple[str, ...], key: tuple[str, ...]) -> bool:
-    from shoal.bus.memory import subject_matches  # memory.py imports this module lazily too
-
-    return subject_matches(pattern, key)
+from shoal.bus.subjects import tokens_match
 
 
 @dataclass
@@ -70,7 +65,7 @@ class _KvState:
         self.keys.setdefault(key, deque(maxlen=self.history)).append(_Revision(entry, expires_at))
         tokens = tuple(key.split("."))
         for queue, pattern in self.watchers.items():
-            if _matches(pattern, tokens):
+            if tokens_match(pattern, tokens):
                 queue.put_nowait(entry)
         return entry.revision
 
@@ -80,7 +75,7 @@ class _KvState:
         latest = []
         for key in list(self.keys):
             live = self.live(key)
-            if live and _matches(pattern, tuple(key.split("."))):
+            if live and tokens_match(pattern, tuple(key.split("."))):
                 latest.append(live[-1].entry)
         queue: asyncio.Queue[KvEntry] = asyncio.Queue()
         for entry in sorted(latest, key=lambda e: e.revision):

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from shoal.bus.base import Bus, Handler, Msg
 from shoal.bus.event_stream import EventStream, StreamFollower, StreamInfo
-from shoal.bus.memory import InMemoryBroker, subject_matches
-from shoal.bus.subjects import validate_subject, validate_token
+from shoal.bus.memory import InMemoryBroker
+from shoal.bus.subjects import tokens_match, validate_subject, validate_token
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class MemoryStreamStore:
 
     def capture(self, subject: str, data: bytes, headers: dict[str, str] | None) -> None:
         tokens = tuple(subject.split("."))
-        if not any(subject_matches(pattern, tokens) for pattern in self.patterns):
+        if not any(tokens_match(pattern, tokens) for pattern in self.patterns):
             return
         self.last_seq += 1
         entry = _Stored(self.last_seq, time.monotonic(), subject, bytes(data), headers)

@@ -16,7 +16,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from shoal.bus.subjects import Subjects
+from shoal.bus.subjects import Subjects, subject_matches
 
 ANY = "*"  # a grant argument standing for every id (a "*" token)
 USER = "<user>"  # a grant argument standing for the role's own NATS user name
@@ -251,17 +251,6 @@ def permissions(namespace: str, role: str, *, gateway_may_command: bool = False)
 
 def _unique(patterns: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(patterns))
-
-
-def subject_matches(pattern: str, subject: str) -> bool:
-    """NATS wildcard matching: ``*`` one token, ``>`` (last) one or more."""
-    p, s = pattern.split("."), subject.split(".")
-    for i, token in enumerate(p):
-        if token == ">":
-            return len(s) > i
-        if i >= len(s) or (token != "*" and token != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def _allowed(subject: str, allow: list[str], deny: list[str]) -> bool:

@@ -50,6 +50,21 @@ def _check_subject(subject: str, wildcards: bool) -> str:
     return subject
 
 
+def tokens_match(pattern: tuple[str, ...], subject: tuple[str, ...]) -> bool:
+    """NATS matching of split subjects: ``*`` is one token, a trailing ``>`` one or more."""
+    for i, token in enumerate(pattern):
+        if token == ">":
+            return len(subject) > i
+        if i >= len(subject) or (token != "*" and token != subject[i]):
+            return False
+    return len(pattern) == len(subject)
+
+
+def subject_matches(pattern: str, subject: str) -> bool:
+    """Whether ``subject`` matches the NATS ``pattern`` (``tokens_match`` of the dotted forms)."""
+    return tokens_match(tuple(pattern.split(".")), tuple(subject.split(".")))
+
+
 class Subjects:
     """Builds the subjects of one deployment. ``namespace`` may be dotted (``"prod.shoal"``)."""
 
