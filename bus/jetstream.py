@@ -13,13 +13,15 @@ from nats.js.kv import KeyValue
 
 from shoal.bus.base import BusTimeoutError
 from shoal.bus.buckets import KvBucket, KvEntry, ValueTooLargeError, check_key
+from shoal.bus.jetstream_create import open_guarded
 from shoal.bus.nats_bus import NatsBus
 
 __all__ = ["KvEntry", "NatsKvBucket"]
 
 
 class NatsKvBucket(KvBucket):
-    """A JetStream key-value bucket. ``open`` creates it when missing."""
+    """A JetStream key-value bucket. ``open`` creates it when missing (where the user may:
+    ``bus.jetstream_create``)."""
 
     def __init__(self, kv: KeyValue, js: JetStreamContext, name: str) -> None:
         self._kv = kv
@@ -39,11 +41,8 @@ class NatsKvBucket(KvBucket):
         """Open (or create) bucket ``name``; ``ttl_s`` is the bucket-wide max age, ``replicas``
         the copies a cluster keeps."""
         js = bus.client.jetstream(timeout=5.0)
-        try:
-            kv = await js.key_value(name)
-        except nats.js.errors.BucketNotFoundError:
-            config = api.KeyValueConfig(bucket=name, history=history, ttl=ttl_s, replicas=replicas)
-            kv = await js.create_key_value(config)
+        config = api.KeyValueConfig(bucket=name, history=history, ttl=ttl_s, replicas=replicas)
+        kv = await open_guarded(bus, f"KV_{name}", f"key-value bucket {name!r}", _open(js, config))
         return cls(kv, js, name)
 
     async def put(self, key: str, value: bytes, *, ttl_s: float | None = None) -> int:
@@ -91,6 +90,14 @@ class NatsKvBucket(KvBucket):
                 yield _entry(entry)
         finally:
             await watcher.stop()
+
+
+async def _open(js: JetStreamContext, config: api.KeyValueConfig) -> KeyValue:
+    assert config.bucket is not None
+    try:
+        return await js.key_value(config.bucket)
+    except nats.js.errors.BucketNotFoundError:
+        return await js.create_key_value(config)
 
 
 def _entry(entry: KeyValue.Entry) -> KvEntry:

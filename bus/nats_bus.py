@@ -148,6 +148,7 @@ class NatsBus(Bus):
         self.permission_violations: collections.deque[str] = collections.deque(
             maxlen=MAX_KEPT_VIOLATIONS
         )  # the server's refusals, latest last
+        self._violation_waiters: set[asyncio.Future[str]] = set()
         self._max_reconnect_attempts = max_reconnect_attempts
         self._connect_attempts = connect_attempts
         self._drain_timeout = drain_timeout
@@ -226,6 +227,14 @@ class NatsBus(Bus):
             chunk_size = max(1024, min(chunk_size, self._chunk_size))
         self._chunks = ChunkSender(self, chunk_size, ttl_s=self._chunk_ttl_s)
 
+    def next_violation(self) -> asyncio.Future[str]:
+        """A future set to the server's next permissions-violation message (nats-py only
+        logs one; the refused request waits for its timeout)."""
+        waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._violation_waiters.add(waiter)
+        waiter.add_done_callback(self._violation_waiters.discard)
+        return waiter
+
     def _credential_kind(self) -> str:
         for option, what in (("token", "a token"), ("user_credentials", "a creds file")):
             if self._options.get(option):
@@ -237,6 +246,9 @@ class NatsBus(Bus):
             self.num_permission_violations += 1
             self.permission_violations.append(str(exc))
             log.warning("NATS refused (user %r): %s", self.user, exc)
+            for waiter in list(self._violation_waiters):
+                if not waiter.done():
+                    waiter.set_result(str(exc))
             return
         if _is_auth_error(exc):
             if not self._auth_refused:

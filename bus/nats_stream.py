@@ -18,6 +18,7 @@ from nats.js.client import JetStreamContext as _JS
 
 from shoal.bus.base import BusError, Handler, Msg
 from shoal.bus.event_stream import EventStream, StreamFollower, StreamInfo
+from shoal.bus.jetstream_create import open_guarded
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import validate_subject, validate_token
 
@@ -117,7 +118,7 @@ async def open_nats_stream(
         storage=api.StorageType.FILE,
     )
     try:
-        await _create_stream(js, config)
+        await open_guarded(bus, name, f"stream {name!r}", _create_stream(js, config))
     except (nats.errors.Error, TimeoutError) as exc:
         raise BusError(f"stream {name!r} not opened: {exc!r}") from exc
     return NatsEventStream(bus, js, name, subjects)

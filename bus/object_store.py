@@ -32,6 +32,7 @@ from nats.js.object_store import ObjectStore as NatsPyObjectStore
 
 from shoal.bus.base import BusTimeoutError, PayloadIntegrityError
 from shoal.bus.buckets import ObjectEntry, ObjectStore
+from shoal.bus.jetstream_create import open_guarded
 from shoal.bus.nats_bus import NatsBus
 
 FETCH_BATCH = 64
@@ -75,11 +76,8 @@ class NatsObjectStore(ObjectStore):
     ) -> NatsObjectStore:
         """Open (or create, with ``replicas`` copies in a cluster) bucket ``name``."""
         js = bus.client.jetstream(timeout=timeout)
-        try:
-            store = await js.object_store(name)
-        except nats.js.errors.BucketNotFoundError:
-            config = api.ObjectStoreConfig(bucket=name, replicas=replicas)
-            store = await js.create_object_store(name, config=config)
+        opening = _open_store(js, name, replicas)
+        store = await open_guarded(bus, f"OBJ_{name}", f"object bucket {name!r}", opening)
         return cls(store, js, name)
 
     @property
@@ -364,3 +362,11 @@ def _check_digest(name: str, data: bytearray, digest: str) -> None:
     actual = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode()
     if expected.rstrip("=") != actual.rstrip("="):
         raise PayloadIntegrityError(f"object {name!r}: digest mismatch")
+
+
+async def _open_store(js: JetStreamContext, name: str, replicas: int) -> NatsPyObjectStore:
+    try:
+        return await js.object_store(name)
+    except nats.js.errors.BucketNotFoundError:
+        config = api.ObjectStoreConfig(bucket=name, replicas=replicas)
+        return await js.create_object_store(name, config=config)

@@ -7,7 +7,10 @@ Every role may publish its own kind's heartbeat and status, replies (``Subjects.
 chunked-transfer pulls, and subscribe to every heartbeat and status, its own reply inboxes only
 (``Subjects.inbox_prefix(user)``: ``NatsBus`` takes that prefix when it connects as a user) and
 the transfer subjects. JetStream buckets a role uses are granted by name (``BUCKETS``): the
-JetStream API of their stream and their data subjects. See ``docs/security.md``.
+JetStream API of their stream (read, and purge where the role deletes from it) and their data
+subjects. No actor role may create a bucket or stream (whoever may create one names its
+subjects, so could read any traffic): the ``provisioner`` role does, once, through
+``shoal nats-init``. See ``docs/security.md``.
 """
 
 from __future__ import annotations
@@ -44,6 +47,17 @@ def _g(method: str, *args: str, tail: str = "") -> Grant:
 
 
 @dataclass(frozen=True)
+class BucketGrant:
+    """A JetStream bucket or stream (``BUCKETS`` kind, the ``Subjects`` method naming it) and
+    what the role does to it beyond reading: purging subjects from it, creating it."""
+
+    kind: str
+    method: str
+    purge: bool = False
+    create: bool = False
+
+
+@dataclass(frozen=True)
 class Role:
     """What one role may publish and subscribe to; ``deny_*`` are refused even if a later
     allow would match (the issue's required denials, kept explicit)."""
@@ -53,7 +67,7 @@ class Role:
     subscribe: tuple[Grant, ...]
     deny_publish: tuple[Grant, ...] = ()
     deny_subscribe: tuple[Grant, ...] = ()
-    buckets: tuple[tuple[str, str], ...] = ()  # (BUCKETS kind, Subjects method naming it)
+    buckets: tuple[BucketGrant, ...] = ()
     actor: bool = True  # an actor: heartbeat, status and the common grants
 
 
@@ -84,7 +98,7 @@ ROLES: dict[str, Role] = {
             _g("api", "cancel"),
         ),
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_results", ANY)),
-        buckets=(("stream", "kv_events_stream"),),  # replayed into the prefix-routing index
+        buckets=(BucketGrant("stream", "kv_events_stream"),),  # replayed into the routing index
     ),
     "engine": Role(
         kind="engine",
@@ -103,14 +117,14 @@ ROLES: dict[str, Role] = {
             _g("lockstep"),
         ),
         deny_publish=(CONTROL,),
-        buckets=(("stream", "kv_events_stream"),),  # created by whoever comes first
+        buckets=(BucketGrant("stream", "kv_events_stream"),),  # published to as subjects
     ),
     "worker": Role(
         kind="worker",
         publish=(_g("engine_results", ANY),),
         subscribe=(_g("worker_in", ANY),),
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
-        buckets=(("kv", "group_ports_bucket"),),
+        buckets=(BucketGrant("kv", "group_ports_bucket"),),
     ),
     # Every KV tier (cpu, fs, obj, p2p): one role, the tiers ask each other.
     "tier": Role(
@@ -134,7 +148,7 @@ ROLES: dict[str, Role] = {
             _g("engine_results", ANY),
         ),
         deny_subscribe=(_g("engine_in", ANY), _g("engine_results", ANY), CONTROL),
-        buckets=(("obj", "object_bucket"),),
+        buckets=(BucketGrant("obj", "object_bucket", purge=True),),  # evictions purge chunks
     ),
     "recovery": Role(
         kind="recovery",
@@ -158,6 +172,19 @@ ROLES: dict[str, Role] = {
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
         actor=False,
     ),
+    # ``shoal nats-init``: creates the namespace's buckets and stream, once, before the actors.
+    "provisioner": Role(
+        kind="provisioner",
+        publish=(),
+        subscribe=(_g("inbox_prefix", USER, tail=">"),),
+        deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
+        buckets=(
+            BucketGrant("kv", "group_ports_bucket", create=True),
+            BucketGrant("obj", "object_bucket", create=True),
+            BucketGrant("stream", "kv_events_stream", create=True),
+        ),
+        actor=False,
+    ),
 }
 
 # Subjects methods that name no subject anyone is granted (the coverage test reads this).
@@ -167,16 +194,13 @@ NOT_GRANTED = {
 }
 
 
-def _stream_api(stream: str) -> list[str]:
-    """The JetStream API subjects nats-py uses on one stream (info, create, get, purge,
-    consumers, acks, flow control); NATS names them, not shoal."""
+def _stream_api(stream: str, *, purge: bool = False, create: bool = False) -> list[str]:
+    """The JetStream API subjects nats-py uses on one stream: info, reads, consumers, acks and
+    flow control; ``purge``: filtered purges too; ``create``: creating it. NATS names them."""
     api = "$JS.API"
-    return [
+    subjects = [
         f"{api}.STREAM.INFO.{stream}",
-        f"{api}.STREAM.CREATE.{stream}",
-        f"{api}.STREAM.PURGE.{stream}",
         f"{api}.STREAM.MSG.GET.{stream}",
-        f"{api}.STREAM.MSG.DELETE.{stream}",
         f"{api}.DIRECT.GET.{stream}",
         f"{api}.DIRECT.GET.{stream}.>",
         f"{api}.CONSUMER.CREATE.{stream}",
@@ -188,6 +212,11 @@ def _stream_api(stream: str) -> list[str]:
         f"$JS.ACK.{stream}.>",
         f"$JS.FC.{stream}.>",
     ]
+    if purge:
+        subjects.append(f"{api}.STREAM.PURGE.{stream}")
+    if create:
+        subjects.append(f"{api}.STREAM.CREATE.{stream}")
+    return subjects
 
 
 # JetStream kinds: bucket name → (stream name, data subjects).
@@ -241,9 +270,9 @@ def permissions(namespace: str, role: str, *, gateway_may_command: bool = False)
         _unique(g.pattern(subjects, user) for g in deny_pub),
         _unique(g.pattern(subjects, user) for g in spec.deny_subscribe),
     )
-    for kind, method in spec.buckets:
-        stream, data = BUCKETS[kind](getattr(subjects, method)())
-        perms.publish.extend(_stream_api(stream) + data)
+    for bucket in spec.buckets:
+        stream, data = BUCKETS[bucket.kind](getattr(subjects, bucket.method)())
+        perms.publish.extend(_stream_api(stream, purge=bucket.purge, create=bucket.create) + data)
     if spec.buckets:  # nats-py finds a stream by its subject (names only, no contents)
         perms.publish.append("$JS.API.STREAM.NAMES")
     return perms

@@ -6,6 +6,7 @@ shoal actor KIND MODEL ...     one actor process joining a NATS deployment (mult
 shoal probe KIND [ID]          exit 0 if that actor of a NATS deployment is ready (for probes)
 shoal bench NAME [ARGS...]     a benchmark from bench/ (throughput, serve, scheduler, bus, …)
 shoal nats-auth --namespace NS the nats-server authorization config: one user per actor role
+shoal nats-init --namespace NS create its JetStream buckets and stream (as its provisioner)
 
 NATS credentials: $SHOAL_NATS_USER and $SHOAL_NATS_PASSWORD, or --nats-user NAME with
 --nats-password-file PATH; never in --nats-url (a process listing would show them).
@@ -30,6 +31,7 @@ from shoal.bus.credentials import (
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.permissions import ROLES
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace, option_default
+from shoal.deploy.nats_init import add_nats_init_arguments, run_nats_init
 from shoal.deploy.probe import add_probe_arguments, probed_id, run_probe
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
@@ -112,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", help="benchmark name: " + ", ".join(_bench_names()))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own arguments")
     _add_nats_auth_command(commands, common)
+    init = commands.add_parser(
+        "nats-init", parents=[common], help="create a namespace's JetStream buckets and stream"
+    )
+    add_nats_init_arguments(init)
+    _add_credential_arguments(init)
     return parser  # fmt: skip
 
 
@@ -195,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run_probe(ns, actor_id))
     if ns.command == "nats-auth":
         return _nats_auth(parser, ns)
+    if ns.command == "nats-init":
+        return asyncio.run(run_nats_init(ns))
     try:
         return _run(parser, ns)
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are set (the demo build)

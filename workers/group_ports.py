@@ -73,6 +73,12 @@ class PortBoard(Protocol):
         ...
 
 
+async def open_port_bucket(bus: Bus, name: str, *, replicas: int = 1) -> KvBucket:
+    """The board's bucket ``name``, opened, or created with its settings (also by
+    ``shoal nats-init``)."""
+    return await bus.open_kv(name, ttl_s=PORTS_TTL_S, replicas=replicas)
+
+
 class KvPortBoard:
     """The board on the bus's key-value bucket ``bucket_name`` (``Bus.open_kv``: JetStream on
     NATS, the broker's own in memory), opened, or created, on first use."""
@@ -85,9 +91,7 @@ class KvPortBoard:
 
     async def _open(self) -> KvBucket:
         if self._bucket is None:
-            self._bucket = await self._bus.open_kv(
-                self._name, ttl_s=PORTS_TTL_S, replicas=self._replicas
-            )
+            self._bucket = await open_port_bucket(self._bus, self._name, replicas=self._replicas)
         return self._bucket
 
     async def put(self, key: str, init_method: str) -> None:

@@ -10,21 +10,25 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from shoal.bus.actor import Actor
 from shoal.bus.base import Msg
+from shoal.bus.event_stream import open_kv_events_stream
+from shoal.bus.jetstream_create import NotProvisionedError
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.nats_bus import BusAuthError, NatsBus
 from shoal.bus.permissions import ROLES, authorization_config, user_name
 from shoal.bus.server import NatsServer, NatsServerNotFoundError
 from shoal.bus.subjects import Subjects
 from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
+from shoal.deploy.nats_init import provision
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.gateway.actor import GatewayActor
+from shoal.workers.group_ports import open_port_bucket
 from tests.integration.conditions import wait_for
 from tests.integration.offload_hosts import OBJ_TIER
 from tests.integration.offload_workload import offload_options
@@ -146,6 +150,7 @@ async def test_a_wrong_password_is_refused_clearly(auth_server: NatsServer):
 
 
 async def test_buckets_work_with_the_roles_users(connect_as):  # type: ignore[no-untyped-def]
+    await provision(await connect_as("provisioner"), NS)
     worker, tier = await connect_as("worker"), await connect_as("tier")
     ports = await worker.open_kv(S.group_ports_bucket(), ttl_s=60)
     await ports.put("epoch-1", b"tcp://h:1")
@@ -188,6 +193,7 @@ async def test_a_deployment_serves_with_one_user_per_role(connect_as, model_dir,
         enable_fault_tolerance=True,
         **offload_options(secondary_tiers=[OBJ_TIER]),
     )
+    await provision(await connect_as("provisioner"), NS)
     buses = {role: await connect_as(role) for role in ("tier", "worker", "engine", "recovery")}
     plans = plan_actors(config)
     assert {p.kind for p in plans} == set(buses)
@@ -225,6 +231,52 @@ async def test_a_deployment_serves_with_one_user_per_role(connect_as, model_dir,
         await stop_in_process(actors)
     for role, bus in {**buses, "gateway": gateway_bus, "client": caller}.items():
         assert bus.num_permission_violations == 0, (role, list(bus.permission_violations))
+
+
+# What each actor role opens: none may create it (whoever creates a stream picks its subjects).
+OPENERS: dict[str, Callable[[NatsBus], Awaitable[object]]] = {
+    "worker": lambda bus: open_port_bucket(bus, S.group_ports_bucket()),
+    "tier": lambda bus: bus.open_object_store(S.object_bucket()),
+    "engine": lambda bus: open_kv_events_stream(bus, S),
+    "gateway": lambda bus: open_kv_events_stream(bus, S),
+}
+
+
+async def test_only_the_provisioner_creates_buckets_through_shoal_nats_init(
+    passwords: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shoal.deploy.cli import build_parser
+    from shoal.deploy.nats_init import run_nats_init
+
+    with NatsServer(extra_config=authorization_config(NS, passwords)) as server:  # nothing yet
+
+        async def connect(role: str) -> NatsBus:
+            bus = NatsBus([server.url], user=user_name(NS, role), password=passwords[role])
+            await bus.connect()
+            return bus
+
+        for role, open_it in OPENERS.items():
+            bus = await connect(role)
+            with pytest.raises(NotProvisionedError, match="shoal nats-init"):
+                await open_it(bus)
+            assert bus.num_permission_violations == 1, role
+            await bus.close()
+        monkeypatch.setenv("SHOAL_NATS_USER", user_name(NS, "provisioner"))
+        monkeypatch.setenv("SHOAL_NATS_PASSWORD", passwords["provisioner"])
+        argv = ["nats-init", "--nats-url", server.url, "--namespace", NS]
+        for _ in range(2):  # idempotent
+            assert await run_nats_init(build_parser().parse_args(argv)) == 0
+            assert capsys.readouterr().out.count("ready: ") == len(OPENERS) - 1
+        for role, open_it in OPENERS.items():
+            bus = await connect(role)
+            await open_it(bus)
+            await bus.flush()
+            assert bus.num_permission_violations == 0, (role, list(bus.permission_violations))
+            await bus.close()
+        monkeypatch.setenv("SHOAL_NATS_USER", user_name(NS, "tier"))
+        monkeypatch.setenv("SHOAL_NATS_PASSWORD", passwords["tier"])
+        assert await run_nats_init(build_parser().parse_args(argv)) == 1  # not its job
+        assert "may not use key-value bucket" in capsys.readouterr().err
 
 
 async def test_shoal_nats_auth_prints_a_config_nats_server_accepts(tmp_path: Path, capsys):  # type: ignore[no-untyped-def]

@@ -40,6 +40,11 @@ class Launch:
     def kind(self) -> str:
         return self.argv[1]
 
+    @property
+    def role(self) -> str:
+        """Whose NATS user it runs as (``bus.permissions``)."""
+        return "provisioner" if self.argv[0] == "nats-init" else self.kind
+
 
 def load_yaml_documents(path: Path) -> list[Any]:
     with path.open() as handle:
@@ -67,7 +72,7 @@ def compose_launches() -> Iterator[Launch]:
 def k8s_workloads() -> Iterator[tuple[str, dict[str, Any]]]:
     for path in sorted(K8S_DIR.glob("*.yaml")):
         for doc in load_yaml_documents(path):
-            if doc.get("kind") in ("Deployment", "StatefulSet"):
+            if doc.get("kind") in ("Deployment", "StatefulSet", "Job"):
                 yield path.name, doc
 
 
@@ -155,13 +160,18 @@ def systemd_expand(command: str, env: dict[str, str], instance: str) -> list[str
     return argv
 
 
+def systemd_units() -> list[Path]:
+    """The actors' template units and the one-shot ``shoal-nats-init.service``."""
+    return sorted(SYSTEMD_DIR.glob("shoal-*.service"))
+
+
 def systemd_launches() -> Iterator[Launch]:
-    for unit in sorted(SYSTEMD_DIR.glob("shoal-*@.service")):
+    for unit in systemd_units():
         settings = unit_settings(unit)
         env: dict[str, str] = {}
         for file in settings.get("EnvironmentFile", []):
             env.update(read_env_file(installed_source(file)))
-        role = unit.name.removeprefix("shoal-").removesuffix("@.service")
+        role = unit.name.removeprefix("shoal-").removesuffix(".service").removesuffix("@")
         for command in settings["ExecStart"]:
             if command.startswith(SHOAL_BIN):
                 argv = systemd_expand(command, env, SAMPLE_INSTANCES.get(role, "0"))

@@ -39,7 +39,7 @@ def _granted_methods() -> set[str]:
     grants = [*COMMON_PUBLISH, *COMMON_SUBSCRIBE]
     for role in ROLES.values():
         grants += [*role.publish, *role.subscribe, *role.deny_publish, *role.deny_subscribe]
-    buckets = {method for role in ROLES.values() for _, method in role.buckets}
+    buckets = {bucket.method for role in ROLES.values() for bucket in role.buckets}
     return {g.method for g in grants} | buckets
 
 
@@ -56,7 +56,7 @@ def test_every_public_subjects_method_is_in_the_role_table():
 
 
 def test_bucket_kinds_are_known():
-    assert {kind for role in ROLES.values() for kind, _ in role.buckets} <= BUCKETS.keys()
+    assert {bucket.kind for role in ROLES.values() for bucket in role.buckets} <= BUCKETS.keys()
 
 
 @pytest.mark.parametrize(
@@ -149,6 +149,37 @@ def test_buckets_granted_by_name():
     assert tier.may_publish(f"$O.{S.object_bucket()}.C.abc")
     assert not tier.may_publish(f"$JS.API.STREAM.DELETE.OBJ_{S.object_bucket()}")
     assert not tier.may_publish("$JS.API.STREAM.INFO.KV_other")
+    assert tier.may_publish(f"$JS.API.STREAM.PURGE.OBJ_{S.object_bucket()}")  # evictions
+    assert not worker.may_publish(f"$JS.API.STREAM.PURGE.KV_{S.group_ports_bucket()}")
+
+
+# Whoever may create a stream picks its subjects (e.g. ">"), so could read any traffic.
+STREAMS = [
+    f"KV_{S.group_ports_bucket()}",
+    f"OBJ_{S.object_bucket()}",
+    S.kv_events_stream(),
+]
+
+
+@pytest.mark.parametrize("role", [r for r in ROLES if r != "provisioner"])
+def test_no_actor_role_may_create_or_purge_a_stream_it_only_reads(role: str):
+    perms = permissions(S.namespace, role)
+    for stream in STREAMS:
+        assert not perms.may_publish(f"$JS.API.STREAM.CREATE.{stream}"), stream
+        assert not perms.may_publish(f"$JS.API.STREAM.UPDATE.{stream}"), stream
+        assert not perms.may_publish(f"$JS.API.STREAM.MSG.DELETE.{stream}"), stream
+        if role != "tier":
+            assert not perms.may_publish(f"$JS.API.STREAM.PURGE.{stream}"), stream
+
+
+def test_the_provisioner_creates_the_namespaces_streams_and_nothing_else():
+    perms = permissions(S.namespace, "provisioner")
+    for stream in STREAMS:
+        assert perms.may_publish(f"$JS.API.STREAM.CREATE.{stream}"), stream
+    assert not perms.may_publish(f"$JS.API.STREAM.CREATE.{Subjects('other').kv_events_stream()}")
+    assert not perms.may_publish("$JS.API.STREAM.CREATE.ANY")
+    assert not perms.may_publish(S.engine_in("engine-0"))
+    assert not perms.may_subscribe(S.engine_out("client-1"))
 
 
 def test_subject_matching():

@@ -21,25 +21,23 @@ import pytest
 from shoal.bus.messages.config import OPTION_GROUPS
 from shoal.bus.permissions import user_name
 from shoal.deploy.actors import actor_target
-from shoal.deploy.arguments import config_from_namespace
+from shoal.deploy.arguments import config_from_namespace, option_default
 from shoal.deploy.cli import build_parser
 from tests.unit.deploy_manifests import (
     COMPOSE_FILE,
     DEPLOY,
     IMAGE,
     K8S_DIR,
-    SYSTEMD_DIR,
     Launch,
     all_launches,
     compose_default,
     installed_source,
     k8s_workloads,
     load_yaml_documents,
+    systemd_units,
     unit_settings,
 )
 
-# Flags other parts of issue 18 add; until they are merged, only the strict parse test fails.
-PENDING_FLAGS = ("--routing-mode", "--jetstream-replicas", "--nats-user", "--nats-password-file")
 NATS_HOSTS = ("nats-0", "nats-1", "nats-2")
 CREDENTIAL_ENV = {"SHOAL_NATS_USER", "SHOAL_NATS_PASSWORD"}
 GENERATED = {"auth.conf"}  # shoal nats-auth --namespace shoal (docs/deploy.md)
@@ -49,17 +47,8 @@ PLACE |= {"log_level", "tp_init_method", "ep_init_method"}
 LAUNCHES = all_launches()
 
 
-def parse(argv: list[str], *, drop_pending: bool = True) -> argparse.Namespace:
+def parse(argv: list[str]) -> argparse.Namespace:
     """``shoal ARGV`` parsed by the real parser (``SystemExit`` on an error)."""
-    if drop_pending:
-        kept: list[str] = []
-        skip = False
-        for arg in argv:
-            if skip or arg in PENDING_FLAGS:
-                skip = not skip
-                continue
-            kept.append(arg)
-        argv = kept
     with contextlib.redirect_stderr(io.StringIO()):
         return build_parser().parse_args(argv)
 
@@ -84,7 +73,7 @@ def test_every_command_line_parses() -> None:
     failures = []
     for launch in LAUNCHES:
         try:
-            parse(launch.argv, drop_pending=False)
+            parse(launch.argv)
         except SystemExit:
             failures.append((launch.where, unknown_args(launch.argv)))
     assert failures == []
@@ -156,8 +145,8 @@ def test_credentials_only_from_the_agreed_environment() -> None:
         named = {k for k in launch.env if "NATS" in k and re.search("USER|PASS", k)}
         assert named == CREDENTIAL_ENV, launch.where
         user = launch.env["SHOAL_NATS_USER"]
-        secret = f"<secret shoal-nats-{launch.kind}/SHOAL_NATS_USER>"
-        assert user in (user_name("shoal", launch.kind), secret), launch.where
+        secret = f"<secret shoal-nats-{launch.role}/SHOAL_NATS_USER>"
+        assert user in (user_name("shoal", launch.role), secret), launch.where
 
 
 def test_every_image_is_the_one_the_dockerfile_builds() -> None:
@@ -236,6 +225,8 @@ def test_k8s_references_exist() -> None:
 
 def test_k8s_probes() -> None:
     for _, workload in k8s_workloads():
+        if workload["kind"] == "Job":  # runs to completion: nothing to probe
+            continue
         for container in workload["spec"]["template"]["spec"]["containers"]:
             probe = container.get("readinessProbe")
             assert probe is not None, container["name"]
@@ -253,7 +244,7 @@ def test_k8s_probes() -> None:
 
 
 def test_systemd_units_files_and_restart() -> None:
-    units = sorted(SYSTEMD_DIR.glob("shoal-*@.service"))
+    units = systemd_units()
     assert {u.name for u in units} >= {f"shoal-{r}@.service" for r in ("engine", "gateway")}
     for unit in units:
         settings = unit_settings(unit)
@@ -264,9 +255,30 @@ def test_systemd_units_files_and_restart() -> None:
             for host in NATS_HOSTS:
                 source = installed_source(file.replace("%i", host.removeprefix("nats-")))
                 assert source.is_file(), f"{unit.name}: {file}"
-        role = unit.name.removeprefix("shoal-").removesuffix("@.service")
+        role = unit.name.removeprefix("shoal-").removesuffix(".service").removesuffix("@")
+        role = {"nats-init": "provisioner"}.get(role, role)
         if role != "nats":
             assert f"/etc/shoal/credentials/{role}.env" in files
+
+
+INIT_OPTIONS = ("namespace", "jetstream_replicas", "kv_events_snapshot_interval_s")
+
+
+def test_nats_init_runs_once_per_deployment_with_its_actors_settings() -> None:
+    for runtime in ("compose", "k8s", "systemd"):
+        inits = [x for x in LAUNCHES if x.where.startswith(runtime) and x.argv[0] == "nats-init"]
+        assert len(inits) == 1, runtime
+        init = parse(inits[0].argv)
+        actor = parse(next(x for x in actors() if x.where.startswith(runtime)).argv)
+        for option in INIT_OPTIONS:
+            given = getattr(actor, option)
+            assert getattr(init, option) == (option_default(option) if given is None else given)
+    (compose,) = load_yaml_documents(COMPOSE_FILE)
+    for name, service in compose["services"].items():
+        if service.get("command", [None])[0] == "actor":  # starts once the buckets exist
+            assert service["depends_on"]["nats-init"] == {
+                "condition": "service_completed_successfully"
+            }, name
 
 
 def test_dashboard_is_grafana_json() -> None:

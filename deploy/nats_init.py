@@ -1,0 +1,95 @@
+"""``shoal nats-init``: creates a namespace's JetStream buckets and stream before its actors
+start: the tensor-parallel group-ports key-value bucket, the KV-offload object bucket and the
+prefix-routing KV-events stream, through the calls the actors open them with (so with their
+settings), with ``--jetstream-replicas`` copies. Idempotent: an existing one is kept as it is.
+
+With per-role NATS users (``shoal nats-auth``) no actor may create a bucket or stream (whoever
+creates one picks its subjects: ``bus.permissions``), so this runs first, as the
+``<namespace>-provisioner`` user. Without users the first actor to need one creates it and this
+is optional.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from shoal.bus import connect_bus
+from shoal.bus.base import Bus, BusError
+from shoal.bus.credentials import CredentialsError, resolve_credentials
+from shoal.bus.event_stream import open_kv_events_stream
+from shoal.bus.subjects import Subjects
+from shoal.deploy.arguments import JoinNatsUrls, option_default, positive_int
+from shoal.workers.group_ports import open_port_bucket
+
+EXIT_OK, EXIT_FAILED = 0, 1
+
+
+def add_nats_init_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--nats-url",
+        dest="nats_url",
+        action=JoinNatsUrls,
+        required=True,
+        help="the deployment's NATS servers (comma-separated or repeated; no credentials)",
+    )
+    parser.add_argument(
+        "--namespace", default=option_default("namespace"), help="the deployment's namespace"
+    )
+    parser.add_argument(
+        "--jetstream-replicas",
+        type=positive_int,
+        default=option_default("jetstream_replicas"),
+        help="copies of each bucket and stream on a NATS cluster (as the actors are given)",
+    )
+    parser.add_argument(
+        "--kv-events-snapshot-interval",
+        dest="kv_events_snapshot_interval_s",
+        type=float,
+        default=option_default("kv_events_snapshot_interval_s"),
+        help="as the engine cores are given: the KV-events stream keeps a few intervals",
+    )
+
+
+async def provision(
+    bus: Bus, namespace: str, *, replicas: int = 1, snapshot_interval_s: float = 30.0
+) -> list[str]:
+    """Open (creating what is missing) every bucket and stream of ``namespace``; what each is."""
+    subjects = Subjects(namespace)
+    ports = subjects.group_ports_bucket()
+    await open_port_bucket(bus, ports, replicas=replicas)
+    objects = await bus.open_object_store(subjects.object_bucket(), replicas=replicas)
+    await objects.close()
+    events = await open_kv_events_stream(bus, subjects, replicas, snapshot_interval_s)
+    return [
+        f"key-value bucket {ports} (tensor-parallel group ports)",
+        f"object bucket {subjects.object_bucket()} (KV offload tier 'obj')",
+        f"stream {events.name} (KV events for prefix routing)",
+    ]
+
+
+async def run_nats_init(ns: argparse.Namespace) -> int:
+    """``shoal nats-init``: prints each bucket and stream ready, or why not."""
+    try:
+        credentials = resolve_credentials(ns.nats_user, ns.nats_password_file)
+        options: dict[str, Any] = credentials.bus_options() if credentials else {}
+        bus = await connect_bus(ns.nats_url, **options)
+    except (CredentialsError, BusError) as exc:
+        print(f"shoal nats-init: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    try:
+        ready = await provision(
+            bus,
+            ns.namespace,
+            replicas=ns.jetstream_replicas,
+            snapshot_interval_s=ns.kv_events_snapshot_interval_s,
+        )
+    except Exception as exc:  # BusError, or the NATS client's own (only bus/ names them)
+        print(f"shoal nats-init: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        await bus.close()
+    for line in ready:
+        print(f"ready: {line}")
+    return EXIT_OK
