@@ -47,8 +47,8 @@ class ActorSpec:
     target: str
     bus_url: str
     kwargs: dict[str, Any] = field(default_factory=dict)
-    bus_options: dict[str, Any] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
+    bus_options: dict[str, Any] = field(default_factory=dict, repr=False)  # may hold secrets
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # NATS credentials, say
     kind: str = ""  # the actor's kind, for the DEAD status the supervisor publishes
 
     def command(self) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from shoal.bus.credentials import url_has_secret
+from shoal.bus.credentials import redact_url, url_has_secret
 from shoal.bus.messages.config import (
     BUS_KINDS,
     DTYPES,
@@ -294,7 +294,8 @@ def nats_urls(text: str) -> list[str]:
         )
     for url in urls:
         if not url.startswith(NATS_SCHEMES):
-            raise argparse.ArgumentTypeError(f"expected a nats:// (or tls://) URL, got {url!r}")
+            shown = redact_url(url) if url_has_secret(url) else url
+            raise argparse.ArgumentTypeError(f"expected a nats:// (or tls://) URL, got {shown!r}")
         if url_has_secret(url):
             raise argparse.ArgumentTypeError(
                 "credentials in a NATS URL would show on the command line: pass them in "

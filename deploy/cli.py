@@ -216,6 +216,12 @@ def _run(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         _credentials(parser, ns)
     config = _config(parser, ns)
     if ns.command == "serve":
+        from shoal.deploy.local import check_embedded_server
+
+        try:
+            check_embedded_server(config)
+        except ValueError as exc:
+            parser.error(str(exc))
         return asyncio.run(_serve(config, ns))
     if ns.command == "generate":
         return _generate(config, ns)

@@ -112,9 +112,21 @@ async def _memory_actors(config: ShoalConfig, bus: Bus) -> AsyncIterator[None]:
         await stop_in_process(actors)
 
 
+def check_embedded_server(config: ShoalConfig) -> None:
+    """``ValueError`` if ``config`` asks the embedded nats-server (a single node) for more
+    JetStream copies than it can keep (its buckets would fail to open only when first used)."""
+    bus = config.bus_config
+    if bus.bus == "nats" and not bus.nats_url and bus.jetstream_replicas > 1:
+        raise ValueError(
+            f"--jetstream-replicas {bus.jetstream_replicas} needs a NATS cluster (--nats-url): "
+            "the embedded nats-server is a single node"
+        )
+
+
 @contextlib.asynccontextmanager
 async def _bus_url(config: ShoalConfig) -> AsyncIterator[str]:
     bus_config = config.bus_config
+    check_embedded_server(config)
     if bus_config.bus == "memory":
         yield "memory://local"
     elif bus_config.nats_url:

@@ -6,7 +6,8 @@ The probe joins the bus, listens to the heartbeats and status events of actors o
 ``--alive``: in any state but DEAD or STOPPED, i.e. its process is up and on the bus), 1 if it
 is in another state, 2 if it was not heard from within the timeout (every actor sends a
 heartbeat each second). The bus credentials come from ``SHOAL_NATS_USER`` and
-``SHOAL_NATS_PASSWORD`` in the environment, never from the command line.
+``SHOAL_NATS_PASSWORD`` in the environment (``bus.credentials``), never from the command line,
+and ``--nats-url`` is checked like the actors' (no credentials in it).
 """
 
 from __future__ import annotations
@@ -15,17 +16,17 @@ import argparse
 import asyncio
 import os
 import sys
-from typing import Any
 
 from shoal.bus import connect_bus
 from shoal.bus.base import Bus, BusError
+from shoal.bus.credentials import CredentialsError, resolve_credentials
 from shoal.bus.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.messages.control import ActorState
 from shoal.bus.subjects import Subjects
+from shoal.deploy.arguments import JoinNatsUrls
 
 EXIT_READY, EXIT_NOT_READY, EXIT_UNHEARD = 0, 1, 2
 DEFAULT_TIMEOUT_S = 5.0  # five heartbeat intervals
-USER_ENV, PASSWORD_ENV = "SHOAL_NATS_USER", "SHOAL_NATS_PASSWORD"
 ACTOR_ID_ENV = "SHOAL_ACTOR_ID"
 
 
@@ -44,9 +45,9 @@ def add_probe_arguments(
     )
     parser.add_argument(
         "--nats-url",
-        dest="probe_urls",
+        dest="nats_url",
         metavar="URL",
-        action="append",
+        action=JoinNatsUrls,
         required=True,
         help="the deployment's NATS servers (comma-separated, or the flag repeated)",
     )
@@ -71,16 +72,6 @@ def probed_id(ns: argparse.Namespace, env: dict[str, str] | None = None) -> str:
     if not actor_id:
         raise ValueError(f"shoal probe needs the actor's ID (or ${ACTOR_ID_ENV})")
     return str(actor_id)
-
-
-def bus_options_from_env(env: dict[str, str] | None = None) -> dict[str, Any]:
-    """NATS user and password from the environment (none when unset)."""
-    env = dict(os.environ) if env is None else env
-    options: dict[str, Any] = {}
-    if env.get(USER_ENV):
-        options["user"] = env[USER_ENV]
-        options["password"] = env.get(PASSWORD_ENV, "")
-    return options
 
 
 async def actor_state(
@@ -113,10 +104,10 @@ def exit_code(state: ActorState | None, *, alive: bool) -> int:
 
 async def run_probe(ns: argparse.Namespace, actor_id: str) -> int:
     """The probe of ``shoal probe``: prints the state heard and returns the exit code."""
-    url = ",".join(ns.probe_urls)
     try:
-        bus = await connect_bus(url, **bus_options_from_env())
-    except BusError as exc:
+        credentials = resolve_credentials()
+        bus = await connect_bus(ns.nats_url, **(credentials.bus_options() if credentials else {}))
+    except (CredentialsError, BusError) as exc:
         print(f"{ns.kind} {actor_id}: no bus: {exc}", file=sys.stderr)
         return EXIT_UNHEARD
     try:

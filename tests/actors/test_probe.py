@@ -21,7 +21,6 @@ from shoal.deploy.probe import (
     EXIT_READY,
     EXIT_UNHEARD,
     actor_state,
-    bus_options_from_env,
     exit_code,
     probed_id,
     run_probe,
@@ -108,10 +107,22 @@ async def test_command_line_on_nats(nats_url: str, capsys: pytest.CaptureFixture
     await bus.close()
 
 
-def test_credentials_come_from_the_environment() -> None:
-    env = {"SHOAL_NATS_USER": "engine", "SHOAL_NATS_PASSWORD": "s3cret"}
-    assert bus_options_from_env(env) == {"user": "engine", "password": "s3cret"}
-    assert bus_options_from_env({}) == {}
+def test_the_probe_takes_no_credentials_in_its_url(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["probe", "engine", "engine-0", "--nats-url", "nats://u:s3cret@nats-0:4222"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    err = capsys.readouterr().err
+    assert "SHOAL_NATS_PASSWORD" in err and "s3cret" not in err
+
+
+async def test_the_probe_takes_its_credentials_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("SHOAL_NATS_USER", "shoal-engine")
+    monkeypatch.delenv("SHOAL_NATS_PASSWORD", raising=False)
+    ns = build_parser().parse_args(["probe", "engine", "--nats-url", "nats://127.0.0.1:1"])
+    assert await run_probe(ns, "engine-0") == EXIT_UNHEARD
+    assert "NATS user 'shoal-engine' needs a password" in capsys.readouterr().err
 
 
 def test_the_id_may_come_from_the_environment() -> None:

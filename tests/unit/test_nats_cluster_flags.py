@@ -4,6 +4,8 @@ creates (the group-ports board, the object tier)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -11,8 +13,9 @@ import pytest
 from shoal.bus.base import Bus
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.subjects import Subjects
-from shoal.deploy.cli import build_parser
+from shoal.deploy.cli import build_parser, main
 from shoal.deploy.deployment import plan_tiers
+from shoal.deploy.local import check_embedded_server
 from shoal.workers import group_ports
 from shoal.workers.group_ports import port_board_for
 
@@ -39,6 +42,7 @@ def test_several_nats_urls_become_one_comma_joined_list(command: list[str]) -> N
     [
         ("nats://user:secret@a:4222", "SHOAL_NATS_PASSWORD"),
         ("http://a:4222", "nats://"),
+        ("http://user:secret@a:4222", "nats://"),
         (" , ", "expected nats://"),
     ],
 )
@@ -59,6 +63,20 @@ def test_jetstream_replicas_flag_and_its_bounds() -> None:
         parser.parse_args(["serve", "--jetstream-replicas", "0"])
     with pytest.raises(ValueError, match="jetstream_replicas"):
         ShoalConfig.from_options(model="m", jetstream_replicas=7)
+
+
+def test_replicas_above_one_need_a_cluster_not_the_embedded_server(
+    tiny_checkpoint: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = str(tiny_checkpoint("llama"))
+    with pytest.raises(SystemExit):
+        main(["serve", model, "--jetstream-replicas", "3"])
+    assert "--jetstream-replicas 3 needs a NATS cluster (--nats-url)" in capsys.readouterr().err
+    for options in ({"nats_url": "nats://a:4222"}, {"bus": "memory"}, {}):
+        replicas = 1 if not options else 3
+        check_embedded_server(
+            ShoalConfig.from_options(model=model, jetstream_replicas=replicas, **options)
+        )
 
 
 def test_the_object_tier_is_planned_with_the_replicas() -> None:
