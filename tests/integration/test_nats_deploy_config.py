@@ -9,6 +9,7 @@ does."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from shoal.deploy.nats_auth import (
     route_user,
     write_private,
 )
+from tests.unit.deploy_manifests import K8S_DIR, load_yaml_documents
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(120)]
 READY_S = 30.0
@@ -60,13 +62,21 @@ def _with_users(directory: Path, routes: list[str] | None = None) -> Path:
     return credentials
 
 
+def _configs() -> dict[str, str]:
+    """deploy/nats's node configs and Kubernetes' (ConfigMap nats-config), by file name."""
+    (config_map, *_) = load_yaml_documents(K8S_DIR / "nats.yaml")
+    configs = {p.name: p.read_text() for p in sorted(nats_config.CONFIG_DIR.glob("*.conf"))}
+    return configs | {"k8s.conf": config_map["data"]["nats.conf"]}
+
+
 def test_nats_server_accepts_each_config(binary: str, tmp_path: Path) -> None:
     _with_users(tmp_path)
-    for path in sorted(nats_config.CONFIG_DIR.glob("*.conf")):
-        (tmp_path / path.name).write_text(path.read_text())
-        check = [binary, "-t", "-c", str(tmp_path / path.name)]
-        done = subprocess.run(check, capture_output=True, timeout=30)
-        assert done.returncode == 0, done.stderr.decode()
+    for name, text in _configs().items():
+        (tmp_path / name).write_text(text)
+        check = [binary, "-t", "-c", str(tmp_path / name)]
+        env = {**os.environ, "POD_NAME": "nats-0"}  # Kubernetes' server_name
+        done = subprocess.run(check, capture_output=True, timeout=30, env=env)
+        assert done.returncode == 0, (name, done.stderr.decode())
 
 
 def _on_loopback(text: str, index: int, ports: list[dict[str, int]], store: Path) -> str:
