@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import quote
 
 from shoal.bus.server import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerError
 
@@ -37,7 +38,7 @@ def route_auth(routes: list[str], user: str | None = None, password: str | None 
     auth, creds = "", ""
     if user is not None:
         auth = f"authorization {{ user: {json.dumps(user)}, password: {json.dumps(password)} }}\n"
-        creds = f"{user}:{password}@"
+        creds = f"{quote(user, safe='')}:{quote(str(password), safe='')}@"  # as URL userinfo
     route_lines = "".join(f"  nats-route://{creds}{route}\n" for route in routes)
     return f"{auth}routes: [\n{route_lines}]\n"
 

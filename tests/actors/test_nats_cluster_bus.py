@@ -74,6 +74,7 @@ def test_cluster_block_routes_every_node_with_the_route_credentials():
     assert '"c"' in block and 'authorization { user: "u", password: "pw" }' in block
     assert "nats-route://u:pw@a:6222" in block and "nats-route://u:pw@b:6222" in block
     assert "nats-route://a:6222" in route_auth(["a:6222"]) and "authorization" not in block[:20]
+    assert "nats-route://u:p%40ss%3Aw@a:6222" in route_auth(["a:6222"], "u", "p@ss:w")
     with pytest.raises(ValueError, match="both"):
         route_auth(["a:6222"], "u")
 
