@@ -3,8 +3,9 @@
 loopback for tests and single-host trials.
 
 Each node of a ``NatsCluster`` is a ``bus.server.NatsServer`` with its own client port (picked by
-the server), a cluster port routed to every other node's, a monitoring port, a unique
-``server_name`` and its own JetStream store dir; all share one cluster name. ``start`` returns
+the server), a cluster port routed to every other node's (as ``route_user`` with a random
+``route_password``: a node without it is refused), a monitoring port, a unique ``server_name``
+and its own JetStream store dir; all share one cluster name. ``start`` returns
 once every node's JetStream is in contact with an elected meta leader (``/healthz`` answers ok),
 so a bucket or stream can be created at once. One node can be stopped, killed and started again
 (same ports, same store dir) while the others go on.
@@ -13,29 +14,40 @@ so a bucket or stream can be created at once. One node can be stopped, killed an
 from __future__ import annotations
 
 import json
+import secrets
 import socket
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from urllib.parse import quote
 
 from shoal.bus.server import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerError
 
 DEFAULT_CLUSTER_NAME = "shoal"
 
 
-def cluster_block(name: str, listen: str, routes: list[str]) -> str:
-    """The ``cluster { ... }`` block of one node: its route listener and every node's route URL
-    (its own among them is fine: a node ignores a route to itself)."""
-    route_lines = "".join(f"    nats-route://{route}\n" for route in routes)
-    return (
-        "cluster {\n"
-        f"  name: {json.dumps(name)}\n"
-        f"  listen: {json.dumps(listen)}\n"
-        f"  routes: [\n{route_lines}  ]\n"
-        "}\n"
-    )
+def route_auth(routes: list[str], user: str | None = None, password: str | None = None) -> str:
+    """The route part of a ``cluster {}`` block: ``authorization { user, password }`` (what a
+    node asks of a node routing to it; none: no check) and every node's route URL, credentials
+    in it (its own among them is fine: a node ignores a route to itself). ``deploy.nats_auth``
+    writes this to a file of its own, the secret part of a node's config."""
+    if (user is None) != (password is None):
+        raise ValueError("route authorization needs both a user and a password")
+    auth, creds = "", ""
+    if user is not None:
+        auth = f"authorization {{ user: {json.dumps(user)}, password: {json.dumps(password)} }}\n"
+        creds = f"{quote(user, safe='')}:{quote(str(password), safe='')}@"  # as URL userinfo
+    route_lines = "".join(f"  nats-route://{creds}{route}\n" for route in routes)
+    return f"{auth}routes: [\n{route_lines}]\n"
+
+
+def cluster_block(name: str, listen: str, body: str) -> str:
+    """The ``cluster { ... }`` block of one node: its route listener, then ``body`` (the
+    ``route_auth`` text, or an ``include`` of the file holding it)."""
+    lines = "".join(f"  {line}\n" for line in body.splitlines())
+    return f"cluster {{\n  name: {json.dumps(name)}\n  listen: {json.dumps(listen)}\n{lines}}}\n"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -80,6 +92,8 @@ class NatsCluster:
         self.ready_timeout = ready_timeout
         self._tmp = tempfile.TemporaryDirectory(prefix="shoal-nats-cluster-")
         self.cluster_ports = [free_port() for _ in range(num_nodes)]
+        self.route_user = f"{cluster_name}-route"
+        self.route_password = secrets.token_urlsafe(18)
         routes = [f"127.0.0.1:{port}" for port in self.cluster_ports]
         self.nodes = [
             NatsServer(
@@ -96,7 +110,11 @@ class NatsCluster:
         return (
             f"server_name: {json.dumps(self.server_name(index))}\n"
             'http: "127.0.0.1:-1"\n'
-            + cluster_block(self.cluster_name, f"127.0.0.1:{self.cluster_ports[index]}", routes)
+            + cluster_block(
+                self.cluster_name,
+                f"127.0.0.1:{self.cluster_ports[index]}",
+                route_auth(routes, self.route_user, self.route_password),
+            )
         )
 
     def server_name(self, index: int) -> str:

@@ -6,6 +6,7 @@ shoal actor KIND MODEL ...     one actor process joining a NATS deployment (mult
 shoal probe KIND [ID]          exit 0 if that actor of a NATS deployment is ready (for probes)
 shoal bench NAME [ARGS...]     a benchmark from bench/ (throughput, serve, scheduler, bus, …)
 shoal nats-auth --namespace NS the nats-server authorization config: one user per actor role
+  [--cluster-auth-file PATH]   and the cluster routes' user and routes (include in cluster {})
 shoal nats-init --namespace NS create its JetStream buckets and stream (as its provisioner)
 
 NATS credentials: $SHOAL_NATS_USER and $SHOAL_NATS_PASSWORD, or --nats-user NAME with
@@ -141,6 +142,21 @@ def _add_nats_auth_command(commands: Any, common: argparse.ArgumentParser) -> No
         action="store_true",
         help="let the gateway send recovery commands (POST /fault_tolerance/apply)",
     )
+    auth.add_argument(
+        "--cluster-auth-file",
+        type=Path,
+        default=None,
+        help="also write (0600) the cluster routes' user and route URLs with its password "
+        "(route.password), for every node to include inside its cluster {} block",
+    )
+    auth.add_argument(
+        "--routes",
+        nargs="+",
+        default=None,
+        metavar="HOST:PORT",
+        help="every node's route address (default: nats-0:6222 nats-1:6222 nats-2:6222, "
+        "deploy/nats's; Kubernetes: nats-N.nats:6222)",
+    )
 
 
 def _add_credential_arguments(parser: argparse.ArgumentParser) -> None:
@@ -247,12 +263,19 @@ def _credentials(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Non
 
 
 def _nats_auth(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    from shoal.deploy.nats_auth import nats_auth_config
+    from shoal.deploy.nats_auth import cluster_auth_config, nats_auth_config, write_private
+    from shoal.deploy.nats_config import route_hosts
 
+    if ns.routes is not None and ns.cluster_auth_file is None:
+        parser.error("--routes goes with --cluster-auth-file")
     try:
         text = nats_auth_config(
             ns.namespace, ns.credentials_dir, ns.roles, gateway_may_command=ns.gateway_may_command
         )
+        if ns.cluster_auth_file is not None:
+            routes = ns.routes or route_hosts()
+            cluster = cluster_auth_config(ns.namespace, ns.credentials_dir, routes)
+            write_private(ns.cluster_auth_file, cluster)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     print(text, end="")

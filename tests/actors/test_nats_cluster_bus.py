@@ -15,7 +15,7 @@ from shoal.bus import connect_bus
 from shoal.bus.base import Bus, BusError, Msg
 from shoal.bus.credentials import redact_url
 from shoal.bus.nats_bus import NatsBus
-from shoal.bus.nats_cluster import NatsCluster, cluster_block, healthz
+from shoal.bus.nats_cluster import NatsCluster, cluster_block, healthz, route_auth
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -69,9 +69,14 @@ def test_cluster_nodes_share_a_meta_leader(nats_cluster: NatsCluster):
         assert node.monitor_port is not None and healthz(node.monitor_port) == "ok"
 
 
-def test_cluster_block_routes_every_node():
-    block = cluster_block("c", "0.0.0.0:6222", ["a:6222", "b:6222"])
-    assert '"c"' in block and "nats-route://a:6222" in block and "nats-route://b:6222" in block
+def test_cluster_block_routes_every_node_with_the_route_credentials():
+    block = cluster_block("c", "0.0.0.0:6222", route_auth(["a:6222", "b:6222"], "u", "pw"))
+    assert '"c"' in block and 'authorization { user: "u", password: "pw" }' in block
+    assert "nats-route://u:pw@a:6222" in block and "nats-route://u:pw@b:6222" in block
+    assert "nats-route://a:6222" in route_auth(["a:6222"]) and "authorization" not in block[:20]
+    assert "nats-route://u:p%40ss%3Aw@a:6222" in route_auth(["a:6222"], "u", "p@ss:w")
+    with pytest.raises(ValueError, match="both"):
+        route_auth(["a:6222"], "u")
 
 
 def test_urls_are_logged_without_credentials():

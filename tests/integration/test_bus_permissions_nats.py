@@ -280,16 +280,30 @@ async def test_only_the_provisioner_creates_buckets_through_shoal_nats_init(
 
 
 async def test_shoal_nats_auth_prints_a_config_nats_server_accepts(tmp_path: Path, capsys):  # type: ignore[no-untyped-def]
+    """The users it prints, and the route credentials it writes with ``--cluster-auth-file``
+    (0600, the route password kept and reused), included inside a ``cluster {}`` block."""
     from shoal.bus.credentials import resolve_credentials
+    from shoal.bus.nats_cluster import cluster_block, free_port
     from shoal.deploy.cli import main
 
-    folder = tmp_path / "creds"
-    assert main(["nats-auth", "--namespace", "prod.x", "--credentials-dir", str(folder)]) == 0
-    printed = capsys.readouterr().out
     try:
-        server = NatsServer(extra_config=printed)
+        server = NatsServer()
     except NatsServerNotFoundError as exc:
         pytest.skip(str(exc))
+    folder, cluster_file = tmp_path / "creds", server.work_dir / "cluster-auth.conf"
+    route = f"127.0.0.1:{free_port()}"
+    argv = ["nats-auth", "--namespace", "prod.x", "--credentials-dir", str(folder)]
+    argv += ["--cluster-auth-file", str(cluster_file), "--routes", route]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    routes = cluster_file.read_text()
+    password = (folder / "route.password").read_text().strip()
+    assert f"nats-route://prod-x-route:{password}@{route}" in routes and password not in printed
+    assert 'authorization { user: "prod-x-route"' in routes
+    assert cluster_file.stat().st_mode & 0o777 == 0o600
+    assert main(argv) == 0 and cluster_file.read_text() == routes  # the same password again
+    server.extra_config = f"server_name: s\n{printed}"
+    server.extra_config += cluster_block("c", route, "include ./cluster-auth.conf")
     with server:
         credentials = resolve_credentials("prod-x-tier", folder / "tier.password", environ={})
         assert credentials is not None
@@ -300,6 +314,10 @@ async def test_shoal_nats_auth_prints_a_config_nats_server_accepts(tmp_path: Pat
         await bus.flush()
         await wait_for(lambda: bus.num_permission_violations == 1, WAIT_S, "refusal")
         await bus.close()
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([*argv[:5], "--routes", route])  # routes without the file to write them to
+    assert "--routes goes with --cluster-auth-file" in capsys.readouterr().err
 
 
 def test_credentials_in_the_url_are_refused(capsys):  # type: ignore[no-untyped-def]

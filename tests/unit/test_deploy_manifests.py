@@ -3,7 +3,10 @@ every ``shoal`` command line parses with the real CLI parser and names an actor 
 deployment's plan; the actors of one deployment get the same engine flags; every image is the
 one the Dockerfile builds; credentials come only as SHOAL_NATS_USER / SHOAL_NATS_PASSWORD from
 the environment; every file, Secret, ConfigMap and volume named exists; the NATS cluster is the
-agreed 3 nodes. (The dashboard's metric names: tests/integration/test_deploy_dashboard.py.)"""
+agreed 3 nodes, whose routes (and their password) come only from the generated
+``cluster-auth.conf`` included inside ``cluster {}``, mounted beside each config like
+``auth.conf``; in Kubernetes only the NATS pods reach the routes' port. (The dashboard's metric
+names: tests/integration/test_deploy_dashboard.py.)"""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from tests.unit.deploy_manifests import (
     DEPLOY,
     IMAGE,
     K8S_DIR,
+    SYSTEMD_DIR,
     Launch,
     all_launches,
     compose_default,
@@ -40,7 +44,9 @@ from tests.unit.deploy_manifests import (
 
 NATS_HOSTS = ("nats-0", "nats-1", "nats-2")
 CREDENTIAL_ENV = {"SHOAL_NATS_USER", "SHOAL_NATS_PASSWORD"}
-GENERATED = {"auth.conf"}  # shoal nats-auth --namespace shoal (docs/deploy.md)
+# shoal nats-auth --namespace shoal --cluster-auth-file cluster-auth.conf (docs/deploy.md)
+GENERATED = {"auth.conf", "cluster-auth.conf"}
+NATS_PORTS = {"client": 4222, "cluster": 6222, "monitor": 8222}
 # Not engine options: where and as whom one actor runs.
 PLACE = {"command", "kind", "model", "actor_id", "host", "port", "api_key", "sse_keep_alive_s"}
 PLACE |= {"log_level", "tp_init_method", "ep_init_method"}
@@ -174,17 +180,89 @@ def test_compose_files_exist_and_nats_nodes_are_the_agreed_ones() -> None:
                 assert path.exists() or path.name in GENERATED, source
 
 
+def _includes(config: str) -> list[str]:
+    return re.findall(r"^\s*include \./(\S+)$", config, re.M)
+
+
+def _cluster_block(config: str) -> str:
+    found = re.search(r"^\s*cluster \{\n(.*?)^\s*\}$", config, re.S | re.M)
+    assert found is not None, config
+    return found[1]
+
+
+def _routes_only_generated(config: str) -> None:
+    """No route (nor its password) in a committed config: they come from the generated file,
+    included inside the cluster block."""
+    config = re.sub(r"#.*", "", config)
+    assert "nats-route://" not in config and not re.search(r"^\s*routes\s*[:=\[]", config, re.M)
+    assert _includes(_cluster_block(config)) == ["cluster-auth.conf"]
+    assert set(_includes(config)) == GENERATED
+
+
+def _nats_k8s() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    config_map, service, statefulset = load_yaml_documents(K8S_DIR / "nats.yaml")
+    return config_map, service, statefulset
+
+
 def test_nats_configs_make_one_jetstream_cluster() -> None:
     for i, host in enumerate(NATS_HOSTS):
         text = (DEPLOY / "nats" / f"{host}.conf").read_text()
         assert f'server_name: "{host}"' in text
         assert 'listen: "0.0.0.0:4222"' in text and 'listen: "0.0.0.0:6222"' in text
         assert 'http: "0.0.0.0:8222"' in text and "jetstream" in text, i
-        assert all(f"nats-route://{h}:6222" in text for h in NATS_HOSTS)
-        assert "include ./auth.conf" in text
-    (config_map, service, statefulset) = load_yaml_documents(K8S_DIR / "nats.yaml")
+        _routes_only_generated(text)
+    (config_map, service, statefulset) = _nats_k8s()
     assert statefulset["spec"]["replicas"] == 3 and service["spec"]["clusterIP"] == "None"
-    assert all(f"nats://{h}.nats:6222" in config_map["data"]["nats.conf"] for h in NATS_HOSTS)
+    _routes_only_generated(config_map["data"]["nats.conf"])
+
+
+def test_the_generated_nats_files_are_mounted_beside_each_config() -> None:
+    (compose,) = load_yaml_documents(COMPOSE_FILE)
+    for host in NATS_HOSTS:
+        mounts = dict(v.split(":")[1::-1] for v in compose["services"][host]["volumes"])
+        config = (COMPOSE_FILE.parent / mounts["/etc/nats/nats.conf"]).resolve()
+        for name in _includes(config.read_text()):
+            assert mounts[f"/etc/nats/{name}"] == f"../nats/{name}", host
+    (config_map, _, statefulset) = _nats_k8s()
+    pod = statefulset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    secrets = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    for name in _includes(config_map["data"]["nats.conf"]):
+        mount = mounts[f"/etc/nats/{name}"]
+        assert secrets[mount["name"]] == "shoal-nats-auth" and mount["subPath"] == name
+    unit = (SYSTEMD_DIR / "shoal-nats@.service").read_text()
+    assert all(name in unit for name in GENERATED)  # the unit says what goes beside the config
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    assert set(selector) <= {"matchLabels"}, selector  # no matchExpressions to evaluate here
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def test_only_the_nats_pods_reach_the_routes() -> None:
+    (kustomization,) = load_yaml_documents(K8S_DIR / "kustomization.yaml")
+    assert "network-policy.yaml" in kustomization["resources"]
+    (policy,) = load_yaml_documents(K8S_DIR / "network-policy.yaml")
+    assert policy["kind"] == "NetworkPolicy" and policy["spec"]["policyTypes"] == ["Ingress"]
+    pods = {name: w["spec"]["template"]["metadata"]["labels"] for name, w in k8s_workloads()}
+    nats_labels = _nats_k8s()[2]["spec"]["template"]["metadata"]["labels"]
+    assert _selects(policy["spec"]["podSelector"], nats_labels)
+    assert [n for n, labels in pods.items() if _selects(policy["spec"]["podSelector"], labels)] == [
+        "nats.yaml"
+    ]
+    peers: dict[int, list[dict[str, Any]]] = {}
+    for rule in policy["spec"]["ingress"]:
+        for port in rule["ports"]:
+            assert port.get("protocol", "TCP") == "TCP"
+            peers.setdefault(port["port"], []).extend(rule["from"])
+    assert set(peers) == set(NATS_PORTS.values())  # every port named, nothing else open
+    (route_peer,) = peers[NATS_PORTS["cluster"]]
+    assert set(route_peer) == {"podSelector"}  # no namespaceSelector, no ipBlock
+    reaching = [n for n, labels in pods.items() if _selects(route_peer["podSelector"], labels)]
+    assert reaching == ["nats.yaml"]
+    for port in (NATS_PORTS["client"], NATS_PORTS["monitor"]):
+        assert peers[port] == [{"podSelector": {}}]  # every pod of this namespace, no other
 
 
 def _k8s_defined() -> dict[str, set[str]]:
@@ -217,6 +295,10 @@ def test_k8s_references_exist() -> None:
                 assert claim in defined["PersistentVolumeClaim"]
         for container in pod["containers"]:
             assert {m["name"] for m in container.get("volumeMounts", [])} <= set(volumes)
+            for mount in container.get("volumeMounts", []):
+                secret = volumes[mount["name"]].get("secret", {}).get("secretName")
+                if secret is not None and "subPath" in mount:
+                    assert mount["subPath"] in secrets[secret], mount
             for item in container.get("env", []):
                 ref = item.get("valueFrom", {}).get("secretKeyRef")
                 if ref is not None:
