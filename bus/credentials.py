@@ -45,7 +45,7 @@ def resolve_credentials(
     user = user or env.get(ENV_USER) or None
     if password_file is not None:
         try:
-            password: str | None = Path(password_file).read_text().rstrip("\r\n")
+            password: str | None = read_password_file(password_file)
         except OSError as exc:
             raise CredentialsError(f"cannot read the NATS password file: {exc}") from None
     else:
@@ -59,6 +59,12 @@ def resolve_credentials(
             f"NATS user {user!r} needs a password (--nats-password-file or ${ENV_PASSWORD})"
         )
     return NatsCredentials(user, password)
+
+
+def read_password_file(path: str | os.PathLike[str]) -> str:
+    """A password file's one line, without its line ending (spaces are part of the password;
+    ``shoal nats-auth`` reads its own files the same way)."""
+    return Path(path).read_text().rstrip("\r\n")
 
 
 def redact_url(url: str) -> str:

@@ -15,6 +15,7 @@ import os
 import secrets
 from pathlib import Path
 
+from shoal.bus.credentials import read_password_file
 from shoal.bus.nats_cluster import route_auth
 from shoal.bus.permissions import ROLES, authorization_config, user_name
 
@@ -37,7 +38,7 @@ def ensure_passwords(credentials_dir: Path, roles: list[str]) -> dict[str, str]:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(secrets.token_urlsafe(PASSWORD_BYTES) + "\n")
-        passwords[role] = path.read_text().strip()
+        passwords[role] = read_password_file(path)
         if not passwords[role]:
             raise ValueError(f"{path} is empty")
     return passwords

@@ -231,3 +231,8 @@ def test_nats_auth_writes_private_password_files_once(tmp_path: Path):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
         assert path.read_text().strip() in first
     assert '"prod-shoal-gateway"' in first and "prod.shoal.v1.engine.*.in" in first
+    # an operator's own password file: the server gets exactly what the actor will send
+    (folder / "tier.password").write_text("  spaced pw \n")
+    config = nats_auth_config("prod.shoal", folder, ["tier"])
+    sent = resolve_credentials("prod-shoal-tier", folder / "tier.password", environ={})
+    assert sent is not None and f'password: "{sent.password}"' in config
