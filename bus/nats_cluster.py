@@ -84,7 +84,9 @@ class NatsCluster:
         max_payload: int = DEFAULT_MAX_PAYLOAD,
         ready_timeout: float = 30.0,
         binary: str | None = None,
+        extra_config: str = "",
     ) -> None:
+        """``extra_config``: more of every node's config (an ``authorization`` block, say)."""
         if num_nodes < 1:
             raise ValueError(f"a cluster needs at least one node, got {num_nodes}")
         self.cluster_name = cluster_name
@@ -101,7 +103,7 @@ class NatsCluster:
                 jetstream=jetstream,
                 max_payload=max_payload,
                 binary=binary,
-                extra_config=self._node_config(i, routes),
+                extra_config=self._node_config(i, routes) + extra_config,
             )
             for i in range(num_nodes)
         ]

@@ -196,7 +196,8 @@ NOT_GRANTED = {
 
 def _stream_api(stream: str, *, purge: bool = False, create: bool = False) -> list[str]:
     """The JetStream API subjects nats-py uses on one stream: info, reads, consumers, acks and
-    flow control; ``purge``: filtered purges too; ``create``: creating it. NATS names them."""
+    flow control; ``purge``: filtered purges too; ``create``: creating and updating it. NATS
+    names them."""
     api = "$JS.API"
     subjects = [
         f"{api}.STREAM.INFO.{stream}",
@@ -214,8 +215,8 @@ def _stream_api(stream: str, *, purge: bool = False, create: bool = False) -> li
     ]
     if purge:
         subjects.append(f"{api}.STREAM.PURGE.{stream}")
-    if create:
-        subjects.append(f"{api}.STREAM.CREATE.{stream}")
+    if create:  # and bring its replicas to the deployment's (``bus.jetstream_replicas``)
+        subjects += [f"{api}.STREAM.CREATE.{stream}", f"{api}.STREAM.UPDATE.{stream}"]
     return subjects
 
 

@@ -1,7 +1,8 @@
 """``shoal nats-init``: creates a namespace's JetStream buckets and stream before its actors
 start: the tensor-parallel group-ports key-value bucket, the KV-offload object bucket and the
 prefix-routing KV-events stream, through the calls the actors open them with (so with their
-settings), with ``--jetstream-replicas`` copies. Idempotent: an existing one is kept as it is.
+settings), with ``--jetstream-replicas`` copies. Idempotent: an existing one is kept, only its
+replicas brought to ``--jetstream-replicas`` (a deployment moved onto a cluster).
 
 With per-role NATS users (``shoal nats-auth``) no actor may create a bucket or stream (whoever
 creates one picks its subjects: ``bus.permissions``), so this runs first, as the
@@ -19,6 +20,7 @@ from shoal.bus import connect_bus
 from shoal.bus.base import Bus, BusError
 from shoal.bus.credentials import CredentialsError, resolve_credentials
 from shoal.bus.event_stream import open_kv_events_stream
+from shoal.bus.jetstream_replicas import set_stream_replicas, stream_replicas
 from shoal.bus.subjects import Subjects
 from shoal.deploy.arguments import JoinNatsUrls, option_default, positive_int
 from shoal.workers.group_ports import open_port_bucket
@@ -57,16 +59,27 @@ async def provision(
 ) -> list[str]:
     """Open (creating what is missing) every bucket and stream of ``namespace``; what each is."""
     subjects = Subjects(namespace)
-    ports = subjects.group_ports_bucket()
+    ports, objects = subjects.group_ports_bucket(), subjects.object_bucket()
     await open_port_bucket(bus, ports, replicas=replicas)
-    objects = await bus.open_object_store(subjects.object_bucket(), replicas=replicas)
-    await objects.close()
+    await (await bus.open_object_store(objects, replicas=replicas)).close()
     events = await open_kv_events_stream(bus, subjects, replicas, snapshot_interval_s)
-    return [
-        f"key-value bucket {ports} (tensor-parallel group ports)",
-        f"object bucket {subjects.object_bucket()} (KV offload tier 'obj')",
-        f"stream {events.name} (KV events for prefix routing)",
-    ]
+    ready = []
+    for stream, what in (
+        (f"KV_{ports}", f"key-value bucket {ports} (tensor-parallel group ports)"),
+        (f"OBJ_{objects}", f"object bucket {objects} (KV offload tier 'obj')"),
+        (events.name, f"stream {events.name} (KV events for prefix routing)"),
+    ):
+        ready.append(what + await _ensure_replicas(bus, stream, replicas))
+    return ready
+
+
+async def _ensure_replicas(bus: Bus, stream: str, replicas: int) -> str:
+    """Brings an existing stream to ``replicas`` copies; what changed, for the report."""
+    kept = await stream_replicas(bus, stream)
+    if kept == replicas:
+        return f", {replicas} replica(s)"
+    await set_stream_replicas(bus, stream, replicas)
+    return f", {replicas} replica(s) (was {kept})"
 
 
 async def run_nats_init(ns: argparse.Namespace) -> int:

@@ -19,8 +19,10 @@ from shoal.bus.actor import Actor
 from shoal.bus.base import Msg
 from shoal.bus.event_stream import open_kv_events_stream
 from shoal.bus.jetstream_create import NotProvisionedError
+from shoal.bus.jetstream_replicas import stream_replicas
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.nats_bus import BusAuthError, NatsBus
+from shoal.bus.nats_cluster import NatsCluster
 from shoal.bus.permissions import ROLES, authorization_config, user_name
 from shoal.bus.server import NatsServer, NatsServerNotFoundError
 from shoal.bus.subjects import Subjects
@@ -356,3 +358,39 @@ async def test_a_supervised_child_gets_its_credentials_by_environment():
                 assert credentials.password.encode() not in cmdline
         finally:
             await client.close()
+
+
+async def test_nats_init_brings_replicas_to_the_deployments_on_a_cluster(
+    passwords: dict[str, str],
+) -> None:
+    """A deployment moved onto a cluster: its buckets made with one copy get three when the
+    provisioner runs again (only it may update a stream), and a role still uses them."""
+    try:
+        cluster = NatsCluster(extra_config=authorization_config(NS, passwords))
+    except NatsServerNotFoundError as exc:
+        pytest.skip(str(exc))
+    with cluster:
+        provisioner = NatsBus(
+            [cluster.urls[0]], user=user_name(NS, "provisioner"), password=passwords["provisioner"]
+        )
+        await provisioner.connect()
+        first = await provision(provisioner, NS, replicas=1)
+        assert all(line.endswith(", 1 replica(s)") for line in first), first
+        moved = await provision(provisioner, NS, replicas=3)
+        assert all(line.endswith(", 3 replica(s) (was 1)") for line in moved), moved
+        for stream in (f"KV_{S.group_ports_bucket()}", f"OBJ_{S.object_bucket()}"):
+            assert await stream_replicas(provisioner, stream) == 3
+        assert all(
+            line.endswith(", 3 replica(s)") for line in await provision(provisioner, NS, replicas=3)
+        )
+        assert provisioner.num_permission_violations == 0, list(provisioner.permission_violations)
+        await provisioner.close()
+        worker = NatsBus(
+            [cluster.urls[2]], user=user_name(NS, "worker"), password=passwords["worker"]
+        )
+        await worker.connect()
+        ports = await open_port_bucket(worker, S.group_ports_bucket(), replicas=3)
+        await ports.put("epoch-1", b"tcp://h:1")
+        assert await ports.get("epoch-1") == b"tcp://h:1"
+        assert worker.num_permission_violations == 0, list(worker.permission_violations)
+        await worker.close()

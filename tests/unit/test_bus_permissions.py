@@ -176,6 +176,7 @@ def test_the_provisioner_creates_the_namespaces_streams_and_nothing_else():
     perms = permissions(S.namespace, "provisioner")
     for stream in STREAMS:
         assert perms.may_publish(f"$JS.API.STREAM.CREATE.{stream}"), stream
+        assert perms.may_publish(f"$JS.API.STREAM.UPDATE.{stream}"), stream  # its replicas
     assert not perms.may_publish(f"$JS.API.STREAM.CREATE.{Subjects('other').kv_events_stream()}")
     assert not perms.may_publish("$JS.API.STREAM.CREATE.ANY")
     assert not perms.may_publish(S.engine_in("engine-0"))
