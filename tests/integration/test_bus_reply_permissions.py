@@ -39,7 +39,8 @@ STEP = S.worker_in("worker-0-0")
 def auth_server() -> Iterator[tuple[NatsServer, dict[str, str]]]:
     passwords = {role: secrets.token_urlsafe(18) for role in ROLES}
     try:
-        server = NatsServer(max_payload=MAX_PAYLOAD, extra_config=authorization_config(NS, passwords))
+        config = authorization_config(NS, passwords)
+        server = NatsServer(max_payload=MAX_PAYLOAD, extra_config=config)
     except NatsServerNotFoundError as exc:
         pytest.skip(str(exc))
     with server:
