@@ -13,9 +13,9 @@ A node lost without closing its sockets (a host gone) is noticed after ``ping_in
 
 Connected as a user, its reply inboxes are ``Subjects.inbox_prefix(user)`` and its chunked
 transfers ``Subjects.transfer_prefix(user)`` (what the user's permissions let it subscribe to,
-``bus.permissions``); a publish or subscription the server
-refuses is counted and logged (``permission_violations``); refused credentials raise
-``BusAuthError``. Server URLs are logged without their passwords (``bus.credentials``).
+``bus.permissions``); a publish or subscription the server refuses is counted and logged
+(``permission_violations``); refused credentials raise ``BusAuthError``. Server URLs are logged
+without their passwords (``bus.credentials``).
 """
 
 from __future__ import annotations
