@@ -47,13 +47,17 @@ class _Held:
 
 
 class ChunkSender:
-    """Holds outgoing large payloads of one bus and serves their chunks on request."""
+    """Holds outgoing large payloads of one bus and serves their chunks on request, on
+    ``<prefix>.<sender>.<transfer>`` (``prefix``: ``Subjects.transfer_prefix(user)`` for a bus
+    connected as a user, which may subscribe there alone)."""
 
-    def __init__(self, bus: Bus, chunk_size: int, *, ttl_s: float = 30.0) -> None:
+    def __init__(
+        self, bus: Bus, chunk_size: int, *, ttl_s: float = 30.0, prefix: str = TRANSFER_PREFIX
+    ) -> None:
         self._bus = bus
         self.chunk_size = chunk_size
         self._ttl_s = ttl_s
-        self._prefix = f"{TRANSFER_PREFIX}.{uuid.uuid4().hex}"
+        self._prefix = f"{prefix}.{uuid.uuid4().hex}"
         self._held: dict[str, _Held] = {}
         self._sub: Subscription | None = None
         self._lock = asyncio.Lock()

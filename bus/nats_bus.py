@@ -11,10 +11,11 @@ A node lost without closing its sockets (a host gone) is noticed after ``ping_in
 ``max_outstanding_pings`` unanswered pings (about 3 s: within an engine core's
 ``worker_dead_after_s``, so it reconnects before it would declare its workers dead).
 
-Connected as a user, its reply inboxes are ``Subjects.inbox_prefix(user)`` (what the user's
-permissions let it subscribe to, ``bus.permissions``); a publish or subscription the server
-refuses is counted and logged (``permission_violations``); refused credentials raise
-``BusAuthError``. Server URLs are logged without their passwords (``bus.credentials``).
+Connected as a user, its reply inboxes are ``Subjects.inbox_prefix(user)`` and its chunked
+transfers ``Subjects.transfer_prefix(user)`` (what the user's permissions let it subscribe to,
+``bus.permissions``); a publish or subscription the server refuses is counted and logged
+(``permission_violations``); refused credentials raise ``BusAuthError``. Server URLs are logged
+without their passwords (``bus.credentials``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from shoal.bus.base import (
 from shoal.bus.chunking import ChunkSender, resolve_chunked
 from shoal.bus.credentials import redact_url
 from shoal.bus.dispatch import Dispatcher
-from shoal.bus.subjects import SubjectError, Subjects, validate_subject
+from shoal.bus.subjects import TRANSFER_PREFIX, SubjectError, Subjects, validate_subject
 
 if TYPE_CHECKING:
     from shoal.bus.event_stream import EventStream
@@ -225,7 +226,9 @@ class NatsBus(Bus):
         chunk_size = max(1024, self._nc.max_payload - HEADER_RESERVE)
         if self._chunk_size is not None:  # smaller chunks: pulled, so flow-controlled
             chunk_size = max(1024, min(chunk_size, self._chunk_size))
-        self._chunks = ChunkSender(self, chunk_size, ttl_s=self._chunk_ttl_s)
+        self._chunks = ChunkSender(
+            self, chunk_size, ttl_s=self._chunk_ttl_s, prefix=_user_transfer_prefix(self.user)
+        )
 
     def next_violation(self) -> asyncio.Future[str]:
         """A future set to the server's next permissions-violation message (nats-py only
@@ -433,6 +436,14 @@ def _user_inbox_prefix(user: str | None) -> str | None:
         return Subjects().inbox_prefix(user)
     except SubjectError:
         return None
+
+
+def _user_transfer_prefix(user: str | None) -> str:
+    """``_SHOAL_XFER.<user>`` for a user whose name is one subject token, else ``_SHOAL_XFER``."""
+    try:
+        return Subjects().transfer_prefix(user) if user else TRANSFER_PREFIX
+    except SubjectError:
+        return TRANSFER_PREFIX
 
 
 def _is_auth_error(exc: BaseException) -> bool:

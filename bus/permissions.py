@@ -3,14 +3,20 @@
 arguments, ``ANY`` where an id varies), and the nats-server ``authorization`` block giving one
 user per role. Pure: no I/O.
 
-Every role may publish its own kind's heartbeat and status, replies (``Subjects.inboxes``) and
-chunked-transfer pulls, and subscribe to every heartbeat and status, its own reply inboxes only
-(``Subjects.inbox_prefix(user)``: ``NatsBus`` takes that prefix when it connects as a user) and
-the transfer subjects. JetStream buckets a role uses are granted by name (``BUCKETS``): the
-JetStream API of their stream (read, and purge where the role deletes from it) and their data
-subjects. No actor role may create a bucket or stream (whoever may create one names its
-subjects, so could read any traffic): the ``provisioner`` role does, once, through
-``shoal nats-init``. See ``docs/security.md``.
+Every actor role may publish its own kind's heartbeat and status and chunked-transfer pulls
+(``Subjects.transfers``), and subscribe to every heartbeat and status, its own reply inboxes only
+(``Subjects.inbox_prefix(user)``) and its own transfers only (``Subjects.transfer_prefix(user)``:
+``NatsBus`` takes both prefixes when it connects as a user). It answers requests through
+nats-server's ``allow_responses`` (``Responses``: one message to the reply subject of each
+message it received, within ``RESPONSE_EXPIRES_S``), not a grant on every inbox, so it cannot
+forge a reply into another's request in flight; the gateway's streamed NATS API answers (any
+number of messages) go to the ``client`` role's inboxes, granted by name.
+
+JetStream buckets a role uses are granted by name (``BUCKETS``): the JetStream API of their
+stream (read, and purge where the role deletes from it) and their data subjects. No actor role
+may create a bucket or stream (whoever may create one names its subjects, so could read any
+traffic): the ``provisioner`` role does, once, through ``shoal nats-init``. See
+``docs/security.md``.
 """
 
 from __future__ import annotations
@@ -23,6 +29,12 @@ from shoal.bus.subjects import Subjects, subject_matches
 
 ANY = "*"  # a grant argument standing for every id (a "*" token)
 USER = "<user>"  # a grant argument standing for the role's own NATS user name
+_OF_ROLE = "<user-of>"  # user_of(role): a grant argument standing for another role's user
+# How long after receiving a request an actor may answer it: above the longest any shoal request
+# waits (a step: step_timeout_s, 120 s, after the one queued before it; a group join; a recovery
+# command, 60 s). nats-server forgets a request never answered after it (max 1: an answered one
+# at once); with no expiry it would keep each unanswered one for the connection's life.
+RESPONSE_EXPIRES_S = 600
 _ANY_TOKEN = "zzANYzz"  # what ANY is passed as to a Subjects method, then made "*"
 
 
@@ -37,6 +49,7 @@ class Grant:
 
     def pattern(self, subjects: Subjects, user: str) -> str:
         args = [_ANY_TOKEN if a == ANY else user if a == USER else a for a in self.args]
+        args = [_role_user(subjects, a) if a.startswith(_OF_ROLE) else a for a in args]
         subject: str = getattr(subjects, self.method)(*args)
         tokens = ["*" if t == _ANY_TOKEN else t for t in subject.split(".")]
         return ".".join(tokens + ([self.tail] if self.tail else []))
@@ -44,6 +57,31 @@ class Grant:
 
 def _g(method: str, *args: str, tail: str = "") -> Grant:
     return Grant(method, args, tail)
+
+
+def user_of(role: str) -> str:
+    """A grant argument standing for ``role``'s NATS user (``user_name``) in the namespace."""
+    return f"{_OF_ROLE}{role}"
+
+
+def _role_user(subjects: Subjects, arg: str) -> str:
+    return user_name(subjects.namespace, arg.removeprefix(_OF_ROLE))
+
+
+@dataclass(frozen=True)
+class Responses:
+    """nats-server's ``allow_responses``: the user may publish ``max_msgs`` messages to the
+    reply subject of each message delivered to it, within ``expires_s`` of the delivery, even
+    where no grant allows that subject (a deny neither: the requester picks the subject)."""
+
+    max_msgs: int = 1
+    expires_s: int = RESPONSE_EXPIRES_S
+
+    def config(self) -> str:
+        return f'{{ max: {self.max_msgs}, expires: "{self.expires_s}s" }}'
+
+
+ONE_REPLY = Responses()  # every actor's and the client's: each request answered once
 
 
 @dataclass(frozen=True)
@@ -68,14 +106,16 @@ class Role:
     deny_publish: tuple[Grant, ...] = ()
     deny_subscribe: tuple[Grant, ...] = ()
     buckets: tuple[BucketGrant, ...] = ()
-    actor: bool = True  # an actor: heartbeat, status and the common grants
+    actor: bool = True  # an actor: heartbeat, status, the common grants and ONE_REPLY
+    responses: Responses | None = None  # answering requests (actors: ONE_REPLY)
 
 
-# Every actor: its replies, chunk pulls, and everyone's heartbeats and status.
-COMMON_PUBLISH = (_g("inboxes"), _g("transfers"))
+# Every actor: chunk pulls (from any sender: a manifest names the subject), its own replies and
+# transfers, and everyone's heartbeats and status. Replies go out by ``Role.responses``.
+COMMON_PUBLISH = (_g("transfers"),)
 COMMON_SUBSCRIBE = (
     _g("inbox_prefix", USER, tail=">"),
-    _g("transfers"),
+    _g("transfer_prefix", USER, tail=">"),
     _g("heartbeat", ANY),
     _g("status", ANY),
 )
@@ -87,9 +127,11 @@ CONTROL = _g("control", ANY, ANY)
 
 ROLES: dict[str, Role] = {
     # The gateway process: HTTP + NATS API + the engine client (tokenize, route, stream).
+    # Its NATS API answers a request with any number of messages (a stream of chunks): no
+    # bounded allow_responses covers that, so the client role's inboxes are granted by name.
     "gateway": Role(
         kind="gateway",
-        publish=(_g("engine_in", ANY),),
+        publish=(_g("engine_in", ANY), _g("inbox_prefix", user_of("client"), tail=">")),
         subscribe=(
             _g("engine_out", ANY),
             _g("engine_stats", ANY),
@@ -164,13 +206,20 @@ ROLES: dict[str, Role] = {
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
         actor=False,
     ),
-    # Another system calling the gateway's NATS API (with inbox prefix ``_INBOX.<user>``).
+    # Another system calling the gateway's NATS API (with inbox prefix ``_INBOX.<user>`` and, for
+    # requests above max_payload, transfers under ``_SHOAL_XFER.<user>``, which the gateway
+    # pulls: answered by ONE_REPLY); it pulls the gateway's chunked answers.
     "client": Role(
         kind="client",
-        publish=(_g("api_generate"), _g("api", "cancel"), _g("transfers")),
-        subscribe=(_g("inbox_prefix", USER, tail=">"), _g("transfers")),
+        publish=(
+            _g("api_generate"),
+            _g("api", "cancel"),
+            _g("transfer_prefix", user_of("gateway"), tail=">"),
+        ),
+        subscribe=(_g("inbox_prefix", USER, tail=">"), _g("transfer_prefix", USER, tail=">")),
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
         actor=False,
+        responses=ONE_REPLY,
     ),
     # ``shoal nats-init``: creates the namespace's buckets and stream, once, before the actors.
     "provisioner": Role(
@@ -190,6 +239,7 @@ ROLES: dict[str, Role] = {
 # Subjects methods that name no subject anyone is granted (the coverage test reads this).
 NOT_GRANTED = {
     "all": "a debugging tap of every subject: for an operator's own unrestricted user",
+    "inboxes": "every reply inbox: replies go out by allow_responses (Role.responses)",
     "api_queue": "a queue group name, not a subject",
 }
 
@@ -244,6 +294,7 @@ class Permissions:
     subscribe: list[str] = field(default_factory=list)
     deny_publish: list[str] = field(default_factory=list)
     deny_subscribe: list[str] = field(default_factory=list)
+    responses: Responses | None = None  # allow_responses
 
     def may_publish(self, subject: str) -> bool:
         return _allowed(subject, self.publish, self.deny_publish)
@@ -270,6 +321,7 @@ def permissions(namespace: str, role: str, *, gateway_may_command: bool = False)
         _unique(g.pattern(subjects, user) for g in sub),
         _unique(g.pattern(subjects, user) for g in deny_pub),
         _unique(g.pattern(subjects, user) for g in spec.deny_subscribe),
+        ONE_REPLY if spec.actor else spec.responses,
     )
     for bucket in spec.buckets:
         stream, data = BUCKETS[bucket.kind](getattr(subjects, bucket.method)())
@@ -306,10 +358,12 @@ def _user_block(perms: Permissions, password: str) -> str:
         parts = [f"allow: {json.dumps(allow)}"] + ([f"deny: {json.dumps(deny)}"] if deny else [])
         return "{ " + ", ".join(parts) + " }"
 
+    responses = perms.responses
     return (
         f"    {{ user: {json.dumps(perms.user)}, password: {json.dumps(password)},\n"
         f"      permissions: {{\n"
         f"        publish: {rule(perms.publish, perms.deny_publish)}\n"
         f"        subscribe: {rule(perms.subscribe, perms.deny_subscribe)}\n"
-        f"      }} }}"
+        + (f"        allow_responses: {responses.config()}\n" if responses else "")
+        + "      } }"
     )

@@ -11,8 +11,9 @@ import functools
 import re
 
 VERSION = "v1"
-# Chunked transfers (``bus.chunking``) are pulled on ``<TRANSFER_PREFIX>.<sender>.<transfer>``;
-# reply inboxes live under ``<INBOX_ROOT>.<user>`` (``Subjects.inbox_prefix``).
+# Chunked transfers (``bus.chunking``) are pulled on
+# ``<TRANSFER_PREFIX>[.<user>].<sender>.<transfer>`` (``Subjects.transfer_prefix``); reply
+# inboxes live under ``<INBOX_ROOT>.<user>`` (``Subjects.inbox_prefix``).
 TRANSFER_PREFIX = "_SHOAL_XFER"
 INBOX_ROOT = "_INBOX"
 _TOKEN = re.compile(r"[A-Za-z0-9_-]+")
@@ -177,6 +178,12 @@ class Subjects:
     def inboxes(self) -> str:
         """Every reply inbox (where replies are published)."""
         return f"{INBOX_ROOT}.>"
+
+    def transfer_prefix(self, user: str) -> str:
+        """The chunked transfers a bus connected as NATS user ``user`` offers
+        (``_SHOAL_XFER.<user>``): a user may subscribe to its own only, so no one sees another's
+        chunk pulls (and learns the transfer subjects to pull from)."""
+        return f"{TRANSFER_PREFIX}.{validate_token(user, 'NATS user')}"
 
     def transfers(self) -> str:
         """Every chunked transfer's pull subject (``bus.chunking``)."""

@@ -10,6 +10,7 @@ import pytest
 from shoal.bus.base import Msg, PayloadIntegrityError
 from shoal.bus.chunking import CHUNKED_HEADER, ChunkSender, fetch_chunked
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.nats_bus import _user_transfer_prefix
 
 
 async def make_pair(max_payload: int = 1000) -> tuple[InMemoryBus, InMemoryBus]:
@@ -62,6 +63,19 @@ async def test_tampered_digest_is_detected():
     msg = Msg(receiver_bus, "t", b"", None, {CHUNKED_HEADER: manifest})
     with pytest.raises(PayloadIntegrityError, match="digest"):
         await fetch_chunked(receiver_bus, msg, timeout=1)
+
+
+async def test_a_sender_offers_under_its_users_prefix():
+    """Connected as a user, a bus's transfers are pulled under ``_SHOAL_XFER.<user>``, the
+    only transfers its permissions let it subscribe to (``bus.permissions``)."""
+    sender_bus, receiver_bus = await make_pair()
+    sender = ChunkSender(sender_bus, chunk_size=100, prefix=_user_transfer_prefix("ns-worker"))
+    data = os.urandom(450)
+    headers = await sender.offer("t", data, None)
+    assert headers[CHUNKED_HEADER].startswith("_SHOAL_XFER.ns-worker.")
+    got = await fetch_chunked(receiver_bus, Msg(receiver_bus, "t", b"", None, headers), timeout=1)
+    assert got.data == data
+    assert _user_transfer_prefix(None) == _user_transfer_prefix("not.a.token") == "_SHOAL_XFER"
 
 
 async def test_expired_transfer_is_reported_not_hung():

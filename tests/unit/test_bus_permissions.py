@@ -1,6 +1,8 @@
 """The role table of ``bus.permissions`` (pure): every subject method is covered, the issue's
-required denials hold, no role's deny shadows what it must do, inboxes are private, and the
-credentials of an actor process never reach a command line or a log line."""
+required denials hold, no role's deny shadows what it must do, inboxes and transfers are private,
+replies go out by a bounded ``allow_responses`` (no one may publish into another's inbox but
+the gateway into the client's), and the credentials of an actor process never reach a command
+line or a log line."""
 
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ from shoal.bus.permissions import (
     COMMON_SUBSCRIBE,
     NOT_GRANTED,
     ROLES,
+    Responses,
+    authorization_config,
     permissions,
     subject_matches,
     user_name,
@@ -105,7 +109,7 @@ def test_required_subscribe_denials(role: str, subject: str):
 @pytest.mark.parametrize(
     ("role", "publish", "subscribe"),
     [
-        ("gateway", [S.engine_in("engine-3"), "_INBOX.x.y"], [S.engine_out("client-9")]),
+        ("gateway", [S.engine_in("engine-3")], [S.engine_out("client-9")]),
         ("engine", [S.worker_in("w"), S.engine_out("c"), S.tier_in("kv-cpu")], [S.engine_in("e")]),
         ("worker", [S.engine_results("engine-0")], [S.worker_in("worker-0-1")]),
         ("tier", [S.tier_peers(), S.tier_in("kv-cpu")], [S.tier_peer_reads("p2p-1")]),
@@ -129,6 +133,66 @@ def test_no_deny_shadows_an_allow(role: str):
         assert perms.may_publish(sample), (role, pattern)
     for pattern in perms.subscribe:
         assert perms.may_subscribe(pattern.replace("*", "x").replace(">", "x")), (role, pattern)
+
+
+ANSWERING = [r for r in ROLES if ROLES[r].actor] + ["client"]  # answer requests (chunk pulls too)
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_no_role_may_publish_into_another_users_inboxes(role: str):
+    """Replies go out by allow_responses: a grant on ``_INBOX.>`` would let a compromised
+    worker forge a reply into the gateway's or an engine core's pending request."""
+    perms = permissions(S.namespace, role)
+    for other in ROLES:
+        inbox = S.inbox_prefix(user_name(S.namespace, other)) + ".abc.1"
+        may = role == "gateway" and other == "client"  # its streamed NATS API answers
+        assert perms.may_publish(inbox) is may, (role, other)
+    assert not perms.may_publish("_INBOX.abc.1")  # nats-py's default prefix: any other user
+
+
+@pytest.mark.parametrize("role", list(ROLES))
+def test_who_answers_requests_does_so_once_each_within_a_bounded_time(role: str):
+    responses = permissions(S.namespace, role).responses
+    if role not in ANSWERING:
+        assert responses is None
+        return
+    assert responses is not None and responses.max_msgs == 1
+    assert 120 < responses.expires_s <= 3600  # above a step's timeout; never kept forever
+    config = authorization_config(S.namespace, {role: "pw"})
+    assert f'allow_responses: {{ max: 1, expires: "{responses.expires_s}s" }}' in config
+
+
+def test_no_other_user_in_the_config_answers_without_a_limit():
+    config = authorization_config(S.namespace, {role: "pw" for role in ROLES})
+    assert config.count("allow_responses:") == len(ANSWERING)
+    assert Responses(3, 5).config() == '{ max: 3, expires: "5s" }'
+
+
+@pytest.mark.parametrize("role", [r for r in ROLES if r in ANSWERING])
+def test_a_role_receives_only_its_own_chunk_pulls(role: str):
+    """Subscribing to every transfer would show other senders' pulls (and so the transfer
+    subjects to pull their payloads from)."""
+    perms = permissions(S.namespace, role)
+    for other in ROLES:
+        pull = S.transfer_prefix(user_name(S.namespace, other)) + ".sender.transfer"
+        assert perms.may_subscribe(pull) is (other == role), (role, other)
+    assert not perms.may_subscribe(S.transfers())
+    assert not perms.may_subscribe("_SHOAL_XFER.sender.transfer")  # no user's prefix
+
+
+@pytest.mark.parametrize("role", [r for r in ROLES if ROLES[r].actor])
+def test_an_actor_pulls_any_senders_transfer(role: str):
+    perms = permissions(S.namespace, role)
+    for sender in ROLES:
+        assert perms.may_publish(S.transfer_prefix(user_name(S.namespace, sender)) + ".s.t")
+
+
+def test_the_client_pulls_only_the_gateways_transfers():
+    perms = permissions(S.namespace, "client")
+    gateway = S.transfer_prefix(user_name(S.namespace, "gateway"))
+    assert perms.may_publish(gateway + ".sender.transfer")
+    for other in ("engine", "worker", "tier", "client"):
+        assert not perms.may_publish(S.transfer_prefix(user_name(S.namespace, other)) + ".s.t")
 
 
 def test_gateway_may_command_only_when_asked():
