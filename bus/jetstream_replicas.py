@@ -5,7 +5,9 @@ one copy of each). JSON in and out, as the API speaks it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from typing import Any
 
 from shoal.bus.base import Bus, BusError
@@ -32,8 +34,25 @@ async def stream_replicas(bus: Bus, stream: str) -> int:
     return int(info["config"].get("num_replicas", 1))
 
 
-async def set_stream_replicas(bus: Bus, stream: str, replicas: int) -> None:
-    """Keep ``replicas`` copies of ``stream`` (JetStream moves its data; the rest of its
-    configuration stays)."""
+async def set_stream_replicas(
+    bus: Bus, stream: str, replicas: int, *, settle_timeout_s: float = 60.0
+) -> None:
+    """Keep ``replicas`` copies of ``stream`` (the rest of its configuration stays), waiting
+    until the cluster has them: a leader and ``replicas - 1`` current followers (until then a
+    write to it may time out)."""
     config = (await _call(bus, "INFO", stream))["config"]
     await _call(bus, "UPDATE", stream, {**config, "num_replicas": replicas})
+    deadline = time.monotonic() + settle_timeout_s
+    while not _settled(await _call(bus, "INFO", stream), replicas):
+        if time.monotonic() > deadline:
+            raise BusError(
+                f"stream {stream!r}: {replicas} replicas not in place after "
+                f"{settle_timeout_s:.0f} s"
+            )
+        await asyncio.sleep(0.2)
+
+
+def _settled(info: dict[str, Any], replicas: int) -> bool:
+    cluster = info.get("cluster") or {}
+    followers = [r for r in cluster.get("replicas", []) if r.get("current")]
+    return bool(cluster.get("leader")) and len(followers) == replicas - 1
