@@ -6,6 +6,9 @@
   bus and sends its steps to the workers (``WorkerLink``);
 - ``engine.client``: the front end that runs in the gateway's or ``LLM``'s process: tokenize,
   route, detokenize, stop strings, stream;
+- ``engine.structured``: the grammar engine of structured outputs (xgrammar): the engine core
+  process's ``GrammarBackend`` (compiling off its loop, matchers, token bitmasks), and the
+  checks the client runs on a request's grammar before sending it;
 - ``engine.recovery``: the recovery controller, its own actor: a pure retry policy per engine
   core and the shell that sends them ``retry`` over the bus.
 """

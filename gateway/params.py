@@ -17,6 +17,7 @@ from shoal.gateway.request_types import (
     PromptInput,
     _SamplingFields,
 )
+from shoal.gateway.structured import structured_outputs_of
 
 # OpenAI's message roles; "function" is its deprecated form of "tool", accepted as vLLM does.
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
@@ -192,10 +193,6 @@ def check_unsupported(request: _SamplingFields) -> None:
     if isinstance(request, ChatCompletionRequest):
         if request.tools:
             raise bad_request("tools are not supported", param="tools")
-        if request.response_format is not None and request.response_format.type != "text":
-            raise bad_request(
-                "only response_format type 'text' is supported", param="response_format"
-            )
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
@@ -263,6 +260,7 @@ def sampling_params(
     if vocab_size is not None and kwargs.get("top_k", 0) >= vocab_size:
         kwargs["top_k"] = 0
     kwargs["kv_load_tiers"] = kv_load_tiers(request.kv_transfer_params)
+    kwargs["structured_outputs"] = structured_outputs_of(request)
     try:
         params = SamplingParams(
             n=request.num_choices,

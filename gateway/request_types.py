@@ -12,6 +12,8 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from shoal.gateway.structured import ResponseFormat
+
 T = TypeVar("T")
 
 MAX_N = 128  # completions per prompt; bounds the work one request may ask for
@@ -71,6 +73,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's; shoal reads kv_load_tiers
+    # Structured outputs (``gateway.structured``): OpenAI's response_format, vLLM's fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def num_choices(self) -> int:
@@ -87,10 +96,6 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     add_special_tokens: bool = True  # vLLM's default for completions (BOS, if the model has one)
 
 
-class ResponseFormat(msgspec.Struct):
-    type: str
-
-
 class ChatCompletionRequest(_SamplingFields, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
@@ -100,7 +105,6 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     echo: bool | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM's default for chat: the template supplies any BOS
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, object]] | None = None
 
 

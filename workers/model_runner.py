@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,7 @@ from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.offload import KVTransferResult
 from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.workers.config import CheckpointConfig, parse_dtype
+from shoal.workers.grammar_mask import apply_grammar_bitmask
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run_kv_transfers
@@ -41,6 +41,7 @@ from shoal.workers.moe.ep_step import ExpertParallelStep, join_expert_parallel
 from shoal.workers.parallel import TPContext, init_tensor_parallel, rebuildable_group
 from shoal.workers.rejections import Rejections
 from shoal.workers.request_store import RequestStore
+from shoal.workers.runner_facts import ModelFacts, StepTimings
 from shoal.workers.sampler import Sampler, compute_prompt_logprobs
 from shoal.workers.sampling_metadata import SamplingBatch
 from shoal.workers.spec_decode.factory import make_proposer, proposer_bytes_per_block
@@ -48,32 +49,6 @@ from shoal.workers.spec_decode.spec_step import SpecDecoder
 
 log = logging.getLogger(__name__)
 DEFAULT_CPU_KV_BYTES = 1 << 30
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What ``load`` learned, for the worker's ``WorkerInfo``."""
-
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
-    num_layers: int = 0  # this rank's KV cache geometry (``WorkerInfo``'s, for KV offload)
-    num_kv_heads: int = 0
-    head_dim: int = 0
-    kv_dtype: str = ""
-    total_kv_heads: int = 0  # the model's
-
-
-@dataclass
-class StepTimings:
-    """Seconds spent in the last ``execute``: building inputs, model forward, sampling."""
-
-    prepare_s: float = 0.0
-    forward_s: float = 0.0
-    sample_s: float = 0.0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -325,10 +300,15 @@ class ModelRunner:
         sampling_idx = np.flatnonzero(inputs.is_sampling)  # [R] rows of the batch
         if spec is not None and spec.verifies(inputs, sampling_idx):
             t2 = time.perf_counter()
-            sampled, logprobs = spec.verify(inputs, sampling_idx, hidden, self.model.compute_logits)
+            sampled, logprobs = spec.verify(
+                inputs, sampling_idx, hidden, self.model.compute_logits, step.grammar
+            )
         else:
             logits_rows = torch.from_numpy(inputs.query_start_loc[1:][sampling_idx] - 1).long()
             logits = self.model.compute_logits(hidden[logits_rows.to(self.device)])  # [R, V]
+            if step.grammar is not None:
+                row_of = {inputs.req_ids[i]: row for row, i in enumerate(sampling_idx)}
+                apply_grammar_bitmask(logits, row_of, step.grammar)
             t2 = time.perf_counter()
             sampled, logprobs = self._sample(inputs, sampling_idx, logits)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)

@@ -10,6 +10,8 @@ import enum
 
 import msgspec
 
+from shoal.bus.messages.structured import StructuredOutputsParams
+
 
 class OutputKind(enum.IntEnum):
     """How the engine client reports a request's progress."""
@@ -46,6 +48,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # KV offload: the tiers this request may load its prefix from (vLLM's
     # ``kv_transfer_params.kv_load_tiers``): tier types of KV_TIER_TYPES; None: every tier.
     kv_load_tiers: list[str] | None = None
+    # What the output must match (a JSON schema, a regex, a choice, a grammar): decoding is
+    # constrained by a grammar the engine core advances (``engine/core/structured_output.py``).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -34,6 +34,7 @@ from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.fault import FaultInjected, InjectFault
 from shoal.bus.messages.offload import KVTransferResult, KVTransfers
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.structured import GrammarBitmask
 
 
 class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -94,6 +95,8 @@ class ExecuteStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     # A round of the engine cores' lock-step group (expert parallelism): every rank's workers
     # run this step's collectives, with no tokens too (``bus/messages/lockstep.py``).
     lockstep: bool = False
+    # The tokens each request under a grammar may sample this step (structured outputs).
+    grammar: GrammarBitmask | None = None
 
     def batch_order(self) -> BatchOrder:
         """Scheduled request ids and their token counts, in batch order."""

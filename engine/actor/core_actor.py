@@ -60,6 +60,7 @@ from shoal.engine.actor.sentinel import FaultSentinel
 from shoal.engine.actor.worker_link import SentStep, WorkerFailure, WorkerLink
 from shoal.engine.core.engine_core import ClientOutputs, EngineCore, kv_cache_shape, merge_outputs
 from shoal.engine.core.scheduler_output import SchedulerOutput
+from shoal.engine.structured.backend import XgrammarBackend
 
 log = logging.getLogger(__name__)
 
@@ -218,6 +219,9 @@ class EngineCoreActor(FaultHandlingActor):
                 max_model_len=max_model_len,
                 kv_transfer_config=self.config.kv_transfer_config,
                 speculative_config=self.config.speculative_config,
+                grammar_backend=XgrammarBackend(
+                    self.config.model_config.model, infos[0].vocab_size, infos[0].eos_token_ids
+                ),
             )
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
         if self.offload is not None:

@@ -53,6 +53,7 @@ from shoal.engine.client.placements import RequestPlacements
 from shoal.engine.client.prefix_routing import PrefixRouting
 from shoal.engine.client.resumption import Resumptions
 from shoal.engine.client.router import EngineRouter
+from shoal.engine.client.structured import check_structured_outputs
 from shoal.engine.client.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -228,6 +229,8 @@ class AsyncEngineClient:
         prompt_text, prompt_ids = self._tokenize(prompt)
         if request_id in self.placements:
             raise RequestValidationError(f"request id {request_id!r} is already in flight")
+        if params.structured_outputs is not None:  # a bad schema is the caller's mistake
+            await check_structured_outputs(params.structured_outputs)
         routing, router = self.prefix_routing, self.router
         hashes = routing.request_hashes(prompt_ids, params, router.ready_engines) if routing else []
         engine = router.pick(block_hashes=hashes, num_requests=max(1, params.n))

@@ -31,6 +31,7 @@ from shoal.bus.messages.engine import (
 from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.worker import StepResult, WorkerInfo
+from shoal.engine.core.grammar import GrammarBackend
 from shoal.engine.core.request import Request, RequestStatus, group_final_outputs
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.scheduler_output import SchedulerOutput
@@ -69,6 +70,7 @@ class EngineCore:
         max_model_len: int,
         kv_transfer_config: KVTransferConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        grammar_backend: GrammarBackend | None = None,
     ) -> None:
         self.scheduler = Scheduler(
             scheduler_config,
@@ -77,6 +79,7 @@ class EngineCore:
             max_model_len=max_model_len,
             kv_transfer_config=kv_transfer_config,
             speculative_config=speculative_config,
+            grammar_backend=grammar_backend,
         )
         self.max_waiting_requests = scheduler_config.max_waiting_requests
         self.max_steps_in_flight = 2 if scheduler_config.async_scheduling else 1
@@ -136,6 +139,7 @@ class EngineCore:
                 case AbortRequest():
                     merge_outputs(outputs, self._abort(msg.request_ids))
         self._pending_aborts.clear()
+        merge_outputs(outputs, group_final_outputs(self.scheduler.admit_compiled()))
         return outputs, rejected
 
     def _add(self, msg: AddRequest) -> RequestRejected | EngineCoreOutput | None:

@@ -39,9 +39,8 @@ KV offload (``offload_connector.py``): admission asks the connector after the lo
 lookup (parking a request while it is looked up); landing hands it the step's copies and chunks.
 
 Speculative decoding (``spec_decoding.py``): a request that samples verifies its drafts as extra
-scheduled tokens; the landing rolls back the rejected ones. ``make_stats`` feeds load-aware
-routing across data-parallel ranks and reports requests finished by reason and the free KV
-blocks, so a client in another process sees what the core did with an abort.
+scheduled tokens; the landing rolls back the rejected ones. Structured outputs (``grammar.py``):
+a request waits apart until its grammar compiles; its steps carry its token bitmask row.
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from shoal.bus.messages.engine import EngineCoreOutput, SchedulerStats
 from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.worker import StepResult
+from shoal.engine.core import grammar
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.in_flight import InFlightSteps, PendingFree
 from shoal.engine.core.kv_cache_manager import KVCacheManager
@@ -62,6 +62,7 @@ from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.request_limits import check_fits, check_token_budget
 from shoal.engine.core.request_queue import make_request_queue
 from shoal.engine.core.scheduler_output import SchedulerOutput, StepPlan, build_scheduler_output
+from shoal.engine.core.scheduler_stats import scheduler_stats
 from shoal.engine.core.spec_decoding import SpecDecoding
 from shoal.engine.core.step_outcome import StepOutcome, make_step_outcome
 from shoal.engine.core.stop_check import check_stop
@@ -80,11 +81,13 @@ class Scheduler:
         num_blocks: int | None = None,
         kv_transfer_config: KVTransferConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
+        grammar_backend: grammar.GrammarBackend | None = None,
     ) -> None:
         """``max_model_len`` and ``num_blocks`` are what the workers reported (the block
         count defaults to ``cache_config.num_gpu_blocks_override``). ``kv_transfer_config``
         with a connector: KV offload (``offload_connector.py``); ``speculative_config`` with
-        a method: speculative decoding (``spec_decoding.py``)."""
+        a method: speculative decoding (``spec_decoding.py``); ``grammar_backend``: structured
+        outputs (``grammar.py``; without one a request with a grammar is refused)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         num_blocks = num_blocks or cache_config.num_gpu_blocks_override
@@ -136,6 +139,7 @@ class Scheduler:
         if speculative_config is not None and speculative_config.enabled:
             max_num_seqs = scheduler_config.max_num_seqs
             self.spec = SpecDecoding(speculative_config, max_num_seqs, max_model_len)
+        self.grammars = grammar.GrammarParking(grammar_backend) if grammar_backend else None
 
     # ----- requests in and out
 
@@ -164,8 +168,13 @@ class Scheduler:
             return False
         if self.block_hasher is not None and not request.has_block_hasher:
             request.set_block_hasher(self.block_hasher)
+        if grammar.grammar_bound(request):
+            if self.grammars is None:
+                raise ValueError("structured outputs are not available on this engine core")
+            self.grammars.park(request)  # queued once its grammar is compiled
+        else:
+            self.waiting.add(request)
         self.requests[request.request_id] = request
-        self.waiting.add(request)
         return True
 
     def finish_requests(
@@ -197,7 +206,7 @@ class Scheduler:
         """Take a queued or running request off its queue and release it with ``status``."""
         if request.status is RUNNING:
             self.running.remove(request)
-        else:
+        elif not (self.grammars is not None and self.grammars.unpark(request)):
             self.waiting.remove(request)
         was_on_worker = request.status is RUNNING
         request.status = status
@@ -210,6 +219,8 @@ class Scheduler:
         self.in_flight.free(request, drop_cached)
         if self.connector is not None:
             self.connector.forget(request)
+        if self.grammars is not None:
+            self.grammars.release(request)
         self.num_finished[FINISH_REASONS[request.status]] += 1
         if was_on_worker:
             self.finished_req_ids.append(request.request_id)
@@ -227,8 +238,15 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Queued, and parked while their KV is looked up."""
-        return len(self.waiting) + (len(self.connector.parked) if self.connector else 0)
+        """Queued, parked while their KV is looked up, or while their grammar compiles."""
+        num_parked = len(self.connector.parked) if self.connector else 0
+        return len(self.waiting) + num_parked + (len(self.grammars) if self.grammars else 0)
+
+    def admit_compiled(self) -> list[Request]:
+        """Queue the requests whose grammar compiled; finish and return those it failed for."""
+        if self.grammars is None:
+            return []
+        return self.grammars.admit(self.waiting.reinsert, self.release_finished)
 
     def unpark(self, request: Request | None) -> None:
         """A request whose KV lookup ended goes back to the waiting queue, in arrival order."""
@@ -272,8 +290,9 @@ class Scheduler:
             if request.num_output_placeholders and (
                 num_known - request.num_prompt_tokens >= request.max_tokens
                 or num_known >= max_model_len
+                or grammar.grammar_bound(request)
             ):
-                continue  # its last token is already scheduled (async scheduling)
+                continue  # its last token is scheduled, or its mask needs the one in flight
             num_new = num_known - num_computed
             if threshold and num_new > threshold:
                 num_new = threshold
@@ -285,7 +304,8 @@ class Scheduler:
                 continue
             num_slots = num_new
             num_spec = 0
-            if spec is not None and num_computed + num_new == num_known:  # it samples
+            samples = num_computed + num_new == num_known
+            if spec is not None and samples and not grammar.grammar_bound(request):
                 num_spec = spec.num_drafts_to_verify(request, num_known, budget - num_new)
                 num_slots += num_spec + spec.num_lookahead(request, num_known + num_spec)
             new_block_ids = allocate_slots(request, num_slots)
@@ -411,6 +431,8 @@ class Scheduler:
             output.kv_transfers = self.connector.build_transfers(self.step_id)
         if self.spec is not None:
             self.spec.after_schedule(output)
+        if self.grammars is not None:
+            output.grammar = grammar.grammar_rows(self.grammars.backend, output)
         return output
 
     # ----- results
@@ -433,6 +455,8 @@ class Scheduler:
             copies = None if fatal else result.kv_transfer
             table = self.kv_cache_manager.req_to_blocks
             loaded = self.connector.on_landed(scheduler_output, copies, outcome, skipped, table)
+        if self.grammars is not None:
+            grammar.advance_matchers(self.grammars.backend, self.requests, outcome)
         self._apply_outcome(outcome)  # (a failed load's blocks were never cached)
         self.in_flight.cache_landed(scheduler_output)
         for request_id in loaded:  # KV loaded: now it may be cached
@@ -470,28 +494,7 @@ class Scheduler:
         self.num_generation_tokens += outcome.num_generation_tokens
 
     def make_stats(self) -> SchedulerStats:
-        kv = self.kv_cache_manager
-        stats = SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=self.num_waiting,
-            kv_usage=kv.usage,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            step_id=self.step_id,
-            num_finished_stop=self.num_finished["stop"],
-            num_finished_length=self.num_finished["length"],
-            num_finished_abort=self.num_finished["abort"],
-            num_finished_error=self.num_finished["error"],
-            num_free_blocks=kv.num_free_blocks,
-        )
-        if self.connector is not None:
-            self.connector.fill_stats(stats)
-        if self.spec is not None:
-            self.spec.fill_stats(stats)
-        return stats
+        return scheduler_stats(self)
 
 
 __all__ = ["FINISH_REASONS", "Request", "RequestStatus", "Scheduler", "SchedulerOutput"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from shoal.bus.messages.offload import KVTransfers
+from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import (
     CachedRequestData,
     ExecuteStep,
@@ -35,6 +36,7 @@ class SchedulerOutput:
     __slots__ = (
         "cached_requests",
         "finished_req_ids",
+        "grammar",
         "kv_transfers",
         "landed",
         "new_requests",
@@ -74,6 +76,7 @@ class SchedulerOutput:
         self.num_spec_tokens: dict[str, int] = {}  # req_id → drafts it verifies (when any)
         self.sampling_req_ids: list[str] = []  # requests scheduled to the end of their tokens
         self.num_spec_tokens_to_propose = 0  # K: drafts per sampling request, after the step
+        self.grammar: GrammarBitmask | None = None  # masks of the requests under a grammar
 
     @property
     def req_ids(self) -> list[str]:
@@ -99,6 +102,7 @@ class SchedulerOutput:
             self.preempted_req_ids,
             self.kv_transfers,
             self.num_spec_tokens_to_propose,
+            grammar=self.grammar,
         )
 
     def __repr__(self) -> str:

@@ -86,7 +86,7 @@ BAD_INPUTS: list[tuple[str, Any, int, str | None, str | None]] = [
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "invalid_value", "tools"),
     (
         CHAT,
-        {"messages": USER, "response_format": {"type": "json_object"}},
+        {"messages": USER, "response_format": {"type": "xml"}},
         400,
         "invalid_value",
         "response_format",

@@ -34,8 +34,8 @@ EOS = 2
 
 def make_scheduler(**overrides: Any) -> Scheduler:
     """A small scheduler; any SchedulerConfig or CacheConfig field, ``num_blocks``,
-    ``max_model_len`` or ``speculative_config``. One step in flight at a time unless
-    ``async_scheduling=True``."""
+    ``max_model_len``, ``speculative_config`` or ``grammar_backend``. One step in flight at a
+    time unless ``async_scheduling=True``."""
     settings: dict[str, Any] = {
         "async_scheduling": False,
         "max_num_batched_tokens": 64,
@@ -48,6 +48,7 @@ def make_scheduler(**overrides: Any) -> Scheduler:
     num_blocks = settings.pop("num_blocks")
     max_model_len = settings.pop("max_model_len")
     speculative_config = settings.pop("speculative_config", None)
+    grammar_backend = settings.pop("grammar_backend", None)
     unknown = set(settings) - _SCHEDULER_FIELDS - _CACHE_FIELDS
     if unknown:
         raise TypeError(f"unknown scheduler settings: {sorted(unknown)}")
@@ -59,6 +60,7 @@ def make_scheduler(**overrides: Any) -> Scheduler:
         ),
         max_model_len=max_model_len,
         speculative_config=speculative_config,
+        grammar_backend=grammar_backend,
     )
 
 

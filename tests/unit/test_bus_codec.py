@@ -21,6 +21,7 @@ from shoal.bus.messages.engine import (
 )
 from shoal.bus.messages.offload import KVTransferResult, KVTransfers
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import (
     CachedRequestData,
     ExecuteStep,
@@ -78,6 +79,7 @@ WIRE_LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
                         "num_scheduled_tokens", "num_spec_tokens"),
     ExecuteStep: ("step_id", "new_requests", "cached_requests", "finished_req_ids",
                   "preempted_req_ids"),
+    GrammarBitmask: ("req_ids", "words", "data"),
     ResetWorker: ("reason",),
     StepError: ("message", "req_ids"),
     StepResult: ("step_id", "req_ids", "sampled_token_ids", "logprobs", "prompt_logprobs",

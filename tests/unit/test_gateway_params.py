@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from shoal.bus.messages.sampling import OutputKind
+from shoal.bus.messages.structured import StructuredOutputsParams as SOP
 from shoal.gateway.errors import ApiError, from_decode_error
 from shoal.gateway.params import (
     chat_messages,
@@ -145,12 +146,66 @@ def test_decode_errors_are_typed() -> None:
 def test_unsupported_features_are_refused() -> None:
     for body, param in [
         (b'{"messages": [], "tools": [{"type": "function"}]}', "tools"),
-        (b'{"messages": [], "response_format": {"type": "json_schema"}}', "response_format"),
         (b'{"messages": [], "logit_bias": {"1": 2}}', "logit_bias"),
     ]:
         with pytest.raises(ApiError) as caught:
             check_unsupported(_decode(body, ChatCompletionRequest))  # type: ignore[arg-type]
         assert caught.value.param == param
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'{"response_format": {"type": "text"}}', None),
+        (
+            b'{"response_format": {"type": "json_object"}}',
+            SOP(json_object=True),
+        ),
+        (
+            b'{"response_format": {"type": "json_schema", "json_schema": {"name": "n", '
+            b'"schema": {"type": "integer"}}}}',
+            SOP(json={"type": "integer"}),
+        ),
+        (
+            b'{"structured_outputs": {"choice": ["a", "b"]}}',
+            SOP(choice=["a", "b"]),
+        ),
+        (b'{"guided_regex": "[0-9]+"}', SOP(regex="[0-9]+")),
+        (b'{"guided_json": "{}"}', SOP(json="{}")),
+        (b'{"guided_choice": ["x"]}', SOP(choice=["x"])),
+        (
+            b'{"guided_grammar": "root ::= \\"a\\""}',
+            SOP(grammar='root ::= "a"'),
+        ),
+    ],
+)
+def test_output_constraints_are_read_from_every_field(body: bytes, expected: object) -> None:
+    request = _decode(b'{"messages": [], ' + body[1:], ChatCompletionRequest)
+    assert sampling_params(request, max_tokens=4, logprobs=None).structured_outputs == expected
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "message"),
+    [
+        (b'{"response_format": {"type": "xml"}}', "response_format", "must be text, json_object"),
+        (b'{"response_format": {"type": "json_schema"}}', "response_format", "json_schema.schema"),
+        (b'{"structured_outputs": {}}', "structured_outputs", "exactly one of"),
+        (b'{"structured_outputs": {"regex": 3}}', "structured_outputs", "Expected `str"),
+        (
+            b'{"guided_regex": "a", "guided_choice": ["b"]}',
+            "guided_choice",
+            "one output constraint",
+        ),
+    ],
+)
+def test_bad_output_constraints_are_400s_naming_the_field(
+    body: bytes, param: str, message: str
+) -> None:
+    request = _decode(b'{"prompt": "x", ' + body[1:], CompletionRequest)
+    with pytest.raises(ApiError) as caught:
+        sampling_params(request, max_tokens=4, logprobs=None)
+    assert (caught.value.status, caught.value.param) == (400, param)
+    assert message in caught.value.message
 
 
 def test_chat_messages_join_text_parts() -> None:

@@ -58,17 +58,29 @@ RULES = (
         "(the offload protocol of tiers/ is pure too)",
     ),
     Rule(
+        "shoal.engine.structured",
+        ("shoal.engine.structured", "shoal.engine.core", "shoal.bus.messages"),
+        tuple(m for m in IO if m != "threading"),  # it compiles on a thread of its own
+        "the grammar engine (xgrammar) behind the engine core's GrammarBackend: no transport",
+    ),
+    Rule(
         "shoal.engine.actor",
-        ("shoal.engine.actor", "shoal.engine.core", "shoal.bus"),
+        ("shoal.engine.actor", "shoal.engine.core", "shoal.engine.structured", "shoal.bus"),
         TORCH,
         "the engine core's shell meets workers and clients through messages only",
     ),
     Rule(
         "shoal.engine.client",
-        ("shoal.engine.client", "shoal.bus", "shoal.engine.core.block_hash"),
+        (
+            "shoal.engine.client",
+            "shoal.bus",
+            "shoal.engine.core.block_hash",
+            "shoal.engine.structured.grammars",
+        ),
         TORCH,
         "the client runs in the gateway's process: it talks to engine cores over the bus "
-        "(and hashes prompts as they do, for prefix routing: block_hash is pure)",
+        "(and hashes prompts as they do, for prefix routing: block_hash is pure; it checks "
+        "a request's grammar as engine cores build it)",
     ),
     Rule(
         "shoal.engine.recovery",

@@ -24,7 +24,9 @@ import numpy as np
 import torch
 
 from shoal.bus.messages.engine import Logprobs
+from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import CachedRequestData
+from shoal.workers.grammar_mask import apply_grammar_bitmask
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.parallel import TPContext
 from shoal.workers.request_store import CachedRequestState
@@ -100,9 +102,11 @@ class SpecDecoder:
         sampling_idx: np.ndarray,
         hidden: torch.Tensor,
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        grammar: GrammarBitmask | None = None,
     ) -> tuple[list[list[int]], list[Logprobs | None]]:
         """Emitted tokens and logprobs per scheduled request (``[]``/None where none), after
-        appending the tokens to the batch and the requests' outputs."""
+        appending the tokens to the batch and the requests' outputs. ``grammar``: the masks of
+        requests under a grammar (the engine core schedules them no drafts: one row each)."""
         num_reqs = len(inputs.req_ids)
         sampled: list[list[int]] = [[] for _ in range(num_reqs)]
         logprobs: list[Logprobs | None] = [None] * num_reqs
@@ -111,6 +115,10 @@ class SpecDecoder:
         req_ids = [inputs.req_ids[i] for i in sampling_idx]
         states = [self.requests[r] for r in req_ids]
         drafts = [self._verifying.get(r, []) for r in req_ids]
+        if grammar is not None:
+            ends = np.cumsum([len(d) + 1 for d in drafts])  # each request's rows end there
+            first_rows = (ends - [len(d) + 1 for d in drafts]).tolist()
+            apply_grammar_bitmask(logits, dict(zip(req_ids, first_rows, strict=True)), grammar)
         metadata = self.sampling.prepare(req_ids)
         verified = verify_drafts(
             logits, metadata, states, drafts, self._draft_probs(states, drafts)

@@ -1,0 +1,147 @@
+"""What the scheduler needs from a grammar engine (structured outputs), as a protocol, so the
+engine core stays pure: ``engine/structured`` implements it with xgrammar, compiling off the
+engine core's loop, and the shell hands it in.
+
+A request with ``structured_outputs`` waits apart (``GrammarParking``) until its grammar is
+compiled, then queues like any other; each step that it samples in carries its row of the token
+bitmask (``GrammarBitmask``); its sampled tokens advance its matcher as they land. Under async
+scheduling it is not scheduled again until its previous token has landed (its next mask depends
+on it). Speculative decoding proposes no drafts for it (its bitmask covers one position).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from shoal.bus.messages.structured import GrammarBitmask, StructuredOutputsParams
+from shoal.engine.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from shoal.engine.core.scheduler_output import SchedulerOutput
+    from shoal.engine.core.step_outcome import StepOutcome
+
+
+class GrammarState(enum.Enum):
+    COMPILING = "compiling"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class GrammarBackend(Protocol):
+    """Matchers of the requests under a grammar, by request id."""
+
+    def start(
+        self, request_id: str, params: StructuredOutputsParams, output_token_ids: Sequence[int]
+    ) -> None:
+        """Compile (or find compiled) the grammar of ``params`` for ``request_id``; its matcher
+        then accepts ``output_token_ids`` first (a request resumed with output so far)."""
+
+    def state(self, request_id: str) -> tuple[GrammarState, str]:
+        """Where its compilation is, and the error when it failed."""
+        ...
+
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        """Advance its matcher; False if the grammar refuses a token (it stays before it)."""
+        ...
+
+    def bitmask(self, request_ids: Sequence[str]) -> GrammarBitmask:
+        """The rows of these (ready) requests, in this order."""
+        ...
+
+    def release(self, request_id: str) -> None:
+        """Forget its matcher (finished, or failed)."""
+
+
+class GrammarParking:
+    """Requests whose grammar is compiling, in arrival order."""
+
+    def __init__(self, backend: GrammarBackend) -> None:
+        self.backend = backend
+        self.parked: dict[str, Request] = {}  # request id → the request (insertion order)
+
+    def __len__(self) -> int:
+        return len(self.parked)
+
+    def park(self, request: Request) -> None:
+        structured = request.sampling_params.structured_outputs
+        assert structured is not None
+        self.backend.start(request.request_id, structured, request.output_token_ids)
+        self.parked[request.request_id] = request
+
+    def release(self, request: Request) -> None:
+        """``request`` is finished: its matcher goes (if it had a grammar)."""
+        if grammar_bound(request):
+            self.backend.release(request.request_id)
+
+    def unpark(self, request: Request) -> bool:
+        """Take ``request`` off the parking (aborted); whether it was there."""
+        return self.parked.pop(request.request_id, None) is not None
+
+    def admit(
+        self,
+        queue: Callable[[Request], None],
+        release: Callable[[Request, bool], None],
+    ) -> list[Request]:
+        """``queue`` each parked request whose grammar is ready; finish each whose grammar
+        failed (``FINISHED_ERROR`` with the error; ``release(request, was_on_worker)``) and
+        return those."""
+        if not self.parked:
+            return []
+        ready, failed = self.take_done()
+        for request in ready:
+            queue(request)
+        for request, error in failed:
+            request.error = error
+            request.status = RequestStatus.FINISHED_ERROR
+            release(request, False)
+        return [request for request, _ in failed]
+
+    def take_done(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """The parked requests whose grammar is ready, and those whose compile failed (with
+        the error), each taken off the parking."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        for request_id, request in list(self.parked.items()):
+            state, error = self.backend.state(request_id)
+            if state is GrammarState.COMPILING:
+                continue
+            del self.parked[request_id]
+            if state is GrammarState.READY:
+                ready.append(request)
+            else:
+                failed.append((request, error))
+        return ready, failed
+
+
+def grammar_bound(request: Request) -> bool:
+    """Whether ``request``'s output is constrained by a grammar."""
+    return request.sampling_params.structured_outputs is not None
+
+
+def grammar_rows(backend: GrammarBackend, output: SchedulerOutput) -> GrammarBitmask | None:
+    """The bitmask rows of the step's requests under a grammar that sample in it (none: no
+    bitmask, so steps without such requests cost nothing)."""
+    bound = [rid for rid in output.sampling_req_ids if grammar_bound(output.requests[rid])]
+    return backend.bitmask(bound) if bound else None
+
+
+def advance_matchers(
+    backend: GrammarBackend, requests: Mapping[str, Request], outcome: StepOutcome
+) -> None:
+    """Feed each grammar-bound request's new tokens to its matcher. A token the grammar
+    refuses (its bitmask was not applied) fails the request, unless it stopped on it."""
+    stopped = {request.request_id for request in outcome.stopped}
+    for client_outputs in list(outcome.outputs.values()):
+        for output in list(client_outputs):
+            request = requests.get(output.request_id)
+            if request is None or not grammar_bound(request) or not output.new_token_ids:
+                continue
+            if backend.accept(request.request_id, output.new_token_ids):
+                continue
+            if request.request_id in stopped or request in outcome.failed:
+                continue
+            request.error = "a sampled token does not match the request's grammar"
+            outcome.failed.append(request)
+            client_outputs.append(request.make_final_output(RequestStatus.FINISHED_ERROR))

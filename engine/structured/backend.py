@@ -1,0 +1,113 @@
+"""``XgrammarBackend``: the engine core's ``GrammarBackend`` (``engine/core/grammar.py``) on
+xgrammar. Grammars compile on one thread of their own (the engine core's loop never waits for
+one; xgrammar caches them, so a schema compiles once per engine core); matchers advance on the
+loop as tokens land and fill one bitmask row each per step they sample in. The tokenizer is
+loaded, and xgrammar imported, on the first request with a grammar.
+
+A matcher that has accepted its stop token (terminated) leaves its row all ones: the request
+ends on that token (unless it ignores EOS, when the rest of its output is free, as in vLLM)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from shoal.bus.messages.structured import GrammarBitmask, StructuredOutputsParams
+from shoal.engine.core.grammar import GrammarState
+from shoal.engine.structured.grammars import compile_grammar
+
+if TYPE_CHECKING:
+    import xgrammar
+
+BITS_PER_WORD = 32
+
+
+class XgrammarBackend:
+    """Matchers by request id, for the tokenizer of ``tokenizer_dir`` and a model whose logits
+    have ``vocab_size`` columns; ``stop_token_ids`` end a grammar (the model's EOS ids)."""
+
+    def __init__(self, tokenizer_dir: str, vocab_size: int, stop_token_ids: Sequence[int]):
+        self.tokenizer_dir = tokenizer_dir
+        self.vocab_size = vocab_size
+        self.words = -(-vocab_size // BITS_PER_WORD)
+        self._stop_token_ids = list(stop_token_ids)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._compiling: dict[str, Future[xgrammar.GrammarMatcher]] = {}
+        self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
+        self._errors: dict[str, str] = {}
+
+    def start(
+        self, request_id: str, params: StructuredOutputsParams, output_token_ids: Sequence[int]
+    ) -> None:
+        outputs = list(output_token_ids)
+        self._compiling[request_id] = self._pool.submit(self._matcher, params, outputs)
+
+    def state(self, request_id: str) -> tuple[GrammarState, str]:
+        if request_id in self._matchers:
+            return GrammarState.READY, ""
+        future = self._compiling.get(request_id)
+        if future is None:
+            return GrammarState.FAILED, self._errors.get(request_id, "no grammar was started")
+        if not future.done():
+            return GrammarState.COMPILING, ""
+        del self._compiling[request_id]
+        error = future.exception()
+        if error is not None:
+            self._errors[request_id] = message = f"grammar not compiled: {error}"
+            return GrammarState.FAILED, message
+        self._matchers[request_id] = future.result()
+        return GrammarState.READY, ""
+
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        matcher = self._matchers[request_id]
+        return all(matcher.is_terminated() or matcher.accept_token(t) for t in token_ids)
+
+    def bitmask(self, request_ids: Sequence[str]) -> GrammarBitmask:
+        rows = np.full((len(request_ids), self.words), -1, dtype=np.int32)
+        for row, request_id in enumerate(request_ids):
+            matcher = self._matchers[request_id]
+            if not matcher.is_terminated():
+                matcher.fill_next_token_bitmask(rows, row)
+        return GrammarBitmask(list(request_ids), self.words, rows.astype("<i4").tobytes())
+
+    def release(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+        self._errors.pop(request_id, None)
+        future = self._compiling.pop(request_id, None)
+        if future is not None:
+            future.cancel()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- on the compile thread -------------------------------------------------------------
+
+    def _matcher(
+        self, params: StructuredOutputsParams, output_token_ids: list[int]
+    ) -> xgrammar.GrammarMatcher:
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(compile_grammar(self._get_compiler(), params))
+        for token_id in output_token_ids:  # a request resumed with its output so far
+            if not matcher.is_terminated() and not matcher.accept_token(token_id):
+                raise ValueError("the request's output so far does not match its grammar")
+        return matcher
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir, local_files_only=True)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    tokenizer, vocab_size=self.vocab_size, stop_token_ids=self._stop_token_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compiler

@@ -1,0 +1,98 @@
+"""A request's grammar from its ``StructuredOutputsParams``, built with xgrammar: JSON schema,
+any JSON object, regex, a choice of strings, or an EBNF grammar. ``check_grammar`` builds it
+once to find mistakes early (the client calls it: a bad schema is refused before any engine
+core sees it); ``compile_grammar`` compiles it against a tokenizer (the engine core)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from shoal.bus.messages.structured import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+
+
+class GrammarError(ValueError):
+    """The request's schema, regex or grammar is invalid, or xgrammar does not support it."""
+
+
+def schema_text(params: StructuredOutputsParams) -> str:
+    """The JSON schema of ``params.json`` as text (an object is dumped, text is checked)."""
+    schema: Any = params.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"structured_outputs.json is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict | bool):
+        raise GrammarError("structured_outputs.json must be a JSON schema (an object)")
+    return json.dumps(schema)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly ``choices`` (each a quoted literal)."""
+    return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
+
+
+def build_grammar(params: StructuredOutputsParams) -> xgrammar.Grammar:
+    """The xgrammar ``Grammar`` of ``params``; ``GrammarError`` naming the mistake."""
+    import xgrammar as xgr
+
+    any_whitespace = not params.disable_any_whitespace
+    try:
+        match params.kind:
+            case "json":
+                return xgr.Grammar.from_json_schema(
+                    schema_text(params), any_whitespace=any_whitespace
+                )
+            case "json_object":
+                return xgr.Grammar.builtin_json_grammar()
+            case "regex":
+                return xgr.Grammar.from_regex(params.regex or "")
+            case "choice":
+                return xgr.Grammar.from_ebnf(choice_ebnf(params.choice or []))
+            case _:
+                return xgr.Grammar.from_ebnf(params.grammar or "")
+    except GrammarError:
+        raise
+    except Exception as exc:  # xgrammar reports every mistake as a RuntimeError
+        raise GrammarError(f"invalid structured_outputs.{params.kind}: {_reason(exc)}") from None
+
+
+def check_grammar(params: StructuredOutputsParams) -> None:
+    """``GrammarError`` if ``params`` does not make a grammar."""
+    build_grammar(params)
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its source location prefix (``[time] file.cc:line: ``)."""
+    text = str(exc).strip()
+    head, sep, rest = text.partition(": ")
+    return rest if sep and ".cc:" in head else text
+
+
+def compile_grammar(
+    compiler: xgrammar.GrammarCompiler, params: StructuredOutputsParams
+) -> xgrammar.CompiledGrammar:
+    """``params``' grammar compiled against the compiler's tokenizer (which caches it by
+    schema, regex or grammar text: the same constraint compiles once)."""
+    any_whitespace = not params.disable_any_whitespace
+    try:
+        match params.kind:
+            case "json":
+                schema = schema_text(params)
+                return compiler.compile_json_schema(schema, any_whitespace=any_whitespace)
+            case "json_object":
+                return compiler.compile_builtin_json_grammar()
+            case "regex":
+                return compiler.compile_regex(params.regex or "")
+            case "choice":
+                return compiler.compile_grammar(choice_ebnf(params.choice or []))
+            case _:
+                return compiler.compile_grammar(params.grammar or "")
+    except GrammarError:
+        raise
+    except Exception as exc:
+        raise GrammarError(f"invalid structured_outputs.{params.kind}: {_reason(exc)}") from None

@@ -1,0 +1,138 @@
+"""Structured outputs in the scheduler (``engine/core/grammar.py``), with a scripted grammar
+backend: a request with a grammar waits apart until its grammar compiles (counted as waiting),
+then runs; a failed compile finishes it with the error; only the grammar requests that sample in
+a step get a bitmask row (a step without any carries none); sampled tokens advance the matcher
+and a refused one fails the request; an abort while compiling releases it; under async
+scheduling a grammar request is not scheduled again before its previous token lands."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from shoal.bus.messages.structured import GrammarBitmask, StructuredOutputsParams
+from shoal.engine.core.grammar import GrammarState
+from shoal.engine.core.request import RequestStatus
+from tests.unit.factories import FakeWorker, Pipeline, make_request, make_scheduler
+
+REGEX = StructuredOutputsParams(regex="[0-9]+")
+REFUSED = 13  # the scripted grammar refuses this token
+
+
+class ScriptedGrammars:
+    """Compiles when told; accepts every token but ``REFUSED``; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.compiled: set[str] = set()
+        self.errors: dict[str, str] = {}
+        self.started: dict[str, list[int]] = {}
+        self.accepted: dict[str, list[int]] = {}
+        self.masked: list[list[str]] = []
+        self.released: list[str] = []
+
+    def start(
+        self, request_id: str, params: StructuredOutputsParams, output_token_ids: Sequence[int]
+    ) -> None:
+        self.started[request_id] = list(output_token_ids)
+
+    def state(self, request_id: str) -> tuple[GrammarState, str]:
+        if request_id in self.errors:
+            return GrammarState.FAILED, self.errors[request_id]
+        if request_id in self.compiled:
+            return GrammarState.READY, ""
+        return GrammarState.COMPILING, ""
+
+    def accept(self, request_id: str, token_ids: Sequence[int]) -> bool:
+        self.accepted.setdefault(request_id, []).extend(token_ids)
+        return REFUSED not in token_ids
+
+    def bitmask(self, request_ids: Sequence[str]) -> GrammarBitmask:
+        self.masked.append(list(request_ids))
+        return GrammarBitmask(list(request_ids), 1, b"\xff\xff\xff\xff" * len(request_ids))
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+
+def _setup(**overrides):  # type: ignore[no-untyped-def]
+    grammars = ScriptedGrammars()
+    scheduler = make_scheduler(grammar_backend=grammars, **overrides)
+    scheduler.add_request(make_request("g", [1, 2, 3, 4], structured_outputs=REGEX))
+    scheduler.add_request(make_request("free", [5, 6, 7, 8]))
+    return grammars, scheduler
+
+
+def test_a_grammar_request_waits_for_its_grammar_then_runs_with_a_mask_row() -> None:
+    grammars, scheduler = _setup()
+    assert grammars.started == {"g": []}
+    step = scheduler.schedule()
+    assert set(step.num_scheduled_tokens) == {"free"} and step.grammar is None
+    assert scheduler.num_waiting == 1  # still compiling
+    worker = FakeWorker(scheduler.block_size)
+    scheduler.update_from_output(step, worker.execute(step.to_message()))
+    grammars.compiled.add("g")
+    assert scheduler.admit_compiled() == []
+    step = scheduler.schedule()
+    assert set(step.num_scheduled_tokens) == {"g", "free"}
+    message = step.to_message()
+    assert message.grammar is not None and message.grammar.req_ids == ["g"]
+    outputs = scheduler.update_from_output(step, worker.execute(message))
+    (g_output,) = [o for o in outputs["client"] if o.request_id == "g"]
+    assert grammars.accepted["g"] == g_output.new_token_ids
+    assert "free" not in grammars.accepted
+
+
+def test_a_grammar_that_fails_to_compile_finishes_the_request_with_its_error() -> None:
+    grammars, scheduler = _setup()
+    grammars.errors["g"] = "grammar not compiled: bad regex"
+    (failed,) = scheduler.admit_compiled()
+    assert failed.status is RequestStatus.FINISHED_ERROR
+    assert failed.make_final_output().finish_reason == "error"
+    assert failed.error == "grammar not compiled: bad regex"
+    assert "g" not in scheduler.requests and grammars.released == ["g"]
+    assert scheduler.num_waiting == 1  # the free one
+
+
+def test_a_refused_token_fails_the_request() -> None:
+    grammars, scheduler = _setup()
+    grammars.compiled.add("g")
+    scheduler.admit_compiled()
+    worker = FakeWorker(scheduler.block_size, token_for=lambda req_id, _: REFUSED)
+    step = scheduler.schedule()
+    outputs = scheduler.update_from_output(step, worker.execute(step.to_message()))
+    finals = [o for o in outputs["client"] if o.request_id == "g" and o.finish_reason]
+    assert [o.finish_reason for o in finals] == ["error"]
+    assert "g" not in scheduler.requests and "free" in scheduler.requests
+
+
+def test_an_abort_while_compiling_releases_the_request() -> None:
+    grammars, scheduler = _setup()
+    (aborted,) = scheduler.finish_requests("g", RequestStatus.FINISHED_ABORTED)
+    assert aborted.request_id == "g" and grammars.released == ["g"]
+    grammars.compiled.add("g")
+    assert scheduler.admit_compiled() == [] and scheduler.num_waiting == 1
+
+
+def test_no_backend_refuses_a_grammar_request() -> None:
+    scheduler = make_scheduler()
+    with pytest.raises(ValueError, match="structured outputs are not available"):
+        scheduler.add_request(make_request("g", [1, 2, 3], structured_outputs=REGEX))
+
+
+def test_async_scheduling_waits_for_a_grammar_requests_previous_token() -> None:
+    grammars, scheduler = _setup(async_scheduling=True)
+    grammars.compiled.add("g")
+    scheduler.admit_compiled()
+    pipeline = Pipeline(scheduler, FakeWorker(scheduler.block_size), depth=2)
+    first = pipeline.schedule()
+    second = pipeline.schedule()
+    assert first is not None and second is not None
+    assert set(first.num_scheduled_tokens) == {"g", "free"}
+    assert set(second.num_scheduled_tokens) == {"free"}  # g's mask needs its first token
+    assert second.grammar is None
+    pipeline.land()
+    third = pipeline.schedule()
+    assert third is not None and "g" in third.num_scheduled_tokens
+    assert third.grammar is not None and third.grammar.req_ids == ["g"]
+    assert len(grammars.accepted["g"]) == 1  # the first token was fed before its next mask
