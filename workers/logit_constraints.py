@@ -26,6 +26,7 @@ class AllowedTokens:
 
     rows: torch.Tensor | None  # [A] int64 rows of the batch; None: every row, in order
     blocked: torch.Tensor  # [A, V] bool: True where the token is not allowed
+    host_rows: list[int]  # the rows, host side (sizes the verifier's expansion without a sync)
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class LogitBias:
     rows: torch.Tensor  # [B] int64
     token_ids: torch.Tensor  # [B] int64
     values: torch.Tensor  # [B] fp32
+    host_counts: dict[int, int]  # row -> its number of entries, host side
 
 
 def build_allowed(
@@ -54,6 +56,7 @@ def build_allowed(
     return AllowedTokens(
         rows=None if every_row else move(torch.tensor(rows, dtype=torch.int64)),
         blocked=move(blocked[:, :vocab_size]),
+        host_rows=rows,
     )
 
 
@@ -61,18 +64,21 @@ def build_bias(params: Sequence[SamplingParams], vocab_size: int, move: Move) ->
     rows: list[int] = []
     token_ids: list[int] = []
     values: list[float] = []
+    counts: dict[int, int] = {}
     for i, p in enumerate(params):
         if p.logit_bias:
             entries = [(t, v) for t, v in p.logit_bias.items() if t < vocab_size]
             rows += [i] * len(entries)
             token_ids += [t for t, _ in entries]
             values += [v for _, v in entries]
+            counts[i] = len(entries)
     if not rows:
         return None
     return LogitBias(
         rows=move(torch.tensor(rows, dtype=torch.int64)),
         token_ids=move(torch.tensor(token_ids, dtype=torch.int64)),
         values=move(torch.tensor(values, dtype=torch.float32)),
+        host_counts=counts,
     )
 
 
@@ -90,27 +96,37 @@ def apply_bias(logits: torch.Tensor, bias: LogitBias) -> None:
 
 
 def expand(
-    rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor
+    rows: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Entries of request ``rows[e]`` repeated over that request's ``counts[r]`` consecutive
-    rows from ``starts[r]``: (entry index [E'], target row [E'])."""
+    rows from ``starts[r]``: (entry index [size], target row [size]); ``size`` (the sum of
+    ``counts[rows]``, known on the host) spares a device sync."""
     reps = counts[rows]  # [E]
-    entry = torch.repeat_interleave(torch.arange(rows.numel(), device=rows.device), reps)
+    index = torch.arange(rows.numel(), device=rows.device)
+    entry = torch.repeat_interleave(index, reps, output_size=size)
     first = torch.cumsum(reps, 0) - reps  # [E]: where each entry's run begins
     offset = torch.arange(entry.numel(), device=rows.device) - first[entry]
     return entry, starts[rows][entry] + offset
 
 
 def expand_allowed(
-    allowed: AllowedTokens, starts: torch.Tensor, counts: torch.Tensor
+    allowed: AllowedTokens, starts: torch.Tensor, counts: torch.Tensor, host_counts: list[int]
 ) -> AllowedTokens:
+    """``allowed`` over the verifier's rows: request ``r``'s ``host_counts[r]`` rows from
+    ``starts[r]`` (``counts`` on the device)."""
     rows = allowed.rows
     if rows is None:
         rows = torch.arange(allowed.blocked.shape[0], device=allowed.blocked.device)
-    entry, target = expand(rows, starts, counts)
-    return AllowedTokens(rows=target, blocked=allowed.blocked[entry])
+    size = sum(host_counts[r] for r in allowed.host_rows)
+    entry, target = expand(rows, starts, counts, size)
+    return AllowedTokens(target, allowed.blocked[entry], [])
 
 
-def expand_bias(bias: LogitBias, starts: torch.Tensor, counts: torch.Tensor) -> LogitBias:
-    entry, target = expand(bias.rows, starts, counts)
-    return LogitBias(rows=target, token_ids=bias.token_ids[entry], values=bias.values[entry])
+def expand_bias(
+    bias: LogitBias, starts: torch.Tensor, counts: torch.Tensor, host_counts: list[int]
+) -> LogitBias:
+    """``bias`` over the verifier's rows (as ``expand_allowed``)."""
+    size = sum(host_counts[r] * n for r, n in bias.host_counts.items())
+    entry, target = expand(bias.rows, starts, counts, size)
+    values = bias.values[entry]
+    return LogitBias(target, bias.token_ids[entry], values, {})

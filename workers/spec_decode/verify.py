@@ -128,18 +128,19 @@ def _apply_row_constraints(
 ) -> None:
     """The sampler's constraints on every row, in its order, with the drafts before a row as
     its outputs: allowed ids, min_tokens, logit bias, penalties."""
+    num_rows = [n + 1 for n in layout.num_drafts]
     if metadata.allowed is not None or metadata.logit_bias is not None:
-        starts = torch.tensor(layout.starts, dtype=torch.int64, device=logits.device)
-        counts = torch.tensor(layout.num_drafts, dtype=torch.int64, device=logits.device) + 1
+        starts = torch.tensor(layout.starts, dtype=torch.int64).to(logits.device)
+        counts = torch.tensor(num_rows, dtype=torch.int64).to(logits.device)
     if metadata.allowed is not None:
-        apply_allowed(logits, expand_allowed(metadata.allowed, starts, counts))
+        apply_allowed(logits, expand_allowed(metadata.allowed, starts, counts, num_rows))
     if metadata.min_tokens_blocked is not None:
         rows, tokens = _min_tokens_blocked(states, layout)
         if rows:
             index = torch.tensor([rows, tokens], dtype=torch.int64).to(logits.device)
             logits[index[0], index[1]] = float("-inf")
     if metadata.logit_bias is not None:
-        apply_bias(logits, expand_bias(metadata.logit_bias, starts, counts))
+        apply_bias(logits, expand_bias(metadata.logit_bias, starts, counts, num_rows))
     if metadata.penalties is not None:
         apply_penalties(
             logits, _expand_penalties(metadata.penalties, states, draft_token_ids, layout)
