@@ -32,7 +32,7 @@ async def _tokens(client: Any, prompt: list[int], params: SamplingParams, req_id
 
 async def _mixed_batch(client: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     """Per prompt: plain greedy, greedy restricted to ALLOWED, and greedy with +100 on token 7."""
-    kinds = {
+    kinds: dict[str, dict[str, Any]] = {
         "plain": {},
         "allowed": {"allowed_token_ids": ALLOWED},
         "bias": {"logit_bias": {7: 100.0}},
@@ -68,7 +68,8 @@ async def test_restricted_requests_beside_plain_ones(bus_factory, tiny_checkpoin
 async def test_speculative_decoding_obeys_them(bus_factory, markov_checkpoint):  # type: ignore[no-untyped-def]
     prompts = [[40, 41, 42], [7] * 12, [17, 42, 99, 17, 42]]
     runs = {}
-    for name, options in (("plain", {}), ("ngram", {"speculative_config": NGRAM})):
+    spec_options: dict[str, Any] = {"speculative_config": NGRAM}
+    for name, options in (("plain", {}), ("ngram", spec_options)):
         bus = await bus_factory()
         async with engine_stack(bus, markov_checkpoint, **options) as stack:
             runs[name] = await _mixed_batch(stack.client, prompts, 32)
