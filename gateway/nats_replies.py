@@ -17,6 +17,7 @@ from shoal.gateway.params import (
     Prompt,
     chat_messages,
     check_text_length,
+    check_vocab,
     check_wire_ints,
     resolve_max_tokens,
     text_prompt,
@@ -106,6 +107,7 @@ def request_params(
         params = SamplingParams(**given)
     except ValueError as error:
         raise from_value_error(error) from None
+    check_vocab(params, vocab_size)
     return check_wire_ints(params)
 
 

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.bus.messages.sampling import KV_TIER_TYPES, OutputKind, SamplingParams
+from shoal.bus.messages.sampling import KV_TIER_TYPES, OutputKind, SamplingParams, out_of_vocab
 from shoal.gateway.errors import ApiError, bad_request, from_value_error
 from shoal.gateway.request_types import (
     MAX_PROMPTS,
@@ -186,8 +186,6 @@ def check_unsupported(request: _SamplingFields) -> None:
         value = getattr(request, name)
         if value is not None and not math.isfinite(value):
             raise bad_request(f"{name} must be a finite number", param=name)
-    if request.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     if isinstance(request, CompletionRequest) and request.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if isinstance(request, ChatCompletionRequest):
@@ -195,6 +193,36 @@ def check_unsupported(request: _SamplingFields) -> None:
             raise bad_request("tools are not supported", param="tools")
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias value
+
+
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token-id strings to values in [-100, 100]) keyed by int."""
+    if raw is None:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise bad_request(
+                f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            ) from None
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:  # NaN fails too
+            raise bad_request(
+                f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                param="logit_bias",
+            )
+        bias[token_id] = value
+    return bias
+
+
+def check_vocab(params: SamplingParams, vocab_size: int | None) -> None:
+    """A 400 naming the field when logit_bias or allowed_token_ids is out of the vocabulary."""
+    if vocab_size is not None and (invalid := out_of_vocab(params, vocab_size)):
+        raise bad_request(invalid[1], param=invalid[0])
 
 
 def kv_load_tiers(params: dict[str, Any] | None) -> list[str] | None:
@@ -260,6 +288,8 @@ def sampling_params(
     if vocab_size is not None and kwargs.get("top_k", 0) >= vocab_size:
         kwargs["top_k"] = 0
     kwargs["kv_load_tiers"] = kv_load_tiers(request.kv_transfer_params)
+    kwargs["logit_bias"] = logit_bias(request.logit_bias)
+    kwargs["allowed_token_ids"] = request.allowed_token_ids
     kwargs["structured_outputs"] = structured_outputs_of(request)
     try:
         params = SamplingParams(
@@ -280,4 +310,5 @@ def sampling_params(
         )
     except ValueError as error:
         raise from_value_error(error, rename=rename) from None
+    check_vocab(params, vocab_size)
     return check_wire_ints(params)

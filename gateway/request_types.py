@@ -70,7 +70,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (a string) -> [-100, 100]
+    allowed_token_ids: list[TokenId] | None = None  # vLLM's: the only tokens that may be sampled
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # vLLM's; shoal reads kv_load_tiers
     # Structured outputs (``gateway.structured``): OpenAI's response_format, vLLM's fields.

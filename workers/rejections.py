@@ -1,7 +1,8 @@
 """Requests a step fails alone (a non-fatal ``StepError``): a new request whose own inputs the
 model cannot take, checked before it joins the persistent batch: a token id outside the
 vocabulary (the embedding lookup would fail the whole batch's forward, and on CUDA poison the
-device) or more tokens than ``max_model_len``. The runner leaves such a request out of the batch,
+device; in ``logit_bias`` or ``allowed_token_ids`` the sampler could not apply it) or more tokens
+than ``max_model_len``. The runner leaves such a request out of the batch,
 runs the others and names it in ``StepError(fatal=False)``. It stays rejected until the engine
 core lists it as finished or preempted: a later step sent before this one's result came back
 (async scheduling) may still schedule it, and fails it alone again.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from shoal.bus.messages.sampling import out_of_vocab
 from shoal.bus.messages.worker import NewRequestData, StepError
 
 MAX_REMEMBERED = 4096  # rejected ids kept while waiting for the engine core to finish them
@@ -28,6 +30,8 @@ def reject_reason(new: NewRequestData, vocab_size: int, max_model_len: int) -> s
         if ids and (min(ids) < 0 or max(ids) >= vocab_size):  # one C pass each, not a list
             bad = next(t for t in ids if not 0 <= t < vocab_size)
             return f"{what} token id {bad} is out of range (vocabulary size {vocab_size})"
+    if invalid := out_of_vocab(new.sampling_params, vocab_size):
+        return invalid[1]
     return None
 
 

@@ -2,13 +2,14 @@
 does it.
 
 Order: raw logprobs (``log_softmax`` of the model's logits, vLLM's default ``raw_logprobs``
-mode) → min_tokens mask → penalties (repetition over prompt+output, presence and frequency over
-output) → greedy argmax; for random rows: temperature → min-p → top-k → top-p → an exponential
-race ``argmax(probs / q)``, ``q ~ Exp(1)``, drawn from the row's own generator when seeded (so a
-seeded request's tokens do not depend on the rest of the batch) and from the default generator in
-one call for the others. Nothing here copies device data to the host, except CPU top-p, which
-checks on the host whether every nucleus lies among the 256 most likely tokens (a full sort of
-the vocabulary is ~5x slower there) and falls back to the sort otherwise.
+mode) → allowed_token_ids mask → min_tokens mask → logit_bias → penalties (repetition over
+prompt+output, presence and frequency over output) → greedy argmax; for random rows:
+temperature → min-p → top-k → top-p → an exponential race ``argmax(probs / q)``,
+``q ~ Exp(1)``, drawn from the row's own generator when seeded (so a seeded request's tokens do
+not depend on the rest of the batch) and from the default generator in one call for the others.
+Nothing here copies device data to the host, except CPU top-p, which checks on the host whether
+every nucleus lies among the 256 most likely tokens (a full sort of the vocabulary is ~5x slower
+there) and falls back to the sort otherwise.
 
 ``LogprobsTensors.to_wire_rows`` / ``to_wire`` turn the tensors into wire ``Logprobs`` with one
 host copy per call.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.bus.messages.engine import Logprobs
+from shoal.workers.logit_constraints import apply_allowed, apply_bias
 from shoal.workers.sampling_metadata import PenaltyTensors, SamplingMetadata
 
 _TOP_P_CANDIDATES = 256  # CPU top-p looks at this many tokens before falling back to a sort
@@ -83,9 +85,13 @@ class Sampler:
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)  # [R, V]
+        if metadata.allowed is not None:
+            apply_allowed(logits, metadata.allowed)
         if metadata.min_tokens_blocked is not None:
             rows, token_ids = metadata.min_tokens_blocked
             logits[rows, token_ids] = float("-inf")
+        if metadata.logit_bias is not None:
+            apply_bias(logits, metadata.logit_bias)
         if metadata.penalties is not None:
             apply_penalties(logits, metadata.penalties)
         sampled = sample(logits, metadata)  # [R]

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.workers.logit_constraints import AllowedTokens, LogitBias, build_allowed, build_bias
 from shoal.workers.request_store import CachedRequestState, RequestStore
 
 _SAMPLING_EPS = 1e-5
@@ -55,6 +56,9 @@ class SamplingMetadata:
     penalties: PenaltyTensors | None = None
     # Positions masked to -inf until min_tokens outputs exist: (rows [M], token ids [M]).
     min_tokens_blocked: tuple[torch.Tensor, torch.Tensor] | None = None
+    # vLLM's allowed_token_ids and logit_bias, for the rows that use them (None: no row does).
+    allowed: AllowedTokens | None = None
+    logit_bias: LogitBias | None = None
     num_logprobs: list[int | None] = field(default_factory=list)  # per row, as requested
     max_num_logprobs: int | None = None  # None: no row wants logprobs
 
@@ -113,6 +117,8 @@ class SamplingBatch:
             generators={i: s.generator for i, s in enumerate(states) if s.generator is not None},
             penalties=self._build_penalties(states),
             min_tokens_blocked=self._min_tokens_blocked(states),
+            allowed=build_allowed(params, self.vocab_size, self._move),
+            logit_bias=build_bias(params, self.vocab_size, self._move),
             num_logprobs=num_logprobs,
             max_num_logprobs=max(wanted) if wanted else None,
         )

@@ -7,6 +7,7 @@ them to the worker's sampler), so they live here; ``shoal.SamplingParams`` re-ex
 from __future__ import annotations
 
 import enum
+import math
 
 import msgspec
 
@@ -48,8 +49,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     # KV offload: the tiers this request may load its prefix from (vLLM's
     # ``kv_transfer_params.kv_load_tiers``): tier types of KV_TIER_TYPES; None: every tier.
     kv_load_tiers: list[str] | None = None
+    # vLLM's: token id -> value added to its logit; and the only token ids that may be sampled.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     # What the output must match (a JSON schema, a regex, a choice, a grammar): decoding is
-    # constrained by a grammar the engine core advances (``engine/core/structured_output.py``).
+    # constrained by a grammar the engine core advances (``engine/core/grammar.py``).
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -114,3 +118,23 @@ def _check_sampling_params(p: SamplingParams) -> None:
         _fail("stop", "must not contain an empty string")
     if p.stop_token_ids is not None and any(t < 0 for t in p.stop_token_ids):
         _fail("stop_token_ids", "must hold non-negative token ids")
+    if p.logit_bias is not None:
+        if any(t < 0 for t in p.logit_bias):
+            _fail("logit_bias", "must have non-negative token ids as keys")
+        if not all(math.isfinite(v) for v in p.logit_bias.values()):
+            _fail("logit_bias", "values must be finite numbers")
+    if p.allowed_token_ids is not None:
+        if not p.allowed_token_ids:
+            _fail("allowed_token_ids", "must not be empty")
+        if any(t < 0 for t in p.allowed_token_ids):
+            _fail("allowed_token_ids", "must hold non-negative token ids")
+
+
+def out_of_vocab(p: SamplingParams, vocab_size: int) -> tuple[str, str] | None:
+    """(field, message) when ``logit_bias`` or ``allowed_token_ids`` names a token id at or
+    beyond ``vocab_size`` (the sampler could not apply it), else None."""
+    for name, ids in (("logit_bias", p.logit_bias), ("allowed_token_ids", p.allowed_token_ids)):
+        if ids and max(ids) >= vocab_size:
+            high = max(ids)
+            return name, f"{name} has token id {high}, out of the vocabulary (size {vocab_size})"
+    return None

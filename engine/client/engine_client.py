@@ -40,7 +40,7 @@ from shoal.bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
-from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.messages.sampling import SamplingParams, out_of_vocab
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_faults import EngineFaults
@@ -227,6 +227,8 @@ class AsyncEngineClient:
         """Send a request to an engine core; its outputs arrive in the returned collector."""
         processor = self.require_processor()
         prompt_text, prompt_ids = self._tokenize(prompt)
+        if invalid := out_of_vocab(params, self.require_tokenizer().vocab_size):
+            raise RequestValidationError(invalid[1], invalid[0])
         if request_id in self.placements:
             raise RequestValidationError(f"request id {request_id!r} is already in flight")
         if params.structured_outputs is not None:  # a bad schema is the caller's mistake

@@ -68,3 +68,21 @@ async def test_add_special_tokens_both_ways(served) -> None:  # type: ignore[no-
         await _ask(bus, api, {"messages": [USER], "sampling_params": params, **extra}, False)
     firsts = [prompt[0] == bos for _, prompt, _ in engine.requests]
     assert firsts == [True, False, True, True, False, False]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+async def test_logit_bias_and_allowed_token_ids_reach_the_engine(served, packed: bool) -> None:  # type: ignore[no-untyped-def]
+    bus, api, engine = served
+    params = {"max_tokens": 2, "logit_bias": {"5": 100.0}, "allowed_token_ids": [5, 9]}
+    await _ask(bus, api, {"prompt": "the fox", "sampling_params": params}, packed)
+    got = engine.requests[-1][2]
+    assert got.logit_bias == {5: 100.0} and got.allowed_token_ids == [5, 9]
+    vocab = len(engine.tokenizer)
+    for field, value in (("logit_bias", {str(vocab): 1.0}), ("allowed_token_ids", [1, vocab])):
+        bad = {"prompt": "the fox", "sampling_params": {field: value}}
+        reply = await bus.request(
+            api.subjects.api_generate(), json.dumps(bad).encode(), timeout=TIMEOUT
+        )
+        answer = json.loads(reply.data)
+        assert answer["type"] == "error" and answer["status"] == 400, answer
+        assert answer["error"]["param"] == field and str(vocab) in answer["error"]["message"]

@@ -87,6 +87,18 @@ def test_bad_arguments_are_clear_errors(tiny_checkpoint):  # type: ignore[no-unt
         SamplingParams(temperature=-1)
 
 
+def test_logit_bias_and_allowed_token_ids_offline(llm):  # type: ignore[no-untyped-def]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=[9, 33])
+    biased = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={12: 100})
+    prompts = [{"prompt_token_ids": [5, 6, 7]}] * 2
+    restricted, pinned = llm.generate(prompts, [params, biased], use_tqdm=False)
+    assert set(restricted.outputs[0].token_ids) <= {9, 33}
+    assert pinned.outputs[0].token_ids == [12] * 6
+    vocab = len(llm.get_tokenizer())
+    with pytest.raises(ValueError, match=f"allowed_token_ids has token id {vocab}"):
+        llm.generate("hello", SamplingParams(allowed_token_ids=[vocab]), use_tqdm=False)
+
+
 EARLY_EOS_PROMPT = [60, 12, 186]  # greedy on the tiny llama: [274, 2] (eos second)
 
 

@@ -146,7 +146,6 @@ def test_decode_errors_are_typed() -> None:
 def test_unsupported_features_are_refused() -> None:
     for body, param in [
         (b'{"messages": [], "tools": [{"type": "function"}]}', "tools"),
-        (b'{"messages": [], "logit_bias": {"1": 2}}', "logit_bias"),
     ]:
         with pytest.raises(ApiError) as caught:
             check_unsupported(_decode(body, ChatCompletionRequest))  # type: ignore[arg-type]
@@ -206,6 +205,39 @@ def test_bad_output_constraints_are_400s_naming_the_field(
         sampling_params(request, max_tokens=4, logprobs=None)
     assert (caught.value.status, caught.value.param) == (400, param)
     assert message in caught.value.message
+
+
+def test_logit_bias_and_allowed_token_ids_reach_the_sampling_params() -> None:
+    body = b'{"messages": [], "logit_bias": {"5": 100, "7": -2.5}, "allowed_token_ids": [5, 7]}'
+    chat = _decode(body, ChatCompletionRequest)
+    check_unsupported(chat)
+    params = sampling_params(chat, max_tokens=4, logprobs=None, vocab_size=8)
+    assert params.logit_bias == {5: 100.0, 7: -2.5} and params.allowed_token_ids == [5, 7]
+    plain = sampling_params(
+        _decode(b'{"prompt": "x"}', CompletionRequest), max_tokens=4, logprobs=None
+    )
+    assert plain.logit_bias is None and plain.allowed_token_ids is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        (b'"logit_bias": {"five": 1}', "logit_bias"),
+        (b'"logit_bias": {"1.5": 1}', "logit_bias"),
+        (b'"logit_bias": {"5": 100.5}', "logit_bias"),
+        (b'"logit_bias": {"5": -101}', "logit_bias"),
+        (b'"logit_bias": {"-3": 1}', "logit_bias"),
+        (b'"logit_bias": {"8": 1}', "logit_bias"),  # out of the vocabulary (8 tokens)
+        (b'"allowed_token_ids": []', "allowed_token_ids"),
+        (b'"allowed_token_ids": [1, 8]', "allowed_token_ids"),
+    ],
+)
+def test_bad_logit_bias_or_allowed_token_ids_is_a_400_naming_it(fields: bytes, param: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        request = _decode(b'{"prompt": "x", ' + fields + b"}", CompletionRequest)
+        sampling_params(request, max_tokens=4, logprobs=None, vocab_size=8)
+    assert (caught.value.status, caught.value.param) == (400, param)
+    assert param in caught.value.message
 
 
 def test_chat_messages_join_text_parts() -> None:

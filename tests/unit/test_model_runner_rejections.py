@@ -38,6 +38,11 @@ def test_reasons_name_the_input_at_fault() -> None:
     )
     assert "token id -1" in str(reject_reason(new("b", [-1], [1], 1), VOCAB, 64))
     assert "exceed max_model_len=4" in str(reject_reason(new("b", [1] * 5, [1, 2], 5), VOCAB, 4))
+    bias = new("b", [1], [1], 1, logit_bias={VOCAB: 5.0})
+    assert "logit_bias has token id 320" in str(reject_reason(bias, VOCAB, 64))
+    allowed = new("b", [1], [1], 1, allowed_token_ids=[3, VOCAB + 1])
+    assert "allowed_token_ids has token id 321" in str(reject_reason(allowed, VOCAB, 64))
+    assert reject_reason(new("b", [1], [1], 1, allowed_token_ids=[VOCAB - 1]), VOCAB, 64) is None
 
 
 def test_a_bad_request_fails_alone_and_the_others_run(runner) -> None:  # type: ignore[no-untyped-def]

@@ -3,10 +3,11 @@ plain ``Sampler`` applies (vLLM V1's ``RejectionSampler`` path).
 
 Request ``i`` owns ``n_i + 1`` consecutive logits rows: one per draft, then its bonus row. Row
 ``j`` is processed as the plain sampler would process a single row whose output so far is
-``output_token_ids + drafts[:j]``: min_tokens masking, penalties (counts include the earlier
-drafts), then greedy argmax, or temperature → min-p → top-k → top-p → probabilities. The per
-request metadata is expanded to rows with tensor ops (penalty counts by one scatter and a cumsum);
-requests without penalties or min_tokens cost nothing there.
+``output_token_ids + drafts[:j]``: the allowed_token_ids mask, min_tokens masking, logit_bias,
+penalties (counts include the earlier drafts), then greedy argmax, or temperature → min-p →
+top-k → top-p → probabilities. The per request metadata is expanded to rows with tensor ops
+(penalty counts by one scatter and a cumsum); requests without penalties, min_tokens, allowed
+ids or a bias cost nothing there.
 
 Drafts are accepted by ``rejection_sample`` (greedy: while equal to the argmax); the bonus row is
 sampled by the sampler's own ``sample`` (seeded requests from their generator, first), so a
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.bus.messages.engine import Logprobs
+from shoal.workers.logit_constraints import apply_allowed, apply_bias, expand_allowed, expand_bias
 from shoal.workers.request_store import CachedRequestState
 from shoal.workers.sampler import (
     apply_min_p,
@@ -124,12 +126,21 @@ def _apply_row_constraints(
     draft_token_ids: Sequence[Sequence[int]],
     layout: _Layout,
 ) -> None:
-    """min_tokens masking and penalties on every row, with the drafts before it as outputs."""
+    """The sampler's constraints on every row, in its order, with the drafts before a row as
+    its outputs: allowed ids, min_tokens, logit bias, penalties."""
+    num_rows = [n + 1 for n in layout.num_drafts]
+    if metadata.allowed is not None or metadata.logit_bias is not None:
+        starts = torch.tensor(layout.starts, dtype=torch.int64).to(logits.device)
+        counts = torch.tensor(num_rows, dtype=torch.int64).to(logits.device)
+    if metadata.allowed is not None:
+        apply_allowed(logits, expand_allowed(metadata.allowed, starts, counts, num_rows))
     if metadata.min_tokens_blocked is not None:
         rows, tokens = _min_tokens_blocked(states, layout)
         if rows:
             index = torch.tensor([rows, tokens], dtype=torch.int64).to(logits.device)
             logits[index[0], index[1]] = float("-inf")
+    if metadata.logit_bias is not None:
+        apply_bias(logits, expand_bias(metadata.logit_bias, starts, counts, num_rows))
     if metadata.penalties is not None:
         apply_penalties(
             logits, _expand_penalties(metadata.penalties, states, draft_token_ids, layout)
