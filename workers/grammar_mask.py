@@ -29,12 +29,18 @@ def allowed_tokens(bitmask: GrammarBitmask, vocab_size: int) -> torch.Tensor:
 def apply_grammar_bitmask(
     logits: torch.Tensor, row_of: Mapping[str, int], bitmask: GrammarBitmask | None
 ) -> None:
-    """In place: the logits row of each request the bitmask lists (``row_of``: request id →
-    its row in ``logits``) keeps only its allowed tokens. Listed requests not in ``row_of``
-    (not sampling in this batch) are skipped."""
+    """In place: the logits rows of each request the bitmask lists (``row_of``: request id →
+    its first row in ``logits``; its ``k``-th bitmask row masks row ``first + k``, a verified
+    draft's position) keep only their allowed tokens. Listed requests not in ``row_of`` (not
+    sampling in this batch) are skipped."""
     if bitmask is None:
         return
-    listed = [(i, row_of[r]) for i, r in enumerate(bitmask.req_ids) if r in row_of]
+    listed: list[tuple[int, int]] = []
+    seen: dict[str, int] = {}
+    for i, request_id in enumerate(bitmask.req_ids):
+        if request_id in row_of:
+            offset = seen[request_id] = seen.get(request_id, -1) + 1
+            listed.append((i, row_of[request_id] + offset))
     if not listed:
         return
     allowed = allowed_tokens(bitmask, logits.shape[-1])

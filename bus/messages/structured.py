@@ -43,8 +43,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
     """Which tokens each listed request may sample this step: ``data`` holds one row of
-    ``words`` little-endian int32 per request of ``req_ids`` (bit ``t % 32`` of word
-    ``t // 32`` set: token ``t`` allowed), xgrammar's layout. Requests not listed are free."""
+    ``words`` little-endian int32 per entry of ``req_ids`` (bit ``t % 32`` of word ``t // 32``
+    set: token ``t`` allowed), xgrammar's layout. A request verifying ``n`` drafts is listed
+    ``n + 1`` times in a row, one per position it samples at. Requests not listed are free."""
 
     req_ids: list[str]
     words: int

@@ -6,7 +6,10 @@ A request with ``structured_outputs`` waits apart (``GrammarParking``) until its
 compiled, then queues like any other; each step that it samples in carries its row of the token
 bitmask (``GrammarBitmask``); its sampled tokens advance its matcher as they land. Under async
 scheduling it is not scheduled again until its previous token has landed (its next mask depends
-on it). Speculative decoding proposes no drafts for it (its bitmask covers one position).
+on it). Under speculative decoding it verifies only the drafts its grammar accepts (the
+longest valid prefix), with one bitmask row per position verified (after each draft, then the
+bonus position); its matcher is rolled back after filling them and advanced by the tokens that
+land.
 """
 
 from __future__ import annotations
@@ -46,8 +49,16 @@ class GrammarBackend(Protocol):
         """Advance its matcher; False if the grammar refuses a token (it stays before it)."""
         ...
 
-    def bitmask(self, request_ids: Sequence[str]) -> GrammarBitmask:
-        """The rows of these (ready) requests, in this order."""
+    def valid_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """How many of ``token_ids`` (drafts) its grammar accepts in a row from where its
+        matcher is (which stays there)."""
+        ...
+
+    def bitmask(
+        self, request_ids: Sequence[str], drafts: Mapping[str, Sequence[int]]
+    ) -> GrammarBitmask:
+        """The rows of these (ready) requests, in this order: one per request, or with drafts
+        ``n + 1`` (after each of its ``n`` drafts in turn; the matcher ends where it began)."""
         ...
 
     def release(self, request_id: str) -> None:
@@ -69,6 +80,13 @@ class GrammarParking:
         assert structured is not None
         self.backend.start(request.request_id, structured, request.output_token_ids)
         self.parked[request.request_id] = request
+
+    def num_valid_drafts(self, request: Request, num_drafts: int) -> int:
+        """Of a sampling request's first ``num_drafts`` drafts, how many to verify: all for a
+        free request, its grammar's valid prefix for one with a grammar."""
+        if not grammar_bound(request):
+            return num_drafts
+        return self.backend.valid_prefix(request.request_id, request.spec_token_ids[:num_drafts])
 
     def release(self, request: Request) -> None:
         """``request`` is finished: its matcher goes (if it had a grammar)."""
@@ -124,7 +142,14 @@ def grammar_rows(backend: GrammarBackend, output: SchedulerOutput) -> GrammarBit
     """The bitmask rows of the step's requests under a grammar that sample in it (none: no
     bitmask, so steps without such requests cost nothing)."""
     bound = [rid for rid in output.sampling_req_ids if grammar_bound(output.requests[rid])]
-    return backend.bitmask(bound) if bound else None
+    if not bound:
+        return None
+    drafts = {
+        rid: output.requests[rid].spec_token_ids[: output.num_spec_tokens[rid]]
+        for rid in bound
+        if rid in output.num_spec_tokens
+    }
+    return backend.bitmask(bound, drafts)
 
 
 def advance_matchers(

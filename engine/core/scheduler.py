@@ -39,8 +39,7 @@ KV offload (``offload_connector.py``): admission asks the connector after the lo
 lookup (parking a request while it is looked up); landing hands it the step's copies and chunks.
 
 Speculative decoding (``spec_decoding.py``): a request that samples verifies its drafts as extra
-scheduled tokens; the landing rolls back the rejected ones. Structured outputs (``grammar.py``):
-a request waits apart until its grammar compiles; its steps carry its token bitmask row.
+scheduled tokens; the landing rolls back the rejected ones. Structured outputs: ``grammar.py``.
 """
 
 from __future__ import annotations
@@ -304,9 +303,10 @@ class Scheduler:
                 continue
             num_slots = num_new
             num_spec = 0
-            samples = num_computed + num_new == num_known
-            if spec is not None and samples and not grammar.grammar_bound(request):
+            if spec is not None and num_computed + num_new == num_known:  # it samples
                 num_spec = spec.num_drafts_to_verify(request, num_known, budget - num_new)
+                if num_spec and self.grammars is not None:  # only drafts its grammar accepts
+                    num_spec = self.grammars.num_valid_drafts(request, num_spec)
                 num_slots += num_spec + spec.num_lookahead(request, num_known + num_spec)
             new_block_ids = allocate_slots(request, num_slots)
             while new_block_ids is None:
@@ -429,10 +429,10 @@ class Scheduler:
         )
         if self.connector is not None:
             output.kv_transfers = self.connector.build_transfers(self.step_id)
+        if self.grammars is not None:  # (before the drafts to verify become placeholders)
+            output.grammar = grammar.grammar_rows(self.grammars.backend, output)
         if self.spec is not None:
             self.spec.after_schedule(output)
-        if self.grammars is not None:
-            output.grammar = grammar.grammar_rows(self.grammars.backend, output)
         return output
 
     # ----- results

@@ -5,12 +5,14 @@ loop as tokens land and fill one bitmask row each per step they sample in. The t
 loaded, and xgrammar imported, on the first request with a grammar.
 
 A matcher that has accepted its stop token (terminated) leaves its row all ones: the request
-ends on that token (unless it ignores EOS, when the rest of its output is free, as in vLLM)."""
+ends on that token (unless it ignores EOS, when the rest of its output is free, as in vLLM).
+Drafts (speculative decoding) are tried on the matcher and rolled back: it moves only by the
+tokens that land."""
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -68,13 +70,35 @@ class XgrammarBackend:
         matcher = self._matchers[request_id]
         return all(matcher.is_terminated() or matcher.accept_token(t) for t in token_ids)
 
-    def bitmask(self, request_ids: Sequence[str]) -> GrammarBitmask:
-        rows = np.full((len(request_ids), self.words), -1, dtype=np.int32)
-        for row, request_id in enumerate(request_ids):
+    def valid_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        matcher = self._matchers[request_id]
+        num_valid = 0
+        for token_id in token_ids:
+            if token_id < 0 or matcher.is_terminated() or not matcher.accept_token(token_id):
+                break  # (a negative id is a placeholder draft, never valid)
+            num_valid += 1
+        if num_valid:
+            matcher.rollback(num_valid)
+        return num_valid
+
+    def bitmask(
+        self, request_ids: Sequence[str], drafts: Mapping[str, Sequence[int]]
+    ) -> GrammarBitmask:
+        row_ids = [rid for rid in request_ids for _ in range(len(drafts.get(rid, ())) + 1)]
+        rows = np.full((len(row_ids), self.words), -1, dtype=np.int32)
+        row = 0
+        for request_id in request_ids:
             matcher = self._matchers[request_id]
-            if not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(rows, row)
-        return GrammarBitmask(list(request_ids), self.words, rows.astype("<i4").tobytes())
+            accepted = 0
+            for draft in [*drafts.get(request_id, ()), None]:
+                if not matcher.is_terminated():
+                    matcher.fill_next_token_bitmask(rows, row)
+                row += 1
+                if draft is not None and matcher.accept_token(draft):
+                    accepted += 1
+            if accepted:
+                matcher.rollback(accepted)
+        return GrammarBitmask(row_ids, self.words, rows.astype("<i4").tobytes())
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)

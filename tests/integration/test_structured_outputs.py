@@ -25,12 +25,14 @@ from hypothesis import strategies as st
 from shoal import LLM, SamplingParams
 from shoal.bus.messages.structured import StructuredOutputsParams
 from tests.fixtures.models import hf_greedy, make_prompts
+from tests.integration.engine_stack import engine_stack
 from tests.integration.served_stack import served_stack, with_chat_template
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 MAX_TOKENS = 400
 FREE_TOKENS = 8
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+LOOPING_PROMPTS = [[40, 41, 42], [7] * 12, [17, 42, 99, 17, 42]]
 
 LEAVES = st.one_of(
     st.just({"type": "boolean"}),
@@ -213,3 +215,33 @@ async def test_the_openai_fields_reach_the_engine(model_dir, tmp_path) -> None: 
                 max_tokens=5,
                 extra_body={"guided_regex": "a", "structured_outputs": {"regex": "b"}},
             )
+
+
+async def _grammar_run(bus_factory, model_dir, regex: str, options) -> tuple[list[str], Any]:  # type: ignore[no-untyped-def]
+    bus = await bus_factory()
+    params = SamplingParams(
+        temperature=0, max_tokens=80, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    async with engine_stack(bus, model_dir, **options) as stack:
+        texts = []
+        for i, prompt in enumerate(LOOPING_PROMPTS):
+            final = None
+            async for output in stack.client.generate(prompt, params, f"r{i}"):
+                final = output
+            assert final is not None and final.outputs[0].finish_reason == "stop"
+            texts.append(final.outputs[0].text)
+        return texts, stack.engines[0].core.scheduler.spec  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("regex", [r"[a-z ]{1,40}", r"[^\n]{1,40}"])
+async def test_grammar_requests_verify_the_drafts_their_grammar_accepts(
+    bus_factory, markov_checkpoint, regex: str
+) -> None:  # type: ignore[no-untyped-def]
+    """The markov model's outputs loop, so n-gram drafts come; each verified draft is one the
+    grammar accepts (a wrong mask row per draft position would let the output leave it)."""
+    plain, _ = await _grammar_run(bus_factory, markov_checkpoint, regex, {})
+    spec_options = {"speculative_config": NGRAM}
+    drafted, spec = await _grammar_run(bus_factory, markov_checkpoint, regex, spec_options)
+    assert drafted == plain
+    assert all(re.fullmatch(regex, text) for text in drafted), drafted
+    assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0

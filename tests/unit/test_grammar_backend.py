@@ -53,7 +53,7 @@ def test_the_bitmask_allows_exactly_the_tokens_that_stay_in_the_language(
     backend, texts = _vocab(tokenizer_dir)
     backend.start("r", StructuredOutputsParams(regex="ab[0-9]"), [])
     assert _ready(backend, "r") is GrammarState.READY
-    allowed = allowed_tokens(backend.bitmask(["r"]), backend.vocab_size)[0]
+    allowed = allowed_tokens(backend.bitmask(["r"], {}), backend.vocab_size)[0]
     expected = {t for t, text in enumerate(texts) if text and re.fullmatch(r"a|ab|ab[0-9]", text)}
     assert set(torch.nonzero(allowed).flatten().tolist()) == expected
     assert not allowed[len(texts) :].any()  # the model's padded vocabulary: never
@@ -61,10 +61,31 @@ def test_the_bitmask_allows_exactly_the_tokens_that_stay_in_the_language(
     assert backend.accept("r", [a])
     assert not backend.accept("r", [a])  # "aa" leaves the language; the matcher stays
     assert backend.accept("r", [texts.index("b"), texts.index("7")])
-    done = allowed_tokens(backend.bitmask(["r"]), backend.vocab_size)[0]
+    done = allowed_tokens(backend.bitmask(["r"], {}), backend.vocab_size)[0]
     assert torch.nonzero(done).flatten().tolist() == [EOS]  # complete: only the stop token
     backend.release("r")
     assert backend.state("r")[0] is GrammarState.FAILED  # forgotten
+
+
+def test_drafts_are_tried_and_rolled_back_with_a_row_per_position(tokenizer_dir: Path) -> None:
+    backend, texts = _vocab(tokenizer_dir)
+    backend.start("r", StructuredOutputsParams(regex="ab[0-9]"), [])
+    assert _ready(backend, "r") is GrammarState.READY
+    a, b, seven = texts.index("a"), texts.index("b"), texts.index("7")
+    assert backend.valid_prefix("r", [a, b, a, seven]) == 2  # "aba" leaves the language
+    assert backend.valid_prefix("r", [b]) == 0  # the matcher did not move: "b" still refused
+    bitmask = backend.bitmask(["r"], {"r": [a, b]})
+    assert bitmask.req_ids == ["r", "r", "r"]
+    rows = allowed_tokens(bitmask, backend.vocab_size)
+    assert rows[0, a] and not rows[0, b]  # at the start
+    assert rows[1, b] and not rows[1, a]  # after "a"
+    assert rows[2, seven] and not rows[2, b]  # after "ab"
+    assert torch.equal(allowed_tokens(backend.bitmask(["r"], {}), backend.vocab_size)[0], rows[0])
+    logits = torch.zeros(4, backend.vocab_size)
+    apply_grammar_bitmask(logits, {"r": 1}, bitmask)  # the request's rows start at row 1
+    assert torch.equal(logits[0], torch.zeros(backend.vocab_size))
+    for k in range(3):
+        assert torch.equal(logits[1 + k] == 0, rows[k])
 
 
 def test_a_resumed_request_replays_its_output_and_a_bad_one_fails(tokenizer_dir: Path) -> None:
@@ -73,7 +94,7 @@ def test_a_resumed_request_replays_its_output_and_a_bad_one_fails(tokenizer_dir:
     backend.start("ok", choice, [texts.index("y")])
     backend.start("bad", choice, [texts.index("x")])
     assert _ready(backend, "ok") is GrammarState.READY
-    allowed = allowed_tokens(backend.bitmask(["ok"]), backend.vocab_size)[0]
+    allowed = allowed_tokens(backend.bitmask(["ok"], {}), backend.vocab_size)[0]
     assert {texts[t] for t in torch.nonzero(allowed).flatten().tolist()} <= {"e", "es"}
     assert _ready(backend, "bad") is GrammarState.FAILED
     assert "does not match its grammar" in backend.state("bad")[1]

@@ -3,14 +3,17 @@ backend: a request with a grammar waits apart until its grammar compiles (counte
 then runs; a failed compile finishes it with the error; only the grammar requests that sample in
 a step get a bitmask row (a step without any carries none); sampled tokens advance the matcher
 and a refused one fails the request; an abort while compiling releases it; under async
-scheduling a grammar request is not scheduled again before its previous token lands."""
+scheduling a grammar request is not scheduled again before its previous token lands; under
+speculative decoding it verifies only its grammar's valid prefix of its drafts, with a bitmask
+row per position."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 
+from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.structured import GrammarBitmask, StructuredOutputsParams
 from shoal.engine.core.grammar import GrammarState
 from shoal.engine.core.request import RequestStatus
@@ -29,6 +32,7 @@ class ScriptedGrammars:
         self.started: dict[str, list[int]] = {}
         self.accepted: dict[str, list[int]] = {}
         self.masked: list[list[str]] = []
+        self.drafts_seen: list[dict[str, list[int]]] = []
         self.released: list[str] = []
 
     def start(
@@ -47,9 +51,16 @@ class ScriptedGrammars:
         self.accepted.setdefault(request_id, []).extend(token_ids)
         return REFUSED not in token_ids
 
-    def bitmask(self, request_ids: Sequence[str]) -> GrammarBitmask:
-        self.masked.append(list(request_ids))
-        return GrammarBitmask(list(request_ids), 1, b"\xff\xff\xff\xff" * len(request_ids))
+    def valid_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        return list(token_ids).index(REFUSED) if REFUSED in token_ids else len(token_ids)
+
+    def bitmask(
+        self, request_ids: Sequence[str], drafts: Mapping[str, Sequence[int]]
+    ) -> GrammarBitmask:
+        rows = [rid for rid in request_ids for _ in range(len(drafts.get(rid, ())) + 1)]
+        self.masked.append(rows)
+        self.drafts_seen.append({rid: list(d) for rid, d in drafts.items()})
+        return GrammarBitmask(rows, 1, b"\xff\xff\xff\xff" * len(rows))
 
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
@@ -136,3 +147,20 @@ def test_async_scheduling_waits_for_a_grammar_requests_previous_token() -> None:
     assert third is not None and "g" in third.num_scheduled_tokens
     assert third.grammar is not None and third.grammar.req_ids == ["g"]
     assert len(grammars.accepted["g"]) == 1  # the first token was fed before its next mask
+
+
+def test_a_grammar_request_verifies_only_the_drafts_its_grammar_accepts() -> None:
+    ngram = SpeculativeConfig(speculative_method="ngram", num_speculative_tokens=3)
+    grammars, scheduler = _setup(speculative_config=ngram)
+    grammars.compiled.add("g")
+    scheduler.admit_compiled()
+    worker = FakeWorker(scheduler.block_size)
+    step = scheduler.schedule()
+    scheduler.update_from_output(step, worker.execute(step.to_message()))
+    scheduler.requests["g"].spec_token_ids = [40, 41, REFUSED]
+    scheduler.requests["free"].spec_token_ids = [40, 41, REFUSED]
+    step = scheduler.schedule()
+    assert step.num_spec_tokens == {"g": 2, "free": 3}
+    assert step.grammar is not None and step.grammar.req_ids == ["g", "g", "g"]  # 2 drafts + 1
+    assert grammars.masked[-1] == ["g", "g", "g"]
+    assert grammars.drafts_seen[-1] == {"g": [40, 41]}  # their values, not placeholders
