@@ -5,9 +5,10 @@ warm-up and rounds, processes per side) and ``bench/serve.py`` (distinct or shar
 prompts, a warm-up, fixed concurrency and Poisson rate levels, failed requests counted) against
 the real engine stack, ``bench/offload.py`` (returning turns in five modes, loads beside a
 memory copy, LRU vs ARC), ``bench/spec_decode.py`` (every static K and dynamic mode on each
-workload, greedy outputs unchanged by speculation) and ``bench/routing.py`` (kv and load routing
-on a shared-prefix and a unique trace). Each ends with one JSON line; no timing is
-asserted (the machine is shared)."""
+workload, greedy outputs unchanged by speculation), ``bench/routing.py`` (kv and load routing
+on a shared-prefix and a unique trace) and ``bench/structured.py`` (a batch half under a JSON
+schema against a free one, and the mask's cost per step). Each ends with one JSON line; no
+timing is asserted (the machine is shared)."""
 
 from __future__ import annotations
 
@@ -459,3 +460,14 @@ def test_routing_compares_kv_and_load_routing_on_both_traces():
     # kv routing sends returning turns to their cache (load routing reached ~57% of the best)
     assert figures["hit_rate_kv"] >= 0.9 * figures["hit_rate_max"], figures
     assert figures["ttft_p50_kv_ms"] > 0 and figures["unique_ttft_p50_load_ms"] > 0
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.slow
+def test_structured_compares_a_mixed_batch_with_a_free_one(built_demo_model: None):
+    figures = _last_json(_run(str(BENCH / "structured.py"), "--quick", timeout=600))
+    keys = ("free_tok_s", "mixed_tok_s", "ratio", "mask_us_per_step")
+    assert all(isinstance(figures[k], int | float) and figures[k] > 0 for k in keys), figures
+    assert figures["mask_us_per_step"] == pytest.approx(
+        figures["fill_us_per_step"] + figures["apply_us_per_step"], abs=0.2
+    )

@@ -19,7 +19,7 @@ from shoal.bus.messages.structured import GrammarBitmask, StructuredOutputsParam
 from shoal.engine.core.grammar import GrammarState
 from shoal.engine.structured.backend import XgrammarBackend
 from shoal.engine.structured.grammars import GrammarError, check_grammar
-from shoal.workers.grammar_mask import allowed_tokens, apply_grammar_bitmask
+from shoal.workers.grammar_mask import allowed_tokens, apply_grammar_bitmask, apply_packed
 from tests.fixtures.models import build_tokenizer
 
 EOS = 0
@@ -145,3 +145,6 @@ def test_the_worker_masks_exactly_the_clear_bits_of_listed_rows() -> None:
             assert logits[2, t] == before[2, t]
     apply_grammar_bitmask(logits, {"a": 0}, None)  # no bitmask: nothing
     assert torch.equal(logits[:2], before[:2])
+    on_device = before.clone()  # the accelerator's path, run here: the same result
+    apply_packed(on_device, torch.tensor([2]), words.numpy()[:1])
+    assert torch.equal(on_device, logits)
