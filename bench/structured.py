@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--mask-iters", type=int, default=200)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on or off (default: the engine's default)",
+    )
     parser.add_argument("--quick", action="store_true", help="16 requests, 32 tokens, 1 round")
     args = parser.parse_args(argv)
     if args.quick:
@@ -113,6 +119,7 @@ def throughput(path: Path, args: argparse.Namespace, vocab: int) -> dict[str, fl
         max_num_seqs=args.num_requests,
         num_gpu_blocks_override=per_request * args.num_requests + 8,
         max_num_batched_tokens=max(2048, args.num_requests * args.prompt_len),
+        **({} if args.async_scheduling is None else {"async_scheduling": args.async_scheduling}),
     )
     try:
         timed_batch(llm, args, vocab, -1, mixed=False)  # warm-ups: the grammar compiles here
