@@ -71,6 +71,7 @@ class GrammarParking:
     def __init__(self, backend: GrammarBackend) -> None:
         self.backend = backend
         self.parked: dict[str, Request] = {}  # request id → the request (insertion order)
+        self.num_active = 0  # requests with a grammar not finished yet (0: steps skip it all)
 
     def __len__(self) -> int:
         return len(self.parked)
@@ -80,6 +81,7 @@ class GrammarParking:
         assert structured is not None
         self.backend.start(request.request_id, structured, request.output_token_ids)
         self.parked[request.request_id] = request
+        self.num_active += 1
 
     def num_valid_drafts(self, request: Request, num_drafts: int) -> int:
         """Of a sampling request's first ``num_drafts`` drafts, how many to verify: all for a
@@ -92,6 +94,7 @@ class GrammarParking:
         """``request`` is finished: its matcher goes (if it had a grammar)."""
         if grammar_bound(request):
             self.backend.release(request.request_id)
+            self.num_active -= 1
 
     def unpark(self, request: Request) -> bool:
         """Take ``request`` off the parking (aborted); whether it was there."""

@@ -429,7 +429,7 @@ class Scheduler:
         )
         if self.connector is not None:
             output.kv_transfers = self.connector.build_transfers(self.step_id)
-        if self.grammars is not None:  # (before the drafts to verify become placeholders)
+        if self.grammars is not None and self.grammars.num_active:  # (before drafts go -1)
             output.grammar = grammar.grammar_rows(self.grammars.backend, output)
         if self.spec is not None:
             self.spec.after_schedule(output)
@@ -455,7 +455,7 @@ class Scheduler:
             copies = None if fatal else result.kv_transfer
             table = self.kv_cache_manager.req_to_blocks
             loaded = self.connector.on_landed(scheduler_output, copies, outcome, skipped, table)
-        if self.grammars is not None:
+        if self.grammars is not None and self.grammars.num_active:
             grammar.advance_matchers(self.grammars.backend, self.requests, outcome)
         self._apply_outcome(outcome)  # (a failed load's blocks were never cached)
         self.in_flight.cache_landed(scheduler_output)

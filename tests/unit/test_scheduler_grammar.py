@@ -17,7 +17,13 @@ from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.structured import GrammarBitmask, StructuredOutputsParams
 from shoal.engine.core.grammar import GrammarState
 from shoal.engine.core.request import RequestStatus
-from tests.unit.factories import FakeWorker, Pipeline, make_request, make_scheduler
+from tests.unit.factories import (
+    FakeWorker,
+    Pipeline,
+    make_request,
+    make_scheduler,
+    run_to_completion,
+)
 
 REGEX = StructuredOutputsParams(regex="[0-9]+")
 REFUSED = 13  # the scripted grammar refuses this token
@@ -92,6 +98,9 @@ def test_a_grammar_request_waits_for_its_grammar_then_runs_with_a_mask_row() -> 
     (g_output,) = [o for o in outputs["client"] if o.request_id == "g"]
     assert grammars.accepted["g"] == g_output.new_token_ids
     assert "free" not in grammars.accepted
+    run_to_completion(scheduler, worker)
+    assert grammars.released == ["g"] and scheduler.grammars is not None
+    assert scheduler.grammars.num_active == 0  # steps skip the grammar work again
 
 
 def test_a_grammar_that_fails_to_compile_finishes_the_request_with_its_error() -> None:
@@ -103,6 +112,7 @@ def test_a_grammar_that_fails_to_compile_finishes_the_request_with_its_error() -
     assert failed.error == "grammar not compiled: bad regex"
     assert "g" not in scheduler.requests and grammars.released == ["g"]
     assert scheduler.num_waiting == 1  # the free one
+    assert scheduler.grammars is not None and scheduler.grammars.num_active == 0
 
 
 def test_a_refused_token_fails_the_request() -> None:
@@ -121,6 +131,7 @@ def test_an_abort_while_compiling_releases_the_request() -> None:
     grammars, scheduler = _setup()
     (aborted,) = scheduler.finish_requests("g", RequestStatus.FINISHED_ABORTED)
     assert aborted.request_id == "g" and grammars.released == ["g"]
+    assert scheduler.grammars is not None and scheduler.grammars.num_active == 0
     grammars.compiled.add("g")
     assert scheduler.admit_compiled() == [] and scheduler.num_waiting == 1
 
