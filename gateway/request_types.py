@@ -146,7 +146,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     add_special_tokens: bool = False  # vLLM's default for chat: the template supplies any BOS
     tools: list[ChatTool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # none, auto, required or a function
-    parallel_tool_calls: bool | None = None  # accepted; calls are parsed as the model writes
+    parallel_tool_calls: bool | None = None  # False: required makes one call (auto: as written)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

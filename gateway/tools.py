@@ -89,7 +89,9 @@ def template_tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     """The tools as the chat template takes them (transformers' ``tools=``: OpenAI's dicts)."""
     if not body.tools:
         return None
-    return [msgspec.to_builtins(tool) for tool in body.tools]
+    return [
+        {"type": tool.type, "function": msgspec.to_builtins(tool.function)} for tool in body.tools
+    ]
 
 
 def tool_plan(body: ChatCompletionRequest, options: ToolCallingOptions) -> ToolPlan | None:
@@ -116,7 +118,8 @@ def tool_plan(body: ChatCompletionRequest, options: ToolCallingOptions) -> ToolP
         )
     if choice == "required":
         tools = [(t.function.name, t.function.parameters) for t in body.tools]
-        return ToolPlan("required", REQUIRED, constraint=_json(required_schema(tools)))
+        schema = required_schema(tools, parallel=body.parallel_tool_calls is not False)
+        return ToolPlan("required", REQUIRED, constraint=_json(schema))
     assert isinstance(choice, NamedToolChoice)
     return _named_plan(body, choice.function.name)
 

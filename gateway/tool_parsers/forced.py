@@ -34,8 +34,11 @@ def parameters_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
     return parameters if parameters is not None else EMPTY_PARAMETERS
 
 
-def required_schema(tools: list[tuple[str, dict[str, Any] | None]]) -> dict[str, Any]:
-    """The schema of ``required``'s output for ``(name, parameters)`` of each tool."""
+def required_schema(
+    tools: list[tuple[str, dict[str, Any] | None]], parallel: bool = True
+) -> dict[str, Any]:
+    """The schema of ``required``'s output for ``(name, parameters)`` of each tool; one call
+    at most unless ``parallel`` (OpenAI's ``parallel_tool_calls``)."""
     branches = [
         {
             "type": "object",
@@ -47,7 +50,10 @@ def required_schema(tools: list[tuple[str, dict[str, Any] | None]]) -> dict[str,
         }
         for name, parameters in tools
     ]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
 
 
 def extract_named(name: str, text: str) -> ExtractedToolCalls:
