@@ -215,6 +215,13 @@ FORCED = {
 }
 
 
+HELD = {
+    "hermes": "no call <tool_c",
+    "llama3_json": "no call <\\|python",
+    "mistral": "no call \\[TOOL",
+}
+
+
 @pytest.mark.parametrize("parser", sorted(FORCED))
 async def test_auto_parses_the_parsers_format(model_dir, parser: str) -> None:  # type: ignore[no-untyped-def]
     options = {"tool_calling": ToolCallingOptions(True, parser)}
@@ -237,6 +244,14 @@ async def test_auto_parses_the_parsers_format(model_dir, parser: str) -> None:  
         streamed, (finish, content) = await _streamed(client, **common)
         assert [(c["name"], c["args"]) for c in streamed.values()] == calls
         assert finish == "tool_calls" and content == (choice.message.content or "")
+        # No call, ending in what may be the start of a tag: held back, then sent as content.
+        held = {**common, "extra_body": {"structured_outputs": {"regex": HELD[parser]}}}
+        answer = await client.chat.completions.create(**held)
+        choice = answer.choices[0]
+        assert not choice.message.tool_calls and choice.finish_reason == "stop"
+        assert choice.message.content == "no call " + HELD[parser][8:].replace("\\", "")
+        streamed, (finish, content) = await _streamed(client, **held)
+        assert not streamed and finish == "stop" and content == choice.message.content
         plain = await client.chat.completions.create(**{**common, "tool_choice": "none"})
         assert not plain.choices[0].message.tool_calls  # the same text, left as content
         assert "get_time" in (plain.choices[0].message.content or "")
