@@ -21,6 +21,7 @@ from shoal.bus.messages.config import (
     OPTION_GROUPS,
     POLICIES,
     ROUTING_MODES,
+    TOOL_CALL_PARSERS,
     FaultToleranceConfig,
     ShoalConfig,
 )
@@ -164,6 +165,20 @@ def _add_model_arguments(g: Group) -> None:
     )
     _option(g, "--seed", dest="seed", type=int, help="random seed")
     _option(g, "--device", dest="device", help="cpu, or cuda / cuda:N")  # fmt: skip
+    _option(
+        g,
+        "--enable-auto-tool-choice",
+        dest="enable_auto_tool_choice",
+        help='tool_choice "auto": parse the tool calls the model writes (needs --tool-call-parser)',
+    )
+    _option(
+        g,
+        "--tool-call-parser",
+        dest="tool_call_parser",
+        choices=TOOL_CALL_PARSERS,
+        help="the format of the model's tool calls: hermes (Qwen, Hermes: <tool_call>), "
+        "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS])",
+    )
 
 
 def _add_cache_arguments(g: Group) -> None:

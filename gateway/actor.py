@@ -28,6 +28,7 @@ from shoal.gateway.nats_api import NatsApi
 from shoal.gateway.server import HttpServer, start_http_server
 from shoal.gateway.serving import DEFAULT_SSE_KEEP_ALIVE_S
 from shoal.gateway.stats_logging import StatsLogger
+from shoal.gateway.tools import ToolCallingOptions
 
 log = logging.getLogger(__name__)
 _HEARTBEAT: Codec[Heartbeat] = Codec(Heartbeat)
@@ -131,6 +132,7 @@ class GatewayActor(Actor):
             api_key=self.api_key,
             metrics=self.metrics,
             sse_keep_alive_s=self.sse_keep_alive_s,
+            tool_calling=self._tool_calling(),
         )
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:
@@ -143,6 +145,13 @@ class GatewayActor(Actor):
             )
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)
+
+    def _tool_calling(self) -> ToolCallingOptions:
+        """The deployment's tool-calling flags (none without a config)."""
+        if self.config is None:
+            return ToolCallingOptions()
+        model = self.config.model_config
+        return ToolCallingOptions(model.enable_auto_tool_choice, model.tool_call_parser)
 
     def _num_speculative_tokens(self) -> int:
         """The deployment's K (0: it does not speculate, or this actor has no config)."""

@@ -38,6 +38,7 @@ from shoal.gateway.serving import (
     ServingContext,
     decode_body,
 )
+from shoal.gateway.tools import ToolCallingOptions
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 PROTECTED_PREFIXES = ("/v1/", "/fault_tolerance/")  # behind the API key, when there is one
@@ -52,11 +53,13 @@ def create_app(
     metrics: Metrics | None = None,
     sse_keep_alive_s: float | None = DEFAULT_SSE_KEEP_ALIVE_S,
     fault_tolerance: FaultToleranceApi | None = None,
+    tool_calling: ToolCallingOptions | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app for one engine client (real or fake); a stream that waits
     ``sse_keep_alive_s`` for output gets a keep-alive comment (None: never). The
     ``/fault_tolerance/*`` endpoints use ``fault_tolerance`` (default: the client's own
-    ``fault_tolerance`` attribute, if it has one)."""
+    ``fault_tolerance`` attribute, if it has one); ``tool_calling``: the server's
+    ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither)."""
     name = served_model_name or engine_client.model_name
     if fault_tolerance is None:
         fault_tolerance = getattr(engine_client, "fault_tolerance", None)
@@ -66,7 +69,9 @@ def create_app(
     if api_key:
         middlewares.append(bearer_auth(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
-    app[CONTEXT_KEY] = ServingContext(engine_client, name, metrics, sse_keep_alive_s)
+    app[CONTEXT_KEY] = ServingContext(
+        engine_client, name, metrics, sse_keep_alive_s, tool_calling or ToolCallingOptions()
+    )
     app.router.add_post("/v1/completions", _with_context(create_completion))
     app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))
     app.router.add_get("/v1/models", _with_context(list_models))

@@ -1,5 +1,6 @@
-"""``POST /v1/chat/completions``: the chat template renders the messages into one prompt; ``n``
-choices, logprobs/top_logprobs, streamed (role chunk first) or answered whole."""
+"""``POST /v1/chat/completions``: the chat template renders the messages (and any tools) into one
+prompt; ``n`` choices, logprobs/top_logprobs, tool calls (``gateway.tools``), streamed (role
+chunk first) or answered whole."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import time
 import msgspec
 from aiohttp import web
 
+from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.outputs import CompletionOutput, RequestOutput
+from shoal.gateway.errors import ApiError, bad_request
 from shoal.gateway.generation import Generation
 from shoal.gateway.logprobs import TokenText, chat_logprobs
 from shoal.gateway.params import (
@@ -39,6 +42,7 @@ from shoal.gateway.serving import (
     now_seconds,
     stream_events,
 )
+from shoal.gateway.tools import CallStream, ToolPlan, template_tools, tool_plan
 
 ASSISTANT = "assistant"
 
@@ -48,7 +52,8 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     body = await decode_body(request, ChatCompletionRequest)
     ctx.check_model(body.model)
     check_unsupported(body)
-    prompt = chat_prompt(ctx.engine, body)
+    plan = tool_plan(body, ctx.tool_calling)
+    prompt = chat_prompt(ctx.engine, body, template_tools(body))
     requested: int | None = body.max_tokens
     max_param = "max_tokens"
     if body.max_completion_tokens is not None:
@@ -67,28 +72,58 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         rename={"logprobs": "top_logprobs", "max_tokens": max_param},
         vocab_size=len(ctx.engine.tokenizer),
     )
+    params = with_tool_plan(params, plan)
     ctx.check_ready()
     generation = Generation(
         ctx.engine, [prompt], [params], new_request_id("chatcmpl"), ctx.metrics, arrival_time
     )
-    view = ChatView(ctx, body, generation)
-    async with generation:
-        if body.stream:
-            return await view.stream(request)
-        response = await view.complete()
-        return web.Response(body=msgspec.json.encode(response), content_type="application/json")
+    view = ChatView(ctx, body, generation, plan)
+    try:
+        async with generation:
+            if body.stream:
+                return await view.stream(request)
+            response = await view.complete()
+            return web.Response(body=msgspec.json.encode(response), content_type="application/json")
+    except ApiError as error:
+        if plan is not None and plan.constraint is not None and error.param == SO_PARAM:
+            raise bad_request(f"tools: {error.message}", param="tools") from None
+        raise
+
+
+SO_PARAM = "structured_outputs"  # where the engine client names a grammar it cannot build
+
+
+def with_tool_plan(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:
+    """The sampling parameters a tool plan needs: the grammar of forced calls, and special
+    tokens kept in the text when the parser's tags are special tokens."""
+    if plan is None:
+        return params
+    if plan.constraint is not None:
+        params = msgspec.structs.replace(params, structured_outputs=plan.constraint)
+    if plan.skip_special_tokens is not None:
+        params = msgspec.structs.replace(params, skip_special_tokens=plan.skip_special_tokens)
+    return params
 
 
 class ChatView:
     """Turns the engine's DELTA outputs into chat choices and chunks."""
 
     def __init__(
-        self, ctx: ServingContext, body: ChatCompletionRequest, generation: Generation
+        self,
+        ctx: ServingContext,
+        body: ChatCompletionRequest,
+        generation: Generation,
+        plan: ToolPlan | None = None,
     ) -> None:
         self.ctx = ctx
         self.body = body
         self.generation = generation
+        self.plan = plan
         self.choices = [Choice(i) for i in range(body.num_choices)]
+        streams = body.stream and plan is not None
+        self.call_streams: list[CallStream] | None = (
+            [plan.stream() for _ in self.choices] if streams and plan is not None else None
+        )
         self.logprobs = [ChatLogprobs() for _ in self.choices] if body.logprobs else None
         self.usage = UsageCounter([len(p.token_ids) for p in generation.prompts])
         self.token_text = TokenText(ctx.engine.tokenizer)
@@ -109,30 +144,47 @@ class ChatView:
             self.logprobs[choice.index].content.extend(logprobs.content)
         choice.add(completion)
         self.usage.add(completion)
-        if not completion.text and completion.finish_reason is None and logprobs is None:
+        if self.call_streams is None:
+            delta = DeltaMessage(content=completion.text)
+            finish_reason = completion.finish_reason
+        else:
+            delta, finish_reason = self._tool_delta(completion)
+        if not (delta.content or delta.tool_calls) and finish_reason is None and logprobs is None:
             return None
-        return ChatChunkChoice(
-            choice.index,
-            DeltaMessage(content=completion.text),
-            logprobs,
-            completion.finish_reason,
-            completion.stop_reason,
-        )
+        return ChatChunkChoice(choice.index, delta, logprobs, finish_reason, completion.stop_reason)
+
+    def _tool_delta(self, completion: CompletionOutput) -> tuple[DeltaMessage, str | None]:
+        """A streamed choice's text through its tool-call parser."""
+        assert self.call_streams is not None and self.plan is not None
+        stream = self.call_streams[completion.index]
+        parsed = stream.feed(completion.text)
+        reason = completion.finish_reason
+        if reason is not None:
+            parsed.extend(stream.finish())
+            reason = self.plan.finish_reason(stream.called, reason)
+        content = parsed.content if parsed.content or not parsed.tool_calls else None
+        return DeltaMessage(content=content, tool_calls=parsed.tool_calls or None), reason
+
+    def _message(self, choice: Choice) -> tuple[ChatMessageOut, str | None]:
+        """A whole choice's message (its tool calls parsed out) and finish reason."""
+        if self.plan is None:
+            return ChatMessageOut(ASSISTANT, self.echo + choice.text), choice.finish_reason
+        parsed = self.plan.extract(choice.text)
+        content = parsed.content
+        if self.echo:
+            content = self.echo + (content or "")
+        reason = self.plan.finish_reason(parsed.called, choice.finish_reason)
+        return ChatMessageOut(ASSISTANT, content, tool_calls=parsed.tool_calls), reason
 
     async def complete(self) -> ChatCompletionResponse:
         async for _, output in self.generation.outputs():
             for completion in output.outputs:
                 self._delta(completion)
-        choices = [
-            ChatChoice(
-                c.index,
-                ChatMessageOut(ASSISTANT, self.echo + c.text),
-                self.logprobs[c.index] if self.logprobs is not None else None,
-                c.finish_reason,
-                c.stop_reason,
-            )
-            for c in self.choices
-        ]
+        choices = []
+        for c in self.choices:
+            message, reason = self._message(c)
+            logprobs = self.logprobs[c.index] if self.logprobs is not None else None
+            choices.append(ChatChoice(c.index, message, logprobs, reason, c.stop_reason))
         return ChatCompletionResponse(
             self.generation.request_id,
             self.created,

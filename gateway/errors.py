@@ -80,11 +80,12 @@ def from_decode_error(error: msgspec.DecodeError, wire_format: str = "json") -> 
     text = str(error)
     if not isinstance(error, msgspec.ValidationError):
         return bad_request(f"Invalid {wire_format} body: {text}", code=f"invalid_{wire_format}")
+    match = _PATH_FIELD.search(text)  # the top-level field the failure lies under
+    param = match.group(1) if match else None
     missing = _MISSING_FIELD.search(text)
     if missing:
-        return bad_request(text, param=missing.group(1), code="missing_required_parameter")
-    match = _PATH_FIELD.search(text)
-    param = match.group(1) if match else None
+        param = param or missing.group(1)
+        return bad_request(text, param=param, code="missing_required_parameter")
     code = "invalid_type" if _WRONG_TYPE.match(text) else "invalid_value"
     return bad_request(text, param=param, code=code)
 

@@ -3,6 +3,8 @@ model, and one ``SamplingParams`` per prompt. Every failure is an ``ApiError`` (
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +16,7 @@ from shoal.gateway.request_types import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    MessageToolCall,
     PromptInput,
     _SamplingFields,
 )
@@ -99,18 +102,32 @@ def token_prompt(ids: list[int], tokenizer: Any) -> Prompt:
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text parts joined, a ``name`` kept."""
+    """Messages as the chat template takes them: text parts joined, a ``name`` kept, an
+    assistant's ``tool_calls`` with their arguments as objects (vLLM's: templates write them
+    with ``tojson``) and a tool message's ``tool_call_id``."""
     if not messages:
         raise bad_request("messages must not be empty", param="messages")
     out: list[dict[str, Any]] = []
     for message in messages:
         if message.role not in CHAT_ROLES:
             raise bad_request(f"unknown message role {message.role!r}", param="messages")
-        rendered = {"role": message.role, "content": message_text(message)}
+        rendered: dict[str, Any] = {"role": message.role, "content": message_text(message)}
         if message.name is not None:
             rendered["name"] = message.name
+        if message.tool_calls:
+            rendered["tool_calls"] = [template_tool_call(call) for call in message.tool_calls]
+        if message.tool_call_id is not None:
+            rendered["tool_call_id"] = message.tool_call_id
         out.append(rendered)
     return out
+
+
+def template_tool_call(call: MessageToolCall) -> dict[str, Any]:
+    arguments: Any = call.function.arguments
+    with contextlib.suppress(ValueError):  # else left as the text it is
+        arguments = json.loads(arguments)
+    function = {"name": call.function.name, "arguments": arguments}
+    return {"id": call.id, "type": call.type, "function": function}
 
 
 def message_text(message: ChatMessage) -> str:
@@ -125,17 +142,22 @@ def message_text(message: ChatMessage) -> str:
     return "".join(texts)
 
 
-def chat_prompt(engine: Any, request: ChatCompletionRequest) -> Prompt:
-    """Render the chat template; a template that fails on these messages is a 400."""
+def chat_prompt(
+    engine: Any, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
+) -> Prompt:
+    """Render the chat template (with ``tools``, when given, as transformers passes them); a
+    template that fails on these messages is a 400."""
     messages = chat_messages(request.messages)
     text = "".join(m["content"] for m in messages)
     check_text_length(text, engine.max_model_len, "messages")
+    extra = {"tools": tools} if tools else {}
     try:
         ids = list(
             engine.encode_chat(
                 messages,
                 add_generation_prompt=request.add_generation_prompt,
                 add_special_tokens=request.add_special_tokens,
+                **extra,
             )
         )
     except ApiError:
@@ -188,11 +210,12 @@ def check_unsupported(request: _SamplingFields) -> None:
             raise bad_request(f"{name} must be a finite number", param=name)
     if isinstance(request, CompletionRequest) and request.suffix:
         raise bad_request("suffix is not supported", param="suffix")
-    if isinstance(request, ChatCompletionRequest):
-        if request.tools:
-            raise bad_request("tools are not supported", param="tools")
-        if request.top_logprobs is not None and not request.logprobs:
-            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if (
+        isinstance(request, ChatCompletionRequest)
+        and request.top_logprobs is not None
+        and not request.logprobs
+    ):
+        raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each bias value

@@ -8,7 +8,7 @@ Decoding is lax, as vLLM's pydantic models are: ``14.0`` is the integer 14, ``"2
 
 from __future__ import annotations
 
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -42,10 +42,48 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class CalledFunction(msgspec.Struct):
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it back
+
+
+class MessageToolCall(msgspec.Struct):
+    """A call in an assistant message of the conversation."""
+
+    id: str
+    function: CalledFunction
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(msgspec.Struct, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, omit_defaults=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class NamedFunction(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    """``tool_choice`` naming the function to call."""
+
+    function: NamedFunction
+    type: Literal["function"] = "function"
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -106,7 +144,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     echo: bool | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM's default for chat: the template supplies any BOS
-    tools: list[dict[str, object]] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # none, auto, required or a function
+    parallel_tool_calls: bool | None = None  # False: required makes one call (auto: as written)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

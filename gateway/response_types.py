@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
+from shoal.gateway.tool_parsers.calls import DeltaToolCall, ToolCall
+
 
 class Usage(msgspec.Struct):
     prompt_tokens: int
@@ -78,6 +80,7 @@ class ChatMessageOut(msgspec.Struct):
     role: str
     content: str | None
     refusal: str | None = None  # required by the schema (nullable); shoal never refuses
+    tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
 
 
 class ChatChoice(msgspec.Struct):
@@ -101,6 +104,7 @@ class ChatCompletionResponse(
 class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

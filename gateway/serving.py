@@ -21,6 +21,7 @@ from shoal.gateway.generation import Generation
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.request_types import decode_json_body
 from shoal.gateway.response_types import Usage, make_usage
+from shoal.gateway.tools import ToolCallingOptions
 
 T = TypeVar("T")
 
@@ -39,6 +40,7 @@ class ServingContext:
     served_model_name: str
     metrics: Metrics
     sse_keep_alive_s: float | None = DEFAULT_SSE_KEEP_ALIVE_S  # None or 0: no keep-alive
+    tool_calling: ToolCallingOptions = field(default_factory=ToolCallingOptions)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

@@ -39,6 +39,7 @@ POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("sha256", "xxhash")
 BUS_KINDS = ("nats", "memory")
 ROUTING_MODES = ("kv", "load")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # gateway.tool_parsers has each
 MAX_BLOCK_SIZE = 128
 NUM_UBATCHES = 2  # micro-batches of a DBO step
 
@@ -52,9 +53,19 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     max_model_len: int | None = None  # default: the model's own context length
     seed: int = 0
     device: str = "cpu"  # cpu, cuda or cuda:N
+    # Tool calling (the gateway's): parse calls out of the output when tool_choice is "auto".
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
 
     def __post_init__(self) -> None:
         _one_of(self.dtype, DTYPES, "dtype")
+        if self.tool_call_parser is not None:
+            _one_of(self.tool_call_parser, TOOL_CALL_PARSERS, "tool_call_parser")
+        _require(
+            not self.enable_auto_tool_choice or self.tool_call_parser is not None,
+            "enable_auto_tool_choice",
+            "needs tool_call_parser (which format the model writes its calls in)",
+        )
         _positive(self, "max_model_len")
         _require(self.seed >= 0, "seed", f"must be non-negative, got {self.seed}")
 
@@ -393,6 +404,7 @@ OPTION_GROUPS: dict[str, str] = {
 __all__ = [
     "GROUPS",
     "OPTION_GROUPS",
+    "TOOL_CALL_PARSERS",
     "BusConfig",
     "CacheConfig",
     "FaultToleranceConfig",

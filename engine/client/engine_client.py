@@ -191,10 +191,15 @@ class AsyncEngineClient:
         chat_template: str | None = None,
         *,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         tokenizer = self.require_tokenizer()
         return tokenizer.encode_chat(
-            messages, add_generation_prompt, chat_template, add_special_tokens=add_special_tokens
+            messages,
+            add_generation_prompt,
+            chat_template,
+            add_special_tokens=add_special_tokens,
+            tools=tools,
         )
 
     async def generate(

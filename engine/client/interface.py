@@ -83,7 +83,10 @@ class EngineClientInterface(Protocol):
         add_generation_prompt: bool = True,
         *,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Apply the model's chat template and tokenize (with the tokenizer's special tokens
-        only if ``add_special_tokens``: the template supplies any BOS itself)."""
+        """Apply the model's chat template (given ``tools``: OpenAI's function dicts, as
+        transformers' ``apply_chat_template(tools=...)`` takes them) and tokenize (with the
+        tokenizer's special tokens only if ``add_special_tokens``: the template supplies any
+        BOS itself)."""
         ...

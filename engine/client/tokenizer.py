@@ -118,10 +118,13 @@ class Tokenizer:
         chat_template: str | None = None,
         *,
         add_special_tokens: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Apply the chat template and tokenize. The template supplies any BOS itself, so the
-        tokenizer's special tokens are added only when asked (vLLM's chat default: not)."""
-        text = self.apply_chat_template(messages, add_generation_prompt, chat_template)
+        """Apply the chat template (given ``tools``, OpenAI's function dicts, as transformers
+        passes them) and tokenize. The template supplies any BOS itself, so the tokenizer's
+        special tokens are added only when asked (vLLM's chat default: not)."""
+        extra = {"tools": tools} if tools else {}
+        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **extra)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
 

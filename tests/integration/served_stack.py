@@ -31,13 +31,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def with_chat_template(model_dir: Path, out_dir: Path) -> Path:
+def with_chat_template(model_dir: Path, out_dir: Path, template: str = CHAT_TEMPLATE) -> Path:
     """A copy of the checkpoint at ``out_dir`` whose tokenizer has a chat template."""
     from transformers import AutoTokenizer
 
     shutil.copytree(model_dir, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = template
     tokenizer.save_pretrained(str(out_dir))
     return out_dir
 

@@ -233,3 +233,28 @@ def test_an_actor_process_gets_the_config_back_typed() -> None:
     actor = build_actor(_ConfigProbe, InMemoryBus(), {**as_sent, "rank": 3})
     assert isinstance(actor, _ConfigProbe)
     assert actor.config == config and actor.rank == 3
+
+
+def test_tool_calling_flags_as_vllm_spells_them() -> None:
+    """``--enable-auto-tool-choice`` needs ``--tool-call-parser``, one of the gateway's."""
+    from shoal.bus.messages.config import TOOL_CALL_PARSERS
+    from shoal.gateway.actor import GatewayActor
+    from shoal.gateway.tool_parsers import TOOL_CALL_FORMATS
+
+    assert set(TOOL_CALL_PARSERS) == set(TOOL_CALL_FORMATS)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    ns = parser.parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    options = {
+        k: v for k, v in vars(ns).items() if k in ("enable_auto_tool_choice", "tool_call_parser")
+    }
+    config = ShoalConfig.from_options(model="/m", **options)
+    assert config.model_config.tool_call_parser == "llama3_json"
+    actor = GatewayActor(InMemoryBus(), "gateway-0", config=config)
+    assert actor._tool_calling().enable_auto_tool_choice  # what the gateway's app gets
+    with pytest.raises(ValueError, match="enable_auto_tool_choice"):
+        ShoalConfig.from_options(model="/m", enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        ShoalConfig.from_options(model="/m", tool_call_parser="pythonic")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tool-call-parser", "pythonic"])
