@@ -33,7 +33,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from shoal.bus.actor import Inbox
 from shoal.bus.base import Bus, BusError, Msg
@@ -340,8 +340,7 @@ class EngineCoreActor(FaultHandlingActor):
             num_tokens = scheduler_output.total_num_scheduled_tokens if scheduler_output else 0
             if num_tokens or self.lockstep.peer_waiting:  # no round while nobody can run one
                 self.sentinel.check_injection(self.num_steps_sent)  # before peers run it
-                timeout_s = self.config.parallel_config.step_timeout_s
-                in_round = (await self.lockstep.agree(num_tokens, timeout_s)).runs
+                in_round = await self._agree_while_landing(core, num_tokens)
             if in_round and not num_tokens:
                 scheduler_output = core.hold_dummy(scheduler_output)
         if scheduler_output is None or (scheduler_output.is_empty and not in_round):
@@ -359,6 +358,29 @@ class EngineCoreActor(FaultHandlingActor):
         self._busy = True
         self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._in_flight))
         return True
+
+    async def _agree_while_landing(self, core: EngineCore, num_tokens: int) -> bool:
+        """Agree on this rank's next lock-step round (whether it runs), landing the steps in
+        flight as their results come meanwhile: a peer whose worker died answers no round
+        until it is back, and this rank's own failed step must end its requests at once, not
+        after the round's timeout."""
+        assert self.lockstep is not None
+        timeout_s = self.config.parallel_config.step_timeout_s
+        agree = asyncio.ensure_future(self.lockstep.agree(num_tokens, timeout_s))
+        try:
+            while not agree.done():
+                replies = self._in_flight[0][1].replies if self._in_flight else []
+                if replies and all(reply.done() for reply in replies):
+                    await self._publish(await self._land_oldest(core))
+                    continue
+                waiting: set[asyncio.Future[Any]] = {agree, *replies}
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not agree.done():
+                agree.cancel()  # (its report is withdrawn)
+                with contextlib.suppress(asyncio.CancelledError):
+                    await agree
+        return agree.result().runs
 
     async def _land_oldest(self, core: EngineCore) -> ClientOutputs:
         """Await the oldest step's result and apply it."""

@@ -91,13 +91,14 @@ class LockstepLink:
 
     async def agree(self, num_tokens: int, timeout_s: float) -> RoundOutcome:
         """Report ``num_tokens`` for this rank's next round and wait for every rank's report;
-        ``LockstepTimeout`` after ``timeout_s`` (the report is withdrawn)."""
+        ``LockstepTimeout`` after ``timeout_s`` (the report is withdrawn, as when the wait is
+        cancelled)."""
         report = self.rounds.report(num_tokens)
         await self._publish(report)
         what = f"lock-step round {report.round}"
         try:
             return await self._wait_for(self.rounds.take_outcome, timeout_s, what)
-        except WorkerFailure:
+        except (WorkerFailure, asyncio.CancelledError):
             withdrawn = self.rounds.abandon()
             if withdrawn is not None:
                 await self._publish(withdrawn)
