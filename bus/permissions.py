@@ -121,6 +121,7 @@ COMMON_SUBSCRIBE = (
 )
 NEVER_FROM_OUTSIDE_THE_ENGINE = (  # only engine cores send steps and client outputs
     _g("worker_in", ANY),
+    _g("worker_grammar", ANY),
     _g("engine_out", ANY),
 )
 CONTROL = _g("control", ANY, ANY)
@@ -148,6 +149,7 @@ ROLES: dict[str, Role] = {
             _g("engine_out", ANY),
             _g("engine_stats", ANY),
             _g("worker_in", ANY),
+            _g("worker_grammar", ANY),
             _g("tier_in", ANY),
             _g("lockstep"),
             _g("kv_events", ANY),
@@ -164,7 +166,7 @@ ROLES: dict[str, Role] = {
     "worker": Role(
         kind="worker",
         publish=(_g("engine_results", ANY),),
-        subscribe=(_g("worker_in", ANY),),
+        subscribe=(_g("worker_in", ANY), _g("worker_grammar", ANY)),
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
         buckets=(BucketGrant("kv", "group_ports_bucket"),),
     ),

@@ -112,6 +112,11 @@ class Subjects:
         """A worker's inbox: ``WorkerInbound`` (ExecuteStep, ResetWorker)."""
         return self._build("worker", worker_id, "in")
 
+    def worker_grammar(self, worker_id: str) -> str:
+        """A step's grammar bitmask sent after the step (``StepGrammar``: async scheduling),
+        apart from the inbox, which a running step holds."""
+        return self._build("worker", worker_id, "grammar")
+
     # engine core ↔ KV offload tiers
     def tier_in(self, tier_id: str) -> str:
         """A KV tier's inbox: ``TierInbound`` requests (or ``SecondaryInbound``)."""

@@ -55,6 +55,7 @@ from shoal.bus.codec import Codec, encode
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.fault import FaultInjected, InjectedFault, InjectFault
+from shoal.bus.messages.structured import StepGrammar
 from shoal.bus.messages.worker import (
     DescribeWorker,
     ExecuteStep,
@@ -67,6 +68,7 @@ from shoal.bus.messages.worker import (
     WorkerInbound,
     WorkerInfo,
 )
+from shoal.workers.grammar_mask import GrammarMailbox
 from shoal.workers.group_ports import (
     GroupMember,
     PortBoard,
@@ -183,6 +185,7 @@ class WorkerActor(Actor):
         self._fault_at: tuple[int, str] | None = None  # (step count, message) of an armed fault
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{worker_id}")
         self._codec: Codec[WorkerInbound] = Codec(WorkerInbound)
+        self.grammar_mailbox = GrammarMailbox()  # late grammar masks, for the runner
         self.num_steps = 0
         self.num_step_errors = 0
         self._step_running = False
@@ -191,7 +194,11 @@ class WorkerActor(Actor):
     # -- lifecycle -----------------------------------------------------------------------------
     def inboxes(self) -> Sequence[Inbox]:
         subject = self.subjects.worker_in(self.worker_id)
-        return [Inbox(subject, self._handle, self._codec, sequential=True)]
+        late_masks = self.subjects.worker_grammar(self.worker_id)  # not behind a running step
+        return [
+            Inbox(subject, self._handle, self._codec, sequential=True),
+            Inbox(late_masks, self._on_step_grammar, Codec(StepGrammar)),
+        ]
 
     async def on_start(self) -> None:
         """Build (unless injected) and load the runner in the runner thread."""
@@ -224,6 +231,9 @@ class WorkerActor(Actor):
         return figures
 
     # -- messages ------------------------------------------------------------------------------
+    async def _on_step_grammar(self, message: StepGrammar, msg: Msg) -> None:
+        self.grammar_mailbox.put(message.step_id, message.bitmask)
+
     async def _handle(self, message: WorkerInbound, msg: Msg) -> Any:
         match message:
             case ExecuteStep():
@@ -339,13 +349,16 @@ class WorkerActor(Actor):
         from shoal.workers.model_runner import ModelRunner  # heavy imports only where a model runs
 
         assert self.config is not None
-        return ModelRunner(
+        runner = ModelRunner(
             self.config,
             tp_rank=self.tp_rank,
             tp_init_method=self.tp_init_method,
             dp_rank=self.dp_rank,
             ep_init_method=self.ep_init_method,
         )
+        runner.grammar_mailbox = self.grammar_mailbox  # late grammar masks reach it here
+        runner.grammar_wait_s = self.config.parallel_config.step_timeout_s
+        return runner
 
     def _require_runner(self) -> StepRunner:
         if self.runner is None:

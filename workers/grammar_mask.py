@@ -10,6 +10,7 @@ applied there (the bias would be 32x the bytes)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -75,3 +76,28 @@ def apply_packed(logits: torch.Tensor, rows: torch.Tensor, words: np.ndarray) ->
     if allowed.shape[1] < vocab_size:
         allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
     logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab_size], float("-inf"))
+
+
+class GrammarMailbox:
+    """Late masks (``StepGrammar``) by step id, put by the worker's loop as they arrive and
+    taken by the runner thread, which waits for its step's (a mask may also come before its
+    step). Masks of steps older than the one taken are dropped."""
+
+    def __init__(self) -> None:
+        self._masks: dict[int, GrammarBitmask | None] = {}
+        self._changed = threading.Condition()
+
+    def put(self, step_id: int, bitmask: GrammarBitmask | None) -> None:
+        with self._changed:
+            self._masks[step_id] = bitmask
+            self._changed.notify_all()
+
+    def take(self, step_id: int, timeout_s: float) -> GrammarBitmask | None:
+        """Step ``step_id``'s masks; ``TimeoutError`` if they do not come within
+        ``timeout_s``."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: step_id in self._masks, timeout_s):
+                raise TimeoutError(f"no grammar masks for step {step_id} within {timeout_s} s")
+            for old in [s for s in self._masks if s < step_id]:
+                del self._masks[old]
+            return self._masks.pop(step_id)

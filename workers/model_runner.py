@@ -28,9 +28,10 @@ import torch
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.offload import KVTransferResult
+from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.workers.config import CheckpointConfig, parse_dtype
-from shoal.workers.grammar_mask import apply_grammar_bitmask
+from shoal.workers.grammar_mask import GrammarMailbox, apply_grammar_bitmask
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run_kv_transfers
@@ -83,6 +84,10 @@ class ModelRunner:
         self.facts: ModelFacts | None = None
         self._model: DecoderForCausalLM | None = None
         self._sampler = Sampler()
+        # Late grammar masks (async scheduling; the worker actor delivers them) and how long a
+        # step waits for its own after its forward pass.
+        self.grammar_mailbox: GrammarMailbox | None = None
+        self.grammar_wait_s = 60.0
         self.regions = RegionViews()  # CPU tier regions, mapped for KV offload copies
         self._dropped = DroppedLoads()  # requests out of the batch after a failed KV load
         self.spec: SpecDecoder | None = None  # speculative decoding, when enabled
@@ -300,15 +305,16 @@ class ModelRunner:
         sampling_idx = np.flatnonzero(inputs.is_sampling)  # [R] rows of the batch
         if spec is not None and spec.verifies(inputs, sampling_idx):
             t2 = time.perf_counter()
+            grammar = self._step_grammar(step)
             sampled, logprobs = spec.verify(
-                inputs, sampling_idx, hidden, self.model.compute_logits, step.grammar
+                inputs, sampling_idx, hidden, self.model.compute_logits, grammar
             )
         else:
             logits_rows = torch.from_numpy(inputs.query_start_loc[1:][sampling_idx] - 1).long()
             logits = self.model.compute_logits(hidden[logits_rows.to(self.device)])  # [R, V]
-            if step.grammar is not None:
+            if (grammar := self._step_grammar(step)) is not None:
                 row_of = {inputs.req_ids[i]: row for row, i in enumerate(sampling_idx)}
-                apply_grammar_bitmask(logits, row_of, step.grammar)
+                apply_grammar_bitmask(logits, row_of, grammar)
             t2 = time.perf_counter()
             sampled, logprobs = self._sample(inputs, sampling_idx, logits)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
@@ -327,6 +333,15 @@ class ModelRunner:
             kv_transfer=transfer,
             spec_token_ids=spec_ids,
         )
+
+    def _step_grammar(self, step: ExecuteStep) -> GrammarBitmask | None:
+        """The step's grammar masks: carried by the step, or sent after it (async scheduling:
+        awaited here, once the forward pass has run)."""
+        if not step.grammar_later:
+            return step.grammar
+        if self.grammar_mailbox is None:
+            raise RuntimeError(f"step {step.step_id} waits for grammar masks nobody delivers")
+        return self.grammar_mailbox.take(step.step_id, self.grammar_wait_s)
 
     def _apply_diff(self, step: ExecuteStep) -> None:
         if self.spec is not None:

@@ -50,3 +50,13 @@ class GrammarBitmask(msgspec.Struct, array_like=True, gc=False):
     req_ids: list[str]
     words: int
     data: bytes
+
+
+class StepGrammar(msgspec.Struct, tag="step_grammar", array_like=True, gc=False):
+    """The bitmask of step ``step_id``, sent after the step itself (``ExecuteStep.grammar_later``:
+    under async scheduling a grammar request's mask needs the token of the step before, which
+    lands while this one runs; the worker runs its forward pass meanwhile and waits for this
+    before sampling). ``bitmask`` None: no row to mask (its requests ended meanwhile)."""
+
+    step_id: int
+    bitmask: GrammarBitmask | None = None

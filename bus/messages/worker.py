@@ -95,8 +95,10 @@ class ExecuteStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     # A round of the engine cores' lock-step group (expert parallelism): every rank's workers
     # run this step's collectives, with no tokens too (``bus/messages/lockstep.py``).
     lockstep: bool = False
-    # The tokens each request under a grammar may sample this step (structured outputs).
+    # The tokens each request under a grammar may sample this step (structured outputs), or,
+    # with ``grammar_later``, a ``StepGrammar`` for this step comes on the worker's grammar subject.
     grammar: GrammarBitmask | None = None
+    grammar_later: bool = False
 
     def batch_order(self) -> BatchOrder:
         """Scheduled request ids and their token counts, in batch order."""

@@ -399,7 +399,10 @@ class EngineCoreActor(FaultHandlingActor):
             raise WorkerFailure(f"fatal worker error: {result.error.message}")
         if self.offload is not None and result.kv_transfer is not None:
             self.offload.count_copies(result.kv_transfer)
-        return core.apply_result(scheduler_output, result)
+        outputs = core.apply_result(scheduler_output, result)
+        while core.step_grammars:  # the next step's masks waited for this one (async)
+            await self.workers.send_grammar(core.step_grammars.pop(0))
+        return outputs
 
     def _abandon_in_flight(self) -> None:
         """Stop waiting for the steps sent (``EngineCore.fail_all`` abandons them too)."""

@@ -17,6 +17,7 @@ its step loop fails (``EngineCoreActor`` derives from it; the step loop calls ``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -65,10 +66,18 @@ class FaultHandlingActor(Actor):
         else:
             await self._recover(core, reason)
 
+    async def _release_waiting_workers(self, core: EngineCore) -> None:
+        """Workers running an abandoned step that waits for its masks get none (so they finish
+        it), where they can still be reached."""
+        while core.step_grammars:
+            with contextlib.suppress(WorkerFailure):
+                await self.workers.send_grammar(core.step_grammars.pop(0))
+
     async def _recover(self, core: EngineCore, reason: str) -> None:
         """Without fault tolerance: fail every request, wait for the workers, serve again."""
         await self.set_state(ActorState.UNHEALTHY, reason)
         await self._publish(core.fail_all(reason))
+        await self._release_waiting_workers(core)
         while True:
             try:
                 await self._connect_workers()
@@ -86,6 +95,7 @@ class FaultHandlingActor(Actor):
         # The state first: a client resuming these requests must not pick this engine core.
         await self.set_state(self.sentinel.fault_state(self.workers.all_alive()), reason)
         await self._publish(core.fail_all(reason, resumable=True))
+        await self._release_waiting_workers(core)
         watch = asyncio.create_task(self._watch_workers_while_faulted())
         try:
             await asyncio.wait_for(self.sentinel.resumed.wait(), self.sentinel.recovery_timeout_s)

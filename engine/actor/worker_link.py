@@ -25,6 +25,7 @@ from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.offload import KVTransferResult
+from shoal.bus.messages.structured import StepGrammar
 from shoal.bus.messages.worker import (
     DescribeWorker,
     ExecuteStep,
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 _OUTBOUND: Codec[WorkerOutbound] = Codec(WorkerOutbound)
 _STEP: Codec[ExecuteStep] = Codec(ExecuteStep)
+_GRAMMAR: Codec[StepGrammar] = Codec(StepGrammar)
 GROUP_JOIN_TIMEOUT_S = 60.0  # ranks already loaded: joining is quick unless one is gone
 GROUP_JOIN_MIN_S = 10.0  # even when agreeing on the epoch took the handshake's time
 _GONE = (ActorState.DRAINING, *GONE_STATES)  # a draining worker takes no more steps
@@ -264,6 +266,15 @@ class WorkerLink:
                 self.forget(sent)
                 raise WorkerFailure(f"step {step.step_id} not sent: {exc!r}") from exc
         return sent
+
+    async def send_grammar(self, message: StepGrammar) -> None:
+        """A step's late masks to every rank (``StepGrammar``: the step went before them)."""
+        data = _GRAMMAR.encode(message)
+        for worker_id in self.worker_ids:
+            try:
+                await self.bus.publish(self.subjects.worker_grammar(worker_id), data)
+            except BusError as exc:
+                raise WorkerFailure(f"step {message.step_id}'s masks not sent: {exc!r}") from exc
 
     async def wait(self, sent: SentStep) -> StepResult:
         """Every rank's reply to ``sent``; ``WorkerFailure`` on a lost worker or after

@@ -30,8 +30,9 @@ from shoal.bus.messages.engine import (
 )
 from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.spec_decode import SpeculativeConfig
+from shoal.bus.messages.structured import StepGrammar
 from shoal.bus.messages.worker import StepResult, WorkerInfo
-from shoal.engine.core.grammar import GrammarBackend
+from shoal.engine.core.grammar import GrammarBackend, late_grammar
 from shoal.engine.core.request import Request, RequestStatus, group_final_outputs
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.scheduler_output import SchedulerOutput
@@ -87,6 +88,9 @@ class EngineCore:
         self._inputs: deque[AddRequest | AbortRequest] = deque()
         self._pending_aborts: set[str] = set()
         self._num_pending_adds = 0
+        # Late masks of steps in flight (``grammar.late_grammar``), for the shell to send.
+        self.step_grammars: list[StepGrammar] = []
+        self._late_grammar_step = -1  # the last step they were made for
 
     # ----- inputs (called as messages arrive)
 
@@ -205,9 +209,24 @@ class EngineCore:
         self.scheduler.land_step(scheduler_output)
         if result.error is not None:
             outputs = self.scheduler.update_from_output(scheduler_output, result)
-            return merge_outputs(outputs, self._take_pending_aborts())
-        outputs = self._take_pending_aborts()
-        return merge_outputs(outputs, self.scheduler.update_from_output(scheduler_output, result))
+            outputs = merge_outputs(outputs, self._take_pending_aborts())
+        else:
+            outputs = self._take_pending_aborts()
+            merge_outputs(outputs, self.scheduler.update_from_output(scheduler_output, result))
+        self._make_late_grammar(result)
+        return outputs
+
+    def _make_late_grammar(self, landed: StepResult) -> None:
+        """The masks of the next step in flight, if they waited for the step just landed."""
+        grammars = self.scheduler.grammars
+        if not self.outstanding or grammars is None:
+            return
+        following = self.outstanding[0]
+        if following.grammar_later and following.step_id != self._late_grammar_step:
+            backend, requests = grammars.backend, self.scheduler.requests
+            drafts = dict(zip(landed.req_ids, landed.spec_token_ids, strict=False))
+            self.step_grammars.append(late_grammar(backend, following, requests, drafts))
+            self._late_grammar_step = following.step_id
 
     def _take_pending_aborts(self) -> ClientOutputs:
         if not self._pending_aborts:
@@ -222,7 +241,10 @@ class EngineCore:
         abandoned: their results, if they come, are not applied. ``resumable``: the fault is the
         engine core's, not the requests' (a client may resume them elsewhere)."""
         while self.outstanding:
-            self.scheduler.land_step(self.outstanding.popleft(), wrote_kv=False)
+            abandoned = self.outstanding.popleft()
+            if abandoned.grammar_later and abandoned.step_id != self._late_grammar_step:
+                self.step_grammars.append(StepGrammar(abandoned.step_id))  # no wait for masks
+            self.scheduler.land_step(abandoned, wrote_kv=False)
         if self.scheduler.connector is not None:
             self.scheduler.connector.abandon()
         requests = list(self.scheduler.requests.values())

@@ -5,8 +5,11 @@ engine core's loop, and the shell hands it in.
 A request with ``structured_outputs`` waits apart (``GrammarParking``) until its grammar is
 compiled, then queues like any other; each step that it samples in carries its row of the token
 bitmask (``GrammarBitmask``); its sampled tokens advance its matcher as they land. Under async
-scheduling it is not scheduled again until its previous token has landed (its next mask depends
-on it). Under speculative decoding it verifies only the drafts its grammar accepts (the
+scheduling its next step is scheduled before its previous token lands, and that step's mask
+depends on the token: the step goes without its masks (``grammar_later``) and they follow it
+(``StepGrammar``, made by ``late_grammar`` once the step before has landed) while the worker
+runs the step's forward pass (vLLM's deferred sampling for ``pending_structured_output_tokens``).
+Under speculative decoding it verifies only the drafts its grammar accepts (the
 longest valid prefix), with one bitmask row per position verified (after each draft, then the
 bonus position); its matcher is rolled back after filling them and advanced by the tokens that
 land.
@@ -18,7 +21,7 @@ import enum
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from shoal.bus.messages.structured import GrammarBitmask, StructuredOutputsParams
+from shoal.bus.messages.structured import GrammarBitmask, StepGrammar, StructuredOutputsParams
 from shoal.engine.core.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -85,10 +88,13 @@ class GrammarParking:
 
     def num_valid_drafts(self, request: Request, num_drafts: int) -> int:
         """Of a sampling request's first ``num_drafts`` drafts, how many to verify: all for a
-        free request, its grammar's valid prefix for one with a grammar."""
-        if not grammar_bound(request):
-            return num_drafts
-        return self.backend.valid_prefix(request.request_id, request.spec_token_ids[:num_drafts])
+        free request, its grammar's valid prefix for one with a grammar, all when they are not
+        known yet (async scheduling: the worker verifies them blind; a step's late masks stop
+        at the first one the grammar refuses, so it is rejected)."""
+        drafts = request.spec_token_ids[:num_drafts]
+        if not grammar_bound(request) or any(draft < 0 for draft in drafts):
+            return num_drafts  # (placeholders: verified blind, their rows made once known)
+        return self.backend.valid_prefix(request.request_id, drafts)
 
     def release(self, request: Request) -> None:
         """``request`` is finished: its matcher goes (if it had a grammar)."""
@@ -141,18 +147,56 @@ def grammar_bound(request: Request) -> bool:
     return request.sampling_params.structured_outputs is not None
 
 
-def grammar_rows(backend: GrammarBackend, output: SchedulerOutput) -> GrammarBitmask | None:
-    """The bitmask rows of the step's requests under a grammar that sample in it (none: no
-    bitmask, so steps without such requests cost nothing)."""
+def plan_grammar(backend: GrammarBackend, output: SchedulerOutput) -> None:
+    """Give the step the bitmask rows of its requests under a grammar that sample in it, or,
+    when one of them still has a token in flight (async scheduling), mark them for later;
+    none: no bitmask, so steps without such requests cost nothing. Call it before the step's
+    drafts become placeholders (``SpecDecoding.after_schedule``)."""
     bound = [rid for rid in output.sampling_req_ids if grammar_bound(output.requests[rid])]
     if not bound:
-        return None
-    drafts = {
+        return
+    output.grammar_drafts = {
         rid: output.requests[rid].spec_token_ids[: output.num_spec_tokens[rid]]
         for rid in bound
         if rid in output.num_spec_tokens
     }
-    return backend.bitmask(bound, drafts)
+    if any(_token_in_flight(output, rid) for rid in bound):
+        output.grammar_later = True
+    else:
+        output.grammar = backend.bitmask(bound, output.grammar_drafts)
+
+
+def late_grammar(
+    backend: GrammarBackend,
+    output: SchedulerOutput,
+    requests: Mapping[str, Request],
+    landed_drafts: Mapping[str, Sequence[int]],
+) -> StepGrammar:
+    """The masks of a ``grammar_later`` step, once the step before it has landed (every token
+    they depend on is in the matchers; ``landed_drafts``: the drafts it proposed, which this
+    step verifies blind); requests that ended meanwhile get none."""
+    live = [
+        rid
+        for rid in output.sampling_req_ids
+        if grammar_bound(output.requests[rid])
+        and requests.get(rid) is output.requests[rid]
+        and output.requests[rid].status is RequestStatus.RUNNING
+    ]
+    drafts = dict(output.grammar_drafts)
+    for rid in live:
+        scheduled = drafts.get(rid, [])
+        if any(draft < 0 for draft in scheduled):  # blind: their values came with the landing
+            known = list(landed_drafts.get(rid, ()))[: len(scheduled)]
+            drafts[rid] = known + [-1] * (len(scheduled) - len(known))
+    bitmask = backend.bitmask(live, drafts) if live else None
+    return StepGrammar(output.step_id, bitmask)
+
+
+def _token_in_flight(output: SchedulerOutput, request_id: str) -> bool:
+    """Whether the request has a token from an earlier step still in flight (an output
+    placeholder beyond the one this step booked)."""
+    request = output.requests[request_id]
+    return request.num_output_placeholders > output.num_placeholders.get(request_id, 0)
 
 
 def advance_matchers(

@@ -289,9 +289,8 @@ class Scheduler:
             if request.num_output_placeholders and (
                 num_known - request.num_prompt_tokens >= request.max_tokens
                 or num_known >= max_model_len
-                or grammar.grammar_bound(request)
             ):
-                continue  # its last token is scheduled, or its mask needs the one in flight
+                continue  # its last token is already scheduled (async scheduling)
             num_new = num_known - num_computed
             if threshold and num_new > threshold:
                 num_new = threshold
@@ -430,7 +429,7 @@ class Scheduler:
         if self.connector is not None:
             output.kv_transfers = self.connector.build_transfers(self.step_id)
         if self.grammars is not None and self.grammars.num_active:  # (before drafts go -1)
-            output.grammar = grammar.grammar_rows(self.grammars.backend, output)
+            grammar.plan_grammar(self.grammars.backend, output)
         if self.spec is not None:
             self.spec.after_schedule(output)
         return output

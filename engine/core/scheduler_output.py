@@ -37,6 +37,8 @@ class SchedulerOutput:
         "cached_requests",
         "finished_req_ids",
         "grammar",
+        "grammar_drafts",
+        "grammar_later",
         "kv_transfers",
         "landed",
         "new_requests",
@@ -77,6 +79,8 @@ class SchedulerOutput:
         self.sampling_req_ids: list[str] = []  # requests scheduled to the end of their tokens
         self.num_spec_tokens_to_propose = 0  # K: drafts per sampling request, after the step
         self.grammar: GrammarBitmask | None = None  # masks of the requests under a grammar
+        self.grammar_later = False  # the masks go after the step (``StepGrammar``)
+        self.grammar_drafts: dict[str, list[int]] = {}  # the drafts those masks cover
 
     @property
     def req_ids(self) -> list[str]:
@@ -103,6 +107,7 @@ class SchedulerOutput:
             self.kv_transfers,
             self.num_spec_tokens_to_propose,
             grammar=self.grammar,
+            grammar_later=self.grammar_later,
         )
 
     def __repr__(self) -> str:

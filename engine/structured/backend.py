@@ -89,13 +89,15 @@ class XgrammarBackend:
         row = 0
         for request_id in request_ids:
             matcher = self._matchers[request_id]
-            accepted = 0
+            accepted, refused = 0, False
             for draft in [*drafts.get(request_id, ()), None]:
                 if not matcher.is_terminated():
                     matcher.fill_next_token_bitmask(rows, row)
                 row += 1
-                if draft is not None and matcher.accept_token(draft):
-                    accepted += 1
+                if draft is None or refused:
+                    continue  # (rows after a refused draft are never used: it is rejected)
+                refused = draft < 0 or not matcher.accept_token(draft)
+                accepted += not refused
             if accepted:
                 matcher.rollback(accepted)
         return GrammarBitmask(row_ids, self.words, rows.astype("<i4").tobytes())

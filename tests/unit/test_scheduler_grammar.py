@@ -3,7 +3,8 @@ backend: a request with a grammar waits apart until its grammar compiles (counte
 then runs; a failed compile finishes it with the error; only the grammar requests that sample in
 a step get a bitmask row (a step without any carries none); sampled tokens advance the matcher
 and a refused one fails the request; an abort while compiling releases it; under async
-scheduling a grammar request is not scheduled again before its previous token lands; under
+scheduling a grammar request runs every step, its step's masks sent once the token before has
+landed (and an abandoned step releases the worker waiting for them); under
 speculative decoding it verifies only its grammar's valid prefix of its drafts, with a bitmask
 row per position."""
 
@@ -13,13 +14,16 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
+from shoal.bus.messages.config import CacheConfig, SchedulerConfig
+from shoal.bus.messages.engine import AddRequest
+from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.structured import GrammarBitmask, StructuredOutputsParams
+from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.core.grammar import GrammarState
 from shoal.engine.core.request import RequestStatus
 from tests.unit.factories import (
     FakeWorker,
-    Pipeline,
     make_request,
     make_scheduler,
     run_to_completion,
@@ -142,22 +146,58 @@ def test_no_backend_refuses_a_grammar_request() -> None:
         scheduler.add_request(make_request("g", [1, 2, 3], structured_outputs=REGEX))
 
 
-def test_async_scheduling_waits_for_a_grammar_requests_previous_token() -> None:
-    grammars, scheduler = _setup(async_scheduling=True)
+def _async_core(grammars: ScriptedGrammars, *request_ids: str) -> EngineCore:
+    """An engine core (async scheduling) whose requests are queued: "g" has a grammar."""
+    core = EngineCore(
+        SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, async_scheduling=True),
+        CacheConfig(block_size=4, num_gpu_blocks_override=65),
+        num_blocks=65,
+        max_model_len=256,
+        grammar_backend=grammars,
+    )
+    for index, request_id in enumerate(request_ids):
+        structured = REGEX if request_id == "g" else None
+        params = SamplingParams(max_tokens=8, structured_outputs=structured)
+        prompt = [1 + 4 * index, 2 + 4 * index, 3 + 4 * index, 4 + 4 * index]
+        assert core.admit(AddRequest(request_id, prompt, params, "client", 0.0)) is None
+    core.apply_inputs()
     grammars.compiled.add("g")
-    scheduler.admit_compiled()
-    pipeline = Pipeline(scheduler, FakeWorker(scheduler.block_size), depth=2)
-    first = pipeline.schedule()
-    second = pipeline.schedule()
+    core.apply_inputs()  # g joins the queue
+    return core
+
+
+def test_async_scheduling_sends_a_steps_masks_once_the_token_before_has_landed() -> None:
+    grammars = ScriptedGrammars()
+    core = _async_core(grammars, "g", "free")
+    worker = FakeWorker(4)
+    first = core.schedule()
+    second = core.schedule()  # before the first lands: g's mask needs its first token
     assert first is not None and second is not None
-    assert set(first.num_scheduled_tokens) == {"g", "free"}
-    assert set(second.num_scheduled_tokens) == {"free"}  # g's mask needs its first token
-    assert second.grammar is None
-    pipeline.land()
-    third = pipeline.schedule()
-    assert third is not None and "g" in third.num_scheduled_tokens
-    assert third.grammar is not None and third.grammar.req_ids == ["g"]
-    assert len(grammars.accepted["g"]) == 1  # the first token was fed before its next mask
+    assert set(second.num_scheduled_tokens) == {"g", "free"}  # g runs every step
+    assert first.to_message().grammar is not None and not first.grammar_later
+    message = second.to_message()
+    assert message.grammar is None and message.grammar_later
+    assert core.step_grammars == []
+    core.apply_result(first, worker.execute(first.to_message()))
+    (late,) = core.step_grammars
+    assert late.step_id == second.step_id and late.bitmask is not None
+    assert late.bitmask.req_ids == ["g"]
+    assert len(grammars.accepted["g"]) == 1  # its first token was in the matcher before
+    core.step_grammars.clear()
+    core.apply_result(second, worker.execute(message))
+    assert core.step_grammars == []  # nothing else waits
+    third = core.schedule()
+    assert third is not None and not third.grammar_later  # nothing in flight: masks inline
+    assert third.to_message().grammar is not None
+
+
+def test_an_abandoned_step_releases_a_worker_waiting_for_its_masks() -> None:
+    core = _async_core(ScriptedGrammars(), "g")
+    core.schedule()
+    second = core.schedule()
+    assert second is not None and second.grammar_later
+    core.fail_all("worker lost")
+    assert [(g.step_id, g.bitmask) for g in core.step_grammars] == [(second.step_id, None)]
 
 
 def test_a_grammar_request_verifies_only_the_drafts_its_grammar_accepts() -> None:
