@@ -7,7 +7,6 @@ it while an allowed message on the same subject arrives; a wrong password is ref
 
 from __future__ import annotations
 
-import asyncio
 import json
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -34,6 +33,7 @@ from shoal.workers.group_ports import open_port_bucket
 from tests.integration.conditions import wait_for
 from tests.integration.offload_hosts import OBJ_TIER
 from tests.integration.offload_workload import offload_options
+from tests.integration.role_buses import role_buses
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.nats]
 NS = "perm"
@@ -60,18 +60,9 @@ def auth_server(passwords: dict[str, str]) -> Iterator[NatsServer]:
 @pytest.fixture
 async def connect_as(
     auth_server: NatsServer, passwords: dict[str, str]
-) -> AsyncIterator[Callable[[str], asyncio.Future[NatsBus]]]:
-    buses: list[NatsBus] = []
-
-    async def connect(role: str) -> NatsBus:
-        bus = NatsBus([auth_server.url], user=user_name(NS, role), password=passwords[role])
-        await bus.connect()
-        buses.append(bus)
-        return bus
-
-    yield connect  # type: ignore[misc]
-    for bus in reversed(buses):
-        await bus.close()
+) -> AsyncIterator[Callable[[str], Awaitable[NatsBus]]]:
+    async with role_buses(auth_server.url, NS, passwords) as connect:
+        yield connect
 
 
 class Inbox:

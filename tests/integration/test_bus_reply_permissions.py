@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +26,7 @@ from shoal.deploy.nats_init import provision
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.gateway.actor import GatewayActor
 from tests.integration.conditions import wait_for
+from tests.integration.role_buses import role_buses
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.nats]
 NS = "rperm"
@@ -48,19 +49,10 @@ def auth_server() -> Iterator[tuple[NatsServer, dict[str, str]]]:
 
 
 @pytest.fixture
-async def connect_as(auth_server) -> AsyncIterator[Callable[[str], asyncio.Future[NatsBus]]]:  # type: ignore[no-untyped-def]
+async def connect_as(auth_server) -> AsyncIterator[Callable[[str], Awaitable[NatsBus]]]:  # type: ignore[no-untyped-def]
     server, passwords = auth_server
-    buses: list[NatsBus] = []
-
-    async def connect(role: str) -> NatsBus:
-        bus = NatsBus([server.url], user=user_name(NS, role), password=passwords[role])
-        await bus.connect()
-        buses.append(bus)
-        return bus
-
-    yield connect  # type: ignore[misc]
-    for bus in reversed(buses):
-        await bus.close()
+    async with role_buses(server.url, NS, passwords) as connect:
+        yield connect
 
 
 async def _held_request(connect_as, data: bytes = b"step"):  # type: ignore[no-untyped-def]
