@@ -70,6 +70,7 @@ def internal_error(error: BaseException) -> ApiError:
 
 
 _PATH_FIELD = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_PATH = re.compile(r"at `\$\.([^`]+)`")
 _WRONG_TYPE = re.compile(r"Expected `[^`]+`, got `")
 _MISSING_FIELD = re.compile(r"missing required field `([A-Za-z_][A-Za-z0-9_]*)`")
 
@@ -80,12 +81,13 @@ def from_decode_error(error: msgspec.DecodeError, wire_format: str = "json") -> 
     text = str(error)
     if not isinstance(error, msgspec.ValidationError):
         return bad_request(f"Invalid {wire_format} body: {text}", code=f"invalid_{wire_format}")
-    match = _PATH_FIELD.search(text)  # the top-level field the failure lies under
-    param = match.group(1) if match else None
     missing = _MISSING_FIELD.search(text)
-    if missing:
-        param = param or missing.group(1)
+    if missing:  # OpenAI's param: the missing field's whole path (``messages[0].role``)
+        under = _PATH.search(text)
+        param = f"{under.group(1)}.{missing.group(1)}" if under else missing.group(1)
         return bad_request(text, param=param, code="missing_required_parameter")
+    match = _PATH_FIELD.search(text)
+    param = match.group(1) if match else None
     code = "invalid_type" if _WRONG_TYPE.match(text) else "invalid_value"
     return bad_request(text, param=param, code=code)
 

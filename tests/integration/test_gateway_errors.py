@@ -73,7 +73,13 @@ BAD_INPUTS: list[tuple[str, Any, int, str | None, str | None]] = [
     (CHAT, {"messages": []}, 400, "invalid_value", "messages"),
     (CHAT, {"messages": "hi"}, 400, "invalid_type", "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "invalid_value", "messages"),
-    (CHAT, {"messages": [{"content": "x"}]}, 400, "missing_required_parameter", "role"),
+    (
+        CHAT,
+        {"messages": [{"content": "x"}]},
+        400,
+        "missing_required_parameter",
+        "messages[0].role",  # OpenAI's param: the field's whole path
+    ),
     (
         CHAT,
         {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
@@ -96,7 +102,13 @@ BAD_INPUTS: list[tuple[str, Any, int, str | None, str | None]] = [
         "invalid_value",
         "max_completion_tokens",
     ),
-    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "invalid_value", "tools"),
+    (
+        CHAT,
+        {"messages": USER, "tools": [{"type": "function"}]},
+        400,
+        "missing_required_parameter",
+        "tools[0].function",
+    ),
     (
         CHAT,
         {"messages": USER, "response_format": {"type": "xml"}},

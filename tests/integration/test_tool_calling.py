@@ -183,7 +183,9 @@ async def test_tool_mistakes_are_400s_naming_the_field(model_dir) -> None:  # ty
         assert "nope" in await _refused(client, "tool_choice", tools=TOOLS, tool_choice=unknown)
         await _refused(client, "tool_choice", tool_choice="required")  # no tools
         await _refused(client, "tool_choice", tools=TOOLS, tool_choice="sometimes")
-        await _refused(client, "tools", tools=[{"type": "function"}], tool_choice="none")
+        await _refused(
+            client, "tools[0].function", tools=[{"type": "function"}], tool_choice="none"
+        )
         await _refused(client, "tools", tools=[{"function": {"name": 1}}], tool_choice="none")
         await _refused(
             client,

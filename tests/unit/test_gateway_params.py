@@ -145,11 +145,11 @@ def test_decode_errors_are_typed() -> None:
 
 def test_malformed_tools_are_refused_naming_the_field() -> None:
     for body, param in [
-        (b'{"messages": [], "tools": [{"type": "function"}]}', "tools"),
+        (b'{"messages": [], "tools": [{"type": "function"}]}', "tools[0].function"),
         (b'{"messages": [], "tools": [{"type": "web", "function": {"name": "f"}}]}', "tools"),
         (b'{"messages": [], "tools": [{"function": {"name": 3}}]}', "tools"),
         (b'{"messages": [], "tools": [{"function": {"name": "f", "parameters": 1}}]}', "tools"),
-        (b'{"messages": [], "tool_choice": {"function": {}}}', "tool_choice"),
+        (b'{"messages": [], "tool_choice": {"function": {}}}', "tool_choice.function.name"),
         (b'{"messages": [], "tool_choice": 3}', "tool_choice"),
     ]:
         with pytest.raises(ApiError) as caught:
