@@ -34,6 +34,7 @@ from tests.unit.deploy_manifests import K8S_DIR, load_yaml_documents
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(120)]
 READY_S = 30.0
+PORT_TRIES = 3
 REFUSED_S = 4.0  # a refused route is tried again every second: several tries refused
 JOINED_S = 20.0
 SUBJECT = Subjects("shoal").tier_peers()  # one the tier's user may publish on
@@ -88,33 +89,59 @@ def _on_loopback(text: str, index: int, ports: list[dict[str, int]], store: Path
 
 
 @contextmanager
-def _deployed_cluster(binary: str, tmp_path: Path) -> Iterator[list[dict[str, int]]]:
+def _deployed_cluster(binary: str, tmp_path: Path) -> Iterator[tuple[list[dict[str, int]], Path]]:
     """The three committed configs running on loopback with generated credentials, JetStream
-    ready on each; yields each node's ports."""
+    ready on each; yields each node's ports and the credentials folder. Ports are picked free,
+    then bound by the nodes: a port another process took meanwhile makes a node exit, and the
+    cluster starts again on new ones (at most ``PORT_TRIES`` times)."""
+    for attempt in range(PORT_TRIES):
+        procs: list[subprocess.Popen[bytes]] = []
+        folder = tmp_path / f"try-{attempt}"
+        try:
+            ports = _start_nodes(binary, folder, procs)
+        except _PortTaken:
+            continue
+        else:
+            yield ports, folder / "credentials"
+            return
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(10)
+    raise AssertionError(f"no free ports for the cluster in {PORT_TRIES} tries")
+
+
+class _PortTaken(Exception):
+    pass
+
+
+def _start_nodes(
+    binary: str, folder: Path, procs: list[subprocess.Popen[bytes]]
+) -> list[dict[str, int]]:
+    folder.mkdir()
     ports = [{kind: free_port() for kind in ("client", "cluster", "http")} for _ in range(3)]
-    procs: list[subprocess.Popen[bytes]] = []
-    _with_users(tmp_path, [f"127.0.0.1:{p['cluster']}" for p in ports])
-    try:
-        for i in range(3):
-            text = (nats_config.CONFIG_DIR / f"{nats_config.node_name(i)}.conf").read_text()
-            config = tmp_path / f"node-{i}.conf"
-            config.write_text(_on_loopback(text, i, ports, tmp_path / f"store-{i}"))
-            log = (tmp_path / f"node-{i}.log").open("wb")
+    _with_users(folder, [f"127.0.0.1:{p['cluster']}" for p in ports])
+    logs = [folder / f"node-{i}.log" for i in range(3)]
+    for i in range(3):
+        text = (nats_config.CONFIG_DIR / f"{nats_config.node_name(i)}.conf").read_text()
+        config = folder / f"node-{i}.conf"
+        config.write_text(_on_loopback(text, i, ports, folder / f"store-{i}"))
+        with logs[i].open("wb") as log:
             procs.append(subprocess.Popen([binary, "-c", str(config)], stdout=log, stderr=log))
-        deadline = time.monotonic() + READY_S
-        status = [""] * 3
-        while status != ["ok"] * 3 and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs), "a node exited"
-            status = [healthz(p["http"]) for p in ports]
-            time.sleep(0.05)  # paces the polling
-        assert status == ["ok"] * 3, [(tmp_path / f"node-{i}.log").read_text() for i in range(3)]
-        assert all(f"nats-{i}" in (tmp_path / f"node-{i}.log").read_text() for i in range(3))
-        yield ports
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(10)
+    deadline = time.monotonic() + READY_S
+    status = [""] * 3
+    while status != ["ok"] * 3 and time.monotonic() < deadline:
+        if not all(p.poll() is None for p in procs):
+            texts = [log.read_text() for log in logs]
+            if any("address already in use" in text for text in texts):
+                raise _PortTaken
+            raise AssertionError(f"a node exited: {texts}")
+        status = [healthz(p["http"]) for p in ports]
+        time.sleep(0.05)  # paces the polling
+    assert status == ["ok"] * 3, [log.read_text() for log in logs]
+    assert all(f"nats-{i}" in logs[i].read_text() for i in range(3))
+    return ports
 
 
 def test_three_nodes_from_the_configs_form_a_cluster(binary: str, tmp_path: Path) -> None:
@@ -154,8 +181,7 @@ async def _publish_until(bus: NatsBus, heard: list[list[bytes]], seconds: float)
 
 
 async def test_a_node_without_the_route_password_is_refused(binary: str, tmp_path: Path) -> None:
-    with _deployed_cluster(binary, tmp_path) as ports:
-        credentials = tmp_path / "credentials"
+    with _deployed_cluster(binary, tmp_path) as (ports, credentials):
         routes = [f"127.0.0.1:{p['cluster']}" for p in ports]
         user, password = route_user("shoal"), (credentials / "route.password").read_text().strip()
         tier_password = (credentials / "tier.password").read_text().strip()
