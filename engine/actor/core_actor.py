@@ -125,6 +125,12 @@ class EngineCoreActor(FaultHandlingActor):
         self._control_codec: Codec[EngineControl] = Codec(EngineControl)
         self.num_steps_sent = 0
         self.num_handshakes = 0
+        self._make_links(bus, config, dp_rank)
+
+    def _make_links(self, bus: Bus, config: ShoalConfig, dp_rank: int) -> None:
+        """The links only some deployments need: lock-step rounds (expert parallelism), KV
+        offload, KV events (prefix routing)."""
+        engine_id = self.engine_id
         parallel = config.parallel_config
         self.lockstep = (
             LockstepLink(

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.actor import Actor
 from shoal.bus.base import Msg
 from shoal.bus.event_stream import open_kv_events_stream
 from shoal.bus.jetstream_create import NotProvisionedError
@@ -25,15 +24,12 @@ from shoal.bus.nats_cluster import NatsCluster
 from shoal.bus.permissions import ROLES, authorization_config, user_name
 from shoal.bus.server import NatsServer, NatsServerNotFoundError
 from shoal.bus.subjects import Subjects
-from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
 from shoal.deploy.nats_init import provision
-from shoal.engine.client.engine_client import AsyncEngineClient
-from shoal.gateway.actor import GatewayActor
 from shoal.workers.group_ports import open_port_bucket
 from tests.integration.conditions import wait_for
 from tests.integration.offload_hosts import OBJ_TIER
 from tests.integration.offload_workload import offload_options
-from tests.integration.role_buses import role_buses
+from tests.integration.role_buses import role_buses, role_deployment
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.nats]
 NS = "perm"
@@ -186,44 +182,24 @@ async def test_a_deployment_serves_with_one_user_per_role(connect_as, model_dir,
         enable_fault_tolerance=True,
         **offload_options(secondary_tiers=[OBJ_TIER]),
     )
-    await provision(await connect_as("provisioner"), NS)
-    buses = {role: await connect_as(role) for role in ("tier", "worker", "engine", "recovery")}
-    plans = plan_actors(config)
-    assert {p.kind for p in plans} == set(buses)
-    actors: list[Actor] = []
-    try:
-        for plan in plans:  # each actor on its role's bus
-            actors += await start_in_process(buses[plan.kind], [plan])
-        gateway_bus = await connect_as("gateway")
-        client = await AsyncEngineClient(gateway_bus, config).start()
-        await client.wait_until_ready(WAIT_S * 2)
-        gateway = GatewayActor(
-            gateway_bus, "gateway-0", config=config, engine_client=client, port=0
+    async with role_deployment(connect_as, config, WAIT_S * 2) as deployed:
+        assert set(deployed.buses) == {"tier", "worker", "engine", "recovery", "gateway"}
+        caller = deployed.buses["client"] = await connect_as("client")
+        prompt = [5, 17, 42, 99, 7, 3, 250, 31]
+        request = {
+            "prompt_token_ids": prompt,
+            "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+        }
+        reply = await caller.request(
+            S.api_generate(), json.dumps(request).encode(), timeout=WAIT_S * 2
         )
-        await gateway.start()
-        try:
-            caller = await connect_as("client")
-            prompt = [5, 17, 42, 99, 7, 3, 250, 31]
-            request = {
-                "prompt_token_ids": prompt,
-                "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
-            }
-            reply = await caller.request(
-                S.api_generate(), json.dumps(request).encode(), timeout=WAIT_S * 2
-            )
-            answer = json.loads(reply.data)
-            assert answer["type"] == "result", answer
-            expected = hf_reference(model_dir, [prompt], MAX_TOKENS)[0]
-            assert answer["choices"][0]["token_ids"] == expected
-            recovery = next(a for a in actors if a.kind == "recovery")
-            await wait_for(lambda: recovery.policy.engines, WAIT_S, "recovery sees the engine")
-        finally:
-            await gateway.stop()
-            await client.close()
-    finally:
-        await stop_in_process(actors)
-    for role, bus in {**buses, "gateway": gateway_bus, "client": caller}.items():
-        assert bus.num_permission_violations == 0, (role, list(bus.permission_violations))
+        answer = json.loads(reply.data)
+        assert answer["type"] == "result", answer
+        expected = hf_reference(model_dir, [prompt], MAX_TOKENS)[0]
+        assert answer["choices"][0]["token_ids"] == expected
+        recovery = next(a for a in deployed.actors if a.kind == "recovery")
+        await wait_for(lambda: recovery.policy.engines, WAIT_S, "recovery sees the engine")
+    assert deployed.violations() == {}
 
 
 # What each actor role opens: none may create it (whoever creates a stream picks its subjects).

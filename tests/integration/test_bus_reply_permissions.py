@@ -14,19 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.actor import Actor
 from shoal.bus.base import Msg
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.permissions import ROLES, authorization_config, user_name
 from shoal.bus.server import NatsServer, NatsServerNotFoundError
 from shoal.bus.subjects import Subjects
-from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
-from shoal.deploy.nats_init import provision
-from shoal.engine.client.engine_client import AsyncEngineClient
-from shoal.gateway.actor import GatewayActor
 from tests.integration.conditions import wait_for
-from tests.integration.role_buses import role_buses
+from tests.integration.role_buses import role_buses, role_deployment
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.nats]
 NS = "rperm"
@@ -133,30 +128,10 @@ async def test_the_client_role_sends_and_gets_chunked_messages_through_the_nats_
         num_gpu_blocks_override=64,
         block_size=16,
     )
-    await provision(await connect_as("provisioner"), NS)
-    plans = plan_actors(config)
-    buses = {kind: await connect_as(kind) for kind in {p.kind for p in plans}}
-    actors: list[Actor] = []
-    try:
-        for plan in plans:
-            actors += await start_in_process(buses[plan.kind], [plan])
-        gateway_bus = await connect_as("gateway")
-        client = await AsyncEngineClient(gateway_bus, config).start()
-        await client.wait_until_ready(WAIT_S * 2)
-        gateway = GatewayActor(
-            gateway_bus, "gateway-0", config=config, engine_client=client, port=0
-        )
-        await gateway.start()
-        try:
-            caller = await connect_as("client")
-            await _ask_chunked(caller, gateway_bus, model_dir, hf_reference)
-        finally:
-            await gateway.stop()
-            await client.close()
-    finally:
-        await stop_in_process(actors)
-    for role, bus in {**buses, "gateway": gateway_bus, "client": caller}.items():
-        assert bus.num_permission_violations == 0, (role, list(bus.permission_violations))
+    async with role_deployment(connect_as, config, WAIT_S * 2) as deployed:
+        caller = deployed.buses["client"] = await connect_as("client")
+        await _ask_chunked(caller, deployed.gateway_bus, model_dir, hf_reference)
+    assert deployed.violations() == {}
 
 
 async def _ask_chunked(caller: NatsBus, gateway_bus: NatsBus, model_dir, hf_reference) -> None:  # type: ignore[no-untyped-def]
