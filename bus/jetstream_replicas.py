@@ -1,7 +1,8 @@
-"""The replicas of an existing JetStream stream, read and changed through the JetStream API's
-request subjects on any ``Bus`` connected to NATS (``shoal nats-init``: an existing bucket or
-stream keeps its settings when opened, so a deployment moved to a cluster would otherwise keep
-one copy of each). JSON in and out, as the API speaks it."""
+"""The replicas and subjects of an existing JetStream stream, read and changed through the
+JetStream API's request subjects on any ``Bus`` connected to NATS (``shoal nats-init``: an
+existing bucket or stream keeps its settings when opened, so a deployment moved to a cluster
+would otherwise keep one copy of each, and a stream made by an older shoal would not capture a
+subject added since). JSON in and out, as the API speaks it."""
 
 from __future__ import annotations
 
@@ -50,6 +51,17 @@ async def set_stream_replicas(
                 f"{settle_timeout_s:.0f} s"
             )
         await asyncio.sleep(0.2)
+
+
+async def add_stream_subjects(bus: Bus, stream: str, subjects: list[str]) -> list[str]:
+    """Make ``stream`` capture ``subjects`` too (the rest of its configuration stays); the
+    subjects added (none: it had them all)."""
+    config = (await _call(bus, "INFO", stream))["config"]
+    kept = list(config.get("subjects") or [])
+    missing = [subject for subject in subjects if subject not in kept]
+    if missing:
+        await _call(bus, "UPDATE", stream, {**config, "subjects": kept + missing})
+    return missing
 
 
 def _settled(info: dict[str, Any], replicas: int) -> bool:

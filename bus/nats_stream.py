@@ -103,7 +103,8 @@ async def open_nats_stream(
     max_msgs_per_subject: int | None = None,
 ) -> NatsEventStream:
     """Open JetStream stream ``name``, creating it when missing (a concurrent creation with the
-    same configuration is fine; an existing stream keeps its own)."""
+    same configuration is fine; an existing stream keeps its own, subjects included: followers
+    follow the subjects it has)."""
     validate_token(name, "stream name")
     for subject in subjects:
         validate_subject(subject, wildcards=True)
@@ -118,19 +119,22 @@ async def open_nats_stream(
         storage=api.StorageType.FILE,
     )
     try:
-        await open_guarded(bus, name, f"stream {name!r}", _create_stream(js, config))
+        info = await open_guarded(bus, name, f"stream {name!r}", _create_stream(js, config))
     except (nats.errors.Error, TimeoutError) as exc:
         raise BusError(f"stream {name!r} not opened: {exc!r}") from exc
-    return NatsEventStream(bus, js, name, subjects)
+    kept = info.config.subjects or list(subjects)
+    if set(kept) != set(subjects):
+        log.warning("stream %s captures %s, not %s: run `shoal nats-init`", name, kept, subjects)
+    return NatsEventStream(bus, js, name, kept)
 
 
-async def _create_stream(js: JetStreamContext, config: api.StreamConfig) -> None:
+async def _create_stream(js: JetStreamContext, config: api.StreamConfig) -> api.StreamInfo:
     name = config.name
     assert name is not None
     try:
-        await js.stream_info(name)
+        return await js.stream_info(name)
     except nats.js.errors.NotFoundError:
         try:
-            await js.add_stream(config)
+            return await js.add_stream(config)
         except nats.js.errors.BadRequestError:
-            await js.stream_info(name)  # created meanwhile by another actor, else raise
+            return await js.stream_info(name)  # created meanwhile by another actor, else raise

@@ -137,6 +137,7 @@ ROLES: dict[str, Role] = {
             _g("engine_out", ANY),
             _g("engine_stats", ANY),
             _g("kv_events", ANY),
+            _g("tier_kv_events", ANY),
             _g("api_generate"),
             _g("api", "cancel"),
         ),
@@ -178,6 +179,7 @@ ROLES: dict[str, Role] = {
             _g("tier_peers"),
             _g("tier_peer_reads", ANY),
             _g("tier_peer_answers", ANY),
+            _g("tier_kv_events", ANY),
         ),
         subscribe=(
             _g("tier_in", ANY),
@@ -192,7 +194,10 @@ ROLES: dict[str, Role] = {
             _g("engine_results", ANY),
         ),
         deny_subscribe=(_g("engine_in", ANY), _g("engine_results", ANY), CONTROL),
-        buckets=(BucketGrant("obj", "object_bucket", purge=True),),  # evictions purge chunks
+        buckets=(
+            BucketGrant("obj", "object_bucket", purge=True),  # evictions purge chunks
+            BucketGrant("stream", "kv_events_stream"),  # published to as subjects
+        ),
     ),
     "recovery": Role(
         kind="recovery",

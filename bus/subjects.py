@@ -134,6 +134,10 @@ class Subjects:
         """Where a peer-to-peer tier's lookup rounds are answered (``PeerHeld``)."""
         return self._build("tier", tier_id, "answers")
 
+    def tier_kv_events(self, tier_id: str = "*") -> str:
+        """``KVEventBatch`` of one KV tier's chunks (``"*"``: every tier): prefix routing."""
+        return self._build("tier", tier_id, "kv_events", wildcard=True)
+
     # any actor
     def control(self, kind: str, actor_id: str) -> str:
         """Commands to one actor (recovery, shutdown)."""
@@ -167,7 +171,8 @@ class Subjects:
         return f"{self.namespace.replace('.', '-')}-group-ports"
 
     def kv_events_stream(self) -> str:
-        """JetStream stream capturing every engine core's ``kv_events`` (prefix routing)."""
+        """JetStream stream capturing every engine core's ``kv_events`` and every tier's
+        ``tier_kv_events`` (prefix routing)."""
         return f"{self.namespace.replace('.', '-')}-kv-events"
 
     def object_bucket(self) -> str:

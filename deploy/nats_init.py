@@ -2,7 +2,8 @@
 start: the tensor-parallel group-ports key-value bucket, the KV-offload object bucket and the
 prefix-routing KV-events stream, through the calls the actors open them with (so with their
 settings), with ``--jetstream-replicas`` copies. Idempotent: an existing one is kept, only its
-replicas brought to ``--jetstream-replicas`` (a deployment moved onto a cluster).
+replicas brought to ``--jetstream-replicas`` (a deployment moved onto a cluster) and the
+subjects a newer shoal captures added to the KV-events stream (the tiers' KV events).
 
 With per-role NATS users (``shoal nats-auth``) no actor may create a bucket or stream (whoever
 creates one picks its subjects: ``bus.permissions``), so this runs first, as the
@@ -19,8 +20,8 @@ from typing import Any
 from shoal.bus import connect_bus
 from shoal.bus.base import Bus, BusError
 from shoal.bus.credentials import CredentialsError, resolve_credentials
-from shoal.bus.event_stream import open_kv_events_stream
-from shoal.bus.jetstream_replicas import set_stream_replicas, stream_replicas
+from shoal.bus.event_stream import kv_events_subjects, open_kv_events_stream
+from shoal.bus.jetstream_replicas import add_stream_subjects, set_stream_replicas, stream_replicas
 from shoal.bus.subjects import Subjects
 from shoal.deploy.arguments import JoinNatsUrls, option_default, positive_int
 from shoal.workers.group_ports import open_port_bucket
@@ -63,11 +64,16 @@ async def provision(
     await open_port_bucket(bus, ports, replicas=replicas)
     await (await bus.open_object_store(objects, replicas=replicas)).close()
     events = await open_kv_events_stream(bus, subjects, replicas, snapshot_interval_s)
+    added = await add_stream_subjects(bus, events.name, kv_events_subjects(subjects))
     ready = []
     for stream, what in (
         (f"KV_{ports}", f"key-value bucket {ports} (tensor-parallel group ports)"),
         (f"OBJ_{objects}", f"object bucket {objects} (KV offload tier 'obj')"),
-        (events.name, f"stream {events.name} (KV events for prefix routing)"),
+        (
+            events.name,
+            f"stream {events.name} (KV events for prefix routing)"
+            + (f", now also capturing {', '.join(added)}" if added else ""),
+        ),
     ):
         ready.append(what + await _ensure_replicas(bus, stream, replicas))
     return ready

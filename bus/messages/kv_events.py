@@ -15,9 +15,16 @@ periodically (see ``AllBlocksCleared``). The events follow vLLM's KV events:
   starts (the first batch of an incarnation, and one every snapshot interval): the
   ``BlockStored`` after it, in this batch and the next ones, list every cached hash.
 
-``seq`` counts batches within one incarnation of an engine core, from 0; a new incarnation is
-a new process (or a new life after a bus reconnect) whose first batch starts with
-``AllBlocksCleared``.
+An offload tier (``tiers.tier_events``: the CPU tier, the fs and obj secondaries) publishes its
+chunks the same way on ``Subjects.tier_kv_events(tier_id)``, the batch's ``engine_id`` being
+the tier's id: its events carry ``medium`` (its type: "cpu", "fs", "obj"; None is an engine
+core's own KV cache, as vLLM's field), a ``BlockStored`` lists the chunks' keys as block hashes
+(a chunk's key is its last block's hash; the KV cache group index is left out, as the engine
+core's events leave it) and its ``block_size`` is the tokens of a chunk.
+
+``seq`` counts batches within one incarnation of a source (an engine core or a tier), from 0;
+a new incarnation is a new process (or a new life after a bus reconnect) whose first batch
+starts with ``AllBlocksCleared``.
 """
 
 from __future__ import annotations
@@ -29,10 +36,12 @@ class BlockStored(msgspec.Struct, tag="stored", array_like=True, omit_defaults=T
     block_hashes: list[bytes]
     parent_block_hash: bytes | None = None
     block_size: int = 0
+    medium: str | None = None  # None: the engine core's own KV cache; else a tier's type
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", array_like=True, omit_defaults=True, gc=False):
     block_hashes: list[bytes]
+    medium: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag="cleared", array_like=True, gc=False):
@@ -43,9 +52,9 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, tag="kv_events", array_like=True, omit_defaults=True, gc=False):
-    """The events of one step of one engine core, in the order they happened."""
+    """The events of one step of one engine core (or of a tier's moment), in order."""
 
-    engine_id: str
+    engine_id: str  # the source: an engine core's id, or a tier's
     incarnation: str
     seq: int
     events: list[KVEvent]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shoal.bus.kv_events_publisher import snapshot_events
 from shoal.bus.messages.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -16,7 +17,7 @@ from shoal.bus.messages.kv_events import (
 from shoal.engine.client.prefix_index import PrefixIndex
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
 from shoal.engine.core.kv_cache_manager import KVCacheManager
-from shoal.engine.core.kv_events import KVEventLog, snapshot_events
+from shoal.engine.core.kv_events import KVEventLog
 from tests.unit.factories import make_request
 
 
