@@ -22,6 +22,7 @@ from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.run_actor import build_actor, load_target
+from shoal.tiers.tier_events import kv_events_interval
 
 WORKER_TARGET = "shoal.workers.actor:WorkerActor"
 ENGINE_TARGET = "shoal.engine.actor.core_actor:EngineCoreActor"
@@ -113,9 +114,11 @@ def plan_tiers(config: ShoalConfig) -> list[ActorPlan]:
         kwargs: dict[str, Any] = {"actor_id": tier_id, "tier_config": tier, "namespace": namespace}
         if tier.type == "p2p":  # it serves peers from this host's CPU tier
             kwargs["cpu_tier_id"] = kv.cpu_tier_id
+        else:  # it holds chunks of its own: its KV events for prefix routing, and buckets
+            kwargs["kv_events_snapshot_interval_s"] = kv_events_interval(config)
+            kwargs["jetstream_replicas"] = config.bus_config.jetstream_replicas
         if tier.type == "obj":  # its probe within the CPU tier's wait for one secondary (/ 4)
             kwargs["probe_timeout_s"] = kv.kv_lookup_timeout_s / 8
-            kwargs["jetstream_replicas"] = config.bus_config.jetstream_replicas
         secondaries.append(ActorPlan(tier_id, SECONDARY_TIER_TARGETS[tier.type], kwargs, "tier"))
     cpu_kwargs = {"tier_id": kv.cpu_tier_id, "config": config}
     return [*secondaries, ActorPlan(kv.cpu_tier_id, CPU_TIER_TARGET, cpu_kwargs, "tier")]

@@ -39,6 +39,7 @@ Every inbound message is a request; ``TierRelease`` may also come as a plain pub
 is answered with ``TierJobDone`` naming the stores that became readable), and ``TierRenew``
 always does (never answered: it extends its owner's leases). Before the first
 ``TierAttach`` there is no region: lookups and stores get a ``TierError``, releases change nothing.
+In kv routing it publishes its chunks' KV events, medium "cpu" (``tiers.tier_events``).
 """
 
 from __future__ import annotations
@@ -77,6 +78,7 @@ from shoal.tiers.manager import OffloadManager
 from shoal.tiers.promotion_waits import PromotionWaits
 from shoal.tiers.region import SharedRegion
 from shoal.tiers.secondaries import SecondaryFailed, SecondaryLink, SecondaryTimeout
+from shoal.tiers.tier_events import TierEvents, kv_events_interval, watch_manager
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +115,8 @@ class CpuTierActor(Actor):
         max_cascades_in_flight: int = 4,  # per secondary; more are dropped
         secondary_retry_s: float = 1.0,  # a detached secondary is attached again this often
         region_directory: str | Path | None = None,  # default /dev/shm (or the temp directory)
+        kv_events_snapshot_interval_s: float | None = None,  # publish KV events (tier_events);
+        # default: the config's interval when it routes by prefix, else none published
         heartbeat_interval_s: float = 1.0,
         drain_timeout_s: float = 5.0,
     ) -> None:
@@ -157,6 +161,13 @@ class CpuTierActor(Actor):
             )
             for secondary_id in secondary_ids
         ]
+        interval, replicas = kv_events_snapshot_interval_s, 1
+        if config is not None:
+            interval = interval or kv_events_interval(config)
+            replicas = config.bus_config.jetstream_replicas
+        self.kv_events = TierEvents.make(
+            bus, self.subjects, self.actor_id, "cpu", self._holdings, interval, replicas
+        )
         # the secondaries stores cascade to (a peer-to-peer tier keeps none)
         self.cascade_links = [
             link
@@ -177,6 +188,8 @@ class CpuTierActor(Actor):
 
     async def on_start(self) -> None:
         self._spawn(self._sweep_loop())
+        if self.kv_events is not None:
+            self._spawn(self.kv_events.run(self.incarnation))
 
     async def on_stop(self) -> None:
         tasks = list(self._tasks)
@@ -254,6 +267,7 @@ class CpuTierActor(Actor):
             manager = OffloadManager(
                 num_slots, kv.eviction_policy, kv.store_threshold, kv.max_tracker_size
             )
+            watch_manager(self.kv_events, manager)
             self.books = CpuTierBooks(manager)
             log.info("%r: region %s, %d slots", self, self.region.ref.path, num_slots)
         elif layout != self.region.ref.layout:
@@ -465,6 +479,12 @@ class CpuTierActor(Actor):
         books.counters.num_stale_ignored += 1
         log.debug("%r: ignored a release or renewal of region %s", self, generation)
         return True
+
+    def _holdings(self) -> tuple[OffloadManager, int] | None:
+        if self.books is None or self.region is None:
+            return None
+        layout = self.region.ref.layout
+        return self.books.manager, layout.block_size * layout.blocks_per_chunk
 
     def _books_and_region(self) -> tuple[CpuTierBooks, SharedRegion]:
         assert self.books is not None and self.region is not None

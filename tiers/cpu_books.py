@@ -241,7 +241,6 @@ class CpuTierBooks:
         self.manager.complete_store(expired.stores, success=False)
         self.counters.num_pins_expired += len(expired.pins)
         self.counters.num_stores_expired += len(expired.stores)
-        self.manager.take_events()  # nobody reads them yet: keep them from piling up
         return expired.owners
 
     # -- helpers ----------------------------------------------------------------------------

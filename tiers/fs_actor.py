@@ -35,6 +35,8 @@ FsTierCounters = SecondaryTierCounters
 class FsTierActor(SecondaryTierActor[ChunkFiles]):
     """A filesystem tier (``FsTierConfig``) reached on ``subjects.tier_in(actor_id)``."""
 
+    medium = "fs"
+
     def __init__(
         self,
         bus: Bus,
@@ -60,6 +62,7 @@ class FsTierActor(SecondaryTierActor[ChunkFiles]):
         n, name = self.num_io_threads, self.actor_id
         self._write_pool = ThreadPoolExecutor(n, thread_name_prefix=f"{name}-write")
         self._read_pool = ThreadPoolExecutor(n, thread_name_prefix=f"{name}-read")
+        await super().on_start()
 
     async def on_stop(self) -> None:
         for pool in (self._write_pool, self._read_pool):

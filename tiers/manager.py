@@ -17,7 +17,8 @@ moves the bytes, and reports back. A tier has ``num_slots`` chunk slots. The pro
 * ``discard(keys)``: forget idle ready chunks whose bytes a tier lost (a corrupt file).
 * ``touch(keys)`` / ``on_request_finished(keys, inserted_keys)``: a request's access, in prefix
   order, for the eviction policy (recency, and frequency for ARC). Transfers never change recency.
-* ``take_events()``: stored and evicted events since the last call, stores first.
+* ``take_events()``: stored and evicted events since the last call, stores first (logged only
+  while ``records_events``: a tier that publishes none turns it off).
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ class OffloadManager:
         self._slots = _Slots(num_slots)
         self._stored_events: list[OffloadEvent] = []
         self._evicted_events: list[OffloadEvent] = []
+        self.records_events = True
 
     # -- lookups and loads ------------------------------------------------------------------
 
@@ -168,7 +170,7 @@ class OffloadManager:
             self._slots.release(self.chunks.pop(key).slot_id)
         if evicted:
             self.stats.num_evicted += len(evicted)
-            self._evicted_events.append(OffloadEvent(tuple(evicted), removed=True))
+            self._log_event(evicted, removed=True)
         slot_ids = []
         for key in new_keys:
             slot_id = self._slots.allocate()
@@ -194,7 +196,7 @@ class OffloadManager:
             changed.append(key)
         if success and changed:
             self.stats.num_stored += len(changed)
-            self._stored_events.append(OffloadEvent(tuple(changed), removed=False))
+            self._log_event(changed, removed=False)
         elif changed:
             self.stats.num_store_failures += len(changed)
 
@@ -206,7 +208,7 @@ class OffloadManager:
             self.policy.remove(key)
             self._slots.release(self.chunks.pop(key).slot_id)
         if gone:
-            self._evicted_events.append(OffloadEvent(tuple(gone), removed=True))
+            self._log_event(gone, removed=True)
         return gone
 
     # -- recency, events, usage -------------------------------------------------------------
@@ -220,6 +222,11 @@ class OffloadManager:
     ) -> None:
         """Commit a finished request's access (prefix order); ``inserted_keys`` it only stored."""
         self.policy.on_request_finished(list(keys), set(inserted_keys))
+
+    def _log_event(self, keys: Sequence[OffloadKey], *, removed: bool) -> None:
+        if self.records_events:
+            events = self._evicted_events if removed else self._stored_events
+            events.append(OffloadEvent(tuple(keys), removed=removed))
 
     def take_events(self) -> list[OffloadEvent]:
         """Events since the last call: every stored event, then every evicted one."""

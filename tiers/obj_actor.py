@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 class ObjTierActor(SecondaryTierActor[ObjectChunks]):
     """An object-store tier (``ObjTierConfig``) reached on ``subjects.tier_in(actor_id)``."""
 
+    medium = "obj"
+
     def __init__(
         self,
         bus: Bus,
@@ -63,8 +65,8 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         max_concurrent_io: int = 4,
         io_timeout_s: float = 10.0,
         probe_timeout_s: float = 0.25,  # plan_tiers passes kv_lookup_timeout_s / 8
-        jetstream_replicas: int = 1,  # copies of a bucket it creates (plan_tiers: the config's)
-        **options: Any,  # SecondaryTierActor's: namespace, max_queued_cascades, keep_regions, ...
+        **options: Any,  # SecondaryTierActor's: namespace, jetstream_replicas (plan_tiers: the
+        # config's), kv_events_snapshot_interval_s, max_queued_cascades, keep_regions, ...
     ) -> None:
         super().__init__(bus, actor_id, bytes_to_use=tier_config.bytes_to_use, **options)
         if max_concurrent_io < 1 or io_timeout_s <= 0 or probe_timeout_s <= 0:
@@ -73,7 +75,6 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         self.bucket = tier_config.bucket or default_bucket(self.subjects.namespace)
         self.io_timeout_s = io_timeout_s
         self.probe_timeout_s = probe_timeout_s
-        self.jetstream_replicas = jetstream_replicas
         self.foreign: set[OffloadKey] = set()  # indexed chunks another tier wrote
         self.num_chunks_adopted = 0  # found by lookups in the store
         self.num_chunks_forgotten = 0  # foreign chunks past the budget (left in the store)
@@ -151,7 +152,6 @@ class ObjTierActor(SecondaryTierActor[ObjectChunks]):
         new = set(out.keys_to_store)
         self.foreign.update(key for key, is_own in found if key in new and not is_own)
         index.complete_store(out.keys_to_store)
-        index.take_events()
         self.num_chunks_adopted += len(new)
         own = self._forget_foreign(out.evicted_keys)  # decided now: a layout switch replaces
         if own:  # ``foreign`` before the task runs

@@ -25,6 +25,10 @@ slots: each key's slot is touched only before it, and a cascade publishes a chun
 deadline had not passed once the slot was read (``DeadlinePassed``). Past it, the keys left
 fail, and the job answers with them failed. The CPU tier's region is mapped here (the latest
 ``keep_regions`` generations); the bus carries control only.
+
+With ``kv_events_snapshot_interval_s`` (``plan_tiers``: when the deployment routes by prefix)
+the tier publishes its chunks' KV events (``tiers.tier_events``, ``medium`` its type): stored
+and evicted chunks, and a snapshot at start, at each attach of a new layout and periodically.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import ClassVar, Generic, Protocol, TypeVar
 
 from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus, Msg
@@ -58,6 +62,7 @@ from shoal.tiers.keys import OffloadKey
 from shoal.tiers.manager import LookupResult, OffloadManager
 from shoal.tiers.mapped_regions import MappedRegions
 from shoal.tiers.region import SharedRegion
+from shoal.tiers.tier_events import TierEvents, watch_manager
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +128,7 @@ class SecondaryTierActor(Actor, Generic[S]):
     """The shared shell; a subclass opens a layout's chunks and stores, reads and deletes them."""
 
     kind = "tier"
+    medium: ClassVar[str]  # its type, in its KV events: "fs", "obj"
 
     def __init__(
         self,
@@ -133,6 +139,8 @@ class SecondaryTierActor(Actor, Generic[S]):
         namespace: str = "shoal",
         max_queued_cascades: int = 64,
         keep_regions: int = 2,
+        kv_events_snapshot_interval_s: float | None = None,  # None: no KV events published
+        jetstream_replicas: int = 1,  # copies of a bucket or stream it creates
         heartbeat_interval_s: float = 1.0,
         drain_timeout_s: float = 5.0,
     ) -> None:
@@ -154,6 +162,17 @@ class SecondaryTierActor(Actor, Generic[S]):
         self.num_cascades_queued = 0  # waiting or running
         self._attach_lock = asyncio.Lock()
         self._write_lock = asyncio.Lock()
+        self.jetstream_replicas = jetstream_replicas
+        self.kv_events = TierEvents.make(
+            bus,
+            self.subjects,
+            actor_id,
+            self.medium,
+            self._holdings,
+            kv_events_snapshot_interval_s,
+            jetstream_replicas,
+        )
+        self._events_task: asyncio.Task[None] | None = None
 
     # -- what a subclass provides ---------------------------------------------------------------
 
@@ -179,8 +198,22 @@ class SecondaryTierActor(Actor, Generic[S]):
     def inboxes(self) -> Sequence[Inbox]:
         return [Inbox(self.subjects.tier_in(self.actor_id), self.on_request, _INBOUND)]
 
+    async def on_start(self) -> None:
+        if self.kv_events is not None:
+            self._events_task = asyncio.create_task(self.kv_events.run(self.incarnation))
+
     async def on_stop(self) -> None:
+        task, self._events_task = self._events_task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         self.regions.close()
+
+    def _holdings(self) -> tuple[OffloadManager, int] | None:
+        store, index = self.store, self.index
+        if store is None or index is None:
+            return None
+        return index, store.layout.block_size * store.layout.blocks_per_chunk
 
     def load(self) -> dict[str, float]:
         index = self.index
@@ -224,6 +257,7 @@ class SecondaryTierActor(Actor, Generic[S]):
                 index, evicted = index_from_scan(num_slots, found)
                 await self._evict(store, evicted)
                 self.store, self.index = store, index
+                watch_manager(self.kv_events, index)
                 log.info("%r: %d chunks found (%d over budget)", self, len(found), len(evicted))
             assert self.index is not None
             return SecondaryAttached(len(self.index.chunks), self.index.usage)
@@ -284,7 +318,6 @@ class SecondaryTierActor(Actor, Generic[S]):
         self.counters.num_chunks_late += sum(isinstance(e, DeadlinePassed) for e in errors)
         index.complete_store([k for k in out.keys_to_store if k not in failed], success=True)
         index.complete_store(failed, success=False)
-        index.take_events()
         self.counters.num_chunks_stored += len(out.keys_to_store) - len(failed)
         self.counters.num_store_failures += len(failed)
         return TierJobDone([k for k in keys if k not in failed], failed)
@@ -308,7 +341,6 @@ class SecondaryTierActor(Actor, Generic[S]):
             index.complete_load(wanted)
         corrupt = [k for k, e in zip(wanted, errors, strict=True) if isinstance(e, CorruptChunk)]
         index.discard(corrupt)
-        index.take_events()
         num_done = next((i for i, e in enumerate(errors) if e is not None), len(wanted))
         done = list(job.keys[:num_done])
         index.touch(done)
