@@ -158,6 +158,7 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=Tr
     num_blocks: int = 0
     block_size: int = 0
     incarnation: str = ""  # the engine core actor's (see control.Heartbeat)
+    kv_tier_id: str = ""  # the CPU tier it loads offloaded KV from ("": offload off)
 
 
 EngineOutbound = EngineOutputs | RequestRejected

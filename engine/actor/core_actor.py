@@ -464,6 +464,7 @@ class EngineCoreActor(FaultHandlingActor):
             num_blocks=self.num_blocks,
             block_size=self.config.cache_config.block_size,
             incarnation=self.incarnation,
+            kv_tier_id=self.offload.config.cpu_tier_id if self.offload is not None else "",
         )
         try:
             await self.bus.publish(self.subjects.engine_stats(self.engine_id), encode(stats))

@@ -1,7 +1,13 @@
-"""The engine client's prefix index (prefix-aware routing): which engine core holds which
-cached block hashes, rebuilt from the engine cores' KV events (``bus.messages.kv_events``).
+"""The engine client's prefix index (prefix-aware routing): which source holds which cached
+block hashes, rebuilt from the KV events (``bus.messages.kv_events``) of the engine cores and
+of the offload tiers (a source is either; its id is the batch's ``engine_id``).
 
-Batches are applied in the order the kv-events stream delivers them. Per engine core it keeps
+Hashes are kept per source and ``medium`` (None: an engine core's device cache; a tier's type,
+"cpu", "fs", "obj"), with the ``block_size`` its ``BlockStored`` events give: a tier's is the
+tokens of a chunk, which is keyed by its last block's hash, so its leading blocks are counted a
+chunk (``block_size // index block_size`` blocks) at a time.
+
+Batches are applied in the order the kv-events stream delivers them. Per source it keeps
 the incarnation it is following: a batch from a new incarnation (a restarted engine core, whose
 first batch is a snapshot) drops what was known of the old one, whose later batches are then
 ignored; ``AllBlocksCleared`` (a reset, or a snapshot) drops it too, as does ``drop_engine``
@@ -26,16 +32,27 @@ from shoal.bus.messages.kv_events import AllBlocksCleared, BlockRemoved, BlockSt
 
 
 @dataclass(slots=True)
+class _Held:
+    """One medium's hashes of a source, and its events' block size (0: not said)."""
+
+    hashes: set[bytes] = field(default_factory=set)
+    block_size: int = 0
+
+
+@dataclass(slots=True)
 class _EngineBlocks:
     incarnation: str
-    hashes: set[bytes] = field(default_factory=set)
+    media: dict[str | None, _Held] = field(default_factory=dict)
     retired: set[str] = field(default_factory=set)
     next_seq: int = 0
     distrusted: bool = False  # entries dropped after a gap: waiting for a snapshot
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    """``block_size``: the engine cores' (the tokens of a block a request's hashes name)."""
+
+    def __init__(self, block_size: int = 0) -> None:
+        self.block_size = block_size
         self._engines: dict[str, _EngineBlocks] = {}
         self.num_gaps = 0
         self.num_batches = 0
@@ -54,22 +71,25 @@ class PrefixIndex:
         if batch.seq != engine.next_seq and engine.next_seq >= 0:
             self.num_gaps += 1
             engine.distrusted = True
-            engine.hashes.clear()
+            engine.media.clear()
         engine.next_seq = batch.seq + 1
         self.num_batches += 1
         if engine.distrusted:
             if not batch.events or not isinstance(batch.events[0], AllBlocksCleared):
                 return True  # seen, not trusted: still waiting for a snapshot
             engine.distrusted = False
-        hashes = engine.hashes
+        media = engine.media
         for event in batch.events:
             match event:
                 case BlockStored():
-                    hashes.update(event.block_hashes)
+                    held = media.setdefault(event.medium, _Held())
+                    held.hashes.update(event.block_hashes)
+                    held.block_size = event.block_size or held.block_size
                 case BlockRemoved():
-                    hashes.difference_update(event.block_hashes)
+                    if (held_of := media.get(event.medium)) is not None:
+                        held_of.hashes.difference_update(event.block_hashes)
                 case AllBlocksCleared():
-                    hashes.clear()
+                    media.clear()
         return True
 
     @staticmethod
@@ -77,7 +97,7 @@ class PrefixIndex:
         """Follow ``incarnation`` from now on: the current one is retired, its hashes gone."""
         engine.retired.add(engine.incarnation)
         engine.incarnation, engine.next_seq = incarnation, -1
-        engine.hashes.clear()
+        engine.media.clear()
         engine.distrusted = False
 
     def follow_incarnation(self, engine_id: str, incarnation: str, retired: set[str]) -> None:
@@ -94,30 +114,50 @@ class PrefixIndex:
         """Forget what ``engine_id`` holds (it is gone); its next batches apply again."""
         engine = self._engines.get(engine_id)
         if engine is not None:
-            engine.hashes.clear()
+            engine.media.clear()
 
     def incarnation_of(self, engine_id: str) -> str | None:
         """The incarnation of ``engine_id`` whose events the index follows."""
         engine = self._engines.get(engine_id)
         return engine.incarnation if engine is not None else None
 
-    def hashes_of(self, engine_id: str) -> set[bytes]:
+    def _held(self, engine_id: str, medium: str | None) -> _Held | None:
         engine = self._engines.get(engine_id)
-        return set(engine.hashes) if engine is not None else set()
+        return engine.media.get(medium) if engine is not None else None
 
-    def num_cached_blocks(self, engine_id: str, block_hashes: Sequence[bytes]) -> int:
-        """How many leading blocks of a request (its chained hashes) ``engine_id`` holds."""
-        engine = self._engines.get(engine_id)
-        if engine is None:
-            return 0
-        held = engine.hashes
-        count = 0
-        for block_hash in block_hashes:
-            if block_hash not in held:
-                break
-            count += 1
-        return count
+    def hashes_of(self, engine_id: str, medium: str | None = None) -> set[bytes]:
+        held = self._held(engine_id, medium)
+        return set(held.hashes) if held is not None else set()
+
+    def stride(self, engine_id: str, medium: str | None = None) -> int:
+        """Blocks per hash ``engine_id`` publishes in ``medium``: a tier's chunk's (1 while the
+        block sizes are not known)."""
+        held = self._held(engine_id, medium)
+        if held is None or not held.block_size or not self.block_size:
+            return 1
+        return max(1, held.block_size // self.block_size)
+
+    def num_cached_blocks(
+        self,
+        engine_id: str,
+        block_hashes: Sequence[bytes],
+        medium: str | None = None,
+        start: int = 0,
+    ) -> int:
+        """How many leading blocks of a request (its chained hashes) ``engine_id`` holds in
+        ``medium``, a chunk (``stride``) at a time, given that its first ``start`` blocks are
+        held elsewhere (the device's: a tier then counts from the chunk they end in)."""
+        held = self._held(engine_id, medium)
+        if held is None:
+            return start
+        stride, hashes = self.stride(engine_id, medium), held.hashes
+        count = start - start % stride
+        while count + stride <= len(block_hashes) and block_hashes[count + stride - 1] in hashes:
+            count += stride
+        return max(count, start)
 
     @property
     def num_entries(self) -> int:
-        return sum(len(engine.hashes) for engine in self._engines.values())
+        return sum(
+            len(held.hashes) for engine in self._engines.values() for held in engine.media.values()
+        )

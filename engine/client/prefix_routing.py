@@ -1,11 +1,12 @@
 """The engine client's side of prefix-aware routing (``routing_mode`` kv): follows the
 kv-events stream into a ``prefix_index.PrefixIndex`` (every stored batch first, so a restarted
-client or gateway rebuilds its index, then live ones), drops an engine core's entries when it
-is seen DEAD or STOPPED, and hashes prompts the way the engine cores do (``BlockHasher``, with
-the deployment's block size, hash algorithm and the request's cache salt), so the router can
-look them up: only when there is a choice (two engine cores ready or more) and the engine core
-would use its cache (a request asking for prompt logprobs computes its whole prompt: routed by
-load).
+client or gateway rebuilds its index, then live ones: the engine cores' and the KV tiers'),
+drops an engine core's or a tier's entries when it is seen DEAD or STOPPED (it watches the
+tiers' liveness itself, and follows a restarted tier's new incarnation), and hashes prompts
+the way the engine cores do (``BlockHasher``, with the deployment's block size, hash algorithm
+and the request's cache salt), so the router can look them up: only when there is a choice
+(two engine cores ready or more) and the engine core would use its cache (a request asking for
+prompt logprobs computes its whole prompt: routed by load).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from collections.abc import Callable, Sequence, Sized
 
 from shoal.bus.base import Bus, BusError, Msg, Subscription
 from shoal.bus.codec import Codec, DecodeError
-from shoal.bus.event_stream import StreamFollower, open_kv_events_stream
-from shoal.bus.liveness import GONE_STATES, LivenessTable
+from shoal.bus.event_stream import StreamFollower, kv_events_subjects, open_kv_events_stream
+from shoal.bus.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.kv_events import KVEventBatch
 from shoal.bus.messages.sampling import SamplingParams
@@ -37,14 +38,18 @@ class PrefixRouting:
         self._subjects = subjects
         self._replicas = config.bus_config.jetstream_replicas
         self._snapshot_interval_s = config.parallel_config.kv_events_snapshot_interval_s
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(cache.block_size)
         self.hasher = BlockHasher(cache.block_size, cache.prefix_caching_hash_algo)
+        self.tiers = LivenessTable()  # the KV tiers' heartbeats and statuses
         self.follower: StreamFollower | None = None
-        self._sub: Subscription | None = None
+        self._subs: list[Subscription] = []
 
     async def start(self, replay_timeout_s: float = 10.0) -> None:
         """Follow the stream and wait (bounded) until what it stored has been applied; without
         a stream (a bus that has none, or JetStream off), follow the live events only."""
+        self._subs = await watch_liveness(
+            self._bus, self._subjects, "tier", self.tiers, on_change=self.on_tier_change
+        )
         try:
             stream = await open_kv_events_stream(
                 self._bus, self._subjects, self._replicas, self._snapshot_interval_s
@@ -52,8 +57,9 @@ class PrefixRouting:
             self.follower = await stream.follow(self._on_batch)
         except (BusError, NotImplementedError, OSError) as exc:
             log.warning("kv-events stream unavailable (%r): following live events only", exc)
-            subject = self._subjects.kv_events("*")
-            self._sub = await self._bus.subscribe(subject, self._on_batch, sequential=True)
+            for subject in kv_events_subjects(self._subjects):
+                sub = await self._bus.subscribe(subject, self._on_batch, sequential=True)
+                self._subs.append(sub)
             return
         try:
             await asyncio.wait_for(self.follower.caught_up.wait(), replay_timeout_s)
@@ -64,8 +70,8 @@ class PrefixRouting:
         follower, self.follower = self.follower, None
         if follower is not None:
             await follower.stop()
-        sub, self._sub = self._sub, None
-        if sub is not None:
+        subs, self._subs = self._subs, []
+        for sub in subs:
             with contextlib.suppress(BusError):
                 await sub.unsubscribe()
 
@@ -82,6 +88,17 @@ class PrefixRouting:
         peer = liveness.get(engine_id)
         if peer is not None and peer.state in GONE_STATES:
             self.index.drop_engine(engine_id)
+
+    def on_tier_change(self, tier_id: str) -> None:
+        """A tier's state changed: a gone one holds nothing any more, and a restarted one's
+        old life must not steer until its new one's snapshot comes."""
+        peer = self.tiers.get(tier_id)
+        if peer is None:
+            return
+        if peer.state in GONE_STATES:
+            self.index.drop_engine(tier_id)
+        else:
+            self.index.follow_incarnation(tier_id, peer.incarnation, peer.retired)
 
     def request_hashes(
         self,

@@ -9,10 +9,14 @@ loaded ready one wins: waiting + running requests as last reported, plus what th
 since (not yet in a report), ties broken by KV usage.
 
 Prefix-aware routing (``mode="kv"``, with a ``prefix_index.PrefixIndex`` fed by the engine
-cores' KV events): given a request's chained block hashes, the ready engine core with the best
-``cached prefix blocks - load_weight * load`` wins (``kv_score``); ties go to the least loaded,
-as in load mode, which is also what a request without full blocks gets. Before scoring, the
-index drops the entries of an incarnation the liveness table knows to be over.
+cores' and KV tiers' events): given a request's chained block hashes, the ready engine core with
+the best ``cached prefix blocks + TIER_BLOCK_WEIGHT * further blocks in its CPU tier -
+load_weight * load`` wins (``kv_score``): the blocks its device cache holds count whole; those
+after them that the CPU tier it loads from (``EngineStats.kv_tier_id``, medium "cpu") holds
+count ``TIER_BLOCK_WEIGHT``, a copy over the host's memory being far cheaper than recomputing
+them but not free. Ties go to the least loaded, as in load mode, which is also what a request
+without full blocks gets. Before scoring, the index drops the entries of an incarnation the
+liveness table knows to be over.
 
 A pick counts ``num_requests`` toward the engine core's load: a request with ``n`` > 1 sends
 ``n`` engine requests there.
@@ -46,9 +50,18 @@ class EngineView:
         return (self.load, self.stats.stats.kv_usage)
 
 
-def kv_score(num_cached_blocks: int, load: float, load_weight: float) -> float:
-    """An engine core's worth for a request in kv mode (higher is better)."""
-    return num_cached_blocks - load_weight * load
+# What a block its host's CPU tier holds is worth, against one its device cache holds (1) and
+# one it recomputes (0): loading it is a copy from host memory, far faster than a prefill of its
+# tokens, but not free (the copy, and the lookup's round trip before the request is scheduled).
+TIER_BLOCK_WEIGHT = 0.5
+
+
+def kv_score(
+    num_cached_blocks: int, load: float, load_weight: float, num_tier_blocks: int = 0
+) -> float:
+    """An engine core's worth for a request in kv mode (higher is better): its device-cached
+    leading blocks, plus ``num_tier_blocks`` further leading blocks its CPU tier holds."""
+    return num_cached_blocks + TIER_BLOCK_WEIGHT * num_tier_blocks - load_weight * load
 
 
 class EngineRouter:
@@ -125,10 +138,13 @@ class EngineRouter:
             if peer is not None:
                 index.follow_incarnation(view.engine_id, peer.incarnation, peer.retired)
         cached = {v.engine_id: index.num_cached_blocks(v.engine_id, block_hashes) for v in ready}
+        in_tier = {v.engine_id: self._num_tier_blocks(v, block_hashes, cached) for v in ready}
 
         def key(view: EngineView) -> tuple[float, float, float]:
             load = view.load
-            score = kv_score(cached[view.engine_id], load, self.load_weight)
+            score = kv_score(
+                cached[view.engine_id], load, self.load_weight, in_tier[view.engine_id]
+            )
             return (-score, load, view.stats.stats.kv_usage)
 
         best = min(ready, key=key)
@@ -136,6 +152,16 @@ class EngineRouter:
             self.num_prefix_routed += 1
             self.num_prefix_blocks += cached[best.engine_id]
         return best
+
+    def _num_tier_blocks(
+        self, view: EngineView, block_hashes: Sequence[bytes], cached: dict[str, int]
+    ) -> int:
+        """The leading blocks after the device-cached ones that ``view``'s CPU tier holds."""
+        tier_id, num_cached = view.stats.kv_tier_id, cached[view.engine_id]
+        if not tier_id or self.index is None:
+            return 0
+        held = self.index.num_cached_blocks(tier_id, block_hashes, "cpu", start=num_cached)
+        return held - num_cached
 
     def max_model_len(self) -> int | None:
         lens = [v.stats.max_model_len for v in self.engines.values() if v.stats.max_model_len]
