@@ -62,14 +62,19 @@ def tier_router(loads: tuple[int, int], tiers: tuple[str, str]) -> EngineRouter:
     return router
 
 
+def forget_picks(router: EngineRouter) -> None:
+    for view in router.engines.values():
+        view.num_sent_since_stats = 0
+
+
 def test_an_engine_core_whose_cpu_tier_holds_the_prefix_wins_below_a_device_hit() -> None:
     router = tier_router(loads=(1, 0), tiers=("cpu-a", "cpu-b"))
     assert router.index is not None
     assert picked(router, PROMPT) == "e1"  # nothing held anywhere: the least loaded
     router.index.apply(batch("cpu-a", 0, cpu(h(1), h(3))))
-    router.engines["e0"].num_sent_since_stats = 0
+    forget_picks(router)
     assert picked(router, PROMPT) == "e0"  # 4 blocks in its host's tier: 0.5 * 4 - 1 > 0
-    router.engines["e0"].num_sent_since_stats = 0
+    forget_picks(router)
     router.index.apply(batch("e1", 0, BlockStored(PROMPT[:4])))  # e1's device holds them
     assert picked(router, PROMPT) == "e1"  # 4 device blocks beat 4 tier blocks
     assert TIER_BLOCK_WEIGHT < 1
