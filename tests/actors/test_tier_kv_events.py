@@ -1,8 +1,10 @@
 """The offload tiers' KV events (``tiers.tier_events``) on the in-memory bus and a real NATS
 server: the CPU tier and the fs tier publish a snapshot when they start and attach, the chunks
 a store made readable (medium, block hashes without the group index, tokens per chunk) and
-those a store evicted; a client following the kv-events stream indexes them; a tier of a
-deployment that does not route by prefix publishes nothing."""
+those a store evicted; the object tier (real nats-server) names the chunks its bucket already
+held in its snapshot at attach, then its stores and evictions; a client following the
+kv-events stream indexes them; a tier of a deployment that does not route by prefix publishes
+nothing."""
 
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ from shoal.bus.messages.kv_events import (
     KVEvent,
     KVEventBatch,
 )
+from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.prefix_routing import PrefixRouting
 from shoal.tiers.keys import get_offload_block_hash
 from tests.actors.test_cpu_tier_actor import LAYOUT, Deployment, K
 from tests.actors.test_fs_tier_actor import Harness, done, key
+from tests.actors.test_obj_tier_actor import ObjHarness, harness_on
 from tests.fixtures.nats import BusFactory
 from tests.integration.conditions import wait_for
 
@@ -79,6 +83,12 @@ async def h(bus_factory: BusFactory, tmp_path: Path) -> AsyncIterator[Harness]:
     harness = Harness(await bus_factory(), await bus_factory(), tmp_path)
     yield harness
     await harness.close()
+
+
+@pytest.fixture
+async def obj_h(nats_url: str, tmp_path: Path) -> AsyncIterator[ObjHarness]:
+    async for harness in harness_on([NatsBus([nats_url]), NatsBus([nats_url])], tmp_path):
+        yield harness
 
 
 CHUNK_TOKENS = LAYOUT.block_size * LAYOUT.blocks_per_chunk
@@ -162,3 +172,37 @@ async def test_the_fs_tier_publishes_its_snapshot_stores_and_evictions(h: Harnes
     assert [e for e in heard.events() if isinstance(e, BlockRemoved)] == [
         BlockRemoved(hashes(key(1)), "fs")
     ]
+
+
+async def test_the_obj_tier_publishes_its_snapshot_stores_and_evictions(obj_h: ObjHarness) -> None:
+    """On a real nats-server: a tier on a bucket an earlier one filled names its chunks in the
+    snapshot of its attach; then its own stores, and what its budget evicts."""
+    h = obj_h
+    first = await h.tier(num_chunks=3)  # publishes nothing (no interval)
+    await h.attach()
+    h.fill([0, 1, 2, 3], [1, 2, 3, 4])
+    for i in (1, 2):  # stored in this order: 1 is the oldest
+        assert await h.cascade([i], [i - 1]) == done(i)
+    await first.stop()
+    heard = await Heard.on(h.client, h.namespace)
+    tier = await h.tier(num_chunks=3, kv_events_snapshot_interval_s=30.0)
+    await heard.wait("the snapshot of a tier that starts")
+    assert heard.batches[0].events == [AllBlocksCleared()]
+    assert heard.batches[0].engine_id == tier.actor_id
+    await h.attach()
+    await heard.wait("the snapshot of its layout", 2)
+    chunk_tokens = h.region.ref.layout.block_size * h.region.ref.layout.blocks_per_chunk
+    assert heard.batches[1].events == [
+        AllBlocksCleared(),
+        BlockStored(hashes(key(1), key(2)), None, chunk_tokens, "obj"),
+    ]
+    assert await h.cascade([3], [2]) == done(3)
+    await wait_for(lambda: stored(heard)[-1:] == hashes(key(3)), LIMIT_S, "the store")
+    assert heard.batches[-1].events == [BlockStored(hashes(key(3)), None, chunk_tokens, "obj")]
+    assert await h.cascade([4], [3]) == done(4)  # over budget: the least recent leaves
+    await wait_for(lambda: BlockRemoved in map(type, heard.events()), LIMIT_S, "the eviction")
+    assert [e for e in heard.events() if isinstance(e, BlockRemoved)] == [
+        BlockRemoved(hashes(key(1)), "obj")
+    ]
+    assert stored(heard)[-1:] == hashes(key(4))
+    assert [b.seq for b in heard.batches] == list(range(len(heard.batches)))
