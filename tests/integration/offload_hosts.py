@@ -41,8 +41,10 @@ def host_config(
     name: str,
     offload: bool = True,
     secondary_tiers: Sequence[dict[str, Any]] = (OBJ_TIER,),
+    **more: Any,
 ) -> ShoalConfig:
-    """One host's config; with ``offload`` a CPU tier of its own and ``secondary_tiers``."""
+    """One host's config; with ``offload`` a CPU tier of its own and ``secondary_tiers``;
+    ``more``: more config options (``routing_mode``...)."""
     options: dict[str, Any] = {}
     if offload:
         tiers = list(secondary_tiers)
@@ -55,6 +57,7 @@ def host_config(
         max_num_batched_tokens=256,
         namespace=namespace,
         **options,
+        **more,
     )
 
 
@@ -107,9 +110,11 @@ async def start_host(
     name: str,
     offload: bool = True,
     secondary_tiers: Sequence[dict[str, Any]] = (OBJ_TIER,),
+    **more: Any,
 ) -> Host:
-    """A host's tiers, worker and engine core, started; returns once its CPU tier is attached."""
-    config = host_config(model_dir, namespace, name, offload, secondary_tiers)
+    """A host's tiers, worker and engine core, started; returns once its CPU tier is attached
+    (``more``: more config options)."""
+    config = host_config(model_dir, namespace, name, offload, secondary_tiers, **more)
     tiers = await start_in_process(bus, plan_tiers(config))
     worker = WorkerActor(bus, f"w-{name}", config=config, heartbeat_interval_s=0.2)
     await worker.start()
