@@ -24,7 +24,7 @@ import nats.js.errors
 import pytest
 
 from shoal.bus import object_store
-from shoal.bus.base import PayloadIntegrityError
+from shoal.bus.base import BusTimeoutError, PayloadIntegrityError
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.object_store import CHUNK_BYTES, NatsObjectStore
 from tests.integration.conditions import wait_for
@@ -409,3 +409,16 @@ async def test_close_waits_for_the_purges_still_running_within_its_bound(
             await a.close(timeout=0.2)
         assert not a._purges
         assert a.num_orphans == (1 if bounded else 0)  # a hung purge: left for the next put
+
+
+async def test_a_read_whose_direct_get_hangs_ends_at_its_timeout(
+    stores: tuple[NatsObjectStore, NatsObjectStore],
+) -> None:
+    a, b = stores
+    await b.put("x", b"1" * CHUNK_BYTES)
+    held, release = hold(a, "get_msg", lambda *args, direct=False, **kw: direct)
+    async with asyncio.timeout(QUICK_S):
+        with pytest.raises(BusTimeoutError, match="0/131072 bytes"):
+            await a.get("x", timeout=0.3)
+    assert held.is_set()
+    release.set()
