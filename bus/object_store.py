@@ -45,6 +45,9 @@ WRONG_LAST_SEQUENCE = 10071  # the server's error code: an expected last sequenc
 PUBLISH_TRIES = 3  # of a put's meta, while the name's meta is deleted under it
 CONSUMER_IDLE_S = 30.0  # a read's consumer left behind (its delete lost) goes after this
 CHUNK_BYTES = 128 * 1024  # nats-py's chunk size, well under any server's max_payload
+# Reads by direct gets at once per store, each with one chunk on its way: 8 MiB queued to this
+# client at most (a server drops a client with more than its max_pending, 64 MiB by default).
+DIRECT_READS = 64
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,7 @@ class NatsObjectStore(ObjectStore):
         self._stream = f"OBJ_{name}"
         self._orphans: set[str] = set()  # chunk subjects of cut-short puts still to purge
         self._purges: set[asyncio.Task[None]] = set()  # purges, consumer deletes, watcher stops
+        self._direct_reads = asyncio.Semaphore(DIRECT_READS)
 
     @classmethod
     async def open(
@@ -233,7 +237,7 @@ class NatsObjectStore(ObjectStore):
         subject = self._chunk_subject(info.nuid or "")
         size, buffer, seq = info.size or 0, bytearray(), 0
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout), self._direct_reads:
                 for _ in range(info.chunks or 0):
                     msg = await self._js.get_msg(
                         self._stream, seq=seq, subject=subject, direct=True, next=True

@@ -27,6 +27,7 @@ from shoal.bus import object_store
 from shoal.bus.base import BusTimeoutError, PayloadIntegrityError
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.object_store import CHUNK_BYTES, NatsObjectStore
+from shoal.bus.server import NatsServer
 from tests.integration.conditions import wait_for
 
 pytestmark = pytest.mark.nats
@@ -217,6 +218,26 @@ async def test_a_stream_without_direct_gets_is_read_through_a_consumer(
     async with asyncio.timeout(QUICK_S):
         assert await a.get("x") == data
     assert len(made) == 1
+
+
+async def test_reads_by_direct_gets_keep_what_is_queued_to_the_client_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """64 reads at once of one-chunk objects (8 MiB) from a server that drops a client with
+    more than 2 MiB queued to it: ``DIRECT_READS`` (4 here) are on their way at once."""
+    monkeypatch.setattr(object_store, "DIRECT_READS", 4)
+    data = [os.urandom(CHUNK_BYTES) for _ in range(64)]
+    with NatsServer(max_payload=CHUNK_BYTES * 2, extra_config="max_pending: 2MB") as server:
+        bus = NatsBus([server.url])
+        await bus.connect()
+        store = await NatsObjectStore.open(bus, "bounded")
+        for i, one in enumerate(data):
+            await store.put(f"o{i}", one)
+        async with asyncio.timeout(QUICK_S * 2):
+            reads = [store.get(f"o{i}", timeout=QUICK_S) for i in range(64)]
+            assert await asyncio.gather(*reads) == data
+        await store.close()
+        await bus.close()
 
 
 @pytest.mark.parametrize(
