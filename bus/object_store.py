@@ -1,9 +1,10 @@
 """The JetStream Object Store on a ``NatsBus`` (``NatsBus.open_object_store``): a
 ``NatsObjectStore`` (``bus.buckets.ObjectStore`` on NATS) whose ``get`` reads chunks into one
 buffer (nats-py's own ``get`` concatenates bytes chunk by chunk, which is slow for multi-MiB
-objects) by direct gets, one request per chunk that any replica answers (no consumer: about
-three times the consumer read's bandwidth for many small objects). A chunk a direct get does
-not find (a replica behind the leader, or purged) sends the read to a pull consumer of its own,
+objects) by direct gets, one request per chunk that any replica answers, ``DIRECT_READS`` reads
+at once per store (no consumer: 512 objects of 196 KiB read at once on a 2-core machine went
+from 0.04 GB/s with a consumer per read to 0.14-0.19 GB/s). A chunk a direct get does not find
+(a replica behind the leader, or purged) sends the read to a pull consumer of its own,
 leader-consistent, in short pulls: a read whose chunks are purged under it fails at once, not
 at its timeout.
 
