@@ -1,8 +1,12 @@
 """The JetStream Object Store on a ``NatsBus`` (``NatsBus.open_object_store``): a
-``NatsObjectStore`` (``bus.buckets.ObjectStore`` on NATS) whose ``get`` pulls chunks
-with a pull consumer into one buffer (nats-py's own ``get`` concatenates bytes chunk by chunk,
-which is slow for multi-MiB objects), in short pulls: a read whose chunks are purged under it
-fails at once, not at its timeout.
+``NatsObjectStore`` (``bus.buckets.ObjectStore`` on NATS) whose ``get`` reads chunks into one
+buffer (nats-py's own ``get`` concatenates bytes chunk by chunk, which is slow for multi-MiB
+objects) by direct gets, one request per chunk that any replica answers, ``DIRECT_READS`` reads
+at once per store (no consumer: 512 objects of 196 KiB read at once on a 2-core machine went
+from 0.04 GB/s with a consumer per read to 0.14-0.19 GB/s). A chunk a direct get does not find
+(a replica behind the leader, or purged) sends the read to a pull consumer of its own,
+leader-consistent, in short pulls: a read whose chunks are purged under it fails at once, not
+at its timeout.
 
 The ``put`` is shoal's own, in nats-py's format (objects stay readable by any NATS client): it
 records who wrote an object (the meta's ``description``), digests in a thread, and leaves no
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext, api
 from nats.js.object_store import ObjectStore as NatsPyObjectStore
@@ -41,6 +46,9 @@ WRONG_LAST_SEQUENCE = 10071  # the server's error code: an expected last sequenc
 PUBLISH_TRIES = 3  # of a put's meta, while the name's meta is deleted under it
 CONSUMER_IDLE_S = 30.0  # a read's consumer left behind (its delete lost) goes after this
 CHUNK_BYTES = 128 * 1024  # nats-py's chunk size, well under any server's max_payload
+# Reads by direct gets at once per store, each with one chunk on its way: 8 MiB queued to this
+# client at most (a server drops a client with more than its max_pending, 64 MiB by default).
+DIRECT_READS = 64
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,7 @@ class NatsObjectStore(ObjectStore):
         self._stream = f"OBJ_{name}"
         self._orphans: set[str] = set()  # chunk subjects of cut-short puts still to purge
         self._purges: set[asyncio.Task[None]] = set()  # purges, consumer deletes, watcher stops
+        self._direct_reads = asyncio.Semaphore(DIRECT_READS)
 
     @classmethod
     async def open(
@@ -188,20 +197,28 @@ class NatsObjectStore(ObjectStore):
         return sorted(entries, key=lambda e: e.mtime)  # ISO-8601 UTC stamps sort as text
 
     async def get(self, name: str, *, timeout: float = 10.0) -> bytes | bytearray | None:
-        """The object's bytes (None if missing), read with a pull consumer within ``timeout``
-        (``BusTimeoutError``) and checked against its SHA-256 digest (in a thread: the loop is
-        never held by a large object); ``PayloadIntegrityError`` if they do not match or some
-        of its chunks are gone, found at once (not at the timeout) also while it is read. None
-        as well if the object was deleted or replaced since the read began (a miss: the name's
-        new object is left alone)."""
+        """The object's bytes (None if missing) within ``timeout`` (``BusTimeoutError``),
+        checked against its SHA-256 digest (in a thread: the loop is never held by a large
+        object); ``PayloadIntegrityError`` if they do not match or some of its chunks are gone,
+        found at once (not at the timeout) also while it is read. None as well if the object was
+        deleted or replaced since the read began (a miss: the name's new object is left alone).
+
+        The meta is the stream leader's; the chunks come by direct gets, which any replica may
+        answer. One that lags the leader may lack a chunk the meta names, so a chunk not found
+        is never called damaged on that alone: the chunks are read again through a consumer
+        (the leader's view), and only what that read finds decides."""
         meta = await self._last_meta(name)
         if meta is None or not meta.is_live:
             return None
         info = meta.info
         if not info.size:
             return b""
+        deadline = asyncio.get_running_loop().time() + timeout
         try:
-            buffer = await self._read_chunks(name, info, timeout)
+            buffer = await self._read_direct(name, info, timeout)
+            if buffer is None:  # a replica behind the leader, or chunks gone: the leader says
+                left = max(deadline - asyncio.get_running_loop().time(), 0.0)
+                buffer = await self._read_chunks(name, info, left)
         except _ChunksGone as exc:
             now = await self._last_meta(name)
             if now is None or not now.is_live or now.info.nuid != info.nuid:
@@ -212,9 +229,32 @@ class NatsObjectStore(ObjectStore):
 
     # -- reads ----------------------------------------------------------------------------------
 
+    async def _read_direct(
+        self, name: str, info: api.ObjectInfo, timeout: float
+    ) -> bytearray | None:
+        """The chunks of ``info`` by direct gets, in order (each asks for the chunk subject's
+        next message past the last one read); None if one is not found, or the stream answers
+        no direct gets (``allow_direct`` off), or the chunks hold too few bytes."""
+        subject = self._chunk_subject(info.nuid or "")
+        size, buffer, seq = info.size or 0, bytearray(), 0
+        try:
+            async with asyncio.timeout(timeout), self._direct_reads:
+                for _ in range(info.chunks or 0):
+                    msg = await self._js.get_msg(
+                        self._stream, seq=seq, subject=subject, direct=True, next=True
+                    )
+                    buffer += msg.data or b""
+                    seq = (msg.seq or 0) + 1
+        except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError):
+            return None
+        except TimeoutError:
+            raise BusTimeoutError(f"object {name!r}: {len(buffer)}/{size} bytes") from None
+        return buffer if len(buffer) >= size else None
+
     async def _read_chunks(self, name: str, info: api.ObjectInfo, timeout: float) -> bytearray:
-        """The chunks of ``info`` through a consumer of this read's own (deleted after it, also
-        when cut short while it is created); ``_ChunksGone`` if some are not in the stream."""
+        """The chunks of ``info`` through a consumer of this read's own (the stream leader's
+        view; deleted after it, also when cut short while it is created); ``_ChunksGone`` if
+        some are not in the stream."""
         consumer = uuid.uuid4().hex
         config = api.ConsumerConfig(
             name=consumer,

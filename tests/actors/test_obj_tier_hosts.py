@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from shoal.tiers.obj_actor import ObjTierActor
 from shoal.tiers.obj_store import ObjectChunks
 from tests.actors.test_fs_tier_actor import LAYOUT, OTHER, REPLY_S, done, key, pattern
 from tests.actors.test_obj_tier_actor import ObjHarness, chunks_of, object_names
+from tests.actors.test_object_store import at_direct_get
 from tests.integration.conditions import wait_for
 
 SIZE = LAYOUT.slot_bytes
@@ -278,30 +279,11 @@ async def test_an_adoptions_delete_spares_a_chunk_stored_again_meanwhile(
     assert await b.promote([7], [4]) == done(7) and b.slot(4) == pattern(7, SIZE)
 
 
-def at_consumer(
-    store: NatsObjectStore, action: Callable[[], Awaitable[None]], *, after: bool
-) -> None:
-    """Run ``action`` before (or after) the store's next read creates its consumer."""
-    js: Any = store._js
-    real = js.add_consumer
-
-    async def add_consumer(*args: Any, **kwargs: Any) -> Any:
-        js.add_consumer = real
-        if not after:
-            await action()
-        created = await real(*args, **kwargs)
-        if after:
-            await action()
-        return created
-
-    js.add_consumer = add_consumer
-
-
 async def test_a_chunk_its_writer_deletes_while_another_host_reads_it_is_a_miss_at_once(
     hosts: tuple[Host, Host],
 ) -> None:
-    """A's budget deletes its chunk while B, which adopted it, reads it (its consumer made,
-    nothing pulled yet): B's promote fails that key at once (not at the read's timeout) and B
+    """A's budget deletes its chunk while B, which adopted it, reads it (its meta read, no
+    chunk yet): B's promote fails that key at once (not at the read's timeout) and B
     forgets it."""
     a, b = hosts
     tier_a, tier_b = await a.tier(), await b.tier(io_timeout_s=30.0)
@@ -312,7 +294,7 @@ async def test_a_chunk_its_writer_deletes_while_another_host_reads_it_is_a_miss_
     async def delete() -> None:
         assert await chunks_of(tier_a).delete(key(1))
 
-    at_consumer(chunks_of(tier_b).store, delete, after=True)
+    at_direct_get(chunks_of(tier_b).store, delete, after=False)
     assert await b.promote([1], [4], timeout=2.0) == done(failed=(1,))
     assert await b.held(1) == 0 and tier_b.load()["num_chunks_corrupt"] == 1
 
@@ -359,7 +341,7 @@ async def test_a_part_put_again_while_read_is_a_miss_left_in_place(
         assert await other.put(name, bytes(part), writer="ha-cpu-obj0")
         await wait_for(lambda: other.num_orphans == 0, REPLY_S, "the old chunks purged")
 
-    at_consumer(chunks_of(tier).store, put_again, after=False)
+    at_direct_get(chunks_of(tier).store, put_again, after=False)
     assert await b.promote([1], [4]) == done(failed=(1,))
     assert await b.names() == object_names(tier, 1) and await b.held(1) == 1
     assert tier.load()["num_chunks_corrupt"] == 0

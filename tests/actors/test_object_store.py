@@ -1,13 +1,16 @@
 """The Object Store (``bus.object_store``) cut short or raced, against a real nats-server: two
 clients (two hosts) on one bucket.
 
-A read whose chunks are purged while it reads fails at once (not at its timeout), and one whose
-object was put again meanwhile is a miss (None), whether the old chunks went before its
-consumer was created or while it read; a listing or a read cut short leaves no subscription or
-consumer behind (a bucket whose stream is gone lists empty); of overlapping puts of one name
-the first to publish wins and the loser's chunk messages are purged; a delete spares a put of
-the name that lands while it runs, and a put publishes again over a delete that landed under
-it; ``close`` waits for the purges still running, within its bound."""
+A read takes direct gets and makes no consumer; a chunk a direct get does not find (a replica
+behind the leader) or a stream without direct gets sends the read to a consumer, which returns
+the object. A read whose chunks are purged while it reads fails at once (not at its timeout),
+and one whose object was put again meanwhile is a miss (None), whether the old chunks went
+before its first chunk, after it, or while the consumer pulls; a listing or a read cut short
+leaves no subscription or consumer behind (a bucket whose stream is gone lists empty); of
+overlapping puts of one name the first to publish wins and the loser's chunk messages are
+purged; a delete spares a put of the name that lands while it runs, and a put publishes again
+over a delete that landed under it; ``close`` waits for the purges still running, within its
+bound."""
 
 from __future__ import annotations
 
@@ -17,12 +20,14 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import nats.js.errors
 import pytest
 
 from shoal.bus import object_store
-from shoal.bus.base import PayloadIntegrityError
+from shoal.bus.base import BusTimeoutError, PayloadIntegrityError
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.object_store import CHUNK_BYTES, NatsObjectStore
+from shoal.bus.server import NatsServer
 from tests.integration.conditions import wait_for
 
 pytestmark = pytest.mark.nats
@@ -99,21 +104,58 @@ def is_meta(subject: str, *args: Any, **kwargs: Any) -> bool:
     return ".M." in subject
 
 
-def before_consumer(store: NatsObjectStore, action: Action) -> None:
-    """Run ``action`` before the store's next read creates its consumer."""
+def at_direct_get(store: NatsObjectStore, action: Action, *, after: bool) -> None:
+    """Run ``action`` before the store's next read asks for its first chunk by a direct get
+    (its meta read, no chunk yet), or ``after`` that chunk arrived."""
     js = js_of(store)
+    real = js.get_msg
+
+    async def get_msg(*args: Any, **kwargs: Any) -> Any:
+        if not kwargs.get("direct"):
+            return await real(*args, **kwargs)
+        js.get_msg = real
+        if not after:
+            await action()
+        msg = await real(*args, **kwargs)
+        if after:
+            await action()
+        return msg
+
+    js.get_msg = get_msg
+
+
+def direct_gets(store: NatsObjectStore, *, lagging: int | None = None) -> list[int]:
+    """The direct gets the store asks for from now on (a list growing by one per get), the one
+    numbered ``lagging`` (0: the first) answered by a replica behind the leader: not found."""
+    js, asked = js_of(store), []
+    real = js.get_msg
+
+    async def get_msg(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("direct"):
+            asked.append(kwargs.get("seq", 0))
+            if len(asked) - 1 == lagging:
+                raise nats.js.errors.NotFoundError
+        return await real(*args, **kwargs)
+
+    js.get_msg = get_msg
+    return asked
+
+
+def consumers_made(store: NatsObjectStore) -> list[Any]:
+    """The configs of the consumers the store's reads create from now on."""
+    js, made = js_of(store), []
     real = js.add_consumer
 
     async def add_consumer(*args: Any, **kwargs: Any) -> Any:
-        js.add_consumer = real
-        await action()
+        made.append(kwargs.get("config"))
         return await real(*args, **kwargs)
 
     js.add_consumer = add_consumer
+    return made
 
 
 def after_first_pull(store: NatsObjectStore, action: Action) -> None:
-    """Run ``action`` once the store's next read has pulled its first batch of chunks."""
+    """Run ``action`` once the store's next consumer read has pulled its first batch."""
     js = js_of(store)
     real = js.pull_subscribe_bind
 
@@ -134,30 +176,108 @@ def after_first_pull(store: NatsObjectStore, action: Action) -> None:
     js.pull_subscribe_bind = bind
 
 
+async def test_a_read_takes_direct_gets_and_makes_no_consumer(
+    stores: tuple[NatsObjectStore, NatsObjectStore],
+) -> None:
+    a, b = stores
+    data = os.urandom(2 * CHUNK_BYTES + 1000)
+    await b.put("x", data)
+    asked, made = direct_gets(a), consumers_made(a)
+    assert await a.get("x") == data
+    assert len(asked) == 3 and made == []
+    assert await num_consumers(a) == 0
+
+
+async def test_a_chunk_a_replica_behind_lacks_is_read_from_the_leader(
+    stores: tuple[NatsObjectStore, NatsObjectStore],
+) -> None:
+    """The second chunk's direct get is not found (a replica behind the leader): the read goes
+    to a consumer (the leader's view), returns the object, and deletes its consumer."""
+    a, b = stores
+    data = os.urandom(3 * CHUNK_BYTES)
+    await b.put("x", data)
+    asked, made = direct_gets(a, lagging=1), consumers_made(a)
+    async with asyncio.timeout(QUICK_S):
+        assert await a.get("x") == data
+    assert len(asked) == 2 and len(made) == 1
+    await wait_for(lambda: not a._purges, REPLY_S, "the consumer's delete ran")
+    assert await num_consumers(a) == 0
+
+
+async def test_a_stream_without_direct_gets_is_read_through_a_consumer(
+    stores: tuple[NatsObjectStore, NatsObjectStore],
+) -> None:
+    """A bucket whose stream answers no direct gets (``allow_direct`` off)."""
+    a, b = stores
+    data = os.urandom(CHUNK_BYTES + 1)
+    await b.put("x", data)
+    config = (await js_of(a).stream_info(a._stream)).config
+    config.allow_direct = False
+    await js_of(a).update_stream(config)
+    made = consumers_made(a)
+    async with asyncio.timeout(QUICK_S):
+        assert await a.get("x") == data
+    assert len(made) == 1
+
+
+async def test_reads_by_direct_gets_keep_what_is_queued_to_the_client_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """64 reads at once of one-chunk objects (8 MiB) from a server that drops a client with
+    more than 2 MiB queued to it: ``DIRECT_READS`` (4 here) are on their way at once."""
+    monkeypatch.setattr(object_store, "DIRECT_READS", 4)
+    data = [os.urandom(CHUNK_BYTES) for _ in range(64)]
+    with NatsServer(max_payload=CHUNK_BYTES * 2, extra_config="max_pending: 2MB") as server:
+        bus = NatsBus([server.url])
+        await bus.connect()
+        store = await NatsObjectStore.open(bus, "bounded")
+        for i, one in enumerate(data):
+            await store.put(f"o{i}", one)
+        async with asyncio.timeout(QUICK_S * 2):
+            reads = [store.get(f"o{i}", timeout=QUICK_S) for i in range(64)]
+            assert await asyncio.gather(*reads) == data
+        await store.close()
+        await bus.close()
+
+
 @pytest.mark.parametrize(
-    "what, when",
-    [("purged", "while read"), ("put again", "while read"), ("put again", "before read")],
+    "what, when, found",
+    [
+        ("purged", "before read", 0),
+        ("purged", "while read", 0),  # the consumer the missing chunk sends it to finds none
+        ("purged", "while the consumer reads", 2),
+        ("put again", "before read", 0),
+        ("put again", "while read", 0),
+        ("put again", "while the consumer reads", 0),
+    ],
 )
 async def test_a_read_whose_chunks_go_ends_at_once(
     stores: tuple[NatsObjectStore, NatsObjectStore],
     monkeypatch: pytest.MonkeyPatch,
     what: str,
     when: str,
+    found: int,
 ) -> None:
     """Purged (the writer's budget deleted it): ``PayloadIntegrityError`` at once, not at the
-    read's timeout. Put again by another host: a miss (None), the new object left alone."""
+    read's timeout. Put again by another host: a miss (None), the new object left alone. Before
+    the first chunk's direct get, after it, or while the consumer a replica behind the leader
+    sent the read to pulls."""
     a, b = stores
-    monkeypatch.setattr(object_store, "FETCH_BATCH", 2)  # five chunks: the read pulls thrice
+    monkeypatch.setattr(object_store, "FETCH_BATCH", 2)  # five chunks: a consumer pulls thrice
     await a.put("x", b"1" * (5 * CHUNK_BYTES))
     new = b"2" * (3 * CHUNK_BYTES)
 
     async def action() -> None:
         await (purge_chunks(b, "x") if what == "purged" else put_again(b, "x", new))
 
-    (after_first_pull if when == "while read" else before_consumer)(a, action)
+    if when == "while the consumer reads":
+        direct_gets(a, lagging=0)
+        after_first_pull(a, action)
+    else:
+        at_direct_get(a, action, after=when == "while read")
     async with asyncio.timeout(QUICK_S):  # the read's own timeout is far longer
         if what == "purged":
-            with pytest.raises(PayloadIntegrityError, match="2 of 5 chunks"):
+            with pytest.raises(PayloadIntegrityError, match=f"{found} of 5 chunks"):
                 await a.get("x", timeout=30.0)
         else:
             assert await a.get("x", timeout=30.0) is None
@@ -224,6 +344,7 @@ async def test_a_read_cancelled_while_its_consumer_is_created_leaves_none(
         return info
 
     js_of(a).add_consumer = add_consumer
+    direct_gets(a, lagging=0)  # consumers are made only by reads a direct get failed
     read = asyncio.create_task(a.get("x"))
     await asyncio.wait_for(created.wait(), REPLY_S)
     assert await num_consumers(a) == 1
@@ -309,3 +430,16 @@ async def test_close_waits_for_the_purges_still_running_within_its_bound(
             await a.close(timeout=0.2)
         assert not a._purges
         assert a.num_orphans == (1 if bounded else 0)  # a hung purge: left for the next put
+
+
+async def test_a_read_whose_direct_get_hangs_ends_at_its_timeout(
+    stores: tuple[NatsObjectStore, NatsObjectStore],
+) -> None:
+    a, b = stores
+    await b.put("x", b"1" * CHUNK_BYTES)
+    held, release = hold(a, "get_msg", lambda *args, direct=False, **kw: direct)
+    async with asyncio.timeout(QUICK_S):
+        with pytest.raises(BusTimeoutError, match="0/131072 bytes"):
+            await a.get("x", timeout=0.3)
+    assert held.is_set()
+    release.set()
