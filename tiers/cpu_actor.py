@@ -37,9 +37,9 @@ still waits for it.
 
 Every inbound message is a request; ``TierRelease`` may also come as a plain publish (asked, it
 is answered with ``TierJobDone`` naming the stores that became readable), and ``TierRenew``
-always does (never answered: it extends its owner's leases). Before the first
-``TierAttach`` there is no region: lookups and stores get a ``TierError``, releases change nothing.
-In kv routing it publishes its chunks' KV events, medium "cpu" (``tiers.tier_events``).
+always does (never answered: it extends its owner's leases). Before the first ``TierAttach``
+there is no region: lookups and stores get a ``TierError``, releases change nothing. In kv
+routing it publishes its chunks' KV events, medium "cpu" (``tiers.tier_events``).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ from shoal.tiers.manager import OffloadManager
 from shoal.tiers.promotion_waits import PromotionWaits
 from shoal.tiers.region import SharedRegion
 from shoal.tiers.secondaries import SecondaryFailed, SecondaryLink, SecondaryTimeout
-from shoal.tiers.tier_events import TierEvents, kv_events_interval, watch_manager
+from shoal.tiers.tier_events import TierEvents, tier_events_settings, watch_manager
 
 log = logging.getLogger(__name__)
 
@@ -161,13 +161,7 @@ class CpuTierActor(Actor):
             )
             for secondary_id in secondary_ids
         ]
-        interval, replicas = kv_events_snapshot_interval_s, 1
-        if config is not None:
-            interval = interval or kv_events_interval(config)
-            replicas = config.bus_config.jetstream_replicas
-        self.kv_events = TierEvents.make(
-            bus, self.subjects, self.actor_id, "cpu", self._holdings, interval, replicas
-        )
+        self.kv_events = self._make_kv_events(config, kv_events_snapshot_interval_s)
         # the secondaries stores cascade to (a peer-to-peer tier keeps none)
         self.cascade_links = [
             link
@@ -479,6 +473,12 @@ class CpuTierActor(Actor):
         books.counters.num_stale_ignored += 1
         log.debug("%r: ignored a release or renewal of region %s", self, generation)
         return True
+
+    def _make_kv_events(self, config: ShoalConfig | None, every: float | None) -> TierEvents | None:
+        every, replicas = tier_events_settings(config, every)
+        return TierEvents.make(
+            self.bus, self.subjects, self.actor_id, "cpu", self._holdings, every, replicas
+        )
 
     def _holdings(self) -> tuple[OffloadManager, int] | None:
         if self.books is None or self.region is None:

@@ -44,6 +44,16 @@ def kv_events_interval(config: ShoalConfig) -> float | None:
     return config.parallel_config.kv_events_snapshot_interval_s
 
 
+def tier_events_settings(
+    config: ShoalConfig | None, interval: float | None
+) -> tuple[float | None, int]:
+    """A tier's KV-event snapshot interval (``interval``, else the config's when it routes by
+    prefix) and the replicas of the stream it may create."""
+    if config is None:
+        return interval, 1
+    return interval or kv_events_interval(config), config.bus_config.jetstream_replicas
+
+
 def _hashes(keys: tuple[OffloadKey, ...] | list[OffloadKey]) -> list[bytes]:
     return list(dict.fromkeys(get_offload_block_hash(key) for key in keys))
 
