@@ -40,7 +40,7 @@ class _Held:
 
 
 @dataclass(slots=True)
-class _EngineBlocks:
+class _SourceBlocks:
     incarnation: str
     media: dict[str | None, _Held] = field(default_factory=dict)
     retired: set[str] = field(default_factory=set)
@@ -53,32 +53,32 @@ class PrefixIndex:
 
     def __init__(self, block_size: int = 0) -> None:
         self.block_size = block_size
-        self._engines: dict[str, _EngineBlocks] = {}
+        self._sources: dict[str, _SourceBlocks] = {}
         self.num_gaps = 0
         self.num_batches = 0
 
     def apply(self, batch: KVEventBatch) -> bool:
         """Apply one engine core's batch; False if ignored (from a retired incarnation)."""
-        engine = self._engines.get(batch.engine_id)
-        if engine is None:
-            engine = self._engines[batch.engine_id] = _EngineBlocks(batch.incarnation)
-            engine.next_seq = batch.seq  # joined mid-way (older batches left the stream)
-        elif batch.incarnation in engine.retired:
+        source = self._sources.get(batch.engine_id)
+        if source is None:
+            source = self._sources[batch.engine_id] = _SourceBlocks(batch.incarnation)
+            source.next_seq = batch.seq  # joined mid-way (older batches left the stream)
+        elif batch.incarnation in source.retired:
             return False
-        elif batch.incarnation != engine.incarnation:
-            self._renew(engine, batch.incarnation)
-            engine.next_seq = batch.seq
-        if batch.seq != engine.next_seq and engine.next_seq >= 0:
+        elif batch.incarnation != source.incarnation:
+            self._renew(source, batch.incarnation)
+            source.next_seq = batch.seq
+        if batch.seq != source.next_seq and source.next_seq >= 0:
             self.num_gaps += 1
-            engine.distrusted = True
-            engine.media.clear()
-        engine.next_seq = batch.seq + 1
+            source.distrusted = True
+            source.media.clear()
+        source.next_seq = batch.seq + 1
         self.num_batches += 1
-        if engine.distrusted:
+        if source.distrusted:
             if not batch.events or not isinstance(batch.events[0], AllBlocksCleared):
                 return True  # seen, not trusted: still waiting for a snapshot
-            engine.distrusted = False
-        media = engine.media
+            source.distrusted = False
+        media = source.media
         for event in batch.events:
             match event:
                 case BlockStored():
@@ -93,64 +93,64 @@ class PrefixIndex:
         return True
 
     @staticmethod
-    def _renew(engine: _EngineBlocks, incarnation: str) -> None:
+    def _renew(source: _SourceBlocks, incarnation: str) -> None:
         """Follow ``incarnation`` from now on: the current one is retired, its hashes gone."""
-        engine.retired.add(engine.incarnation)
-        engine.incarnation, engine.next_seq = incarnation, -1
-        engine.media.clear()
-        engine.distrusted = False
+        source.retired.add(source.incarnation)
+        source.incarnation, source.next_seq = incarnation, -1
+        source.media.clear()
+        source.distrusted = False
 
-    def follow_incarnation(self, engine_id: str, incarnation: str, retired: set[str]) -> None:
-        """The client's liveness table says ``engine_id`` lives as ``incarnation`` now, and
+    def follow_incarnation(self, source_id: str, incarnation: str, retired: set[str]) -> None:
+        """The client's liveness table says ``source_id`` lives as ``incarnation`` now, and
         the ones in ``retired`` are over: if the index follows one of those, drop its entries
         and wait for the new one's batches."""
-        engine = self._engines.get(engine_id)
-        if engine is None or not incarnation or engine.incarnation == incarnation:
+        source = self._sources.get(source_id)
+        if source is None or not incarnation or source.incarnation == incarnation:
             return
-        if engine.incarnation in retired and incarnation not in engine.retired:
-            self._renew(engine, incarnation)
+        if source.incarnation in retired and incarnation not in source.retired:
+            self._renew(source, incarnation)
 
-    def drop_engine(self, engine_id: str) -> None:
-        """Forget what ``engine_id`` holds (it is gone); its next batches apply again."""
-        engine = self._engines.get(engine_id)
-        if engine is not None:
-            engine.media.clear()
+    def drop_source(self, source_id: str) -> None:
+        """Forget what ``source_id`` holds (it is gone); its next batches apply again."""
+        source = self._sources.get(source_id)
+        if source is not None:
+            source.media.clear()
 
-    def incarnation_of(self, engine_id: str) -> str | None:
-        """The incarnation of ``engine_id`` whose events the index follows."""
-        engine = self._engines.get(engine_id)
-        return engine.incarnation if engine is not None else None
+    def incarnation_of(self, source_id: str) -> str | None:
+        """The incarnation of ``source_id`` whose events the index follows."""
+        source = self._sources.get(source_id)
+        return source.incarnation if source is not None else None
 
-    def _held(self, engine_id: str, medium: str | None) -> _Held | None:
-        engine = self._engines.get(engine_id)
-        return engine.media.get(medium) if engine is not None else None
+    def _held(self, source_id: str, medium: str | None) -> _Held | None:
+        source = self._sources.get(source_id)
+        return source.media.get(medium) if source is not None else None
 
-    def hashes_of(self, engine_id: str, medium: str | None = None) -> set[bytes]:
-        held = self._held(engine_id, medium)
+    def hashes_of(self, source_id: str, medium: str | None = None) -> set[bytes]:
+        held = self._held(source_id, medium)
         return set(held.hashes) if held is not None else set()
 
-    def stride(self, engine_id: str, medium: str | None = None) -> int:
-        """Blocks per hash ``engine_id`` publishes in ``medium``: a tier's chunk's (1 while the
+    def stride(self, source_id: str, medium: str | None = None) -> int:
+        """Blocks per hash ``source_id`` publishes in ``medium``: a tier's chunk's (1 while the
         block sizes are not known)."""
-        held = self._held(engine_id, medium)
+        held = self._held(source_id, medium)
         if held is None or not held.block_size or not self.block_size:
             return 1
         return max(1, held.block_size // self.block_size)
 
     def num_cached_blocks(
         self,
-        engine_id: str,
+        source_id: str,
         block_hashes: Sequence[bytes],
         medium: str | None = None,
         start: int = 0,
     ) -> int:
-        """How many leading blocks of a request (its chained hashes) ``engine_id`` holds in
+        """How many leading blocks of a request (its chained hashes) ``source_id`` holds in
         ``medium``, a chunk (``stride``) at a time, given that its first ``start`` blocks are
         held elsewhere (the device's: a tier then counts from the chunk they end in)."""
-        held = self._held(engine_id, medium)
+        held = self._held(source_id, medium)
         if held is None:
             return start
-        stride, hashes = self.stride(engine_id, medium), held.hashes
+        stride, hashes = self.stride(source_id, medium), held.hashes
         count = start - start % stride
         while count + stride <= len(block_hashes) and block_hashes[count + stride - 1] in hashes:
             count += stride
@@ -159,5 +159,5 @@ class PrefixIndex:
     @property
     def num_entries(self) -> int:
         return sum(
-            len(held.hashes) for engine in self._engines.values() for held in engine.media.values()
+            len(held.hashes) for source in self._sources.values() for held in source.media.values()
         )

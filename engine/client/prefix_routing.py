@@ -87,7 +87,7 @@ class PrefixRouting:
         """An engine core's state changed: a gone one holds nothing any more."""
         peer = liveness.get(engine_id)
         if peer is not None and peer.state in GONE_STATES:
-            self.index.drop_engine(engine_id)
+            self.index.drop_source(engine_id)
 
     def on_tier_change(self, tier_id: str) -> None:
         """A tier's state changed: a gone one holds nothing any more, and a restarted one's
@@ -96,7 +96,7 @@ class PrefixRouting:
         if peer is None:
             return
         if peer.state in GONE_STATES:
-            self.index.drop_engine(tier_id)
+            self.index.drop_source(tier_id)
         else:
             self.index.follow_incarnation(tier_id, peer.incarnation, peer.retired)
 

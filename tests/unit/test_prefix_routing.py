@@ -50,7 +50,7 @@ def test_a_new_incarnation_drops_the_old_and_the_old_ones_late_batches_are_ignor
     assert index.hashes_of("e0") == {h(5)}
     index.apply(batch("e0", 1, BlockStored([h(6)]), incarnation="b"))
     assert index.num_gaps == 0 and index.hashes_of("e0") == {h(5), h(6)}
-    index.drop_engine("e0")  # seen DEAD or STOPPED
+    index.drop_source("e0")  # seen DEAD or STOPPED
     assert index.hashes_of("e0") == set()
 
 
