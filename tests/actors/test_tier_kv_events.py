@@ -61,6 +61,12 @@ class Heard:
     async def wait(self, what: str, count: int = 1) -> None:
         await wait_for(lambda: len(self.batches) >= count, LIMIT_S, what)
 
+    async def started(self, tier_id: str) -> None:
+        """The first batch came: the tier's empty snapshot as it starts (nothing attached)."""
+        await self.wait("the snapshot of a tier that starts")
+        assert self.batches[0].events == [AllBlocksCleared()]
+        assert self.batches[0].engine_id == tier_id
+
 
 def stored(heard: Heard) -> list[bytes]:
     return [h for e in heard.events() if isinstance(e, BlockStored) for h in e.block_hashes]
@@ -154,9 +160,7 @@ async def test_a_tier_of_a_deployment_routing_by_load_publishes_nothing(deployme
 async def test_the_fs_tier_publishes_its_snapshot_stores_and_evictions(h: Harness) -> None:
     heard = await Heard.on(h.client, h.namespace)
     tier = await h.tier(num_chunks=2, kv_events_snapshot_interval_s=30.0)
-    await heard.wait("the snapshot of a tier that starts")
-    assert heard.batches[0].events == [AllBlocksCleared()]
-    assert heard.batches[0].engine_id == tier.actor_id
+    await heard.started(tier.actor_id)
     await h.attach()
     await heard.wait("the snapshot of its layout", 2)
     h.fill([0, 1, 2], [1, 2, 3])
@@ -186,9 +190,7 @@ async def test_the_obj_tier_publishes_its_snapshot_stores_and_evictions(obj_h: O
     await first.stop()
     heard = await Heard.on(h.client, h.namespace)
     tier = await h.tier(num_chunks=3, kv_events_snapshot_interval_s=30.0)
-    await heard.wait("the snapshot of a tier that starts")
-    assert heard.batches[0].events == [AllBlocksCleared()]
-    assert heard.batches[0].engine_id == tier.actor_id
+    await heard.started(tier.actor_id)
     await h.attach()
     await heard.wait("the snapshot of its layout", 2)
     chunk_tokens = h.region.ref.layout.block_size * h.region.ref.layout.blocks_per_chunk
