@@ -1,37 +1,24 @@
-"""The demo model cache: build once under a lock, publish atomically, reuse afterwards.
-
-The checkpoint is built in a temporary directory beside its final place and renamed into place
-when complete, so a crash never leaves a half-built model where a reader would look; an exclusive
-``flock`` on a lock file keeps two processes from building the same checkpoint at once.
-"""
+"""The demo model cache: built once (``built_dir``: under a lock, published atomically), reused
+afterwards."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
+from shoal.workers.built_dir import default_cache_root, ensure_built
+from shoal.workers.built_dir import is_complete as _has_manifest
 from shoal.workers.demo.spec import DemoSpec, Log
 
 DEMO_VERSION = "1"
 MANIFEST = "shoal-demo.json"  # written last, inside the build directory
 
-
-def default_cache_root() -> Path:
-    """``$SHOAL_CACHE_DIR``, else ``$XDG_CACHE_HOME/shoal``, else ``~/.cache/shoal``."""
-    if explicit := os.environ.get("SHOAL_CACHE_DIR"):
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "shoal"
+__all__ = ["DEMO_VERSION", "default_cache_root", "ensure_demo_model", "is_complete"]
 
 
 def demo_dir_name(spec: DemoSpec) -> str:
@@ -43,7 +30,7 @@ def demo_dir_name(spec: DemoSpec) -> str:
 
 
 def is_complete(model_dir: Path) -> bool:
-    return (model_dir / MANIFEST).is_file()
+    return _has_manifest(model_dir, MANIFEST)
 
 
 def ensure_demo_model(
@@ -57,61 +44,35 @@ def ensure_demo_model(
     spec = spec or DemoSpec()
     root = Path(cache_dir) if cache_dir is not None else default_cache_root()
     final = root / demo_dir_name(spec)
-    if is_complete(final):
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(root / f".{final.name}.lock"):
-        if is_complete(final):  # another process built it while we waited
-            return final
-        _remove_leftovers(root, final)
-        _build_into(final, spec, num_threads, log or _stderr_log)
-    return final
+    say = log or _stderr_log
+    return ensure_built(
+        final, MANIFEST, lambda building: _build_into(building, final, spec, num_threads, say)
+    )
 
 
-@contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    with open(path, "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
-
-
-def _remove_leftovers(root: Path, final: Path) -> None:
-    """Temporary directories of crashed builds, and a final directory without its manifest."""
-    for stale in root.glob(f".{final.name}.build-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    if final.exists():
-        shutil.rmtree(final)
-
-
-def _build_into(final: Path, spec: DemoSpec, num_threads: int | None, log: Log) -> None:
+def _build_into(
+    building: Path, final: Path, spec: DemoSpec, num_threads: int | None, log: Log
+) -> dict[str, object]:
     import torch
 
     from shoal.workers.demo.train import build_demo_checkpoint
 
-    building = Path(tempfile.mkdtemp(prefix=f".{final.name}.build-", dir=final.parent))
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(num_threads or min(4, os.cpu_count() or 1))
     started = time.monotonic()
     try:
         log(f"demo model: building {final} (once; cached afterwards)")
         final_loss = build_demo_checkpoint(building, spec, log)
-        manifest = {
-            "version": DEMO_VERSION,
-            "spec": dataclasses.asdict(spec),
-            "final_loss": final_loss,
-            "build_seconds": round(time.monotonic() - started, 1),
-        }
-        (building / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        os.rename(building, final)
-        log(f"demo model: ready in {manifest['build_seconds']}s at {final}")
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
     finally:
         torch.set_num_threads(previous_threads)
+    seconds = round(time.monotonic() - started, 1)
+    log(f"demo model: ready in {seconds}s at {final}")
+    return {
+        "version": DEMO_VERSION,
+        "spec": dataclasses.asdict(spec),
+        "final_loss": final_loss,
+        "build_seconds": seconds,
+    }
 
 
 def _stderr_log(message: str) -> None:
