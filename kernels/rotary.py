@@ -43,7 +43,8 @@ def build_cos_sin_cache(
     scaling: dict[str, Any] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:  # [max_positions, rotary_dim]
-    """cat(cos, sin) per position; ``scaling`` is a HF rope dict (``rope_type`` default/llama3).
+    """cat(cos, sin) per position; ``scaling`` is a HF rope dict (``rope_type`` default/llama3), or
+    ``freq_factors`` with one divisor per frequency (a GGUF file's ``rope_freqs``).
 
     Keep the cache in fp32 (the default): ``apply_rotary`` casts rows to the activations' dtype
     the way transformers does.
@@ -53,8 +54,13 @@ def build_cos_sin_cache(
     if rope_type == "llama3":
         assert scaling is not None
         inv_freq = _llama3_scaled(inv_freq, scaling)
+    elif rope_type == "freq_factors":  # a GGUF file's rope_freqs: a divisor per frequency
+        assert scaling is not None
+        inv_freq = inv_freq / torch.tensor(scaling["freq_factors"], dtype=inv_freq.dtype)
     elif rope_type not in ("default", None):
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+        raise NotImplementedError(
+            f"rope_type {rope_type!r} is not supported (default, llama3, freq_factors)"
+        )
     positions = torch.arange(max_positions, dtype=torch.int64).float()
     freqs = positions[:, None] * inv_freq[None, :]  # [max_positions, rotary_dim // 2]
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)

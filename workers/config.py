@@ -47,9 +47,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+# "freq_factors": one divisor per rotary frequency, as a GGUF file's rope_freqs tensor holds
+# Llama 3's scaling (shoal's own spelling, written into a GGUF view's config.json).
+ROPE_TYPES = ("default", "llama3", "freq_factors")
+
+
 @dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding settings; ``scaling`` holds the llama3 keys when ``rope_type`` is set."""
+    """Rotary embedding settings; ``scaling`` holds the llama3 keys or the freq factors when
+    ``rope_type`` says so."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -176,8 +182,10 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         params = dict(raw.get("rope_scaling") or {})
         params.setdefault("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = str(params.get("rope_type") or params.get("type") or "default")
-    if rope_type not in ("default", "llama3"):
-        raise CheckpointConfigError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointConfigError(
+            f"rope_type {rope_type!r} is not supported ({', '.join(ROPE_TYPES)})"
+        )
     scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type", "type")}
     return RopeConfig(
         theta=float(params.get("rope_theta", 10000.0)), rope_type=rope_type, scaling=scaling

@@ -1,10 +1,11 @@
-"""Load a Hugging Face checkpoint directory into a shoal model.
+"""Load a Hugging Face checkpoint directory (or a GGUF file's view of one) into a shoal model.
 
 Safetensors files (one, or shards listed in ``model.safetensors.index.json``) are memory-mapped
 and read as zero-copy tensor views; each view is copied once, straight into this rank's slice of
 its parameter. A progress bar (stderr) shows on checkpoints above ``PROGRESS_MIN_BYTES``.
-Errors name the file or tensor: unsupported architecture, corrupt file, missing or mismatched
-tensor.
+A GGUF view directory (``workers.gguf``) reads its tensors from the GGUF file instead,
+dequantized one at a time. Errors name the file or tensor: unsupported architecture, corrupt
+file, missing or mismatched tensor.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from shoal.workers.config import CheckpointConfig, CheckpointConfigError
+from shoal.workers.gguf import GGUFError, gguf_source
 from shoal.workers.models import MOE_ARCHITECTURES, DecoderForCausalLM, model_class_for
 from shoal.workers.moe.expert_parallel import EPContext
 from shoal.workers.parallel import TPContext
@@ -109,6 +111,9 @@ def iter_checkpoint(
     model_dir: Path, *, progress: bool | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every file, with a byte progress bar when the checkpoint is large."""
+    if (gguf_file := gguf_source(model_dir)) is not None:
+        yield from _iter_gguf(gguf_file, progress)
+        return
     files = checkpoint_files(model_dir)
     total = sum(f.stat().st_size for f in files)
     show = progress if progress is not None else total >= PROGRESS_MIN_BYTES
@@ -124,6 +129,18 @@ def iter_checkpoint(
             for name, tensor in read_safetensors(path):
                 yield name, tensor
                 bar.update(tensor.numel() * tensor.element_size())
+
+
+def _iter_gguf(path: Path, progress: bool | None) -> Iterator[tuple[str, torch.Tensor]]:
+    from shoal.workers.gguf.reader import GGUFFile
+
+    try:
+        gguf = GGUFFile(path)
+    except GGUFError as exc:
+        raise CheckpointError(str(exc)) from exc
+    show = progress if progress is not None else gguf.nbytes() >= PROGRESS_MIN_BYTES
+    tensors = gguf.hf_tensors()
+    yield from tqdm(tensors, desc="loading GGUF tensors", disable=not show, file=sys.stderr)
 
 
 def build_model(
