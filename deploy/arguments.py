@@ -420,7 +420,7 @@ def _add_speculative_arguments(g: Group) -> None:
     )
 
 
-def config_from_namespace(ns: argparse.Namespace, model: str) -> ShoalConfig:
+def config_from_namespace(ns: argparse.Namespace, model: str | None) -> ShoalConfig:
     """The config from parsed flags (every config option among them); ``ValueError`` with a
     readable message if invalid."""
     options = {k: v for k, v in vars(ns).items() if k in OPTION_GROUPS}

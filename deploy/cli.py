@@ -1,6 +1,6 @@
 """The ``shoal`` command: serve a model, generate once, run one actor, or run a benchmark.
 
-shoal serve [MODEL]            the OpenAI-compatible server (default: the built-in demo model)
+shoal serve [MODEL]            the OpenAI-compatible server (default: SmolLM2-135M-Instruct)
 shoal generate [MODEL] -p TEXT one completion, printed
 shoal actor KIND MODEL ...     one actor process joining a NATS deployment (multi-host)
 shoal probe KIND [ID]          exit 0 if that actor of a NATS deployment is ready (for probes)
@@ -32,6 +32,7 @@ from shoal.bus.credentials import (
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.permissions import ROLES
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace, option_default
+from shoal.deploy.model_source import DEFAULT_MODEL_NAME, DEMO_MODEL_NAME, ModelNotFoundError
 from shoal.deploy.nats_init import add_nats_init_arguments, run_nats_init
 from shoal.deploy.probe import add_probe_arguments, probed_id, run_probe
 
@@ -39,7 +40,10 @@ BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 ACTOR_KINDS = ("worker", "engine", "gateway", "recovery", "tier")
 # Benchmark names that are not file names: `shoal bench throughput` is the end-to-end one.
 LOG_LEVEL_HELP = "DEBUG, INFO, WARNING or ERROR"
-DEMO_MODEL_NAME = "demo"  # what clients call the built-in model
+MODEL_HELP = (
+    f"a Hugging Face model directory, a GGUF file (or a directory holding one), or a built-in "
+    f"model: {DEFAULT_MODEL_NAME} (the default) or {DEMO_MODEL_NAME}"
+)
 BENCH_ALIASES = {"throughput": "throughput_e2e", "runner-throughput": "throughput"}
 
 
@@ -63,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model",
         nargs="?",
         default=None,
-        help="local Hugging Face model directory (default: the demo model)",
+        help=MODEL_HELP,
     )
     _add_http_arguments(serve)
     _add_credential_arguments(serve)
@@ -72,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser(
         "generate", parents=[common], help="generate one completion and print it"
     )
-    generate.add_argument("model", nargs="?", default=None, help="model directory (default: demo)")
+    generate.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
     generate.add_argument("--prompt", "-p", required=True, help="the prompt text")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
@@ -83,7 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         "actor", parents=[common], help="run one actor process of a NATS deployment"
     )
     actor.add_argument("kind", choices=ACTOR_KINDS, help="which actor")
-    actor.add_argument("model", help="model directory (the same path on every host)")
+    actor.add_argument(
+        "model", help="Hugging Face directory, GGUF file or built-in name (the same on every host)"
+    )
     actor.add_argument(
         "--id",
         dest="actor_id",
@@ -184,20 +190,12 @@ def _bench_names() -> list[str]:
     return sorted(stems | BENCH_ALIASES.keys())
 
 
-def _model_or_demo(model: str | None) -> str:
-    if model is not None:
-        return model
-    from shoal.workers.demo import ensure_demo_model
-
-    logging.getLogger("shoal").info("no model given: using the built-in demo model")
-    return str(ensure_demo_model())
-
-
 def _config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ShoalConfig:
-    if ns.model is None and getattr(ns, "served_model_name", None) is None:
-        ns.served_model_name = DEMO_MODEL_NAME
     try:
-        return config_from_namespace(ns, _model_or_demo(ns.model))
+        return config_from_namespace(ns, ns.model)
+    except ModelNotFoundError as exc:
+        print(f"shoal: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except ValueError as exc:
         parser.error(str(exc))  # exits with status 2
 

@@ -15,13 +15,13 @@ boundary.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.run_actor import build_actor, load_target
+from shoal.deploy.model_source import ModelNotFoundError, resolve_model
 from shoal.tiers.tier_events import kv_events_interval
 
 WORKER_TARGET = "shoal.workers.actor:WorkerActor"
@@ -45,15 +45,21 @@ class ActorPlan:
 
 
 def build_config(**options: Any) -> ShoalConfig:
-    """``ShoalConfig.from_options`` for a model directory that exists here."""
-    model = options.get("model")
-    if model is None or not Path(model).is_dir():
-        raise ValueError(f"model directory not found: {model}")
+    """``ShoalConfig.from_options`` for a model that resolves here (``model_source``: a
+    built-in name, a GGUF file or a Hugging Face directory; None: the default model)."""
+    source = resolve_model(options.get("model"))
+    options["model"] = source.directory
+    if options.get("served_model_name") is None and source.served_name is not None:
+        options["served_model_name"] = source.served_name
     config = ShoalConfig.from_options(**options)
     draft = config.speculative_config.speculative_model
-    if draft is not None and not Path(draft).is_dir():
-        raise ValueError(f"speculative_config.model: draft model directory not found: {draft}")
-    return config
+    if draft is None:
+        return config
+    try:
+        draft_dir = resolve_model(draft).directory
+    except ModelNotFoundError as exc:
+        raise ValueError(f"speculative_config.model: draft {exc}") from None
+    return config if draft_dir == draft else config.replace(speculative_model=draft_dir)
 
 
 def engine_id(dp_rank: int) -> str:

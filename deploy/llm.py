@@ -53,7 +53,10 @@ class LLM:
         elsewhere (the in-memory bus, where everything here runs)."""
         if config is None:
             if model is None:
-                raise TypeError("LLM needs a model directory (or a config)")
+                raise TypeError(
+                    "LLM needs a model (a Hugging Face directory, a GGUF file or a built-in "
+                    "name such as 'smollm2-135m-instruct') or a config"
+                )
             config = build_config(model=model, **{"bus": "memory", **options})
         elif model is not None or options:
             raise TypeError("give LLM a model and options, or a config, not both")
