@@ -20,7 +20,8 @@ import torch
 from tqdm import tqdm
 
 from shoal.workers.config import CheckpointConfig, CheckpointConfigError
-from shoal.workers.gguf import GGUFError, gguf_source
+from shoal.workers.gguf import load_gguf
+from shoal.workers.gguf.reader import GGUFFile
 from shoal.workers.models import MOE_ARCHITECTURES, DecoderForCausalLM, model_class_for
 from shoal.workers.moe.expert_parallel import EPContext
 from shoal.workers.parallel import TPContext
@@ -111,8 +112,8 @@ def iter_checkpoint(
     model_dir: Path, *, progress: bool | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every file, with a byte progress bar when the checkpoint is large."""
-    if (gguf_file := gguf_source(model_dir)) is not None:
-        yield from _iter_gguf(gguf_file, progress)
+    if (gguf := load_gguf(model_dir)) is not None:
+        yield from _iter_gguf(gguf, progress)
         return
     files = checkpoint_files(model_dir)
     total = sum(f.stat().st_size for f in files)
@@ -131,13 +132,7 @@ def iter_checkpoint(
                 bar.update(tensor.numel() * tensor.element_size())
 
 
-def _iter_gguf(path: Path, progress: bool | None) -> Iterator[tuple[str, torch.Tensor]]:
-    from shoal.workers.gguf.reader import GGUFFile
-
-    try:
-        gguf = GGUFFile(path)
-    except GGUFError as exc:
-        raise CheckpointError(str(exc)) from exc
+def _iter_gguf(gguf: GGUFFile, progress: bool | None) -> Iterator[tuple[str, torch.Tensor]]:
     show = progress if progress is not None else gguf.nbytes() >= PROGRESS_MIN_BYTES
     tensors = gguf.hf_tensors()
     yield from tqdm(tensors, desc="loading GGUF tensors", disable=not show, file=sys.stderr)

@@ -9,6 +9,12 @@ converter undone.
 """
 
 from shoal.workers.gguf.errors import GGUFError
-from shoal.workers.gguf.view import SOURCE_FILE, find_gguf_file, gguf_source, gguf_view
+from shoal.workers.gguf.view import (
+    SOURCE_FILE,
+    find_gguf_file,
+    gguf_source,
+    gguf_view,
+    load_gguf,
+)
 
-__all__ = ["SOURCE_FILE", "GGUFError", "find_gguf_file", "gguf_source", "gguf_view"]
+__all__ = ["SOURCE_FILE", "GGUFError", "find_gguf_file", "gguf_source", "gguf_view", "load_gguf"]

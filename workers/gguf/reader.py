@@ -1,15 +1,20 @@
-"""One GGUF file opened with the ``gguf`` library: its metadata as Python values, its family and
-Hugging Face config, and its tensors dequantized to torch under Hugging Face names.
+"""One GGUF file: its metadata as Python values, its family and Hugging Face config, and its
+tensors dequantized to torch under Hugging Face names.
 
-Dequantization (``gguf.quants.dequantize``) happens one tensor at a time as the loader asks, so
-a load holds one dequantized tensor beside the model at a time; float tensors (F32/F16/BF16) are
-read as they are.
+Parsing a file with the ``gguf`` library's reader takes seconds on a real model (its tokenizer
+arrays are read string by string), so a file is parsed once, when its view is made, into a
+``GGUFIndex``: the metadata's scalars and each tensor's type, shape and byte offset. The workers
+load from the index: the file memory-mapped once, each tensor's bytes dequantized
+(``gguf.quants.dequantize``) as the loader asks, so a load holds one dequantized tensor beside the
+model at a time.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,7 @@ SUPPORTED_TYPES = (
     "Q5_K",
     "Q6_K",
 )
-# Array-valued keys too large to be worth reading for the config (the tokenizer reads them).
+# Array-valued keys too large to be worth keeping (the tokenizer conversion reads the file).
 _LARGE_ARRAYS = (
     "tokenizer.ggml.tokens",
     "tokenizer.ggml.merges",
@@ -43,20 +48,69 @@ _LARGE_ARRAYS = (
 )
 # general.file_type (llama.cpp's LLAMA_FTYPE) of a file whose weights are all 16-bit floats.
 _TORCH_DTYPE_OF_FILE_TYPE = {1: "float16", 32: "bfloat16"}
+_FLOAT_ITEMS = {"F32": np.float32, "F16": np.float16}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes lie in the file, and how to read them."""
+
+    name: str
+    type: str  # a GGMLQuantizationType name
+    shape: tuple[int, ...]  # numpy order (ggml's ne reversed)
+    offset: int  # from the start of the file
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFIndex:
+    """A parsed GGUF file: its metadata (scalars and small arrays) and its tensors."""
+
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+    @classmethod
+    def parse(cls, path: Path) -> GGUFIndex:
+        """The ``gguf`` library's reading of the file (seconds for a real model)."""
+        import gguf
+
+        try:
+            reader = gguf.GGUFReader(str(path))
+        except (ValueError, OSError, IndexError, KeyError) as exc:
+            raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from exc
+        tensors = {
+            t.name: TensorInfo(
+                name=t.name,
+                type=t.tensor_type.name,
+                shape=tuple(int(d) for d in reversed(t.shape.tolist())),
+                offset=int(t.data_offset),
+                nbytes=int(t.n_bytes),
+            )
+            for t in reader.tensors
+        }
+        return cls(_metadata(reader), tensors)
+
+    def to_json(self) -> str:
+        tensors = [asdict(t) for t in self.tensors.values()]
+        return json.dumps({"metadata": self.metadata, "tensors": tensors})
+
+    @classmethod
+    def from_json(cls, text: str) -> GGUFIndex:
+        raw = json.loads(text)
+        tensors = {
+            t["name"]: TensorInfo(**{**t, "shape": tuple(t["shape"])}) for t in raw["tensors"]
+        }
+        return cls(raw["metadata"], tensors)
 
 
 class GGUFFile:
-    """A GGUF file's metadata, family and tensors (memory-mapped by the reader)."""
+    """A GGUF file's family, config and tensors, from its index."""
 
-    def __init__(self, path: Path) -> None:
-        import gguf
-
+    def __init__(self, path: Path, index: GGUFIndex | None = None) -> None:
         self.path = path
-        try:
-            self._reader = gguf.GGUFReader(str(path))
-        except (ValueError, OSError, IndexError, KeyError) as exc:
-            raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from exc
-        self.metadata = _metadata(self._reader)
+        self.index = index or GGUFIndex.parse(path)
+        self.metadata = self.index.metadata
+        self._tensors = self.index.tensors
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str):
             raise GGUFError(f"{path}: metadata general.architecture is missing")
@@ -65,15 +119,14 @@ class GGUFFile:
             self.family: Family = family_of(arch, self.metadata)
         except GGUFError as exc:
             raise GGUFError(f"{path}: {exc}") from None
-        self._tensors = {t.name: t for t in self._reader.tensors}
         self._check_types()
 
     def _check_types(self) -> None:
         unsupported = sorted(
             {
-                f"{t.tensor_type.name} ({name})"
-                for name, t in self._tensors.items()
-                if t.tensor_type.name not in SUPPORTED_TYPES
+                f"{t.type} ({t.name})"
+                for t in self._tensors.values()
+                if t.type not in SUPPORTED_TYPES
             }
         )
         if unsupported:
@@ -85,6 +138,9 @@ class GGUFFile:
     @property
     def num_experts(self) -> int:
         return int(self.metadata.get(f"{self.arch}.expert_count") or 0)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._tensors.values())
 
     def hf_config(self) -> dict[str, Any]:
         """config.json for this file."""
@@ -98,16 +154,17 @@ class GGUFFile:
         if embedding is None:
             raise GGUFError("tensor token_embd.weight is missing")
         freqs = self._tensors.get("rope_freqs.weight")
+        layers = int(self.metadata.get(f"{self.arch}.block_count") or 0)
         return {
-            "vocab_size": int(embedding.shape[-1]),  # ggml's order: [hidden, vocab]
+            "vocab_size": embedding.shape[0],
             "tie_word_embeddings": "output.weight" not in self._tensors,
             "attention_bias": "blk.0.attn_q.bias" in self._tensors,
             "dense_layers": [  # an MoE model's layers with a plain MLP
                 i
-                for i in range(int(self.metadata.get(f"{self.arch}.block_count") or 0))
+                for i in range(layers)
                 if self.num_experts and f"blk.{i}.ffn_gate_inp.weight" not in self._tensors
             ],
-            "rope_freq_factors": None if freqs is None else self._read(freqs).tolist(),
+            "rope_freq_factors": None if freqs is None else self._read(freqs, None).tolist(),
             "torch_dtype": _TORCH_DTYPE_OF_FILE_TYPE.get(
                 int(self.metadata.get("general.file_type", 0)), "float32"
             ),
@@ -119,11 +176,12 @@ class GGUFFile:
         heads = int(self.metadata.get(f"{self.arch}.attention.head_count") or 0)
         kv_heads = self.metadata.get(f"{self.arch}.attention.head_count_kv", heads)
         kv_heads = int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads)
+        mapped = _map(self.path)
         for name, info in self._tensors.items():
             names = hf_names(name, self.family, self.num_experts)
             if names is None:
                 continue
-            tensor = self._read(info)
+            tensor = self._read(info, mapped)
             if len(names) > 1:  # stacked experts: one slice each
                 yield from zip(names, tensor.unbind(0), strict=True)
                 continue
@@ -132,22 +190,31 @@ class GGUFFile:
                 tensor = unpermute_rows(tensor, permuted_over)
             yield names[0], tensor
 
-    def nbytes(self) -> int:
-        return sum(int(t.n_bytes) for t in self._tensors.values())
-
-    def _read(self, info: Any) -> torch.Tensor:
+    def _read(self, info: TensorInfo, mapped: np.ndarray | None) -> torch.Tensor:
+        import gguf
         from gguf.quants import dequantize
 
+        data = (mapped if mapped is not None else _map(self.path))[
+            info.offset : info.offset + info.nbytes
+        ]
         try:
-            if info.tensor_type.name in ("F32", "F16"):
-                array = np.asarray(info.data).reshape([int(d) for d in reversed(info.shape)])
+            if info.type in _FLOAT_ITEMS:
+                array = data.view(_FLOAT_ITEMS[info.type]).reshape(info.shape)
             else:
-                array = dequantize(info.data, info.tensor_type)
+                kind = gguf.GGMLQuantizationType[info.type]
+                raw = data.reshape(gguf.quant_shape_to_byte_shape(info.shape, kind))
+                array = dequantize(raw, kind)
         except (ValueError, NotImplementedError) as exc:
             raise GGUFError(f"{self.path}: tensor {info.name!r}: {exc}") from exc
         with warnings.catch_warnings():  # a read-only memmap: torch copies before writing
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _map(path: Path) -> np.ndarray:
+    """The file's bytes, memory-mapped, as a plain array (a ``np.memmap``'s slicing costs
+    seconds over a model's tensors)."""
+    return np.asarray(np.memmap(path, mode="r"))
 
 
 def _metadata(reader: Any) -> dict[str, Any]:
@@ -157,7 +224,8 @@ def _metadata(reader: Any) -> dict[str, Any]:
         if key in _LARGE_ARRAYS or key.startswith("GGUF."):
             continue
         try:
-            values[key] = field.contents()
+            value = field.contents()
         except (ValueError, IndexError, TypeError):
             continue
+        values[key] = value.item() if isinstance(value, np.generic) else value
     return values

@@ -2,9 +2,11 @@
 once from the file's metadata into the shoal cache, and a pointer back to the file.
 
 The view holds ``config.json``, ``generation_config.json`` (BOS/EOS ids), the tokenizer
-(transformers' GGUF tokenizer conversion, chat template included) and ``SOURCE_FILE``, written
-last, naming the GGUF file the workers read tensors from. Its name keys on the file's resolved
-path, size and modification time, so a changed file gets a new view.
+(transformers' GGUF tokenizer conversion, chat template included), the file's parsed index
+(``INDEX_FILE``: metadata and where each tensor lies, so loads need not parse the file again)
+and ``SOURCE_FILE``, written last, naming the GGUF file the workers read tensors from. Its
+name keys on the file's resolved path, size and modification time, so a changed file gets a new
+view.
 """
 
 from __future__ import annotations
@@ -14,15 +16,19 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from shoal.workers.built_dir import default_cache_root, ensure_built
 from shoal.workers.gguf.errors import GGUFError
 
+if TYPE_CHECKING:
+    from shoal.workers.gguf.reader import GGUFFile
+
 SOURCE_FILE = "shoal-gguf.json"
-VIEW_VERSION = "1"  # bumped when the view's files change shape
+INDEX_FILE = "gguf-index.json"
+VIEW_VERSION = "2"  # bumped when the view's files change shape
 GGUF_MAGIC = b"GGUF"
 
 
@@ -74,6 +80,17 @@ def gguf_source(model_dir: str | Path) -> Path | None:
     return source
 
 
+def load_gguf(model_dir: str | Path) -> GGUFFile | None:
+    """The GGUF file behind a view directory, from the view's index; None for any other."""
+    from shoal.workers.gguf.reader import GGUFFile, GGUFIndex
+
+    source = gguf_source(model_dir)
+    if source is None:
+        return None
+    index = GGUFIndex.from_json((Path(model_dir) / INDEX_FILE).read_text())
+    return GGUFFile(source, index)
+
+
 def _build(building: Path, source: Path, log: Callable[[str], None] | None) -> dict[str, Any]:
     from shoal.workers.gguf.reader import GGUFFile
 
@@ -81,6 +98,7 @@ def _build(building: Path, source: Path, log: Callable[[str], None] | None) -> d
     if log:
         log(f"GGUF: reading {source.name}'s metadata into {building.parent} (once)")
     gguf = GGUFFile(source)
+    (building / INDEX_FILE).write_text(gguf.index.to_json())
     config = gguf.hf_config()
     _write_json(building / "config.json", config)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config[k] is not None}
