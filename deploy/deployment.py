@@ -46,7 +46,9 @@ class ActorPlan:
 
 def build_config(**options: Any) -> ShoalConfig:
     """``ShoalConfig.from_options`` for a model that resolves here (``model_source``: a
-    built-in name, a GGUF file or a Hugging Face directory; None: the default model)."""
+    built-in name, a GGUF file or a Hugging Face directory; None: the default model). The
+    options are checked before the model is looked at (a GGUF view is made once)."""
+    ShoalConfig.from_options(**{**options, "model": options.get("model") or ""})
     source = resolve_model(options.get("model"))
     options["model"] = source.directory
     if options.get("served_model_name") is None and source.served_name is not None:

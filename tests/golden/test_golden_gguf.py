@@ -85,6 +85,21 @@ def test_transformers_gguf_reader_agrees(variant, tmp_path):
         assert out[0, len(prompt) :].tolist() == tokens
 
 
+@pytest.mark.slow
+def test_tensor_parallel_ranks_shard_a_gguf_model(tmp_path):
+    """Two TP ranks (processes) each load their half of the dequantized weights."""
+    from tests.unit.test_model_runner_tp import run_tp
+
+    _, view, reference = converted(tmp_path, "llama", "Q4_K", **WIDE)
+    expected = hf_greedy(reference, make_prompts(), MAX_NEW)
+    results = run_tp(view)
+    for rank in (0, 1):
+        outputs, shapes, _, error = results[rank]
+        assert error is None, f"rank {rank}: {error}"
+        assert shapes["qkv"] == ((2 + 2 * 1) * 64, 256)  # 2 of the 4 q heads, 1 of 2 kv heads
+        assert outputs == expected
+
+
 def test_the_view_holds_the_files_metadata(tmp_path):
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
