@@ -1,8 +1,17 @@
 """Offline generation throughput: shoal (real scheduler + model runner) against transformers on
-the same random Llama of about 25M parameters, in two transformers modes.
+the same model (a random Llama of about 25M parameters, or ``--model``), in two transformers
+modes.
 
 64 prompts of 32..512 random tokens, max_tokens drawn per request from 16..256 (seed 0), greedy,
-eos ignored. The two transformers modes:
+eos ignored. ``--model MODEL`` benchmarks a real checkpoint instead of the random Llama:
+``default`` (the default model, SmolLM2-135M-Instruct), a built-in name, a Hugging Face
+directory or a GGUF file, resolved as ``shoal serve`` resolves it (``resolve_model``). shoal
+loads the resolved directory; transformers loads the same weights, from the GGUF file itself
+when the directory is a GGUF view (dequantized to ``--dtype``), else from the directory. The
+prompts stay random token ids, drawn within the model's vocabulary, and the lengths are scaled
+down if prompt plus output would not fit the model's context. shoal's KV cache is ``--kv-bytes``
+when given, else 512 MiB or, if more, enough for the whole workload at once (no preemption). The
+two transformers modes:
 
 - static: ``generate()`` on left-padded batches grouped by max_tokens so each batch wastes few
   steps, credited only with the tokens each request asked for. The batch size is swept
@@ -26,8 +35,9 @@ many rounds as shoal. ``ratio`` is shoal over the faster transformers mode. shoa
 overhead is the share of its step time (schedule + diff + input building + sampling + output
 update) spent outside the bare model forward.
 
-    .venv/bin/python bench/throughput.py [--device cpu|cuda] [--dtype float32] [--quick]
-        [--rounds N] [--hf-batches 8,16,32,64] [--skip-hf-cb]
+    .venv/bin/python bench/throughput.py [--model default|NAME|DIR|FILE.gguf] [--device cpu|cuda]
+        [--dtype float32] [--quick] [--rounds N] [--hf-batches 8,16,32,64] [--skip-hf-cb]
+        [--threads N]
 
 The last line printed is one JSON object with the figures.
 """
@@ -39,6 +49,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,12 +61,30 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
+from shoal.workers.config import CheckpointConfig
+from shoal.workers.kv_cache import bytes_per_block
 from shoal.workers.model_runner import ModelRunner
 
 VOCAB = 4096
 MAX_MODEL_LEN = 1024
+BLOCK_SIZE = 16
+DEFAULT_KV_BYTES = 512 * 1024 * 1024
+MIN_PROMPT, MIN_OUTPUT = 32, 16
 WARMUP_TOKENS = 4
 Workload = tuple[list[list[int]], list[int]]
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """The model both sides run: the directory shoal loads, the name the report gives it, the
+    GGUF file behind the directory (None: transformers reads the directory), its vocabulary and
+    the context the workload stays within."""
+
+    directory: Path
+    name: str
+    gguf_file: Path | None
+    vocab_size: int
+    max_len: int
 
 
 def build_model(out_dir: Path, dtype: str, tiny: bool = False, max_len: int = MAX_MODEL_LEN) -> int:
@@ -84,12 +113,51 @@ def build_model(out_dir: Path, dtype: str, tiny: bool = False, max_len: int = MA
     return sum(p.numel() for p in model.parameters())
 
 
-def workload(num_prompts: int, quick: bool) -> Workload:
-    gen = torch.Generator().manual_seed(0)
+def random_model(out_dir: Path, args: argparse.Namespace) -> tuple[BenchModel, int]:
+    """The random Llama, built into ``out_dir``, and its size."""
+    num_params = build_model(out_dir, args.dtype, args.tiny)
+    return BenchModel(out_dir, "random Llama", None, VOCAB, MAX_MODEL_LEN), num_params
+
+
+def named_model(model: str) -> BenchModel:
+    """``--model``, resolved as the serve command resolves it (``default``: the default model);
+    its vocabulary and context from the directory's config.json."""
+    from shoal.deploy.model_source import resolve_model
+    from shoal.workers.gguf import gguf_source
+
+    source = resolve_model(None if model == "default" else model)
+    directory = Path(source.directory)
+    cfg = CheckpointConfig.from_dir(directory)
+    context = min(cfg.max_position_embeddings, cfg.sliding_window or MAX_MODEL_LEN)
+    return BenchModel(
+        directory=directory,
+        name=source.served_name or model,
+        gguf_file=gguf_source(directory),
+        vocab_size=cfg.vocab_size,
+        max_len=min(context, MAX_MODEL_LEN),
+    )
+
+
+def length_bounds(quick: bool, max_len: int) -> tuple[int, int]:
+    """The longest prompt and output drawn: 512 and 256 (128 and 32 with ``--quick``), scaled
+    down so that prompt plus output fit a shorter context."""
     hi_len, hi_out = (128, 32) if quick else (512, 256)
-    lengths = torch.randint(32, hi_len + 1, (num_prompts,), generator=gen).tolist()
-    max_tokens = torch.randint(16, hi_out + 1, (num_prompts,), generator=gen).tolist()
-    prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+    if hi_len + hi_out <= max_len:
+        return hi_len, hi_out
+    if max_len < MIN_PROMPT + MIN_OUTPUT:
+        raise SystemExit(f"a context of {max_len} tokens is too short for this benchmark")
+    hi_out = max(MIN_OUTPUT, hi_out * max_len // (hi_len + hi_out))
+    return max_len - hi_out, hi_out
+
+
+def workload(
+    num_prompts: int, quick: bool, vocab: int = VOCAB, max_len: int = MAX_MODEL_LEN
+) -> Workload:
+    gen = torch.Generator().manual_seed(0)
+    hi_len, hi_out = length_bounds(quick, max_len)
+    lengths = torch.randint(MIN_PROMPT, hi_len + 1, (num_prompts,), generator=gen).tolist()
+    max_tokens = torch.randint(MIN_OUTPUT, hi_out + 1, (num_prompts,), generator=gen).tolist()
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
     return prompts, max_tokens
 
 
@@ -102,20 +170,41 @@ def warmup_workload(work: Workload, num: int) -> Workload:
 # ----- shoal
 
 
-def open_shoal(model_dir: Path, args: argparse.Namespace, num_seqs: int) -> tuple[Any, Any]:
+def kv_bytes(model: BenchModel, args: argparse.Namespace, work: Workload) -> int:
+    """``--kv-bytes``, else 512 MiB or, if more, the whole workload's KV at once."""
+    if args.kv_bytes is not None:
+        return int(args.kv_bytes)
+    cfg = CheckpointConfig.from_dir(model.directory)
+    block = bytes_per_block(
+        num_layers=cfg.num_layers,
+        block_size=BLOCK_SIZE,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        dtype=getattr(torch, args.dtype),
+    )
+    blocks = sum(-(-(len(p) + m) // BLOCK_SIZE) for p, m in zip(*work, strict=True))
+    return max(DEFAULT_KV_BYTES, (blocks + 1) * block)  # block 0 is reserved
+
+
+def open_shoal(model: BenchModel, args: argparse.Namespace, work: Workload) -> tuple[Any, Any]:
     """A loaded model runner and its config; each round builds a fresh scheduler on them."""
     config = ShoalConfig.from_options(
-        model=str(model_dir),
+        model=str(model.directory),
         dtype=args.dtype,
         device=args.device,
-        block_size=16,
-        max_model_len=MAX_MODEL_LEN,
-        max_num_seqs=num_seqs,
+        block_size=BLOCK_SIZE,
+        max_model_len=model.max_len,
+        max_num_seqs=len(work[0]),
         max_num_batched_tokens=args.batched_tokens,
-        kv_cache_memory_bytes=args.kv_bytes,
+        kv_cache_memory_bytes=kv_bytes(model, args, work),
     )
     runner = ModelRunner(config)
     return runner, (config, runner.load())
+
+
+def shoal_params(shoal: tuple[Any, Any]) -> int:
+    """The parameters of shoal's loaded model (tied weights counted once)."""
+    return sum(p.numel() for p in shoal[0].model.parameters())
 
 
 def run_shoal(shoal: tuple[Any, Any], work: Workload, tag: str) -> dict:
@@ -157,12 +246,17 @@ def run_shoal(shoal: tuple[Any, Any], work: Workload, tag: str) -> dict:
 # ----- transformers
 
 
-def load_hf(model_dir: Path, args: argparse.Namespace) -> Any:
-    """The checkpoint in transformers with eos disabled (every request runs to its max_tokens)."""
+def load_hf(model_dir: Path, args: argparse.Namespace, gguf_file: Path | None = None) -> Any:
+    """The checkpoint in transformers with eos disabled (every request runs to its max_tokens):
+    read from ``gguf_file`` (dequantized) when given (``model_dir`` is its view), else from
+    ``model_dir``."""
     import transformers
 
+    source, extra = model_dir, {}
+    if gguf_file is not None:
+        source, extra = gguf_file.parent, {"gguf_file": gguf_file.name}
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=getattr(torch, args.dtype)
+        str(source), dtype=getattr(torch, args.dtype), **extra
     )
     model = model.to(args.device).eval()
     model.generation_config.eos_token_id = None
@@ -260,10 +354,10 @@ def fastest(runs: list[dict]) -> dict:
 class Sides:
     """Each side's loaded model and every timed run it made, keyed by mode."""
 
-    def __init__(self, model_dir: Path, args: argparse.Namespace, work: Workload) -> None:
-        self.args, self.work = args, work
-        self.shoal = open_shoal(model_dir, args, len(work[0]))
-        self.hf = None if args.skip_hf else load_hf(model_dir, args)
+    def __init__(self, model: BenchModel, args: argparse.Namespace, work: Workload) -> None:
+        self.args, self.work, self.model = args, work, model
+        self.shoal = open_shoal(model, args, work)
+        self.hf = None if args.skip_hf else load_hf(model.directory, args, model.gguf_file)
         self.cb = cb_settings(work, args) if self.hf is not None and args.hf_cb else None
         self.batches = sorted({min(b, len(work[0])) for b in args.hf_batches})
         self.runs: dict[str, list[dict]] = {}
@@ -343,6 +437,7 @@ def figures(sides: Sides, num_params: int) -> dict:
         "shoal_steps": shoal["steps"],
         "step_s": round(shoal["step_s"], 3),
         "forward_s": round(shoal["forward_s"], 3),
+        "model": sides.model.name,
         "num_params": num_params,
         "num_prompts": len(sides.work[0]),
         "tokens": sum(sides.work[1]),
@@ -359,7 +454,7 @@ def figures(sides: Sides, num_params: int) -> dict:
 def report(out: dict, work: Workload) -> None:
     prompts, max_tokens = work
     print(
-        f"model: random Llama, {out['num_params'] / 1e6:.1f}M params, {out['dtype']} on "
+        f"model: {out['model']}, {out['num_params'] / 1e6:.1f}M params, {out['dtype']} on "
         f"{out['device']}; {len(prompts)} prompts of {min(map(len, prompts))}.."
         f"{max(map(len, prompts))} tokens, {sum(max_tokens)} output tokens requested; "
         f"best of {out['rounds']} round(s) after a warm-up"
@@ -382,6 +477,12 @@ def report(out: dict, work: Workload) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="default (the default model), a built-in name, a Hugging Face directory or a GGUF "
+        "file (default: a random Llama built here)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-prompts", type=int, default=64)
@@ -393,7 +494,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--hf-cb-page-size", type=int, default=256, help="its default page size")
     parser.add_argument("--batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-bytes", type=int, default=512 * 1024 * 1024)
+    parser.add_argument(
+        "--kv-bytes",
+        type=int,
+        default=None,
+        help="shoal's KV cache (default: 512 MiB, or the whole workload's KV if more)",
+    )
     parser.add_argument("--quick", action="store_true", help="short prompts and outputs, 1 round")
     parser.add_argument("--tiny", action="store_true", help="a ~0.6M-parameter model (smoke tests)")
     parser.add_argument("--skip-hf", action="store_true", help="shoal only")
@@ -418,6 +524,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch CPU threads for both systems (1: fastest on a shared box)",
     )
     args = parser.parse_args(argv)
+    if args.tiny and args.model is not None:
+        parser.error("--tiny sizes the random Llama: not with --model")
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     args.rounds = max(1, args.rounds)
@@ -427,10 +535,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    work = workload(args.num_prompts, args.quick)
     with tempfile.TemporaryDirectory() as tmp:
-        num_params = build_model(Path(tmp), args.dtype, args.tiny)
-        sides = Sides(Path(tmp), args, work)
+        if args.model is None:
+            model, num_params = random_model(Path(tmp), args)
+        else:
+            model, num_params = named_model(args.model), None
+        work = workload(args.num_prompts, args.quick, model.vocab_size, model.max_len)
+        sides = Sides(model, args, work)
+        num_params = num_params if num_params is not None else shoal_params(sides.shoal)
         sides.warm_up()
         for index in range(args.rounds):
             print(f"round {index}:", flush=True)

@@ -85,6 +85,27 @@ def test_throughput_sweeps_hf_batches_and_adds_continuous_batching():
     assert set(out["warmed_up"]) == set(rounds) and out["tokens"] >= 4 * 16
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+def test_throughput_runs_a_gguf_model(tiny_checkpoint, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from tests.fixtures.gguf_files import write_gguf
+
+    gguf_file, _ = write_gguf(tiny_checkpoint("llama"), tmp_path / "tiny.gguf", "Q8_0")
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path / "cache"))  # the file's view goes here
+    done = _run(
+        str(BENCH / "throughput.py"),
+        *("--model", str(gguf_file), "--quick", "--num-prompts", "4"),
+        *("--hf-batches", "4", "--skip-hf-cb"),
+        timeout=110,
+    )
+    out = _last_json(done)
+    # shoal ran the file through its view, transformers the file itself; the report names it.
+    assert out["model"] == str(gguf_file) and f"model: {gguf_file}, " in done.stdout
+    assert 0 < out["num_params"] < 1_000_000 and out["shoal_tok_s"] > 0 and out["hf_tok_s"] > 0
+    assert out["hf_cb_tok_s"] is None and out["tokens"] >= 4 * 16
+    assert list((tmp_path / "cache" / "gguf").iterdir())
+
+
 # ----- bench/throughput_e2e.py
 
 
