@@ -27,6 +27,7 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.deploy.deployment import build_config, plan_actors, start_in_process, stop_in_process
 from shoal.deploy.progress import ProgressBar
+from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.engine.client.outputs import RequestOutput
 
@@ -37,8 +38,9 @@ _llm_counter = itertools.count()
 
 class LLM:
     """A model served in-process. Engine options use vLLM's names (any ``ShoalConfig`` option:
-    ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``, ...), and a group's JSON as vLLM
-    takes it: ``speculative_config={"method": "ngram", "num_speculative_tokens": 3}`` (or a
+    ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``, ``chat_template`` (a file or the
+    template), ...), and a group's JSON as vLLM takes it:
+    ``speculative_config={"method": "ngram", "num_speculative_tokens": 3}`` (or a
     ``SpeculativeConfig``), ``kv_transfer_config``, ``fault_tolerance_config``."""
 
     def __init__(
@@ -140,14 +142,24 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template (the model's, or ``chat_template``) to each conversation,
-        then generate."""
+        """Apply the chat template (``chat_template``'s text, else the served one) to each
+        conversation, with vLLM's options, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         client = self._require_client()
+        options = ChatOptions(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
         inputs: list[str | list[int]] = [
-            client.encode_chat(list(conv), add_generation_prompt, chat_template)  # type: ignore[arg-type]
+            client.encode_chat(list(conv), options)  # type: ignore[arg-type]
             for conv in conversations
         ]
         params = _params_per_prompt(sampling_params, len(inputs))

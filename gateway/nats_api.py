@@ -71,9 +71,11 @@ class NatsApi:
         subjects: Subjects | None = None,
         served_model_name: str | None = None,
         metrics: Metrics | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.bus = bus
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
         self.subjects = subjects or Subjects()
         self.served_model_name = served_model_name or engine.model_name
         self.metrics = metrics
@@ -153,7 +155,7 @@ class NatsApi:
         arrival_time: float,
     ) -> None:
         check_model(request, self.served_model_name)
-        prompt = request_prompt(request, self.engine)
+        prompt = request_prompt(request, self.engine, self.trust_request_chat_template)
         vocab_size = len(self.engine.tokenizer)
         params = request_params(request, prompt, self.engine.max_model_len, vocab_size)
         if not self.engine.is_ready():

@@ -11,12 +11,11 @@ from shoal.bus.base import Msg
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import CompletionOutput
+from shoal.gateway.chat_prompt import chat_options, render_chat
 from shoal.gateway.errors import ApiError, bad_request, from_decode_error, from_value_error
 from shoal.gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest
 from shoal.gateway.params import (
     Prompt,
-    chat_messages,
-    check_text_length,
     check_vocab,
     check_wire_ints,
     resolve_max_tokens,
@@ -62,7 +61,9 @@ def check_model(request: GenerateRequest, served_model_name: str) -> None:
         raise ApiError(404, message, code="model_not_found", param="model")
 
 
-def request_prompt(request: GenerateRequest, engine: EngineClientInterface) -> Prompt:
+def request_prompt(
+    request: GenerateRequest, engine: EngineClientInterface, trust_request_chat_template: bool
+) -> Prompt:
     """The one prompt of a request: text, token ids, or chat messages through the template."""
     sources = (request.prompt, request.prompt_token_ids, request.messages)
     if sum(source is not None for source in sources) != 1:
@@ -76,17 +77,8 @@ def request_prompt(request: GenerateRequest, engine: EngineClientInterface) -> P
     if request.prompt_token_ids is not None:
         return token_prompt(request.prompt_token_ids, engine.tokenizer)
     assert request.messages is not None
-    messages = chat_messages(request.messages)
-    check_text_length("".join(m["content"] for m in messages), engine.max_model_len, "messages")
-    try:
-        ids = engine.encode_chat(
-            messages,
-            add_generation_prompt=request.add_generation_prompt,
-            add_special_tokens=bool(special),
-        )
-    except Exception as error:  # the chat template is user-driven: its failures are the input's
-        raise bad_request(f"cannot apply the chat template: {error}", param="messages") from None
-    return Prompt(list(ids))
+    options = chat_options(request, trust_request_chat_template=trust_request_chat_template)
+    return render_chat(engine, request.messages, options, add_special_tokens=bool(special))
 
 
 def request_params(

@@ -3,8 +3,6 @@ model, and one ``SamplingParams`` per prompt. Every failure is an ``ApiError`` (
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -14,16 +12,12 @@ from shoal.gateway.errors import ApiError, bad_request, from_value_error
 from shoal.gateway.request_types import (
     MAX_PROMPTS,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
-    MessageToolCall,
     PromptInput,
     _SamplingFields,
 )
 from shoal.gateway.structured import structured_outputs_of
 
-# OpenAI's message roles; "function" is its deprecated form of "tool", accepted as vLLM does.
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -98,74 +92,6 @@ def token_prompt(ids: list[int], tokenizer: Any) -> Prompt:
         raise bad_request(
             f"token id {max(ids)} is out of range (vocab size {vocab_size})", param="prompt"
         )
-    return Prompt(ids)
-
-
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text parts joined, a ``name`` kept, an
-    assistant's ``tool_calls`` with their arguments as objects (vLLM's: templates write them
-    with ``tojson``) and a tool message's ``tool_call_id``."""
-    if not messages:
-        raise bad_request("messages must not be empty", param="messages")
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        if message.role not in CHAT_ROLES:
-            raise bad_request(f"unknown message role {message.role!r}", param="messages")
-        rendered: dict[str, Any] = {"role": message.role, "content": message_text(message)}
-        if message.name is not None:
-            rendered["name"] = message.name
-        if message.tool_calls:
-            rendered["tool_calls"] = [template_tool_call(call) for call in message.tool_calls]
-        if message.tool_call_id is not None:
-            rendered["tool_call_id"] = message.tool_call_id
-        out.append(rendered)
-    return out
-
-
-def template_tool_call(call: MessageToolCall) -> dict[str, Any]:
-    arguments: Any = call.function.arguments
-    with contextlib.suppress(ValueError):  # else left as the text it is
-        arguments = json.loads(arguments)
-    function = {"name": call.function.name, "arguments": arguments}
-    return {"id": call.id, "type": call.type, "function": function}
-
-
-def message_text(message: ChatMessage) -> str:
-    content = message.content
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts: list[str] = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise bad_request("only text content parts are supported", param="messages")
-        texts.append(part.text)
-    return "".join(texts)
-
-
-def chat_prompt(
-    engine: Any, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
-) -> Prompt:
-    """Render the chat template (with ``tools``, when given, as transformers passes them); a
-    template that fails on these messages is a 400."""
-    messages = chat_messages(request.messages)
-    text = "".join(m["content"] for m in messages)
-    check_text_length(text, engine.max_model_len, "messages")
-    extra = {"tools": tools} if tools else {}
-    try:
-        ids = list(
-            engine.encode_chat(
-                messages,
-                add_generation_prompt=request.add_generation_prompt,
-                add_special_tokens=request.add_special_tokens,
-                **extra,
-            )
-        )
-    except ApiError:
-        raise
-    except Exception as error:  # the template is user-driven code: any failure is the input's
-        raise bad_request(f"cannot apply the chat template: {error}", param="messages") from None
-    if not ids:
-        raise bad_request("messages render to an empty prompt", param="messages")
     return Prompt(ids)
 
 

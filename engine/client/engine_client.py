@@ -42,6 +42,7 @@ from shoal.bus.messages.engine import (
 )
 from shoal.bus.messages.sampling import SamplingParams, out_of_vocab
 from shoal.bus.subjects import Subjects
+from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_faults import EngineFaults
 from shoal.engine.client.fault_tolerance import FaultTolerance
@@ -78,6 +79,7 @@ class AsyncEngineClient:
         self.bus = bus
         model = config.model_config
         self.model_dir = model.model
+        self.model_config = model
         self.subjects = Subjects(config.bus_config.namespace)
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self._model_name = model.name
@@ -109,11 +111,10 @@ class AsyncEngineClient:
     # ----- lifecycle
 
     async def start(self) -> AsyncEngineClient:
-        loop = asyncio.get_running_loop()
-        self._tokenizer = await loop.run_in_executor(
-            None, Tokenizer.from_pretrained, self.model_dir
+        await asyncio.get_running_loop().run_in_executor(None, self._read_model)
+        self._processor = OutputProcessor(
+            self.require_tokenizer(), resume_on_fault=self.resumptions.enabled
         )
-        self._processor = OutputProcessor(self._tokenizer, resume_on_fault=self.resumptions.enabled)
         if not self.bus.is_connected:
             await self.bus.connect()
         s = self.subjects
@@ -132,6 +133,11 @@ class AsyncEngineClient:
         await self.bus.flush()
         self._watchdog = asyncio.create_task(self._faults.watch())
         return self
+
+    def _read_model(self) -> None:
+        """The tokenizer (with the served chat template) from the model directory."""
+        model = self.model_config
+        self._tokenizer = Tokenizer.from_pretrained(model.model, chat_template=model.chat_template)
 
     async def close(self) -> None:
         if self._stop_listening is not None:
@@ -187,20 +193,12 @@ class AsyncEngineClient:
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        chat_template: str | None = None,
+        options: ChatOptions | None = None,
         *,
         add_special_tokens: bool = False,
-        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         tokenizer = self.require_tokenizer()
-        return tokenizer.encode_chat(
-            messages,
-            add_generation_prompt,
-            chat_template,
-            add_special_tokens=add_special_tokens,
-            tools=tools,
-        )
+        return tokenizer.encode_chat(messages, options, add_special_tokens=add_special_tokens)
 
     async def generate(
         self,

@@ -12,9 +12,9 @@ import pytest
 
 from shoal.bus.messages.sampling import OutputKind
 from shoal.bus.messages.structured import StructuredOutputsParams as SOP
+from shoal.gateway.chat_prompt import chat_messages
 from shoal.gateway.errors import ApiError, from_decode_error
 from shoal.gateway.params import (
-    chat_messages,
     check_unsupported,
     completion_prompts,
     resolve_max_tokens,
