@@ -4,7 +4,8 @@ Everything runs in this process on an in-memory bus: the workers, the engine cor
 engine client live in one event loop on a background thread, and the blocking methods submit
 work to it. A prompt is a string or ``{"prompt_token_ids": [...]}``; results come back in the
 order of the prompts, each a ``RequestOutput`` with ``.outputs[i].text``, ``.token_ids`` and
-``.finish_reason``.
+``.finish_reason``. Without sampling parameters a request starts from the model's generation
+config (``get_default_sampling_params``, as vLLM's).
 
 A blocking call interrupted while it waits (Ctrl-C, or its future failing) cancels its work on
 the loop thread and aborts its requests in the engine core before the exception goes on, so
@@ -39,7 +40,7 @@ _llm_counter = itertools.count()
 class LLM:
     """A model served in-process. Engine options use vLLM's names (any ``ShoalConfig`` option:
     ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``, ``chat_template`` (a file or the
-    template), ...), and a group's JSON as vLLM takes it:
+    template), ``generation_config``, ...), and a group's JSON as vLLM takes it:
     ``speculative_config={"method": "ngram", "num_speculative_tokens": 3}`` (or a
     ``SpeculativeConfig``), ``kv_transfer_config``, ``fault_tolerance_config``."""
 
@@ -122,6 +123,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self._require_client().tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a request given none: the model's generation config's
+        recommendations (``--generation-config``), else SamplingParams' defaults."""
+        return self._require_client().generation_defaults.sampling_params()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -132,7 +138,7 @@ class LLM:
         """Generate for every prompt (a string or ``{"prompt_token_ids": [...]}``)."""
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         inputs = [_prompt_input(p) for p in prompt_list]
-        params = _params_per_prompt(sampling_params, len(inputs))
+        params = self._params_per_prompt(sampling_params, len(inputs))
         return self._run_requests(inputs, params, use_tqdm)
 
     def chat(
@@ -162,8 +168,19 @@ class LLM:
             client.encode_chat(list(conv), options)  # type: ignore[arg-type]
             for conv in conversations
         ]
-        params = _params_per_prompt(sampling_params, len(inputs))
+        params = self._params_per_prompt(sampling_params, len(inputs))
         return self._run_requests(inputs, params, use_tqdm)
+
+    def _params_per_prompt(
+        self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+        return list(params)
 
     def _run_requests(
         self, inputs: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool
@@ -223,15 +240,3 @@ def _prompt_input(prompt: PromptInput) -> str | list[int]:
     if isinstance(prompt, dict) and "prompt" in prompt:
         return str(prompt["prompt"])
     raise TypeError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
-
-
-def _params_per_prompt(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
-    return list(params)

@@ -54,6 +54,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     prompt = render_chat(
         ctx.engine, body.messages, options, add_special_tokens=body.add_special_tokens
     )
+    defaults = ctx.engine.generation_defaults
     requested: int | None = body.max_tokens
     max_param = "max_tokens"
     if body.max_completion_tokens is not None:
@@ -64,6 +65,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         ctx.engine.max_model_len,
         "messages",
         max_tokens_param=max_param,
+        defaults=defaults,
     )
     params = sampling_params(
         body,
@@ -71,6 +73,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         rename={"logprobs": "top_logprobs", "max_tokens": max_param},
         vocab_size=len(ctx.engine.tokenizer),
+        defaults=defaults,
     )
     params = with_tool_plan(params, plan)
     ctx.check_ready()

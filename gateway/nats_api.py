@@ -156,8 +156,7 @@ class NatsApi:
     ) -> None:
         check_model(request, self.served_model_name)
         prompt = request_prompt(request, self.engine, self.trust_request_chat_template)
-        vocab_size = len(self.engine.tokenizer)
-        params = request_params(request, prompt, self.engine.max_model_len, vocab_size)
+        params = request_params(request, prompt, self.engine, wire.given_sampling_fields(msg.data))
         if not self.engine.is_ready():
             raise unavailable("no engine core is ready")
         builder = ReplyBuilder(params.n, len(prompt.token_ids), params.logprobs is not None)

@@ -1,5 +1,6 @@
 """The pure part of the NATS API: a decoded ``GenerateRequest`` checked and turned into a prompt
-and sampling parameters, the wire format of a message, and the reply builders."""
+and sampling parameters (the fields it leaves out from the generation config), the wire format
+of a message, and the reply builders."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import CompletionOutput
 from shoal.gateway.chat_prompt import chat_options, render_chat
 from shoal.gateway.errors import ApiError, bad_request, from_decode_error, from_value_error
-from shoal.gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest
+from shoal.gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest, GivenSamplingFields
 from shoal.gateway.params import (
     Prompt,
     check_vocab,
@@ -28,6 +29,8 @@ from shoal.gateway.response_types import Usage, make_usage
 # Lax, as the HTTP API decodes: 14.0 is the integer 14 (see gateway.request_types).
 _JSON_DECODER = msgspec.json.Decoder(GenerateRequest, strict=False)
 _MSGPACK_DECODER = msgspec.msgpack.Decoder(GenerateRequest, strict=False)
+_JSON_GIVEN = msgspec.json.Decoder(GivenSamplingFields)
+_MSGPACK_GIVEN = msgspec.msgpack.Decoder(GivenSamplingFields)
 
 
 class WireFormat:
@@ -53,6 +56,11 @@ class WireFormat:
             return decoder.decode(data)
         except msgspec.DecodeError as error:
             raise from_decode_error(error, "json" if self.is_json else "msgpack") from None
+
+    def given_sampling_fields(self, data: bytes) -> frozenset[str]:
+        """The ``sampling_params`` fields named in ``data`` (a request that decoded)."""
+        decoder = _JSON_GIVEN if self.is_json else _MSGPACK_GIVEN
+        return frozenset(decoder.decode(data).sampling_params)
 
 
 def check_model(request: GenerateRequest, served_model_name: str) -> None:
@@ -82,17 +90,29 @@ def request_prompt(
 
 
 def request_params(
-    request: GenerateRequest, prompt: Prompt, max_model_len: int, vocab_size: int
+    request: GenerateRequest,
+    prompt: Prompt,
+    engine: EngineClientInterface,
+    given_fields: frozenset[str],
 ) -> SamplingParams:
-    """The request's sampling parameters with max_tokens fitted to the context, as DELTA
+    """The request's sampling parameters, the fields it leaves out (``given_fields`` are the
+    ones it names) from the generation config, with max_tokens fitted to the context, as DELTA
     (and a top_k covering the whole vocabulary turned off)."""
-    given = msgspec.structs.asdict(request.sampling_params)
+    named = msgspec.structs.asdict(request.sampling_params)
+    defaults = engine.generation_defaults
+    unnamed = {key: value for key, value in defaults.sampling.items() if key not in given_fields}
+    given = {**named, **unnamed}
     if given["n"] > MAX_N:  # as on the HTTP API: one message must not fan out without bound
         raise bad_request(f"n must be at most {MAX_N}, got {given['n']}", param="n")
+    vocab_size = len(engine.tokenizer)
     if given["top_k"] >= vocab_size:
         given["top_k"] = 0
     given["max_tokens"] = resolve_max_tokens(
-        given["max_tokens"], len(prompt.token_ids), max_model_len, "sampling_params.max_tokens"
+        given["max_tokens"],
+        len(prompt.token_ids),
+        engine.max_model_len,
+        "sampling_params.max_tokens",
+        defaults=defaults,
     )
     given["output_kind"] = OutputKind.DELTA
     try:

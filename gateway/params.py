@@ -1,5 +1,6 @@
 """From a decoded request to what the engine takes: prompts as token ids, checked against the
-model, and one ``SamplingParams`` per prompt. Every failure is an ``ApiError`` (400)."""
+model, and one ``SamplingParams`` per prompt, its unset fields from the model's generation
+config (``--generation-config``). Every failure is an ``ApiError`` (400)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.bus.messages.sampling import KV_TIER_TYPES, OutputKind, SamplingParams, out_of_vocab
+from shoal.engine.client.generation_defaults import GenerationDefaults
 from shoal.gateway.errors import ApiError, bad_request, from_value_error
 from shoal.gateway.request_types import (
     MAX_PROMPTS,
@@ -95,6 +97,9 @@ def token_prompt(ids: list[int], tokenizer: Any) -> Prompt:
     return Prompt(ids)
 
 
+NO_GENERATION_DEFAULTS = GenerationDefaults()
+
+
 def resolve_max_tokens(
     requested: int | None,
     prompt_len: int,
@@ -102,10 +107,23 @@ def resolve_max_tokens(
     param: str,
     *,
     max_tokens_param: str | None = None,
+    defaults: GenerationDefaults = NO_GENERATION_DEFAULTS,
 ) -> int:
-    """Tokens the request may generate: all the room left when unset. A requested number
-    beyond the room is a 400 naming ``max_tokens_param`` (vLLM's and OpenAI's answer), or is
-    fitted to the room when that is None (shoal's NATS API)."""
+    """Tokens the request may generate: all the room left when unset (or the generation
+    config's ``max_new_tokens``, when less: ``defaults``). A requested number beyond the room
+    is a 400 naming ``max_tokens_param`` (vLLM's and OpenAI's answer), or is fitted to the room
+    when that is None (shoal's NATS API)."""
+    resolved = _fit_max_tokens(requested, prompt_len, max_model_len, param, max_tokens_param)
+    return defaults.bound_max_tokens(requested, resolved)
+
+
+def _fit_max_tokens(
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    param: str,
+    max_tokens_param: str | None,
+) -> int:
     if prompt_len >= max_model_len:
         raise ApiError(
             400,
@@ -219,8 +237,10 @@ def sampling_params(
     output_kind: OutputKind = OutputKind.DELTA,
     rename: dict[str, str] | None = None,
     vocab_size: int | None = None,
+    defaults: GenerationDefaults = NO_GENERATION_DEFAULTS,
 ) -> SamplingParams:
-    """The engine's sampling parameters; unset (None) fields keep SamplingParams' defaults.
+    """The engine's sampling parameters; unset (None) fields take the generation config's
+    ``defaults``, else SamplingParams' defaults.
 
     A ``top_k`` of at least the vocabulary size is the same as no top-k: it becomes 0 (off).
     """
@@ -233,7 +253,7 @@ def sampling_params(
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
     }
-    kwargs: dict[str, Any] = {name: v for name, v in optional.items() if v is not None}
+    kwargs = defaults.under({name: v for name, v in optional.items() if v is not None})
     if vocab_size is not None and kwargs.get("top_k", 0) >= vocab_size:
         kwargs["top_k"] = 0
     kwargs["kv_load_tiers"] = kv_load_tiers(request.kv_transfer_params)

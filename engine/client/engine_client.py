@@ -46,6 +46,7 @@ from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_faults import EngineFaults
 from shoal.engine.client.fault_tolerance import FaultTolerance
+from shoal.engine.client.generation_defaults import GenerationDefaults, read_generation_defaults
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
 from shoal.engine.client.model_info import read_max_model_len
 from shoal.engine.client.output_processor import ChildRequest, OutputProcessor, ResumeRequest
@@ -97,6 +98,7 @@ class AsyncEngineClient:
         self.fault_tolerance = FaultTolerance(bus, self.subjects, self.router)
         self.stats_listeners: list[StatsListener] = []
         self._tokenizer: Tokenizer | None = None
+        self._generation_defaults = GenerationDefaults()
         self._processor: OutputProcessor | None = None
         self.placements = RequestPlacements()
         self._subs: list[Subscription] = []
@@ -135,9 +137,19 @@ class AsyncEngineClient:
         return self
 
     def _read_model(self) -> None:
-        """The tokenizer (with the served chat template) from the model directory."""
-        model = self.model_config
-        self._tokenizer = Tokenizer.from_pretrained(model.model, chat_template=model.chat_template)
+        """The tokenizer (with the served chat template) and the generation defaults, from the
+        model directory; the defaults logged as vLLM does."""
+        model, model_dir = self.model_config, Path(self.model_dir)
+        tokenizer = Tokenizer.from_pretrained(model_dir, chat_template=model.chat_template)
+        defaults = read_generation_defaults(model_dir, model.generation_config)
+        if defaults:
+            log.warning(
+                "Default sampling parameters have been overridden by the model's generation "
+                "config (%s): %s. If this is not intended, start with --generation-config vllm.",
+                model.generation_config,
+                defaults.describe(),
+            )
+        self._generation_defaults, self._tokenizer = defaults, tokenizer
 
     async def close(self) -> None:
         if self._stop_listening is not None:
@@ -181,6 +193,10 @@ class AsyncEngineClient:
     @property
     def tokenizer(self) -> Any:
         return self.require_tokenizer().hf
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return self._generation_defaults
 
     def require_tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:

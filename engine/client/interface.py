@@ -16,6 +16,7 @@ from shoal.engine.client.outputs import RequestOutput
 
 if TYPE_CHECKING:  # they raise this module's errors
     from shoal.engine.client.chat_options import ChatOptions
+    from shoal.engine.client.generation_defaults import GenerationDefaults
 
 
 class EngineUnavailableError(RuntimeError):
@@ -57,6 +58,11 @@ class EngineClientInterface(Protocol):
     @property
     def tokenizer(self) -> Any:
         """A ``transformers`` tokenizer (encode, decode, apply_chat_template)."""
+        ...
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The sampling defaults of requests that leave fields unset (``--generation-config``)."""
         ...
 
     def is_ready(self) -> bool:

@@ -25,6 +25,7 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.client.chat_options import ChatOptions
+from shoal.engine.client.generation_defaults import GenerationDefaults
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
 from shoal.engine.client.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from shoal.engine.client.tokenizer import Tokenizer
@@ -109,6 +110,7 @@ class FakeEngineClient:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = fake_tokenizer()
+        self.generation_defaults = GenerationDefaults()
         self.token_delay = token_delay
         self.eos_after = eos_after
         self.max_in_flight = max_in_flight
