@@ -72,7 +72,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         rename={"logprobs": "top_logprobs", "max_tokens": max_param},
-        vocab_size=len(ctx.engine.tokenizer),
+        vocab_size=ctx.engine.vocabulary.model_vocab_size,
         defaults=defaults,
     )
     params = with_tool_plan(params, plan)

@@ -54,7 +54,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     engine = ctx.engine
     max_model_len = engine.max_model_len
     prompts = completion_prompts(
-        body.prompt, engine.tokenizer, max_model_len, body.add_special_tokens
+        body.prompt, engine.tokenizer, engine.vocabulary, max_model_len, body.add_special_tokens
     )
     if len(prompts) * body.num_choices > MAX_CHOICES:
         raise bad_request(f"at most {MAX_CHOICES} choices (prompts × n) per request", param="n")
@@ -74,7 +74,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
             ),
             logprobs=None if prompt_only else body.logprobs,
             prompt_logprobs=echo_logprobs,
-            vocab_size=len(engine.tokenizer),
+            vocab_size=engine.vocabulary.model_vocab_size,
             defaults=engine.generation_defaults,
         )
         for p in prompts

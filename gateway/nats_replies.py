@@ -83,7 +83,7 @@ def request_prompt(
         add_special = True if special is None else special
         return text_prompt(request.prompt, engine.tokenizer, engine.max_model_len, add_special)
     if request.prompt_token_ids is not None:
-        return token_prompt(request.prompt_token_ids, engine.tokenizer)
+        return token_prompt(request.prompt_token_ids, engine.vocabulary)
     assert request.messages is not None
     options = chat_options(request, trust_request_chat_template=trust_request_chat_template)
     return render_chat(engine, request.messages, options, add_special_tokens=bool(special))
@@ -97,14 +97,14 @@ def request_params(
 ) -> SamplingParams:
     """The request's sampling parameters, the fields it leaves out (``given_fields`` are the
     ones it names) from the generation config, with max_tokens fitted to the context, as DELTA
-    (and a top_k covering the whole vocabulary turned off)."""
+    (and a top_k covering the model's whole vocabulary turned off)."""
     named = msgspec.structs.asdict(request.sampling_params)
     defaults = engine.generation_defaults
     unnamed = {key: value for key, value in defaults.sampling.items() if key not in given_fields}
     given = {**named, **unnamed}
     if given["n"] > MAX_N:  # as on the HTTP API: one message must not fan out without bound
         raise bad_request(f"n must be at most {MAX_N}, got {given['n']}", param="n")
-    vocab_size = len(engine.tokenizer)
+    vocab_size = engine.vocabulary.model_vocab_size
     if given["top_k"] >= vocab_size:
         given["top_k"] = 0
     given["max_tokens"] = resolve_max_tokens(

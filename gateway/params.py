@@ -1,6 +1,7 @@
 """From a decoded request to what the engine takes: prompts as token ids, checked against the
-model, and one ``SamplingParams`` per prompt, its unset fields from the model's generation
-config (``--generation-config``). Every failure is an ``ApiError`` (400)."""
+model's vocabulary (vLLM's rule: ``engine.client.vocabulary``), and one ``SamplingParams`` per
+prompt, its unset fields from the model's generation config (``--generation-config``). Every
+failure is an ``ApiError`` (400)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from shoal.bus.messages.sampling import KV_TIER_TYPES, OutputKind, SamplingParams, out_of_vocab
 from shoal.engine.client.generation_defaults import GenerationDefaults
+from shoal.engine.client.vocabulary import Vocabulary
 from shoal.gateway.errors import ApiError, bad_request, from_value_error
 from shoal.gateway.request_types import (
     MAX_PROMPTS,
@@ -51,24 +53,26 @@ def check_text_length(text: str, max_model_len: int | None, param: str) -> None:
 def completion_prompts(
     prompt: PromptInput,
     tokenizer: Any,
+    vocabulary: Vocabulary,
     max_model_len: int | None = None,
     add_special_tokens: bool = True,
 ) -> list[Prompt]:
     """A completions ``prompt`` (text, ids, or a batch of either) as a list of prompts; text is
-    tokenized with or without the tokenizer's special tokens (BOS), ids are taken as they are."""
+    tokenized with or without the tokenizer's special tokens (BOS), ids are taken as they are
+    when the model takes them."""
     if isinstance(prompt, str):
         return [text_prompt(prompt, tokenizer, max_model_len, add_special_tokens)]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [token_prompt([int(t) for t in prompt], tokenizer)]  # type: ignore[arg-type]
+        return [token_prompt([int(t) for t in prompt], vocabulary)]  # type: ignore[arg-type]
     if len(prompt) > MAX_PROMPTS:  # a list of ids is one prompt, handled above
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         texts: list[str] = prompt  # type: ignore[assignment]
         return [text_prompt(t, tokenizer, max_model_len, add_special_tokens) for t in texts]
     if all(isinstance(p, list) for p in prompt):
-        return [token_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
+        return [token_prompt(p, vocabulary) for p in prompt]  # type: ignore[arg-type]
     raise bad_request(
         "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
         "token ids",
@@ -86,14 +90,11 @@ def text_prompt(
     return Prompt(ids, text)
 
 
-def token_prompt(ids: list[int], tokenizer: Any) -> Prompt:
+def token_prompt(ids: list[int], vocabulary: Vocabulary) -> Prompt:
     if not ids:
         raise bad_request("prompt must not be empty", param="prompt")
-    vocab_size = len(tokenizer)
-    if max(ids) >= vocab_size:
-        raise bad_request(
-            f"token id {max(ids)} is out of range (vocab size {vocab_size})", param="prompt"
-        )
+    if invalid := vocabulary.invalid_prompt_id(ids):
+        raise bad_request(invalid, param="prompt")
     return Prompt(ids)
 
 
@@ -242,7 +243,8 @@ def sampling_params(
     """The engine's sampling parameters; unset (None) fields take the generation config's
     ``defaults``, else SamplingParams' defaults.
 
-    A ``top_k`` of at least the vocabulary size is the same as no top-k: it becomes 0 (off).
+    A ``top_k`` of at least the vocabulary size (the model's) is the same as no top-k: it
+    becomes 0 (off).
     """
     optional = {
         "temperature": request.temperature,

@@ -57,6 +57,7 @@ from shoal.engine.client.resumption import Resumptions
 from shoal.engine.client.router import EngineRouter
 from shoal.engine.client.structured import check_structured_outputs
 from shoal.engine.client.tokenizer import Tokenizer
+from shoal.engine.client.vocabulary import Vocabulary, read_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class AsyncEngineClient:
         self.fault_tolerance = FaultTolerance(bus, self.subjects, self.router)
         self.stats_listeners: list[StatsListener] = []
         self._tokenizer: Tokenizer | None = None
+        self._vocabulary: Vocabulary | None = None
         self._generation_defaults = GenerationDefaults()
         self._processor: OutputProcessor | None = None
         self.placements = RequestPlacements()
@@ -137,10 +139,11 @@ class AsyncEngineClient:
         return self
 
     def _read_model(self) -> None:
-        """The tokenizer (with the served chat template) and the generation defaults, from the
-        model directory; the defaults logged as vLLM does."""
+        """The tokenizer (with the served chat template), the vocabulary and the generation
+        defaults, from the model directory; the defaults logged as vLLM does."""
         model, model_dir = self.model_config, Path(self.model_dir)
         tokenizer = Tokenizer.from_pretrained(model_dir, chat_template=model.chat_template)
+        self._vocabulary = read_vocabulary(tokenizer, model_dir)
         defaults = read_generation_defaults(model_dir, model.generation_config)
         if defaults:
             log.warning(
@@ -195,6 +198,12 @@ class AsyncEngineClient:
         return self.require_tokenizer().hf
 
     @property
+    def vocabulary(self) -> Vocabulary:
+        if self._vocabulary is None:
+            raise RuntimeError("engine client not started")
+        return self._vocabulary
+
+    @property
     def generation_defaults(self) -> GenerationDefaults:
         return self._generation_defaults
 
@@ -246,7 +255,7 @@ class AsyncEngineClient:
         """Send a request to an engine core; its outputs arrive in the returned collector."""
         processor = self.require_processor()
         prompt_text, prompt_ids = self._tokenize(prompt)
-        if invalid := out_of_vocab(params, self.require_tokenizer().vocab_size):
+        if invalid := out_of_vocab(params, self.vocabulary.model_vocab_size):
             raise RequestValidationError(invalid[1], invalid[0])
         if request_id in self.placements:
             raise RequestValidationError(f"request id {request_id!r} is already in flight")
@@ -312,7 +321,7 @@ class AsyncEngineClient:
             text: str | None = prompt
         else:
             prompt_ids, text = list(prompt), None
-            if invalid := self.require_tokenizer().invalid_token_id(prompt_ids):
+            if invalid := self.vocabulary.invalid_prompt_id(prompt_ids):
                 raise RequestValidationError(invalid, "prompt")
         if not prompt_ids:
             raise RequestValidationError("the prompt must not be empty", "prompt")

@@ -17,6 +17,7 @@ from shoal.engine.client.outputs import RequestOutput
 if TYPE_CHECKING:  # they raise this module's errors
     from shoal.engine.client.chat_options import ChatOptions
     from shoal.engine.client.generation_defaults import GenerationDefaults
+    from shoal.engine.client.vocabulary import Vocabulary
 
 
 class EngineUnavailableError(RuntimeError):
@@ -58,6 +59,11 @@ class EngineClientInterface(Protocol):
     @property
     def tokenizer(self) -> Any:
         """A ``transformers`` tokenizer (encode, decode, apply_chat_template)."""
+        ...
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The token ids the model takes in a prompt and samples."""
         ...
 
     @property

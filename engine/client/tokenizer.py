@@ -74,22 +74,6 @@ class Tokenizer:
         return getattr(self.hf, "backend_tokenizer", None)
 
     @property
-    def vocab_size(self) -> int:
-        return len(self.hf)
-
-    def invalid_token_id(self, token_ids: Sequence[int]) -> str | None:
-        """Why ``token_ids`` cannot be a prompt of this vocabulary (an id below 0 or from the
-        vocabulary size up: the wire or the model's embedding would fail on it), or None."""
-        if not token_ids:
-            return None
-        low, high = min(token_ids), max(token_ids)
-        if low < 0:
-            return f"token id {low} is negative"
-        if high >= self.vocab_size:
-            return f"token id {high} is out of range (vocabulary size {self.vocab_size})"
-        return None
-
-    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 

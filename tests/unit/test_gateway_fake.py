@@ -29,6 +29,7 @@ from shoal.engine.client.generation_defaults import GenerationDefaults
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
 from shoal.engine.client.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from shoal.engine.client.tokenizer import Tokenizer
+from shoal.engine.client.vocabulary import Vocabulary
 
 MODEL_NAME = "fake-model"
 CORPUS = [
@@ -110,6 +111,7 @@ class FakeEngineClient:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = fake_tokenizer()
+        self.vocabulary = Vocabulary(len(self.tokenizer) - 1, len(self.tokenizer))
         self.generation_defaults = GenerationDefaults()
         self.token_delay = token_delay
         self.eos_after = eos_after
