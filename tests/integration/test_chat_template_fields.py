@@ -15,8 +15,6 @@ import pytest
 
 from shoal.deploy.arguments import config_from_namespace
 from shoal.deploy.cli import build_parser
-from shoal.engine.client.tokenizer import MISSING_CHAT_TEMPLATE
-from shoal.gateway.chat_prompt import UNTRUSTED_TEMPLATE
 from tests.integration.engine_inbox import EngineInbox, engine_inbox
 from tests.integration.served_stack import ServedStack, served_stack, with_chat_template
 
@@ -31,6 +29,14 @@ FIELDS_TEMPLATE = (
 )
 HI = [{"role": "user", "content": "hi"}]
 PREFILLED = [*HI, {"role": "assistant", "content": "The capital of"}]
+VLLM_NO_TEMPLATE = (  # vLLM's words, as its users see them (vllm/renderers/hf.py)
+    "As of transformers v4.44, default chat template is no longer allowed, so you must provide "
+    "a chat template if the tokenizer does not define one."
+)
+VLLM_UNTRUSTED = (  # vLLM's OpenAIServing._validate_chat_template
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)
 
 
 def _client(served: ServedStack) -> openai.AsyncOpenAI:
@@ -161,10 +167,10 @@ def test_a_chat_template_flag_naming_no_file_is_refused(tmp_path: Path) -> None:
 async def test_a_model_without_a_chat_template_answers_chat_with_vllms_400(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     async with served_stack(tiny_checkpoint("llama")) as served:  # its tokenizer has no template
         missing = await _refusal(served, HI)
-        assert missing["message"] == MISSING_CHAT_TEMPLATE
+        assert missing["message"] == VLLM_NO_TEMPLATE
         assert missing["param"] == "chat_template"
         untrusted = await _refusal(served, HI, chat_template="{{ messages }}")
-        assert untrusted["message"] == UNTRUSTED_TEMPLATE
+        assert untrusted["message"] == VLLM_UNTRUSTED
         assert untrusted["param"] == "chat_template"
         completion = await _client(served).completions.create(
             model="tiny",
