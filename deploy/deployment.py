@@ -20,13 +20,9 @@ from typing import Any
 
 from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
-from shoal.bus.messages.config import (
-    GENERATION_CONFIG_AUTO,
-    GENERATION_CONFIG_NONE,
-    ShoalConfig,
-)
+from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.run_actor import build_actor, load_target
-from shoal.deploy.chat_template import load_chat_template
+from shoal.deploy.model_files import with_model_files
 from shoal.tiers.tier_events import kv_events_interval
 
 WORKER_TARGET = "shoal.workers.actor:WorkerActor"
@@ -59,19 +55,6 @@ def build_config(**options: Any) -> ShoalConfig:
     if draft is not None and not Path(draft).is_dir():
         raise ValueError(f"speculative_config.model: draft model directory not found: {draft}")
     return with_model_files(config)
-
-
-def with_model_files(config: ShoalConfig) -> ShoalConfig:
-    """The config with the files its model options name read here: ``chat_template`` as the
-    template's text (``load_chat_template``), a ``generation_config`` directory that exists."""
-    model = config.model_config
-    generation = model.generation_config
-    names_a_directory = generation not in (GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE)
-    if names_a_directory and not Path(generation).is_dir():
-        raise ValueError(f"generation_config: directory not found: {generation}")
-    if model.chat_template is None:
-        return config
-    return config.replace(chat_template=load_chat_template(model.chat_template))
 
 
 def engine_id(dp_rank: int) -> str:

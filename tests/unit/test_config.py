@@ -23,8 +23,8 @@ from shoal.bus.messages.config import (
 )
 from shoal.bus.run_actor import build_actor
 from shoal.deploy.arguments import KV_OFFLOAD_FLAGS, add_engine_arguments, config_from_namespace
-from shoal.deploy.chat_template import load_chat_template
 from shoal.deploy.deployment import build_config
+from shoal.deploy.model_files import load_chat_template
 
 
 def test_option_names_are_unique_across_groups() -> None:
