@@ -179,6 +179,26 @@ def _add_model_arguments(g: Group) -> None:
         help="the format of the model's tool calls: hermes (Qwen, Hermes: <tool_call>), "
         "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS])",
     )
+    _option(
+        g,
+        "--chat-template",
+        dest="chat_template",
+        help="the chat template, instead of the tokenizer's: a file, or the template itself "
+        "(a value with none of '{', '}' or a newline must be a file)",
+    )
+    _option(
+        g,
+        "--trust-request-chat-template",
+        dest="trust_request_chat_template",
+        help="let a chat request bring its own template (chat_template); refused otherwise",
+    )
+    _option(
+        g,
+        "--generation-config",
+        dest="generation_config",
+        help="default sampling parameters of requests that leave them unset: auto (the model's "
+        "generation_config.json), vllm (none), or a directory with a generation_config.json",
+    )
 
 
 def _add_cache_arguments(g: Group) -> None:

@@ -21,6 +21,7 @@ from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.run_actor import build_actor, load_target
+from shoal.deploy.model_files import with_model_files
 from shoal.deploy.model_source import ModelNotFoundError, resolve_model
 from shoal.tiers.tier_events import kv_events_interval
 
@@ -56,12 +57,14 @@ def build_config(**options: Any) -> ShoalConfig:
     config = ShoalConfig.from_options(**options)
     draft = config.speculative_config.speculative_model
     if draft is None:
-        return config
+        return with_model_files(config)
     try:
         draft_dir = resolve_model(draft).directory
     except ModelNotFoundError as exc:
         raise ValueError(f"speculative_config.model: draft {exc}") from None
-    return config if draft_dir == draft else config.replace(speculative_model=draft_dir)
+    if draft_dir != draft:
+        config = config.replace(speculative_model=draft_dir)
+    return with_model_files(config)
 
 
 def engine_id(dp_rank: int) -> str:

@@ -4,7 +4,8 @@ Everything runs in this process on an in-memory bus: the workers, the engine cor
 engine client live in one event loop on a background thread, and the blocking methods submit
 work to it. A prompt is a string or ``{"prompt_token_ids": [...]}``; results come back in the
 order of the prompts, each a ``RequestOutput`` with ``.outputs[i].text``, ``.token_ids`` and
-``.finish_reason``.
+``.finish_reason``. Without sampling parameters a request starts from the model's generation
+config (``get_default_sampling_params``, as vLLM's).
 
 A blocking call interrupted while it waits (Ctrl-C, or its future failing) cancels its work on
 the loop thread and aborts its requests in the engine core before the exception goes on, so
@@ -27,6 +28,7 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.deploy.deployment import build_config, plan_actors, start_in_process, stop_in_process
 from shoal.deploy.progress import ProgressBar
+from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.engine.client.outputs import RequestOutput
 
@@ -37,8 +39,9 @@ _llm_counter = itertools.count()
 
 class LLM:
     """A model served in-process. Engine options use vLLM's names (any ``ShoalConfig`` option:
-    ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``, ...), and a group's JSON as vLLM
-    takes it: ``speculative_config={"method": "ngram", "num_speculative_tokens": 3}`` (or a
+    ``max_num_seqs``, ``dtype``, ``enable_prefix_caching``, ``chat_template`` (a file or the
+    template), ``generation_config``, ...), and a group's JSON as vLLM takes it:
+    ``speculative_config={"method": "ngram", "num_speculative_tokens": 3}`` (or a
     ``SpeculativeConfig``), ``kv_transfer_config``, ``fault_tolerance_config``."""
 
     def __init__(
@@ -123,6 +126,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self._require_client().tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling parameters of a request given none: the model's generation config's
+        recommendations (``--generation-config``), else SamplingParams' defaults."""
+        return self._require_client().generation_defaults.sampling_params()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput],
@@ -133,7 +141,7 @@ class LLM:
         """Generate for every prompt (a string or ``{"prompt_token_ids": [...]}``)."""
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         inputs = [_prompt_input(p) for p in prompt_list]
-        params = _params_per_prompt(sampling_params, len(inputs))
+        params = self._params_per_prompt(sampling_params, len(inputs))
         return self._run_requests(inputs, params, use_tqdm)
 
     def chat(
@@ -143,18 +151,39 @@ class LLM:
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the chat template (the model's, or ``chat_template``) to each conversation,
-        then generate."""
+        """Apply the chat template (``chat_template``'s text, else the served one) to each
+        conversation, with vLLM's options, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         client = self._require_client()
+        options = ChatOptions(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
+            tools=tools,
+        )
         inputs: list[str | list[int]] = [
-            client.encode_chat(list(conv), add_generation_prompt, chat_template)  # type: ignore[arg-type]
+            client.encode_chat(list(conv), options)  # type: ignore[arg-type]
             for conv in conversations
         ]
-        params = _params_per_prompt(sampling_params, len(inputs))
+        params = self._params_per_prompt(sampling_params, len(inputs))
         return self._run_requests(inputs, params, use_tqdm)
+
+    def _params_per_prompt(
+        self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            return [self.get_default_sampling_params()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+        return list(params)
 
     def _run_requests(
         self, inputs: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool
@@ -214,15 +243,3 @@ def _prompt_input(prompt: PromptInput) -> str | list[int]:
     if isinstance(prompt, dict) and "prompt" in prompt:
         return str(prompt["prompt"])
     raise TypeError("a prompt is a string, {'prompt': str} or {'prompt_token_ids': [...]}")
-
-
-def _params_per_prompt(
-    params: SamplingParams | Sequence[SamplingParams] | None, count: int
-) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
-    return list(params)

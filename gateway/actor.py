@@ -133,6 +133,7 @@ class GatewayActor(Actor):
             metrics=self.metrics,
             sse_keep_alive_s=self.sse_keep_alive_s,
             tool_calling=self._tool_calling(),
+            trust_request_chat_template=self._trusts_request_chat_templates(),
         )
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:
@@ -142,6 +143,7 @@ class GatewayActor(Actor):
                 subjects=self.subjects,
                 served_model_name=name,
                 metrics=self.metrics,
+                trust_request_chat_template=self._trusts_request_chat_templates(),
             )
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)
@@ -152,6 +154,10 @@ class GatewayActor(Actor):
             return ToolCallingOptions()
         model = self.config.model_config
         return ToolCallingOptions(model.enable_auto_tool_choice, model.tool_call_parser)
+
+    def _trusts_request_chat_templates(self) -> bool:
+        """The deployment's ``--trust-request-chat-template`` (off without a config)."""
+        return self.config is not None and self.config.model_config.trust_request_chat_template
 
     def _num_speculative_tokens(self) -> int:
         """The deployment's K (0: it does not speculate, or this actor has no config)."""

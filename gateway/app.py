@@ -20,11 +20,11 @@ from aiohttp.typedefs import Handler, Middleware
 from shoal.engine.client.interface import EngineClientInterface, FaultToleranceApi
 from shoal.engine.client.tokenizer import tokenizer_config
 from shoal.gateway.chat import create_chat_completion
+from shoal.gateway.chat_prompt import chat_options, render_chat
 from shoal.gateway.completions import create_completion
 from shoal.gateway.errors import ApiError, bad_request, internal_error
 from shoal.gateway.fault_tolerance import FaultToleranceEndpoints
 from shoal.gateway.metrics import CONTENT_TYPE, Metrics
-from shoal.gateway.params import chat_messages
 from shoal.gateway.request_types import DetokenizeRequest, TokenizeRequest
 from shoal.gateway.response_types import (
     DetokenizeResponse,
@@ -54,12 +54,14 @@ def create_app(
     sse_keep_alive_s: float | None = DEFAULT_SSE_KEEP_ALIVE_S,
     fault_tolerance: FaultToleranceApi | None = None,
     tool_calling: ToolCallingOptions | None = None,
+    trust_request_chat_template: bool = False,
 ) -> web.Application:
     """The OpenAI-compatible app for one engine client (real or fake); a stream that waits
     ``sse_keep_alive_s`` for output gets a keep-alive comment (None: never). The
     ``/fault_tolerance/*`` endpoints use ``fault_tolerance`` (default: the client's own
     ``fault_tolerance`` attribute, if it has one); ``tool_calling``: the server's
-    ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither)."""
+    ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither);
+    ``trust_request_chat_template``: its ``--trust-request-chat-template``."""
     name = served_model_name or engine_client.model_name
     if fault_tolerance is None:
         fault_tolerance = getattr(engine_client, "fault_tolerance", None)
@@ -70,7 +72,12 @@ def create_app(
         middlewares.append(bearer_auth(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[CONTEXT_KEY] = ServingContext(
-        engine_client, name, metrics, sse_keep_alive_s, tool_calling or ToolCallingOptions()
+        engine_client,
+        name,
+        metrics,
+        sse_keep_alive_s,
+        tool_calling or ToolCallingOptions(),
+        trust_request_chat_template,
     )
     app.router.add_post("/v1/completions", _with_context(create_completion))
     app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))
@@ -174,15 +181,9 @@ async def tokenize(ctx: ServingContext, request: web.Request) -> web.Response:
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", param="prompt")
     if body.messages is not None:
-        messages = chat_messages(body.messages)
-        try:
-            ids = list(
-                ctx.engine.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
-            )
-        except Exception as error:  # the chat template is user-driven
-            raise bad_request(
-                f"cannot apply the chat template: {error}", param="messages"
-            ) from None
+        trusted = ctx.trust_request_chat_template
+        options = chat_options(body, trust_request_chat_template=trusted)
+        ids = render_chat(ctx.engine, body.messages, options, add_special_tokens=False).token_ids
     else:
         ids = list(tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
     strs = list(tokenizer.convert_ids_to_tokens(ids)) if body.return_token_strs else None

@@ -1,6 +1,7 @@
-"""``POST /v1/chat/completions``: the chat template renders the messages (and any tools) into one
-prompt; ``n`` choices, logprobs/top_logprobs, tool calls (``gateway.tools``), streamed (role
-chunk first) or answered whole."""
+"""``POST /v1/chat/completions``: the chat template renders the messages (and any tools, and
+vLLM's chat-template fields: ``gateway.chat_prompt``) into one prompt; ``n`` choices,
+logprobs/top_logprobs, tool calls (``gateway.tools``), streamed (role chunk first) or answered
+whole."""
 
 from __future__ import annotations
 
@@ -11,16 +12,11 @@ from aiohttp import web
 
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.outputs import CompletionOutput, RequestOutput
+from shoal.gateway.chat_prompt import chat_options, message_text, render_chat
 from shoal.gateway.errors import ApiError, bad_request
 from shoal.gateway.generation import Generation
 from shoal.gateway.logprobs import TokenText, chat_logprobs
-from shoal.gateway.params import (
-    chat_prompt,
-    check_unsupported,
-    message_text,
-    resolve_max_tokens,
-    sampling_params,
-)
+from shoal.gateway.params import check_unsupported, resolve_max_tokens, sampling_params
 from shoal.gateway.request_types import ChatCompletionRequest
 from shoal.gateway.response_types import (
     ChatChoice,
@@ -53,7 +49,12 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     ctx.check_model(body.model)
     check_unsupported(body)
     plan = tool_plan(body, ctx.tool_calling)
-    prompt = chat_prompt(ctx.engine, body, template_tools(body))
+    trusted = ctx.trust_request_chat_template
+    options = chat_options(body, trust_request_chat_template=trusted, tools=template_tools(body))
+    prompt = render_chat(
+        ctx.engine, body.messages, options, add_special_tokens=body.add_special_tokens
+    )
+    defaults = ctx.engine.generation_defaults
     requested: int | None = body.max_tokens
     max_param = "max_tokens"
     if body.max_completion_tokens is not None:
@@ -64,13 +65,15 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         ctx.engine.max_model_len,
         "messages",
         max_tokens_param=max_param,
+        defaults=defaults,
     )
     params = sampling_params(
         body,
         max_tokens=max_tokens,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         rename={"logprobs": "top_logprobs", "max_tokens": max_param},
-        vocab_size=len(ctx.engine.tokenizer),
+        vocab_size=ctx.engine.vocabulary.model_vocab_size,
+        defaults=defaults,
     )
     params = with_tool_plan(params, plan)
     ctx.check_ready()

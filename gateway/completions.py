@@ -51,9 +51,10 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     body = await decode_body(request, CompletionRequest)
     ctx.check_model(body.model)
     check_unsupported(body)
-    max_model_len = ctx.engine.max_model_len
+    engine = ctx.engine
+    max_model_len = engine.max_model_len
     prompts = completion_prompts(
-        body.prompt, ctx.engine.tokenizer, max_model_len, body.add_special_tokens
+        body.prompt, engine.tokenizer, engine.vocabulary, max_model_len, body.add_special_tokens
     )
     if len(prompts) * body.num_choices > MAX_CHOICES:
         raise bad_request(f"at most {MAX_CHOICES} choices (prompts × n) per request", param="n")
@@ -64,17 +65,23 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
         sampling_params(
             body,
             max_tokens=resolve_max_tokens(
-                requested, len(p.token_ids), max_model_len, "prompt", max_tokens_param="max_tokens"
+                requested,
+                len(p.token_ids),
+                max_model_len,
+                "prompt",
+                max_tokens_param="max_tokens",
+                defaults=engine.generation_defaults,
             ),
             logprobs=None if prompt_only else body.logprobs,
             prompt_logprobs=echo_logprobs,
-            vocab_size=len(ctx.engine.tokenizer),
+            vocab_size=engine.vocabulary.model_vocab_size,
+            defaults=engine.generation_defaults,
         )
         for p in prompts
     ]
     ctx.check_ready()
     generation = Generation(
-        ctx.engine, prompts, params, new_request_id("cmpl"), ctx.metrics, arrival_time
+        engine, prompts, params, new_request_id("cmpl"), ctx.metrics, arrival_time
     )
     view = CompletionView(ctx, body, prompts, generation)
     async with generation:

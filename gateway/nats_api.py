@@ -71,9 +71,11 @@ class NatsApi:
         subjects: Subjects | None = None,
         served_model_name: str | None = None,
         metrics: Metrics | None = None,
+        trust_request_chat_template: bool = False,
     ) -> None:
         self.bus = bus
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
         self.subjects = subjects or Subjects()
         self.served_model_name = served_model_name or engine.model_name
         self.metrics = metrics
@@ -153,9 +155,8 @@ class NatsApi:
         arrival_time: float,
     ) -> None:
         check_model(request, self.served_model_name)
-        prompt = request_prompt(request, self.engine)
-        vocab_size = len(self.engine.tokenizer)
-        params = request_params(request, prompt, self.engine.max_model_len, vocab_size)
+        prompt = request_prompt(request, self.engine, self.trust_request_chat_template)
+        params = request_params(request, prompt, self.engine, wire.given_sampling_fields(msg.data))
         if not self.engine.is_ready():
             raise unavailable("no engine core is ready")
         builder = ReplyBuilder(params.n, len(prompt.token_ids), params.logprobs is not None)

@@ -1,5 +1,6 @@
 """The pure part of the NATS API: a decoded ``GenerateRequest`` checked and turned into a prompt
-and sampling parameters, the wire format of a message, and the reply builders."""
+and sampling parameters (the fields it leaves out from the generation config), the wire format
+of a message, and the reply builders."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ from shoal.bus.base import Msg
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import CompletionOutput
+from shoal.gateway.chat_prompt import chat_options, render_chat
 from shoal.gateway.errors import ApiError, bad_request, from_decode_error, from_value_error
-from shoal.gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest
+from shoal.gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest, GivenSamplingFields
 from shoal.gateway.params import (
     Prompt,
-    chat_messages,
-    check_text_length,
     check_vocab,
     check_wire_ints,
     resolve_max_tokens,
@@ -29,6 +29,8 @@ from shoal.gateway.response_types import Usage, make_usage
 # Lax, as the HTTP API decodes: 14.0 is the integer 14 (see gateway.request_types).
 _JSON_DECODER = msgspec.json.Decoder(GenerateRequest, strict=False)
 _MSGPACK_DECODER = msgspec.msgpack.Decoder(GenerateRequest, strict=False)
+_JSON_GIVEN = msgspec.json.Decoder(GivenSamplingFields)
+_MSGPACK_GIVEN = msgspec.msgpack.Decoder(GivenSamplingFields)
 
 
 class WireFormat:
@@ -55,6 +57,11 @@ class WireFormat:
         except msgspec.DecodeError as error:
             raise from_decode_error(error, "json" if self.is_json else "msgpack") from None
 
+    def given_sampling_fields(self, data: bytes) -> frozenset[str]:
+        """The ``sampling_params`` fields named in ``data`` (a request that decoded)."""
+        decoder = _JSON_GIVEN if self.is_json else _MSGPACK_GIVEN
+        return frozenset(decoder.decode(data).sampling_params)
+
 
 def check_model(request: GenerateRequest, served_model_name: str) -> None:
     if request.model is not None and request.model != served_model_name:
@@ -62,7 +69,9 @@ def check_model(request: GenerateRequest, served_model_name: str) -> None:
         raise ApiError(404, message, code="model_not_found", param="model")
 
 
-def request_prompt(request: GenerateRequest, engine: EngineClientInterface) -> Prompt:
+def request_prompt(
+    request: GenerateRequest, engine: EngineClientInterface, trust_request_chat_template: bool
+) -> Prompt:
     """The one prompt of a request: text, token ids, or chat messages through the template."""
     sources = (request.prompt, request.prompt_token_ids, request.messages)
     if sum(source is not None for source in sources) != 1:
@@ -74,33 +83,36 @@ def request_prompt(request: GenerateRequest, engine: EngineClientInterface) -> P
         add_special = True if special is None else special
         return text_prompt(request.prompt, engine.tokenizer, engine.max_model_len, add_special)
     if request.prompt_token_ids is not None:
-        return token_prompt(request.prompt_token_ids, engine.tokenizer)
+        return token_prompt(request.prompt_token_ids, engine.vocabulary)
     assert request.messages is not None
-    messages = chat_messages(request.messages)
-    check_text_length("".join(m["content"] for m in messages), engine.max_model_len, "messages")
-    try:
-        ids = engine.encode_chat(
-            messages,
-            add_generation_prompt=request.add_generation_prompt,
-            add_special_tokens=bool(special),
-        )
-    except Exception as error:  # the chat template is user-driven: its failures are the input's
-        raise bad_request(f"cannot apply the chat template: {error}", param="messages") from None
-    return Prompt(list(ids))
+    options = chat_options(request, trust_request_chat_template=trust_request_chat_template)
+    return render_chat(engine, request.messages, options, add_special_tokens=bool(special))
 
 
 def request_params(
-    request: GenerateRequest, prompt: Prompt, max_model_len: int, vocab_size: int
+    request: GenerateRequest,
+    prompt: Prompt,
+    engine: EngineClientInterface,
+    given_fields: frozenset[str],
 ) -> SamplingParams:
-    """The request's sampling parameters with max_tokens fitted to the context, as DELTA
-    (and a top_k covering the whole vocabulary turned off)."""
-    given = msgspec.structs.asdict(request.sampling_params)
+    """The request's sampling parameters, the fields it leaves out (``given_fields`` are the
+    ones it names) from the generation config, with max_tokens fitted to the context, as DELTA
+    (and a top_k covering the model's whole vocabulary turned off)."""
+    named = msgspec.structs.asdict(request.sampling_params)
+    defaults = engine.generation_defaults
+    unnamed = {key: value for key, value in defaults.sampling.items() if key not in given_fields}
+    given = {**named, **unnamed}
     if given["n"] > MAX_N:  # as on the HTTP API: one message must not fan out without bound
         raise bad_request(f"n must be at most {MAX_N}, got {given['n']}", param="n")
+    vocab_size = engine.vocabulary.model_vocab_size
     if given["top_k"] >= vocab_size:
         given["top_k"] = 0
     given["max_tokens"] = resolve_max_tokens(
-        given["max_tokens"], len(prompt.token_ids), max_model_len, "sampling_params.max_tokens"
+        given["max_tokens"],
+        len(prompt.token_ids),
+        engine.max_model_len,
+        "sampling_params.max_tokens",
+        defaults=defaults,
     )
     given["output_kind"] = OutputKind.DELTA
     try:

@@ -7,6 +7,8 @@ encoded like the request: JSON or msgpack.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shoal.bus.messages.sampling import SamplingParams
@@ -21,9 +23,11 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Exactly one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (chat template).
 
     ``sampling_params`` takes vLLM's names and defaults (``max_tokens`` 16; None: all the room
-    left in the context); its ``output_kind`` is ignored (chunks are always deltas).
-    ``add_special_tokens`` (None: vLLM's default, true for ``prompt``, false for ``messages``)
-    says whether text is tokenized with the tokenizer's special tokens (BOS).
+    left in the context), a field left out taking the model's generation config where it has
+    one; its ``output_kind`` is ignored (chunks are always deltas). ``add_special_tokens``
+    (None: vLLM's default, true for ``prompt``, false for ``messages``) says whether text is
+    tokenized with the tokenizer's special tokens (BOS). With ``messages``, the chat-template
+    fields are those of the HTTP API's chat completions.
     """
 
     prompt: str | None = None
@@ -33,8 +37,19 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stream: bool = False
     request_id: str | None = None
     model: str | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+
+
+class GivenSamplingFields(msgspec.Struct):
+    """The ``sampling_params`` fields a request names (decoded beside ``GenerateRequest``):
+    the ones it leaves out take the generation config's defaults."""
+
+    sampling_params: dict[str, Any] = {}
 
 
 class ChoiceOut(msgspec.Struct, omit_defaults=True):

@@ -1,29 +1,27 @@
 """From a decoded request to what the engine takes: prompts as token ids, checked against the
-model, and one ``SamplingParams`` per prompt. Every failure is an ``ApiError`` (400)."""
+model's vocabulary (vLLM's rule: ``engine.client.vocabulary``), and one ``SamplingParams`` per
+prompt, its unset fields from the model's generation config (``--generation-config``). Every
+failure is an ``ApiError`` (400)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from shoal.bus.messages.sampling import KV_TIER_TYPES, OutputKind, SamplingParams, out_of_vocab
+from shoal.engine.client.generation_defaults import GenerationDefaults
+from shoal.engine.client.vocabulary import Vocabulary
 from shoal.gateway.errors import ApiError, bad_request, from_value_error
 from shoal.gateway.request_types import (
     MAX_PROMPTS,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
-    MessageToolCall,
     PromptInput,
     _SamplingFields,
 )
 from shoal.gateway.structured import structured_outputs_of
 
-# OpenAI's message roles; "function" is its deprecated form of "tool", accepted as vLLM does.
-CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -55,24 +53,26 @@ def check_text_length(text: str, max_model_len: int | None, param: str) -> None:
 def completion_prompts(
     prompt: PromptInput,
     tokenizer: Any,
+    vocabulary: Vocabulary,
     max_model_len: int | None = None,
     add_special_tokens: bool = True,
 ) -> list[Prompt]:
     """A completions ``prompt`` (text, ids, or a batch of either) as a list of prompts; text is
-    tokenized with or without the tokenizer's special tokens (BOS), ids are taken as they are."""
+    tokenized with or without the tokenizer's special tokens (BOS), ids are taken as they are
+    when the model takes them."""
     if isinstance(prompt, str):
         return [text_prompt(prompt, tokenizer, max_model_len, add_special_tokens)]
     if not prompt:
         raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(p, int) for p in prompt):
-        return [token_prompt([int(t) for t in prompt], tokenizer)]  # type: ignore[arg-type]
+        return [token_prompt([int(t) for t in prompt], vocabulary)]  # type: ignore[arg-type]
     if len(prompt) > MAX_PROMPTS:  # a list of ids is one prompt, handled above
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     if all(isinstance(p, str) for p in prompt):
         texts: list[str] = prompt  # type: ignore[assignment]
         return [text_prompt(t, tokenizer, max_model_len, add_special_tokens) for t in texts]
     if all(isinstance(p, list) for p in prompt):
-        return [token_prompt(p, tokenizer) for p in prompt]  # type: ignore[arg-type]
+        return [token_prompt(p, vocabulary) for p in prompt]  # type: ignore[arg-type]
     raise bad_request(
         "prompt must be a string, a list of strings, a list of token ids or a list of lists of "
         "token ids",
@@ -90,83 +90,15 @@ def text_prompt(
     return Prompt(ids, text)
 
 
-def token_prompt(ids: list[int], tokenizer: Any) -> Prompt:
+def token_prompt(ids: list[int], vocabulary: Vocabulary) -> Prompt:
     if not ids:
         raise bad_request("prompt must not be empty", param="prompt")
-    vocab_size = len(tokenizer)
-    if max(ids) >= vocab_size:
-        raise bad_request(
-            f"token id {max(ids)} is out of range (vocab size {vocab_size})", param="prompt"
-        )
+    if invalid := vocabulary.invalid_prompt_id(ids):
+        raise bad_request(invalid, param="prompt")
     return Prompt(ids)
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template takes them: text parts joined, a ``name`` kept, an
-    assistant's ``tool_calls`` with their arguments as objects (vLLM's: templates write them
-    with ``tojson``) and a tool message's ``tool_call_id``."""
-    if not messages:
-        raise bad_request("messages must not be empty", param="messages")
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        if message.role not in CHAT_ROLES:
-            raise bad_request(f"unknown message role {message.role!r}", param="messages")
-        rendered: dict[str, Any] = {"role": message.role, "content": message_text(message)}
-        if message.name is not None:
-            rendered["name"] = message.name
-        if message.tool_calls:
-            rendered["tool_calls"] = [template_tool_call(call) for call in message.tool_calls]
-        if message.tool_call_id is not None:
-            rendered["tool_call_id"] = message.tool_call_id
-        out.append(rendered)
-    return out
-
-
-def template_tool_call(call: MessageToolCall) -> dict[str, Any]:
-    arguments: Any = call.function.arguments
-    with contextlib.suppress(ValueError):  # else left as the text it is
-        arguments = json.loads(arguments)
-    function = {"name": call.function.name, "arguments": arguments}
-    return {"id": call.id, "type": call.type, "function": function}
-
-
-def message_text(message: ChatMessage) -> str:
-    content = message.content
-    if content is None or isinstance(content, str):
-        return content or ""
-    texts: list[str] = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise bad_request("only text content parts are supported", param="messages")
-        texts.append(part.text)
-    return "".join(texts)
-
-
-def chat_prompt(
-    engine: Any, request: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None
-) -> Prompt:
-    """Render the chat template (with ``tools``, when given, as transformers passes them); a
-    template that fails on these messages is a 400."""
-    messages = chat_messages(request.messages)
-    text = "".join(m["content"] for m in messages)
-    check_text_length(text, engine.max_model_len, "messages")
-    extra = {"tools": tools} if tools else {}
-    try:
-        ids = list(
-            engine.encode_chat(
-                messages,
-                add_generation_prompt=request.add_generation_prompt,
-                add_special_tokens=request.add_special_tokens,
-                **extra,
-            )
-        )
-    except ApiError:
-        raise
-    except Exception as error:  # the template is user-driven code: any failure is the input's
-        raise bad_request(f"cannot apply the chat template: {error}", param="messages") from None
-    if not ids:
-        raise bad_request("messages render to an empty prompt", param="messages")
-    return Prompt(ids)
+NO_GENERATION_DEFAULTS = GenerationDefaults()
 
 
 def resolve_max_tokens(
@@ -176,10 +108,23 @@ def resolve_max_tokens(
     param: str,
     *,
     max_tokens_param: str | None = None,
+    defaults: GenerationDefaults = NO_GENERATION_DEFAULTS,
 ) -> int:
-    """Tokens the request may generate: all the room left when unset. A requested number
-    beyond the room is a 400 naming ``max_tokens_param`` (vLLM's and OpenAI's answer), or is
-    fitted to the room when that is None (shoal's NATS API)."""
+    """Tokens the request may generate: all the room left when unset (or the generation
+    config's ``max_new_tokens``, when less: ``defaults``). A requested number beyond the room
+    is a 400 naming ``max_tokens_param`` (vLLM's and OpenAI's answer), or is fitted to the room
+    when that is None (shoal's NATS API)."""
+    resolved = _fit_max_tokens(requested, prompt_len, max_model_len, param, max_tokens_param)
+    return defaults.bound_max_tokens(requested, resolved)
+
+
+def _fit_max_tokens(
+    requested: int | None,
+    prompt_len: int,
+    max_model_len: int,
+    param: str,
+    max_tokens_param: str | None,
+) -> int:
     if prompt_len >= max_model_len:
         raise ApiError(
             400,
@@ -293,10 +238,13 @@ def sampling_params(
     output_kind: OutputKind = OutputKind.DELTA,
     rename: dict[str, str] | None = None,
     vocab_size: int | None = None,
+    defaults: GenerationDefaults = NO_GENERATION_DEFAULTS,
 ) -> SamplingParams:
-    """The engine's sampling parameters; unset (None) fields keep SamplingParams' defaults.
+    """The engine's sampling parameters; unset (None) fields take the generation config's
+    ``defaults``, else SamplingParams' defaults.
 
-    A ``top_k`` of at least the vocabulary size is the same as no top-k: it becomes 0 (off).
+    A ``top_k`` of at least the vocabulary size (the model's) is the same as no top-k: it
+    becomes 0 (off).
     """
     optional = {
         "temperature": request.temperature,
@@ -307,7 +255,7 @@ def sampling_params(
         "frequency_penalty": request.frequency_penalty,
         "repetition_penalty": request.repetition_penalty,
     }
-    kwargs: dict[str, Any] = {name: v for name, v in optional.items() if v is not None}
+    kwargs = defaults.under({name: v for name, v in optional.items() if v is not None})
     if vocab_size is not None and kwargs.get("top_k", 0) >= vocab_size:
         kwargs["top_k"] = 0
     kwargs["kv_load_tiers"] = kv_load_tiers(request.kv_transfer_params)

@@ -142,22 +142,32 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     echo: bool | None = None
-    add_generation_prompt: bool = True
     add_special_tokens: bool = False  # vLLM's default for chat: the template supplies any BOS
+    # vLLM's chat-template fields (``gateway.chat_prompt``).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # leave the last (assistant) message open
+    chat_template: str | None = None  # needs --trust-request-chat-template
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    documents: list[dict[str, str]] | None = None  # for retrieval-augmented templates
     tools: list[ChatTool] | None = None
     tool_choice: str | NamedToolChoice | None = None  # none, auto, required or a function
     parallel_tool_calls: bool | None = None  # False: required makes one call (auto: as written)
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """``/tokenize``: either ``prompt`` (completion form) or ``messages`` (chat form)."""
+    """``/tokenize``: either ``prompt`` (completion form) or ``messages`` (chat form, rendered
+    as chat completions render it)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
     return_token_strs: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -41,6 +41,7 @@ class ServingContext:
     metrics: Metrics
     sse_keep_alive_s: float | None = DEFAULT_SSE_KEEP_ALIVE_S  # None or 0: no keep-alive
     tool_calling: ToolCallingOptions = field(default_factory=ToolCallingOptions)
+    trust_request_chat_template: bool = False  # a request may bring its own chat template
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

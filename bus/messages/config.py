@@ -41,6 +41,8 @@ BUS_KINDS = ("nats", "memory")
 ROUTING_MODES = ("kv", "load")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # gateway.tool_parsers has each
 MAX_BLOCK_SIZE = 128
+GENERATION_CONFIG_AUTO = "auto"  # the model's generation_config.json (vLLM's default)
+GENERATION_CONFIG_NONE = "vllm"  # no defaults from any generation_config.json (vLLM's spelling)
 NUM_UBATCHES = 2  # micro-batches of a DBO step
 
 
@@ -56,6 +58,14 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     # Tool calling (the gateway's): parse calls out of the output when tool_choice is "auto".
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
+    # The chat template's text (vLLM's --chat-template; the launcher reads a file path into it),
+    # used instead of the tokenizer's own. None: the tokenizer's.
+    chat_template: str | None = None
+    # Whether a request may bring its own chat template (vLLM's --trust-request-chat-template).
+    trust_request_chat_template: bool = False
+    # Default sampling parameters (vLLM's --generation-config): "auto" (the model directory's
+    # generation_config.json), "vllm" (none), or a directory holding a generation_config.json.
+    generation_config: str = GENERATION_CONFIG_AUTO
 
     def __post_init__(self) -> None:
         _one_of(self.dtype, DTYPES, "dtype")
@@ -68,6 +78,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         )
         _positive(self, "max_model_len")
         _require(self.seed >= 0, "seed", f"must be non-negative, got {self.seed}")
+        _require(
+            bool(self.generation_config),
+            "generation_config",
+            f"must be {GENERATION_CONFIG_AUTO}, {GENERATION_CONFIG_NONE} or a directory",
+        )
 
     @property
     def name(self) -> str:

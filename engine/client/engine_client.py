@@ -42,9 +42,11 @@ from shoal.bus.messages.engine import (
 )
 from shoal.bus.messages.sampling import SamplingParams, out_of_vocab
 from shoal.bus.subjects import Subjects
+from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_faults import EngineFaults
 from shoal.engine.client.fault_tolerance import FaultTolerance
+from shoal.engine.client.generation_defaults import GenerationDefaults, read_generation_defaults
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
 from shoal.engine.client.model_info import read_max_model_len
 from shoal.engine.client.output_processor import ChildRequest, OutputProcessor, ResumeRequest
@@ -55,6 +57,7 @@ from shoal.engine.client.resumption import Resumptions
 from shoal.engine.client.router import EngineRouter
 from shoal.engine.client.structured import check_structured_outputs
 from shoal.engine.client.tokenizer import Tokenizer
+from shoal.engine.client.vocabulary import Vocabulary, read_vocabulary
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +81,7 @@ class AsyncEngineClient:
         self.bus = bus
         model = config.model_config
         self.model_dir = model.model
+        self.model_config = model
         self.subjects = Subjects(config.bus_config.namespace)
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self._model_name = model.name
@@ -95,6 +99,8 @@ class AsyncEngineClient:
         self.fault_tolerance = FaultTolerance(bus, self.subjects, self.router)
         self.stats_listeners: list[StatsListener] = []
         self._tokenizer: Tokenizer | None = None
+        self._vocabulary: Vocabulary | None = None
+        self._generation_defaults = GenerationDefaults()
         self._processor: OutputProcessor | None = None
         self.placements = RequestPlacements()
         self._subs: list[Subscription] = []
@@ -109,11 +115,10 @@ class AsyncEngineClient:
     # ----- lifecycle
 
     async def start(self) -> AsyncEngineClient:
-        loop = asyncio.get_running_loop()
-        self._tokenizer = await loop.run_in_executor(
-            None, Tokenizer.from_pretrained, self.model_dir
+        await asyncio.get_running_loop().run_in_executor(None, self._read_model)
+        self._processor = OutputProcessor(
+            self.require_tokenizer(), resume_on_fault=self.resumptions.enabled
         )
-        self._processor = OutputProcessor(self._tokenizer, resume_on_fault=self.resumptions.enabled)
         if not self.bus.is_connected:
             await self.bus.connect()
         s = self.subjects
@@ -132,6 +137,22 @@ class AsyncEngineClient:
         await self.bus.flush()
         self._watchdog = asyncio.create_task(self._faults.watch())
         return self
+
+    def _read_model(self) -> None:
+        """The tokenizer (with the served chat template), the vocabulary and the generation
+        defaults, from the model directory; the defaults logged as vLLM does."""
+        model, model_dir = self.model_config, Path(self.model_dir)
+        tokenizer = Tokenizer.from_pretrained(model_dir, chat_template=model.chat_template)
+        self._vocabulary = read_vocabulary(tokenizer, model_dir)
+        defaults = read_generation_defaults(model_dir, model.generation_config)
+        if defaults:
+            log.warning(
+                "Default sampling parameters have been overridden by the model's generation "
+                "config (%s): %s. If this is not intended, start with --generation-config vllm.",
+                model.generation_config,
+                defaults.describe(),
+            )
+        self._generation_defaults, self._tokenizer = defaults, tokenizer
 
     async def close(self) -> None:
         if self._stop_listening is not None:
@@ -176,6 +197,16 @@ class AsyncEngineClient:
     def tokenizer(self) -> Any:
         return self.require_tokenizer().hf
 
+    @property
+    def vocabulary(self) -> Vocabulary:
+        if self._vocabulary is None:
+            raise RuntimeError("engine client not started")
+        return self._vocabulary
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        return self._generation_defaults
+
     def require_tokenizer(self) -> Tokenizer:
         if self._tokenizer is None:
             raise RuntimeError("engine client not started")
@@ -187,20 +218,12 @@ class AsyncEngineClient:
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        chat_template: str | None = None,
+        options: ChatOptions | None = None,
         *,
         add_special_tokens: bool = False,
-        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         tokenizer = self.require_tokenizer()
-        return tokenizer.encode_chat(
-            messages,
-            add_generation_prompt,
-            chat_template,
-            add_special_tokens=add_special_tokens,
-            tools=tools,
-        )
+        return tokenizer.encode_chat(messages, options, add_special_tokens=add_special_tokens)
 
     async def generate(
         self,
@@ -232,7 +255,7 @@ class AsyncEngineClient:
         """Send a request to an engine core; its outputs arrive in the returned collector."""
         processor = self.require_processor()
         prompt_text, prompt_ids = self._tokenize(prompt)
-        if invalid := out_of_vocab(params, self.require_tokenizer().vocab_size):
+        if invalid := out_of_vocab(params, self.vocabulary.model_vocab_size):
             raise RequestValidationError(invalid[1], invalid[0])
         if request_id in self.placements:
             raise RequestValidationError(f"request id {request_id!r} is already in flight")
@@ -298,7 +321,7 @@ class AsyncEngineClient:
             text: str | None = prompt
         else:
             prompt_ids, text = list(prompt), None
-            if invalid := self.require_tokenizer().invalid_token_id(prompt_ids):
+            if invalid := self.vocabulary.invalid_prompt_id(prompt_ids):
                 raise RequestValidationError(invalid, "prompt")
         if not prompt_ids:
             raise RequestValidationError("the prompt must not be empty", "prompt")

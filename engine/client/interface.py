@@ -7,12 +7,17 @@ with a fake. Nothing here talks to the bus itself.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shoal.bus.messages.fault import FaultToleranceRequest, FaultToleranceResult
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.fault_tolerance import FtStatus
 from shoal.engine.client.outputs import RequestOutput
+
+if TYPE_CHECKING:  # they raise this module's errors
+    from shoal.engine.client.chat_options import ChatOptions
+    from shoal.engine.client.generation_defaults import GenerationDefaults
+    from shoal.engine.client.vocabulary import Vocabulary
 
 
 class EngineUnavailableError(RuntimeError):
@@ -56,6 +61,16 @@ class EngineClientInterface(Protocol):
         """A ``transformers`` tokenizer (encode, decode, apply_chat_template)."""
         ...
 
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The token ids the model takes in a prompt and samples."""
+        ...
+
+    @property
+    def generation_defaults(self) -> GenerationDefaults:
+        """The sampling defaults of requests that leave fields unset (``--generation-config``)."""
+        ...
+
     def is_ready(self) -> bool:
         """True while at least one engine core is ready to take requests."""
         ...
@@ -80,13 +95,13 @@ class EngineClientInterface(Protocol):
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
         *,
         add_special_tokens: bool = False,
-        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Apply the model's chat template (given ``tools``: OpenAI's function dicts, as
-        transformers' ``apply_chat_template(tools=...)`` takes them) and tokenize (with the
-        tokenizer's special tokens only if ``add_special_tokens``: the template supplies any
-        BOS itself)."""
+        """Apply the chat template (the request's, else the served one) with ``options`` (vLLM's
+        chat fields and the request's tools) and tokenize (with the tokenizer's special tokens
+        only if ``add_special_tokens``: the template supplies any BOS itself). A refused option
+        or a model without a template: ``RequestValidationError``; a template that fails on
+        these messages raises what the template raised."""
         ...

@@ -18,11 +18,20 @@ def read_model_config(model_dir: Path) -> dict[str, object]:
     return config
 
 
-def read_max_model_len(model_dir: Path) -> int:
-    """The model's context length (``max_position_embeddings``), or a default."""
+def read_text_config(model_dir: Path) -> dict[str, object]:
+    """The language model's part of ``config.json`` (its ``text_config`` where it has one)."""
     config = read_model_config(model_dir)
     text_config = config.get("text_config")
-    if isinstance(text_config, dict):
-        config = text_config
-    value = config.get("max_position_embeddings")
+    return text_config if isinstance(text_config, dict) else config
+
+
+def read_max_model_len(model_dir: Path) -> int:
+    """The model's context length (``max_position_embeddings``), or a default."""
+    value = read_text_config(model_dir).get("max_position_embeddings")
     return int(value) if isinstance(value, int) and value > 0 else DEFAULT_MAX_MODEL_LEN
+
+
+def read_vocab_size(model_dir: Path) -> int | None:
+    """The rows of the model's embedding and columns of its logits (``vocab_size``), if given."""
+    value = read_text_config(model_dir).get("vocab_size")
+    return value if isinstance(value, int) and value > 0 else None

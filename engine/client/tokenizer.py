@@ -1,10 +1,11 @@
 """The engine client's tokenizer: a local HF tokenizer directory, loaded offline.
 
 Owns encoding, decoding, the end-of-sequence ids (``generation_config.json`` plus the tokenizer's
-own ``eos_token_id``), chat templating and the tokenizer's configuration as served by
-``/tokenizer_info`` (``tokenizer_config``). A model without a chat template gets a clear
-``MissingChatTemplateError`` unless a template is passed in (``FALLBACK_CHAT_TEMPLATE`` is a plain
-role-tagged one that callers may opt into).
+own ``eos_token_id``), chat templating (with ``chat_options.ChatOptions``; a served template,
+vLLM's ``--chat-template``, replaces the tokenizer's own) and the tokenizer's configuration as
+served by ``/tokenizer_info`` (``tokenizer_config``). A model without a chat template gets
+vLLM's ``MissingChatTemplateError`` (a 400) unless a template is passed in
+(``FALLBACK_CHAT_TEMPLATE`` is a plain role-tagged one that callers may opt into).
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from shoal.engine.client.chat_options import ChatOptions, check_chat_options
+from shoal.engine.client.interface import RequestValidationError
 
 # A minimal template for models that ship none; used only when a caller opts in.
 FALLBACK_CHAT_TEMPLATE = (
@@ -23,8 +27,18 @@ FALLBACK_CHAT_TEMPLATE = (
 )
 
 
-class MissingChatTemplateError(ValueError):
-    """The model's tokenizer config has no chat template and none was given."""
+# vLLM's answer (a 400) to a chat request for a model without a chat template.
+MISSING_CHAT_TEMPLATE = (
+    "As of transformers v4.44, default chat template is no longer allowed, so you must provide "
+    "a chat template if the tokenizer does not define one."
+)
+
+
+class MissingChatTemplateError(RequestValidationError):
+    """The model's tokenizer has no chat template, none is served and the request gave none."""
+
+    def __init__(self) -> None:
+        super().__init__(MISSING_CHAT_TEMPLATE, "chat_template")
 
 
 class Tokenizer:
@@ -39,36 +53,25 @@ class Tokenizer:
         self._single_token_text: dict[int, str] = {}
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, **kwargs: Any) -> Tokenizer:
-        """Load from a local model directory (never the network)."""
+    def from_pretrained(
+        cls, model_dir: str | Path, *, chat_template: str | None = None, **kwargs: Any
+    ) -> Tokenizer:
+        """Load from a local model directory (never the network); ``chat_template`` (the
+        served one) replaces the tokenizer's own."""
         from transformers import AutoTokenizer
 
         path = Path(model_dir)
         if not path.is_dir():
             raise FileNotFoundError(f"model directory not found: {path}")
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+        if chat_template is not None:
+            hf.chat_template = chat_template
         return cls(hf, eos_token_ids=read_generation_eos_ids(path))
 
     @property
     def backend(self) -> Any | None:
         """The Rust ``tokenizers.Tokenizer`` behind a fast tokenizer, else None."""
         return getattr(self.hf, "backend_tokenizer", None)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self.hf)
-
-    def invalid_token_id(self, token_ids: Sequence[int]) -> str | None:
-        """Why ``token_ids`` cannot be a prompt of this vocabulary (an id below 0 or from the
-        vocabulary size up: the wire or the model's embedding would fail on it), or None."""
-        if not token_ids:
-            return None
-        low, high = min(token_ids), max(token_ids)
-        if low < 0:
-            return f"token id {low} is negative"
-        if high >= self.vocab_size:
-            return f"token id {high} is out of range (vocabulary size {self.vocab_size})"
-        return None
 
     @property
     def has_chat_template(self) -> bool:
@@ -89,42 +92,28 @@ class Tokenizer:
         return text
 
     def apply_chat_template(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        chat_template: str | None = None,
-        **kwargs: Any,
+        self, messages: list[dict[str, Any]], options: ChatOptions | None = None
     ) -> str:
-        """Render ``messages`` with the model's (or the given) chat template."""
-        if chat_template is None and not self.has_chat_template:
-            raise MissingChatTemplateError(
-                "this model's tokenizer has no chat template; pass chat_template= "
-                "(shoal.engine.client.tokenizer.FALLBACK_CHAT_TEMPLATE is a plain one) or use a "
-                "completion prompt instead"
-            )
+        """Render ``messages`` with the request's template, else the served or tokenizer's."""
+        options = options or ChatOptions()
+        check_chat_options(options, messages)
+        if options.chat_template is None and not self.has_chat_template:
+            raise MissingChatTemplateError()
         rendered = self.hf.apply_chat_template(
-            messages,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **kwargs,
+            messages, chat_template=options.chat_template, tokenize=False, **options.render_kwargs()
         )
         return str(rendered)
 
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        chat_template: str | None = None,
+        options: ChatOptions | None = None,
         *,
         add_special_tokens: bool = False,
-        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Apply the chat template (given ``tools``, OpenAI's function dicts, as transformers
-        passes them) and tokenize. The template supplies any BOS itself, so the tokenizer's
-        special tokens are added only when asked (vLLM's chat default: not)."""
-        extra = {"tools": tools} if tools else {}
-        text = self.apply_chat_template(messages, add_generation_prompt, chat_template, **extra)
+        """Apply the chat template and tokenize. The template supplies any BOS itself, so the
+        tokenizer's special tokens are added only when asked (vLLM's chat default: not)."""
+        text = self.apply_chat_template(messages, options)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
 

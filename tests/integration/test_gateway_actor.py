@@ -122,3 +122,43 @@ async def test_actor_takes_stats_from_the_engine_client_when_it_reports_them() -
     finally:
         await actor.stop()
     assert engine.stats_listeners == []  # a stopped gateway no longer listens to a shared client
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+async def test_the_deployments_trust_in_request_chat_templates_reaches_http_and_nats(
+    trusted: bool,
+) -> None:
+    """``--trust-request-chat-template`` (off by default, as in vLLM) decides for both APIs
+    whether a request may bring its own chat template."""
+    broker = InMemoryBroker()
+    bus, client_bus = InMemoryBus(broker), InMemoryBus(broker)
+    await client_bus.connect()
+    config = ShoalConfig.from_options(
+        model="fake", namespace="trusttest", trust_request_chat_template=trusted
+    )
+    actor = GatewayActor(
+        bus, "gw-0", config=config,
+        engine_factory="tests.unit.test_gateway_fake:make_fake_engine", port=0,
+    )  # fmt: skip
+    await actor.start()
+    chat = {
+        "messages": [{"role": "user", "content": "the fox"}],
+        "chat_template": "{{ messages[0]['content'] }}",
+        "max_tokens": 2,
+    }
+    try:
+        assert actor.http is not None
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(actor.http.url + "/v1/chat/completions", json=chat) as response,
+        ):
+            assert response.status == (200 if trusted else 400), await response.text()
+        nats = {k: v for k, v in chat.items() if k != "max_tokens"}
+        nats["sampling_params"] = {"max_tokens": 2}
+        reply = await client_bus.request(
+            actor.subjects.api_generate(), msgspec.json.encode(nats), timeout=10
+        )
+        assert msgspec.json.decode(reply.data)["type"] == ("result" if trusted else "error")
+    finally:
+        await actor.stop()
+        await client_bus.close()

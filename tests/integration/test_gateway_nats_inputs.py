@@ -86,3 +86,46 @@ async def test_logit_bias_and_allowed_token_ids_reach_the_engine(served, packed:
         answer = json.loads(reply.data)
         assert answer["type"] == "error" and answer["status"] == 400, answer
         assert answer["error"]["param"] == field and str(vocab) in answer["error"]["message"]
+
+
+OWN_TEMPLATE = (  # a request's own template, showing every chat-template field
+    "{% for d in documents or [] %}[{{ d['title'] }}]{% endfor %}"
+    "{% if mood is defined %}({{ mood }}){% endif %}"
+    "{% for m in messages %}{{ m['role'] }}={{ m['content'] }};{% endfor %}"
+    "{% if add_generation_prompt %}assistant={% endif %}"
+)
+
+
+async def _error(bus: InMemoryBus, api: NatsApi, request: dict[str, Any]) -> Any:
+    payload = json.dumps(request).encode()
+    reply = await bus.request(api.subjects.api_generate(), payload, timeout=TIMEOUT)
+    answer = json.loads(reply.data)
+    assert answer["type"] == "error" and answer["status"] == 400, answer
+    return answer["error"]
+
+
+async def test_chat_template_fields_reach_the_prompt(served) -> None:  # type: ignore[no-untyped-def]
+    bus, api, engine = served
+    prefilled = [USER, {"role": "assistant", "content": "jumps"}]
+    params = {"max_tokens": 1}
+    untrusted = {"messages": [USER], "sampling_params": params, "chat_template": OWN_TEMPLATE}
+    assert (await _error(bus, api, untrusted))["param"] == "chat_template"
+    api.trust_request_chat_template = True  # --trust-request-chat-template
+    for fields, expected in (
+        ({}, "user=the quick brown fox;assistant="),
+        ({"add_generation_prompt": False}, "user=the quick brown fox;"),
+        ({"chat_template_kwargs": {"mood": "calm"}}, "(calm)user=the quick brown fox;assistant="),
+        ({"documents": [{"title": "t", "text": "x"}]}, "[t]user=the quick brown fox;assistant="),
+    ):
+        await _ask(bus, api, {**untrusted, **fields}, False)
+        assert engine.tokenizer.decode(engine.requests[-1][1]) == expected, fields
+    continued = {"messages": prefilled, "sampling_params": params, "continue_final_message": True}
+    await _ask(bus, api, {**continued, "add_generation_prompt": False}, False)
+    prompt = engine.tokenizer.decode(engine.requests[-1][1], skip_special_tokens=False)
+    assert prompt.endswith("<|assistant|>jumps")  # the model's template, left open
+    refusals = {
+        "continue_final_message": {**continued},  # add_generation_prompt is true by default
+        "chat_template_kwargs": {**untrusted, "chat_template_kwargs": {"tokenize": True}},
+    }
+    for param, request in refusals.items():
+        assert (await _error(bus, api, request))["param"] == param

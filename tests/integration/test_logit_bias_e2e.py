@@ -86,7 +86,7 @@ async def test_ids_out_of_the_vocabulary_are_a_clean_error(bus_factory, tiny_che
     model_dir = tiny_checkpoint("llama")
     bus = await bus_factory()
     async with engine_stack(bus, model_dir) as stack:
-        vocab = stack.client.require_tokenizer().vocab_size
+        vocab = stack.client.vocabulary.model_vocab_size
         for field, extra in (
             ("logit_bias", {"logit_bias": {vocab: 1.0}}),
             ("allowed_token_ids", {"allowed_token_ids": [1, vocab + 5]}),

@@ -18,6 +18,7 @@ import jsonschema
 import openai
 import pytest
 
+from shoal.engine.client.chat_options import ChatOptions
 from shoal.gateway.tools import ToolCallingOptions
 from tests.integration.served_stack import served_stack, with_chat_template
 
@@ -142,7 +143,7 @@ async def test_none_renders_tools_and_answers_plain_content(model_dir) -> None: 
         assert choice.message.content and not choice.message.tool_calls
         assert choice.finish_reason == "length"
         encode = served.stack.client.encode_chat
-        with_tools = encode(MESSAGES, tools=TOOLS)
+        with_tools = encode(MESSAGES, ChatOptions(tools=TOOLS))
         assert answer.usage.prompt_tokens == len(with_tools) > len(encode(MESSAGES))
         call = {"id": "c1", "type": "function"}
         call["function"] = {"name": "get_time", "arguments": '{"zone": "UTC"}'}
@@ -161,7 +162,7 @@ async def test_none_renders_tools_and_answers_plain_content(model_dir) -> None: 
             ]},
             {"role": "tool", "content": "noon", "tool_call_id": "c1"},
         ]  # fmt: skip
-        assert follow_up.usage.prompt_tokens == len(encode(rendered, tools=TOOLS))
+        assert follow_up.usage.prompt_tokens == len(encode(rendered, ChatOptions(tools=TOOLS)))
         await served.wait_until_idle()
 
 

@@ -5,6 +5,7 @@ option, and an actor process gets it back typed."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgspec
@@ -22,6 +23,8 @@ from shoal.bus.messages.config import (
 )
 from shoal.bus.run_actor import build_actor
 from shoal.deploy.arguments import KV_OFFLOAD_FLAGS, add_engine_arguments, config_from_namespace
+from shoal.deploy.deployment import build_config
+from shoal.deploy.model_files import load_chat_template
 
 
 def test_option_names_are_unique_across_groups() -> None:
@@ -258,3 +261,35 @@ def test_tool_calling_flags_as_vllm_spells_them() -> None:
         ShoalConfig.from_options(model="/m", tool_call_parser="pythonic")
     with pytest.raises(SystemExit):
         parser.parse_args(["--tool-call-parser", "pythonic"])
+
+
+def test_chat_template_and_generation_config_flags_as_vllm_spells_them(tmp_path: Path) -> None:
+    model = config_from_namespace(_parse(), str(tmp_path)).model_config
+    assert model.chat_template is None and model.trust_request_chat_template is False
+    assert model.generation_config == "auto"  # vLLM's default
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages }}")
+    for value in (str(template), "{{ messages }}"):
+        config = config_from_namespace(_parse("--chat-template", value), str(tmp_path))
+        assert config.model_config.chat_template == "{{ messages }}"  # the template's text
+    offline = build_config(model=str(tmp_path), chat_template=str(template))  # LLM(...)'s way
+    assert offline.model_config.chat_template == "{{ messages }}"
+    ns = _parse("--trust-request-chat-template", "--generation-config", str(tmp_path))
+    model = config_from_namespace(ns, str(tmp_path)).model_config
+    assert model.trust_request_chat_template and model.generation_config == str(tmp_path)
+    assert config_from_namespace(_parse("--generation-config", "vllm"), str(tmp_path))
+    with pytest.raises(ValueError, match="generation_config: directory not found"):
+        config_from_namespace(_parse("--generation-config", str(tmp_path / "no")), str(tmp_path))
+
+
+def test_a_chat_template_value_is_a_file_or_the_template_itself(tmp_path: Path) -> None:
+    """vLLM's rule: a value that opens no file is the template, unless it has none of a
+    template's characters (then it is a path that failed, named in the error)."""
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages }}")
+    assert load_chat_template(str(path)) == "{{ messages }}"
+    assert load_chat_template("{{ messages }}") == "{{ messages }}"
+    assert load_chat_template("line one\nline two") == "line one\nline two"
+    for looks_like_a_path in ("t.jinja", str(tmp_path / "nothing"), str(tmp_path)):
+        with pytest.raises(ValueError, match=r"looks like a file path, but it failed to be opened"):
+            load_chat_template(looks_like_a_path)

@@ -68,7 +68,7 @@ def test_engine_tokenizer_reads_eos_and_chat_template(tiny_model: Path) -> None:
 def test_missing_chat_template_is_a_clear_error(tiny_model: Path, tmp_path: Path) -> None:
     tokenizer = Tokenizer.from_pretrained(tiny_model)
     tokenizer.hf.chat_template = None
-    with pytest.raises(MissingChatTemplateError, match="no chat template"):
+    with pytest.raises(MissingChatTemplateError, match="must provide a chat template"):
         tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(FileNotFoundError):
         Tokenizer.from_pretrained(tmp_path / "absent")

@@ -65,8 +65,8 @@ def test_random_token_ids_join_to_the_full_decode(
     """Arbitrary ids (invalid byte runs, special tokens) still reproduce decode() exactly."""
     rng = random.Random(1)
     for _ in range(150):
-        ids = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(1, 10))]
-        prompt = [rng.randrange(tokenizer.vocab_size) for _ in range(rng.randint(0, 6))]
+        ids = [rng.randrange(len(tokenizer.hf)) for _ in range(rng.randint(1, 10))]
+        prompt = [rng.randrange(len(tokenizer.hf)) for _ in range(rng.randint(0, 6))]
         pieces = stream(detok_cls, tokenizer, prompt, ids, skip=skip)
         assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=skip), ids
 

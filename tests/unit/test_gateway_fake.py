@@ -24,8 +24,12 @@ from typing import Any
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.engine.client.chat_options import ChatOptions
+from shoal.engine.client.generation_defaults import GenerationDefaults
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
 from shoal.engine.client.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from shoal.engine.client.tokenizer import Tokenizer
+from shoal.engine.client.vocabulary import Vocabulary
 
 MODEL_NAME = "fake-model"
 CORPUS = [
@@ -107,6 +111,8 @@ class FakeEngineClient:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.tokenizer = fake_tokenizer()
+        self.vocabulary = Vocabulary(len(self.tokenizer) - 1, len(self.tokenizer))
+        self.generation_defaults = GenerationDefaults()
         self.token_delay = token_delay
         self.eos_after = eos_after
         self.max_in_flight = max_in_flight
@@ -125,14 +131,12 @@ class FakeEngineClient:
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
+        options: ChatOptions | None = None,
         *,
         add_special_tokens: bool = False,
     ) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        tokenizer = Tokenizer(self.tokenizer)
+        return tokenizer.encode_chat(messages, options, add_special_tokens=add_special_tokens)
 
     async def abort(self, request_id: str) -> None:
         if request_id in self.in_flight and request_id not in self.aborted:

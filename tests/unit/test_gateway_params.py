@@ -12,9 +12,10 @@ import pytest
 
 from shoal.bus.messages.sampling import OutputKind
 from shoal.bus.messages.structured import StructuredOutputsParams as SOP
+from shoal.engine.client.vocabulary import Vocabulary
+from shoal.gateway.chat_prompt import chat_messages
 from shoal.gateway.errors import ApiError, from_decode_error
 from shoal.gateway.params import (
-    chat_messages,
     check_unsupported,
     completion_prompts,
     resolve_max_tokens,
@@ -37,21 +38,27 @@ def _decode(body: bytes, kind: type) -> Any:
         raise from_decode_error(error) from None
 
 
+def fake_vocabulary() -> Vocabulary:
+    """The fake tokenizer's ids, in a model of as many."""
+    return Vocabulary(len(fake_tokenizer()) - 1, len(fake_tokenizer()))
+
+
 def test_prompt_forms() -> None:
-    tok = fake_tokenizer()
+    tok, vocab = fake_tokenizer(), fake_vocabulary()
     ids = tok.encode("the fox")
-    assert [p.token_ids for p in completion_prompts("the fox", tok)] == [ids]
-    assert completion_prompts("the fox", tok)[0].text == "the fox"
-    assert [p.token_ids for p in completion_prompts(ids, tok)] == [ids]
-    assert completion_prompts(ids, tok)[0].text is None
-    assert [p.text for p in completion_prompts(["a", "b"], tok)] == ["a", "b"]
-    assert [p.token_ids for p in completion_prompts([ids, ids[:1]], tok)] == [ids, ids[:1]]
+    assert [p.token_ids for p in completion_prompts("the fox", tok, vocab)] == [ids]
+    assert completion_prompts("the fox", tok, vocab)[0].text == "the fox"
+    assert [p.token_ids for p in completion_prompts(ids, tok, vocab)] == [ids]
+    assert completion_prompts(ids, tok, vocab)[0].text is None
+    assert [p.text for p in completion_prompts(["a", "b"], tok, vocab)] == ["a", "b"]
+    batch = completion_prompts([ids, ids[:1]], tok, vocab)
+    assert [p.token_ids for p in batch] == [ids, ids[:1]]
 
 
 @pytest.mark.parametrize("prompt", ["", [], [[]], ["a", 1], [[1], "a"], [10**6]])
 def test_bad_prompts_name_the_prompt(prompt: object) -> None:
     with pytest.raises(ApiError) as caught:
-        completion_prompts(prompt, fake_tokenizer())  # type: ignore[arg-type]
+        completion_prompts(prompt, fake_tokenizer(), fake_vocabulary())  # type: ignore[arg-type]
     assert caught.value.status == 400 and caught.value.param == "prompt"
 
 
@@ -331,10 +338,11 @@ def test_the_function_role_is_accepted_with_its_name() -> None:
 def test_add_special_tokens_both_ways() -> None:
     tokenizer = bos_tokenizer()
     bos, ids = tokenizer.bos_token_id, fake_tokenizer().encode("the fox")
-    with_bos = completion_prompts("the fox", tokenizer)
+    vocab = fake_vocabulary()
+    with_bos = completion_prompts("the fox", tokenizer, vocab)
     assert with_bos[0].token_ids == [bos, *ids]  # the completions default: True
-    batch = completion_prompts(["the fox", "a"], tokenizer, add_special_tokens=False)
+    batch = completion_prompts(["the fox", "a"], tokenizer, vocab, add_special_tokens=False)
     assert batch[0].token_ids == ids
-    assert completion_prompts([ids], tokenizer, add_special_tokens=True)[0].token_ids == ids
+    assert completion_prompts([ids], tokenizer, vocab, add_special_tokens=True)[0].token_ids == ids
     assert _decode(b'{"prompt": "x"}', CompletionRequest).add_special_tokens is True
     assert _decode(b'{"messages": []}', ChatCompletionRequest).add_special_tokens is False
