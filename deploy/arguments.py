@@ -181,6 +181,13 @@ def _add_model_arguments(g: Group) -> None:
     )
     _option(
         g,
+        "--tokenizer",
+        dest="tokenizer",
+        help="the tokenizer to use instead of the model's: a Hugging Face directory, or a GGUF "
+        "file (or a built-in model) whose tokenizer to take",
+    )
+    _option(
+        g,
         "--chat-template",
         dest="chat_template",
         help="the chat template, instead of the tokenizer's: a file, or the template itself "

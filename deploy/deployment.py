@@ -54,17 +54,23 @@ def build_config(**options: Any) -> ShoalConfig:
     options["model"] = source.directory
     if options.get("served_model_name") is None and source.served_name is not None:
         options["served_model_name"] = source.served_name
+    if options.get("tokenizer") is not None:
+        options["tokenizer"] = _resolved_directory(options["tokenizer"], "tokenizer")
     config = ShoalConfig.from_options(**options)
     draft = config.speculative_config.speculative_model
-    if draft is None:
-        return with_model_files(config)
-    try:
-        draft_dir = resolve_model(draft).directory
-    except ModelNotFoundError as exc:
-        raise ValueError(f"speculative_config.model: draft {exc}") from None
-    if draft_dir != draft:
-        config = config.replace(speculative_model=draft_dir)
+    if draft is not None:
+        draft_dir = _resolved_directory(draft, "speculative_config.model")
+        config = config if draft_dir == draft else config.replace(speculative_model=draft_dir)
     return with_model_files(config)
+
+
+def _resolved_directory(model: str, what: str) -> str:
+    """The directory a secondary model argument (a tokenizer, a draft) resolves to: a GGUF
+    file's view, a built-in model's directory, or a directory as it is."""
+    try:
+        return resolve_model(model).directory
+    except ModelNotFoundError as exc:
+        raise ValueError(f"{what}: {exc}") from None
 
 
 def engine_id(dp_rank: int) -> str:

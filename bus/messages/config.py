@@ -58,6 +58,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     # Tool calling (the gateway's): parse calls out of the output when tool_choice is "auto".
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
+    # A Hugging Face tokenizer directory used instead of the model's (vLLM's --tokenizer).
+    tokenizer: str | None = None
     # The chat template's text (vLLM's --chat-template; the launcher reads a file path into it),
     # used instead of the tokenizer's own. None: the tokenizer's.
     chat_template: str | None = None

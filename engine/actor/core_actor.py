@@ -226,7 +226,9 @@ class EngineCoreActor(FaultHandlingActor):
                 kv_transfer_config=self.config.kv_transfer_config,
                 speculative_config=self.config.speculative_config,
                 grammar_backend=XgrammarBackend(
-                    self.config.model_config.model, infos[0].vocab_size, infos[0].eos_token_ids
+                    self.config.model_config.tokenizer or self.config.model_config.model,
+                    infos[0].vocab_size,
+                    infos[0].eos_token_ids,
                 ),
             )
         self.num_blocks, self.max_model_len = num_blocks, max_model_len

@@ -142,7 +142,9 @@ class AsyncEngineClient:
         """The tokenizer (with the served chat template), the vocabulary and the generation
         defaults, from the model directory; the defaults logged as vLLM does."""
         model, model_dir = self.model_config, Path(self.model_dir)
-        tokenizer = Tokenizer.from_pretrained(model_dir, chat_template=model.chat_template)
+        tokenizer = Tokenizer.from_pretrained(
+            model_dir, tokenizer_dir=model.tokenizer, chat_template=model.chat_template
+        )
         self._vocabulary = read_vocabulary(tokenizer, model_dir)
         defaults = read_generation_defaults(model_dir, model.generation_config)
         if defaults:

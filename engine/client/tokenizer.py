@@ -54,16 +54,24 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(
-        cls, model_dir: str | Path, *, chat_template: str | None = None, **kwargs: Any
+        cls,
+        model_dir: str | Path,
+        *,
+        tokenizer_dir: str | Path | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
     ) -> Tokenizer:
-        """Load from a local model directory (never the network); ``chat_template`` (the
-        served one) replaces the tokenizer's own."""
+        """Load from a local model directory, or ``tokenizer_dir`` (never the network), with the
+        model's generation EOS ids; ``chat_template`` (the served one) replaces the tokenizer's
+        own."""
         from transformers import AutoTokenizer
 
         path = Path(model_dir)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model directory not found: {path}")
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
+        source = Path(tokenizer_dir) if tokenizer_dir is not None else path
+        for directory in (path, source):
+            if not directory.is_dir():
+                raise FileNotFoundError(f"model directory not found: {directory}")
+        hf = AutoTokenizer.from_pretrained(str(source), local_files_only=True, **kwargs)
         if chat_template is not None:
             hf.chat_template = chat_template
         return cls(hf, eos_token_ids=read_generation_eos_ids(path))
