@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shoal import LLM, SamplingParams
-from tests.fixtures.gguf_files import CHAT_TEMPLATE, write_gguf
+from tests.fixtures.gguf_files import write_gguf
 from tests.integration.served_stack import with_chat_template
 
 pytestmark = pytest.mark.timeout(240)

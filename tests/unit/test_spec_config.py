@@ -184,7 +184,7 @@ def test_a_missing_draft_model_directory_is_refused_before_anything_starts(tmp_p
     from shoal.deploy.deployment import build_config
 
     spec = {"model": str(tmp_path / "absent"), "num_speculative_tokens": 2}
-    with pytest.raises(ValueError, match="speculative_config.model: model directory not found"):
+    with pytest.raises(ValueError, match=r"speculative_config\.model: model directory not found"):
         build_config(model=str(tmp_path), speculative_config=spec)
     (tmp_path / "draft").mkdir()
     config = build_config(
