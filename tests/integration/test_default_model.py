@@ -142,9 +142,13 @@ def test_two_engine_cores_under_fault_tolerance_give_the_same_answers(reference)
     assert all(s.num_finished_stop + s.num_finished_length > 0 for s in stats)
 
 
-async def test_gateway_chat_streamed_and_whole_equals_transformers(
+async def test_gateway_answers_equal_transformers_and_a_json_schema_validates(
     default_model, reference, tokenizer
 ):
+    """Chat through the openai client, streamed and whole, token for token (as text) what
+    transformers answers; then an answer under a JSON schema (structured outputs) validates."""
+    import jsonschema
+
     from tests.integration.served_stack import MODEL_NAME, served_stack
 
     async with served_stack(default_model, max_model_len=512) as served:
@@ -163,21 +167,6 @@ async def test_gateway_chat_streamed_and_whole_equals_transformers(
             pieces = [c.choices[0].delta.content or "" async for c in stream if c.choices]
             assert "".join(pieces) == expected
             assert len(pieces) > 3  # streamed, not one piece
-
-
-async def test_a_json_schema_answer_validates(default_model):
-    import jsonschema
-
-    from tests.integration.served_stack import MODEL_NAME, served_stack
-
-    schema = {
-        "type": "object",
-        "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
-        "required": ["country", "capital"],
-        "additionalProperties": False,
-    }
-    async with served_stack(default_model, max_model_len=512) as served:
-        client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0)
         answer = await client.chat.completions.create(
             model=MODEL_NAME,
             messages=conversation("What is the capital of France? Answer in JSON."),
@@ -185,10 +174,17 @@ async def test_a_json_schema_answer_validates(default_model):
             temperature=0,
             response_format={
                 "type": "json_schema",
-                "json_schema": {"name": "capital", "schema": schema},
+                "json_schema": {"name": "capital", "schema": CAPITAL_SCHEMA},
             },
         )
     choice = answer.choices[0]
     assert choice.finish_reason == "stop"
-    document = json.loads(choice.message.content or "")
-    jsonschema.validate(document, schema)
+    jsonschema.validate(json.loads(choice.message.content or ""), CAPITAL_SCHEMA)
+
+
+CAPITAL_SCHEMA = {
+    "type": "object",
+    "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+    "required": ["country", "capital"],
+    "additionalProperties": False,
+}
