@@ -255,10 +255,15 @@ async def test_actor_processes_join_an_existing_nats_deployment(nats_server, tin
     finally:
         await client.close()
         await bus.close()
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            assert proc.wait(timeout=60) == 0
+        stop_actor_processes(procs)
+
+
+def stop_actor_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to each actor process; each must exit cleanly (status 0) within a minute."""
+    for proc in procs:
+        proc.send_signal(signal.SIGTERM)
+    for proc in procs:
+        assert proc.wait(timeout=60) == 0
 
 
 @pytest.mark.timeout(180)

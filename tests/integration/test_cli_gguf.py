@@ -5,7 +5,6 @@ flag fails before any model is looked at."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import pytest
 
 from tests.fixtures.gguf_files import save_reference, write_gguf
 from tests.fixtures.models import hf_greedy
-from tests.integration.test_cli import REPO, SHOAL
+from tests.integration.test_cli import REPO, SHOAL, stop_actor_processes
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -80,10 +79,7 @@ async def test_actor_processes_serve_a_gguf_file(nats_server, gguf_model, tmp_pa
     finally:
         await client.close()
         await bus.close()
-        for proc in procs:
-            proc.send_signal(signal.SIGTERM)
-        for proc in procs:
-            assert proc.wait(timeout=60) == 0
+        stop_actor_processes(procs)
 
 
 def test_no_default_model_package_is_one_line(tmp_path) -> None:

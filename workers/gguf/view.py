@@ -120,7 +120,7 @@ def _save_tokenizer(source: Path, building: Path) -> None:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    except (ValueError, KeyError, OSError) as exc:
+    except (ValueError, KeyError, OSError, NotImplementedError) as exc:
         raise GGUFError(f"{source}: its tokenizer cannot be read ({exc})") from exc
     tokenizer.save_pretrained(str(building))
 
