@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.engine.client.interface import RequestValidationError
+from shoal.engine.client.errors import RequestValidationError
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"chat_template", "tokenize"})  # vLLM's
 ASSISTANT = "assistant"

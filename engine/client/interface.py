@@ -11,25 +11,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from shoal.bus.messages.fault import FaultToleranceRequest, FaultToleranceResult
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.engine.client.errors import EngineUnavailableError, RequestValidationError
 from shoal.engine.client.fault_tolerance import FtStatus
 from shoal.engine.client.outputs import RequestOutput
 
-if TYPE_CHECKING:  # they raise this module's errors
+__all__ = ["EngineClientInterface", "EngineUnavailableError", "RequestValidationError"]
+
+if TYPE_CHECKING:
     from shoal.engine.client.chat_options import ChatOptions
     from shoal.engine.client.generation_defaults import GenerationDefaults
     from shoal.engine.client.vocabulary import Vocabulary
-
-
-class EngineUnavailableError(RuntimeError):
-    """No engine core can take the request (none ready, or every queue full): HTTP 503."""
-
-
-class RequestValidationError(ValueError):
-    """The request is invalid for this model (e.g. the prompt is longer than max_model_len)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class FaultToleranceApi(Protocol):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from shoal.bus.messages.structured import StructuredOutputsParams
-from shoal.engine.client.interface import RequestValidationError
+from shoal.engine.client.errors import RequestValidationError
 from shoal.engine.structured.grammars import GrammarError, check_grammar
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.engine.client.chat_options import ChatOptions, check_chat_options
-from shoal.engine.client.interface import RequestValidationError
+from shoal.engine.client.errors import RequestValidationError
 
 # A minimal template for models that ship none; used only when a caller opts in.
 FALLBACK_CHAT_TEMPLATE = (
