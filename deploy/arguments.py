@@ -100,6 +100,7 @@ def _option(
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine, KV cache, parallelism and bus flags."""
     _add_model_arguments(parser.add_argument_group("engine"))
+    _add_chat_arguments(parser.add_argument_group("tokenizer and chat"))
     _add_cache_arguments(parser.add_argument_group("KV cache"))
     _add_parallel_arguments(parser.add_argument_group("parallelism"))
     _add_bus_arguments(parser.add_argument_group("bus"))
@@ -165,6 +166,11 @@ def _add_model_arguments(g: Group) -> None:
     )
     _option(g, "--seed", dest="seed", type=int, help="random seed")
     _option(g, "--device", dest="device", help="cpu, or cuda / cuda:N")  # fmt: skip
+
+
+def _add_chat_arguments(g: Group) -> None:
+    """How requests become prompts and replies: the tokenizer, the chat template, tool calls,
+    the model's default sampling parameters."""
     _option(
         g,
         "--enable-auto-tool-choice",
