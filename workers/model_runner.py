@@ -36,6 +36,7 @@ from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run_kv_transfers
 from shoal.workers.layers.attention import AttentionMetadata
+from shoal.workers.layers.weight_packing import pack_linear_weights
 from shoal.workers.loader import load_model
 from shoal.workers.models.decoder import DecoderForCausalLM
 from shoal.workers.moe.ep_step import ExpertParallelStep, join_expert_parallel
@@ -94,6 +95,7 @@ class ModelRunner:
         self.dp_rank = dp_rank
         self.ep_init_method = ep_init_method
         self.ep_step: ExpertParallelStep | None = None  # with expert parallelism across DP
+        self.gemm_backend = ""  # the linear layers' matmul (kernels.gemm), set by ``load``
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -119,6 +121,7 @@ class ModelRunner:
             progress=self.progress,
             ep=self.ep_step.ep if self.ep_step is not None else None,
         )
+        self.gemm_backend = pack_linear_weights(model, self.device, self.dtype)
         num_kv_heads = model.attention_layers()[0].num_kv_heads
         num_blocks = self._allocate_kv_cache(model, cfg, num_kv_heads)
         self._model = model

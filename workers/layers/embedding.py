@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.kernels import gemm
 from shoal.workers.layers.linear import _plain_loader, make_param
 
 
@@ -30,6 +31,17 @@ class LMHead(nn.Module):
         if tied_to is None:
             self.weight = make_param((vocab_size, hidden), dtype, device, _plain_loader)
 
+    def head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        own = self._parameters.get("weight")
+        if own is not None:
+            return own
+        assert self.tied_to is not None
+        return self.tied_to.weight
+
+    def use_weight(self, weight: torch.Tensor) -> None:
+        """Multiply by ``weight`` (the head's weight repacked) from now on; a tied head gets
+        its own copy and the embedding keeps the weight it looks rows up in."""
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
-        weight = self.tied_to.weight if self.tied_to is not None else self.weight
-        return F.linear(hidden_states, weight).float()
+        return gemm.linear(hidden_states, self.head_weight()).float()

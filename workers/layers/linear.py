@@ -1,6 +1,7 @@
 """Linear layers that hold their tensor-parallel shard and know how to load it.
 
-Weights keep ``nn.Linear``'s ``[out, in]`` layout (the fast one on the CPU, see MACHINE-NOTES).
+Weights load in ``nn.Linear``'s ``[out, in]`` layout; after loading, ``layers.weight_packing``
+may repack them for the device's matmul (``kernels.gemm.linear`` runs either).
 Every parameter carries ``weight_loader(param, loaded, shard_id)``: it narrows a full checkpoint
 tensor to this rank's part and copies it in, checking shapes, and ``required_shards``: the shard
 ids a complete load must cover (``{None}`` for a plain tensor).
@@ -11,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from shoal.kernels import gemm
 from shoal.workers.parallel import TPContext
 
 
@@ -57,7 +58,7 @@ class ReplicatedLinear(nn.Module):
         self.bias = make_param((out_features,), dtype, device, _plain_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return gemm.linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -116,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
         copy_checked(dest, src, f"shard {shard_id!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return gemm.linear(x, self.weight, self.bias)
 
 
 def column_linear(
@@ -188,5 +189,5 @@ class RowParallelLinear(nn.Module):
         copy_checked(param.data, src, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+        out = self.tp.all_reduce(gemm.linear(x, self.weight))
         return out if self.bias is None else out + self.bias

@@ -37,6 +37,7 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.workers.config import CheckpointConfig
 from shoal.workers.kv_cache import KVCache, bytes_per_block
 from shoal.workers.layers.attention import AttentionMetadata
+from shoal.workers.layers.weight_packing import pack_linear_weights
 from shoal.workers.loader import load_model
 from shoal.workers.models.decoder import DecoderForCausalLM
 from shoal.workers.parallel import TPContext
@@ -116,6 +117,7 @@ class DraftModelProposer:
             tp=TPContext(rank=0, size=1),
             max_positions=self.max_model_len,
         )
+        pack_linear_weights(model, self.device, self.dtype)
         layers = model.attention_layers()
         self.kv_cache = KVCache.allocate(
             num_layers=cfg.num_layers,
