@@ -1,5 +1,6 @@
-"""The matmul behind every linear layer: ``F.linear`` on the weight as loaded, or oneDNN's on a
-copy of the weight packed once into its blocked layout (the CPU).
+"""The matmul behind every linear layer: ``F.linear`` on the weight as loaded, oneDNN's on a
+copy of the weight packed once into its blocked layout (the CPU), or a weight-only int8/int4
+kernel on a weight kept as integer codes (``quant_gemm.QuantizedWeight``).
 
 On the CPU ``F.linear`` in fp32 goes to MKL, which runs slowly on small batches (and on AMD
 parts); oneDNN with a pre-packed weight skips the per-call reorder. Measured on a 2-core AMD EPYC
@@ -18,6 +19,9 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from shoal.kernels import quant_gemm
+from shoal.kernels.quant_gemm import QuantizedWeight
 
 ENV_VAR = "SHOAL_GEMM"
 DENSE, ONEDNN = "dense", "onednn"
@@ -49,10 +53,12 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:  # [out, in] -> opaque on
 
 def linear(
     x: torch.Tensor,  # [..., in]
-    weight: torch.Tensor,  # [out, in], dense or packed by ``pack_weight``
+    weight: torch.Tensor | QuantizedWeight,  # [out, in]: dense, packed by ``pack_weight``, or codes
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [..., out]
     """``x @ weight.T + bias`` by whichever kernel the weight was prepared for."""
+    if isinstance(weight, QuantizedWeight):
+        return quant_gemm.linear(x, weight, bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
