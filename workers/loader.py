@@ -4,8 +4,11 @@ Safetensors files (one, or shards listed in ``model.safetensors.index.json``) ar
 and read as zero-copy tensor views; each view is copied once, straight into this rank's slice of
 its parameter. A progress bar (stderr) shows on checkpoints above ``PROGRESS_MIN_BYTES``.
 A GGUF view directory (``workers.gguf``) reads its tensors from the GGUF file instead,
-dequantized one at a time. Errors name the file or tensor: unsupported architecture, corrupt
-file, missing or mismatched tensor.
+dequantized one at a time, except (on the CPU, unless ``dequantize``) Q4_0/Q4_1/Q8_0 matrices,
+handed to the layers as integer codes. Once loaded, linear weights are turned into the codes the
+quantized matmuls take (``layers.weight_quantizing``: the checkpoint's, or ``quantization``'s).
+Errors name the file or tensor: unsupported architecture, corrupt file, missing or mismatched
+tensor, a quantized weight a tensor-parallel split would cut.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from tqdm import tqdm
 from shoal.workers.config import CheckpointConfig, CheckpointConfigError
 from shoal.workers.gguf import load_gguf
 from shoal.workers.gguf.reader import GGUFFile
+from shoal.workers.layers.linear import Loaded
+from shoal.workers.layers.weight_quantizing import SCHEMES, quantize_linear_weights
 from shoal.workers.models import MOE_ARCHITECTURES, DecoderForCausalLM, model_class_for
 from shoal.workers.moe.expert_parallel import EPContext
 from shoal.workers.parallel import TPContext
@@ -109,11 +114,12 @@ def _tensor_view(
 
 
 def iter_checkpoint(
-    model_dir: Path, *, progress: bool | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every file, with a byte progress bar when the checkpoint is large."""
+    model_dir: Path, *, progress: bool | None = None, keep_quantized: bool = False
+) -> Iterator[tuple[str, Loaded]]:
+    """Every tensor of every file, with a byte progress bar when the checkpoint is large;
+    ``keep_quantized``: a GGUF file's Q4_0/Q4_1/Q8_0 matrices as ``QuantizedTensor``."""
     if (gguf := load_gguf(model_dir)) is not None:
-        yield from _iter_gguf(gguf, progress)
+        yield from _iter_gguf(gguf, progress, keep_quantized)
         return
     files = checkpoint_files(model_dir)
     total = sum(f.stat().st_size for f in files)
@@ -132,9 +138,11 @@ def iter_checkpoint(
                 bar.update(tensor.numel() * tensor.element_size())
 
 
-def _iter_gguf(gguf: GGUFFile, progress: bool | None) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(
+    gguf: GGUFFile, progress: bool | None, keep_quantized: bool
+) -> Iterator[tuple[str, Loaded]]:
     show = progress if progress is not None else gguf.nbytes() >= PROGRESS_MIN_BYTES
-    tensors = gguf.hf_tensors()
+    tensors = gguf.hf_tensors(keep_quantized=keep_quantized)
     yield from tqdm(tensors, desc="loading GGUF tensors", disable=not show, file=sys.stderr)
 
 
@@ -167,10 +175,19 @@ def load_model(
     max_positions: int | None = None,
     progress: bool | None = None,
     ep: EPContext | None = None,
+    quantization: str | None = None,
+    dequantize: bool = False,
 ) -> tuple[DecoderForCausalLM, CheckpointConfig]:
     """Build the model for ``model_dir``'s architecture and fill every parameter from disk
-    (with ``ep``: only this rank's experts)."""
+    (with ``ep``: only this rank's experts). On the CPU a GGUF file's Q4_0/Q4_1/Q8_0 linear
+    weights stay quantized unless ``dequantize``; ``quantization`` (``"int8"``/``"int4"``)
+    quantizes the other linear weights (``model.linear_weights`` says what became of them)."""
     path = Path(model_dir)
+    on_cpu = torch.device(device).type == "cpu"
+    if quantization is not None and (quantization not in SCHEMES or not on_cpu):
+        raise CheckpointError(
+            f"quantization {quantization!r}: expected one of {', '.join(SCHEMES)}, on the CPU"
+        )
     cfg = CheckpointConfig.from_dir(path)
     model = build_model(
         cfg,
@@ -180,11 +197,16 @@ def load_model(
         max_positions=max_positions or cfg.max_position_embeddings,
         ep=ep,
     )
+    tensors = iter_checkpoint(path, progress=progress, keep_quantized=on_cpu and not dequantize)
     try:
-        loaded = model.load_weights(iter_checkpoint(path, progress=progress))
+        loaded = model.load_weights(tensors)
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"{path}: {exc.args[0] if exc.args else exc}") from exc
     _check_complete(model, loaded, path)
+    try:
+        model.linear_weights = quantize_linear_weights(model, quantization)
+    except ValueError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
     return model, cfg
 
 

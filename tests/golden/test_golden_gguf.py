@@ -2,7 +2,11 @@
 quantization, every served family) load to exactly the dequantized weights, and greedy outputs
 equal transformers' on those weights token for token; transformers' own GGUF reader agrees where
 it reads the family; the view's tokenizer, chat template and ids come from the metadata; files
-shoal cannot serve are refused by name."""
+shoal cannot serve are refused by name.
+
+Q4_0/Q4_1/Q8_0 weights stay quantized by default: here the quantized kernel runs exact (fp32,
+``SHOAL_QUANT_DTYPE``), so the token-for-token comparisons hold; test_golden_quantized covers
+the bf16 default."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import pytest
 import torch
 
 from shoal.deploy.model_source import resolve_model
+from shoal.kernels import quant_gemm
 from shoal.workers.gguf import GGUFError, find_gguf_file, gguf_source, gguf_view
 from shoal.workers.loader import load_model
 from tests.fixtures.gguf_files import CHAT_TEMPLATE, QUANT_TYPES, save_reference, write_gguf
@@ -24,6 +29,11 @@ BLOCK = 4
 MAX_NEW = 8
 # Rows of 256 and 512 so that every K-quant block (256 values) fits.
 WIDE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+
+
+@pytest.fixture(autouse=True)
+def exact_quantized_kernel(monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(quant_gemm.ENV_VAR, "float32")
 
 
 def converted(tmp: Path, variant: str, qtype: str, **overrides: object) -> tuple[Path, Path, Path]:
@@ -47,12 +57,13 @@ def test_each_quantization_loads_the_dequantized_weights(qtype, tmp_path):
     gguf_file, view, reference = converted(tmp_path, "llama", qtype, **WIDE)
     kinds = {t.tensor_type.name for t in gguf.GGUFReader(str(gguf_file)).tensors}
     assert qtype in kinds  # the weights really are stored in that type
-    ours, _ = load_model(view, dtype=torch.float32)
+    ours, _ = load_model(view, dtype=torch.float32, dequantize=True)
     expected, _ = load_model(reference, dtype=torch.float32)
     expected_params = dict(expected.named_parameters())
+    assert dict(ours.named_parameters()).keys() == expected_params.keys()
     for name, param in ours.named_parameters():
         assert torch.equal(param, expected_params[name]), name
-    assert greedy_outputs(view) == hf_greedy(reference, make_prompts(), MAX_NEW)
+    assert greedy_outputs(view) == hf_greedy(reference, make_prompts(), MAX_NEW)  # kept quantized
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -86,11 +97,14 @@ def test_transformers_gguf_reader_agrees(variant, tmp_path):
 
 
 @pytest.mark.slow
-def test_tensor_parallel_ranks_shard_a_gguf_model(tmp_path):
-    """Two TP ranks (processes) each load their half of the dequantized weights."""
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_1"])
+def test_tensor_parallel_ranks_shard_a_gguf_model(qtype, tmp_path):
+    """Two TP ranks (processes) each load their half of the weights: Q4_K dequantized, Q4_1
+    kept quantized (rows of the column-parallel layers, whole groups of the row-parallel
+    ones)."""
     from tests.unit.test_model_runner_tp import run_tp
 
-    _, view, reference = converted(tmp_path, "llama", "Q4_K", **WIDE)
+    _, view, reference = converted(tmp_path, "llama", qtype, **WIDE)
     expected = hf_greedy(reference, make_prompts(), MAX_NEW)
     results = run_tp(view)
     for rank in (0, 1):

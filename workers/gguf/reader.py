@@ -1,5 +1,6 @@
 """One GGUF file: its metadata as Python values, its family and Hugging Face config, and its
-tensors dequantized to torch under Hugging Face names.
+tensors under Hugging Face names, dequantized to torch or (Q4_0, Q4_1, Q8_0 matrices, when the
+loader asks) as integer codes and scales (``quantized_blocks``).
 
 Parsing a file with the ``gguf`` library's reader takes seconds on a real model (its tokenizer
 arrays are read string by string), so a file is parsed once, when its view is made, into a
@@ -23,7 +24,9 @@ import torch
 
 from shoal.workers.gguf.architectures import Family, family_of, hf_config
 from shoal.workers.gguf.errors import GGUFError
+from shoal.workers.gguf.quantized_blocks import KEPT_TYPES, read_blocks
 from shoal.workers.gguf.tensor_names import hf_names, permuted_heads, unpermute_rows
+from shoal.workers.layers.quantized_tensor import QuantizedTensor
 
 # The tensor types shoal dequantizes; any other is refused by name.
 SUPPORTED_TYPES = (
@@ -170,9 +173,13 @@ class GGUFFile:
             ),
         }
 
-    def hf_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(Hugging Face name, tensor) for every parameter tensor, dequantized, q/k rows in
-        Hugging Face's order, stacked experts split."""
+    def hf_tensors(
+        self, *, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """(Hugging Face name, tensor) for every parameter tensor, q/k rows in Hugging Face's
+        order, stacked experts split. Dequantized, except with ``keep_quantized``: a matrix
+        stored as Q4_0, Q4_1 or Q8_0 (not a stacked expert tensor) comes as its codes and
+        scales (``QuantizedTensor``)."""
         heads = int(self.metadata.get(f"{self.arch}.attention.head_count") or 0)
         kv_heads = self.metadata.get(f"{self.arch}.attention.head_count_kv", heads)
         kv_heads = int(kv_heads[0] if isinstance(kv_heads, list) else kv_heads)
@@ -181,14 +188,25 @@ class GGUFFile:
             names = hf_names(name, self.family, self.num_experts)
             if names is None:
                 continue
-            tensor = self._read(info, mapped)
             if len(names) > 1:  # stacked experts: one slice each
-                yield from zip(names, tensor.unbind(0), strict=True)
+                yield from zip(names, self._read(info, mapped).unbind(0), strict=True)
                 continue
+            tensor: torch.Tensor | QuantizedTensor
+            if keep_quantized and info.type in KEPT_TYPES and len(info.shape) == 2:
+                tensor = self._read_codes(info, mapped)
+            else:
+                tensor = self._read(info, mapped)
             permuted_over = permuted_heads(names[0], heads, kv_heads)
             if self.family.permuted_qk and permuted_over:
-                tensor = unpermute_rows(tensor, permuted_over)
+                tensor = _unpermute(tensor, permuted_over)
             yield names[0], tensor
+
+    def _read_codes(self, info: TensorInfo, mapped: np.ndarray) -> QuantizedTensor:
+        data = mapped[info.offset : info.offset + info.nbytes]
+        try:
+            return read_blocks(data, info.type, (info.shape[0], info.shape[1]))
+        except ValueError as exc:
+            raise GGUFError(f"{self.path}: tensor {info.name!r}: {exc}") from exc
 
     def _read(self, info: TensorInfo, mapped: np.ndarray | None) -> torch.Tensor:
         import gguf
@@ -209,6 +227,16 @@ class GGUFFile:
         with warnings.catch_warnings():  # a read-only memmap: torch copies before writing
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _unpermute(
+    tensor: torch.Tensor | QuantizedTensor, num_heads: int
+) -> torch.Tensor | QuantizedTensor:
+    """The q/k rows back in Hugging Face's order (a quantized tensor's rows carry their codes,
+    scales and minimums along)."""
+    if isinstance(tensor, QuantizedTensor):
+        return tensor.map_rows(lambda rows: unpermute_rows(rows, num_heads))
+    return unpermute_rows(tensor, num_heads)
 
 
 def _map(path: Path) -> np.ndarray:

@@ -1,10 +1,14 @@
 """Linear layers that hold their tensor-parallel shard and know how to load it.
 
-Weights load in ``nn.Linear``'s ``[out, in]`` layout; after loading, ``layers.weight_packing``
-may repack them for the device's matmul (``kernels.gemm.linear`` runs either).
+Weights load in ``nn.Linear``'s ``[out, in]`` layout; after loading,
+``layers.weight_quantizing`` may turn them into integer codes (``kernels.quant_gemm``) and
+``layers.weight_packing`` may repack the float ones for the device's matmul
+(``kernels.gemm.linear`` runs any of them).
 Every parameter carries ``weight_loader(param, loaded, shard_id)``: it narrows a full checkpoint
 tensor to this rank's part and copies it in, checking shapes, and ``required_shards``: the shard
-ids a complete load must cover (``{None}`` for a plain tensor).
+ids a complete load must cover (``{None}`` for a plain tensor). A weight that may be kept
+quantized also carries ``quantized_parts`` (``QuantizedParts``): its loader keeps the rows of a
+checkpoint tensor that came as a ``QuantizedTensor`` there instead of copying floats.
 """
 
 from __future__ import annotations
@@ -15,7 +19,12 @@ import torch
 from torch import nn
 
 from shoal.kernels import gemm
+from shoal.kernels.quant_gemm import QuantizedWeight
+from shoal.workers.layers.quantized_parts import QuantizedParts
+from shoal.workers.layers.quantized_tensor import QuantizedTensor
 from shoal.workers.parallel import TPContext
+
+Loaded = torch.Tensor | QuantizedTensor  # what a weight loader receives
 
 
 class WeightShapeError(ValueError):
@@ -32,29 +41,68 @@ def copy_checked(dest: torch.Tensor, src: torch.Tensor, what: str) -> None:
         dest.copy_(src)
 
 
+def store_checked(
+    param: nn.Parameter, dest: torch.Tensor, src: Loaded, first_row: int, what: str
+) -> None:
+    """``src`` into ``dest``, the rows of ``param`` from ``first_row``: a quantized tensor kept
+    in ``param.quantized_parts`` when the parameter has them, anything else copied as floats."""
+    parts: QuantizedParts | None = getattr(param, "quantized_parts", None)
+    if isinstance(src, QuantizedTensor) and parts is not None:
+        if tuple(dest.shape) != src.shape:
+            raise WeightShapeError(
+                f"{what}: checkpoint shape {src.shape} does not match expected {tuple(dest.shape)}"
+            )
+        parts.put(first_row, src)
+        return
+    if parts is not None:
+        parts.discard(first_row)
+    copy_checked(dest, src.dequantize() if isinstance(src, QuantizedTensor) else src, what)
+
+
 def make_param(
     shape: tuple[int, ...],
     dtype: torch.dtype,
     device: str | torch.device,
     loader: Callable[..., None],
     required_shards: frozenset[Hashable] = frozenset({None}),
+    *,
+    quantizable: bool = False,
 ) -> nn.Parameter:
+    """An empty parameter with its loader; ``quantizable``: its loader may keep quantized
+    rows (``quantized_parts``)."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
     param.weight_loader = loader  # type: ignore[attr-defined]
     param.required_shards = required_shards  # type: ignore[attr-defined]
+    if quantizable:
+        param.quantized_parts = QuantizedParts(shape[0])  # type: ignore[attr-defined]
     return param
 
 
-def _plain_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
-    copy_checked(param.data, loaded, "tensor")
+def replace_weight(module: nn.Module, weight: torch.Tensor | QuantizedWeight) -> None:
+    """``module.weight`` from now on: a tensor as a parameter, a quantized weight as a plain
+    attribute (its codes are no parameters: nothing trains or moves them)."""
+    if hasattr(module, "weight"):
+        del module.weight
+    if isinstance(weight, QuantizedWeight):
+        setattr(module, "weight", weight)  # noqa: B010 (a plain attribute, not a parameter)
+    else:
+        module.weight = nn.Parameter(weight, requires_grad=False)
+
+
+def _plain_loader(param: nn.Parameter, loaded: Loaded, shard_id: Hashable = None) -> None:
+    store_checked(param, param.data, loaded, 0, "tensor")
 
 
 class ReplicatedLinear(nn.Module):
     """The full weight on every rank (routers, shared-expert gates)."""
 
+    weight: torch.Tensor | QuantizedWeight
+
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, device) -> None:
         super().__init__()
-        self.weight = make_param((out_features, in_features), dtype, device, _plain_loader)
+        self.weight = make_param(
+            (out_features, in_features), dtype, device, _plain_loader, quantizable=True
+        )
         self.bias = make_param((out_features,), dtype, device, _plain_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,6 +112,8 @@ class ReplicatedLinear(nn.Module):
 class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; the checkpoint tensor is the concatenation of
     ``output_sizes`` parts (one per shard id), each split on its own across ranks."""
+
+    weight: torch.Tensor | QuantizedWeight
 
     def __init__(
         self,
@@ -86,10 +136,12 @@ class ColumnParallelLinear(nn.Module):
             self.offsets[shard_id] = total
             total += rows
         required = frozenset(shard_sizes)
-        self.weight = make_param((total, in_features), dtype, device, self._load, required)
+        self.weight = make_param(
+            (total, in_features), dtype, device, self._load, required, quantizable=True
+        )
         self.bias = make_param((total,), dtype, device, self._load, required) if bias else None
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
+    def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: Hashable = None) -> None:
         if shard_id is None and len(self.shard_sizes) == 1:
             shard_id = next(iter(self.shard_sizes))
         if shard_id is None:  # an already merged tensor: load each part in turn
@@ -114,7 +166,7 @@ class ColumnParallelLinear(nn.Module):
             )
         src = loaded.narrow(0, first, rows)
         dest = param.data.narrow(0, self.offsets[shard_id], rows)
-        copy_checked(dest, src, f"shard {shard_id!r}")
+        store_checked(param, dest, src, self.offsets[shard_id], f"shard {shard_id!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemm.linear(x, self.weight, self.bias)
@@ -170,23 +222,27 @@ class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial outputs are summed with an all-reduce and the
     bias (unsplit) is added once, after it."""
 
+    weight: torch.Tensor | QuantizedWeight
+
     def __init__(
         self, in_features: int, out_features: int, tp: TPContext, *, bias: bool, dtype, device
     ) -> None:
         super().__init__()
         self.tp = tp
         self.in_per_rank = tp.divide(in_features, "input features")
-        self.weight = make_param((out_features, self.in_per_rank), dtype, device, self._load)
+        self.weight = make_param(
+            (out_features, self.in_per_rank), dtype, device, self._load, quantizable=True
+        )
         self.bias = make_param((out_features,), dtype, device, _plain_loader) if bias else None
 
-    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Hashable = None) -> None:
+    def _load(self, param: nn.Parameter, loaded: Loaded, shard_id: Hashable = None) -> None:
         expected = (param.shape[0], self.in_per_rank * self.tp.size)
         if tuple(loaded.shape) != expected:
             raise WeightShapeError(
                 f"checkpoint shape {tuple(loaded.shape)} does not match expected {expected}"
             )
         src = loaded.narrow(1, self.tp.rank * self.in_per_rank, self.in_per_rank)
-        copy_checked(param.data, src, "row-parallel weight")
+        store_checked(param, param.data, src, 0, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(gemm.linear(x, self.weight))

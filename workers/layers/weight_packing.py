@@ -1,15 +1,19 @@
-"""After loading: every linear layer's weight repacked for the matmul this device runs fastest
-(``kernels.gemm``): on the CPU, oneDNN's blocked layout, replacing the loaded weight (no second
-copy), except a tied LM head, which gets its own packed copy while the embedding keeps the rows
-it looks up. Runs once per loaded model, before the first forward.
+"""After loading: every linear layer's float weight repacked for the matmul this device runs
+fastest (``kernels.gemm``): on the CPU, oneDNN's blocked layout, replacing the loaded weight (no
+second copy), except a tied LM head, which gets its own packed copy while the embedding keeps
+the rows it looks up. Weights kept as integer codes (``QuantizedWeight``) stay as they are.
+Runs once per loaded model, before the first forward.
 """
 
 from __future__ import annotations
+
+from typing import TypeGuard
 
 import torch
 from torch import nn
 
 from shoal.kernels import gemm
+from shoal.kernels.quant_gemm import QuantizedWeight
 from shoal.workers.layers.embedding import LMHead
 from shoal.workers.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 
@@ -23,8 +27,12 @@ def pack_linear_weights(model: nn.Module, device: torch.device | str, dtype: tor
     if backend == gemm.DENSE:
         return backend
     for module in model.modules():
-        if isinstance(module, LINEAR_LAYERS) and not module.weight.is_mkldnn:
+        if isinstance(module, LINEAR_LAYERS) and _packable(module.weight):
             module.weight = nn.Parameter(gemm.pack_weight(module.weight), requires_grad=False)
-        elif isinstance(module, LMHead) and not module.head_weight().is_mkldnn:
-            module.use_weight(gemm.pack_weight(module.head_weight()))
+        elif isinstance(module, LMHead) and _packable(weight := module.head_weight()):
+            module.use_weight(gemm.pack_weight(weight))
     return backend
+
+
+def _packable(weight: torch.Tensor | QuantizedWeight) -> TypeGuard[torch.Tensor]:
+    return isinstance(weight, torch.Tensor) and not weight.is_mkldnn

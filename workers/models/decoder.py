@@ -17,9 +17,11 @@ from shoal.kernels import ops
 from shoal.workers.config import CheckpointConfig
 from shoal.workers.layers.attention import AttentionMetadata, PagedAttention
 from shoal.workers.layers.embedding import Embedding, LMHead
-from shoal.workers.layers.linear import RowParallelLinear, column_linear, qkv_linear
+from shoal.workers.layers.linear import Loaded, RowParallelLinear, column_linear, qkv_linear
 from shoal.workers.layers.norm import RMSNorm
+from shoal.workers.layers.quantized_tensor import QuantizedTensor
 from shoal.workers.layers.rotary import RotaryEmbedding
+from shoal.workers.layers.weight_quantizing import dtype_name
 from shoal.workers.moe.expert_parallel import EPContext
 from shoal.workers.parallel import TPContext
 
@@ -185,6 +187,8 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = LMHead(
             cfg.vocab_size, cfg.hidden_size, tied_to=tied, dtype=dtype, device=device
         )
+        # What loading made of the linear weights (``layers.weight_quantizing``'s summary).
+        self.linear_weights = dtype_name(dtype)
 
     def make_mlp(self, layer_idx: int, tp: TPContext, dtype, device) -> nn.Module:  # type: ignore[no-untyped-def]
         cfg = self.config
@@ -230,9 +234,11 @@ class DecoderForCausalLM(nn.Module):
                 return renamed.replace(ours, fused), shard_id
         return renamed, None
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, set]:
+    def load_weights(self, tensors: Iterable[tuple[str, Loaded]]) -> dict[str, set]:
         """Load checkpoint tensors; returns the shard ids loaded per parameter (the loader
-        checks completeness). Raises KeyError naming a tensor that fits no parameter."""
+        checks completeness). A quantized tensor reaches a parameter that can keep it
+        (``quantized_parts``: linear weights, the embedding) as it is, any other dequantized.
+        Raises KeyError naming a tensor that fits no parameter."""
         params = dict(self.named_parameters())
         loaded: dict[str, set] = {}
         for name, tensor in tensors:
@@ -246,6 +252,8 @@ class DecoderForCausalLM(nn.Module):
                     f"checkpoint tensor {name!r} matches no parameter of "
                     f"{type(self).__name__} (looked for {target!r})"
                 )
+            if isinstance(tensor, QuantizedTensor) and not hasattr(param, "quantized_parts"):
+                tensor = tensor.dequantize()
             try:
                 param.weight_loader(param, tensor, shard_id)  # type: ignore[attr-defined]
             except (ValueError, RuntimeError, IndexError) as exc:
