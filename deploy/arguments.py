@@ -20,6 +20,7 @@ from shoal.bus.messages.config import (
     GROUPS,
     OPTION_GROUPS,
     POLICIES,
+    QUANTIZATION_METHODS,
     ROUTING_MODES,
     TOOL_CALL_PARSERS,
     FaultToleranceConfig,
@@ -122,6 +123,23 @@ def _add_model_arguments(g: Group) -> None:
         dest="dtype",
         choices=DTYPES,
         help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)",
+    )
+    _option(
+        g,
+        "--quantization",
+        "-q",
+        dest="quantization",
+        choices=QUANTIZATION_METHODS,
+        help="weight-only quantization of the linear weights at load (CPU): int8 or int4, in "
+        "groups of 32 input values (as GGUF Q8_0 and Q4_1); default: the checkpoint's own (a "
+        "GGUF file's Q4_0/Q4_1/Q8_0 weights stay quantized)",
+    )
+    _option(
+        g,
+        "--dequantize",
+        dest="dequantize",
+        help="load a GGUF file's quantized weights as floats in --dtype instead of keeping them "
+        "quantized",
     )
     _option(
         g,

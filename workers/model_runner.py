@@ -120,7 +120,11 @@ class ModelRunner:
             max_positions=max_model_len,
             progress=self.progress,
             ep=self.ep_step.ep if self.ep_step is not None else None,
+            quantization=self.config.model_config.quantization,
+            dequantize=self.config.model_config.dequantize,
         )
+        if self.tp.rank == 0:
+            log.info("%s: linear weights: %s", self.model_dir.name, model.linear_weights)
         self.gemm_backend = pack_linear_weights(model, self.device, self.dtype)
         num_kv_heads = model.attention_layers()[0].num_kv_heads
         num_blocks = self._allocate_kv_cache(model, cfg, num_kv_heads)
@@ -137,6 +141,7 @@ class ModelRunner:
             head_dim=cfg.head_dim,
             kv_dtype=dtype_name(self.dtype),
             total_kv_heads=cfg.num_kv_heads,
+            linear_weights=model.linear_weights,
         )
         return self.facts
 

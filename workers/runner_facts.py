@@ -20,6 +20,9 @@ class ModelFacts:
     head_dim: int = 0
     kv_dtype: str = ""
     total_kv_heads: int = 0  # the model's
+    # What loading made of the linear weights, e.g. "Q4_1 as int4 (group 32): 120, Q8_0 as
+    # int8 (per channel): 1" (``layers.weight_quantizing``).
+    linear_weights: str = ""
 
 
 @dataclass

@@ -35,6 +35,7 @@ from shoal.bus.messages.validation import positive as _positive
 from shoal.bus.messages.validation import require as _require
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, at load (workers.layers.weight_quantizing)
 POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("sha256", "xxhash")
 BUS_KINDS = ("nats", "memory")
@@ -68,9 +69,25 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     # Default sampling parameters (vLLM's --generation-config): "auto" (the model directory's
     # generation_config.json), "vllm" (none), or a directory holding a generation_config.json.
     generation_config: str = GENERATION_CONFIG_AUTO
+    # Weight-only quantization of the linear weights at load, on the CPU (vLLM's
+    # --quantization): "int8" (a scale per group of 32 input values, as GGUF Q8_0) or "int4"
+    # (a scale and a minimum per group of 32, as Q4_1; the LM head in int8). None: the
+    # checkpoint's own (a GGUF file's Q4_0/Q4_1/Q8_0 weights stay quantized, every other weight
+    # in ``dtype``).
+    quantization: str | None = None
+    # Load a GGUF file's quantized weights as floats in ``dtype`` (shoal's path before weights
+    # were kept quantized); ``quantization`` then applies to every linear weight.
+    dequantize: bool = False
 
     def __post_init__(self) -> None:
         _one_of(self.dtype, DTYPES, "dtype")
+        if self.quantization is not None:
+            _one_of(self.quantization, QUANTIZATION_METHODS, "quantization")
+            _require(
+                not self.device.startswith("cuda"),
+                "quantization",
+                f"{self.quantization} runs torch's CPU kernels: use it with device cpu",
+            )
         if self.tool_call_parser is not None:
             _one_of(self.tool_call_parser, TOOL_CALL_PARSERS, "tool_call_parser")
         _require(
@@ -421,6 +438,7 @@ OPTION_GROUPS: dict[str, str] = {
 __all__ = [
     "GROUPS",
     "OPTION_GROUPS",
+    "QUANTIZATION_METHODS",
     "TOOL_CALL_PARSERS",
     "BusConfig",
     "CacheConfig",

@@ -111,6 +111,8 @@ def test_tensor_parallel_ranks_shard_a_gguf_model(qtype, tmp_path):
         outputs, shapes, _, error = results[rank]
         assert error is None, f"rank {rank}: {error}"
         assert shapes["qkv"] == ((2 + 2 * 1) * 64, 256)  # 2 of the 4 q heads, 1 of 2 kv heads
+        kept = "Q4_1 as int4 (group 32): 9" if qtype == "Q4_1" else "float32: 9"
+        assert shapes["linear_weights"] == kept
         assert outputs == expected
 
 

@@ -78,6 +78,8 @@ def test_options_and_json_round_trip() -> None:
         ({"enable_expert_parallel": True, "data_parallel_size": 2, "bus": "memory"}, "NATS"),
         ({"dbo_decode_token_threshold": 1}, "dbo_decode_token_threshold"),
         ({"dbo_prefill_token_threshold": 0}, "dbo_prefill_token_threshold"),
+        ({"quantization": "fp8"}, "quantization must be one of int8, int4"),
+        ({"quantization": "int4", "device": "cuda"}, "quantization int4 runs torch's CPU"),
     ],
 )
 def test_invalid_values_name_the_option_when_built_and_when_decoded(options, option) -> None:  # type: ignore[no-untyped-def]
@@ -200,6 +202,23 @@ def test_cli_flags_reach_their_options(tmp_path) -> None:  # type: ignore[no-unt
     assert config.cache_config.enable_prefix_caching is False
     assert config.parallel_config.tensor_parallel_size == 2
     assert config.bus_config.namespace == "x"
+
+
+def test_quantization_flags_as_vllm_spells_them_and_the_dequantize_opt_out(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    default = config_from_namespace(_parse(), str(tmp_path)).model_config
+    assert (default.quantization, default.dequantize) == (None, False)
+    model = config_from_namespace(_parse("-q", "int4", "--dequantize"), str(tmp_path)).model_config
+    assert (model.quantization, model.dequantize) == ("int4", True)
+    assert (
+        config_from_namespace(
+            _parse("--quantization", "int8"), str(tmp_path)
+        ).model_config.quantization
+        == "int8"
+    )
+    with pytest.raises(SystemExit):
+        _parse("--quantization", "awq")
+    offline = ShoalConfig.from_options(model="m", quantization="int8", dequantize=True)
+    assert (offline.model_config.quantization, offline.model_config.dequantize) == ("int8", True)
 
 
 def test_expert_parallel_and_dbo_flags_follow_vllm(tmp_path) -> None:  # type: ignore[no-untyped-def]

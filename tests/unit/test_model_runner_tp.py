@@ -41,6 +41,7 @@ def tp_rank_main(rank: int, size: int, port: int, model_dir: str, queue) -> None
             "qkv": tuple(runner.model.model.layers[0].self_attn.qkv_proj.weight.shape),
             "down": tuple(runner.model.model.layers[0].mlp.down_proj.weight.shape),
             "kv_cache": tuple(runner.kv_cache.k[0].shape),
+            "linear_weights": facts.linear_weights,
         }
         outputs = generate_by_hand(runner, make_prompts(), MAX_NEW, BLOCK)
         queue.put((rank, outputs, shapes, facts.num_blocks, None))

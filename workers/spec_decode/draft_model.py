@@ -116,6 +116,7 @@ class DraftModelProposer:
             device=self.device,
             tp=TPContext(rank=0, size=1),
             max_positions=self.max_model_len,
+            dequantize=self.config.model_config.dequantize,
         )
         pack_linear_weights(model, self.device, self.dtype)
         layers = model.attention_layers()
