@@ -1,7 +1,8 @@
 """The command line with GGUF files and the default model: ``shoal generate FILE.gguf`` prints
 transformers' greedy completion of the file's weights; ``shoal actor worker|engine FILE.gguf``
 join a NATS deployment and answer; with no model package, one line says how to get it; a bad
-flag fails before any model is looked at."""
+flag fails before any model is looked at. The file's Q8_0 weights stay quantized: the exact
+(fp32) kernel runs here, so its tokens equal transformers' (the processes inherit the setting)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from shoal.kernels import quant_gemm
 from tests.fixtures.gguf_files import save_reference, write_gguf
 from tests.fixtures.models import hf_greedy
 from tests.integration.test_cli import REPO, SHOAL, stop_actor_processes
 
 pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(autouse=True)
+def exact_quantized_kernel(monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(quant_gemm.ENV_VAR, "float32")
 
 
 @pytest.fixture

@@ -115,6 +115,14 @@ def test_bf16_rounds_only_the_scales_and_zeros(monkeypatch):
     assert torch.equal(seen, expected.bfloat16().float())
 
 
+def test_the_kernel_runs_in_bf16_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv(quant_gemm.ENV_VAR, raising=False)
+    codes, scales, mins = _int4_case(torch.Generator().manual_seed(9), 16, 32, 32)
+    assert pack_int4(codes, scales, mins, 32).dtype == torch.bfloat16
+    monkeypatch.setenv(quant_gemm.ENV_VAR, "float32")
+    assert pack_int4(codes, scales, mins, 32).dtype == torch.float32
+
+
 def test_weights_the_kernel_cannot_take_are_refused(monkeypatch):
     gen = torch.Generator().manual_seed(6)
     codes, scales, mins = _int4_case(gen, 32, 96, 32)
