@@ -1,7 +1,7 @@
 """Weight-only quantized matmuls on the CPU: a linear weight kept as 4- or 8-bit integer codes
-with a scale per group of input values (``QuantizedWeight``), packed once, multiplied by one of
-torch's kernels: ``aten._weight_int4pack_mm_for_cpu`` on ``_convert_weight_to_int4pack_for_cpu``'s
-packing, with bf16 activations.
+with a scale per group of input values (``QuantizedWeight``), packed once, multiplied by torch's
+int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu`` on ``_convert_weight_to_int4pack_for_cpu``'s
+packing) with bf16 activations.
 
 * int4 (``pack_int4``): codes 0..15 with a scale and a minimum per group (``w = scale * q +
   min``: GGUF Q4_1's form; Q4_0's is ``min = -8 * scale``). The kernel's own dequantization
@@ -10,33 +10,36 @@ packing, with bf16 activations.
 * int8 (``pack_int8``): codes -127..127 with a scale per group (GGUF Q8_0's form,
   ``w = scale * q``), as two 4-bit halves of ``u = q + 128 = 16 * hi + lo`` side by side
   along the input: ``w = 16 scale * (hi - 8) + scale * (lo - 8) + 8 scale``, the activations
-  fed twice (``[x, x]``). The codes stay exact: no requantization to per-channel scales.
+  fed twice (``[x, x]``). The codes and group scales stay exact: no requantization to the one
+  scale per output channel that ``_weight_int8pack_mm`` takes.
 
 Why this kernel, measured at SmolLM2-135M's shapes (30 layers of 576→960, 576→576, 576→3072,
 1536→576 and the 576→49152 head, every weight distinct so each is read from memory; 2 threads,
-a 2-core AMD EPYC with AVX-512 and AVX512-BF16; ms for all of them, one step):
+a 2-core AMD EPYC with AVX-512 and AVX512-BF16, nothing else running; ms for all of them, one
+step; the first three rows and the int4 row from one run, the others from earlier runs):
 
-    tokens (M)                        1      4      8     16     32     64
-    oneDNN packed, fp32 (today)    33.7      -   35.4      -      -  109.9
-    oneDNN packed, bf16            21.2   17.0   16.6   25.0   45.1   55.9
-    int4 kernel, bf16, group 32     7.2    9.9   17.4   32.8   73.1  130.7
-    int4 kernel, fp32, group 32   133.8
-    int8 as two int4 halves, bf16  12.1
-    _weight_int8pack_mm, bf16      14.3           30.4
-    _weight_int8pack_mm, fp32      78.1          847.0
-    fbgemm dynamic W8A8, fp32      12.1          14.2                  73.8
+    tokens (M)                          1      4      8     16     32     64
+    oneDNN packed, fp32 (shoal's)    39.5   34.7   39.9   41.9   66.2  126.2
+    oneDNN packed, bf16              21.7   21.5   25.8   28.4   39.3   61.1
+    int4 kernel, bf16, group 32       7.4    9.9   18.5   35.6   64.1  132.1
+    int4 kernel, fp32 / fp16        133.8 / 198.4
+    int8 as two int4 halves, bf16    15.3          37.7
+    _weight_int8pack_mm, bf16        15.1          38.6
+    _weight_int8pack_mm, fp32 / fp16 78.1 / 109.1  847.0 (fp32)
+    fbgemm dynamic W8A8, fp32        12.1          14.2                  73.8
 
 The int4 kernel in bf16 reads 0.625 byte per weight (int8 as two halves: 1.25) and is the
-fastest up to about 8 tokens (4.7x fp32 oneDNN at one token); torch vectorizes it for bf16
-only (fp32: 19x slower).
-``_weight_int8pack_mm`` is slower than the two-halves int8 and takes one scale per output
-channel only (Q8_0 would need requantizing); fbgemm's W8A8 quantizes the activations too (not
-weight-only). Past about 16 tokens the int4 kernel (it dequantizes the weight again for every
-4 rows) falls behind oneDNN: prefill and large batches run slower than on float weights.
+fastest up to about 8 tokens (5.4x fp32 oneDNN at one token); torch vectorizes it (and
+``_weight_int8pack_mm``) for bf16 only. For int8 the two halves run as fast as
+``_weight_int8pack_mm`` and keep Q8_0's group scales. fbgemm's W8A8 quantizes the activations
+too (not weight-only). Past about 16 tokens the int4 kernel (it dequantizes the weight again for
+every 4 rows) falls behind oneDNN: prefill and large batches run slower than on float weights.
 
-Activations are cast to bf16 for the kernel (scales and zeros are stored in bf16, so rounded
-to 8 bits of mantissa) and the output back to their dtype. ``SHOAL_QUANT_DTYPE=float32`` (read
-when a weight is packed) runs the kernel in fp32 instead: exact GGUF dequantization, slow; for
+Activations are cast to bf16 for the kernel and the output back to their dtype; scales and
+zeros are stored in bf16 (rounded to 8 bits of mantissa). On SmolLM2 the scales' rounding
+changed no greedy answer; the activations' and outputs' rounding does move answers at near-ties,
+as a bf16 model's does (docs/models.md). ``SHOAL_QUANT_DTYPE=float32`` (read when a weight is
+packed) runs the kernel in fp32 instead: GGUF's dequantization bit for bit, 18x slower; for
 checking. Output features are padded to the kernel's blocks of 16 with zero rows and the
 product cut back.
 """

@@ -3,9 +3,10 @@
 A GGUF file (or a directory holding one) is served through a *view directory* in the shoal
 cache (``view``): the Hugging Face files every process reads (``config.json``,
 ``generation_config.json``, the tokenizer with its chat template) made once from the file's
-metadata, and a pointer back to the file, from which the workers read the tensors, dequantized at
-load and renamed to Hugging Face names (``tensors``) with the Q/K permutation of llama.cpp's
-converter undone.
+metadata, and a pointer back to the file, from which the workers read the tensors (``reader``),
+dequantized at load or, for Q4_0/Q4_1/Q8_0 matrices the loader keeps quantized, as codes and
+scales (``quantized_blocks``), renamed to Hugging Face names (``tensor_names``) with the Q/K
+permutation of llama.cpp's converter undone.
 """
 
 from shoal.workers.gguf.errors import GGUFError
