@@ -7,19 +7,21 @@ Modes (``--modes``, all by default), each a ``ModelRunner`` loaded on its own:
 - ``fp32``, ``bf16``: the GGUF file dequantized to floats (``dequantize=True``), shoal's path
   before weights were kept quantized;
 - ``int4``, ``int4-bf16``: the file's weights kept as they are stored (SmolLM2's Q4_1 layers as
-  int4, its Q8_0 embedding as the tied head's int8), with fp32 or bf16 activations;
+  int4, its Q8_0 embedding as the tied head's int8), in an fp32 or a bf16 model (the quantized
+  kernel runs in bf16 either way);
 - ``int8``, ``int8-bf16``: the file dequantized, then ``quantization="int8"``.
 
-Decode: one prompt (the text's first 32 tokens), ``--tokens`` (128) greedy tokens through the
-real scheduler; tok/s counts the steps after the first token (the best of ``--rounds``, after a
-warm-up). Batched: ``--batch`` (16) such requests at once (prompts shifted by one token each),
-``--tokens`` / 2 tokens each, output tokens/s over the whole run. Logits: every position of
-``TEXT`` (about 300 tokens) in one prefill (timed: ``prefill_tok_s``), against the first mode's
-(``fp32``, the reference): max and mean |error| and how often the argmax agrees. Perplexity:
-``exp`` of the mean negative log-likelihood of each next token of ``TEXT``.
+Every mode is loaded first. Decode: one prompt (the text's first 32 tokens), ``--tokens``
+(128) greedy tokens through the real scheduler; tok/s counts the steps after the first token
+(the best of ``--rounds``, the modes taking turns in each round, after a warm-up). Batched:
+``--batch`` (16) such requests at once (prompts rotated by one token each), ``--tokens`` / 2
+tokens each, output tokens/s over the whole run. Logits: every position of ``TEXT`` (about 300
+tokens) in one prefill (timed: ``prefill_tok_s``), against the first mode's (``fp32``, the
+reference): max and mean |error| and how often the argmax agrees. Perplexity: ``exp`` of the
+mean negative log-likelihood of each next token of ``TEXT``.
 
     .venv/bin/python bench/quantized.py [--model default|NAME|DIR|FILE.gguf] [--modes fp32,int4]
-        [--tokens 128] [--batch 16] [--rounds 3] [--threads 2]
+        [--tokens 128] [--batch 16] [--rounds 5] [--threads 2]
 
 The last line printed is one JSON object with the figures.
 """
@@ -86,7 +88,7 @@ def load_runner(model_dir: Path, options: dict[str, Any]) -> ModelRunner:
         block_size=BLOCK_SIZE,
         max_model_len=1024,
         max_num_seqs=4,
-        kv_cache_memory_bytes=256 << 20,
+        kv_cache_memory_bytes=128 << 20,
         **options,
     )
     runner = ModelRunner(config)
@@ -174,12 +176,23 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(nll.item())
 
 
-def measure(model_dir: Path, mode: str, ids: list[int], args: argparse.Namespace) -> dict:
-    runner = load_runner(model_dir, MODES[mode])
+def best_decodes(runners: dict[str, ModelRunner], prompt: list[int], args) -> dict[str, dict]:  # type: ignore[no-untyped-def]
+    """Each mode's best single-request decode over ``args.rounds``, the modes taking turns
+    within each round (so a machine's drift touches them alike), after a warm-up."""
+    for mode, runner in runners.items():
+        decode(runner, prompt, 8, f"{mode}-warm")
+    best: dict[str, dict] = {}
+    for i in range(args.rounds):
+        for mode, runner in runners.items():
+            figures = decode(runner, prompt, args.tokens, f"{mode}-{i}")
+            if mode not in best or figures["decode_tok_s"] > best[mode]["decode_tok_s"]:
+                best[mode] = figures
+    return best
+
+
+def measure(runner: ModelRunner, ids: list[int], args: argparse.Namespace) -> dict:
+    """A mode's batch, prefill and text figures, and the text's logits."""
     prompt = ids[:PROMPT_TOKENS]
-    decode(runner, prompt, 8, f"{mode}-warm")
-    rounds = [decode(runner, prompt, args.tokens, f"{mode}-{i}") for i in range(args.rounds)]
-    best = max(rounds, key=lambda r: r["decode_tok_s"])
     batch_tok_s = batched(runner, prompt, args.batch, args.tokens // 2) if args.batch else None
     started = time.perf_counter()
     logits = text_logits(runner, ids)
@@ -188,7 +201,6 @@ def measure(model_dir: Path, mode: str, ids: list[int], args: argparse.Namespace
     return {
         "linear_weights": runner.facts.linear_weights,
         "weight_bytes": weight_bytes(runner),
-        **best,
         "batch_tok_s": batch_tok_s,
         "prefill_tok_s": len(ids) / prefill_s,
         "ppl": perplexity(logits, ids),
@@ -212,7 +224,7 @@ def main() -> None:
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16, help="requests at once (0: skip)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -221,10 +233,12 @@ def main() -> None:
 
     ids = AutoTokenizer.from_pretrained(str(model.directory)).encode(TEXT)[: model.max_len]
     modes = args.modes.split(",")
+    runners = {mode: load_runner(model.directory, MODES[mode]) for mode in modes}
+    decodes = best_decodes(runners, ids[:PROMPT_TOKENS], args)
     results: dict[str, dict] = {}
     reference: torch.Tensor | None = None
-    for mode in modes:
-        figures = measure(model.directory, mode, ids, args)
+    for mode, runner in runners.items():
+        figures = {**decodes[mode], **measure(runner, ids, args)}
         logits = figures.pop("logits")
         reference = logits if reference is None else reference
         figures.update(compare(logits, reference))
