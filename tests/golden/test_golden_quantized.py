@@ -209,3 +209,20 @@ def test_groups_a_rank_cannot_hold_whole_are_refused(scheme, tmp_path):
 def test_an_unknown_quantization_is_refused_by_the_loader(tiny_checkpoint):
     with pytest.raises(CheckpointError, match="quantization 'fp8': expected one of int8, int4"):
         load_model(tiny_checkpoint("llama"), dtype=torch.float32, quantization="fp8")
+
+
+def test_llm_takes_the_options_as_vllm_does(tiny_checkpoint, tmp_path, exact):
+    """``LLM(model, quantization=...)`` (vLLM's keyword) and ``dequantize=True`` reach the
+    worker; a generation runs."""
+    from shoal import LLM, SamplingParams
+
+    with LLM(str(tiny_checkpoint("qwen2")), quantization="int4") as llm:
+        (worker,) = [a for a in llm._actors if type(a).__name__ == "WorkerActor"]
+        assert worker.facts.linear_weights.startswith("float32 as int4 (group 32): 8")
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        (out,) = llm.generate(["the quick brown"], params, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 4
+    _, view, _ = converted(tmp_path, "llama_tied", "Q8_0")
+    with LLM(str(view), dequantize=True) as llm:
+        (worker,) = [a for a in llm._actors if type(a).__name__ == "WorkerActor"]
+        assert worker.facts.linear_weights == "float32: 9"
