@@ -121,7 +121,8 @@ def _add_model_arguments(g: Group) -> None:
         "--dtype",
         dest="dtype",
         choices=DTYPES,
-        help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)",
+        help="weights and activations (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or "
+        "AMX, else float32; SHOAL_AUTO_DTYPE overrides it for a host)",
     )
     _option(
         g,

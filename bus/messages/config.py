@@ -51,7 +51,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     model: str  # a local Hugging Face directory (config.json, *.safetensors, tokenizer files)
     served_model_name: str | None = None  # what clients call it (default: the path)
-    dtype: str = "auto"  # "auto": float32 on the CPU (fast matmuls there), bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with bf16 units, else fp32 (cpu_info)
     max_model_len: int | None = None  # default: the model's own context length
     seed: int = 0
     device: str = "cpu"  # cpu, cuda or cuda:N
@@ -90,12 +90,6 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     def name(self) -> str:
         """The served model name."""
         return self.served_model_name or self.model
-
-    @property
-    def resolved_dtype(self) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
