@@ -248,6 +248,13 @@ def _add_parallel_arguments(g: Group) -> None:
             help="workers per engine core sharing each layer")  # fmt: skip
     _option(
         g,
+        "--cpu-threads-bind",
+        dest="cpu_threads_bind",
+        help="CPU workers' cores: auto (this host's cores split between the workers sharing "
+        "them, one thread pinned per core), nobind, or one core list per worker: 0-3|4-7",
+    )
+    _option(
+        g,
         "--enable-expert-parallel",
         dest="enable_expert_parallel",
         help="spread each MoE layer's experts over the data-parallel ranks' workers",
