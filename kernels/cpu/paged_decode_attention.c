@@ -57,7 +57,28 @@ typedef struct {
   int is_bf16;
 } Job;
 
-/* One (sequence, kv head, split): online softmax over keys [start, end). */
+/* exp(x) for x <= 0 (softmax weights), vectorizable: x = n ln2 + r, |r| <= ln2/2, a degree-6
+ * polynomial for exp(r) (relative error ~2e-7), 2^n built in the exponent bits; 0 below -87. */
+static inline float exp_nonpositive(float x) {
+  if (x < -87.f) return 0.f;
+  const float n = __builtin_roundf(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+/* One (sequence, kv head, split): online softmax over keys [start, end), BLOCK_KEYS at a time;
+ * a tile of keys is stored transposed so the scores of all its keys come out of one vector of
+ * FMAs per query head (no horizontal sums). */
 static void attend_split(const Job *job, int64_t seq, int64_t kvh, int64_t split) {
   const int64_t d = job->d, group = job->hq / job->hkv;
   const int64_t len = job->seq_lens[seq];
@@ -66,7 +87,8 @@ static void attend_split(const Job *job, int64_t seq, int64_t kvh, int64_t split
   if (end > len) end = len;
   float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
   float m[MAX_GROUP], l[MAX_GROUP];
-  float keys[BLOCK_KEYS][MAX_HEAD_DIM], scores[MAX_GROUP][BLOCK_KEYS];
+  float keys_t[MAX_HEAD_DIM][BLOCK_KEYS], row[MAX_HEAD_DIM];
+  float scores[MAX_GROUP][BLOCK_KEYS];
   for (int64_t g = 0; g < group; g++) {
     load_row(job->q, (seq * job->hq + kvh * group + g) * d, job->is_bf16, (int)d, q[g]);
     for (int64_t i = 0; i < d; i++) { q[g][i] *= job->scale; acc[g][i] = 0.f; }
@@ -74,40 +96,49 @@ static void attend_split(const Job *job, int64_t seq, int64_t kvh, int64_t split
     l[g] = 0.f;
   }
   const int32_t *table = job->block_tables + seq * job->table_stride;
-  const int64_t row = job->hkv * d; /* elements from one slot to the next */
+  const int64_t stride = job->hkv * d; /* elements from one slot to the next */
   for (int64_t t0 = start; t0 < end; t0 += BLOCK_KEYS) {
     const int64_t nk = end - t0 < BLOCK_KEYS ? end - t0 : BLOCK_KEYS;
     int64_t slot[BLOCK_KEYS];
-    for (int64_t j = 0; j < nk; j++) {
-      const int64_t pos = t0 + j;
-      slot[j] = ((int64_t)table[pos / job->block_size] * job->block_size + pos % job->block_size);
-      load_row(job->k_cache, slot[j] * row + kvh * d, job->is_bf16, (int)d, keys[j]);
+    for (int64_t j = 0; j < BLOCK_KEYS; j++) {
+      if (j < nk) {
+        const int64_t pos = t0 + j;
+        slot[j] = (int64_t)table[pos / job->block_size] * job->block_size + pos % job->block_size;
+        load_row(job->k_cache, slot[j] * stride + kvh * d, job->is_bf16, (int)d, row);
+        for (int64_t i = 0; i < d; i++) keys_t[i][j] = row[i];
+      } else {
+        for (int64_t i = 0; i < d; i++) keys_t[i][j] = 0.f;
+      }
     }
     for (int64_t g = 0; g < group; g++) {
-      float block_max = m[g];
-      for (int64_t j = 0; j < nk; j++) {
-        float s = 0.f;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = 0; i < d; i++) s += q[g][i] * keys[j][i];
-        scores[g][j] = s;
-        if (s > block_max) block_max = s;
+      float s[BLOCK_KEYS] = {0};
+      for (int64_t i = 0; i < d; i++) {
+        const float qi = q[g][i];
+#pragma omp simd
+        for (int j = 0; j < BLOCK_KEYS; j++) s[j] += qi * keys_t[i][j];
       }
-      const float correction = expf(m[g] - block_max);
-      l[g] *= correction;
+      float block_max = m[g];
+      for (int64_t j = 0; j < nk; j++)
+        if (s[j] > block_max) block_max = s[j];
+      const float correction = exp_nonpositive(m[g] - block_max);
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int j = 0; j < BLOCK_KEYS; j++) {
+        const float p = j < nk ? exp_nonpositive(s[j] - block_max) : 0.f;
+        scores[g][j] = p;
+        sum += p;
+      }
+      l[g] = l[g] * correction + sum;
+#pragma omp simd
       for (int64_t i = 0; i < d; i++) acc[g][i] *= correction;
       m[g] = block_max;
-      for (int64_t j = 0; j < nk; j++) {
-        scores[g][j] = expf(scores[g][j] - block_max);
-        l[g] += scores[g][j];
-      }
     }
     for (int64_t j = 0; j < nk; j++) {
-      float v[MAX_HEAD_DIM];
-      load_row(job->v_cache, slot[j] * row + kvh * d, job->is_bf16, (int)d, v);
+      load_row(job->v_cache, slot[j] * stride + kvh * d, job->is_bf16, (int)d, row);
       for (int64_t g = 0; g < group; g++) {
         const float p = scores[g][j];
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) acc[g][i] += p * v[i];
+        for (int64_t i = 0; i < d; i++) acc[g][i] += p * row[i];
       }
     }
   }
@@ -132,7 +163,7 @@ static void merge_splits(const Job *job, void *out, int64_t seq, int64_t head) {
   for (int64_t i = 0; i < d; i++) result[i] = 0.f;
   for (int64_t s = 0; s < used; s++) {
     const float *part = base + s * stride;
-    const float w = expf(part[d] - total_max);
+    const float w = exp_nonpositive(part[d] - total_max);
     total += w * part[d + 1];
     for (int64_t i = 0; i < d; i++) result[i] += w * part[i];
   }
