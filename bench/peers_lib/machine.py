@@ -1,11 +1,15 @@
 """What the report says about the machine and the code: the CPU's model and ISA flags, the
-cores this process may use and the threads each engine gets, the load average (the machine may
-be shared), the CPU time a process group has used, and shoal's git revision."""
+cores this process may use and the threads each engine gets, the load average, the CPU time
+used over an interval by the engines' process groups, by this process and by everything else
+(the machine may be shared: other processes' CPU time during a timed run says how far to trust
+it), and shoal's git revision."""
 
 from __future__ import annotations
 
 import os
+import resource
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
@@ -54,6 +58,40 @@ def group_cpu_s(pgid: int) -> float:
         if int(fields[2]) == pgid:  # fields after the command: state, ppid, pgrp, ...
             total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def busy_cpu_s() -> float:
+    """CPU seconds the whole machine has spent busy (user, nice, system, irq, softirq) since
+    boot, all CPUs together."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[:7])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+def self_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """CPU seconds so far: the machine's, this process's and each watched process group's."""
+
+    machine: float
+    self: float
+    groups: dict[int, float]
+
+    @classmethod
+    def take(cls, pgids: list[int]) -> CpuSnapshot:
+        return cls(busy_cpu_s(), self_cpu_s(), {pgid: group_cpu_s(pgid) for pgid in pgids})
+
+    def since(self, before: CpuSnapshot) -> CpuSnapshot:
+        groups = {g: t - before.groups.get(g, 0.0) for g, t in self.groups.items()}
+        return CpuSnapshot(self.machine - before.machine, self.self - before.self, groups)
+
+    def others(self) -> float:
+        """Of an interval (``since``): what neither this process nor a watched group used."""
+        return max(0.0, self.machine - self.self - sum(self.groups.values()))
 
 
 def git_rev(root: Path) -> str:

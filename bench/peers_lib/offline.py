@@ -3,8 +3,9 @@ next only once the last is ready), an untimed warm-up each, then ``rounds`` time
 which every engine in turn runs the whole workload in one call and the single request (the
 order rotated each round, so no engine always goes first), then the greedy outputs of the first
 prompts. An engine that fails to load or dies is reported with its error and dropped; the others
-go on. The CPU time the idle engines used during each timed run is recorded: on a small machine
-a peer that spins while idle would distort the figures."""
+go on. Each timed run records the CPU time the idle engines used meanwhile (a peer that spins
+while idle would distort the figures on a small machine) and the CPU time of every other process
+on the machine (someone else's work)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine_proc import EngineProcess, EngineSpec, WorkerError
-from .machine import group_cpu_s
+from .machine import CpuSnapshot
 
 LOAD_TIMEOUT_S = 1800.0
 RUN_TIMEOUT_S = 1800.0
@@ -57,7 +58,6 @@ class EngineRuns:
     single: list[dict[str, Any]] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
     error: str | None = None
-    idle_peer_cpu_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,7 +66,6 @@ class EngineRuns:
             "offline_runs": self.offline,
             "single_runs": self.single,
             "error": self.error,
-            "idle_peer_cpu_s": round(self.idle_peer_cpu_s, 2),
         }
 
 
@@ -138,13 +137,19 @@ class OfflineStage:
         self.print_run(proc.name, "single", runs.single[-1])
 
     def timed(self, proc: EngineProcess, op: str, **fields: Any) -> dict[str, Any]:
-        """One timed command, with the CPU time the idle engines used meanwhile."""
-        peers = [p.pgid for name, p in self.procs.items() if name != proc.name]
-        before = sum(group_cpu_s(pgid) for pgid in peers)
+        """One timed command, with the CPU time the idle engines and every other process on
+        the machine used meanwhile."""
+        pgids = [p.pgid for p in self.procs.values()]
+        before = CpuSnapshot.take(pgids)
         run = proc.call(op, RUN_TIMEOUT_S, **fields)
-        idle_cpu = sum(group_cpu_s(pgid) for pgid in peers) - before
-        self.runs[proc.name].idle_peer_cpu_s += idle_cpu
-        return {**run, "idle_peer_cpu_s": round(idle_cpu, 2)}
+        used = CpuSnapshot.take(pgids).since(before)
+        idle = sum(t for pgid, t in used.groups.items() if pgid != proc.pgid)
+        return {
+            **run,
+            "cpu_s": round(used.groups[proc.pgid], 2),
+            "idle_peer_cpu_s": round(idle, 2),
+            "other_cpu_s": round(used.others(), 2),
+        }
 
     def best_hf_batch(self) -> int:
         best = max(self.runs["hf"].offline, key=lambda run: run["tokens"] / run["seconds"])
@@ -157,13 +162,14 @@ class OfflineStage:
     @staticmethod
     def print_run(name: str, what: str, run: dict[str, Any]) -> None:
         rate = run["tokens"] / run["seconds"]
-        idle = (
-            f" (idle peers used {run['idle_peer_cpu_s']:.1f} CPU-s)"
-            if run["idle_peer_cpu_s"] > 0.5
-            else ""
-        )
+        notes = [
+            f"{who} used {run[key]:.1f} CPU-s"
+            for who, key in (("idle peers", "idle_peer_cpu_s"), ("other processes", "other_cpu_s"))
+            if run[key] > 0.5
+        ]
+        note = f" ({'; '.join(notes)})" if notes else ""
         print(
             f"    {name:<6} {what:<14} {run['tokens']:6d} tokens in {run['seconds']:7.2f} s = "
-            f"{rate:7.1f} tok/s{idle}",
+            f"{rate:7.1f} tok/s{note}",
             flush=True,
         )

