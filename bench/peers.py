@@ -120,7 +120,7 @@ def engine_specs(args: argparse.Namespace, vllm: VllmEnv | None) -> list[EngineS
     return specs
 
 
-def prepare_vllm(args: argparse.Namespace, run_dir: Path) -> tuple[VllmEnv | None, str | None]:
+def prepare_vllm(args: argparse.Namespace) -> tuple[VllmEnv | None, str | None]:
     """vLLM's venv, or None and why not."""
     if args.skip_vllm:
         return None, "skipped (--skip-vllm)"
@@ -158,6 +158,17 @@ def load_settings(args: argparse.Namespace, prompt_words: int) -> LoadSettings:
     return LoadSettings([1, 8, 32], args.max_tokens, prompt_words, 2, 8, 4)
 
 
+def server_spec(
+    name: str, args: argparse.Namespace, model: Path, dtype: str, port: int, vllm: VllmEnv | None
+) -> tuple[ServerSpec, dict[str, str]]:
+    """``name``'s server command and the environment it runs with."""
+    common = (str(model), dtype, port, MAX_MODEL_LEN, args.kv_bytes)
+    if name == "shoal":
+        return shoal_server(*common), engine_env(args)
+    assert vllm is not None
+    return vllm_server(str(vllm.python), *common, eager=args.vllm_eager), vllm_env_vars(args)
+
+
 def serving_stage(
     args: argparse.Namespace,
     model: Path,
@@ -166,20 +177,11 @@ def serving_stage(
     load: LoadSettings,
     run_dir: Path,
 ) -> dict[str, Any]:
-    """Each server in turn under the load generator."""
+    """Each server in turn (never two at once) under the load generator."""
     results = {}
-    for name in ("shoal", "vllm"):
-        if name == "vllm" and vllm is None:
-            continue
+    for name in ["shoal"] + (["vllm"] if vllm is not None else []):
         port = free_port()
-        common = (str(model), dtype, port, MAX_MODEL_LEN, args.kv_bytes)
-        spec: ServerSpec
-        if name == "shoal":
-            spec, env = shoal_server(*common), engine_env(args)
-        else:
-            assert vllm is not None
-            spec = vllm_server(str(vllm.python), *common, eager=args.vllm_eager)
-            env = vllm_env_vars(args)
+        spec, env = server_spec(name, args, model, dtype, port, vllm)
         print(f"  serving with {name} ({dtype}) on port {port} ...", flush=True)
         log = run_dir / f"serve-{name}-{dtype}.log"
         results[name] = run_serving(spec, port, load, env, log, run_dir)
@@ -246,9 +248,7 @@ def versions(vllm: VllmEnv | None) -> dict[str, Any]:
     }
 
 
-def report(
-    args: argparse.Namespace, facts: dict[str, Any], results: dict[str, Any], out_file: Path
-) -> None:
+def report(facts: dict[str, Any], results: dict[str, Any], out_file: Path) -> None:
     """The side-by-side tables, the full report file, and the JSON line (without the outputs'
     token ids, which stay in the file)."""
     for dtype, result in results.items():
@@ -268,8 +268,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--model",
         default=None,
-        help="a Hugging Face directory (default: the "
-        "default model, dequantized from its GGUF file once)",
+        help="a Hugging Face directory (default: the default model, dequantized from its GGUF "
+        "file once)",
     )
     parser.add_argument("--dtypes", default=None, help="float32,bfloat16 (--quick: float32)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -304,12 +304,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    started = time.monotonic()
-    run_dir = make_run_dir()
-    print(f"run folder: {run_dir}; load average {load_average()}", flush=True)
-    model = model_dir(args, run_dir)
+def workload(
+    args: argparse.Namespace, model: Path, run_dir: Path
+) -> tuple[Path, LoadSettings, dict[str, Any]]:
+    """The chat prompts' token ids, written once for every worker to read; the serving stage's
+    load; the workload's facts for the report."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(model))
@@ -318,28 +317,39 @@ def main(argv: list[str] | None = None) -> int:
     prompts_file.write_text(json.dumps(prompts))
     words, mean_tokens = serve_prompt_words(tokenizer, SERVE_PROMPT_TOKENS, args.seed)
     load = load_settings(args, words)
-    vllm, vllm_note = prepare_vllm(args, run_dir)
+    settings = {
+        "num_prompts": len(prompts),
+        "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+        "max_tokens": args.max_tokens,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "kv_bytes": args.kv_bytes,
+        "max_model_len": MAX_MODEL_LEN,
+        "vllm_eager": args.vllm_eager,
+        "hf_batches": args.hf_batches,
+        "serve": vars(load) if args.serve else None,
+        "serve_prompt_tokens_mean": round(mean_tokens, 1),
+    }
+    return prompts_file, load, settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    run_dir = make_run_dir()
+    print(f"run folder: {run_dir}; load average {load_average()}", flush=True)
+    model = model_dir(args, run_dir)
+    prompts_file, load, settings = workload(args, model, run_dir)
+    vllm, vllm_note = prepare_vllm(args)
     facts: dict[str, Any] = {
         "model": str(model),
         "machine": machine_facts(args.threads),
         "versions": versions(vllm),
         "vllm_unavailable": vllm_note,
-        "settings": {
-            "num_prompts": len(prompts),
-            "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
-            "max_tokens": args.max_tokens,
-            "rounds": args.rounds,
-            "threads": args.threads,
-            "kv_bytes": args.kv_bytes,
-            "max_model_len": MAX_MODEL_LEN,
-            "vllm_eager": args.vllm_eager,
-            "hf_batches": args.hf_batches,
-            "serve": vars(load) if args.serve else None,
-            "serve_prompt_tokens_mean": round(mean_tokens, 1),
-        },
+        "settings": settings,
         "run_dir": str(run_dir),
     }
-    print(f"model {model}; {len(prompts)} prompts of {facts['settings']['prompt_tokens']} tokens")
+    print(f"model {model}; {settings['num_prompts']} prompts of {settings['prompt_tokens']} tokens")
     print(f"machine: {json.dumps(facts['machine'])}\nversions: {json.dumps(facts['versions'])}")
     results = {
         dtype: run_dtype(args, model, prompts_file, dtype, vllm, load, run_dir)
@@ -347,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     facts["elapsed_s"] = round(time.monotonic() - started, 1)
     facts["load_average_at_end"] = load_average()
-    report(args, facts, results, run_dir / "report.json")
+    report(facts, results, run_dir / "report.json")
     return 0
 
 
