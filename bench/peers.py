@@ -1,5 +1,7 @@
-"""shoal beside vLLM's CPU build and transformers: the same model, weights and token-id
-workload on each, one engine at a time, each in its own process and environment.
+"""shoal side by side with vLLM's CPU build and transformers, on the same weights and prompts.
+
+The same model, weights and token-id workload on each engine, one engine at a time, each in its
+own process and environment.
 
 What it measures, for each dtype (``--dtypes``, float32 and bfloat16):
 
@@ -272,7 +274,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "file once)",
     )
     parser.add_argument("--dtypes", default=None, help="float32,bfloat16 (--quick: float32)")
-    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="threads per engine (default: every CPU this process may use)",
+    )
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (2; --quick: 1)")
     parser.add_argument(
         "--serve",
