@@ -227,11 +227,13 @@ def make_run_dir() -> Path:
     return run_dir
 
 
-def model_dir(args: argparse.Namespace, run_dir: Path) -> Path:
-    """``--model``, else the default model dequantized once into the peers cache."""
+def model_dir(args: argparse.Namespace, run_dir: Path) -> tuple[Path, str]:
+    """``--model``, else the default model dequantized once into the peers cache; and the name
+    the report gives it."""
     if args.model is not None:
-        return Path(args.model).resolve()
-    return hf_dir_for(default_gguf(), run_dir / "make_hf.log")
+        return Path(args.model).resolve(), Path(args.model).resolve().name
+    gguf_file = default_gguf()
+    return hf_dir_for(gguf_file, run_dir / "make_hf.log"), f"{gguf_file.name}, dequantized"
 
 
 def versions(vllm: VllmEnv | None) -> dict[str, Any]:
@@ -345,10 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     run_dir = make_run_dir()
     print(f"run folder: {run_dir}; load average {load_average()}", flush=True)
-    model = model_dir(args, run_dir)
+    model, model_name = model_dir(args, run_dir)
     prompts_file, load, settings = workload(args, model, run_dir)
     vllm, vllm_note = prepare_vllm(args)
     facts: dict[str, Any] = {
+        "model_name": model_name,
         "model": str(model),
         "machine": machine_facts(args.threads),
         "versions": versions(vllm),
@@ -356,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": settings,
         "run_dir": str(run_dir),
     }
-    print(f"model {model}; {settings['num_prompts']} prompts of {settings['prompt_tokens']} tokens")
+    lengths = settings["prompt_tokens"]
+    print(f"model {model_name} ({model}); {settings['num_prompts']} prompts of {lengths} tokens")
     print(f"machine: {json.dumps(facts['machine'])}\nversions: {json.dumps(facts['versions'])}")
     results = {
         dtype: run_dtype(args, model, prompts_file, dtype, vllm, load, run_dir)
