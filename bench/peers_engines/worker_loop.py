@@ -86,7 +86,7 @@ class Measures:
         tokens = sum(map(len, outputs))
         if tokens != len(prompts) * self.max_tokens:
             raise RuntimeError(f"{tokens} tokens made, {len(prompts) * self.max_tokens} asked")
-        return outputs, {"tokens": tokens, "seconds": round(seconds, 4)}
+        return outputs, {"tokens": tokens, "seconds": seconds}
 
     def warmup(self, command: dict[str, Any]) -> Reply:
         """A few tokens for the first prompts (untimed by the parent)."""

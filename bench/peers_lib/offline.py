@@ -15,6 +15,7 @@ from typing import Any
 
 from .engine_proc import EngineProcess, EngineSpec, WorkerError
 from .machine import CpuSnapshot
+from .report import rate
 
 LOAD_TIMEOUT_S = 1800.0
 RUN_TIMEOUT_S = 1800.0
@@ -152,7 +153,7 @@ class OfflineStage:
         }
 
     def best_hf_batch(self) -> int:
-        best = max(self.runs["hf"].offline, key=lambda run: run["tokens"] / run["seconds"])
+        best = max(self.runs["hf"].offline, key=rate)
         return int(best["batch"])
 
     def collect_outputs(self, proc: EngineProcess) -> None:
@@ -161,7 +162,6 @@ class OfflineStage:
 
     @staticmethod
     def print_run(name: str, what: str, run: dict[str, Any]) -> None:
-        rate = run["tokens"] / run["seconds"]
         notes = [
             f"{who} used {run[key]:.1f} CPU-s"
             for who, key in (("idle peers", "idle_peer_cpu_s"), ("other processes", "other_cpu_s"))
@@ -170,6 +170,6 @@ class OfflineStage:
         note = f" ({'; '.join(notes)})" if notes else ""
         print(
             f"    {name:<6} {what:<14} {run['tokens']:6d} tokens in {run['seconds']:7.2f} s = "
-            f"{rate:7.1f} tok/s{note}",
+            f"{rate(run):7.1f} tok/s{note}",
             flush=True,
         )

@@ -12,7 +12,8 @@ LABELS = {"shoal": "shoal", "vllm": "vLLM", "hf": "transformers"}
 
 
 def rate(run: dict[str, Any]) -> float:
-    return float(run["tokens"] / run["seconds"])
+    """A run's tokens per second."""
+    return float(run["tokens"] / max(run["seconds"], 1e-9))
 
 
 def best_rate(runs: list[dict[str, Any]]) -> float | None:
