@@ -155,9 +155,25 @@ def offline_settings(
 
 
 def load_settings(args: argparse.Namespace, prompt_words: int) -> LoadSettings:
+    """Concurrency 1, 8 and 32 (--quick: 1 and 8), each level with 2 requests per client (at
+    least 4): the levels last about as long as each other on a small machine."""
     if args.quick:
-        return LoadSettings([1, 8], args.max_tokens, prompt_words, 1, 4, 2)
-    return LoadSettings([1, 8, 32], args.max_tokens, prompt_words, 2, 8, 4)
+        return LoadSettings(
+            concurrency=[1, 8],
+            max_tokens=args.max_tokens,
+            prompt_words=prompt_words,
+            requests_per_client=1,
+            min_requests=4,
+            warmup_requests=2,
+        )
+    return LoadSettings(
+        concurrency=[1, 8, 32],
+        max_tokens=args.max_tokens,
+        prompt_words=prompt_words,
+        requests_per_client=2,
+        min_requests=4,
+        warmup_requests=4,
+    )
 
 
 def server_spec(
