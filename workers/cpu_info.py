@@ -14,7 +14,6 @@ from pathlib import Path
 
 AUTO_DTYPE_ENV = "SHOAL_AUTO_DTYPE"
 BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 @functools.cache

@@ -4,7 +4,8 @@
 - ``auto`` (default): the cores this process may use, less one kept for the engine core and the
   gateway on hosts of 8 or more, split evenly between the workers that share them: the
   tensor-parallel ranks of a worker group, and with the in-memory bus (``LLM``) every worker of
-  every data-parallel rank, which all live in one process.
+  every data-parallel rank, which all live in one process. An explicit ``OMP_NUM_THREADS``
+  wins: that many threads, nothing pinned.
 - ``nobind``: torch's own thread count, nothing pinned.
 - a list per worker, ``0-3|4-7`` (each ``a-b,c,...``): tensor-parallel rank r takes list r; with
   as many lists as data-parallel × tensor-parallel workers, worker ``dp_rank * tp + tp_rank``.
@@ -92,18 +93,22 @@ def _auto_cores(slot: WorkerSlot, available: list[int]) -> list[int]:
 
 
 def available_cores() -> list[int]:
-    """This process's cores; with ``OMP_NUM_THREADS`` set, auto binding uses that many."""
+    """The cores this process may run on."""
     return sorted(os.sched_getaffinity(0))
 
 
 def bind_worker_threads(value: str, slot: WorkerSlot) -> list[int] | None:
     """Pick this worker's cores and pin the calling (runner) thread's team to them; returns
-    the cores (None: ``nobind``). ``OMP_NUM_THREADS`` caps an automatic choice."""
+    the cores (None: nothing pinned). ``auto`` defers to an explicit ``OMP_NUM_THREADS``: that
+    many threads, unpinned (processes that each pick alone would all pick the same cores)."""
+    omp_threads = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if value == AUTO and omp_threads.isdigit() and int(omp_threads) > 0:
+        torch.set_num_threads(int(omp_threads))
+        log.info("worker threads: %s (OMP_NUM_THREADS), not pinned", omp_threads)
+        return None
     cores = worker_cores(value, slot, available_cores())
     if cores is None:
         return None
-    if value == AUTO and (wanted := os.environ.get("OMP_NUM_THREADS", "").strip()).isdigit():
-        cores = cores[: max(1, int(wanted))]
     pinned = bind_threads(cores)
     log.info(
         "worker threads: %d on cores %s (%s)",

@@ -133,3 +133,19 @@ def test_llm_workers_bind_their_runner_threads(dp, tiny_checkpoint):
         assert len(workers) == dp and all(w.bound_cores == [core] for w in workers)
         out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3))
         assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_auto_defers_to_an_explicit_omp_num_threads(monkeypatch):
+    """Separate processes that each choose alone would all take the first cores: an explicit
+    thread count is taken as it is, unpinned."""
+    import torch
+
+    from shoal.workers.thread_binding import bind_worker_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    try:
+        assert bind_worker_threads("auto", WorkerSlot()) is None
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
