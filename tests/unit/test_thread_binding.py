@@ -79,11 +79,13 @@ def runner():
     a = torch.randn(256, 256)
     for _ in range(20):
         a @ a  # torch's parallel regions run on the bound team
-    result["runner"] = thread_affinities()[threading.get_native_id()]
+    threads = thread_affinities()  # while its team lives (it ends with the runner thread)
+    result["runner"] = threads[threading.get_native_id()]
+    result["threads"] = list(threads.values())
+    result["main"] = threads[main_id]
+main_id = threading.get_native_id()
 t = threading.Thread(target=runner)
 t.start(); t.join()
-result["main"] = thread_affinities()[threading.get_native_id()]
-result["threads"] = list(thread_affinities().values())
 result["num_threads"] = torch.get_num_threads()
 print(json.dumps(result))
 """
