@@ -2,10 +2,12 @@
 next only once the last is ready), an untimed warm-up each, then ``rounds`` timed rounds in
 which every engine in turn runs the whole workload in one call and the single request (the
 order rotated each round, so no engine always goes first), then the greedy outputs of the first
-prompts. An engine that fails to load or dies is reported with its error and dropped; the others
-go on. Each timed run records the CPU time the idle engines used meanwhile (a peer that spins
-while idle would distort the figures on a small machine) and the CPU time of every other process
-on the machine (someone else's work)."""
+prompts. transformers, the reference and by far the slowest, times each of its static batch
+sizes once, in the first round (a second round would add minutes for a figure that is not a
+headline ratio). An engine that fails to load or dies is reported with its error and dropped;
+the others go on. Each timed run records the CPU time the idle engines used meanwhile (a peer
+that spins while idle would distort the figures on a small machine) and the CPU time of every
+other process on the machine (someone else's work)."""
 
 from __future__ import annotations
 
@@ -127,7 +129,7 @@ class OfflineStage:
     def engine_round(self, proc: EngineProcess, index: int) -> None:
         runs = self.runs[proc.name]
         if proc.name == "hf":
-            for batch in self.settings.hf_batches if index == 0 else [self.best_hf_batch()]:
+            for batch in self.settings.hf_batches if index == 0 else []:
                 run = self.timed(proc, "offline", batch=batch)
                 runs.offline.append({**run, "batch": batch})
                 self.print_run(proc.name, f"offline b={batch}", run)
@@ -151,10 +153,6 @@ class OfflineStage:
             "idle_peer_cpu_s": round(idle, 2),
             "other_cpu_s": round(used.others(), 2),
         }
-
-    def best_hf_batch(self) -> int:
-        best = max(self.runs["hf"].offline, key=rate)
-        return int(best["batch"])
 
     def collect_outputs(self, proc: EngineProcess) -> None:
         reply = proc.call("outputs", RUN_TIMEOUT_S, num=self.settings.num_outputs)
