@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -358,8 +359,20 @@ def workload(
     return prompts_file, load, settings
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (or SIGHUP) exits through the ``finally`` blocks, so the engines' workers and
+    servers are stopped rather than orphaned."""
+
+    def leave(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGHUP, leave)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()
     started = time.monotonic()
     run_dir = make_run_dir()
     print(f"run folder: {run_dir}; load average {load_average()}", flush=True)

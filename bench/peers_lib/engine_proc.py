@@ -116,8 +116,10 @@ class EngineProcess:
         try:
             message = json.loads(self.replies.line(timeout_s))
         except (TimeoutError, EOFError, ValueError) as exc:
+            status = self.proc.poll()
+            why = f"{exc} (status {status})" if status is not None else str(exc)
             raise WorkerError(
-                f"{self.name}: {exc} (log: {self.log})\n{log_tail(self.log)}"
+                f"{self.name}: {why} (log: {self.log})\n{log_tail(self.log)}"
             ) from None
         if not message.pop("ok"):
             raise WorkerError(f"{self.name}: {message['error']} (log: {self.log})")
