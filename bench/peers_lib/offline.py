@@ -11,14 +11,16 @@ other process on the machine (someone else's work)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .engine_proc import EngineProcess, EngineSpec, WorkerError
 from .machine import CpuSnapshot
 from .report import rate
 
+T = TypeVar("T")
 LOAD_TIMEOUT_S = 1800.0
 RUN_TIMEOUT_S = 1800.0
 
@@ -85,11 +87,11 @@ class OfflineStage:
             for spec in self.specs:
                 self.start(spec)
             for name in list(self.procs):
-                self.guarded(name, lambda proc: self.warm_up(proc))
+                self.guarded(name, self.warm_up)
             for index in range(self.settings.rounds):
                 self.run_round(index)
             for name in list(self.procs):
-                self.guarded(name, lambda proc: self.collect_outputs(proc))
+                self.guarded(name, self.collect_outputs)
         finally:
             for proc in self.procs.values():
                 proc.close()
@@ -105,7 +107,7 @@ class OfflineStage:
             self.runs[spec.name].ready = ready
             print(f"  {spec.name} loaded in {ready['load_s']:.1f} s", flush=True)
 
-    def guarded(self, name: str, step: Any) -> Any:
+    def guarded(self, name: str, step: Callable[[EngineProcess], T]) -> T | None:
         """``step(proc)``; on a worker error the engine is recorded as failed and stopped."""
         try:
             return step(self.procs[name])
