@@ -10,7 +10,7 @@ What it measures, for each dtype (``--dtypes``, float32 and bfloat16):
   every engine), greedy, 128 tokens each with eos ignored, all in one ``generate`` call, after an
   untimed warm-up; the best of ``--rounds`` rounds (2), the engines' order rotated each round.
   transformers runs bench/throughput.py's best mode, ``generate()`` on left-padded static
-  batches, at each of ``--hf-batches`` (swept in the first round, the best one rerun after).
+  batches, once at each of ``--hf-batches`` (16, 64), in the first round; the best is kept.
 - single-request decode: the first prompt alone, 128 tokens (shoal and vLLM).
 - greedy agreement: how many of the first 8 prompts got identical token ids on each pair of
   engines, and where differing outputs first part (reported, never fatal).
@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -358,8 +359,20 @@ def workload(
     return prompts_file, load, settings
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (or SIGHUP) exits through the ``finally`` blocks, so the engines' workers and
+    servers are stopped rather than orphaned."""
+
+    def leave(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGHUP, leave)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()
     started = time.monotonic()
     run_dir = make_run_dir()
     print(f"run folder: {run_dir}; load average {load_average()}", flush=True)

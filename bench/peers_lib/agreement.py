@@ -5,6 +5,7 @@ fails on a mismatch: fp32 should match; bf16 may drift apart late in a long outp
 from __future__ import annotations
 
 from itertools import combinations
+from typing import Any
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -15,11 +16,11 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def agreement(outputs: dict[str, list[list[int]]]) -> dict[str, dict[str, object]]:
+def agreement(outputs: dict[str, list[list[int]]]) -> dict[str, dict[str, Any]]:
     """``{"shoal/vllm": {"identical": 7, "of": 8, "first_diff": [None, 93, ...]}, ...}`` for
     every pair of engines that produced outputs."""
     have = {name: outs for name, outs in outputs.items() if outs}
-    pairs: dict[str, dict[str, object]] = {}
+    pairs: dict[str, dict[str, Any]] = {}
     for (a, outs_a), (b, outs_b) in combinations(have.items(), 2):
         diffs = [first_difference(x, y) for x, y in zip(outs_a, outs_b, strict=False)]
         pairs[f"{a}/{b}"] = {
@@ -30,13 +31,17 @@ def agreement(outputs: dict[str, list[list[int]]]) -> dict[str, dict[str, object
     return pairs
 
 
-def agreement_line(pairs: dict[str, dict[str, object]]) -> str:
-    """``shoal/vllm 8/8 identical; shoal/hf 7/8 (first differs at 93)``."""
+def agreement_line(pairs: dict[str, dict[str, Any]]) -> str:
+    """``shoal/vllm 8/8 identical; shoal/hf 7/8 identical (prompt 3 from token 93)``."""
     parts = []
     for pair, facts in pairs.items():
         part = f"{pair} {facts['identical']}/{facts['of']} identical"
-        positions = [d for d in facts["first_diff"] if d is not None]  # type: ignore[attr-defined]
-        if positions:
-            part += f" (first differences at {', '.join(map(str, positions))})"
+        differing = [
+            f"prompt {index} from token {position}"
+            for index, position in enumerate(facts["first_diff"])
+            if position is not None
+        ]
+        if differing:
+            part += f" ({', '.join(differing)})"
         parts.append(part)
     return "; ".join(parts) if parts else "no outputs to compare"

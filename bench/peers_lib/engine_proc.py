@@ -116,8 +116,10 @@ class EngineProcess:
         try:
             message = json.loads(self.replies.line(timeout_s))
         except (TimeoutError, EOFError, ValueError) as exc:
+            status = self.proc.poll()
+            why = f"{exc} (status {status})" if status is not None else str(exc)
             raise WorkerError(
-                f"{self.name}: {exc} (log: {self.log})\n{log_tail(self.log)}"
+                f"{self.name}: {why} (log: {self.log})\n{log_tail(self.log)}"
             ) from None
         if not message.pop("ok"):
             raise WorkerError(f"{self.name}: {message['error']} (log: {self.log})")
@@ -136,19 +138,24 @@ class EngineProcess:
 
 
 def stop_group(proc: subprocess.Popen[Any]) -> None:
-    """SIGTERM to ``proc``'s process group, SIGKILL if it lingers; quiet when it is gone."""
+    """Stop ``proc`` and whatever is left of its process group: SIGTERM to ``proc`` first (a
+    server shuts its own children down; hit all at once, vLLM's API server logs its engine
+    core's death as an error), then SIGTERM and at last SIGKILL to the group, each step given
+    ``STOP_TIMEOUT_S``. Quiet when everything is gone already."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=STOP_TIMEOUT_S)
-            if not group_alive(proc.pid):
-                return
-        except subprocess.TimeoutExpired:
-            continue
-        time.sleep(1.0)
+        while group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
         if not group_alive(proc.pid):
             return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=STOP_TIMEOUT_S)
 
 
 def group_alive(pgid: int) -> bool:

@@ -2,21 +2,25 @@
 next only once the last is ready), an untimed warm-up each, then ``rounds`` timed rounds in
 which every engine in turn runs the whole workload in one call and the single request (the
 order rotated each round, so no engine always goes first), then the greedy outputs of the first
-prompts. An engine that fails to load or dies is reported with its error and dropped; the others
-go on. Each timed run records the CPU time the idle engines used meanwhile (a peer that spins
-while idle would distort the figures on a small machine) and the CPU time of every other process
-on the machine (someone else's work)."""
+prompts. transformers, the reference and by far the slowest, times each of its static batch
+sizes once, in the first round (a second round would add minutes for a figure that is not a
+headline ratio). An engine that fails to load or dies is reported with its error and dropped;
+the others go on. Each timed run records the CPU time the idle engines used meanwhile (a peer
+that spins while idle would distort the figures on a small machine) and the CPU time of every
+other process on the machine (someone else's work)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .engine_proc import EngineProcess, EngineSpec, WorkerError
 from .machine import CpuSnapshot
 from .report import rate
 
+T = TypeVar("T")
 LOAD_TIMEOUT_S = 1800.0
 RUN_TIMEOUT_S = 1800.0
 
@@ -83,11 +87,11 @@ class OfflineStage:
             for spec in self.specs:
                 self.start(spec)
             for name in list(self.procs):
-                self.guarded(name, lambda proc: self.warm_up(proc))
+                self.guarded(name, self.warm_up)
             for index in range(self.settings.rounds):
                 self.run_round(index)
             for name in list(self.procs):
-                self.guarded(name, lambda proc: self.collect_outputs(proc))
+                self.guarded(name, self.collect_outputs)
         finally:
             for proc in self.procs.values():
                 proc.close()
@@ -103,7 +107,7 @@ class OfflineStage:
             self.runs[spec.name].ready = ready
             print(f"  {spec.name} loaded in {ready['load_s']:.1f} s", flush=True)
 
-    def guarded(self, name: str, step: Any) -> Any:
+    def guarded(self, name: str, step: Callable[[EngineProcess], T]) -> T | None:
         """``step(proc)``; on a worker error the engine is recorded as failed and stopped."""
         try:
             return step(self.procs[name])
@@ -127,7 +131,7 @@ class OfflineStage:
     def engine_round(self, proc: EngineProcess, index: int) -> None:
         runs = self.runs[proc.name]
         if proc.name == "hf":
-            for batch in self.settings.hf_batches if index == 0 else [self.best_hf_batch()]:
+            for batch in self.settings.hf_batches if index == 0 else []:
                 run = self.timed(proc, "offline", batch=batch)
                 runs.offline.append({**run, "batch": batch})
                 self.print_run(proc.name, f"offline b={batch}", run)
@@ -151,10 +155,6 @@ class OfflineStage:
             "idle_peer_cpu_s": round(idle, 2),
             "other_cpu_s": round(used.others(), 2),
         }
-
-    def best_hf_batch(self) -> int:
-        best = max(self.runs["hf"].offline, key=rate)
-        return int(best["batch"])
 
     def collect_outputs(self, proc: EngineProcess) -> None:
         reply = proc.call("outputs", RUN_TIMEOUT_S, num=self.settings.num_outputs)

@@ -85,6 +85,15 @@ def dtype_summary(result: dict[str, Any]) -> dict[str, Any]:
     return summary
 
 
+def ratio_line(summary: dict[str, Any], concurrency: list[int]) -> str:
+    """``shoal/vLLM: offline 0.53x, single request 0.49x, serve c=8 0.40x (ITL p50 2.97x)``."""
+    parts = [f"offline {summary['ratio']}x", f"single request {summary['bs1_ratio']}x"]
+    for c in concurrency:
+        itl = summary[f"itl_p50_ratio_c{c}"]
+        parts.append(f"serve c={c} {summary[f'serve_ratio_c{c}']}x (ITL p50 {itl}x)")
+    return "shoal/vLLM: " + ", ".join(parts)
+
+
 def cell(value: float | None, width: int = 12) -> str:
     return f"{'-' if value is None else f'{value:.1f}':>{width}}"
 
@@ -93,7 +102,7 @@ def table(dtype: str, result: dict[str, Any]) -> list[str]:
     """The side-by-side lines of one dtype."""
     offline, serving = result["offline"], result["serving"]
     names = [n for n in ENGINES if n in offline or n in serving]
-    lines = [f"== {dtype}: " + "".join(f"{LABELS[n]:>14}" for n in names)]
+    lines = [f"{'== ' + dtype:<24}" + "".join(f"{LABELS[n]:>14}" for n in names)]
 
     def row(label: str, values: list[float | None]) -> None:
         lines.append(f"{label:<24}" + "".join(cell(v, 14) for v in values))
@@ -113,6 +122,7 @@ def table(dtype: str, result: dict[str, Any]) -> list[str]:
     if "hf" in offline and offline["hf"].get("batch_tok_s"):
         batches = ", ".join(f"b={b}: {v}" for b, v in offline["hf"]["batch_tok_s"].items())
         lines.append(f"transformers static batches: {batches}")
+    lines.append(ratio_line(dtype_summary(result), result["concurrency"]))
     for name in names:
         for what in ("offline", "serving"):
             error = (offline if what == "offline" else serving).get(name, {}).get("error")
