@@ -33,7 +33,8 @@ use; vLLM binds its threads to the first ones, ``VLLM_CPU_OMP_THREADS_BIND``), t
 (2048) and KV cache (``--kv-bytes``, 2 GiB), prefix caching off offline (the rounds repeat the
 prompts); vLLM compiles its graphs at load unless ``--vllm-eager``; load and server startup
 times are reported. Logs, configs and the full report go to a run folder under
-``<shoal cache>/peers/runs/``.
+``<shoal cache>/peers/runs/``, with ``journal.jsonl``: every figure as it is measured, so a run
+cut short still leaves what it measured.
 
     .venv/bin/python bench/peers.py [--dtypes float32,bfloat16] [--threads N] [--rounds 2]
         [--no-serve] [--skip-hf] [--skip-vllm] [--vllm-eager] [--model HF_DIR] [--quick]
@@ -64,6 +65,7 @@ sys.path.insert(0, str(ROOT))
 from bench.peers_lib.agreement import agreement, agreement_line  # noqa: E402
 from bench.peers_lib.cache import default_gguf, hf_dir_for, peers_cache  # noqa: E402
 from bench.peers_lib.engine_proc import ENGINES_DIR, EngineSpec  # noqa: E402
+from bench.peers_lib.journal import journal  # noqa: E402
 from bench.peers_lib.machine import (  # noqa: E402
     git_rev,
     load_average,
@@ -204,6 +206,7 @@ def serving_stage(
         print(f"  serving with {name} ({dtype}) on port {port} ...", flush=True)
         log = run_dir / f"serve-{name}-{dtype}.log"
         results[name] = run_serving(spec, port, load, env, log, run_dir)
+        journal(run_dir, dtype=dtype, engine=name, serving=results[name])
     return results
 
 

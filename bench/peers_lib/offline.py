@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .engine_proc import EngineProcess, EngineSpec, WorkerError
+from .journal import journal
 from .machine import CpuSnapshot
 from .report import rate
 
@@ -105,6 +106,7 @@ class OfflineStage:
         ready = self.guarded(spec.name, lambda p: p.wait_ready(LOAD_TIMEOUT_S))
         if ready is not None:
             self.runs[spec.name].ready = ready
+            journal(self.run_dir, dtype=self.settings.dtype, engine=spec.name, ready=ready)
             print(f"  {spec.name} loaded in {ready['load_s']:.1f} s", flush=True)
 
     def guarded(self, name: str, step: Callable[[EngineProcess], T]) -> T | None:
@@ -114,6 +116,9 @@ class OfflineStage:
         except WorkerError as exc:
             print(f"  {name} failed: {exc}", flush=True)
             self.runs[name].error = str(exc).splitlines()[0]
+            journal(
+                self.run_dir, dtype=self.settings.dtype, engine=name, error=self.runs[name].error
+            )
             self.procs.pop(name).close()
             return None
 
@@ -149,12 +154,14 @@ class OfflineStage:
         run = proc.call(op, RUN_TIMEOUT_S, **fields)
         used = CpuSnapshot.take(pgids).since(before)
         idle = sum(t for pgid, t in used.groups.items() if pgid != proc.pgid)
-        return {
+        timed = {
             **run,
             "cpu_s": round(used.groups[proc.pgid], 2),
             "idle_peer_cpu_s": round(idle, 2),
             "other_cpu_s": round(used.others(), 2),
         }
+        journal(self.run_dir, dtype=self.settings.dtype, engine=proc.name, op=op, **timed)
+        return timed
 
     def collect_outputs(self, proc: EngineProcess) -> None:
         reply = proc.call("outputs", RUN_TIMEOUT_S, num=self.settings.num_outputs)
