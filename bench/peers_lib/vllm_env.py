@@ -7,14 +7,13 @@ reinstalled). Any failure gives one line saying why, and the bench goes on witho
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from shoal.workers.built_dir import exclusive_lock
 
 from .cache import peers_cache
 
@@ -46,7 +45,7 @@ def ensure_vllm_env(log: Path) -> VllmEnv | str:
     """The venv, ready (made or accepted the first time), or why it is unavailable."""
     venv = peers_cache() / "vllm-venv"
     venv.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(venv.parent / ".vllm-venv.lock"):
+    with exclusive_lock(venv.parent / ".vllm-venv.lock"):
         marker = venv / MARKER
         if marker.is_file() and (venv / "bin" / "python").is_file():
             return VllmEnv(venv, json.loads(marker.read_text()))
@@ -112,14 +111,3 @@ def install(venv: Path, log: Path) -> None:
             subprocess.run(
                 step, stdout=out, stderr=subprocess.STDOUT, check=True, timeout=INSTALL_TIMEOUT_S
             )
-
-
-@contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
-    """One bench at a time installs or checks the venv."""
-    with open(path, "a") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
