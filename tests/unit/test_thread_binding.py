@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from shoal.bus.messages.config import ParallelConfig
+from shoal.kernels.cpu_build import load_kernel_library
 from shoal.workers.thread_binding import (
     ThreadBindError,
     WorkerSlot,
@@ -104,6 +105,9 @@ def _bind_in_a_child(value: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.skipif(
+    load_kernel_library("thread_binding") is None, reason="no C compiler: threads kept to the set"
+)
 def test_pinning_is_read_back_from_the_threads():
     available = sorted(os.sched_getaffinity(0))
     result = _bind_in_a_child("auto")
