@@ -20,12 +20,13 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
 
 log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 BUILD_TIMEOUT_S = 120
 
 
@@ -66,9 +67,22 @@ def _compile(source: Path, target: Path, compiler: str) -> None:
         os.replace(built, target)
 
 
+Signature = tuple[str, Any, tuple[Any, ...]]  # (entry point, ctypes result, ctypes arguments)
+
+
 @functools.cache
-def load_kernel_library(name: str) -> ctypes.CDLL | None:
-    """``kernels/cpu/<name>.c`` built for this CPU and loaded, or None (logged once)."""
+def load_kernel_library(name: str, signatures: tuple[Signature, ...] = ()) -> ctypes.CDLL | None:
+    """``kernels/cpu/<name>.c`` built for this CPU and loaded, or None (logged once); the entry
+    points in ``signatures`` typed. Cached per (name, signatures): call it per use."""
+    lib = _load(name)
+    if lib is not None:
+        for entry, restype, argtypes in signatures:
+            fn = getattr(lib, entry)
+            fn.restype, fn.argtypes = restype, list(argtypes)
+    return lib
+
+
+def _load(name: str) -> ctypes.CDLL | None:
     source = SOURCE_DIR / f"{name}.c"
     compiler = _compiler()
     if not sys.platform.startswith("linux") or compiler is None:

@@ -37,14 +37,18 @@ class CpuDecodePlan:
     split_keys: int  # keys per piece
 
 
+_SIGNATURES = (
+    (
+        "paged_decode_attention",
+        ctypes.c_int,
+        (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 8 + (ctypes.c_float, ctypes.c_int),
+    ),
+)
+
+
 def _library() -> ctypes.CDLL | None:
-    """The built library with its entry point typed (both cached by ``load_kernel_library``)."""
-    lib = load_kernel_library(LIBRARY)
-    if lib is not None:
-        fn = lib.paged_decode_attention
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 8 + [ctypes.c_float, ctypes.c_int]
-    return lib
+    """The built library with its entry point typed (cached by ``load_kernel_library``)."""
+    return load_kernel_library(LIBRARY, _SIGNATURES)
 
 
 def cpu_decode_available(k_cache: torch.Tensor, num_q_heads: int) -> bool:
