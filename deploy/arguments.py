@@ -122,7 +122,8 @@ def _add_model_arguments(g: Group) -> None:
         "--dtype",
         dest="dtype",
         choices=DTYPES,
-        help="weights and activations (auto: float32 on CPU, bfloat16 on CUDA)",
+        help="weights and activations (auto: bfloat16 on CUDA and on CPUs with AVX512-BF16 or "
+        "AMX, else float32; SHOAL_AUTO_DTYPE overrides it for a host)",
     )
     _option(
         g,
@@ -263,6 +264,13 @@ def _add_parallel_arguments(g: Group) -> None:
     )
     _option(g, "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=positive_int,
             help="workers per engine core sharing each layer")  # fmt: skip
+    _option(
+        g,
+        "--cpu-threads-bind",
+        dest="cpu_threads_bind",
+        help="CPU workers' cores: auto (this host's cores split between the workers sharing "
+        "them, one thread pinned per core), nobind, or one core list per worker: 0-3|4-7",
+    )
     _option(
         g,
         "--enable-expert-parallel",

@@ -1,5 +1,7 @@
-"""The public kernel API: each op runs its Triton kernel on CUDA (when Triton imports) and its
-torch reference otherwise; ``SHOAL_KERNELS=torch|triton`` forces a choice (see ``_backend``).
+"""The public kernel API: each op runs its Triton kernel on CUDA (when Triton imports), on the
+CPU shoal's C kernel where one serves the inputs (``cpu_pointwise``, ``cpu_decode_attention``),
+and its torch reference otherwise; ``SHOAL_KERNELS=torch|triton`` forces a choice (see
+``_backend``).
 
 Conventions: ``T`` tokens in the flattened batch, ``S`` sequences; tensors contiguous unless a
 function says otherwise.
@@ -11,6 +13,12 @@ import torch
 
 from shoal.kernels._backend import use_triton
 from shoal.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from shoal.kernels.cpu_pointwise import (
+    apply_rotary_cpu,
+    rms_norm_cpu,
+    silu_and_mul_cpu,
+    write_kv_cpu,
+)
 from shoal.kernels.decode_attention import decode_attention_triton
 from shoal.kernels.fused_moe import fused_moe_torch, fused_moe_triton
 from shoal.kernels.kv_write import write_kv_torch, write_kv_triton
@@ -42,8 +50,10 @@ def write_kv(
     slot_mapping: torch.Tensor,  # [T] int64; slot = block * block_size + offset; < 0 skips
 ) -> None:
     """Write this step's keys and values into their cache slots, in place."""
-    fn = write_kv_triton if use_triton(k_cache) else write_kv_torch
-    fn(key, value, k_cache, v_cache, slot_mapping)
+    if use_triton(k_cache):
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif not write_kv_cpu(key, value, k_cache, v_cache, slot_mapping):
+        write_kv_torch(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(
@@ -103,8 +113,10 @@ def rms_norm(
     residual: torch.Tensor | None = None,  # [..., hidden]
 ) -> Any:
     """``out`` when residual is None, else ``(out, x + residual)`` with out = norm(x + residual)."""
-    fn = rms_norm_triton if use_triton(x) else rms_norm_torch
-    return fn(x, weight, eps, residual)
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
+    result = rms_norm_cpu(x, weight, eps, residual)
+    return rms_norm_torch(x, weight, eps, residual) if result is None else result
 
 
 def apply_rotary(
@@ -116,14 +128,18 @@ def apply_rotary(
     is_neox: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotated copies of q and k (the inputs are left unchanged)."""
-    fn = apply_rotary_triton if use_triton(q) else apply_rotary_torch
-    return fn(q, k, positions, cos_sin_cache, is_neox)
+    if use_triton(q):
+        return apply_rotary_triton(q, k, positions, cos_sin_cache, is_neox)
+    result = apply_rotary_cpu(q, k, positions, cos_sin_cache, is_neox)
+    return apply_rotary_torch(q, k, positions, cos_sin_cache, is_neox) if result is None else result
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2 * inter] -> [T, inter]
     """``silu(x[:, :inter]) * x[:, inter:]``."""
-    fn = silu_and_mul_triton if use_triton(x) else silu_and_mul_torch
-    return fn(x)
+    if use_triton(x):
+        return silu_and_mul_triton(x)
+    result = silu_and_mul_cpu(x)
+    return silu_and_mul_torch(x) if result is None else result
 
 
 def fused_moe(

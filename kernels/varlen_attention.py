@@ -11,7 +11,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shoal.kernels._backend import use_cpu_kernels
 from shoal.kernels._triton import require_triton, tl, triton
+from shoal.kernels.cpu_decode_attention import (
+    CpuDecodePlan,
+    cpu_decode_attention,
+    cpu_decode_available,
+    plan_cpu_decode,
+)
 from shoal.kernels.paged_common import (
     ContextReads,
     check_paged_inputs,
@@ -59,7 +66,8 @@ def attend_one_sequence(
 class TorchAttentionPlan:
     """How the torch path attends one step's batch: the same for every layer of the step."""
 
-    decode: DecodePattern | None  # decode queries, through the sparse products (fp32 on CPU)
+    # decode queries: the C kernel (CPU), else the sparse products (fp32 on CPU), else SDPA
+    decode: CpuDecodePlan | DecodePattern | None
     seqs: list[int]  # every other sequence with queries (batch index), one SDPA each
     query_starts: list[int]  # query_start_loc on the host
     reads: ContextReads | None  # where the contexts of ``seqs`` lie
@@ -72,15 +80,21 @@ def plan_varlen_torch(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     num_q_heads: int,
 ) -> TorchAttentionPlan:
-    """Split the batch into sparse-product decodes and per-sequence SDPAs (a few host reads)."""
+    """Split the batch into decodes (the C kernel or the sparse products, on the CPU) and
+    per-sequence SDPAs (a few host reads)."""
     query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_seqs]
-    decode = None
-    if k_cache.device.type == "cpu" and k_cache.dtype in SPARSE_DTYPES:
+    decode: CpuDecodePlan | DecodePattern | None = None
+    c_kernel = use_cpu_kernels() and cpu_decode_available(k_cache, num_q_heads)
+    if c_kernel or (k_cache.device.type == "cpu" and k_cache.dtype in SPARSE_DTYPES):
         decodes = (query_lens == 1).nonzero()[:, 0]  # [n] int64
         if len(decodes):
             token_rows = query_start_loc[decodes].long()
-            args = (block_tables, seq_lens, decodes, token_rows, k_cache, num_q_heads)
-            decode = plan_decode_pattern(*args)
+            if c_kernel:
+                num_kv_heads = k_cache.shape[2]
+                decode = plan_cpu_decode(block_tables, seq_lens, decodes, token_rows, num_kv_heads)
+            else:
+                args = (block_tables, seq_lens, decodes, token_rows, k_cache, num_q_heads)
+                decode = plan_decode_pattern(*args)
         query_lens = torch.where(query_lens == 1, 0, query_lens)
     others = (query_lens > 0).nonzero()[:, 0]  # [m] int64
     reads = None
@@ -111,7 +125,10 @@ def varlen_attention_torch(
     if plan is None:
         plan = plan_varlen_torch(block_tables, query_start_loc, seq_lens, k_cache, q.shape[1])
     out = torch.empty_like(q)
-    if plan.decode is not None:
+    if isinstance(plan.decode, CpuDecodePlan):
+        decoded = cpu_decode_attention(q, k_cache, v_cache, plan.decode, scale)
+        out.index_copy_(0, plan.decode.token_rows, decoded)
+    elif plan.decode is not None:
         decoded = sparse_decode_attention(q, k_cache, v_cache, plan.decode, scale)
         out.index_copy_(0, plan.decode.token_rows, decoded)
     if plan.reads is not None:

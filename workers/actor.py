@@ -190,6 +190,7 @@ class WorkerActor(Actor):
         self.num_step_errors = 0
         self._step_running = False
         self._last_result_at: float | None = None  # perf_counter() when the last step ended
+        self.bound_cores: list[int] | None = None  # where the runner's threads run (CPU)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def inboxes(self) -> Sequence[Inbox]:
@@ -204,6 +205,7 @@ class WorkerActor(Actor):
         """Build (unless injected) and load the runner in the runner thread."""
         try:
             if self.runner is None:
+                self.bound_cores = await self._in_runner_thread(self._bind_threads)
                 self.runner = await self._in_runner_thread(self._build_runner)
             self.facts = await self._in_runner_thread(self.runner.load)
         except Exception as exc:
@@ -344,6 +346,23 @@ class WorkerActor(Actor):
     # -- helpers -------------------------------------------------------------------------------
     async def _in_runner_thread(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _bind_threads(self) -> list[int] | None:
+        """Pin the runner thread's torch threads to this worker's cores (CPU workers only)."""
+        from shoal.workers.thread_binding import WorkerSlot, bind_worker_threads  # torch
+
+        assert self.config is not None
+        if not self.config.model_config.device.startswith("cpu"):
+            return None
+        parallel = self.config.parallel_config
+        slot = WorkerSlot(
+            tp_rank=self.tp_rank,
+            tp_size=parallel.tensor_parallel_size,
+            dp_rank=self.dp_rank,
+            dp_size=parallel.data_parallel_size,
+            shares_process=self.config.bus_config.bus == "memory",
+        )
+        return bind_worker_threads(parallel.cpu_threads_bind, slot)
 
     def _build_runner(self) -> StepRunner:
         from shoal.workers.model_runner import ModelRunner  # heavy imports only where a model runs

@@ -37,7 +37,7 @@ def ensure_built(final: Path, manifest: str, build: Callable[[Path], dict[str, A
     if is_complete(final, manifest):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(final.parent / f".{final.name}.lock"):
+    with exclusive_lock(final.parent / f".{final.name}.lock"):
         if is_complete(final, manifest):  # another process built it while we waited
             return final
         _remove_leftovers(final)
@@ -53,7 +53,8 @@ def ensure_built(final: Path, manifest: str, build: Callable[[Path], dict[str, A
 
 
 @contextlib.contextmanager
-def _exclusive_lock(path: Path) -> Iterator[None]:
+def exclusive_lock(path: Path) -> Iterator[None]:
+    """Held by one process at a time (an flock on ``path``, created if missing)."""
     with open(path, "a") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from shoal.workers.cpu_info import auto_cpu_dtype
+
 
 class CheckpointConfigError(ValueError):
     """A checkpoint directory whose config cannot be served (missing file, bad field)."""
@@ -45,6 +47,14 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise CheckpointConfigError(
             f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16"
         ) from None
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    """The dtype a model is served in: ``dtype``, or for ``"auto"`` bf16 on CUDA and on the
+    CPU what ``cpu_info.auto_cpu_dtype`` picks (bf16 where the CPU multiplies it natively)."""
+    if dtype != "auto":
+        return parse_dtype(dtype)
+    return torch.bfloat16 if device.startswith("cuda") else parse_dtype(auto_cpu_dtype())
 
 
 # "freq_factors": one divisor per rotary frequency, as a GGUF file's rope_freqs tensor holds

@@ -30,7 +30,7 @@ from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.offload import KVTransferResult
 from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import ExecuteStep, StepResult
-from shoal.workers.config import CheckpointConfig, parse_dtype
+from shoal.workers.config import CheckpointConfig, resolve_dtype
 from shoal.workers.grammar_mask import GrammarMailbox, apply_grammar_bitmask
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
@@ -73,7 +73,7 @@ class ModelRunner:
         ``ep_init_method`` as rank ``dp_rank`` (``workers.moe.ep_step``)."""
         self.config = config
         self.model_dir = Path(config.model_config.model)
-        self.dtype = parse_dtype(config.model_config.resolved_dtype)
+        self.dtype = resolve_dtype(config.model_config.dtype, config.model_config.device)
         self.device = torch.device(config.model_config.device)
         self.block_size = config.cache_config.block_size
         self.max_num_batched_tokens = config.scheduler_config.max_num_batched_tokens

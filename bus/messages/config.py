@@ -18,6 +18,7 @@ group is keyword-only, immutable and strict about unknown fields.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -52,7 +53,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
 
     model: str  # a local Hugging Face directory (config.json, *.safetensors, tokenizer files)
     served_model_name: str | None = None  # what clients call it (default: the path)
-    dtype: str = "auto"  # "auto": float32 on the CPU (fast matmuls there), bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with bf16 units, else fp32 (cpu_info)
     max_model_len: int | None = None  # default: the model's own context length
     seed: int = 0
     device: str = "cpu"  # cpu, cuda or cuda:N
@@ -107,12 +108,6 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     def name(self) -> str:
         """The served model name."""
         return self.served_model_name or self.model
-
-    @property
-    def resolved_dtype(self) -> str:
-        if self.dtype != "auto":
-            return self.dtype
-        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
@@ -183,6 +178,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_
         return self.max_num_scheduled_tokens or self.max_num_batched_tokens
 
 
+_CORE_LIST = r"\d+(-\d+)?(,\d+(-\d+)?)*"
+CPU_THREADS_BIND = re.compile(rf"auto|nobind|{_CORE_LIST}(\|{_CORE_LIST})*")
+
+
 class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Engine cores (data parallel), workers per engine core (tensor parallel), how long an
     engine core waits for its workers, and MoE scale-out (vLLM's names): with
@@ -207,12 +206,21 @@ class ParallelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_f
     # events heal within one interval and the stream always holds a recent snapshot.
     routing_mode: str | None = None
     routing_load_weight: float = 1.0
+    # CPU workers' cores (vLLM's VLLM_CPU_OMP_THREADS_BIND): "auto", "nobind" or one core list
+    # per worker, "0-3|4-7" (workers.thread_binding)
+    cpu_threads_bind: str = "auto"
     kv_events_snapshot_interval_s: float = 30.0
 
     def __post_init__(self) -> None:
         _positive(self, "data_parallel_size", "tensor_parallel_size")
         if self.routing_mode is not None:
             _one_of(self.routing_mode, ROUTING_MODES, "routing_mode")
+        _require(
+            CPU_THREADS_BIND.fullmatch(self.cpu_threads_bind) is not None,
+            "cpu_threads_bind",
+            f"must be auto, nobind or core lists per worker like 0-3|4-7, got "
+            f"{self.cpu_threads_bind!r}",
+        )
         _require(
             self.routing_load_weight >= 0,
             "routing_load_weight",

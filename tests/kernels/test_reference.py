@@ -44,9 +44,14 @@ def test_paged_attention_reference_matches_dense(gqa, head_dim, block_size, lens
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("lens", [MIXED, DECODE, LONG_DECODE], ids=["mixed", "decode", "long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_paged_attention_reference_with_run_and_scattered_tail(gqa, block_size, lens, dtype):
-    """Decode layout: a consecutive run then a few scattered pages (fp32 decodes go through the
-    sparse products, bf16 ones through a view or a gather each)."""
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_paged_attention_reference_with_run_and_scattered_tail(
+    gqa, block_size, lens, dtype, kernels, monkeypatch
+):
+    """Decode layout: a consecutive run then a few scattered pages (decodes go through the C
+    kernel; forced to torch, fp32 ones through the sparse products, bf16 ones through a view or
+    a gather each)."""
+    monkeypatch.setenv("SHOAL_KERNELS", kernels)
     case = make_paged_case(
         *lens, num_kv_heads=2, gqa=gqa, head_dim=64, block_size=block_size,
         shuffle_pages=False, tail_pages=3, dtype=dtype,
@@ -57,9 +62,12 @@ def test_paged_attention_reference_with_run_and_scattered_tail(gqa, block_size, 
     torch.testing.assert_close(out, naive_attention(case), **tol)
 
 
-def test_paged_attention_reference_with_peaked_scores_spanning_hundreds():
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_paged_attention_reference_with_peaked_scores_spanning_hundreds(kernels, monkeypatch):
     """Scores far apart (as random models with large weights give): the sparse decode floors
-    exponents at -80 to keep weights normal; that must not move the result."""
+    exponents at -80 to keep weights normal; that must not move the result (nor the C
+    kernel's online softmax)."""
+    monkeypatch.setenv("SHOAL_KERNELS", kernels)
     case = make_paged_case(*LONG_DECODE, num_kv_heads=2, gqa=2, head_dim=64, block_size=16)
     case = dataclasses.replace(case, q=case.q * 60)  # scores of a few hundred
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
@@ -93,6 +101,7 @@ def test_sparse_decode_with_contexts_cut_into_chunks(monkeypatch, chunk_bytes, l
     """Rows are (chunk, query head); a query's softmax and sum span all of its chunks."""
     from shoal.kernels import sparse_decode
 
+    monkeypatch.setenv("SHOAL_KERNELS", "torch")  # the sparse products, not the C kernel
     monkeypatch.setattr(sparse_decode, "CHUNK_BYTES", chunk_bytes)  # a page holds 2048 B of K
     case = make_paged_case(*lens, num_kv_heads=2, gqa=4, head_dim=64, block_size=4)
     args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
@@ -127,9 +136,14 @@ def test_decode_reference_matches_dense(gqa, block_size, lens, dtype):
     ("shuffle_pages", "tail_pages"), [(True, 0), (False, 3)], ids=["shuffled", "run+tail"]
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_torch_path_decodes_match_decode_reference(gqa, shuffle_pages, tail_pages, dtype):
-    """The fast CPU paths on an all-decode batch (fp32: the sparse products; bf16: one SDPA
-    per sequence over a view or a gather) against the decode reference."""
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_torch_path_decodes_match_decode_reference(
+    gqa, shuffle_pages, tail_pages, dtype, kernels, monkeypatch
+):
+    """The fast CPU paths on an all-decode batch (the C kernel where it builds; forced to torch,
+    fp32: the sparse products, bf16: one SDPA per sequence over a view or a gather) against the
+    decode reference."""
+    monkeypatch.setenv("SHOAL_KERNELS", kernels)
     case = make_paged_case(
         *ALL_DECODE, num_kv_heads=2, gqa=gqa, head_dim=64, block_size=4, dtype=dtype,
         shuffle_pages=shuffle_pages, tail_pages=tail_pages,

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 
 import msgspec
 import pytest
+import torch
 
 from shoal.bus.actor import Actor
 from shoal.bus.memory import InMemoryBus
@@ -25,6 +26,8 @@ from shoal.bus.run_actor import build_actor
 from shoal.deploy.arguments import KV_OFFLOAD_FLAGS, add_engine_arguments, config_from_namespace
 from shoal.deploy.deployment import build_config
 from shoal.deploy.model_files import load_chat_template
+from shoal.workers.config import resolve_dtype
+from shoal.workers.cpu_info import AUTO_DTYPE_ENV, BF16_FLAGS, auto_cpu_dtype, cpu_flags
 
 
 def test_option_names_are_unique_across_groups() -> None:
@@ -93,10 +96,19 @@ def test_invalid_values_name_the_option_when_built_and_when_decoded(options, opt
         msgspec.json.decode(msgspec.json.encode(bad), type=ShoalConfig)
 
 
-def test_resolved_dtype_follows_the_device() -> None:
-    assert ModelConfig(model="m").resolved_dtype == "float32"
-    assert ModelConfig(model="m", device="cuda:1").resolved_dtype == "bfloat16"
-    assert ModelConfig(model="m", dtype="float16", device="cuda").resolved_dtype == "float16"
+def test_auto_dtype_follows_the_device_and_the_cpu(monkeypatch) -> None:
+    monkeypatch.delenv(AUTO_DTYPE_ENV, raising=False)
+    assert resolve_dtype("auto", "cuda:1") == torch.bfloat16
+    assert resolve_dtype("float16", "cuda") == torch.float16
+    assert resolve_dtype("float32", "cpu") == torch.float32
+    assert auto_cpu_dtype(frozenset({"avx2", "fma"})) == "float32"
+    assert auto_cpu_dtype(frozenset({"avx2", "avx512f", "avx512_bf16"})) == "bfloat16"
+    assert auto_cpu_dtype(frozenset({"avx512f", "amx_tile", "amx_bf16"})) == "bfloat16"
+    expected = torch.bfloat16 if BF16_FLAGS & cpu_flags() else torch.float32
+    assert resolve_dtype("auto", "cpu") == expected
+    monkeypatch.setenv(AUTO_DTYPE_ENV, "float32")
+    assert auto_cpu_dtype(frozenset({"amx_bf16"})) == "float32"
+    assert resolve_dtype("auto", "cpu") == torch.float32
 
 
 def test_config_defaults_follow_vllm() -> None:

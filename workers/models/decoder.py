@@ -86,7 +86,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        return self.o_proj(self.attn(q.contiguous(), k.contiguous(), v.contiguous(), meta))
+        return self.o_proj(self.attn(q.contiguous(), k.contiguous(), v, meta))
 
 
 class DecoderLayer(nn.Module):

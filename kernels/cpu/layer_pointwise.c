@@ -1,0 +1,220 @@
+/* The row-wise ops between a decoder layer's matmuls, on the CPU, each one pass over its rows:
+ * RMSNorm with the residual add fused in, rotary embedding of q and k, silu(gate) * up, and the
+ * write of this step's keys and values into their cache pages.
+ *
+ * Eager PyTorch runs each of these as 3-10 small ops (casts, reductions, elementwise products,
+ * boolean indexing) whose dispatch costs more than their arithmetic at decode batch sizes; here
+ * each is one call. Arithmetic follows the torch references (kernels/*.py) step by step,
+ * including where they round to bf16, so results differ from them only by the order of a sum
+ * and the last bit of an exp: fp32 or bf16 tensors, fp32 arithmetic.
+ *
+ * Built by kernels/cpu_build.py with the compiler's OpenMP against the libgomp torch already
+ * loaded (one thread pool in the process); large calls split their rows across threads.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PARALLEL_MIN_ELEMENTS 32768 /* below this a call runs on one thread: a fork costs more */
+#define LANES 16 /* partial sums of a row's squares (one AVX-512 register of fp32) */
+
+static inline float bf16_to_f32(uint16_t x) {
+  uint32_t bits = (uint32_t)x << 16;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch; NaN kept */
+  uint32_t bits;
+  memcpy(&bits, &f, 4);
+  const uint32_t rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
+  const uint32_t nan = (bits >> 16) | 0x40;
+  return (uint16_t)((bits & 0x7fffffff) > 0x7f800000 ? nan : rounded);
+}
+
+/* Rows widened to fp32 on load and narrowed on store; the dtype test sits outside the loops so
+ * each loop vectorizes. */
+static inline void load_row(const void *base, int64_t at, int64_t n, int is_bf16, float *out) {
+  if (is_bf16) {
+    const uint16_t *p = (const uint16_t *)base + at;
+    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(p[i]);
+  } else {
+    memcpy(out, (const float *)base + at, n * sizeof(float));
+  }
+}
+
+static inline void store_row(void *base, int64_t at, int64_t n, int is_bf16, const float *in) {
+  if (is_bf16) {
+    uint16_t *p = (uint16_t *)base + at;
+    for (int64_t i = 0; i < n; i++) p[i] = f32_to_bf16(in[i]);
+  } else {
+    memcpy((float *)base + at, in, n * sizeof(float));
+  }
+}
+
+/* What torch's op in the tensor's dtype leaves of fp32 results: themselves, or rounded to bf16. */
+static inline void as_dtype(float *v, int64_t n, int is_bf16) {
+  if (is_bf16)
+    for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
+}
+
+/* exp(x), vectorizable: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for exp(r) (relative
+ * error ~2e-7), 2^n built in the exponent bits; x clamped to [-87, 88] (no inf, no denormals). */
+static inline float exp_clamped(float x) {
+  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
+  const float n = __builtin_roundf(x * 1.44269504088896341f);
+  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+/* The sum of v[i]^2 in LANES columns (as a vector unit adds), then across them. */
+static inline float sum_of_squares(const float *v, int64_t n) {
+  float lanes[LANES] = {0.f};
+  int64_t i = 0;
+  for (; i + LANES <= n; i += LANES)
+    for (int lane = 0; lane < LANES; lane++) lanes[lane] += v[i + lane] * v[i + lane];
+  for (; i < n; i++) lanes[i % LANES] += v[i] * v[i];
+  float total = 0.f;
+  for (int lane = 0; lane < LANES; lane++) total += lanes[lane];
+  return total;
+}
+
+/* out = weight * dtype(s * rsqrt(mean(s^2) + eps)) with s = dtype(x + residual) (or x alone when
+ * residual is NULL); s is written to residual_out when given. Rows are `x_stride` elements apart
+ * in x; every other tensor is contiguous [rows, hidden]. */
+void rms_norm(const void *x, const void *residual, const void *weight, void *out,
+              void *residual_out, int64_t rows, int64_t hidden, int64_t x_stride, float eps,
+              int is_bf16) {
+#pragma omp parallel for schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
+  for (int64_t row = 0; row < rows; row++) {
+    float s[hidden], other[hidden];
+    load_row(x, row * x_stride, hidden, is_bf16, s);
+    if (residual) {
+      load_row(residual, row * hidden, hidden, is_bf16, other);
+      for (int64_t i = 0; i < hidden; i++) s[i] += other[i];
+      as_dtype(s, hidden, is_bf16);
+      store_row(residual_out, row * hidden, hidden, is_bf16, s);
+    }
+    const float inv_rms = 1.f / sqrtf(sum_of_squares(s, hidden) / (float)hidden + eps);
+    for (int64_t i = 0; i < hidden; i++) s[i] *= inv_rms;
+    as_dtype(s, hidden, is_bf16);
+    load_row(weight, 0, hidden, is_bf16, other);
+    for (int64_t i = 0; i < hidden; i++) s[i] *= other[i];
+    store_row(out, row * hidden, hidden, is_bf16, s);
+  }
+}
+
+/* One head rotated into `dst`: pairs (first, second) = (i, i + half) (neox) or (2i, 2i + 1);
+ * features past 2 * half copied as they are. */
+static inline void rotate_head(const void *src, void *dst, int64_t src_at, int64_t dst_at,
+                               const float *cos, const float *sin, int64_t half,
+                               int64_t head_dim, int is_neox, int is_bf16) {
+  float head[head_dim], x1[half], x2[half], a[half], b[half], c[half], d[half];
+  load_row(src, src_at, head_dim, is_bf16, head);
+  for (int64_t i = 0; i < half; i++) {
+    x1[i] = head[is_neox ? i : 2 * i];
+    x2[i] = head[is_neox ? i + half : 2 * i + 1];
+  }
+  for (int64_t i = 0; i < half; i++) {
+    a[i] = x1[i] * cos[i];
+    b[i] = x2[i] * sin[i];
+    c[i] = x2[i] * cos[i];
+    d[i] = x1[i] * sin[i];
+  }
+  as_dtype(a, half, is_bf16);
+  as_dtype(b, half, is_bf16);
+  as_dtype(c, half, is_bf16);
+  as_dtype(d, half, is_bf16);
+  for (int64_t i = 0; i < half; i++) {
+    head[is_neox ? i : 2 * i] = a[i] - b[i];
+    head[is_neox ? i + half : 2 * i + 1] = c[i] + d[i];
+  }
+  store_row(dst, dst_at, head_dim, is_bf16, head);
+}
+
+/* Rotated copies of q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim] (tokens
+ * `q_stride`/`k_stride` elements apart, heads `head_dim` apart) into contiguous q_out and k_out;
+ * cos/sin rows from the fp32 cache [num_positions, 2 * half] (cos then sin), cast to the dtype
+ * first. Returns how many positions were outside the cache (those tokens are left unwritten). */
+int64_t rotary(const void *q, const void *k, void *q_out, void *k_out, const int64_t *positions,
+               const float *cos_sin_cache, int64_t tokens, int64_t q_heads, int64_t kv_heads,
+               int64_t head_dim, int64_t half, int64_t q_stride, int64_t k_stride,
+               int64_t cache_stride, int64_t num_positions, int is_neox, int is_bf16) {
+  int64_t outside = 0;
+#pragma omp parallel for schedule(static) reduction(+ : outside) \
+    if (tokens * (q_heads + kv_heads) * head_dim >= PARALLEL_MIN_ELEMENTS)
+  for (int64_t t = 0; t < tokens; t++) {
+    if (positions[t] < 0 || positions[t] >= num_positions) {
+      outside++;
+      continue;
+    }
+    float cos[half], sin[half];
+    const float *row = cos_sin_cache + positions[t] * cache_stride;
+    memcpy(cos, row, half * sizeof(float));
+    memcpy(sin, row + half, half * sizeof(float));
+    as_dtype(cos, half, is_bf16);
+    as_dtype(sin, half, is_bf16);
+    for (int64_t h = 0; h < q_heads; h++)
+      rotate_head(q, q_out, t * q_stride + h * head_dim, (t * q_heads + h) * head_dim, cos, sin,
+                  half, head_dim, is_neox, is_bf16);
+    for (int64_t h = 0; h < kv_heads; h++)
+      rotate_head(k, k_out, t * k_stride + h * head_dim, (t * kv_heads + h) * head_dim, cos,
+                  sin, half, head_dim, is_neox, is_bf16);
+  }
+  return outside;
+}
+
+/* gate[i] = dtype(dtype(silu(gate[i])) * up[i]) (before the final rounding). */
+static void silu_times(float *restrict gate, const float *restrict up, int64_t n, int is_bf16) {
+  for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.f + exp_clamped(-gate[i]));
+  as_dtype(gate, n, is_bf16);
+  for (int64_t i = 0; i < n; i++) gate[i] *= up[i];
+}
+
+/* out[r, i] = dtype(dtype(silu(x[r, i])) * x[r, inter + i]); x rows `x_stride` apart, out
+ * contiguous [rows, inter]. */
+void silu_and_mul(const void *x, void *out, int64_t rows, int64_t inter, int64_t x_stride,
+                  int is_bf16) {
+#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN_ELEMENTS)
+  for (int64_t r = 0; r < rows; r++) {
+    float gate[inter], up[inter];
+    load_row(x, r * x_stride, inter, is_bf16, gate);
+    load_row(x, r * x_stride + inter, inter, is_bf16, up);
+    silu_times(gate, up, inter, is_bf16);
+    store_row(out, r * inter, inter, is_bf16, gate);
+  }
+}
+
+/* Cache slot slots[t] (block * block_size + offset) of each cache gets token t's row of
+ * `row_elems` values (its kv heads); a negative slot skips the token. Rows of key and value are
+ * `key_stride`/`value_stride` elements apart; caches hold `num_slots` rows contiguously, tensors
+ * one dtype. Returns how many slots were past the caches (not written). */
+int64_t write_kv(const void *key, const void *value, void *k_cache, void *v_cache,
+                 const int64_t *slots, int64_t tokens, int64_t row_elems, int64_t key_stride,
+                 int64_t value_stride, int64_t num_slots, int is_bf16) {
+  const int64_t width = is_bf16 ? 2 : 4, row_bytes = row_elems * width;
+  int64_t past_end = 0;
+  for (int64_t t = 0; t < tokens; t++) {
+    if (slots[t] < 0) continue;
+    if (slots[t] >= num_slots) {
+      past_end++;
+      continue;
+    }
+    memcpy((char *)k_cache + slots[t] * row_bytes, (const char *)key + t * key_stride * width,
+           row_bytes);
+    memcpy((char *)v_cache + slots[t] * row_bytes, (const char *)value + t * value_stride * width,
+           row_bytes);
+  }
+  return past_end;
+}

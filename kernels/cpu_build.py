@@ -1,0 +1,104 @@
+"""shoal's C kernels for the CPU (``kernels/cpu/*.c``): compiled on first use for this machine's
+CPU (``-march=native``) and loaded with ctypes; None where they cannot be (no C compiler, a
+failed build, not Linux), and the torch paths run instead.
+
+Each library is built once into the shoal cache (``$SHOAL_CACHE_DIR``, else
+``$XDG_CACHE_HOME/shoal``, else ``~/.cache/shoal``) under ``kernels/``, keyed by the source, the
+compiler and the CPU's model and flags, and written atomically so concurrent processes agree.
+OpenMP comes from the libgomp torch has already loaded (same soname): one thread pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
+
+log = logging.getLogger(__name__)
+SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
+CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+BUILD_TIMEOUT_S = 120
+
+
+def kernel_cache_dir() -> Path:
+    explicit = os.environ.get("SHOAL_CACHE_DIR")
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    root = Path(explicit) if explicit else (Path(xdg) if xdg else Path.home() / ".cache") / "shoal"
+    return root / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and flags (what ``-march=native`` compiles for)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    wanted = [ln for ln in lines if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(wanted)))
+
+
+def _build_key(source: Path, compiler: str) -> str:
+    digest = hashlib.sha256(source.read_bytes())
+    for part in (compiler, " ".join(CFLAGS), _cpu_identity()):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _compile(source: Path, target: Path, compiler: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        command = [compiler, *CFLAGS, "-o", str(built), str(source), "-lm"]
+        subprocess.run(command, check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
+        os.replace(built, target)
+
+
+Signature = tuple[str, Any, tuple[Any, ...]]  # (entry point, ctypes result, ctypes arguments)
+
+
+@functools.cache
+def load_kernel_library(name: str, signatures: tuple[Signature, ...] = ()) -> ctypes.CDLL | None:
+    """``kernels/cpu/<name>.c`` built for this CPU and loaded, or None (logged once); the entry
+    points in ``signatures`` typed. Cached per (name, signatures): call it per use."""
+    lib = _load(name)
+    if lib is not None:
+        for entry, restype, argtypes in signatures:
+            fn = getattr(lib, entry)
+            fn.restype, fn.argtypes = restype, list(argtypes)
+    return lib
+
+
+def _load(name: str) -> ctypes.CDLL | None:
+    source = SOURCE_DIR / f"{name}.c"
+    compiler = _compiler()
+    if not sys.platform.startswith("linux") or compiler is None:
+        log.info("no C compiler: CPU kernel %s unavailable, the torch path runs", name)
+        return None
+    target = kernel_cache_dir() / f"{name}-{_build_key(source, compiler)}.so"
+    try:
+        if not target.exists():
+            _compile(source, target, compiler)
+        return ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        log.warning(
+            "CPU kernel %s could not be built (%s %s): the torch path runs",
+            name,
+            exc,
+            detail.decode(errors="replace")[-400:],
+        )
+        return None

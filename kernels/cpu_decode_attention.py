@@ -1,0 +1,128 @@
+"""Decode attention on the CPU through shoal's C kernel (``kernels/cpu/paged_decode_attention.c``):
+every decode query of a step in one call, reading each context's keys and values once for all
+the query heads that share a kv head, straight from the cache pages (no gather, no sparse
+pattern). fp32 and bf16.
+
+Planned once per step (``plan_cpu_decode``: the decodes' rows, block tables and lengths, and how
+many pieces each context is split into so both threads have work when few sequences decode),
+then run per layer (``cpu_decode_attention``). Where the kernel cannot be built
+(``cpu_build``), ``cpu_decode_available`` is False and the torch paths run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shoal.kernels.cpu_build import load_kernel_library
+
+LIBRARY = "paged_decode_attention"
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM, MAX_GROUP = 256, 32  # the C kernel's fixed buffers
+MIN_SPLIT_KEYS = 128  # a context piece is never shorter (its merge costs more than it saves)
+ITEMS_PER_THREAD = 4  # (sequence, kv head, piece) items per thread, for balance
+
+
+@dataclass(frozen=True)
+class CpuDecodePlan:
+    """One step's decodes, laid out for the C kernel; the same for every layer."""
+
+    token_rows: torch.Tensor  # [n] int64 the query token of each decode in the flat batch
+    block_tables: torch.Tensor  # [n, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [n] int32, contiguous
+    splits: int  # pieces per context
+    split_keys: int  # keys per piece
+
+
+_SIGNATURES = (
+    (
+        "paged_decode_attention",
+        ctypes.c_int,
+        (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 8 + (ctypes.c_float, ctypes.c_int),
+    ),
+)
+
+
+def _library() -> ctypes.CDLL | None:
+    """The built library with its entry point typed (cached by ``load_kernel_library``)."""
+    return load_kernel_library(LIBRARY, _SIGNATURES)
+
+
+def cpu_decode_available(k_cache: torch.Tensor, num_q_heads: int) -> bool:
+    """Whether the C kernel serves decodes over this cache (CPU, fp32/bf16, shapes it holds)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return (
+        k_cache.device.type == "cpu"
+        and k_cache.dtype in KERNEL_DTYPES
+        and head_dim <= MAX_HEAD_DIM
+        and num_q_heads % num_kv_heads == 0
+        and num_q_heads // num_kv_heads <= MAX_GROUP
+        and _library() is not None
+    )
+
+
+def plan_cpu_decode(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    decodes: torch.Tensor,  # [n] int64 batch index of each decode sequence
+    token_rows: torch.Tensor,  # [n] int64 its query token
+    num_kv_heads: int,
+) -> CpuDecodePlan:
+    """The decodes' tables and lengths, and the context split (one host read: the longest)."""
+    lens = seq_lens[decodes].to(torch.int32).contiguous()
+    longest = int(lens.max())
+    wanted = math.ceil(ITEMS_PER_THREAD * torch.get_num_threads() / (len(decodes) * num_kv_heads))
+    split_keys = max(MIN_SPLIT_KEYS, math.ceil(longest / max(1, wanted)))
+    return CpuDecodePlan(
+        token_rows=token_rows,
+        block_tables=block_tables[decodes].to(torch.int32).contiguous(),
+        seq_lens=lens,
+        splits=max(1, math.ceil(longest / split_keys)),
+        split_keys=split_keys,
+    )
+
+
+def cpu_decode_attention(
+    q: torch.Tensor,  # [T, num_q_heads, head_dim], the whole step's queries
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    plan: CpuDecodePlan,
+    scale: float,
+) -> torch.Tensor:  # [n, num_q_heads, head_dim], the decodes' outputs in plan order
+    lib = _library()
+    assert lib is not None, "plan_cpu_decode is only made where the kernel loaded"
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the CPU decode kernel needs contiguous caches")
+    queries = q.index_select(0, plan.token_rows).to(k_cache.dtype).contiguous()
+    n, num_q_heads, head_dim = queries.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty_like(queries)
+    group = num_q_heads // num_kv_heads
+    partial = torch.empty(
+        n * num_kv_heads * plan.splits * group * (head_dim + 2), dtype=torch.float32
+    )
+    status = lib.paged_decode_attention(
+        queries.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        plan.block_tables.data_ptr(),
+        plan.seq_lens.data_ptr(),
+        out.data_ptr(),
+        partial.data_ptr(),
+        n,
+        num_q_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        plan.block_tables.shape[1],
+        plan.splits,
+        plan.split_keys,
+        scale,
+        int(k_cache.dtype == torch.bfloat16),
+    )
+    if status != 0:
+        raise ValueError(f"CPU decode kernel refused shapes heads={num_q_heads}/{num_kv_heads}")
+    return out.to(q.dtype)

@@ -1,0 +1,135 @@
+"""shoal's C decode kernel on the CPU (``kernels/cpu/paged_decode_attention.c``): against the
+decode reference and the naive attention, its context splits, its place in the torch path's plan,
+and the build: cached per machine, and the torch paths when it cannot be built."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.kernels import cpu_build, cpu_decode_attention
+from shoal.kernels.cpu_decode_attention import CpuDecodePlan
+from shoal.kernels.decode_attention import decode_attention_torch
+from shoal.kernels.sparse_decode import DecodePattern
+from shoal.kernels.varlen_attention import plan_varlen_torch, varlen_attention_torch
+from tests.kernels.paged_case import make_paged_case, naive_attention
+
+needs_kernel = pytest.mark.skipif(
+    cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is None,
+    reason="no C compiler here: the kernel cannot be built",
+)
+FP32_TOL = {"atol": 2e-5, "rtol": 1e-5}
+BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}
+
+
+def _attend(case):  # type: ignore[no-untyped-def]
+    plan = plan_varlen_torch(
+        case.block_tables, case.query_start_loc, case.seq_lens, case.k_cache, case.q.shape[1]
+    )
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
+    return plan, varlen_attention_torch(*args, case.seq_lens, case.scale, plan)
+
+
+def _decode_reference(case):  # type: ignore[no-untyped-def]
+    args = (case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    return decode_attention_torch(*args)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("gqa", "head_dim", "block_size"), [(1, 64, 16), (3, 64, 4), (4, 128, 128), (8, 32, 16)]
+)
+def test_decodes_match_the_decode_reference(dtype, gqa, head_dim, block_size):
+    case = make_paged_case(
+        [1] * 6, [0, 1, 37, 200, 15, 650], num_kv_heads=2, gqa=gqa, head_dim=head_dim,
+        block_size=block_size, dtype=dtype,
+    )  # fmt: skip
+    plan, out = _attend(case)
+    assert isinstance(plan.decode, CpuDecodePlan)
+    assert out.dtype == dtype
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out, _decode_reference(case), **tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_context_split_in_pieces_merges_to_the_same_answer(dtype, monkeypatch):
+    """One long decode: its context is cut into pieces attended apart and merged."""
+    monkeypatch.setattr(cpu_decode_attention, "MIN_SPLIT_KEYS", 16)
+    monkeypatch.setattr(cpu_decode_attention, "ITEMS_PER_THREAD", 64)
+    case = make_paged_case(
+        [1, 1], [900, 40], num_kv_heads=1, gqa=4, head_dim=64, block_size=16, dtype=dtype
+    )
+    plan, out = _attend(case)
+    assert isinstance(plan.decode, CpuDecodePlan) and plan.decode.splits > 4
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out, _decode_reference(case), **tol)
+
+
+@needs_kernel
+def test_a_mixed_batch_sends_only_its_decodes_to_the_kernel():
+    case = make_paged_case(
+        [5, 1, 9, 1, 17, 1], [0, 30, 12, 3, 40, 300], num_kv_heads=2, gqa=2, head_dim=64,
+        block_size=16,
+    )  # fmt: skip
+    plan, out = _attend(case)
+    assert isinstance(plan.decode, CpuDecodePlan)
+    assert plan.decode.token_rows.tolist() == [5, 15, 33]
+    assert plan.seqs == [0, 2, 4]
+    torch.testing.assert_close(out, naive_attention(case), **FP32_TOL)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "torch_path"), [(torch.float32, DecodePattern), (torch.bfloat16, type(None))]
+)
+def test_forcing_the_torch_kernels_keeps_the_torch_decode_paths(dtype, torch_path, monkeypatch):
+    monkeypatch.setenv("SHOAL_KERNELS", "torch")
+    case = make_paged_case(
+        [1] * 4, [0, 33, 7, 64], num_kv_heads=2, gqa=2, head_dim=64, block_size=4, dtype=dtype
+    )
+    plan, out = _attend(case)
+    assert isinstance(plan.decode, torch_path)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out, _decode_reference(case), **tol)
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """An empty kernel cache and no library loaded yet in this process."""
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    cpu_build.load_kernel_library.cache_clear()
+    yield tmp_path / "kernels"
+    cpu_build.load_kernel_library.cache_clear()
+
+
+def test_without_a_compiler_the_sparse_products_serve_decodes(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-compiler"))
+    assert cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is None
+    case = make_paged_case(
+        [1] * 4, [0, 33, 7, 64], num_kv_heads=2, gqa=2, head_dim=64, block_size=4
+    )
+    plan, out = _attend(case)
+    assert isinstance(plan.decode, DecodePattern)
+    torch.testing.assert_close(out, _decode_reference(case), **FP32_TOL)
+
+
+@needs_kernel
+def test_the_library_is_built_once_per_machine(fresh_build, monkeypatch):
+    assert cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is not None
+    built = list(fresh_build.glob("paged_decode_attention-*.so"))
+    assert len(built) == 1
+    cpu_build.load_kernel_library.cache_clear()
+
+    def no_build(*args: object) -> None:
+        raise AssertionError("built again")
+
+    monkeypatch.setattr(cpu_build, "_compile", no_build)
+    assert cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is not None
+
+
+def test_shapes_past_the_kernels_buffers_are_not_offered():
+    cache = torch.zeros(2, 4, 1, 64)
+    assert not cpu_decode_attention.cpu_decode_available(cache, num_q_heads=64)  # group 64
+    assert not cpu_decode_attention.cpu_decode_available(torch.zeros(2, 4, 1, 512), 4)
+    assert not cpu_decode_attention.cpu_decode_available(cache.half(), 4)
