@@ -107,13 +107,18 @@ static inline __attribute__((always_inline)) void attend_split_d(const Job *job,
   }
   const int32_t *table = job->block_tables + seq * job->table_stride;
   const int64_t stride = job->hkv * d; /* elements from one slot to the next */
+  const int64_t block_size = job->block_size;
+  int64_t page = start / block_size, offset = start % block_size; /* of the next key */
   for (int64_t t0 = start; t0 < end; t0 += BLOCK_KEYS) {
     const int64_t nk = end - t0 < BLOCK_KEYS ? end - t0 : BLOCK_KEYS;
     int64_t slot[BLOCK_KEYS];
     float raw[MAX_GROUP][BLOCK_KEYS];
     for (int64_t j = 0; j < nk; j++) {
-      const int64_t pos = t0 + j;
-      slot[j] = (int64_t)table[pos / job->block_size] * job->block_size + pos % job->block_size;
+      slot[j] = (int64_t)table[page] * block_size + offset;
+      if (++offset == block_size) {
+        offset = 0;
+        page++;
+      }
       load_row(job->k_cache, slot[j] * stride + kvh * d, job->is_bf16, (int)d, row);
       for (int64_t g = 0; g < group; g++) raw[g][j] = dot(q[g], row, d);
     }
