@@ -83,14 +83,48 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
   return sum;
 }
 
+/* The cache row at element `at` as fp32: in place, or widened from bf16 into `buffer` once for
+ * every query head of the group. */
+static inline __attribute__((always_inline)) const float *cache_row(const void *cache, int64_t at,
+                                                                    int64_t d, int is_bf16,
+                                                                    float *buffer) {
+  if (!is_bf16) return (const float *)cache + at;
+  load_row(cache, at, 1, (int)d, buffer);
+  return buffer;
+}
+
+/* Ask for the key and value rows of keys [from, min(from + BLOCK_KEYS, end)) (of the kv head at
+ * `head_offset` elements in a slot, `row_bytes` long) while this tile is scored: pages are
+ * scattered, so the hardware prefetcher cannot see them coming. */
+static inline void prefetch_keys(const Job *job, const int32_t *table, int64_t from, int64_t end,
+                                 int64_t head_offset, int64_t row_bytes) {
+  const int64_t to = from + BLOCK_KEYS < end ? from + BLOCK_KEYS : end;
+  const int64_t width = job->is_bf16 ? 2 : 4, slot_elems = job->hkv * job->d;
+  int64_t page = from / job->block_size, offset = from % job->block_size;
+  for (int64_t pos = from; pos < to; pos++) {
+    const int64_t slot = (int64_t)table[page] * job->block_size + offset;
+    if (++offset == job->block_size) {
+      offset = 0;
+      page++;
+    }
+    const char *k = (const char *)job->k_cache + (slot * slot_elems + head_offset) * width;
+    const char *v = (const char *)job->v_cache + (slot * slot_elems + head_offset) * width;
+    for (int64_t line = 0; line < row_bytes; line += 64) {
+      __builtin_prefetch(k + line, 0, 3);
+      __builtin_prefetch(v + line, 0, 3);
+    }
+  }
+}
+
 /* One (sequence, kv head, split): online softmax over keys [start, end), BLOCK_KEYS at a time;
  * each key row is read once and dotted with every query head of the group. (Storing a tile of
  * keys transposed to skip the dots' horizontal sums was slower: 3.9 against 2.7 ms for 64 fp32
- * decodes, both before `d` was made a constant; its scattered stores cost more than the sums.) Inlined with `d` a constant for the common head sizes. */
-static inline __attribute__((always_inline)) void attend_split_d(const Job *job, int64_t seq,
-                                                                int64_t kvh, int64_t split,
-                                                                const int64_t d) {
-  const int64_t group = job->hq / job->hkv;
+ * decodes, both before `d` was made a constant; its scattered stores cost more than the sums.) Inlined with
+ * `d`, `group` and the dtype constants for the common shapes (attend_split), so the group's queries
+ * and accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_split_with(
+    const Job *job, int64_t seq, int64_t kvh, int64_t split, const int64_t d, const int64_t group,
+    const int is_bf16) {
   const int64_t len = job->seq_lens[seq];
   const int64_t start = split * job->split_keys;
   int64_t end = start + job->split_keys;
@@ -100,7 +134,7 @@ static inline __attribute__((always_inline)) void attend_split_d(const Job *job,
   float row[MAX_HEAD_DIM];
   float scores[MAX_GROUP][BLOCK_KEYS];
   for (int64_t g = 0; g < group; g++) {
-    load_row(job->q, (seq * job->hq + kvh * group + g) * d, job->is_bf16, (int)d, q[g]);
+    load_row(job->q, (seq * job->hq + kvh * group + g) * d, is_bf16, (int)d, q[g]);
     for (int64_t i = 0; i < d; i++) { q[g][i] *= job->scale; acc[g][i] = 0.f; }
     m[g] = -INFINITY;
     l[g] = 0.f;
@@ -111,6 +145,7 @@ static inline __attribute__((always_inline)) void attend_split_d(const Job *job,
   int64_t page = start / block_size, offset = start % block_size; /* of the next key */
   for (int64_t t0 = start; t0 < end; t0 += BLOCK_KEYS) {
     const int64_t nk = end - t0 < BLOCK_KEYS ? end - t0 : BLOCK_KEYS;
+    prefetch_keys(job, table, t0 + BLOCK_KEYS, end, kvh * d, d * (is_bf16 ? 2 : 4));
     int64_t slot[BLOCK_KEYS];
     float raw[MAX_GROUP][BLOCK_KEYS];
     for (int64_t j = 0; j < nk; j++) {
@@ -119,8 +154,8 @@ static inline __attribute__((always_inline)) void attend_split_d(const Job *job,
         offset = 0;
         page++;
       }
-      load_row(job->k_cache, slot[j] * stride + kvh * d, job->is_bf16, (int)d, row);
-      for (int64_t g = 0; g < group; g++) raw[g][j] = dot(q[g], row, d);
+      const float *key = cache_row(job->k_cache, slot[j] * stride + kvh * d, d, is_bf16, row);
+      for (int64_t g = 0; g < group; g++) raw[g][j] = dot(q[g], key, d);
     }
     for (int64_t g = 0; g < group; g++) {
       float s[BLOCK_KEYS];
@@ -142,11 +177,11 @@ static inline __attribute__((always_inline)) void attend_split_d(const Job *job,
       m[g] = block_max;
     }
     for (int64_t j = 0; j < nk; j++) {
-      load_row(job->v_cache, slot[j] * stride + kvh * d, job->is_bf16, (int)d, row);
+      const float *value = cache_row(job->v_cache, slot[j] * stride + kvh * d, d, is_bf16, row);
       for (int64_t g = 0; g < group; g++) {
         const float p = scores[g][j];
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) acc[g][i] += p * row[i];
+        for (int64_t i = 0; i < d; i++) acc[g][i] += p * value[i];
       }
     }
   }
@@ -158,14 +193,23 @@ static inline __attribute__((always_inline)) void attend_split_d(const Job *job,
   }
 }
 
-/* attend_split_d compiled for the common head sizes (constant trip counts vectorize fully). */
+#define SHAPE(D, G)                                                                     \
+  if (d == D && group == G) {                                                           \
+    if (job->is_bf16)                                                                   \
+      attend_split_with(job, seq, kvh, split, D, G, 1);                                 \
+    else                                                                                \
+      attend_split_with(job, seq, kvh, split, D, G, 0);                                 \
+    return;                                                                             \
+  }
+
+/* attend_split_with compiled for the common head sizes and GQA groups (constant trip counts
+ * vectorize fully and keep the group in registers); any other shape through the general copy. */
 static void attend_split(const Job *job, int64_t seq, int64_t kvh, int64_t split) {
-  if (job->d == 64)
-    attend_split_d(job, seq, kvh, split, 64);
-  else if (job->d == 128)
-    attend_split_d(job, seq, kvh, split, 128);
-  else
-    attend_split_d(job, seq, kvh, split, job->d);
+  const int64_t d = job->d, group = job->hq / job->hkv;
+  SHAPE(64, 1) SHAPE(64, 2) SHAPE(64, 3) SHAPE(64, 4) SHAPE(64, 5) SHAPE(64, 6) SHAPE(64, 7)
+  SHAPE(64, 8) SHAPE(128, 1) SHAPE(128, 2) SHAPE(128, 3) SHAPE(128, 4) SHAPE(128, 5)
+  SHAPE(128, 6) SHAPE(128, 7) SHAPE(128, 8)
+  attend_split_with(job, seq, kvh, split, d, group, job->is_bf16);
 }
 
 /* Merge one (sequence, query head)'s splits into the output row. */
