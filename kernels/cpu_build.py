@@ -53,6 +53,8 @@ def _cpu_identity() -> str:
 
 def _build_key(source: Path, compiler: str) -> str:
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(SOURCE_DIR.glob("*.h")):  # what the sources may include
+        digest.update(header.read_bytes())
     for part in (compiler, " ".join(CFLAGS), _cpu_identity()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]

@@ -4,7 +4,7 @@
  *
  * Eager PyTorch runs each of these as 3-10 small ops (casts, reductions, elementwise products,
  * boolean indexing) whose dispatch costs more than their arithmetic at decode batch sizes; here
- * each is one call. Arithmetic follows the torch references (kernels/*.py) step by step,
+ * each is one call. Arithmetic follows the torch references (in kernels/) step by step,
  * including where they round to bf16, so results differ from them only by the order of a sum
  * and the last bit of an exp: fp32 or bf16 tensors, fp32 arithmetic.
  *
@@ -15,23 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 #define PARALLEL_MIN_ELEMENTS 32768 /* below this a call runs on one thread: a fork costs more */
 #define LANES 16 /* partial sums of a row's squares (one AVX-512 register of fp32) */
-
-static inline float bf16_to_f32(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch; NaN kept */
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  const uint32_t rounded = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16;
-  const uint32_t nan = (bits >> 16) | 0x40;
-  return (uint16_t)((bits & 0x7fffffff) > 0x7f800000 ? nan : rounded);
-}
 
 /* Rows widened to fp32 on load and narrowed on store; the dtype test sits outside the loops so
  * each loop vectorizes. */
@@ -57,25 +44,6 @@ static inline void store_row(void *base, int64_t at, int64_t n, int is_bf16, con
 static inline void as_dtype(float *v, int64_t n, int is_bf16) {
   if (is_bf16)
     for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
-}
-
-/* exp(x), vectorizable: x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for exp(r) (relative
- * error ~2e-7), 2^n built in the exponent bits; x clamped to [-87, 88] (no inf, no denormals). */
-static inline float exp_clamped(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = __builtin_roundf(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, 4);
-  return p * scale;
 }
 
 /* The sum of v[i]^2 in LANES columns (as a vector unit adds), then across them. */

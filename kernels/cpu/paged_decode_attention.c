@@ -14,24 +14,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vector_math.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 #define BLOCK_KEYS 16 /* keys scored together before the softmax update */
-
-static inline float bf16_to_f32(uint16_t x) {
-  uint32_t bits = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &bits, 4);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch */
-  uint32_t bits;
-  memcpy(&bits, &f, 4);
-  if ((bits & 0x7fffffff) > 0x7f800000) return (uint16_t)((bits >> 16) | 0x40);
-  bits += 0x7fff + ((bits >> 16) & 1);
-  return (uint16_t)(bits >> 16);
-}
 
 static inline __attribute__((always_inline)) void load_row(const void *base, int64_t offset, int is_bf16, int d, float *out) {
   if (is_bf16) {
@@ -56,25 +43,6 @@ typedef struct {
   float scale;
   int is_bf16;
 } Job;
-
-/* exp(x) for x <= 0 (softmax weights), vectorizable: x = n ln2 + r, |r| <= ln2/2, a degree-6
- * polynomial for exp(r) (relative error ~2e-7), 2^n built in the exponent bits; 0 below -87. */
-static inline float exp_nonpositive(float x) {
-  if (x < -87.f) return 0.f;
-  const float n = __builtin_roundf(x * 1.44269504088896341f);
-  const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const int32_t bits = ((int32_t)n + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, 4);
-  return p * scale;
-}
 
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t d) {
   float sum = 0.f;
@@ -163,11 +131,11 @@ static inline __attribute__((always_inline)) void attend_split_with(
       float block_max = m[g];
       for (int64_t j = 0; j < nk; j++)
         if (s[j] > block_max) block_max = s[j];
-      const float correction = exp_nonpositive(m[g] - block_max);
+      const float correction = exp_clamped(m[g] - block_max);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < BLOCK_KEYS; j++) {
-        const float p = j < nk ? exp_nonpositive(s[j] - block_max) : 0.f;
+        const float p = j < nk ? exp_clamped(s[j] - block_max) : 0.f;
         scores[g][j] = p;
         sum += p;
       }
@@ -225,7 +193,7 @@ static void merge_splits(const Job *job, void *out, int64_t seq, int64_t head) {
   for (int64_t i = 0; i < d; i++) result[i] = 0.f;
   for (int64_t s = 0; s < used; s++) {
     const float *part = base + s * stride;
-    const float w = exp_nonpositive(part[d] - total_max);
+    const float w = exp_clamped(part[d] - total_max);
     total += w * part[d + 1];
     for (int64_t i = 0; i < d; i++) result[i] += w * part[i];
   }

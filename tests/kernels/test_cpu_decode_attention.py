@@ -128,6 +128,17 @@ def test_the_library_is_built_once_per_machine(fresh_build, monkeypatch):
     assert cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is not None
 
 
+def test_a_changed_shared_header_builds_the_libraries_again(tmp_path, monkeypatch):
+    """The build key covers the headers the sources include, not only the source itself."""
+    (tmp_path / "k.c").write_text('#include "shared.h"\n')
+    (tmp_path / "shared.h").write_text("#define A 1\n")
+    monkeypatch.setattr(cpu_build, "SOURCE_DIR", tmp_path)
+    before = cpu_build._build_key(tmp_path / "k.c", "cc")
+    assert cpu_build._build_key(tmp_path / "k.c", "cc") == before
+    (tmp_path / "shared.h").write_text("#define A 2\n")
+    assert cpu_build._build_key(tmp_path / "k.c", "cc") != before
+
+
 def test_shapes_past_the_kernels_buffers_are_not_offered():
     cache = torch.zeros(2, 4, 1, 64)
     assert not cpu_decode_attention.cpu_decode_available(cache, num_q_heads=64)  # group 64
