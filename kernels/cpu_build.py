@@ -1,4 +1,5 @@
-"""shoal's C kernels for the CPU (``kernels/cpu/*.c``): compiled on first use for this machine's
+"""shoal's C kernels for the CPU (``kernels/cpu/*.c``): compiled when first asked for (a CPU
+worker asks at load: ``ops.build_cpu_kernels``) for this machine's
 CPU (``-march=native``) and loaded with ctypes; None where they cannot be (no C compiler, a
 failed build, not Linux), and the torch paths run instead.
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shoal.kernels._backend import use_cpu_kernels
 from shoal.kernels.cpu_build import load_kernel_library
 
 LIBRARY = "paged_decode_attention"
@@ -49,6 +50,11 @@ _SIGNATURES = (
 def _library() -> ctypes.CDLL | None:
     """The built library with its entry point typed (cached by ``load_kernel_library``)."""
     return load_kernel_library(LIBRARY, _SIGNATURES)
+
+
+def build_cpu_decode_kernel() -> bool:
+    """The kernel built (or loaded) now; False where it cannot be or C kernels are off."""
+    return use_cpu_kernels() and _library() is not None
 
 
 def cpu_decode_available(k_cache: torch.Tensor, num_q_heads: int) -> bool:

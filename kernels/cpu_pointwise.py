@@ -29,6 +29,11 @@ _SIGNATURES = (  # entry point, result, arguments
 )
 
 
+def build_cpu_pointwise_kernels() -> bool:
+    """The kernels built (or loaded) now; False where they cannot be or C kernels are off."""
+    return use_cpu_kernels() and load_kernel_library(LIBRARY, _SIGNATURES) is not None
+
+
 def _served(*tensors: torch.Tensor) -> ctypes.CDLL | None:
     """The library, where it serves these tensors: CPU, one kernel dtype, C kernels allowed."""
     first = tensors[0]

@@ -13,8 +13,10 @@ import torch
 
 from shoal.kernels._backend import use_triton
 from shoal.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
+from shoal.kernels.cpu_decode_attention import build_cpu_decode_kernel
 from shoal.kernels.cpu_pointwise import (
     apply_rotary_cpu,
+    build_cpu_pointwise_kernels,
     rms_norm_cpu,
     silu_and_mul_cpu,
     write_kv_cpu,
@@ -33,6 +35,7 @@ from shoal.kernels.varlen_attention import (
 __all__ = [
     "apply_rotary",
     "build_cos_sin_cache",
+    "build_cpu_kernels",
     "fused_moe",
     "paged_attention",
     "plan_paged_attention",
@@ -152,3 +155,9 @@ def fused_moe(
     """Sum over each token's experts of weight * down(silu(gate(x)) * up(x))."""
     fn = fused_moe_triton if use_triton(x) else fused_moe_torch
     return fn(x, w13, w2, topk_weights, topk_ids)
+
+
+def build_cpu_kernels() -> bool:
+    """Build (or load from the cache) shoal's C kernels for this CPU now, so that no step waits
+    for the compiler (a first build takes ~15 s); False where they cannot be built or are off."""
+    return build_cpu_decode_kernel() and build_cpu_pointwise_kernels()

@@ -30,6 +30,7 @@ from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.offload import KVTransferResult
 from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.kernels import ops
 from shoal.workers.config import CheckpointConfig, resolve_dtype
 from shoal.workers.grammar_mask import GrammarMailbox, apply_grammar_bitmask
 from shoal.workers.input_batch import InputBatch, StepInputs
@@ -126,6 +127,8 @@ class ModelRunner:
         if self.tp.rank == 0:
             log.info("%s: linear weights: %s", self.model_dir.name, model.linear_weights)
         self.gemm_backend = pack_linear_weights(model, self.device, self.dtype)
+        if self.device.type == "cpu":
+            ops.build_cpu_kernels()  # now rather than in the first step
         num_kv_heads = model.attention_layers()[0].num_kv_heads
         num_blocks = self._allocate_kv_cache(model, cfg, num_kv_heads)
         self._model = model

@@ -8,6 +8,7 @@ import torch
 
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
+from shoal.kernels import cpu_build, cpu_decode_attention
 from shoal.workers.kv_cache import bytes_per_block
 from shoal.workers.model_runner import ModelRunner
 from tests.golden.driver import make_runner
@@ -245,3 +246,21 @@ def test_seeded_sampling_independent_of_batch_and_chunking(tiny_checkpoint):
     mixed = run(prompts, [*others, seeded], 24)
     assert mixed.partial_prefill_steps > 0
     assert mixed.outputs["r7"] == alone and len(alone) == 10
+
+
+@pytest.mark.skipif(
+    cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is None,
+    reason="no C compiler here: the kernels cannot be built",
+)
+def test_loading_on_the_cpu_builds_the_c_kernels_before_any_step(
+    tiny_checkpoint, monkeypatch, tmp_path
+):  # type: ignore[no-untyped-def]
+    """A first request must not wait for the compiler: the worker's load builds the kernels."""
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    cpu_build.load_kernel_library.cache_clear()
+    try:
+        make_runner(tiny_checkpoint("llama"), num_blocks=16, block_size=BLOCK).load()
+        built = sorted(p.name.split("-")[0] for p in (tmp_path / "kernels").glob("*.so"))
+        assert built == ["layer_pointwise", "paged_decode_attention"]
+    finally:
+        cpu_build.load_kernel_library.cache_clear()
