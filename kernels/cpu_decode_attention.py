@@ -72,13 +72,15 @@ def cpu_decode_available(k_cache: torch.Tensor, num_q_heads: int) -> bool:
 
 def plan_cpu_decode(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
-    seq_lens: torch.Tensor,  # [num_seqs] int32
-    decodes: torch.Tensor,  # [n] int64 batch index of each decode sequence
-    token_rows: torch.Tensor,  # [n] int64 its query token
+    decodes: torch.Tensor,  # [n] int64 batch index of each query's sequence
+    token_rows: torch.Tensor,  # [n] int64 the query's token in the flat batch
+    key_lens: torch.Tensor,  # [n] the keys each query sees (its position + 1)
     num_kv_heads: int,
 ) -> CpuDecodePlan:
-    """The decodes' tables and lengths, and the context split (one host read: the longest)."""
-    lens = seq_lens[decodes].to(torch.int32).contiguous()
+    """The queries' tables and lengths, and the context split (one host read: the longest).
+    A query is a decode, or one of a short run of queries at the end of a sequence (drafts
+    being verified), each seeing the keys up to its own position."""
+    lens = key_lens.to(torch.int32).contiguous()
     longest = int(lens.max())
     wanted = math.ceil(ITEMS_PER_THREAD * torch.get_num_threads() / (len(decodes) * num_kv_heads))
     split_keys = max(MIN_SPLIT_KEYS, math.ceil(longest / max(1, wanted)))

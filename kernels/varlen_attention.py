@@ -35,6 +35,8 @@ from shoal.kernels.sparse_decode import (
     sparse_decode_attention,
 )
 
+MAX_KERNEL_QUERY_LEN = 8  # longer runs of queries (prefill chunks) go to SDPA
+
 
 def attend_one_sequence(
     q: torch.Tensor,  # [query_len, num_q_heads, head_dim]
@@ -81,20 +83,21 @@ def plan_varlen_torch(
     num_q_heads: int,
 ) -> TorchAttentionPlan:
     """Split the batch into decodes (the C kernel or the sparse products, on the CPU) and
-    per-sequence SDPAs (a few host reads)."""
+    per-sequence SDPAs (a few host reads). The C kernel also takes short runs of queries
+    (``MAX_KERNEL_QUERY_LEN``: drafts being verified), one query at a time."""
     query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_seqs]
     decode: CpuDecodePlan | DecodePattern | None = None
-    c_kernel = use_cpu_kernels() and cpu_decode_available(k_cache, num_q_heads)
-    if c_kernel or (k_cache.device.type == "cpu" and k_cache.dtype in SPARSE_DTYPES):
+    if use_cpu_kernels() and cpu_decode_available(k_cache, num_q_heads):
+        short = (query_lens > 0) & (query_lens <= MAX_KERNEL_QUERY_LEN)
+        if bool(short.any()):
+            decode = plan_short_queries(block_tables, query_start_loc, seq_lens, short, k_cache)
+        query_lens = torch.where(short, 0, query_lens)
+    elif k_cache.device.type == "cpu" and k_cache.dtype in SPARSE_DTYPES:
         decodes = (query_lens == 1).nonzero()[:, 0]  # [n] int64
         if len(decodes):
             token_rows = query_start_loc[decodes].long()
-            if c_kernel:
-                num_kv_heads = k_cache.shape[2]
-                decode = plan_cpu_decode(block_tables, seq_lens, decodes, token_rows, num_kv_heads)
-            else:
-                args = (block_tables, seq_lens, decodes, token_rows, k_cache, num_q_heads)
-                decode = plan_decode_pattern(*args)
+            args = (block_tables, seq_lens, decodes, token_rows, k_cache, num_q_heads)
+            decode = plan_decode_pattern(*args)
         query_lens = torch.where(query_lens == 1, 0, query_lens)
     others = (query_lens > 0).nonzero()[:, 0]  # [m] int64
     reads = None
@@ -102,6 +105,25 @@ def plan_varlen_torch(
         lengths = seq_lens[others].tolist()
         reads = plan_context_reads(block_tables[others], lengths, k_cache.shape[1])
     return TorchAttentionPlan(decode, others.tolist(), query_start_loc.tolist(), reads)
+
+
+def plan_short_queries(
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    short: torch.Tensor,  # [num_seqs] bool: the sequences the C kernel takes
+    k_cache: torch.Tensor,
+) -> CpuDecodePlan:
+    """The C kernel's plan for every query of the ``short`` sequences: query ``i`` of a
+    sequence with ``query_len`` queries sees ``seq_len - query_len + 1 + i`` keys."""
+    seqs = short.nonzero()[:, 0]  # [s] int64
+    counts = (query_start_loc[seqs + 1] - query_start_loc[seqs]).long()  # [s]
+    owner = seqs.repeat_interleave(counts)  # [n] each query's sequence
+    first_of_owner = (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+    index = torch.arange(len(owner)) - first_of_owner  # [n] the query's index in its sequence
+    token_rows = query_start_loc[owner].long() + index
+    key_lens = seq_lens[owner] - counts.repeat_interleave(counts) + 1 + index
+    return plan_cpu_decode(block_tables, owner, token_rows, key_lens, k_cache.shape[2])
 
 
 def varlen_attention_torch(

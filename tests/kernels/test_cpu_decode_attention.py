@@ -68,16 +68,32 @@ def test_a_context_split_in_pieces_merges_to_the_same_answer(dtype, monkeypatch)
 
 
 @needs_kernel
-def test_a_mixed_batch_sends_only_its_decodes_to_the_kernel():
+def test_a_mixed_batch_sends_decodes_and_short_runs_to_the_kernel_and_chunks_to_sdpa():
     case = make_paged_case(
         [5, 1, 9, 1, 17, 1], [0, 30, 12, 3, 40, 300], num_kv_heads=2, gqa=2, head_dim=64,
         block_size=16,
     )  # fmt: skip
     plan, out = _attend(case)
     assert isinstance(plan.decode, CpuDecodePlan)
-    assert plan.decode.token_rows.tolist() == [5, 15, 33]
-    assert plan.seqs == [0, 2, 4]
+    assert plan.decode.token_rows.tolist() == [0, 1, 2, 3, 4, 5, 15, 33]
+    assert plan.decode.seq_lens.tolist() == [1, 2, 3, 4, 5, 31, 4, 301]  # keys each one sees
+    assert plan.seqs == [2, 4]  # runs of more than MAX_KERNEL_QUERY_LEN queries
     torch.testing.assert_close(out, naive_attention(case), **FP32_TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_drafts_being_verified_attend_causally_in_the_kernel(dtype):
+    """Runs of 2-8 queries at the end of their sequences (speculative decoding's verify step):
+    each query sees the keys up to its own position, as SDPA's bottom-right causal mask does."""
+    case = make_paged_case(
+        [2, 6, 8, 3, 1], [40, 7, 300, 0, 129], num_kv_heads=2, gqa=3, head_dim=64,
+        block_size=16, dtype=dtype,
+    )  # fmt: skip
+    plan, out = _attend(case)
+    assert isinstance(plan.decode, CpuDecodePlan) and plan.seqs == []
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out, naive_attention(case), **tol)
 
 
 @pytest.mark.parametrize(
