@@ -41,16 +41,42 @@ def test_one_noisy_step_does_not_flip_k() -> None:
         assert controller.k == 4  # patience: the target must point down 3 steps in a row
 
 
-def test_k_is_bounded_by_the_table_and_probes_at_zero() -> None:
-    controller = AcceptanceController(max_k=5, probe_every=4)
+def probe_gaps(controller: AcceptanceController, steps: int, accepted: int = 0) -> list[int]:
+    """Steps between the K = 1 probes chosen over ``steps`` steps at K = 0, each probe answered
+    with ``accepted`` accepted drafts (a rejection otherwise)."""
+    probes = []
+    for step in range(steps):
+        if controller.choose(5):
+            probes.append(step)
+            controller.observe(accepted, 0 if accepted else 1)
+    return [b - a for a, b in itertools.pairwise([-1, *probes])]
+
+
+def test_k_is_bounded_by_the_table_and_probes_at_zero_less_often_while_probes_fail() -> None:
+    controller = AcceptanceController(max_k=5, probe_every=4, max_probe_every=16)
     assert controller.choose(2) == 2
-    feed(controller, 60, accepted=0, rejections=3)
+    for _ in range(10):
+        controller.observe(0, 3)
     assert controller.k == 0
-    chosen = [controller.choose(5) for _ in range(8)]
-    assert sorted(chosen) == [0] * 6 + [1] * 2  # a K=1 probe keeps acceptance observed
-    first = chosen.index(1)
-    assert chosen[first + 4] == 1
+    assert probe_gaps(controller, 60) == [4, 8, 16, 16, 16]  # doubles per failed probe
     assert controller.choose(0) == 0  # the table's 0 wins over a probe
+    for _ in range(4):  # drafts accepted again (as probes would see): K leaves 0
+        controller.observe(4, 0)
+    assert controller.k > 0
+    for _ in range(10):
+        controller.observe(0, 3)
+    assert controller.k == 0
+    assert probe_gaps(controller, 12)[:2] == [4, 8]  # back to the first wait
+
+
+def test_a_big_step_weighs_as_many_small_ones() -> None:
+    big, small = AcceptanceController(max_k=5), AcceptanceController(max_k=5)
+    big.observe(0, 64)  # 64 requests, every draft rejected: 16 observations' worth
+    small.observe(0, 4)  # one request's worth
+    assert big.k == 0 and big.target() == 0
+    assert small.k == 5  # one small step is within the patience
+    big.observe(2, 1)  # ... while a small step after it weighs as one
+    assert big.k == 0
 
 
 def test_steps_without_drafts_change_nothing() -> None:
