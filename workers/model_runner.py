@@ -33,7 +33,6 @@ from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.kernels import ops
 from shoal.workers.config import CheckpointConfig, resolve_dtype
 from shoal.workers.grammar_mask import GrammarMailbox, apply_grammar_bitmask
-from shoal.workers.huge_pages import enable_huge_pages
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run_kv_transfers
@@ -104,8 +103,6 @@ class ModelRunner:
     def load(self) -> ModelFacts:
         """Load the weights, allocate the KV cache, and return the model's facts."""
         torch.manual_seed(self.config.model_config.seed)
-        if self.device.type == "cpu":
-            enable_huge_pages()  # before the first large allocation: torch reads it once
         if self.tp.size > 1 and self.group is None:
             self._join_tp_group()
         cfg = CheckpointConfig.from_dir(self.model_dir)
