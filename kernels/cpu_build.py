@@ -3,6 +3,10 @@ worker asks at load: ``ops.build_cpu_kernels``) for this machine's
 CPU (``-march=native``) and loaded with ctypes; None where they cannot be (no C compiler, a
 failed build, not Linux), and the torch paths run instead.
 
+``SHOAL_KERNEL_ARCH`` names the instruction set to build for (``-march``; default ``native``):
+e.g. ``x86-64-v3`` builds the AVX2 paths on an AVX-512 machine, for tests or for a cache shared
+by different CPUs.
+
 Each library is built once into the shoal cache (``$SHOAL_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/shoal``, else ``~/.cache/shoal``) under ``kernels/``, keyed by the source, the
 compiler and the CPU's model and flags, and written atomically so concurrent processes agree.
@@ -27,8 +31,13 @@ import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
 
 log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
-CFLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+CFLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+ARCH_ENV = "SHOAL_KERNEL_ARCH"
 BUILD_TIMEOUT_S = 120
+
+
+def _cflags() -> tuple[str, ...]:
+    return (f"-march={os.environ.get(ARCH_ENV) or 'native'}", *CFLAGS)
 
 
 def kernel_cache_dir() -> Path:
@@ -56,7 +65,7 @@ def _build_key(source: Path, compiler: str) -> str:
     digest = hashlib.sha256(source.read_bytes())
     for header in sorted(SOURCE_DIR.glob("*.h")):  # what the sources may include
         digest.update(header.read_bytes())
-    for part in (compiler, " ".join(CFLAGS), _cpu_identity()):
+    for part in (compiler, " ".join(_cflags()), _cpu_identity()):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -65,7 +74,7 @@ def _compile(source: Path, target: Path, compiler: str) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        command = [compiler, *CFLAGS, "-o", str(built), str(source), "-lm"]
+        command = [compiler, *_cflags(), "-o", str(built), str(source), "-lm"]
         subprocess.run(command, check=True, capture_output=True, timeout=BUILD_TIMEOUT_S)
         os.replace(built, target)
 

@@ -12,6 +12,7 @@ from shoal.kernels.cpu_decode_attention import CpuDecodePlan
 from shoal.kernels.decode_attention import decode_attention_torch
 from shoal.kernels.sparse_decode import DecodePattern
 from shoal.kernels.varlen_attention import plan_varlen_torch, varlen_attention_torch
+from shoal.workers.cpu_info import cpu_flags
 from tests.kernels.paged_case import make_paged_case, naive_attention
 
 needs_kernel = pytest.mark.skipif(
@@ -128,6 +129,25 @@ def test_without_a_compiler_the_sparse_products_serve_decodes(fresh_build, monke
     plan, out = _attend(case)
     assert isinstance(plan.decode, DecodePattern)
     torch.testing.assert_close(out, _decode_reference(case), **FP32_TOL)
+
+
+@needs_kernel
+@pytest.mark.skipif("avx2" not in cpu_flags(), reason="the CPU has no AVX2")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_built_for_avx2_only_the_kernel_answers_the_same(fresh_build, monkeypatch, dtype):
+    """SHOAL_KERNEL_ARCH=x86-64-v3: the paths a CPU without AVX-512 runs (a dot per key and
+    query head; no folded tile scores, no bf16 dot products), built on this machine."""
+    monkeypatch.setenv("SHOAL_KERNEL_ARCH", "x86-64-v3")
+    for gqa, head_dim in ((3, 64), (2, 32)):
+        case = make_paged_case(
+            [1] * 5, [0, 17, 200, 33, 129], num_kv_heads=2, gqa=gqa, head_dim=head_dim,
+            block_size=16, dtype=dtype,
+        )  # fmt: skip
+        plan, out = _attend(case)
+        assert isinstance(plan.decode, CpuDecodePlan)
+        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+        torch.testing.assert_close(out, _decode_reference(case), **tol)
+    assert len(list(fresh_build.glob("paged_decode_attention-*.so"))) == 1
 
 
 @needs_kernel
