@@ -147,13 +147,35 @@ static inline __attribute__((always_inline)) __m512 partial_dot(const void *quer
     acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const uint16_t *)query + i),
                            (__m512bh)_mm512_loadu_si512((const uint16_t *)key + i));
 #else
-  for (int64_t i = 0; i < d; i += 16) {
-    const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)key + i));
-    const __m512 wide = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)query + i), wide, acc);
-  }
+  for (int64_t i = 0; i < d; i += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)query + i), load16(key, i, 1), acc);
 #endif
   return acc;
+}
+
+/* A cache row's 16 values from element c on, as fp32. */
+static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t c, int is_bf16) {
+  if (!is_bf16) return _mm512_loadu_ps((const float *)row + c);
+  const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+/* acc[g] = acc[g] * correction[g] + sum over the tile's keys j of p[g][j] * value j, 16 dims at a
+ * time so the group's accumulators stay in registers while the values stream by. */
+static inline __attribute__((always_inline)) void accumulate_tile(
+    float acc[][MAX_HEAD_DIM], const float *correction, float p[][BLOCK_KEYS],
+    const void *values[BLOCK_KEYS], int64_t nk, int64_t d, int64_t group, int is_bf16) {
+  for (int64_t c = 0; c < d; c += 16) {
+    __m512 sums[MAX_GROUP];
+    for (int64_t g = 0; g < group; g++)
+      sums[g] = _mm512_mul_ps(_mm512_loadu_ps(acc[g] + c), _mm512_set1_ps(correction[g]));
+    for (int64_t j = 0; j < nk; j++) {
+      const __m512 value = load16(values[j], c, is_bf16);
+      for (int64_t g = 0; g < group; g++)
+        sums[g] = _mm512_fmadd_ps(_mm512_set1_ps(p[g][j]), value, sums[g]);
+    }
+    for (int64_t g = 0; g < group; g++) _mm512_storeu_ps(acc[g] + c, sums[g]);
+  }
 }
 
 #if defined(__AVX512BF16__)
@@ -222,11 +244,13 @@ static inline __attribute__((always_inline)) void attend_split_with(
       }
     }
 #if WIDE_SCORES
+    const void *keys[BLOCK_KEYS], *values[BLOCK_KEYS];
     if (wide) {
-      const void *keys[BLOCK_KEYS];
       const int64_t width = is_bf16 ? 2 : 4;
-      for (int64_t j = 0; j < nk; j++)
+      for (int64_t j = 0; j < nk; j++) {
         keys[j] = (const char *)job->k_cache + (slot[j] * stride + kvh * d) * width;
+        values[j] = (const char *)job->v_cache + (slot[j] * stride + kvh * d) * width;
+      }
       for (int64_t g = 0; g < group; g++) score_tile(query[g], keys, nk, d, is_bf16, after, raw[g]);
     } else
 #endif
@@ -234,13 +258,14 @@ static inline __attribute__((always_inline)) void attend_split_with(
         const float *key = cache_row(job->k_cache, slot[j] * stride + kvh * d, d, is_bf16, row);
         for (int64_t g = 0; g < group; g++) raw[g][j] = dot(q[g], key, d);
       }
+    float correction[MAX_GROUP];
     for (int64_t g = 0; g < group; g++) {
       float s[BLOCK_KEYS];
       for (int64_t j = 0; j < BLOCK_KEYS; j++) s[j] = j < nk ? raw[g][j] : -INFINITY;
       float block_max = m[g];
       for (int64_t j = 0; j < nk; j++)
         if (s[j] > block_max) block_max = s[j];
-      const float correction = exp_clamped(m[g] - block_max);
+      correction[g] = exp_clamped(m[g] - block_max);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < BLOCK_KEYS; j++) {
@@ -248,10 +273,18 @@ static inline __attribute__((always_inline)) void attend_split_with(
         scores[g][j] = p;
         sum += p;
       }
-      l[g] = l[g] * correction + sum;
-#pragma omp simd
-      for (int64_t i = 0; i < d; i++) acc[g][i] *= correction;
+      l[g] = l[g] * correction[g] + sum;
       m[g] = block_max;
+    }
+#if WIDE_SCORES
+    if (wide) {
+      accumulate_tile(acc, correction, scores, values, nk, d, group, is_bf16);
+      continue;
+    }
+#endif
+    for (int64_t g = 0; g < group; g++) {
+#pragma omp simd
+      for (int64_t i = 0; i < d; i++) acc[g][i] *= correction[g];
     }
     for (int64_t j = 0; j < nk; j++) {
       const float *value = cache_row(job->v_cache, slot[j] * stride + kvh * d, d, is_bf16, row);
