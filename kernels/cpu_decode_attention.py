@@ -70,11 +70,18 @@ def cpu_decode_available(k_cache: torch.Tensor, num_q_heads: int) -> bool:
     )
 
 
+def kv_items_per_sequence(num_q_heads: int, num_kv_heads: int) -> int:
+    """The kernel's work items per sequence and context piece: one for all its kv heads where
+    their query heads fit its buffers, else one per kv head (as the C kernel decides)."""
+    return 1 if num_q_heads <= MAX_GROUP else num_kv_heads
+
+
 def plan_cpu_decode(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     decodes: torch.Tensor,  # [n] int64 batch index of each query's sequence
     token_rows: torch.Tensor,  # [n] int64 the query's token in the flat batch
     key_lens: torch.Tensor,  # [n] the keys each query sees (its position + 1)
+    num_q_heads: int,
     num_kv_heads: int,
 ) -> CpuDecodePlan:
     """The queries' tables and lengths, and the context split (one host read: the longest).
@@ -82,7 +89,11 @@ def plan_cpu_decode(
     being verified), each seeing the keys up to its own position."""
     lens = key_lens.to(torch.int32).contiguous()
     longest = int(lens.max())
-    wanted = math.ceil(ITEMS_PER_THREAD * torch.get_num_threads() / (len(decodes) * num_kv_heads))
+    wanted = math.ceil(
+        ITEMS_PER_THREAD
+        * torch.get_num_threads()
+        / (len(decodes) * kv_items_per_sequence(num_q_heads, num_kv_heads))
+    )
     split_keys = max(MIN_SPLIT_KEYS, math.ceil(longest / max(1, wanted)))
     return CpuDecodePlan(
         token_rows=token_rows,

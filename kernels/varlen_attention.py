@@ -90,7 +90,8 @@ def plan_varlen_torch(
     if use_cpu_kernels() and cpu_decode_available(k_cache, num_q_heads):
         short = (query_lens > 0) & (query_lens <= MAX_KERNEL_QUERY_LEN)
         if bool(short.any()):
-            decode = plan_short_queries(block_tables, query_start_loc, seq_lens, short, k_cache)
+            args = (block_tables, query_start_loc, seq_lens, short, k_cache, num_q_heads)
+            decode = plan_short_queries(*args)
         query_lens = torch.where(short, 0, query_lens)
     elif k_cache.device.type == "cpu" and k_cache.dtype in SPARSE_DTYPES:
         decodes = (query_lens == 1).nonzero()[:, 0]  # [n] int64
@@ -113,6 +114,7 @@ def plan_short_queries(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     short: torch.Tensor,  # [num_seqs] bool: the sequences the C kernel takes
     k_cache: torch.Tensor,
+    num_q_heads: int,
 ) -> CpuDecodePlan:
     """The C kernel's plan for every query of the ``short`` sequences: query ``i`` of a
     sequence with ``query_len`` queries sees ``seq_len - query_len + 1 + i`` keys."""
@@ -123,7 +125,7 @@ def plan_short_queries(
     index = torch.arange(len(owner)) - first_of_owner  # [n] the query's index in its sequence
     token_rows = query_start_loc[owner].long() + index
     key_lens = seq_lens[owner] - counts.repeat_interleave(counts) + 1 + index
-    return plan_cpu_decode(block_tables, owner, token_rows, key_lens, k_cache.shape[2])
+    return plan_cpu_decode(block_tables, owner, token_rows, key_lens, num_q_heads, k_cache.shape[2])
 
 
 def varlen_attention_torch(

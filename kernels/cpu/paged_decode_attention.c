@@ -130,6 +130,13 @@ static inline __attribute__((always_inline)) __m512 sum_lanes_16(__m512 partial[
   return partial[0];
 }
 
+/* A cache row's 16 values from element c on, as fp32. */
+static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t c, int is_bf16) {
+  if (!is_bf16) return _mm512_loadu_ps((const float *)row + c);
+  const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
 /* q . key as 16 partial sums (d a multiple of 32): bf16 pairs multiplied and summed by the CPU's
  * bf16 dot product where it has one (`query` then holds the unscaled bf16 row), else widened to
  * fp32 (`query` holds the scaled fp32 row). */
@@ -151,13 +158,6 @@ static inline __attribute__((always_inline)) __m512 partial_dot(const void *quer
     acc = _mm512_fmadd_ps(_mm512_loadu_ps((const float *)query + i), load16(key, i, 1), acc);
 #endif
   return acc;
-}
-
-/* A cache row's 16 values from element c on, as fp32. */
-static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t c, int is_bf16) {
-  if (!is_bf16) return _mm512_loadu_ps((const float *)row + c);
-  const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 /* acc[g] = acc[g] * correction[g] + sum over the tile's keys j of p[g][j] * value j, 16 dims at a
@@ -195,36 +195,41 @@ static inline __attribute__((always_inline)) void score_tile(const void *query, 
 }
 #endif
 
-/* One (sequence, kv head, split): online softmax over keys [start, end), BLOCK_KEYS at a time;
- * each key row is read once and dotted with every query head of the group. (Storing a tile of
- * keys transposed to skip the dots' horizontal sums was slower: 3.9 against 2.7 ms for 64 fp32
- * decodes, both before `d` was made a constant; its scattered stores cost more than the sums.) Inlined with
- * `d`, `group` and the dtype constants for the common shapes (attend_split), so the group's queries
- * and accumulators stay in registers. */
+/* One (sequence, kv heads, split): online softmax over keys [start, end), BLOCK_KEYS at a time,
+ * for the query heads of kv heads [kv_first, kv_first + kv_count); each key row is read once and
+ * dotted with every query head of its group. An item takes all of a sequence's kv heads where
+ * they fit (paged_decode_attention): a slot holds the kv heads' rows side by side, so the item
+ * then reads each page's rows in one run rather than one head's rows in every few lines of
+ * it. (Storing a tile of keys transposed to skip the dots' horizontal sums was slower: 3.9
+ * against 2.7 ms for 64 fp32 decodes, both before `d` was made a constant; its scattered stores
+ * cost more than the sums.) Inlined with `d`, `group` and the dtype constants for the common
+ * shapes (attend_split), so a group's queries and accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_split_with(
-    const Job *job, int64_t seq, int64_t kvh, int64_t split, const int64_t d, const int64_t group,
-    const int is_bf16) {
+    const Job *job, int64_t seq, int64_t kv_first, int64_t kv_count, int64_t split,
+    const int64_t d, const int64_t group, const int is_bf16) {
   const int64_t len = job->seq_lens[seq];
   const int64_t start = split * job->split_keys;
   int64_t end = start + job->split_keys;
   if (end > len) end = len;
+  const int64_t heads = kv_count * group, first_head = seq * job->hq + kv_first * group;
   float q[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
   float m[MAX_GROUP], l[MAX_GROUP];
   float row[MAX_HEAD_DIM];
   float scores[MAX_GROUP][BLOCK_KEYS];
-  for (int64_t g = 0; g < group; g++) {
-    load_row(job->q, (seq * job->hq + kvh * group + g) * d, is_bf16, (int)d, q[g]);
-    for (int64_t i = 0; i < d; i++) { q[g][i] *= job->scale; acc[g][i] = 0.f; }
-    m[g] = -INFINITY;
-    l[g] = 0.f;
+  for (int64_t h = 0; h < heads; h++) {
+    load_row(job->q, (first_head + h) * d, is_bf16, (int)d, q[h]);
+    for (int64_t i = 0; i < d; i++) { q[h][i] *= job->scale; acc[h][i] = 0.f; }
+    m[h] = -INFINITY;
+    l[h] = 0.f;
   }
 #if WIDE_SCORES
   const int wide = d % 32 == 0;
   const int raw_query = wide && is_bf16 && DOT_TAKES_BF16; /* the bf16 row, scaled after */
+  const int64_t width = is_bf16 ? 2 : 4;
   const void *query[MAX_GROUP];
-  for (int64_t g = 0; g < group; g++)
-    query[g] = raw_query ? (const void *)((const uint16_t *)job->q + (seq * job->hq + kvh * group + g) * d)
-                         : (const void *)q[g];
+  for (int64_t h = 0; h < heads; h++)
+    query[h] = raw_query ? (const void *)((const uint16_t *)job->q + (first_head + h) * d)
+                         : (const void *)q[h];
   const float after = raw_query ? job->scale : 1.f;
 #endif
   const int32_t *table = job->block_tables + seq * job->table_stride;
@@ -233,7 +238,8 @@ static inline __attribute__((always_inline)) void attend_split_with(
   int64_t page = start / block_size, offset = start % block_size; /* of the next key */
   for (int64_t t0 = start; t0 < end; t0 += BLOCK_KEYS) {
     const int64_t nk = end - t0 < BLOCK_KEYS ? end - t0 : BLOCK_KEYS;
-    prefetch_keys(job, table, t0 + BLOCK_KEYS, end, kvh * d, d * (is_bf16 ? 2 : 4));
+    prefetch_keys(job, table, t0 + BLOCK_KEYS, end, kv_first * d,
+                  kv_count * d * (is_bf16 ? 2 : 4));
     int64_t slot[BLOCK_KEYS];
     float raw[MAX_GROUP][BLOCK_KEYS];
     for (int64_t j = 0; j < nk; j++) {
@@ -243,83 +249,95 @@ static inline __attribute__((always_inline)) void attend_split_with(
         page++;
       }
     }
+    for (int64_t kv = 0; kv < kv_count; kv++) {
+      const int64_t at = (kv_first + kv) * d, h0 = kv * group;
 #if WIDE_SCORES
-    const void *keys[BLOCK_KEYS], *values[BLOCK_KEYS];
-    if (wide) {
-      const int64_t width = is_bf16 ? 2 : 4;
-      for (int64_t j = 0; j < nk; j++) {
-        keys[j] = (const char *)job->k_cache + (slot[j] * stride + kvh * d) * width;
-        values[j] = (const char *)job->v_cache + (slot[j] * stride + kvh * d) * width;
+      if (wide) {
+        const void *keys[BLOCK_KEYS];
+        for (int64_t j = 0; j < nk; j++)
+          keys[j] = (const char *)job->k_cache + (slot[j] * stride + at) * width;
+        for (int64_t g = 0; g < group; g++)
+          score_tile(query[h0 + g], keys, nk, d, is_bf16, after, raw[h0 + g]);
+        continue;
       }
-      for (int64_t g = 0; g < group; g++) score_tile(query[g], keys, nk, d, is_bf16, after, raw[g]);
-    } else
 #endif
       for (int64_t j = 0; j < nk; j++) {
-        const float *key = cache_row(job->k_cache, slot[j] * stride + kvh * d, d, is_bf16, row);
-        for (int64_t g = 0; g < group; g++) raw[g][j] = dot(q[g], key, d);
+        const float *key = cache_row(job->k_cache, slot[j] * stride + at, d, is_bf16, row);
+        for (int64_t g = 0; g < group; g++) raw[h0 + g][j] = dot(q[h0 + g], key, d);
       }
+    }
     float correction[MAX_GROUP];
-    for (int64_t g = 0; g < group; g++) {
+    for (int64_t h = 0; h < heads; h++) {
       float s[BLOCK_KEYS];
-      for (int64_t j = 0; j < BLOCK_KEYS; j++) s[j] = j < nk ? raw[g][j] : -INFINITY;
-      float block_max = m[g];
+      for (int64_t j = 0; j < BLOCK_KEYS; j++) s[j] = j < nk ? raw[h][j] : -INFINITY;
+      float block_max = m[h];
       for (int64_t j = 0; j < nk; j++)
         if (s[j] > block_max) block_max = s[j];
-      correction[g] = exp_clamped(m[g] - block_max);
+      correction[h] = exp_clamped(m[h] - block_max);
       float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
       for (int j = 0; j < BLOCK_KEYS; j++) {
         const float p = j < nk ? exp_clamped(s[j] - block_max) : 0.f;
-        scores[g][j] = p;
+        scores[h][j] = p;
         sum += p;
       }
-      l[g] = l[g] * correction[g] + sum;
-      m[g] = block_max;
+      l[h] = l[h] * correction[h] + sum;
+      m[h] = block_max;
     }
+    for (int64_t kv = 0; kv < kv_count; kv++) {
+      const int64_t at = (kv_first + kv) * d, h0 = kv * group;
 #if WIDE_SCORES
-    if (wide) {
-      accumulate_tile(acc, correction, scores, values, nk, d, group, is_bf16);
-      continue;
-    }
+      if (wide) {
+        const void *values[BLOCK_KEYS];
+        for (int64_t j = 0; j < nk; j++)
+          values[j] = (const char *)job->v_cache + (slot[j] * stride + at) * width;
+        accumulate_tile(acc + h0, correction + h0, scores + h0, values, nk, d, group, is_bf16);
+        continue;
+      }
 #endif
-    for (int64_t g = 0; g < group; g++) {
-#pragma omp simd
-      for (int64_t i = 0; i < d; i++) acc[g][i] *= correction[g];
-    }
-    for (int64_t j = 0; j < nk; j++) {
-      const float *value = cache_row(job->v_cache, slot[j] * stride + kvh * d, d, is_bf16, row);
       for (int64_t g = 0; g < group; g++) {
-        const float p = scores[g][j];
 #pragma omp simd
-        for (int64_t i = 0; i < d; i++) acc[g][i] += p * value[i];
+        for (int64_t i = 0; i < d; i++) acc[h0 + g][i] *= correction[h0 + g];
+      }
+      for (int64_t j = 0; j < nk; j++) {
+        const float *value = cache_row(job->v_cache, slot[j] * stride + at, d, is_bf16, row);
+        for (int64_t g = 0; g < group; g++) {
+          const float p = scores[h0 + g][j];
+#pragma omp simd
+          for (int64_t i = 0; i < d; i++) acc[h0 + g][i] += p * value[i];
+        }
       }
     }
   }
-  float *out = job->partial + ((seq * job->hkv + kvh) * job->splits + split) * group * (d + 2);
-  for (int64_t g = 0; g < group; g++) {
-    memcpy(out + g * (d + 2), acc[g], d * sizeof(float));
-    out[g * (d + 2) + d] = m[g];
-    out[g * (d + 2) + d + 1] = l[g];
+  for (int64_t kv = 0; kv < kv_count; kv++) {
+    float *out = job->partial + ((seq * job->hkv + kv_first + kv) * job->splits + split) * group * (d + 2);
+    for (int64_t g = 0; g < group; g++) {
+      const int64_t h = kv * group + g;
+      memcpy(out + g * (d + 2), acc[h], d * sizeof(float));
+      out[g * (d + 2) + d] = m[h];
+      out[g * (d + 2) + d + 1] = l[h];
+    }
   }
 }
 
 #define SHAPE(D, G)                                                                     \
   if (d == D && group == G) {                                                           \
     if (job->is_bf16)                                                                   \
-      attend_split_with(job, seq, kvh, split, D, G, 1);                                 \
+      attend_split_with(job, seq, kv_first, kv_count, split, D, G, 1);                  \
     else                                                                                \
-      attend_split_with(job, seq, kvh, split, D, G, 0);                                 \
+      attend_split_with(job, seq, kv_first, kv_count, split, D, G, 0);                  \
     return;                                                                             \
   }
 
 /* attend_split_with compiled for the common head sizes and GQA groups (constant trip counts
  * vectorize fully and keep the group in registers); any other shape through the general copy. */
-static void attend_split(const Job *job, int64_t seq, int64_t kvh, int64_t split) {
+static void attend_split(const Job *job, int64_t seq, int64_t kv_first, int64_t kv_count,
+                         int64_t split) {
   const int64_t d = job->d, group = job->hq / job->hkv;
   SHAPE(64, 1) SHAPE(64, 2) SHAPE(64, 3) SHAPE(64, 4) SHAPE(64, 5) SHAPE(64, 6) SHAPE(64, 7)
   SHAPE(64, 8) SHAPE(128, 1) SHAPE(128, 2) SHAPE(128, 3) SHAPE(128, 4) SHAPE(128, 5)
   SHAPE(128, 6) SHAPE(128, 7) SHAPE(128, 8)
-  attend_split_with(job, seq, kvh, split, d, group, job->is_bf16);
+  attend_split_with(job, seq, kv_first, kv_count, split, d, group, job->is_bf16);
 }
 
 /* Merge one (sequence, query head)'s splits into the output row. */
@@ -359,11 +377,14 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
   if (d > MAX_HEAD_DIM || hq % hkv != 0 || hq / hkv > MAX_GROUP) return 1;
   Job job = {q, k_cache, v_cache, block_tables, seq_lens, partial, n, hq, hkv, d,
              block_size, table_stride, splits, split_keys, scale, is_bf16};
-  const int64_t items = n * hkv * splits;
+  /* An item takes all of a sequence's kv heads where their query heads fit its buffers. */
+  const int64_t kv_per_item = hq <= MAX_GROUP ? hkv : 1, kv_items = hkv / kv_per_item;
+  const int64_t items = n * kv_items * splits;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < items; item++) {
-    const int64_t seq = item / (hkv * splits), rest = item % (hkv * splits);
-    if ((rest % splits) * split_keys < seq_lens[seq]) attend_split(&job, seq, rest / splits, rest % splits);
+    const int64_t seq = item / (kv_items * splits), rest = item % (kv_items * splits);
+    const int64_t split = rest % splits, kv_first = (rest / splits) * kv_per_item;
+    if (split * split_keys < seq_lens[seq]) attend_split(&job, seq, kv_first, kv_per_item, split);
   }
 #pragma omp parallel for schedule(static)
   for (int64_t item = 0; item < n * hq; item++) merge_splits(&job, out, item / hq, item % hq);

@@ -39,7 +39,9 @@ def _decode_reference(case):  # type: ignore[no-untyped-def]
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
-    ("gqa", "head_dim", "block_size"), [(1, 64, 16), (3, 64, 4), (4, 128, 128), (8, 32, 16)]
+    ("gqa", "head_dim", "block_size"),
+    # 34 query heads (17 x 2) exceed an item's buffers: an item per kv head
+    [(1, 64, 16), (3, 64, 4), (4, 128, 128), (8, 32, 16), (17, 64, 16)],
 )
 def test_decodes_match_the_decode_reference(dtype, gqa, head_dim, block_size):
     case = make_paged_case(
@@ -132,21 +134,28 @@ def test_without_a_compiler_the_sparse_products_serve_decodes(fresh_build, monke
 
 
 @needs_kernel
-@pytest.mark.skipif("avx2" not in cpu_flags(), reason="the CPU has no AVX2")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_built_for_avx2_only_the_kernel_answers_the_same(fresh_build, monkeypatch, dtype):
-    """SHOAL_KERNEL_ARCH=x86-64-v3: the paths a CPU without AVX-512 runs (a dot per key and
-    query head; no folded tile scores, no bf16 dot products), built on this machine."""
-    monkeypatch.setenv("SHOAL_KERNEL_ARCH", "x86-64-v3")
-    for gqa, head_dim in ((3, 64), (2, 32)):
-        case = make_paged_case(
-            [1] * 5, [0, 17, 200, 33, 129], num_kv_heads=2, gqa=gqa, head_dim=head_dim,
-            block_size=16, dtype=dtype,
-        )  # fmt: skip
-        plan, out = _attend(case)
-        assert isinstance(plan.decode, CpuDecodePlan)
-        tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
-        torch.testing.assert_close(out, _decode_reference(case), **tol)
+@pytest.mark.parametrize(
+    ("arch", "flag"),
+    [("x86-64-v3", "avx2"), ("skylake-avx512", "avx512f")],
+    ids=["avx2", "avx512f"],
+)
+def test_built_for_an_older_cpu_the_kernel_answers_the_same(fresh_build, monkeypatch, arch, flag):
+    """SHOAL_KERNEL_ARCH: the paths of CPUs without AVX-512 (a dot per key and query head, no
+    folded tile scores) and of AVX-512 without bf16 dot products (bf16 widened to fp32), built
+    and run on this machine."""
+    if flag not in cpu_flags():
+        pytest.skip(f"the CPU has no {flag}")
+    monkeypatch.setenv("SHOAL_KERNEL_ARCH", arch)
+    for dtype in (torch.float32, torch.bfloat16):
+        for gqa, head_dim in ((3, 64), (2, 32)):
+            case = make_paged_case(
+                [1] * 5, [0, 17, 200, 33, 129], num_kv_heads=2, gqa=gqa, head_dim=head_dim,
+                block_size=16, dtype=dtype,
+            )  # fmt: skip
+            plan, out = _attend(case)
+            assert isinstance(plan.decode, CpuDecodePlan)
+            tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+            torch.testing.assert_close(out, _decode_reference(case), **tol)
     assert len(list(fresh_build.glob("paged_decode_attention-*.so"))) == 1
 
 
