@@ -8,7 +8,8 @@ e.g. ``x86-64-v3`` builds the AVX2 paths on an AVX-512 machine, for tests or for
 by different CPUs.
 
 Each library is built once into the shoal cache (``$SHOAL_CACHE_DIR``, else
-``$XDG_CACHE_HOME/shoal``, else ``~/.cache/shoal``) under ``kernels/``, keyed by the source, the
+``$XDG_CACHE_HOME/shoal``, else ``~/.cache/shoal``) under ``kernels/`` (or into
+``$SHOAL_KERNEL_CACHE_DIR``), keyed by the source, the
 compiler and the CPU's model and flags, and written atomically so concurrent processes agree.
 OpenMP comes from the libgomp torch has already loaded (same soname): one thread pool.
 """
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 CFLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 ARCH_ENV = "SHOAL_KERNEL_ARCH"
+KERNEL_CACHE_ENV = "SHOAL_KERNEL_CACHE_DIR"
 BUILD_TIMEOUT_S = 120
 
 
@@ -41,6 +43,10 @@ def _cflags() -> tuple[str, ...]:
 
 
 def kernel_cache_dir() -> Path:
+    """``$SHOAL_KERNEL_CACHE_DIR``, else ``kernels/`` in the shoal cache."""
+    kernels = os.environ.get(KERNEL_CACHE_ENV)
+    if kernels:
+        return Path(kernels)
     explicit = os.environ.get("SHOAL_CACHE_DIR")
     xdg = os.environ.get("XDG_CACHE_HOME")
     root = Path(explicit) if explicit else (Path(xdg) if xdg else Path.home() / ".cache") / "shoal"

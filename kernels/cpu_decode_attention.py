@@ -36,13 +36,14 @@ class CpuDecodePlan:
     seq_lens: torch.Tensor  # [n] int32, contiguous
     splits: int  # pieces per context
     split_keys: int  # keys per piece
+    kv_per_item: int  # kv heads per work item: 1, or all of them
 
 
 _SIGNATURES = (
     (
         "paged_decode_attention",
         ctypes.c_int,
-        (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 8 + (ctypes.c_float, ctypes.c_int),
+        (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 9 + (ctypes.c_float, ctypes.c_int),
     ),
 )
 
@@ -70,10 +71,12 @@ def cpu_decode_available(k_cache: torch.Tensor, num_q_heads: int) -> bool:
     )
 
 
-def kv_items_per_sequence(num_q_heads: int, num_kv_heads: int) -> int:
-    """The kernel's work items per sequence and context piece: one for all its kv heads where
-    their query heads fit its buffers, else one per kv head (as the C kernel decides)."""
-    return 1 if num_q_heads <= MAX_GROUP else num_kv_heads
+def kv_heads_per_item(num_queries: int, num_q_heads: int, num_kv_heads: int) -> int:
+    """A work item takes all of a sequence's kv heads (each page's rows read in one run) when
+    there are sequences enough to keep every thread busy and their query heads fit the kernel's
+    buffers; else one kv head (more, smaller items: one sequence still fills the threads)."""
+    many = num_queries >= ITEMS_PER_THREAD * torch.get_num_threads()
+    return num_kv_heads if many and num_q_heads <= MAX_GROUP else 1
 
 
 def plan_cpu_decode(
@@ -89,11 +92,9 @@ def plan_cpu_decode(
     being verified), each seeing the keys up to its own position."""
     lens = key_lens.to(torch.int32).contiguous()
     longest = int(lens.max())
-    wanted = math.ceil(
-        ITEMS_PER_THREAD
-        * torch.get_num_threads()
-        / (len(decodes) * kv_items_per_sequence(num_q_heads, num_kv_heads))
-    )
+    kv_per_item = kv_heads_per_item(len(decodes), num_q_heads, num_kv_heads)
+    items = len(decodes) * (num_kv_heads // kv_per_item)
+    wanted = math.ceil(ITEMS_PER_THREAD * torch.get_num_threads() / items)
     split_keys = max(MIN_SPLIT_KEYS, math.ceil(longest / max(1, wanted)))
     return CpuDecodePlan(
         token_rows=token_rows,
@@ -101,6 +102,7 @@ def plan_cpu_decode(
         seq_lens=lens,
         splits=max(1, math.ceil(longest / split_keys)),
         split_keys=split_keys,
+        kv_per_item=kv_per_item,
     )
 
 
@@ -139,6 +141,7 @@ def cpu_decode_attention(
         plan.block_tables.shape[1],
         plan.splits,
         plan.split_keys,
+        plan.kv_per_item,
         scale,
         int(k_cache.dtype == torch.bfloat16),
     )

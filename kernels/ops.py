@@ -159,5 +159,5 @@ def fused_moe(
 
 def build_cpu_kernels() -> bool:
     """Build (or load from the cache) shoal's C kernels for this CPU now, so that no step waits
-    for the compiler (a first build takes ~12 s); False where they cannot be built or are off."""
+    for the compiler (a first build takes ~25 s); False where they cannot be built or are off."""
     return build_cpu_decode_kernel() and build_cpu_pointwise_kernels()

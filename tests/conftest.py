@@ -13,5 +13,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # bf16 ask for it by name), so every machine runs the same tests
 os.environ.setdefault("SHOAL_AUTO_DTYPE", "float32")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The C kernels are built once for the whole suite (tens of seconds each time), also by the
+# tests and the processes they start that point SHOAL_CACHE_DIR elsewhere for their other files;
+# the tests of the build itself point SHOAL_KERNEL_CACHE_DIR at an empty folder.
+_default_cache = os.environ.get("SHOAL_CACHE_DIR") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "shoal"
+)
+os.environ.setdefault("SHOAL_KERNEL_CACHE_DIR", os.path.join(_default_cache, "kernels"))
 
 pytest_plugins: list[str] = ["tests.fixtures.models", "tests.fixtures.nats"]

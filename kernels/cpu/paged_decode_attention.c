@@ -197,10 +197,10 @@ static inline __attribute__((always_inline)) void score_tile(const void *query, 
 
 /* One (sequence, kv heads, split): online softmax over keys [start, end), BLOCK_KEYS at a time,
  * for the query heads of kv heads [kv_first, kv_first + kv_count); each key row is read once and
- * dotted with every query head of its group. An item takes all of a sequence's kv heads where
- * they fit (paged_decode_attention): a slot holds the kv heads' rows side by side, so the item
- * then reads each page's rows in one run rather than one head's rows in every few lines of
- * it. (Storing a tile of keys transposed to skip the dots' horizontal sums was slower: 3.9
+ * dotted with every query head of its group. An item takes all of a sequence's kv heads when the
+ * caller asks (many sequences, query heads that fit the buffers): a slot holds the kv heads' rows
+ * side by side, so the item then reads each page's rows in one run rather than one head's rows
+ * in every few lines of it. (Storing a tile of keys transposed to skip the dots' horizontal sums was slower: 3.9
  * against 2.7 ms for 64 fp32 decodes, both before `d` was made a constant; its scattered stores
  * cost more than the sums.) Inlined with `d`, `group` and the dtype constants for the common
  * shapes (attend_split), so a group's queries and accumulators stay in registers. */
@@ -368,17 +368,19 @@ static void merge_splits(const Job *job, void *out, int64_t seq, int64_t head) {
   }
 }
 
-/* Returns 0, or 1 when a shape exceeds the fixed buffers (the caller falls back). */
+/* Returns 0, or 1 when a shape exceeds the fixed buffers or kv_per_item does not divide the kv
+ * heads (the caller falls back). */
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, const int32_t *seq_lens, void *out,
                            float *partial, int64_t n, int64_t hq, int64_t hkv, int64_t d,
                            int64_t block_size, int64_t table_stride, int64_t splits,
-                           int64_t split_keys, float scale, int is_bf16) {
+                           int64_t split_keys, int64_t kv_per_item, float scale, int is_bf16) {
   if (d > MAX_HEAD_DIM || hq % hkv != 0 || hq / hkv > MAX_GROUP) return 1;
+  if (kv_per_item < 1 || hkv % kv_per_item != 0 || kv_per_item * (hq / hkv) > MAX_GROUP) return 1;
   Job job = {q, k_cache, v_cache, block_tables, seq_lens, partial, n, hq, hkv, d,
              block_size, table_stride, splits, split_keys, scale, is_bf16};
-  /* An item takes all of a sequence's kv heads where their query heads fit its buffers. */
-  const int64_t kv_per_item = hq <= MAX_GROUP ? hkv : 1, kv_items = hkv / kv_per_item;
+  /* An item takes kv_per_item kv heads of a sequence (the caller's choice: 1, or all). */
+  const int64_t kv_items = hkv / kv_per_item;
   const int64_t items = n * kv_items * splits;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t item = 0; item < items; item++) {

@@ -40,16 +40,23 @@ def _decode_reference(case):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(
     ("gqa", "head_dim", "block_size"),
-    # 34 query heads (17 x 2) exceed an item's buffers: an item per kv head
+    # 34 query heads (17 x 2) exceed an item's buffers: an item per kv head even when many
     [(1, 64, 16), (3, 64, 4), (4, 128, 128), (8, 32, 16), (17, 64, 16)],
 )
-def test_decodes_match_the_decode_reference(dtype, gqa, head_dim, block_size):
+@pytest.mark.parametrize("many", [False, True], ids=["few", "many"])
+def test_decodes_match_the_decode_reference(dtype, gqa, head_dim, block_size, many):
+    """Few decodes: an item per (sequence, kv head, piece); many: per (sequence, piece), all of
+    its kv heads in one item."""
+    lens = [0, 1, 37, 200, 15, 650]
+    threads = torch.get_num_threads()
+    lens = lens * threads * 2 if many else lens[:3]  # 12 per thread, or under 4 in all
     case = make_paged_case(
-        [1] * 6, [0, 1, 37, 200, 15, 650], num_kv_heads=2, gqa=gqa, head_dim=head_dim,
+        [1] * len(lens), lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim,
         block_size=block_size, dtype=dtype,
     )  # fmt: skip
     plan, out = _attend(case)
     assert isinstance(plan.decode, CpuDecodePlan)
+    assert plan.decode.kv_per_item == (2 if many and gqa * 2 <= 32 else 1)
     assert out.dtype == dtype
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(out, _decode_reference(case), **tol)
@@ -116,7 +123,7 @@ def test_forcing_the_torch_kernels_keeps_the_torch_decode_paths(dtype, torch_pat
 @pytest.fixture
 def fresh_build(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     """An empty kernel cache and no library loaded yet in this process."""
-    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SHOAL_KERNEL_CACHE_DIR", str(tmp_path / "kernels"))
     cpu_build.load_kernel_library.cache_clear()
     yield tmp_path / "kernels"
     cpu_build.load_kernel_library.cache_clear()

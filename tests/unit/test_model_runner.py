@@ -256,7 +256,7 @@ def test_loading_on_the_cpu_builds_the_c_kernels_before_any_step(
     tiny_checkpoint, monkeypatch, tmp_path
 ):  # type: ignore[no-untyped-def]
     """A first request must not wait for the compiler: the worker's load builds the kernels."""
-    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("SHOAL_KERNEL_CACHE_DIR", str(tmp_path / "kernels"))
     cpu_build.load_kernel_library.cache_clear()
     try:
         make_runner(tiny_checkpoint("llama"), num_blocks=16, block_size=BLOCK).load()
