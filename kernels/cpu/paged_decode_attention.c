@@ -184,6 +184,13 @@ static inline __attribute__((always_inline)) void accumulate_tile(
 #define DOT_TAKES_BF16 0
 #endif
 
+/* rows[j] = where the tile's key j has its row (`at` elements into its slot) in `cache`. */
+static inline __attribute__((always_inline)) void tile_rows(const void *cache, const int64_t *slot,
+                                                            int64_t nk, int64_t stride, int64_t at,
+                                                            int64_t width, const void *rows[BLOCK_KEYS]) {
+  for (int64_t j = 0; j < nk; j++) rows[j] = (const char *)cache + (slot[j] * stride + at) * width;
+}
+
 /* raw[j] = q . key j (times `after`) for the tile's nk <= 16 keys; 0 past nk. */
 static inline __attribute__((always_inline)) void score_tile(const void *query, const void *keys[BLOCK_KEYS],
                                                              int64_t nk, int64_t d, int is_bf16,
@@ -254,8 +261,7 @@ static inline __attribute__((always_inline)) void attend_split_with(
 #if WIDE_SCORES
       if (wide) {
         const void *keys[BLOCK_KEYS];
-        for (int64_t j = 0; j < nk; j++)
-          keys[j] = (const char *)job->k_cache + (slot[j] * stride + at) * width;
+        tile_rows(job->k_cache, slot, nk, stride, at, width, keys);
         for (int64_t g = 0; g < group; g++)
           score_tile(query[h0 + g], keys, nk, d, is_bf16, after, raw[h0 + g]);
         continue;
@@ -289,8 +295,7 @@ static inline __attribute__((always_inline)) void attend_split_with(
 #if WIDE_SCORES
       if (wide) {
         const void *values[BLOCK_KEYS];
-        for (int64_t j = 0; j < nk; j++)
-          values[j] = (const char *)job->v_cache + (slot[j] * stride + at) * width;
+        tile_rows(job->v_cache, slot, nk, stride, at, width, values);
         accumulate_tile(acc + h0, correction + h0, scores + h0, values, nk, d, group, is_bf16);
         continue;
       }
