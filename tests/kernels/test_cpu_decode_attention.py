@@ -120,15 +120,6 @@ def test_forcing_the_torch_kernels_keeps_the_torch_decode_paths(dtype, torch_pat
     torch.testing.assert_close(out, _decode_reference(case), **tol)
 
 
-@pytest.fixture
-def fresh_build(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
-    """An empty kernel cache and no library loaded yet in this process."""
-    monkeypatch.setenv("SHOAL_KERNEL_CACHE_DIR", str(tmp_path / "kernels"))
-    cpu_build.load_kernel_library.cache_clear()
-    yield tmp_path / "kernels"
-    cpu_build.load_kernel_library.cache_clear()
-
-
 def test_without_a_compiler_the_sparse_products_serve_decodes(fresh_build, monkeypatch):
     monkeypatch.setenv("CC", str(fresh_build / "no-such-compiler"))
     assert cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is None

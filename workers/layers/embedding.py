@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.kernels import gemm
-from shoal.kernels.quant_gemm import QuantizedWeight
+from shoal.kernels.gemm import PreparedWeight
 from shoal.workers.layers.linear import (
     Loaded,
     _plain_loader,
@@ -48,7 +48,7 @@ class Embedding(nn.Module):
 class LMHead(nn.Module):
     """Hidden states → fp32 logits; shares the embedding's weight when tied."""
 
-    weight: torch.Tensor | QuantizedWeight
+    weight: torch.Tensor | PreparedWeight
 
     def __init__(
         self, vocab_size: int, hidden: int, *, tied_to: Embedding | None, dtype, device
@@ -60,7 +60,7 @@ class LMHead(nn.Module):
                 (vocab_size, hidden), dtype, device, _plain_loader, quantizable=True
             )
 
-    def head_weight(self) -> torch.Tensor | QuantizedWeight:  # [vocab, hidden]
+    def head_weight(self) -> torch.Tensor | PreparedWeight:  # [vocab, hidden]
         """The weight multiplied by: its own (loaded, or a copy given by ``use_weight``), else
         the embedding's."""
         own = getattr(self, "weight", None)
@@ -69,7 +69,7 @@ class LMHead(nn.Module):
         assert self.tied_to is not None
         return self.tied_to.weight
 
-    def use_weight(self, weight: torch.Tensor | QuantizedWeight) -> None:
+    def use_weight(self, weight: torch.Tensor | PreparedWeight) -> None:
         """Multiply by ``weight`` (the head's weight repacked or quantized) from now on; a tied
         head gets its own copy and the embedding keeps the weight it looks rows up in."""
         replace_weight(self, weight)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from shoal.kernels import gemm
-from shoal.kernels.quant_gemm import QuantizedWeight
+from shoal.kernels.gemm import PreparedWeight
 from shoal.workers.layers.quantized_parts import QuantizedParts
 from shoal.workers.layers.quantized_tensor import QuantizedTensor
 from shoal.workers.parallel import TPContext
@@ -78,15 +78,15 @@ def make_param(
     return param
 
 
-def replace_weight(module: nn.Module, weight: torch.Tensor | QuantizedWeight) -> None:
-    """``module.weight`` from now on: a tensor as a parameter, a quantized weight as a plain
-    attribute (its codes are no parameters: nothing trains or moves them)."""
+def replace_weight(module: nn.Module, weight: torch.Tensor | PreparedWeight) -> None:
+    """``module.weight`` from now on: a tensor as a parameter, a quantized or strip-packed
+    weight as a plain attribute (no parameter: nothing trains or moves it)."""
     if hasattr(module, "weight"):
         del module.weight
-    if isinstance(weight, QuantizedWeight):
-        setattr(module, "weight", weight)  # noqa: B010 (a plain attribute, not a parameter)
-    else:
+    if isinstance(weight, torch.Tensor):
         module.weight = nn.Parameter(weight, requires_grad=False)
+    else:
+        setattr(module, "weight", weight)  # noqa: B010 (a plain attribute, not a parameter)
 
 
 def _plain_loader(param: nn.Parameter, loaded: Loaded, shard_id: Hashable = None) -> None:
@@ -96,7 +96,7 @@ def _plain_loader(param: nn.Parameter, loaded: Loaded, shard_id: Hashable = None
 class ReplicatedLinear(nn.Module):
     """The full weight on every rank (routers, shared-expert gates)."""
 
-    weight: torch.Tensor | QuantizedWeight
+    weight: torch.Tensor | PreparedWeight
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, dtype, device) -> None:
         super().__init__()
@@ -113,7 +113,7 @@ class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; the checkpoint tensor is the concatenation of
     ``output_sizes`` parts (one per shard id), each split on its own across ranks."""
 
-    weight: torch.Tensor | QuantizedWeight
+    weight: torch.Tensor | PreparedWeight
 
     def __init__(
         self,
@@ -222,7 +222,7 @@ class RowParallelLinear(nn.Module):
     """Input features split across ranks; partial outputs are summed with an all-reduce and the
     bias (unsplit) is added once, after it."""
 
-    weight: torch.Tensor | QuantizedWeight
+    weight: torch.Tensor | PreparedWeight
 
     def __init__(
         self, in_features: int, out_features: int, tp: TPContext, *, bias: bool, dtype, device

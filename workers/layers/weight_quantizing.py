@@ -67,8 +67,8 @@ def _quantize_linear(
     scheme: str | None,
 ) -> str:
     param = module.weight
-    if isinstance(param, QuantizedWeight):
-        raise ValueError("its weight is quantized already")
+    if not isinstance(param, torch.Tensor):
+        raise ValueError("its weight is quantized or packed already")
     codes = _checkpoint_codes(param)
     if codes is None and scheme is not None:
         codes = _from_floats(param.data, scheme)

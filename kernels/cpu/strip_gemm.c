@@ -1,0 +1,165 @@
+/* The matmul of a linear layer, out = x @ W^T (+ bias), on a weight packed once into strips of
+ * 16 output features laid out for AVX-512: fp32 as [strips][in][16], bf16 as
+ * [strips][in / 2][16][2] (the pairs AVX512-BF16's dot product takes). A strip is one sequential
+ * run of memory, so at a few tokens a thread streams its strips at close to the memory's
+ * bandwidth: oneDNN's packed matmul reached about half of it at one token here. For many
+ * tokens the inner loop is a register tile of 8 rows x 2 strips (16 accumulators, each weight
+ * load and each broadcast of x used twice or more), as fast as oneDNN's on this machine's shapes.
+ *
+ * fp32 accumulation; bf16 results rounded once at the end (to nearest even, as torch), after
+ * the bias is added in fp32. Built by kernels/cpu_build.py; where the compiler targets no
+ * AVX-512 (fp32) or no AVX512-BF16 (bf16), `strip_gemm_wide` answers 0 and the caller keeps
+ * oneDNN's path.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "vector_math.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define HAS_F32_PATH 1
+#else
+#define HAS_F32_PATH 0
+#endif
+#if defined(__AVX512BF16__)
+#define HAS_BF16_PATH 1
+#else
+#define HAS_BF16_PATH 0
+#endif
+
+#define STRIP 16     /* output features per strip: one AVX-512 register of fp32 */
+#define ROW_TILE 8   /* rows of x sharing each weight load */
+#define ROW_BLOCK 64 /* rows of x kept hot (L2) while every strip passes over them */
+
+/* Whether this build has the vector path for the dtype (else the caller must not call). */
+int strip_gemm_wide(int is_bf16) { return is_bf16 ? HAS_BF16_PATH : HAS_F32_PATH; }
+
+#define INLINE static inline __attribute__((always_inline))
+
+#if HAS_F32_PATH
+/* acc[s][m] = sum over k of W[strip s][k][:] * x[m][k], for `rows` rows and `strips` (1 or 2)
+ * strips; both constants where called, so the accumulators stay in registers. */
+INLINE void tile_f32(const float *w0, const float *w1, const float *x, int64_t x_stride,
+                     int64_t k, const int rows, const int strips, __m512 acc[2][ROW_TILE]) {
+  for (int m = 0; m < rows; m++) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < k; p++) {
+    const __m512 v0 = _mm512_loadu_ps(w0 + p * STRIP);
+    const __m512 v1 = strips == 2 ? _mm512_loadu_ps(w1 + p * STRIP) : v0;
+    for (int m = 0; m < rows; m++) {
+      const __m512 xb = _mm512_set1_ps(x[m * x_stride + p]);
+      acc[0][m] = _mm512_fmadd_ps(v0, xb, acc[0][m]);
+      if (strips == 2) acc[1][m] = _mm512_fmadd_ps(v1, xb, acc[1][m]);
+    }
+  }
+}
+#endif
+
+#if HAS_BF16_PATH
+/* As tile_f32, over pairs of the input: each dot product adds W[2p] x[2p] + W[2p+1] x[2p+1]. */
+INLINE void tile_bf16(const uint16_t *w0, const uint16_t *w1, const uint16_t *x, int64_t x_stride,
+                      int64_t k, const int rows, const int strips, __m512 acc[2][ROW_TILE]) {
+  const int64_t pairs = k / 2;
+  for (int m = 0; m < rows; m++) acc[0][m] = acc[1][m] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; p++) {
+    const __m512bh v0 = (__m512bh)_mm512_loadu_si512(w0 + p * 2 * STRIP);
+    const __m512bh v1 = strips == 2 ? (__m512bh)_mm512_loadu_si512(w1 + p * 2 * STRIP) : v0;
+    for (int m = 0; m < rows; m++) {
+      uint32_t pair;
+      memcpy(&pair, x + m * x_stride + 2 * p, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)pair);
+      acc[0][m] = _mm512_dpbf16_ps(acc[0][m], v0, xb);
+      if (strips == 2) acc[1][m] = _mm512_dpbf16_ps(acc[1][m], v1, xb);
+    }
+  }
+}
+#endif
+
+#if HAS_F32_PATH
+/* One strip's results for `rows` rows: the bias added, written (the last strip cut to width). */
+static void store_strip(const __m512 *acc, int rows, const void *bias, void *out, int64_t n,
+                        int64_t row0, int64_t col0, int is_bf16) {
+  const int64_t width = n - col0 < STRIP ? n - col0 : STRIP;
+  const __mmask16 keep = (__mmask16)((1u << width) - 1u);
+  __m512 b = _mm512_setzero_ps();
+  if (bias && is_bf16) {
+    float wide[STRIP] = {0.f};
+    for (int64_t j = 0; j < width; j++) wide[j] = bf16_to_f32(((const uint16_t *)bias)[col0 + j]);
+    b = _mm512_loadu_ps(wide);
+  } else if (bias) {
+    b = _mm512_maskz_loadu_ps(keep, (const float *)bias + col0);
+  }
+  for (int m = 0; m < rows; m++) {
+    const __m512 v = _mm512_add_ps(acc[m], b);
+    if (!is_bf16) {
+      _mm512_mask_storeu_ps((float *)out + (row0 + m) * n + col0, keep, v);
+      continue;
+    }
+    float lanes[STRIP];
+    _mm512_storeu_ps(lanes, v);
+    uint16_t *row = (uint16_t *)out + (row0 + m) * n + col0;
+    for (int64_t j = 0; j < width; j++) row[j] = f32_to_bf16(lanes[j]);
+  }
+}
+
+/* Rows [row0, row0 + rows) against strips s (and s + 1 when `strips` is 2). */
+INLINE void run_tile(const void *packed, const void *x, const void *bias, void *out, int64_t n,
+                     int64_t k, int64_t x_stride, int64_t row0, int64_t s, const int rows,
+                     const int strips, int is_bf16) {
+  __m512 acc[2][ROW_TILE];
+#if HAS_BF16_PATH
+  if (is_bf16) {
+    const uint16_t *w0 = (const uint16_t *)packed + s * k * STRIP;
+    tile_bf16(w0, w0 + k * STRIP, (const uint16_t *)x + row0 * x_stride, x_stride, k, rows,
+              strips, acc);
+  } else
+#endif
+  {
+    const float *w0 = (const float *)packed + s * k * STRIP;
+    tile_f32(w0, w0 + k * STRIP, (const float *)x + row0 * x_stride, x_stride, k, rows, strips,
+             acc);
+  }
+  for (int t = 0; t < strips; t++)
+    store_strip(acc[t], rows, bias, out, n, row0, (s + t) * STRIP, is_bf16);
+}
+
+/* run_tile with `rows` (1..ROW_TILE) and `strips` (1, 2) as constants. */
+static void dispatch_tile(const void *packed, const void *x, const void *bias, void *out,
+                          int64_t n, int64_t k, int64_t x_stride, int64_t row0, int64_t s,
+                          int rows, int strips, int is_bf16) {
+#define TILE(R)                                                                                \
+  case R:                                                                                      \
+    if (strips == 2)                                                                           \
+      run_tile(packed, x, bias, out, n, k, x_stride, row0, s, R, 2, is_bf16);                 \
+    else                                                                                       \
+      run_tile(packed, x, bias, out, n, k, x_stride, row0, s, R, 1, is_bf16);                 \
+    break;
+  switch (rows) {
+    TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
+  }
+#undef TILE
+}
+#endif
+
+/* out [rows, n] = x [rows, k] (rows `x_stride` elements apart) @ W^T + bias [n] (or NULL), W
+ * packed as above; bias and out in x's dtype. 0, or -1 where this build has no path for the
+ * dtype (strip_gemm_wide) or bf16's k is odd. */
+int strip_gemm(const void *packed, const void *x, const void *bias, void *out, int64_t rows,
+               int64_t n, int64_t k, int64_t x_stride, int is_bf16) {
+  if (!strip_gemm_wide(is_bf16) || (is_bf16 && k % 2)) return -1;
+#if HAS_F32_PATH
+  const int64_t strips = (n + STRIP - 1) / STRIP, strip_pairs = (strips + 1) / 2;
+  const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t b = 0; b < blocks; b++)
+    for (int64_t sp = 0; sp < strip_pairs; sp++) {
+      const int64_t s = 2 * sp, end = (b + 1) * ROW_BLOCK < rows ? (b + 1) * ROW_BLOCK : rows;
+      const int both = s + 1 < strips ? 2 : 1;
+      for (int64_t row0 = b * ROW_BLOCK; row0 < end; row0 += ROW_TILE) {
+        const int tile = end - row0 < ROW_TILE ? (int)(end - row0) : ROW_TILE;
+        dispatch_tile(packed, x, bias, out, n, k, x_stride, row0, s, tile, both, is_bf16);
+      }
+    }
+#endif
+  return 0;
+}

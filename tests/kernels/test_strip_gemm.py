@@ -1,0 +1,116 @@
+"""shoal's strip matmul on the CPU (``kernels/cpu/strip_gemm.c``): products against fp64 at
+every row-tile and strip edge, with and without bias and on strided inputs, the packing's round
+trip, and the builds without its vector paths (the backend falls back to oneDNN there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.kernels import gemm, strip_gemm
+from shoal.kernels.strip_gemm import pack_strips, strip_gemm_available, strip_linear
+from shoal.workers.cpu_info import cpu_flags
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _needs_path(dtype: torch.dtype) -> None:
+    if not strip_gemm_available(dtype):
+        pytest.skip(f"the strip kernel has no {dtype} path on this CPU")
+
+
+def _reference(x, weight, bias):  # type: ignore[no-untyped-def]
+    out = x.double() @ weight.double().T
+    return out if bias is None else out + bias.double()
+
+
+def _check(out: torch.Tensor, x, weight, bias) -> None:  # type: ignore[no-untyped-def]
+    """Within fp32 accumulation of the products (fp32), or one bf16 rounding of the result."""
+    expected = _reference(x, weight, bias)
+    assert out.dtype == x.dtype and out.shape == expected.shape
+    scale = float(x.double().abs().sum(-1).max(-1).values.clamp(min=1) if len(x) else 1.0)
+    scale *= float(weight.double().abs().amax())
+    if x.dtype == torch.float32:
+        torch.testing.assert_close(out.double(), expected, atol=1e-6 * scale, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.double(), expected, atol=1e-5 * scale, rtol=2**-8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [0, 1, 3, 8, 9, 64, 65, 150])
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (50, 40), (96, 200)])
+def test_products_match_fp64_at_every_tile_edge(dtype, rows, out_features, in_features):
+    """Row counts across the 8-row tiles and 64-row blocks; output sizes of one strip, an odd
+    last strip (50 = 3 strips + 2), and strips in pairs."""
+    _needs_path(dtype)
+    gen = torch.Generator().manual_seed(rows * 7 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    bias = torch.randn(out_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    packed = pack_strips(weight)
+    for b in (None, bias):
+        _check(strip_linear(x, packed, b), x, weight, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_strided_and_batched_inputs(dtype):
+    _needs_path(dtype)
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(40, 64, generator=gen).to(dtype)
+    wide = torch.randn(11, 128, generator=gen).to(dtype)
+    rows = wide[:, 32:96]  # rows 128 elements apart
+    _check(strip_linear(rows, pack_strips(weight), None), rows, weight, None)
+    batched = torch.randn(3, 5, 64, generator=gen).to(dtype)
+    out = strip_linear(batched, pack_strips(weight))
+    assert out.shape == (3, 5, 40)
+    _check(out.reshape(15, 40), batched.reshape(15, 64), weight, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_packing_round_trips_and_refuses_other_dtypes(dtype):
+    _needs_path(dtype)
+    weight = torch.randn(37, 24).to(dtype)
+    packed = pack_strips(weight)
+    assert packed.shape == (37, 24) and packed.dtype == dtype
+    assert packed.packed.shape[0] == 3  # 37 rows in strips of 16
+    assert torch.equal(packed.to_dense(), weight)
+    with pytest.raises(TypeError, match="strip matmul"):
+        strip_linear(torch.randn(2, 24, dtype=torch.float16), packed)
+
+
+def test_odd_inputs_in_bf16_go_to_onednn_and_still_answer():
+    """bf16's kernel takes the input in pairs: a weight with an odd input size gets oneDNN's
+    packing under the strips backend."""
+    _needs_path(torch.bfloat16)
+    weight = torch.randn(20, 33).bfloat16()
+    prepared = gemm.pack_weight(weight, gemm.STRIPS)
+    assert isinstance(prepared, torch.Tensor) and prepared.is_mkldnn
+    x = torch.randn(4, 33).bfloat16()
+    _check(gemm.linear(x, prepared), x, weight, None)
+
+
+@pytest.mark.parametrize(
+    ("arch", "flag", "fp32_path"),
+    [("x86-64-v3", "avx2", False), ("skylake-avx512", "avx512f", True)],
+    ids=["avx2", "avx512f"],
+)
+def test_builds_without_a_vector_path_leave_the_dtype_to_onednn(
+    fresh_build, monkeypatch, arch, flag, fp32_path
+):
+    """SHOAL_KERNEL_ARCH: without AVX-512 the kernel has no path (oneDNN for both dtypes);
+    AVX-512 without AVX512-BF16 has fp32's only, which still answers right."""
+    if flag not in cpu_flags():
+        pytest.skip(f"the CPU has no {flag}")
+    monkeypatch.setenv("SHOAL_KERNEL_ARCH", arch)
+    monkeypatch.delenv(gemm.ENV_VAR, raising=False)
+    assert not strip_gemm_available(torch.bfloat16)
+    assert strip_gemm_available(torch.float32) == fp32_path
+    assert gemm.gemm_backend("cpu", torch.bfloat16) == gemm.ONEDNN
+    assert gemm.gemm_backend("cpu", torch.float32) == (gemm.STRIPS if fp32_path else gemm.ONEDNN)
+    with pytest.raises(RuntimeError, match="SHOAL_GEMM=strips"):
+        monkeypatch.setenv(gemm.ENV_VAR, gemm.STRIPS)
+        gemm.gemm_backend("cpu", torch.bfloat16)
+    if fp32_path:
+        weight, x = torch.randn(50, 40), torch.randn(9, 40)
+        _check(strip_linear(x, pack_strips(weight)), x, weight, None)
+    assert len(list(fresh_build.glob(f"{strip_gemm.LIBRARY}-*.so"))) == 1
