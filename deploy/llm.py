@@ -10,15 +10,21 @@ config (``get_default_sampling_params``, as vLLM's).
 A blocking call interrupted while it waits (Ctrl-C, or its future failing) cancels its work on
 the loop thread and aborts its requests in the engine core before the exception goes on, so
 nothing keeps generating behind the caller's back.
+
+A script that ends without ``shutdown()`` still stops its LLMs cleanly: each is shut down when
+the interpreter begins to exit, before the thread pools the workers run steps in refuse new
+work (garbage collection at exit comes after that, when a step still in flight would fail).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import threading
 import uuid
+import weakref
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -35,6 +41,24 @@ from shoal.engine.client.outputs import RequestOutput
 T = TypeVar("T")
 PromptInput = str | dict[str, Any]
 _llm_counter = itertools.count()
+
+
+def _shut_down_at_exit(llm: weakref.ref[LLM]) -> None:
+    if (alive := llm()) is not None:
+        alive.shutdown()
+
+
+def _before_thread_pools_exit(callback: Any) -> None:
+    """Call ``callback`` when the interpreter starts to exit, before ``concurrent.futures``'
+    own hook stops every executor (hooks run newest first). ``threading._register_atexit`` is
+    what ``concurrent.futures`` itself uses; plain ``atexit`` runs only after it."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython 3.9+: the closest there is
+        import atexit
+
+        atexit.register(callback)
+    else:
+        register(callback)
 
 
 class LLM:
@@ -74,6 +98,7 @@ class LLM:
         self._actors: list[Actor] = []
         self._client: AsyncEngineClient | None = None
         self._request_counter = itertools.count()  # request ids, unique per LLM as in vLLM
+        _before_thread_pools_exit(functools.partial(_shut_down_at_exit, weakref.ref(self)))
         try:
             self._client = self._run(self._start(startup_timeout_s))
         except BaseException:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -254,3 +257,41 @@ OFFLINE_CPU_BYTES = 12 * 8192  # twelve chunks of the tiny model: a conversation
 def _greedy_one(engine: LLM, prompt: list[int], params: SamplingParams) -> list[int]:
     (result,) = engine.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     return list(result.outputs[0].token_ids)
+
+
+EXIT_SCRIPT = """
+import concurrent.futures.thread as pools
+import sys
+
+from shoal import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], num_gpu_blocks_override=64, max_num_seqs=4)
+shut_down = LLM.shutdown
+
+
+def recorded(self):
+    print("shutdown; thread pools open:", not pools._shutdown, flush=True)
+    shut_down(self)
+
+
+LLM.shutdown = recorded
+llm.generate(["hello there"], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+print("generated", flush=True)
+"""
+
+
+def test_a_script_that_never_shuts_down_still_stops_cleanly_at_exit(tiny_checkpoint, tmp_path):  # type: ignore[no-untyped-def]
+    """The LLM is shut down as the interpreter starts to exit, while the workers' thread pools
+    still take steps (a step in flight then ends normally instead of printing tracebacks)."""
+    script = tmp_path / "ends_without_shutdown.py"
+    script.write_text(EXIT_SCRIPT)
+    run = subprocess.run(
+        [sys.executable, str(script), str(tiny_checkpoint("llama"))],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines()[-2:] == ["generated", "shutdown; thread pools open: True"]
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
