@@ -6,12 +6,18 @@
  * tokens the inner loop is a register tile of 8 rows x 2 strips (16 accumulators, each weight
  * load and each broadcast of x used twice or more), as fast as oneDNN's on this machine's shapes.
  *
+ * 4-bit codes (GGUF Q4_0/Q4_1's w = scale * code + min per group of inputs) come in the same
+ * strips, two codes a byte, with each group's 16 scales and minimums (fp16, as GGUF stores them):
+ * a lookup turns 32 codes into 32 exact bf16 values at once, AVX512-BF16 dots them with x, and
+ * the group's sum becomes scale * dot + min * sum(x over the group). A quarter of bf16's bytes.
+ *
  * fp32 accumulation; bf16 results rounded once at the end (to nearest even, as torch), after
  * the bias is added in fp32. Built by kernels/cpu_build.py; where the compiler targets no
  * AVX-512 (fp32) or no AVX512-BF16 (bf16), `strip_gemm_wide` answers 0 and the caller keeps
  * oneDNN's path.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "vector_math.h"
@@ -160,6 +166,133 @@ int strip_gemm(const void *packed, const void *x, const void *bias, void *out, i
         dispatch_tile(packed, x, bias, out, n, k, x_stride, row0, s, tile, both, is_bf16);
       }
     }
+#endif
+  return 0;
+}
+
+#if HAS_BF16_PATH
+#define INT4_ROW_TILE 4
+#define PREFETCH_AHEAD 1024 /* bytes of a strip's codes asked for before they are needed */
+
+/* 32 bytes of codes -> the bf16 values of two pairs of inputs (low nibbles, high nibbles). */
+INLINE void decode_quad(const uint8_t *at, __m512i table, __m512bh *first, __m512bh *second) {
+  const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)at));
+  const __m512i low = _mm512_and_si512(bytes, _mm512_set1_epi16(0x0f));
+  *first = (__m512bh)_mm512_permutexvar_epi16(low, table);
+  *second = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table);
+}
+
+/* Rows [0, rows) of x (bf16) against `strips` (1, 2) strips of 4-bit codes: codes [k / 4][32]
+ * bytes a strip (byte b: lane b of a pair of inputs in its low nibble, of the next pair in its
+ * high), scales [groups][2][16] fp16 a strip (scale, min), x_sums [rows][groups] fp32. With one
+ * or two rows each half of a quad gets its own accumulator (more dot products in flight). */
+INLINE void tile_int4(const uint8_t *codes, const uint16_t *scales, int64_t strip_codes,
+                      int64_t strip_scales, const uint16_t *x, const float *x_sums,
+                      int64_t x_stride, int64_t k, int64_t group, const int rows,
+                      const int strips, __m512 total[2][INT4_ROW_TILE]) {
+  static const uint16_t SMALL_BF16[32] = {/* 0..15 as bf16, twice */
+      0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120,
+      0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
+      0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+  const __m512i table = _mm512_loadu_si512(SMALL_BF16);
+  const int halves = rows <= 2 ? 2 : 1;
+  const int64_t groups = k / group, quads = group / 4;
+  for (int t = 0; t < strips; t++)
+    for (int m = 0; m < rows; m++) total[t][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 acc[2][2][INT4_ROW_TILE]; /* strip, half, row */
+    for (int t = 0; t < strips; t++)
+      for (int h = 0; h < halves; h++)
+        for (int m = 0; m < rows; m++) acc[t][h][m] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < quads; j++) {
+      const int64_t quad = g * quads + j;
+      __m512bh first[2], second[2];
+      for (int t = 0; t < strips; t++) {
+        __builtin_prefetch(codes + t * strip_codes + quad * 32 + PREFETCH_AHEAD, 0, 0);
+        decode_quad(codes + t * strip_codes + quad * 32, table, &first[t], &second[t]);
+      }
+      for (int m = 0; m < rows; m++) {
+        uint32_t pair[2];
+        memcpy(pair, x + m * x_stride + quad * 4, 8);
+        const __m512bh x0 = (__m512bh)_mm512_set1_epi32((int)pair[0]);
+        const __m512bh x1 = (__m512bh)_mm512_set1_epi32((int)pair[1]);
+        for (int t = 0; t < strips; t++) {
+          acc[t][0][m] = _mm512_dpbf16_ps(acc[t][0][m], first[t], x0);
+          acc[t][halves - 1][m] = _mm512_dpbf16_ps(acc[t][halves - 1][m], second[t], x1);
+        }
+      }
+    }
+    for (int t = 0; t < strips; t++) {
+      const uint16_t *at = scales + t * strip_scales + g * 32;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+      const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 16)));
+      for (int m = 0; m < rows; m++) {
+        const __m512 dot = halves == 2 ? _mm512_add_ps(acc[t][0][m], acc[t][1][m]) : acc[t][0][m];
+        total[t][m] = _mm512_fmadd_ps(dot, scale, total[t][m]);
+        total[t][m] = _mm512_fmadd_ps(min, _mm512_set1_ps(x_sums[m * groups + g]), total[t][m]);
+      }
+    }
+  }
+}
+
+/* tile_int4 with `rows` (1..INT4_ROW_TILE) and `strips` (1, 2) as constants. */
+static void dispatch_int4(const uint8_t *codes, const uint16_t *scales, int64_t strip_codes,
+                          int64_t strip_scales, const uint16_t *x, const float *x_sums,
+                          int64_t x_stride, int64_t k, int64_t group, int rows, int strips,
+                          __m512 total[2][INT4_ROW_TILE]) {
+#define TILE(R)                                                                               \
+  case R:                                                                                     \
+    if (strips == 2)                                                                          \
+      tile_int4(codes, scales, strip_codes, strip_scales, x, x_sums, x_stride, k, group, R,  \
+                2, total);                                                                    \
+    else                                                                                      \
+      tile_int4(codes, scales, strip_codes, strip_scales, x, x_sums, x_stride, k, group, R,  \
+                1, total);                                                                    \
+    break;
+  switch (rows) {
+    TILE(1) TILE(2) TILE(3) TILE(4)
+  }
+#undef TILE
+}
+#endif
+
+/* out [rows, n] (bf16) = x [rows, k] (bf16, rows `x_stride` apart) @ W^T + bias (bf16 or NULL),
+ * W as 4-bit codes in strips (tile_int4's layout; `group` inputs per scale, a multiple of 4
+ * dividing k). 0, or -1 where this build has no AVX512-BF16 path or the group does not fit. */
+int strip_gemm_int4(const uint8_t *codes, const uint16_t *scales, const uint16_t *x,
+                    const uint16_t *bias, uint16_t *out, int64_t rows, int64_t n, int64_t k,
+                    int64_t group, int64_t x_stride) {
+  if (!HAS_BF16_PATH || group % 4 || k % group) return -1;
+#if HAS_BF16_PATH
+  const int64_t groups = k / group, strips = (n + STRIP - 1) / STRIP;
+  float *x_sums = malloc(sizeof(float) * (rows * groups + 1));
+  if (!x_sums) return -1;
+#pragma omp parallel for schedule(static) if (rows >= ROW_BLOCK)
+  for (int64_t m = 0; m < rows; m++)
+    for (int64_t g = 0; g < groups; g++) {
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < group; i++) sum += bf16_to_f32(x[m * x_stride + g * group + i]);
+      x_sums[m * groups + g] = sum;
+    }
+  const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK, strip_pairs = (strips + 1) / 2;
+  const int64_t strip_codes = k * 8, strip_scales = groups * 32;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t b = 0; b < blocks; b++)
+    for (int64_t sp = 0; sp < strip_pairs; sp++) {
+      const int64_t s = 2 * sp, end = (b + 1) * ROW_BLOCK < rows ? (b + 1) * ROW_BLOCK : rows;
+      const int both = s + 1 < strips ? 2 : 1;
+      for (int64_t row0 = b * ROW_BLOCK; row0 < end; row0 += INT4_ROW_TILE) {
+        const int tile = end - row0 < INT4_ROW_TILE ? (int)(end - row0) : INT4_ROW_TILE;
+        __m512 total[2][INT4_ROW_TILE];
+        dispatch_int4(codes + s * strip_codes, scales + s * strip_scales, strip_codes,
+                      strip_scales, x + row0 * x_stride, x_sums + row0 * groups, x_stride, k,
+                      group, tile, both, total);
+        for (int t = 0; t < both; t++)
+          store_strip(total[t], tile, bias, out, n, row0, (s + t) * STRIP, 1);
+      }
+    }
+  free(x_sums);
 #endif
   return 0;
 }

@@ -1,7 +1,8 @@
 """Linear weights kept quantized: a GGUF file's Q4_0/Q4_1/Q8_0 weights (the default on the CPU)
 and ``quantization="int8"|"int4"`` on a float checkpoint.
 
-The weights really are integer codes (``QuantizedWeight``: bits, packing, bytes). With the exact
+The weights really are integer codes (``QuantizedWeight``, or ``StripInt4Weight`` for 4 bits in
+bf16 where the CPU has AVX512-BF16: bits, packing, bytes). With the exact
 kernel (``SHOAL_QUANT_DTYPE=float32``) a model answers as its float twin (the same codes
 dequantized into a float model: for GGUF, the file's dequantized weights) within rounding, greedy
 outputs equal; with the default bf16 kernel, within test_golden_half's bf16 tolerance of the
@@ -17,6 +18,7 @@ import torch
 
 from shoal.kernels import gemm, quant_gemm
 from shoal.kernels.quant_gemm import QuantizedWeight
+from shoal.kernels.strip_gemm import StripInt4Weight, int4_strips_available
 from shoal.workers.layers.quantize import GROUP_SIZE, quantize_int4, quantize_int8
 from shoal.workers.loader import CheckpointError, load_model
 from shoal.workers.model_runner import ModelRunner
@@ -53,9 +55,9 @@ def _runner(model_dir: Path, **options: object) -> ModelRunner:
     return runner
 
 
-def linear_weights(model: DecoderForCausalLM) -> dict[str, torch.Tensor | QuantizedWeight]:
+def linear_weights(model: DecoderForCausalLM) -> dict[str, torch.Tensor | gemm.PreparedWeight]:
     """Every weight a linear layer or the LM head multiplies by."""
-    weights: dict[str, torch.Tensor | QuantizedWeight] = {
+    weights: dict[str, torch.Tensor | gemm.PreparedWeight] = {
         name: module.weight
         for name, module in model.named_modules()
         if name.endswith(("_proj", ".gate")) and hasattr(module, "weight")
@@ -110,11 +112,19 @@ def _check_codes(model: DecoderForCausalLM, bits: dict[str, int], dtype: torch.d
     for the kernel in ``dtype``; returns their bytes."""
     total = 0
     for name, weight in linear_weights(model).items():
-        assert isinstance(weight, QuantizedWeight), name
-        assert weight.bits == bits.get(name, bits["*"]) and weight.dtype == dtype, name
-        assert weight.packed.dtype == torch.uint8, name
+        expected_bits = bits.get(name, bits["*"])
+        assert isinstance(weight, _kernel_of(expected_bits, dtype)), name
+        assert weight.bits == expected_bits and weight.dtype == dtype, name
+        codes = weight.codes if isinstance(weight, StripInt4Weight) else weight.packed
+        assert codes.dtype == torch.uint8, name
         total += weight.nbytes
     return total
+
+
+def _kernel_of(bits: int, dtype: torch.dtype) -> type:
+    """4 bits in bf16 run in strips where the CPU has AVX512-BF16; the rest in torch's kernel."""
+    in_strips = bits == 4 and dtype == torch.bfloat16 and int4_strips_available(32, 64)
+    return StripInt4Weight if in_strips else QuantizedWeight
 
 
 @pytest.mark.parametrize("qtype", sorted(KEPT_BITS))
@@ -183,7 +193,7 @@ def test_the_dequantize_opt_out_loads_the_float_weights_of_today(tmp_path):
     assert dict(ours.named_parameters()).keys() == expected_params.keys()
     for name, param in ours.named_parameters():
         assert torch.equal(param, expected_params[name]), name
-    assert not any(isinstance(w, QuantizedWeight) for w in linear_weights(ours).values())
+    assert all(isinstance(w, torch.Tensor) for w in linear_weights(ours).values())
 
 
 MLP_96 = dict(intermediate_size=96)  # down_proj's 96 inputs: 48 per rank of two

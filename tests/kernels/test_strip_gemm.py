@@ -1,6 +1,7 @@
-"""shoal's strip matmul on the CPU (``kernels/cpu/strip_gemm.c``): products against fp64 at
-every row-tile and strip edge, with and without bias and on strided inputs, the packing's round
-trip, and the builds without its vector paths (the backend falls back to oneDNN there)."""
+"""shoal's strip matmul on the CPU (``kernels/cpu/strip_gemm.c``): float and 4-bit products
+against fp64 at every row-tile and strip edge, with and without bias and on strided inputs, the
+packing's round trip, and the builds without its vector paths (the backend falls back to oneDNN
+there, 4-bit codes to torch's kernel)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ import pytest
 import torch
 
 from shoal.kernels import gemm, strip_gemm
-from shoal.kernels.strip_gemm import pack_strips, strip_gemm_available, strip_linear
+from shoal.kernels.strip_gemm import (
+    int4_strips_available,
+    pack_int4_strips,
+    pack_strips,
+    strip_gemm_available,
+    strip_int4_linear,
+    strip_linear,
+)
 from shoal.workers.cpu_info import cpu_flags
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -110,7 +118,56 @@ def test_builds_without_a_vector_path_leave_the_dtype_to_onednn(
     with pytest.raises(RuntimeError, match="SHOAL_GEMM=strips"):
         monkeypatch.setenv(gemm.ENV_VAR, gemm.STRIPS)
         gemm.gemm_backend("cpu", torch.bfloat16)
+    assert not int4_strips_available(32, 64)
     if fp32_path:
         weight, x = torch.randn(50, 40), torch.randn(9, 40)
         _check(strip_linear(x, pack_strips(weight)), x, weight, None)
     assert len(list(fresh_build.glob(f"{strip_gemm.LIBRARY}-*.so"))) == 1
+
+
+def _int4_case(out_features: int, in_features: int, group: int, seed: int):  # type: ignore[no-untyped-def]
+    """Codes, fp16-exact scales and minimums (as GGUF stores them), and the weight they mean."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    groups = (out_features, in_features // group)
+    scales = (torch.rand(groups, generator=gen) * 0.2).half().float()
+    mins = (torch.randn(groups, generator=gen) * 0.5).half().float()
+    grouped = codes.float().view(out_features, -1, group)
+    weight = (grouped * scales[..., None] + mins[..., None]).view(out_features, in_features)
+    return codes, scales, mins, weight
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9, 64, 70])
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "group"), [(16, 32, 32), (50, 64, 32), (96, 256, 64)]
+)
+def test_4bit_codes_match_their_dequantized_weight(rows, out_features, in_features, group):
+    """Rows across the 4-row tiles (one and two rows split each quad's dots) and the 64-row
+    blocks; one strip, an odd last strip, paired strips; groups of 32 and 64."""
+    if not int4_strips_available(group, in_features):
+        pytest.skip("the 4-bit strip kernel has no path on this CPU")
+    codes, scales, mins, weight = _int4_case(out_features, in_features, group, rows)
+    packed = pack_int4_strips(codes, scales, mins, group)
+    assert packed.shape == (out_features, in_features) and packed.bits == 4
+    padded = -(-out_features // 16) * 16  # whole strips
+    assert packed.nbytes == padded * in_features * (0.5 + 4 / group)  # codes + fp16 pairs
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    for b in (None, bias):
+        _check(strip_int4_linear(x, packed, b), x, weight, b)
+
+
+def test_4bit_codes_take_strided_and_fp32_inputs():
+    if not int4_strips_available(32, 64):
+        pytest.skip("the 4-bit strip kernel has no path on this CPU")
+    codes, scales, mins, weight = _int4_case(40, 64, 32, 3)
+    packed = pack_int4_strips(codes, scales, mins, 32)
+    wide = torch.randn(6, 128).bfloat16()
+    rows = wide[:, 16:80]
+    _check(strip_int4_linear(rows, packed), rows, weight, None)
+    x32 = torch.randn(2, 3, 64)
+    out = strip_int4_linear(x32, packed)  # multiplied in bf16, answered in the input's dtype
+    assert out.shape == (2, 3, 40) and out.dtype == torch.float32
+    as_bf16 = x32.bfloat16().reshape(6, 64)
+    _check(out.reshape(6, 40).bfloat16(), as_bf16, weight, None)
