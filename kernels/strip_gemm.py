@@ -23,9 +23,9 @@ torch's int4 kernel (``quant_gemm``), the same shapes and machine, ms (torch's i
     tokens (M)    1            4            16            64            256
     int4       5.2 / 5.4    7.3 / 6.5    22.3 / 15.9   84.1 / 52.2   331.0 / 201.1
 
-Even at one token (the 32 codes of a lookup cost more instructions than bf16's plain loads:
-per weight this reads a quarter of bf16's bytes and runs about as fast); 1.4-1.6x from 16
-tokens, so prefill no longer runs at half the float speed.
+Even at one token (decoding the codes costs about the instructions that the bytes saved would
+have cost in time); 1.4-1.6x from 16 tokens, though still behind bf16 strips there (at 256
+tokens 201 ms against 133: the decode is paid per weight and row tile).
 """
 
 from __future__ import annotations
