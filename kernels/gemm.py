@@ -1,7 +1,7 @@
 """The matmul behind every linear layer: ``F.linear`` on the weight as loaded; on the CPU,
 shoal's strip kernel (``strip_gemm.StripWeight``) or oneDNN's on the weight packed once for it;
 or a weight-only int8/int4 kernel on a weight kept as integer codes
-(``quant_gemm.QuantizedWeight``, or 4-bit codes in strips: ``strip_gemm.StripInt4Weight``).
+(``quant_gemm.QuantizedWeight``, or codes in strips: ``strip_gemm.StripCodesWeight``).
 
 On the CPU ``F.linear`` in fp32 goes to MKL, which runs slowly on small batches (and on AMD
 parts); oneDNN with a pre-packed weight skips the per-call reorder. Measured on a 2-core AMD EPYC
@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from shoal.kernels import quant_gemm
 from shoal.kernels.quant_gemm import QuantizedWeight
 from shoal.kernels.strip_gemm import (
-    StripInt4Weight,
+    StripCodesWeight,
     StripWeight,
     pack_strips,
+    strip_codes_linear,
     strip_gemm_available,
-    strip_int4_linear,
     strip_linear,
     strip_packable,
 )
@@ -42,7 +42,7 @@ ENV_VAR = "SHOAL_GEMM"
 DENSE, ONEDNN, STRIPS = "dense", "onednn", "strips"
 _CHOICES = ("auto", DENSE, ONEDNN, STRIPS)
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
-PreparedWeight = QuantizedWeight | StripWeight | StripInt4Weight  # no plain tensor any more
+PreparedWeight = QuantizedWeight | StripWeight | StripCodesWeight  # no plain tensor any more
 
 
 def gemm_backend(device: torch.device | str, dtype: torch.dtype) -> str:
@@ -85,8 +85,8 @@ def linear(
     """``x @ weight.T + bias`` by whichever kernel the weight was prepared for."""
     if isinstance(weight, StripWeight):
         return strip_linear(x, weight, bias)
-    if isinstance(weight, StripInt4Weight):
-        return strip_int4_linear(x, weight, bias)
+    if isinstance(weight, StripCodesWeight):
+        return strip_codes_linear(x, weight, bias)
     if isinstance(weight, QuantizedWeight):
         return quant_gemm.linear(x, weight, bias)
     if weight.is_mkldnn:

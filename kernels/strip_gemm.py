@@ -16,16 +16,20 @@ hundred tokens both are bound by the arithmetic and even. One copy of each weigh
 The kernel has a path for fp32 where the compiler targets AVX-512 and for bf16 where it targets
 AVX512-BF16 (``strip_gemm_available``); elsewhere ``kernels.gemm`` keeps oneDNN's.
 
-4-bit codes (``StripInt4Weight``: GGUF Q4_0/Q4_1's ``scale * code + min`` per group, fp16
-scales as the file stores them) run in the same strips on AVX512-BF16, in bf16, in place of
-torch's int4 kernel (``quant_gemm``), the same shapes and machine, ms (torch's int4 / strips):
+Integer codes (``StripCodesWeight``: GGUF Q4_0/Q4_1's ``scale * code + min`` and Q8_0's
+``scale * code`` per group, fp16 scales as the file stores them) run in the same strips on
+AVX512-BF16, in bf16, in place of torch's int4 kernel (``quant_gemm``; 8 bits there as two 4-bit
+halves). 4 bits, the same shapes and machine, ms (torch's int4 / strips):
 
     tokens (M)    1            4            16            64            256
     int4       5.2 / 5.4    7.3 / 6.5    22.3 / 15.9   84.1 / 52.2   331.0 / 201.1
 
 Even at one token (decoding the codes costs about the instructions that the bytes saved would
 have cost in time); 1.4-1.6x from 16 tokens, though still behind bf16 strips there (at 256
-tokens 201 ms against 133: the decode is paid per weight and row tile).
+tokens 201 ms against 133: the decode is paid per weight and row tile). 8 bits, SmolLM2's
+49152 x 576 head, ms (torch's two halves / 8-bit strips / the head in bf16 strips): one token
+1.68 / 1.00 / 1.53, 16 tokens 11.66 / 5.80 / 3.30, 64 tokens 47.11 / 23.82 / 10.25; the codes
+widen to fp32 and meet x in fp32 products (half the products an instruction of bf16's).
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = (
     ("strip_gemm", ctypes.c_int, (_P,) * 4 + (_I,) * 4 + (ctypes.c_int,)),
     ("strip_gemm_int4", ctypes.c_int, (_P,) * 5 + (_I,) * 5),
+    ("strip_gemm_int8", ctypes.c_int, (_P,) * 5 + (_I,) * 5),
     ("strip_gemm_wide", ctypes.c_int, (ctypes.c_int,)),
 )
-INT4_GROUP_MULTIPLE = 4  # a group of inputs sharing a scale is whole quads of codes
+CODE_GROUP_MULTIPLE = 4  # a group of inputs sharing a scale is whole quads of 4-bit codes
 
 
 @dataclass(frozen=True)
@@ -145,11 +150,14 @@ def strip_linear(
 
 
 @dataclass(frozen=True)
-class StripInt4Weight:
-    """A linear weight ``[out, in]`` as 4-bit codes (``w = scale * code + min`` per group of
-    inputs) in strips of 16 output features: codes ``[strips, in / 4, 32]`` uint8 (two a byte),
-    scales ``[strips, groups, 2, 16]`` fp16 (scale, min). Multiplies in bf16."""
+class StripCodesWeight:
+    """A linear weight ``[out, in]`` as integer codes in strips of 16 output features, with a
+    scale (and for 4 bits a minimum) per group of inputs: 4 bits (``w = scale * code + min``)
+    as codes ``[strips, in / 4, 32]`` uint8, two a byte, and scales ``[strips, groups, 2, 16]``
+    fp16 (scale, min); 8 bits (``w = scale * code``) as codes ``[strips, in, 16]`` int8 and
+    scales ``[strips, groups, 1, 16]`` fp16. Multiplies in bf16."""
 
+    bits: int
     codes: torch.Tensor
     scales: torch.Tensor
     group_size: int
@@ -166,19 +174,32 @@ class StripInt4Weight:
         return torch.bfloat16
 
     @property
-    def bits(self) -> int:
-        return 4
-
-    @property
     def nbytes(self) -> int:
         """Bytes a product reads: codes and scales."""
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales))
 
 
-def int4_strips_available(group_size: int, in_features: int) -> bool:
-    """Whether ``pack_int4_strips`` can take codes of this grouping here (AVX512-BF16)."""
-    fits = group_size % INT4_GROUP_MULTIPLE == 0 and in_features % group_size == 0
+def code_strips_available(group_size: int, in_features: int) -> bool:
+    """Whether codes of this grouping can go in strips here (AVX512-BF16)."""
+    fits = group_size % CODE_GROUP_MULTIPLE == 0 and in_features % group_size == 0
     return fits and strip_gemm_available(torch.bfloat16)
+
+
+def _strip_scales(per_group: list[torch.Tensor], out_features: int) -> torch.Tensor:
+    """``[out, groups]`` tensors (scale, then min) as ``[strips, groups, len, 16]`` fp16."""
+    strips = -(-out_features // STRIP)
+    groups = per_group[0].shape[1]
+    stacked = torch.zeros(strips * STRIP, groups, len(per_group), dtype=torch.float16)
+    for i, values in enumerate(per_group):
+        stacked[:out_features, :, i] = values
+    return stacked.view(strips, STRIP, groups, len(per_group)).permute(0, 2, 3, 1).contiguous()
+
+
+def _padded_rows(codes: torch.Tensor) -> torch.Tensor:
+    out_features = codes.shape[0]
+    padded = codes.new_zeros(-(-out_features // STRIP) * STRIP, codes.shape[1])
+    padded[:out_features] = codes
+    return padded
 
 
 def pack_int4_strips(
@@ -186,29 +207,43 @@ def pack_int4_strips(
     scales: torch.Tensor,  # [out, in / group_size]
     mins: torch.Tensor,  # [out, in / group_size]
     group_size: int,
-) -> StripInt4Weight:
+) -> StripCodesWeight:
     """``w = scale * code + min`` in the kernel's layout: byte ``b`` of a quad of inputs
     ``4j..4j+3`` holds output ``b // 2``'s code for input ``4j + b % 2`` in its low nibble and
     for ``4j + 2 + b % 2`` in its high one; scales and minimums in fp16 (GGUF's own)."""
     out_features, in_features = codes.shape
-    strips = -(-out_features // STRIP)
-    padded = torch.zeros(strips * STRIP, in_features, dtype=torch.uint8)
-    padded[:out_features] = codes
+    padded = _padded_rows(codes)
+    strips = padded.shape[0] // STRIP
     quads = padded.view(strips, STRIP, in_features // 4, 2, 2)  # strip, out, quad, pair, input
     nibbles = quads[:, :, :, 0, :] | (quads[:, :, :, 1, :] << 4)  # [strips, 16, quads, 2]
     packed = nibbles.permute(0, 2, 1, 3).reshape(strips, in_features // 4, 2 * STRIP)
-    groups = in_features // group_size
-    pairs = torch.zeros(strips * STRIP, groups, 2, dtype=torch.float16)
-    pairs[:out_features, :, 0], pairs[:out_features, :, 1] = scales, mins
-    per_strip = pairs.view(strips, STRIP, groups, 2).permute(0, 2, 3, 1)
-    return StripInt4Weight(
-        packed.contiguous(), per_strip.contiguous(), group_size, out_features, in_features
+    return StripCodesWeight(
+        4,
+        packed.contiguous(),
+        _strip_scales([scales, mins], out_features),
+        group_size,
+        out_features,
+        in_features,
     )
 
 
-def strip_int4_linear(
+def pack_int8_strips(
+    codes: torch.Tensor,  # [out, in] int8
+    scales: torch.Tensor,  # [out, in / group_size]
+    group_size: int,
+) -> StripCodesWeight:
+    """``w = scale * code`` in strips: ``[strips, in, 16]`` codes, fp16 scales (GGUF's own)."""
+    out_features, in_features = codes.shape
+    padded = _padded_rows(codes)
+    packed = padded.view(-1, STRIP, in_features).permute(0, 2, 1).contiguous()
+    return StripCodesWeight(
+        8, packed, _strip_scales([scales], out_features), group_size, out_features, in_features
+    )
+
+
+def strip_codes_linear(
     x: torch.Tensor,  # [..., in]
-    weight: StripInt4Weight,
+    weight: StripCodesWeight,
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [..., out], x's dtype
     """``x @ w.T + bias``, ``x`` multiplied in bf16."""
@@ -218,8 +253,9 @@ def strip_int4_linear(
     bias16 = None if bias is None else bias.to(torch.bfloat16).contiguous()
     out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.bfloat16)
     lib = _library()
-    assert lib is not None, "a StripInt4Weight is only made where the kernel loaded"
-    status = lib.strip_gemm_int4(
+    assert lib is not None, "a StripCodesWeight is only made where the kernel loaded"
+    kernel = lib.strip_gemm_int4 if weight.bits == 4 else lib.strip_gemm_int8
+    status = kernel(
         weight.codes.data_ptr(),
         weight.scales.data_ptr(),
         rows.data_ptr(),
@@ -232,5 +268,5 @@ def strip_int4_linear(
         rows.stride(0),
     )
     if status != 0:
-        raise RuntimeError("4-bit strip matmul has no path for these codes on this build")
+        raise RuntimeError(f"{weight.bits}-bit strip matmul has no path for these codes here")
     return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)

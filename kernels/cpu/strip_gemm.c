@@ -37,6 +37,7 @@
 #define STRIP 16     /* output features per strip: one AVX-512 register of fp32 */
 #define ROW_TILE 8   /* rows of x sharing each weight load */
 #define ROW_BLOCK 64 /* rows of x kept hot (L2) while every strip passes over them */
+#define PREFETCH_AHEAD 1024 /* bytes of a strip's codes asked for before they are needed */
 
 /* Whether this build has the vector path for the dtype (else the caller must not call). */
 int strip_gemm_wide(int is_bf16) { return is_bf16 ? HAS_BF16_PATH : HAS_F32_PATH; }
@@ -171,8 +172,7 @@ int strip_gemm(const void *packed, const void *x, const void *bias, void *out, i
 }
 
 #if HAS_BF16_PATH
-#define INT4_ROW_TILE 4
-#define PREFETCH_AHEAD 1024 /* bytes of a strip's codes asked for before they are needed */
+#define CODE_ROW_TILE 4 /* rows of a 4- or 8-bit tile */
 
 /* 32 bytes of codes -> the bf16 values of two pairs of inputs (low nibbles, high nibbles). */
 INLINE void decode_quad(const uint8_t *at, __m512i table, __m512bh *first, __m512bh *second) {
@@ -189,7 +189,7 @@ INLINE void decode_quad(const uint8_t *at, __m512i table, __m512bh *first, __m51
 INLINE void tile_int4(const uint8_t *codes, const uint16_t *scales, int64_t strip_codes,
                       int64_t strip_scales, const uint16_t *x, const float *x_sums,
                       int64_t x_stride, int64_t k, int64_t group, const int rows,
-                      const int strips, __m512 total[2][INT4_ROW_TILE]) {
+                      const int strips, __m512 total[2][CODE_ROW_TILE]) {
   static const uint16_t SMALL_BF16[32] = {/* 0..15 as bf16, twice */
       0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0, 0x4100, 0x4110, 0x4120,
       0x4130, 0x4140, 0x4150, 0x4160, 0x4170, 0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0,
@@ -200,7 +200,7 @@ INLINE void tile_int4(const uint8_t *codes, const uint16_t *scales, int64_t stri
   for (int t = 0; t < strips; t++)
     for (int m = 0; m < rows; m++) total[t][m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; g++) {
-    __m512 acc[2][2][INT4_ROW_TILE]; /* strip, half, row */
+    __m512 acc[2][2][CODE_ROW_TILE]; /* strip, half, row */
     for (int t = 0; t < strips; t++)
       for (int h = 0; h < halves; h++)
         for (int m = 0; m < rows; m++) acc[t][h][m] = _mm512_setzero_ps();
@@ -235,11 +235,11 @@ INLINE void tile_int4(const uint8_t *codes, const uint16_t *scales, int64_t stri
   }
 }
 
-/* tile_int4 with `rows` (1..INT4_ROW_TILE) and `strips` (1, 2) as constants. */
+/* tile_int4 with `rows` (1..CODE_ROW_TILE) and `strips` (1, 2) as constants. */
 static void dispatch_int4(const uint8_t *codes, const uint16_t *scales, int64_t strip_codes,
                           int64_t strip_scales, const uint16_t *x, const float *x_sums,
                           int64_t x_stride, int64_t k, int64_t group, int rows, int strips,
-                          __m512 total[2][INT4_ROW_TILE]) {
+                          __m512 total[2][CODE_ROW_TILE]) {
 #define TILE(R)                                                                               \
   case R:                                                                                     \
     if (strips == 2)                                                                          \
@@ -248,6 +248,56 @@ static void dispatch_int4(const uint8_t *codes, const uint16_t *scales, int64_t 
     else                                                                                      \
       tile_int4(codes, scales, strip_codes, strip_scales, x, x_sums, x_stride, k, group, R,  \
                 1, total);                                                                    \
+    break;
+  switch (rows) {
+    TILE(1) TILE(2) TILE(3) TILE(4)
+  }
+#undef TILE
+}
+
+/* Rows [0, rows) of x (bf16) against `strips` (1, 2) strips of 8-bit codes (w = scale * code
+ * per group): codes [k][16] int8 a strip, scales [groups][16] fp16 a strip. Codes widen to fp32
+ * (exact) and meet x in fp32 products. */
+INLINE void tile_int8(const int8_t *codes, const uint16_t *scales, int64_t strip_codes,
+                      int64_t strip_scales, const uint16_t *x, int64_t x_stride, int64_t k,
+                      int64_t group, const int rows, const int strips,
+                      __m512 total[2][CODE_ROW_TILE]) {
+  const int64_t groups = k / group;
+  for (int t = 0; t < strips; t++)
+    for (int m = 0; m < rows; m++) total[t][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512 acc[2][CODE_ROW_TILE];
+    for (int t = 0; t < strips; t++)
+      for (int m = 0; m < rows; m++) acc[t][m] = _mm512_setzero_ps();
+    for (int64_t i = g * group; i < (g + 1) * group; i++) {
+      __m512 w[2];
+      for (int t = 0; t < strips; t++) {
+        const int8_t *at = codes + t * strip_codes + i * STRIP;
+        __builtin_prefetch(at + PREFETCH_AHEAD, 0, 0);
+        w[t] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));
+      }
+      for (int m = 0; m < rows; m++) {
+        const __m512 xb = _mm512_set1_ps(bf16_to_f32(x[m * x_stride + i]));
+        for (int t = 0; t < strips; t++) acc[t][m] = _mm512_fmadd_ps(w[t], xb, acc[t][m]);
+      }
+    }
+    for (int t = 0; t < strips; t++) {
+      const uint16_t *at = scales + t * strip_scales + g * STRIP;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+      for (int m = 0; m < rows; m++) total[t][m] = _mm512_fmadd_ps(acc[t][m], scale, total[t][m]);
+    }
+  }
+}
+
+static void dispatch_int8(const int8_t *codes, const uint16_t *scales, int64_t strip_codes,
+                          int64_t strip_scales, const uint16_t *x, int64_t x_stride, int64_t k,
+                          int64_t group, int rows, int strips, __m512 total[2][CODE_ROW_TILE]) {
+#define TILE(R)                                                                                \
+  case R:                                                                                      \
+    if (strips == 2)                                                                           \
+      tile_int8(codes, scales, strip_codes, strip_scales, x, x_stride, k, group, R, 2, total); \
+    else                                                                                       \
+      tile_int8(codes, scales, strip_codes, strip_scales, x, x_stride, k, group, R, 1, total); \
     break;
   switch (rows) {
     TILE(1) TILE(2) TILE(3) TILE(4)
@@ -282,9 +332,9 @@ int strip_gemm_int4(const uint8_t *codes, const uint16_t *scales, const uint16_t
     for (int64_t sp = 0; sp < strip_pairs; sp++) {
       const int64_t s = 2 * sp, end = (b + 1) * ROW_BLOCK < rows ? (b + 1) * ROW_BLOCK : rows;
       const int both = s + 1 < strips ? 2 : 1;
-      for (int64_t row0 = b * ROW_BLOCK; row0 < end; row0 += INT4_ROW_TILE) {
-        const int tile = end - row0 < INT4_ROW_TILE ? (int)(end - row0) : INT4_ROW_TILE;
-        __m512 total[2][INT4_ROW_TILE];
+      for (int64_t row0 = b * ROW_BLOCK; row0 < end; row0 += CODE_ROW_TILE) {
+        const int tile = end - row0 < CODE_ROW_TILE ? (int)(end - row0) : CODE_ROW_TILE;
+        __m512 total[2][CODE_ROW_TILE];
         dispatch_int4(codes + s * strip_codes, scales + s * strip_scales, strip_codes,
                       strip_scales, x + row0 * x_stride, x_sums + row0 * groups, x_stride, k,
                       group, tile, both, total);
@@ -293,6 +343,33 @@ int strip_gemm_int4(const uint8_t *codes, const uint16_t *scales, const uint16_t
       }
     }
   free(x_sums);
+#endif
+  return 0;
+}
+
+/* As strip_gemm_int4 for 8-bit codes (tile_int8's layout, w = scale * code). */
+int strip_gemm_int8(const int8_t *codes, const uint16_t *scales, const uint16_t *x,
+                    const uint16_t *bias, uint16_t *out, int64_t rows, int64_t n, int64_t k,
+                    int64_t group, int64_t x_stride) {
+  if (!HAS_BF16_PATH || k % group) return -1;
+#if HAS_BF16_PATH
+  const int64_t groups = k / group, strips = (n + STRIP - 1) / STRIP;
+  const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK, strip_pairs = (strips + 1) / 2;
+  const int64_t strip_codes = k * STRIP, strip_scales = groups * STRIP;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t b = 0; b < blocks; b++)
+    for (int64_t sp = 0; sp < strip_pairs; sp++) {
+      const int64_t s = 2 * sp, end = (b + 1) * ROW_BLOCK < rows ? (b + 1) * ROW_BLOCK : rows;
+      const int both = s + 1 < strips ? 2 : 1;
+      for (int64_t row0 = b * ROW_BLOCK; row0 < end; row0 += CODE_ROW_TILE) {
+        const int tile = end - row0 < CODE_ROW_TILE ? (int)(end - row0) : CODE_ROW_TILE;
+        __m512 total[2][CODE_ROW_TILE];
+        dispatch_int8(codes + s * strip_codes, scales + s * strip_scales, strip_codes,
+                      strip_scales, x + row0 * x_stride, x_stride, k, group, tile, both, total);
+        for (int t = 0; t < both; t++)
+          store_strip(total[t], tile, bias, out, n, row0, (s + t) * STRIP, 1);
+      }
+    }
 #endif
   return 0;
 }

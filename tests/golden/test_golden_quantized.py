@@ -1,8 +1,8 @@
 """Linear weights kept quantized: a GGUF file's Q4_0/Q4_1/Q8_0 weights (the default on the CPU)
 and ``quantization="int8"|"int4"`` on a float checkpoint.
 
-The weights really are integer codes (``QuantizedWeight``, or ``StripInt4Weight`` for 4 bits in
-bf16 where the CPU has AVX512-BF16: bits, packing, bytes). With the exact
+The weights really are integer codes (``QuantizedWeight``, or ``StripCodesWeight`` in bf16
+where the CPU has AVX512-BF16: bits, packing, bytes). With the exact
 kernel (``SHOAL_QUANT_DTYPE=float32``) a model answers as its float twin (the same codes
 dequantized into a float model: for GGUF, the file's dequantized weights) within rounding, greedy
 outputs equal; with the default bf16 kernel, within test_golden_half's bf16 tolerance of the
@@ -18,7 +18,7 @@ import torch
 
 from shoal.kernels import gemm, quant_gemm
 from shoal.kernels.quant_gemm import QuantizedWeight
-from shoal.kernels.strip_gemm import StripInt4Weight, int4_strips_available
+from shoal.kernels.strip_gemm import StripCodesWeight, code_strips_available
 from shoal.workers.layers.quantize import GROUP_SIZE, quantize_int4, quantize_int8
 from shoal.workers.loader import CheckpointError, load_model
 from shoal.workers.model_runner import ModelRunner
@@ -115,16 +115,16 @@ def _check_codes(model: DecoderForCausalLM, bits: dict[str, int], dtype: torch.d
         expected_bits = bits.get(name, bits["*"])
         assert isinstance(weight, _kernel_of(expected_bits, dtype)), name
         assert weight.bits == expected_bits and weight.dtype == dtype, name
-        codes = weight.codes if isinstance(weight, StripInt4Weight) else weight.packed
-        assert codes.dtype == torch.uint8, name
+        codes = weight.codes if isinstance(weight, StripCodesWeight) else weight.packed
+        assert codes.dtype in (torch.uint8, torch.int8), name  # one byte a code or two
         total += weight.nbytes
     return total
 
 
 def _kernel_of(bits: int, dtype: torch.dtype) -> type:
-    """4 bits in bf16 run in strips where the CPU has AVX512-BF16; the rest in torch's kernel."""
-    in_strips = bits == 4 and dtype == torch.bfloat16 and int4_strips_available(32, 64)
-    return StripInt4Weight if in_strips else QuantizedWeight
+    """Codes in bf16 run in strips where the CPU has AVX512-BF16; the rest in torch's kernel."""
+    in_strips = dtype == torch.bfloat16 and code_strips_available(32, 64)
+    return StripCodesWeight if in_strips else QuantizedWeight
 
 
 @pytest.mark.parametrize("qtype", sorted(KEPT_BITS))

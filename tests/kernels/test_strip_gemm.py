@@ -10,11 +10,12 @@ import torch
 
 from shoal.kernels import gemm, strip_gemm
 from shoal.kernels.strip_gemm import (
-    int4_strips_available,
+    code_strips_available,
     pack_int4_strips,
+    pack_int8_strips,
     pack_strips,
+    strip_codes_linear,
     strip_gemm_available,
-    strip_int4_linear,
     strip_linear,
 )
 from shoal.workers.cpu_info import cpu_flags
@@ -118,7 +119,7 @@ def test_builds_without_a_vector_path_leave_the_dtype_to_onednn(
     with pytest.raises(RuntimeError, match="SHOAL_GEMM=strips"):
         monkeypatch.setenv(gemm.ENV_VAR, gemm.STRIPS)
         gemm.gemm_backend("cpu", torch.bfloat16)
-    assert not int4_strips_available(32, 64)
+    assert not code_strips_available(32, 64)
     if fp32_path:
         weight, x = torch.randn(50, 40), torch.randn(9, 40)
         _check(strip_linear(x, pack_strips(weight)), x, weight, None)
@@ -144,7 +145,7 @@ def _int4_case(out_features: int, in_features: int, group: int, seed: int):  # t
 def test_4bit_codes_match_their_dequantized_weight(rows, out_features, in_features, group):
     """Rows across the 4-row tiles (one and two rows split each quad's dots) and the 64-row
     blocks; one strip, an odd last strip, paired strips; groups of 32 and 64."""
-    if not int4_strips_available(group, in_features):
+    if not code_strips_available(group, in_features):
         pytest.skip("the 4-bit strip kernel has no path on this CPU")
     codes, scales, mins, weight = _int4_case(out_features, in_features, group, rows)
     packed = pack_int4_strips(codes, scales, mins, group)
@@ -155,19 +156,38 @@ def test_4bit_codes_match_their_dequantized_weight(rows, out_features, in_featur
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16()
     for b in (None, bias):
-        _check(strip_int4_linear(x, packed, b), x, weight, b)
+        _check(strip_codes_linear(x, packed, b), x, weight, b)
 
 
 def test_4bit_codes_take_strided_and_fp32_inputs():
-    if not int4_strips_available(32, 64):
+    if not code_strips_available(32, 64):
         pytest.skip("the 4-bit strip kernel has no path on this CPU")
     codes, scales, mins, weight = _int4_case(40, 64, 32, 3)
     packed = pack_int4_strips(codes, scales, mins, 32)
     wide = torch.randn(6, 128).bfloat16()
     rows = wide[:, 16:80]
-    _check(strip_int4_linear(rows, packed), rows, weight, None)
+    _check(strip_codes_linear(rows, packed), rows, weight, None)
     x32 = torch.randn(2, 3, 64)
-    out = strip_int4_linear(x32, packed)  # multiplied in bf16, answered in the input's dtype
+    out = strip_codes_linear(x32, packed)  # multiplied in bf16, answered in the input's dtype
     assert out.shape == (2, 3, 40) and out.dtype == torch.float32
     as_bf16 = x32.bfloat16().reshape(6, 64)
     _check(out.reshape(6, 40).bfloat16(), as_bf16, weight, None)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 4, 5, 64, 70])
+@pytest.mark.parametrize(("out_features", "in_features", "group"), [(16, 32, 32), (50, 96, 32)])
+def test_8bit_codes_match_their_dequantized_weight(rows, out_features, in_features, group):
+    if not code_strips_available(group, in_features):
+        pytest.skip("the strip kernel has no bf16 path on this CPU")
+    gen = torch.Generator().manual_seed(rows)
+    codes = torch.randint(-127, 128, (out_features, in_features), generator=gen).to(torch.int8)
+    scales = (torch.rand(out_features, in_features // group, generator=gen) * 0.01).half().float()
+    weight = (codes.float().view(out_features, -1, group) * scales[..., None]).flatten(1)
+    packed = pack_int8_strips(codes, scales, group)
+    assert packed.bits == 8 and packed.shape == (out_features, in_features)
+    padded = -(-out_features // 16) * 16
+    assert packed.nbytes == padded * in_features * (1 + 2 / group)  # codes + fp16 scales
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    for b in (None, bias):
+        _check(strip_codes_linear(x, packed, b), x, weight, b)

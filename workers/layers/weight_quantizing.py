@@ -1,6 +1,6 @@
 """After loading: linear weights turned into integer codes for the weight-only quantized
-matmuls (``kernels.quant_gemm``; 4-bit codes in bf16 to ``kernels.strip_gemm``'s where the CPU
-has AVX512-BF16), before the float ones are packed (``weight_packing``).
+matmuls (``kernels.quant_gemm``; codes in bf16 to ``kernels.strip_gemm``'s where the CPU has
+AVX512-BF16), before the float ones are packed (``weight_packing``).
 
 Which weights, and how:
 
@@ -26,7 +26,12 @@ import torch
 from torch import nn
 
 from shoal.kernels.quant_gemm import QuantizedWeight, compute_dtype, pack_int4, pack_int8
-from shoal.kernels.strip_gemm import StripInt4Weight, int4_strips_available, pack_int4_strips
+from shoal.kernels.strip_gemm import (
+    StripCodesWeight,
+    code_strips_available,
+    pack_int4_strips,
+    pack_int8_strips,
+)
 from shoal.workers.layers.embedding import Embedding, LMHead
 from shoal.workers.layers.linear import (
     ColumnParallelLinear,
@@ -111,16 +116,18 @@ def _from_floats(weight: torch.Tensor, scheme: str) -> QuantizedTensor:
     return quantize_int4(weight, source, GROUP_SIZE)
 
 
-def _packed(codes: QuantizedTensor) -> QuantizedWeight | StripInt4Weight:
-    """The codes packed for their kernel: 4 bits in bf16 go to the strip matmul where this CPU
-    has its path (AVX512-BF16), everything else to torch's int4 kernel."""
+def _packed(codes: QuantizedTensor) -> QuantizedWeight | StripCodesWeight:
+    """The codes packed for their kernel: in bf16, the strip matmul where this CPU has its path
+    (AVX512-BF16); else torch's int4 kernel (8 bits as two 4-bit halves)."""
+    in_strips = compute_dtype() == torch.bfloat16 and code_strips_available(
+        codes.group_size, codes.shape[1]
+    )
     if codes.bits == 8:
+        if in_strips:
+            return pack_int8_strips(codes.codes, codes.scales, codes.group_size)
         return pack_int8(codes.codes, codes.scales, codes.group_size)
     if codes.mins is None:
         raise ValueError("4-bit codes without group minimums")
-    in_strips = compute_dtype() == torch.bfloat16 and int4_strips_available(
-        codes.group_size, codes.shape[1]
-    )
     pack = pack_int4_strips if in_strips else pack_int4
     return pack(codes.codes, codes.scales, codes.mins, codes.group_size)
 
