@@ -10,6 +10,7 @@
  * strips, two codes a byte, with each group's 16 scales and minimums (fp16, as GGUF stores them):
  * a lookup turns 32 codes into 32 exact bf16 values at once, AVX512-BF16 dots them with x, and
  * the group's sum becomes scale * dot + min * sum(x over the group). A quarter of bf16's bytes.
+ * 8-bit codes (Q8_0's w = scale * code) come one a byte, [strips][in][16], widened to fp32.
  *
  * fp32 accumulation; bf16 results rounded once at the end (to nearest even, as torch), after
  * the bias is added in fp32. Built by kernels/cpu_build.py; where the compiler targets no
