@@ -19,7 +19,8 @@ AVX512-BF16 (``strip_gemm_available``); elsewhere ``kernels.gemm`` keeps oneDNN'
 Integer codes (``StripCodesWeight``: GGUF Q4_0/Q4_1's ``scale * code + min`` and Q8_0's
 ``scale * code`` per group, fp16 scales as the file stores them) run in the same strips on
 AVX512-BF16, in bf16, in place of torch's int4 kernel (``quant_gemm``; 8 bits there as two 4-bit
-halves). 4 bits, the same shapes and machine, ms (torch's int4 / strips):
+halves); ``workers/layers/weight_quantizing.py`` sends 8-bit codes here, 4-bit ones when asked.
+4 bits, the same shapes and machine, ms (torch's int4 / strips):
 
     tokens (M)    1            4            16            64            256
     int4       5.2 / 5.4    7.3 / 6.5    22.3 / 15.9   84.1 / 52.2   331.0 / 201.1

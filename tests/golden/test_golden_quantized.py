@@ -2,7 +2,7 @@
 and ``quantization="int8"|"int4"`` on a float checkpoint.
 
 The weights really are integer codes (``QuantizedWeight``, or ``StripCodesWeight`` in bf16
-where the CPU has AVX512-BF16: bits, packing, bytes). With the exact
+where the CPU has AVX512-BF16: 8 bits, and 4 with ``SHOAL_INT4_KERNEL=strips``). With the exact
 kernel (``SHOAL_QUANT_DTYPE=float32``) a model answers as its float twin (the same codes
 dequantized into a float model: for GGUF, the file's dequantized weights) within rounding, greedy
 outputs equal; with the default bf16 kernel, within test_golden_half's bf16 tolerance of the
@@ -11,6 +11,7 @@ cannot take are refused by name."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from shoal.kernels import gemm, quant_gemm
 from shoal.kernels.quant_gemm import QuantizedWeight
 from shoal.kernels.strip_gemm import StripCodesWeight, code_strips_available
 from shoal.workers.layers.quantize import GROUP_SIZE, quantize_int4, quantize_int8
+from shoal.workers.layers.weight_quantizing import INT4_KERNEL_ENV
 from shoal.workers.loader import CheckpointError, load_model
 from shoal.workers.model_runner import ModelRunner
 from shoal.workers.models.decoder import DecoderForCausalLM
@@ -122,8 +124,10 @@ def _check_codes(model: DecoderForCausalLM, bits: dict[str, int], dtype: torch.d
 
 
 def _kernel_of(bits: int, dtype: torch.dtype) -> type:
-    """Codes in bf16 run in strips where the CPU has AVX512-BF16; the rest in torch's kernel."""
-    in_strips = dtype == torch.bfloat16 and code_strips_available(32, 64)
+    """In bf16 where the CPU has AVX512-BF16, 8-bit codes (and 4-bit ones when
+    SHOAL_INT4_KERNEL=strips) run in strips; the rest in torch's kernel."""
+    asked = bits == 8 or os.environ.get(INT4_KERNEL_ENV) == "strips"
+    in_strips = asked and dtype == torch.bfloat16 and code_strips_available(32, 64)
     return StripCodesWeight if in_strips else QuantizedWeight
 
 
@@ -146,10 +150,16 @@ def test_a_gguf_models_quantized_weights_stay_quantized(variant, qtype, tmp_path
     _answers_as_the_twin(kept, twin)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0"])
-def test_the_bf16_kernel_stays_within_bf16_tolerance(qtype, tmp_path, bf16_kernel):
+@pytest.mark.parametrize(
+    ("qtype", "int4_kernel"), [("Q4_1", "torch"), ("Q4_1", "strips"), ("Q8_0", "torch")]
+)
+def test_the_bf16_kernel_stays_within_bf16_tolerance(
+    qtype, int4_kernel, tmp_path, bf16_kernel, monkeypatch
+):
     """The default kernel: bf16 activations, scales and zeros; int4 reads 0.625 byte per
-    weight, int8 1.25."""
+    weight, int8 1.25 (torch's two halves) or 1.0625 (strips). 4-bit codes in strips when
+    asked."""
+    monkeypatch.setenv(INT4_KERNEL_ENV, int4_kernel)
     _, view, _ = converted(tmp_path, "llama_tied", qtype)
     kept, dense = _runner(view), _runner(view, dequantize=True)
     bits = KEPT_BITS[qtype]

@@ -1,6 +1,7 @@
 """After loading: linear weights turned into integer codes for the weight-only quantized
-matmuls (``kernels.quant_gemm``; codes in bf16 to ``kernels.strip_gemm``'s where the CPU has
-AVX512-BF16), before the float ones are packed (``weight_packing``).
+matmuls (``kernels.quant_gemm``; in bf16 8-bit codes, and 4-bit ones when asked, to
+``kernels.strip_gemm``'s where the CPU has AVX512-BF16), before the float ones are packed
+(``weight_packing``).
 
 Which weights, and how:
 
@@ -20,6 +21,7 @@ Which weights, and how:
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import torch
@@ -44,6 +46,7 @@ from shoal.workers.layers.quantized_parts import QuantizedParts
 from shoal.workers.layers.quantized_tensor import QuantizedTensor
 
 SCHEMES = ("int8", "int4")
+INT4_KERNEL_ENV = "SHOAL_INT4_KERNEL"  # torch (default) or strips: read when codes are packed
 LINEAR_LAYERS = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)
 # The LM head under ``--quantization``: int8 either way (int4 logits cost more accuracy than the
 # head's share of the bytes buys; see bench/quantized.py).
@@ -117,8 +120,9 @@ def _from_floats(weight: torch.Tensor, scheme: str) -> QuantizedTensor:
 
 
 def _packed(codes: QuantizedTensor) -> QuantizedWeight | StripCodesWeight:
-    """The codes packed for their kernel: in bf16, the strip matmul where this CPU has its path
-    (AVX512-BF16); else torch's int4 kernel (8 bits as two 4-bit halves)."""
+    """The codes packed for their kernel: in bf16 where this CPU has the strip matmul's path
+    (AVX512-BF16), 8-bit codes in strips and 4-bit ones where ``SHOAL_INT4_KERNEL=strips`` asks
+    (``INT4_KERNEL_ENV``); everything else in torch's int4 kernel (8 bits as two halves)."""
     in_strips = compute_dtype() == torch.bfloat16 and code_strips_available(
         codes.group_size, codes.shape[1]
     )
@@ -128,8 +132,19 @@ def _packed(codes: QuantizedTensor) -> QuantizedWeight | StripCodesWeight:
         return pack_int8(codes.codes, codes.scales, codes.group_size)
     if codes.mins is None:
         raise ValueError("4-bit codes without group minimums")
-    pack = pack_int4_strips if in_strips else pack_int4
+    pack = pack_int4_strips if in_strips and _int4_in_strips() else pack_int4
     return pack(codes.codes, codes.scales, codes.mins, codes.group_size)
+
+
+def _int4_in_strips() -> bool:
+    """4-bit codes in strips only when asked: 1.4-1.6x torch's kernel from 16 tokens, but on
+    the default model the README's question ("What is the capital of France?") is a near-tie
+    at its first token in bf16 (0.00-0.12 apart), and the strips' rounding answered it wrong
+    alone in a batch where torch's kernel answered it right (either flips with the batch)."""
+    choice = os.environ.get(INT4_KERNEL_ENV, "torch").strip().lower() or "torch"
+    if choice not in ("torch", "strips"):
+        raise ValueError(f"{INT4_KERNEL_ENV}={choice!r}: expected torch or strips")
+    return choice == "strips"
 
 
 def describe(codes: QuantizedTensor) -> str:
