@@ -305,6 +305,38 @@ static void dispatch_int8(const int8_t *codes, const uint16_t *scales, int64_t s
   }
 #undef TILE
 }
+
+/* Every (row block, strip pair) of a product over codes of `bits` (4: x_sums given, 8: none),
+ * split across the threads; each row tile's totals stored with the bias. */
+static void run_code_strips(int bits, const void *codes, const uint16_t *scales,
+                            const uint16_t *x, const float *x_sums, const uint16_t *bias,
+                            uint16_t *out, int64_t rows, int64_t n, int64_t k, int64_t group,
+                            int64_t x_stride) {
+  const int64_t groups = k / group, strips = (n + STRIP - 1) / STRIP;
+  const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK, strip_pairs = (strips + 1) / 2;
+  const int64_t strip_codes = bits == 4 ? k * 8 : k * STRIP; /* bytes a strip */
+  const int64_t strip_scales = groups * (bits == 4 ? 2 : 1) * STRIP;
+#pragma omp parallel for schedule(static) collapse(2)
+  for (int64_t b = 0; b < blocks; b++)
+    for (int64_t sp = 0; sp < strip_pairs; sp++) {
+      const int64_t s = 2 * sp, end = (b + 1) * ROW_BLOCK < rows ? (b + 1) * ROW_BLOCK : rows;
+      const int both = s + 1 < strips ? 2 : 1;
+      const char *strip = (const char *)codes + s * strip_codes;
+      for (int64_t row0 = b * ROW_BLOCK; row0 < end; row0 += CODE_ROW_TILE) {
+        const int tile = end - row0 < CODE_ROW_TILE ? (int)(end - row0) : CODE_ROW_TILE;
+        __m512 total[2][CODE_ROW_TILE];
+        if (bits == 4)
+          dispatch_int4((const uint8_t *)strip, scales + s * strip_scales, strip_codes,
+                        strip_scales, x + row0 * x_stride, x_sums + row0 * groups, x_stride, k,
+                        group, tile, both, total);
+        else
+          dispatch_int8((const int8_t *)strip, scales + s * strip_scales, strip_codes,
+                        strip_scales, x + row0 * x_stride, x_stride, k, group, tile, both, total);
+        for (int t = 0; t < both; t++)
+          store_strip(total[t], tile, bias, out, n, row0, (s + t) * STRIP, 1);
+      }
+    }
+}
 #endif
 
 /* out [rows, n] (bf16) = x [rows, k] (bf16, rows `x_stride` apart) @ W^T + bias (bf16 or NULL),
@@ -315,7 +347,7 @@ int strip_gemm_int4(const uint8_t *codes, const uint16_t *scales, const uint16_t
                     int64_t group, int64_t x_stride) {
   if (!HAS_BF16_PATH || group % 4 || k % group) return -1;
 #if HAS_BF16_PATH
-  const int64_t groups = k / group, strips = (n + STRIP - 1) / STRIP;
+  const int64_t groups = k / group;
   float *x_sums = malloc(sizeof(float) * (rows * groups + 1));
   if (!x_sums) return -1;
 #pragma omp parallel for schedule(static) if (rows >= ROW_BLOCK)
@@ -326,23 +358,7 @@ int strip_gemm_int4(const uint8_t *codes, const uint16_t *scales, const uint16_t
       for (int64_t i = 0; i < group; i++) sum += bf16_to_f32(x[m * x_stride + g * group + i]);
       x_sums[m * groups + g] = sum;
     }
-  const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK, strip_pairs = (strips + 1) / 2;
-  const int64_t strip_codes = k * 8, strip_scales = groups * 32;
-#pragma omp parallel for schedule(static) collapse(2)
-  for (int64_t b = 0; b < blocks; b++)
-    for (int64_t sp = 0; sp < strip_pairs; sp++) {
-      const int64_t s = 2 * sp, end = (b + 1) * ROW_BLOCK < rows ? (b + 1) * ROW_BLOCK : rows;
-      const int both = s + 1 < strips ? 2 : 1;
-      for (int64_t row0 = b * ROW_BLOCK; row0 < end; row0 += CODE_ROW_TILE) {
-        const int tile = end - row0 < CODE_ROW_TILE ? (int)(end - row0) : CODE_ROW_TILE;
-        __m512 total[2][CODE_ROW_TILE];
-        dispatch_int4(codes + s * strip_codes, scales + s * strip_scales, strip_codes,
-                      strip_scales, x + row0 * x_stride, x_sums + row0 * groups, x_stride, k,
-                      group, tile, both, total);
-        for (int t = 0; t < both; t++)
-          store_strip(total[t], tile, bias, out, n, row0, (s + t) * STRIP, 1);
-      }
-    }
+  run_code_strips(4, codes, scales, x, x_sums, bias, out, rows, n, k, group, x_stride);
   free(x_sums);
 #endif
   return 0;
@@ -354,23 +370,7 @@ int strip_gemm_int8(const int8_t *codes, const uint16_t *scales, const uint16_t 
                     int64_t group, int64_t x_stride) {
   if (!HAS_BF16_PATH || k % group) return -1;
 #if HAS_BF16_PATH
-  const int64_t groups = k / group, strips = (n + STRIP - 1) / STRIP;
-  const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK, strip_pairs = (strips + 1) / 2;
-  const int64_t strip_codes = k * STRIP, strip_scales = groups * STRIP;
-#pragma omp parallel for schedule(static) collapse(2)
-  for (int64_t b = 0; b < blocks; b++)
-    for (int64_t sp = 0; sp < strip_pairs; sp++) {
-      const int64_t s = 2 * sp, end = (b + 1) * ROW_BLOCK < rows ? (b + 1) * ROW_BLOCK : rows;
-      const int both = s + 1 < strips ? 2 : 1;
-      for (int64_t row0 = b * ROW_BLOCK; row0 < end; row0 += CODE_ROW_TILE) {
-        const int tile = end - row0 < CODE_ROW_TILE ? (int)(end - row0) : CODE_ROW_TILE;
-        __m512 total[2][CODE_ROW_TILE];
-        dispatch_int8(codes + s * strip_codes, scales + s * strip_scales, strip_codes,
-                      strip_scales, x + row0 * x_stride, x_stride, k, group, tile, both, total);
-        for (int t = 0; t < both; t++)
-          store_strip(total[t], tile, bias, out, n, row0, (s + t) * STRIP, 1);
-      }
-    }
+  run_code_strips(8, codes, scales, x, NULL, bias, out, rows, n, k, group, x_stride);
 #endif
   return 0;
 }
