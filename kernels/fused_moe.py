@@ -72,7 +72,10 @@ def align_by_expert(
     num_assignments = flat.numel()
     capacity = triton.cdiv(num_assignments + num_experts * (block_m - 1), block_m) * block_m
     order = torch.sort(flat, stable=True).indices  # assignments grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts)  # [num_experts]
+    # [num_experts]; not bincount, which reads its output size from the device (no sync here,
+    # so a CUDA graph can hold this)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     group_start = torch.cumsum(counts, 0) - counts
