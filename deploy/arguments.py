@@ -144,6 +144,21 @@ def _add_model_arguments(g: Group) -> None:
     )
     _option(
         g,
+        "--enforce-eager",
+        dest="enforce_eager",
+        help="on CUDA, run every step eagerly: no CUDA graphs for decode steps (the CPU has none)",
+    )
+    _option(
+        g,
+        "--cuda-graph-sizes",
+        dest="cuda_graph_sizes",
+        type=positive_int,
+        nargs="+",
+        help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 and every multiple "
+        "of 8 up to --max-num-seqs, at most 512)",
+    )
+    _option(
+        g,
         "--max-model-len",
         dest="max_model_len",
         type=positive_int,

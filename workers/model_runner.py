@@ -32,6 +32,12 @@ from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.kernels import ops
 from shoal.workers.config import CheckpointConfig, resolve_dtype
+from shoal.workers.cuda_graphs import (
+    DecodeGraphs,
+    GraphCapture,
+    capture_cuda_graph,
+    default_capture_sizes,
+)
 from shoal.workers.grammar_mask import GrammarMailbox, apply_grammar_bitmask
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
@@ -97,6 +103,13 @@ class ModelRunner:
         self.ep_init_method = ep_init_method
         self.ep_step: ExpertParallelStep | None = None  # with expert parallelism across DP
         self.gemm_backend = ""  # the linear layers' matmul (kernels.gemm), set by ``load``
+        # Decode steps as CUDA graphs (``workers.cuda_graphs``): how to capture one (None: no
+        # graphs; tests on the CPU put in a capture that replays by calling the forward), and
+        # the captured graphs once ``load`` made them.
+        self.graph_capture: GraphCapture | None = (
+            capture_cuda_graph if self.device.type == "cuda" else None
+        )
+        self.graphs: DecodeGraphs | None = None
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -133,6 +146,7 @@ class ModelRunner:
         num_blocks = self._allocate_kv_cache(model, cfg, num_kv_heads)
         self._model = model
         self._build_batch(cfg, max_model_len, num_blocks)
+        self.graphs = self._capture_graphs(max_model_len)
         self.facts = ModelFacts(
             num_blocks=num_blocks,
             block_size=self.block_size,
@@ -207,6 +221,44 @@ class ModelRunner:
                 sampling=self.sampling,
                 tp=self.tp,
             )
+
+    def _capture_graphs(self, max_model_len: int) -> DecodeGraphs | None:
+        """Decode steps' CUDA graphs, captured now; None with ``enforce_eager``, without a
+        capture (the CPU), with tensor or expert parallelism (their collectives are not
+        captured), or when the capture fails (logged: every step then runs eagerly)."""
+        model_config = self.config.model_config
+        if (
+            self.graph_capture is None
+            or model_config.enforce_eager
+            or self.tp.size > 1
+            or self.ep_step is not None
+        ):
+            return None
+        sizes = model_config.cuda_graph_sizes or default_capture_sizes(
+            self.config.scheduler_config.max_num_seqs
+        )
+        graphs = DecodeGraphs(
+            self.model.forward,
+            sizes=sizes,
+            max_blocks_per_seq=self.batch.block_table.shape[1],
+            max_model_len=max_model_len,
+            device=self.device,
+            capture=self.graph_capture,
+        )
+        started = time.perf_counter()
+        try:
+            graphs.capture_all()
+        except Exception:
+            log.exception("capturing CUDA graphs failed: every step runs eagerly")
+            return None
+        log.info(
+            "captured %d decode graphs (batch sizes %d..%d) in %.1f s",
+            len(graphs.sizes),
+            graphs.sizes[0],
+            graphs.max_size,
+            time.perf_counter() - started,
+        )
+        return graphs
 
     def _join_tp_group(self) -> None:
         if torch.distributed.is_initialized():
@@ -444,6 +496,8 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs, expert_parallel: bool = False) -> torch.Tensor:
         """The model over the step's tokens; a step of an expert-parallel round through
         ``ExpertParallelStep`` (which may split it into micro-batches)."""
+        if self.graphs is not None and self.graphs.fits(inputs):
+            return self.graphs.run(inputs)
         meta = self.prepare_metadata(inputs)
         input_ids = torch.from_numpy(inputs.input_ids).to(self.device, non_blocking=True)
         positions = torch.from_numpy(inputs.positions).to(self.device, non_blocking=True)

@@ -79,6 +79,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     # Load a GGUF file's quantized weights as floats in ``dtype`` (shoal's path before weights
     # were kept quantized); ``quantization`` then applies to every linear weight.
     dequantize: bool = False
+    # CUDA graphs for decode steps (workers.cuda_graphs), on by default on CUDA: vLLM's
+    # --enforce-eager turns them off; cuda_graph_sizes are the batch sizes captured (default: 1,
+    # 2, 4 and every multiple of 8 up to max_num_seqs, at most 512).
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         _one_of(self.dtype, DTYPES, "dtype")
@@ -97,6 +102,11 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             "needs tool_call_parser (which format the model writes its calls in)",
         )
         _positive(self, "max_model_len")
+        _require(
+            self.cuda_graph_sizes is None or all(n > 0 for n in self.cuda_graph_sizes),
+            "cuda_graph_sizes",
+            f"must be positive batch sizes, got {self.cuda_graph_sizes}",
+        )
         _require(self.seed >= 0, "seed", f"must be non-negative, got {self.seed}")
         _require(
             bool(self.generation_config),

@@ -283,3 +283,16 @@ def test_generate_prints_the_completion(tiny_checkpoint) -> None:  # type: ignor
     if 2 in expected:  # the tiny model's eos ends the completion early
         text = tokenizer.decode(expected[: expected.index(2)], skip_special_tokens=True)
     assert result.stdout == text + "\n"
+
+
+def test_cuda_graph_flags_reach_the_config(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from shoal.deploy.arguments import config_from_namespace
+    from shoal.deploy.cli import build_parser
+
+    model = str(tiny_checkpoint("llama"))
+    default = config_from_namespace(build_parser().parse_args(["serve", model]), model)
+    flags = ["serve", model, "--enforce-eager", "--cuda-graph-sizes", "1", "2", "8"]
+    given = config_from_namespace(build_parser().parse_args(flags), model)
+    assert not default.model_config.enforce_eager and default.model_config.cuda_graph_sizes is None
+    assert given.model_config.enforce_eager and given.model_config.cuda_graph_sizes == [1, 2, 8]
+    assert _run("serve", model, "--cuda-graph-sizes", "0").returncode == 2
