@@ -492,3 +492,26 @@ def test_structured_compares_a_mixed_batch_with_a_free_one(built_demo_model: Non
     assert figures["mask_us_per_step"] == pytest.approx(
         figures["fill_us_per_step"] + figures["apply_us_per_step"], abs=0.2
     )
+
+
+# ----- bench/gpu_check.py (its CPU dry run: the script itself, not a GPU)
+
+
+@pytest.mark.timeout(300)
+def test_gpu_check_dry_run_on_the_cpu():
+    done = _run(
+        str(BENCH / "gpu_check.py"),
+        "--device=cpu",
+        "--sections=golden,subsystems",
+        "--variants=llama",
+        "--modes=graphs",
+        timeout=280,
+    )
+    result = _last_json(done)
+    fp32 = [row for row in result["golden"] if row["dtype"] == "float32"]
+    assert len(fp32) == 1 and fp32[0]["equal"] == fp32[0]["of"] == 8
+    bf16 = [row for row in result["golden"] if row["dtype"] == "bfloat16"]
+    assert all(len(row["diverge_at_gap"]) == 8 - row["equal"] for row in bf16)
+    subsystems = result["subsystems"]
+    assert subsystems["equal"] == subsystems["of"] == 16
+    assert subsystems["kv_offload_hits"] > 0 and subsystems["spec_accepted_tokens"] > 0

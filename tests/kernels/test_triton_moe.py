@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from shoal.kernels.fused_moe import align_by_expert, fused_moe_torch, fused_moe_triton
+from tests.kernels.on_device import device_under_test
 
 
 def _moe_case(tokens: int, experts: int, top_k: int, seed: int = 0):
@@ -27,6 +28,20 @@ def test_fused_moe_triton_matches_reference(tokens, experts, top_k):
     torch.testing.assert_close(
         fused_moe_triton(*case), fused_moe_torch(*case), atol=1e-5, rtol=1e-5
     )
+
+
+@pytest.mark.skipif(
+    device_under_test() is None,
+    reason="bf16 on a GPU only (the interpreter's bf16 is not Triton's)",
+)
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(9, 6, 2), (80, 8, 2)])
+def test_fused_moe_triton_in_bf16(tokens, experts, top_k):
+    """bf16 weights and activations against the fp32 reference on the same rounded values."""
+    x, w13, w2, weights, ids = _moe_case(tokens, experts, top_k)
+    x, w13, w2 = (t.to(torch.bfloat16) for t in (x, w13, w2))
+    out = fused_moe_triton(x, w13, w2, weights.to(torch.bfloat16), ids)
+    expected = fused_moe_torch(x.float(), w13.float(), w2.float(), weights, ids)
+    torch.testing.assert_close(out.float(), expected, atol=3e-2, rtol=2e-2)
 
 
 def test_align_by_expert_groups_and_pads_each_expert():
