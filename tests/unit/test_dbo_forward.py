@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shoal.workers.dbo.forward import forward_ubatched
+from shoal.workers.dbo.forward import SplitCounts, forward_ubatched
 from shoal.workers.dbo.ubatch_slices import UBatchSlice, make_ubatch_slices
 from shoal.workers.dbo.ubatching import current_ubatch_id
 from shoal.workers.layers.attention import AttentionMetadata
@@ -110,9 +110,9 @@ def plain(model: Any, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetad
     return model(ids, pos, meta)
 
 
-def ubatched(step: Step) -> Forward:
+def ubatched(step: Step, counts: SplitCounts | None = None) -> Forward:
     def forward(model: Any, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata):  # type: ignore[no-untyped-def]
-        return forward_ubatched(model, ids, pos, meta, step.slices())
+        return forward_ubatched(model, ids, pos, meta, step.slices(), counts)
 
     return forward
 
@@ -140,9 +140,11 @@ def test_micro_batches_in_turn_equal_the_whole_step(
     for rank, batch in BATCHES.items():
         step = make_step(batch, cfg.vocab_size, seed=rank)
         want = run_step(model, step, plain)
-        got = run_step(model, step, ubatched(step))
+        counts = SplitCounts()
+        got = run_step(model, step, ubatched(step, counts))
         assert got.shape == want.shape == (sum(step.scheduled), cfg.hidden_size)
         assert close(got, want)[0], (variant, rank, (got - want).abs().max().item())
+        assert (counts.steps, counts.ubatches) == (1, len(step.slices()))  # it ran split
 
 
 def test_slices_must_cover_the_step(checkpoints: dict[str, Path]) -> None:

@@ -6,6 +6,7 @@ concatenated in token order."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -50,16 +51,27 @@ def check_slices(slices: Sequence[UBatchSlice], num_tokens: int, num_slots: int)
         raise ValueError(f"slot_mapping has {num_slots} entries for {num_tokens} tokens")
 
 
+@dataclass
+class SplitCounts:
+    """What ``forward_ubatched`` ran: steps split into micro-batches, and the micro-batches
+    (counted from the executor's results, so a step run whole is never counted)."""
+
+    steps: int = 0
+    ubatches: int = 0
+
+
 def forward_ubatched(
     model: DecoderForCausalLM,
     input_ids: torch.Tensor,  # [T] (T includes any padding of the last slice)
     positions: torch.Tensor,  # [T]
     meta: AttentionMetadata,  # the whole step's
     slices: list[UBatchSlice],
+    counts: SplitCounts | None = None,
 ) -> torch.Tensor:  # [T, hidden]
     """``model(input_ids, positions, meta)`` run as one micro-batch per slice in strict
     ping-pong (the MoE all-to-all yields between them); equals the unsplit forward on the
-    real tokens. Reads ``query_start_loc``/``seq_lens`` back to the host once."""
+    real tokens. Reads ``query_start_loc``/``seq_lens`` back to the host once. ``counts``
+    gains the step and its micro-batches once they ran."""
     check_slices(slices, int(input_ids.shape[0]), int(meta.slot_mapping.shape[0]))
     qsl = meta.query_start_loc.cpu().numpy()
     seq_lens = meta.seq_lens.cpu().numpy()
@@ -69,4 +81,7 @@ def forward_ubatched(
         return lambda: model(input_ids[s.token_slice], positions[s.token_slice], meta_s)
 
     hidden = run_ubatches([run(s, m) for s, m in zip(slices, metas, strict=True)])
+    if counts is not None:
+        counts.steps += 1
+        counts.ubatches += len(hidden)
     return torch.cat(hidden)

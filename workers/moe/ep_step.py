@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shoal.bus.messages.config import NUM_UBATCHES, ParallelConfig, ShoalConfig
-from shoal.workers.dbo.forward import forward_ubatched
+from shoal.workers.dbo.forward import SplitCounts, forward_ubatched
 from shoal.workers.dbo.thresholds import RankBatch, coordinate_batch_across_dp
 from shoal.workers.dbo.ubatch_slices import UBatchSlice, make_ubatch_slices
 from shoal.workers.input_batch import StepInputs
@@ -65,8 +65,13 @@ class ExpertParallelStep:
         self.parallel = parallel
         self.block_size = block_size
         self.device = device
-        self.num_split_steps = 0  # steps this rank ran as two micro-batches
+        self.split_counts = SplitCounts()  # steps this rank ran as micro-batches (not: decided to)
         self._joined = False  # this round's collectives have begun on this rank
+
+    @property
+    def num_split_steps(self) -> int:
+        """Steps this rank ran as micro-batches."""
+        return self.split_counts.steps
 
     @property
     def dbo(self) -> bool:
@@ -112,7 +117,6 @@ class ExpertParallelStep:
         )
         if not decisions[self.ep.rank].should_ubatch:
             return None
-        self.num_split_steps += 1
         return make_ubatch_slices(inputs.num_scheduled, report.num_tokens, NUM_UBATCHES)
 
     def forward(
@@ -127,7 +131,7 @@ class ExpertParallelStep:
         self._joined = True
         if slices is None:
             return model(input_ids, positions, meta)
-        return forward_ubatched(model, input_ids, positions, meta, slices)
+        return forward_ubatched(model, input_ids, positions, meta, slices, self.split_counts)
 
     def _gather(self, report: RankBatch) -> list[RankBatch]:
         """Every rank's report, in rank order (one all-gather over the group)."""
