@@ -36,11 +36,12 @@ def small_server(bus_kind: str) -> Iterator[Any]:
         yield None
         return
     from shoal.bus.server import NatsServer, NatsServerNotFoundError
+    from tests.fixtures.nats import nats_server_missing
 
     try:
         server = NatsServer(max_payload=MAX_PAYLOAD)
     except NatsServerNotFoundError as exc:
-        pytest.skip(str(exc))
+        nats_server_missing(exc)
     with server:
         yield server
 

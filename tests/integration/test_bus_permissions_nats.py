@@ -26,6 +26,7 @@ from shoal.bus.server import NatsServer, NatsServerNotFoundError
 from shoal.bus.subjects import Subjects
 from shoal.deploy.nats_init import provision
 from shoal.workers.group_ports import open_port_bucket
+from tests.fixtures.nats import nats_server_missing
 from tests.integration.conditions import wait_for
 from tests.integration.offload_hosts import OBJ_TIER
 from tests.integration.offload_workload import offload_options
@@ -48,7 +49,7 @@ def auth_server(passwords: dict[str, str]) -> Iterator[NatsServer]:
     try:
         server = NatsServer(extra_config=authorization_config(NS, passwords))
     except NatsServerNotFoundError as exc:
-        pytest.skip(str(exc))
+        nats_server_missing(exc)
     with server:
         yield server
 
@@ -258,7 +259,7 @@ async def test_shoal_nats_auth_prints_a_config_nats_server_accepts(tmp_path: Pat
     try:
         server = NatsServer()
     except NatsServerNotFoundError as exc:
-        pytest.skip(str(exc))
+        nats_server_missing(exc)
     folder, cluster_file = tmp_path / "creds", server.work_dir / "cluster-auth.conf"
     route = f"127.0.0.1:{free_port()}"
     argv = ["nats-auth", "--namespace", "prod.x", "--credentials-dir", str(folder)]
@@ -309,7 +310,7 @@ async def test_a_supervised_child_gets_its_credentials_by_environment():
     try:
         server = NatsServer(extra_config=users)
     except NatsServerNotFoundError as exc:
-        pytest.skip(str(exc))
+        nats_server_missing(exc)
     with server:
         base = echo_spec(server.url)
         spec = ActorSpec(
@@ -335,7 +336,7 @@ async def test_nats_init_brings_replicas_to_the_deployments_on_a_cluster(
     try:
         cluster = NatsCluster(extra_config=authorization_config(NS, passwords))
     except NatsServerNotFoundError as exc:
-        pytest.skip(str(exc))
+        nats_server_missing(exc)
     with cluster:
         provisioner = NatsBus(
             [cluster.urls[0]], user=user_name(NS, "provisioner"), password=passwords["provisioner"]

@@ -20,6 +20,7 @@ from shoal.bus.nats_bus import NatsBus
 from shoal.bus.permissions import ROLES, authorization_config, user_name
 from shoal.bus.server import NatsServer, NatsServerNotFoundError
 from shoal.bus.subjects import Subjects
+from tests.fixtures.nats import nats_server_missing
 from tests.integration.conditions import wait_for
 from tests.integration.role_buses import role_buses, role_deployment
 
@@ -38,7 +39,7 @@ def auth_server() -> Iterator[tuple[NatsServer, dict[str, str]]]:
         config = authorization_config(NS, passwords)
         server = NatsServer(max_payload=MAX_PAYLOAD, extra_config=config)
     except NatsServerNotFoundError as exc:
-        pytest.skip(str(exc))
+        nats_server_missing(exc)
     with server:
         yield server, passwords
 

@@ -30,6 +30,7 @@ from shoal.deploy.nats_auth import (
     route_user,
     write_private,
 )
+from tests.fixtures.nats import nats_server_missing
 from tests.unit.deploy_manifests import K8S_DIR, load_yaml_documents
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(120)]
@@ -45,7 +46,7 @@ def binary() -> str:
     try:
         return find_nats_server()
     except NatsServerNotFoundError as exc:
-        pytest.skip(str(exc))
+        nats_server_missing(exc)
 
 
 def test_the_committed_configs_are_the_rendered_ones() -> None:
