@@ -99,6 +99,7 @@ class SchedulerRun:
     partial_prefill_steps: int = 0
     logprobs: dict[str, list] = field(default_factory=dict)
     stats: SchedulerStats | None = None
+    spec_k: list[int] = field(default_factory=list)  # drafts to propose, per scheduled step
 
 
 def generate_with_scheduler(
@@ -142,6 +143,7 @@ def generate_with_scheduler(
         assert run.num_steps < MAX_STEPS, "generation did not finish"
         if scheduler.has_requests() and len(in_flight) < depth:
             sched_out = scheduler.schedule()
+            run.spec_k.append(sched_out.num_spec_tokens_to_propose)
             if not sched_out.is_empty:
                 in_flight.append((sched_out, _execute(runner, sched_out, run)))
                 if len(in_flight) < depth:
