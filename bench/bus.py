@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats
 
-from shoal.bus.base import Msg, NoRespondersError
+from shoal.bus.errors import NoRespondersError
 from shoal.bus.memory import InMemoryBus
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.server import NatsServer
 

@@ -8,19 +8,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from shoal.bus.base import (
-    Bus,
+from shoal.bus.base import Bus, ReplyStream, Subscription
+from shoal.bus.errors import (
     BusClosedError,
     BusError,
     BusTimeoutError,
-    Handler,
-    Msg,
     NoRespondersError,
     PayloadIntegrityError,
     RemoteError,
-    ReplyStream,
-    Subscription,
 )
+from shoal.bus.msg import Handler, Msg
 from shoal.bus.subjects import SubjectError, Subjects
 
 __all__ = [

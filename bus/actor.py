@@ -30,9 +30,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from shoal.bus.base import ERROR_CODE_HEADER, Bus, BusError, Msg, Subscription
+from shoal.bus.base import ERROR_CODE_HEADER, Bus, Subscription
 from shoal.bus.codec import Codec, DecodeError, encode
+from shoal.bus.errors import BusError
 from shoal.bus.messages.control import ActorState, ErrorReply, Heartbeat, StatusEvent
+from shoal.bus.msg import Msg
 from shoal.bus.streams import error_from_reply
 from shoal.bus.subjects import Subjects, validate_token
 

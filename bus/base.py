@@ -1,5 +1,6 @@
-"""The ``Bus`` interface every shoal actor talks through, its message and error types, and the
-streamed-reply protocol shared by both transports.
+"""The ``Bus`` interface every shoal actor talks through (its message type: ``bus.msg``; its
+errors: ``bus.errors``), and the responder's side of the streamed-reply protocol shared by both
+transports (the caller's: ``bus.streams``).
 
 Semantics (identical on ``InMemoryBus`` and ``NatsBus``; ``tests/actors/test_bus_contract.py``):
 
@@ -14,7 +15,7 @@ Semantics (identical on ``InMemoryBus`` and ``NatsBus``; ``tests/actors/test_bus
 - A transport that reconnects by itself (NATS) counts ``num_reconnects`` and calls the
   ``on_reconnect`` listeners: what was in flight across the loss may be gone.
 - Streamed replies: the responder sends any number of chunks then one final message or an error
-  (``ReplyStream``); the caller iterates ``request_stream``.
+  (``ReplyStream``); the caller iterates ``bus.streams.request_stream``.
 - Payloads larger than the transport's ``max_payload`` are chunked and reassembled transparently.
 """
 
@@ -22,8 +23,11 @@ from __future__ import annotations
 
 import abc
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
+
+from shoal.bus.errors import BusError
+from shoal.bus.msg import Handler, Msg
 
 if TYPE_CHECKING:
     from shoal.bus.buckets import KvBucket, ObjectStore
@@ -38,76 +42,6 @@ STREAM_LAST = "last"  # the final chunk, carries data
 STREAM_END = "end"  # end of stream, no data (not yielded to the caller)
 STREAM_ERROR = "error"  # the stream failed; data is the UTF-8 message, code in ERROR_CODE_HEADER
 ERROR_CODE_HEADER = "Shoal-Error"
-
-
-class BusError(Exception):
-    """Base of every error the bus raises."""
-
-
-class BusTimeoutError(BusError, TimeoutError):
-    """No reply (or no next stream message) arrived within the timeout."""
-
-
-class NoRespondersError(BusError):
-    """Nobody subscribes to the subject a request was sent to."""
-
-
-class BusClosedError(BusError):
-    """The bus is closed (or not connected yet)."""
-
-
-class ConnectionLostError(BusError):
-    """The connection dropped while a request waited for its reply: it may or may not have been
-    handled, and its reply will not come."""
-
-
-class RemoteError(BusError):
-    """A responder ended a streamed reply with an error."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-class PayloadIntegrityError(BusError):
-    """A chunked payload could not be reassembled intact (missing chunk, bad digest)."""
-
-
-class Msg:
-    """One received message. ``respond`` publishes to its reply subject."""
-
-    __slots__ = ("_bus", "data", "headers", "reply", "subject")
-
-    def __init__(
-        self,
-        bus: Bus | None,
-        subject: str,
-        data: bytes,
-        reply: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        self._bus = bus
-        self.subject = subject
-        self.data = data
-        self.reply = reply or None
-        self.headers = headers or None
-
-    async def respond(self, data: bytes, *, headers: dict[str, str] | None = None) -> None:
-        if not self.reply:
-            raise BusError(f"message on {self.subject!r} has no reply subject")
-        if self._bus is None:
-            raise BusClosedError("message is not bound to a bus")
-        await self._bus.publish(self.reply, data, headers=headers)
-
-    def header(self, name: str) -> str | None:
-        return self.headers.get(name) if self.headers else None
-
-    def __repr__(self) -> str:
-        return f"Msg(subject={self.subject!r}, reply={self.reply!r}, {len(self.data)} bytes)"
-
-
-Handler = Callable[[Msg], Awaitable[None]]
 
 
 class Subscription(abc.ABC):
@@ -211,27 +145,6 @@ class Bus(abc.ABC):
     async def open_object_store(self, name: str, *, replicas: int = 1) -> ObjectStore:
         """Object store ``name`` (``bus.buckets``), created when missing (``replicas`` as for
         ``open_kv``)."""
-
-    async def request_stream(
-        self,
-        subject: str,
-        data: bytes,
-        *,
-        timeout: float,
-        headers: dict[str, str] | None = None,
-    ) -> AsyncIterator[Msg]:
-        """Send a request and yield its streamed reply messages in order.
-
-        ``timeout`` bounds the wait for *each* next message (the first one included). The final
-        message is yielded too when it carries data (``ReplyStream.end(data)``). Raises
-        ``RemoteError`` when the responder sends an error, ``NoRespondersError`` or
-        ``BusTimeoutError`` like ``request``.
-        """
-        from shoal.bus.streams import iterate_reply_stream
-
-        stream = iterate_reply_stream(self, subject, data, timeout=timeout, headers=headers)
-        async for msg in stream:
-            yield msg
 
     @abc.abstractmethod
     async def open_stream(

@@ -23,7 +23,7 @@ import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from shoal.bus.base import BusError
+from shoal.bus.errors import BusError
 
 _BUCKET_NAME = re.compile(r"[A-Za-z0-9_-]+")
 _KEY = re.compile(r"[-/_=.A-Za-z0-9]+")

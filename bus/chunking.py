@@ -18,7 +18,9 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from shoal.bus.base import ERROR_CODE_HEADER, BusError, Msg, PayloadIntegrityError
+from shoal.bus.base import ERROR_CODE_HEADER
+from shoal.bus.errors import BusError, PayloadIntegrityError
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import INBOX_ROOT, TRANSFER_PREFIX
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from shoal.bus.base import Handler, Msg
+from shoal.bus.msg import Handler, Msg
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 from nats.js.kv import KeyValue
 
-from shoal.bus.base import BusTimeoutError
 from shoal.bus.buckets import KvBucket, KvEntry, ValueTooLargeError, check_key
+from shoal.bus.errors import BusTimeoutError
 from shoal.bus.jetstream_create import open_guarded
-from shoal.bus.nats_bus import NatsBus
+from shoal.bus.nats_connected import NatsConnectedBus
 
 __all__ = ["KvEntry", "NatsKvBucket"]
 
@@ -31,7 +31,7 @@ class NatsKvBucket(KvBucket):
     @classmethod
     async def open(
         cls,
-        bus: NatsBus,
+        bus: NatsConnectedBus,
         name: str,
         *,
         history: int = 1,

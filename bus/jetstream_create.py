@@ -11,8 +11,8 @@ import asyncio
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from shoal.bus.base import BusError
-from shoal.bus.nats_bus import NatsBus
+from shoal.bus.errors import BusError
+from shoal.bus.nats_connected import NatsConnectedBus
 
 T = TypeVar("T")
 
@@ -25,7 +25,9 @@ class NotProvisionedError(NotPermittedError):
     """A bucket or stream is missing and this user may not create it."""
 
 
-async def open_guarded(bus: NatsBus, stream: str, what: str, opening: Coroutine[Any, Any, T]) -> T:
+async def open_guarded(
+    bus: NatsConnectedBus, stream: str, what: str, opening: Coroutine[Any, Any, T]
+) -> T:
     """Await ``opening``, the requests opening (or creating) JetStream stream ``stream``
     (``what`` names it for people: "key-value bucket 'x'"); its other errors pass through."""
     task = asyncio.ensure_future(opening)
@@ -52,7 +54,7 @@ def _names_stream(violation: str, stream: str) -> bool:
     return bool(api) and stream in subject.rstrip('"').split(".")
 
 
-def _refusal(bus: NatsBus, what: str, refused: str) -> NotPermittedError:
+def _refusal(bus: NatsConnectedBus, what: str, refused: str) -> NotPermittedError:
     if "$js.api.stream.create." in refused:
         return NotProvisionedError(
             f"{what} does not exist and NATS user {bus.user!r} may not create it: create the "

@@ -11,7 +11,8 @@ import json
 import time
 from typing import Any
 
-from shoal.bus.base import Bus, BusError
+from shoal.bus.base import Bus
+from shoal.bus.errors import BusError
 
 API = "$JS.API.STREAM"
 TIMEOUT_S = 5.0

@@ -20,9 +20,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from shoal.bus.base import Bus, BusError
+from shoal.bus.base import Bus
 from shoal.bus.codec import encode
-from shoal.bus.event_stream import open_kv_events_stream
+from shoal.bus.errors import BusError
+from shoal.bus.kv_events_stream import open_kv_events_stream
 from shoal.bus.messages.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

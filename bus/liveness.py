@@ -18,9 +18,10 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from shoal.bus.base import Bus, Msg, Subscription
+from shoal.bus.base import Bus, Subscription
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 
 GONE_STATES = (ActorState.DEAD, ActorState.STOPPED)

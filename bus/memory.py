@@ -17,18 +17,11 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
-from shoal.bus.base import (
-    Bus,
-    BusClosedError,
-    BusError,
-    BusTimeoutError,
-    Handler,
-    Msg,
-    NoRespondersError,
-    Subscription,
-)
+from shoal.bus.base import Bus, Subscription
 from shoal.bus.chunking import ChunkSender, resolve_chunked
 from shoal.bus.dispatch import Dispatcher
+from shoal.bus.errors import BusClosedError, BusError, BusTimeoutError, NoRespondersError
+from shoal.bus.msg import Handler, Msg
 from shoal.bus.streams import NO_RESPONDERS_STATUS, STATUS_HEADER, is_no_responders
 from shoal.bus.subjects import tokens_match, validate_subject
 

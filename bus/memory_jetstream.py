@@ -19,7 +19,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from shoal.bus.base import Bus, BusClosedError, BusTimeoutError, PayloadIntegrityError
+from shoal.bus.base import Bus
 from shoal.bus.buckets import (
     KvBucket,
     KvEntry,
@@ -28,6 +28,7 @@ from shoal.bus.buckets import (
     ValueTooLargeError,
     check_key,
 )
+from shoal.bus.errors import BusClosedError, BusTimeoutError, PayloadIntegrityError
 from shoal.bus.subjects import tokens_match
 
 

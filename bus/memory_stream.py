@@ -12,15 +12,23 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-from shoal.bus.base import Bus, Handler, Msg
+from shoal.bus.base import Bus
 from shoal.bus.event_stream import EventStream, StreamFollower, StreamInfo
-from shoal.bus.memory import InMemoryBroker
+from shoal.bus.msg import Handler, Msg
 from shoal.bus.subjects import tokens_match, validate_subject, validate_token
 
 log = logging.getLogger(__name__)
+
+
+class TappedBroker(Protocol):
+    """What a stream needs of the broker (``bus.memory.InMemoryBroker``): its publish taps."""
+
+    @property
+    def taps(self) -> list[Callable[[str, bytes, dict[str, str] | None], None]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +140,7 @@ class MemoryStreamStore:
         self.counts.clear()
 
 
-_STORES: weakref.WeakKeyDictionary[InMemoryBroker, dict[str, MemoryStreamStore]] = (
+_STORES: weakref.WeakKeyDictionary[TappedBroker, dict[str, MemoryStreamStore]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -160,7 +168,7 @@ class MemoryEventStream(EventStream):
 
 def open_memory_stream(
     bus: Bus,
-    broker: InMemoryBroker,
+    broker: TappedBroker,
     name: str,
     subjects: Sequence[str],
     *,

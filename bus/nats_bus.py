@@ -35,20 +35,19 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription as NatsSubscription
 
-from shoal.bus.base import (
-    Bus,
+from shoal.bus.base import Subscription
+from shoal.bus.chunking import ChunkSender, resolve_chunked
+from shoal.bus.credentials import redact_url
+from shoal.bus.dispatch import Dispatcher
+from shoal.bus.errors import (
     BusClosedError,
     BusError,
     BusTimeoutError,
     ConnectionLostError,
-    Handler,
-    Msg,
     NoRespondersError,
-    Subscription,
 )
-from shoal.bus.chunking import ChunkSender, resolve_chunked
-from shoal.bus.credentials import redact_url
-from shoal.bus.dispatch import Dispatcher
+from shoal.bus.msg import Handler, Msg
+from shoal.bus.nats_connected import NatsConnectedBus
 from shoal.bus.subjects import TRANSFER_PREFIX, SubjectError, Subjects, validate_subject
 
 if TYPE_CHECKING:
@@ -97,7 +96,7 @@ class _NatsSubscription(Subscription):
         await self.dispatcher.drain(timeout)
 
 
-class NatsBus(Bus):
+class NatsBus(NatsConnectedBus):
     """A bus on NATS. Credentials: ``user``/``password``, ``token`` or ``creds_file``; ``tls``
     is an ``ssl.SSLContext`` or True (system defaults). Payloads above ``chunk_size`` (default:
     the server's max_payload less room for headers) travel chunked (``bus.chunking``).

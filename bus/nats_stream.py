@@ -16,10 +16,11 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.js import JetStreamContext, api
 from nats.js.client import JetStreamContext as _JS
 
-from shoal.bus.base import BusError, Handler, Msg
+from shoal.bus.errors import BusError
 from shoal.bus.event_stream import EventStream, StreamFollower, StreamInfo
 from shoal.bus.jetstream_create import open_guarded
-from shoal.bus.nats_bus import NatsBus
+from shoal.bus.msg import Handler, Msg
+from shoal.bus.nats_connected import NatsConnectedBus
 from shoal.bus.subjects import validate_subject, validate_token
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,9 @@ class _NatsFollower(StreamFollower):
 
 
 class NatsEventStream(EventStream):
-    def __init__(self, bus: NatsBus, js: JetStreamContext, name: str, subjects: Sequence[str]):
+    def __init__(
+        self, bus: NatsConnectedBus, js: JetStreamContext, name: str, subjects: Sequence[str]
+    ):
         self._bus = bus
         self._js = js
         self.name = name
@@ -93,7 +96,7 @@ class NatsEventStream(EventStream):
 
 
 async def open_nats_stream(
-    bus: NatsBus,
+    bus: NatsConnectedBus,
     name: str,
     subjects: Sequence[str],
     *,

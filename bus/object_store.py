@@ -35,10 +35,10 @@ import nats.js.errors
 from nats.js import JetStreamContext, api
 from nats.js.object_store import ObjectStore as NatsPyObjectStore
 
-from shoal.bus.base import BusTimeoutError, PayloadIntegrityError
 from shoal.bus.buckets import ObjectEntry, ObjectStore
+from shoal.bus.errors import BusTimeoutError, PayloadIntegrityError
 from shoal.bus.jetstream_create import open_guarded
-from shoal.bus.nats_bus import NatsBus
+from shoal.bus.nats_connected import NatsConnectedBus
 
 FETCH_BATCH = 64
 FETCH_WAIT_S = 0.25  # one pull's wait: after an empty one the consumer is asked what is left
@@ -81,7 +81,7 @@ class NatsObjectStore(ObjectStore):
 
     @classmethod
     async def open(
-        cls, bus: NatsBus, name: str, *, replicas: int = 1, timeout: float = 10.0
+        cls, bus: NatsConnectedBus, name: str, *, replicas: int = 1, timeout: float = 10.0
     ) -> NatsObjectStore:
         """Open (or create, with ``replicas`` copies in a cluster) bucket ``name``."""
         js = bus.client.jetstream(timeout=timeout)

@@ -1,5 +1,6 @@
-"""The caller's side of streamed replies (``Bus.request_stream``), written once over the plain
-``Bus`` primitives so both transports share it."""
+"""The caller's side of streamed replies (``request_stream``; the responder's is
+``bus.base.ReplyStream``), written once over the plain ``Bus`` primitives so both transports
+share it."""
 
 from __future__ import annotations
 
@@ -7,19 +8,11 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-from shoal.bus.base import (
-    ERROR_CODE_HEADER,
-    STREAM_END,
-    STREAM_ERROR,
-    STREAM_HEADER,
-    STREAM_MORE,
-    BusTimeoutError,
-    Msg,
-    NoRespondersError,
-    RemoteError,
-)
+from shoal.bus.base import ERROR_CODE_HEADER, STREAM_END, STREAM_ERROR, STREAM_HEADER, STREAM_MORE
 from shoal.bus.codec import Codec, DecodeError
+from shoal.bus.errors import BusTimeoutError, NoRespondersError, RemoteError
 from shoal.bus.messages.control import ErrorReply
+from shoal.bus.msg import Msg
 
 if TYPE_CHECKING:
     from shoal.bus.base import Bus
@@ -43,14 +36,21 @@ def is_no_responders(msg: Msg) -> bool:
     return msg.header(STATUS_HEADER) == NO_RESPONDERS_STATUS and not msg.data
 
 
-async def iterate_reply_stream(
+async def request_stream(
     bus: Bus,
     subject: str,
     data: bytes,
     *,
     timeout: float,
-    headers: dict[str, str] | None,
+    headers: dict[str, str] | None = None,
 ) -> AsyncIterator[Msg]:
+    """Send a request on ``bus`` and yield its streamed reply messages in order.
+
+    ``timeout`` bounds the wait for *each* next message (the first one included). The final
+    message is yielded too when it carries data (``ReplyStream.end(data)``). Raises
+    ``RemoteError`` when the responder sends an error, ``NoRespondersError`` or
+    ``BusTimeoutError`` as ``Bus.request`` does.
+    """
     inbox = bus.new_inbox()
     queue: asyncio.Queue[Msg] = asyncio.Queue()
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import msgspec
 
-from shoal.bus.base import Bus, BusError
+from shoal.bus.base import Bus
 from shoal.bus.codec import encode
 from shoal.bus.credentials import SECRET_OPTIONS, url_has_secret
+from shoal.bus.errors import BusError
 from shoal.bus.messages.control import ActorState, StatusEvent
 from shoal.bus.subjects import Subjects
 

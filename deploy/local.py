@@ -21,11 +21,12 @@ from typing import Any
 
 from shoal.bus import connect_bus
 from shoal.bus.actor import Actor
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.credentials import NatsCredentials
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import StatusEvent
+from shoal.bus.msg import Msg
 from shoal.bus.server import NatsServer, keep_running
 from shoal.bus.subjects import Subjects
 from shoal.bus.supervisor import ActorSpec, ChildEvent, Supervisor

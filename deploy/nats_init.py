@@ -18,10 +18,11 @@ import sys
 from typing import Any
 
 from shoal.bus import connect_bus
-from shoal.bus.base import Bus, BusError
+from shoal.bus.base import Bus
 from shoal.bus.credentials import CredentialsError, resolve_credentials
-from shoal.bus.event_stream import kv_events_subjects, open_kv_events_stream
+from shoal.bus.errors import BusError
 from shoal.bus.jetstream_replicas import add_stream_subjects, set_stream_replicas, stream_replicas
+from shoal.bus.kv_events_stream import kv_events_subjects, open_kv_events_stream
 from shoal.bus.subjects import Subjects
 from shoal.deploy.arguments import JoinNatsUrls, option_default, positive_int
 from shoal.workers.group_ports import open_port_bucket

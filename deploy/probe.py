@@ -18,8 +18,9 @@ import os
 import sys
 
 from shoal.bus import connect_bus
-from shoal.bus.base import Bus, BusError
+from shoal.bus.base import Bus
 from shoal.bus.credentials import CredentialsError, resolve_credentials
+from shoal.bus.errors import BusError
 from shoal.bus.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.messages.control import ActorState
 from shoal.bus.subjects import Subjects

@@ -5,7 +5,7 @@ A request (``GenerateRequest``, JSON or msgpack) is answered on its reply subjec
 ``result``, or with ``chunk`` messages ending in a ``final`` one (``stream: true``). A failure is
 one ``error`` message with the same code and status as on the HTTP API. Messages carry the
 bus's streamed-reply headers (``Shoal-Stream: more|last|error``, ``Shoal-Error: <code>``), so
-``Bus.request_stream`` reads them as well as a plain nats-py client does. A message on
+``bus.streams.request_stream`` reads them as well as a plain nats-py client does. A message on
 ``Subjects.api("cancel")`` with ``{"request_id": ...}`` stops that request on whichever gateway
 runs it. Schema and example: ``docs/nats-api.md``.
 """
@@ -26,10 +26,10 @@ from shoal.bus.base import (
     STREAM_ERROR,
     STREAM_HEADER,
     Bus,
-    Msg,
     ReplyStream,
     Subscription,
 )
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import RequestOutput

@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
-from shoal.bus.base import Msg
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.bus.msg import Msg
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import CompletionOutput
 from shoal.gateway.chat_prompt import chat_options, render_chat

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.bus.actor import Actor, Inbox
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.config import KVTransferConfig, ShoalConfig
 from shoal.bus.messages.offload import (
@@ -71,6 +71,7 @@ from shoal.bus.messages.offload import (
     TierReply,
     TierStoreSlots,
 )
+from shoal.bus.msg import Msg
 from shoal.tiers.backpressure import StoreBackpressure
 from shoal.tiers.cpu_books import CpuTierBooks, Promotion
 from shoal.tiers.keys import OffloadKey

@@ -36,8 +36,8 @@ from collections.abc import Awaitable, Sequence
 from datetime import UTC, datetime
 from typing import NamedTuple, TypeVar
 
-from shoal.bus.base import BusError, PayloadIntegrityError
 from shoal.bus.buckets import ObjectEntry, ObjectStore
+from shoal.bus.errors import BusError, PayloadIntegrityError
 from shoal.bus.messages.offload import KVLayout
 from shoal.bus.subjects import Subjects
 from shoal.tiers.chunk_format import (

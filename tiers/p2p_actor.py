@@ -31,8 +31,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 
 from shoal.bus.actor import Actor, Inbox
-from shoal.bus.base import Bus, BusError, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
+from shoal.bus.errors import BusError
 from shoal.bus.messages.config import P2PTierConfig
 from shoal.bus.messages.offload import (
     KVLayout,
@@ -56,6 +57,7 @@ from shoal.bus.messages.p2p import (
     PeerLookup,
     PeerRead,
 )
+from shoal.bus.msg import Msg
 from shoal.tiers.chunk_format import CorruptChunk
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.mapped_regions import MappedRegions

@@ -18,8 +18,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shoal.bus.base import ERROR_CODE_HEADER, Bus, BusError
+from shoal.bus.base import ERROR_CODE_HEADER, Bus
 from shoal.bus.codec import encode
+from shoal.bus.errors import BusError
 from shoal.bus.messages.kv_transfer import P2PTierConfig
 from shoal.bus.messages.p2p import PeerRead
 from shoal.bus.subjects import Subjects

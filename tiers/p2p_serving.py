@@ -18,8 +18,9 @@ import time
 from typing import Any
 
 from shoal.bus.actor import call
-from shoal.bus.base import Bus, BusError
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, DecodeError, encode
+from shoal.bus.errors import BusError
 from shoal.bus.messages.offload import (
     KVLayout,
     RegionRef,

@@ -19,8 +19,9 @@ import logging
 from typing import Any
 
 from shoal.bus.actor import call
-from shoal.bus.base import ERROR_CODE_HEADER, Bus, BusError, BusTimeoutError
+from shoal.bus.base import ERROR_CODE_HEADER, Bus
 from shoal.bus.codec import Codec, DecodeError, encode
+from shoal.bus.errors import BusError, BusTimeoutError
 from shoal.bus.messages.offload import (
     KVLayout,
     RegionRef,

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 from typing import ClassVar, Generic, Protocol, TypeVar
 
 from shoal.bus.actor import Actor, Inbox
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.offload import (
     KVLayout,
@@ -57,6 +57,7 @@ from shoal.bus.messages.offload import (
     TierPromote,
     TierReply,
 )
+from shoal.bus.msg import Msg
 from shoal.tiers.chunk_format import CorruptChunk, DeadlinePassed
 from shoal.tiers.keys import OffloadKey
 from shoal.tiers.manager import LookupResult, OffloadManager

@@ -50,8 +50,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from shoal.bus.actor import Actor, Inbox
-from shoal.bus.base import Bus, BusError, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
+from shoal.bus.errors import BusError
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.fault import FaultInjected, InjectedFault, InjectFault
@@ -68,6 +69,7 @@ from shoal.bus.messages.worker import (
     WorkerInbound,
     WorkerInfo,
 )
+from shoal.bus.msg import Msg
 from shoal.workers.grammar_mask import GrammarMailbox
 from shoal.workers.group_ports import (
     GroupMember,

@@ -21,8 +21,9 @@ import string
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from shoal.bus.base import Bus, BusTimeoutError
+from shoal.bus.base import Bus
 from shoal.bus.buckets import KvBucket
+from shoal.bus.errors import BusTimeoutError
 from shoal.bus.subjects import Subjects
 
 LOOPBACK = "127.0.0.1"

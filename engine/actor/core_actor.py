@@ -36,8 +36,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
 from shoal.bus.actor import Inbox
-from shoal.bus.base import Bus, BusError, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
+from shoal.bus.errors import BusError
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.engine import (
@@ -52,6 +53,7 @@ from shoal.bus.messages.engine import (
 from shoal.bus.messages.fault import (
     EngineControl,
 )
+from shoal.bus.msg import Msg
 from shoal.engine.actor.fault_handling import FaultHandlingActor
 from shoal.engine.actor.kv_events_link import KvEventsLink
 from shoal.engine.actor.lockstep_link import LockstepLink

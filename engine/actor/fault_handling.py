@@ -22,7 +22,7 @@ import logging
 from typing import Any
 
 from shoal.bus.actor import Actor, new_incarnation
-from shoal.bus.base import BusError, Msg
+from shoal.bus.errors import BusError
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.fault import (
     EngineControl,
@@ -31,6 +31,7 @@ from shoal.bus.messages.fault import (
     FaultToleranceResult,
     InjectFault,
 )
+from shoal.bus.msg import Msg
 from shoal.engine.actor.sentinel import EXIT_RECOVERY_TIMEOUT, FaultSentinel
 from shoal.engine.actor.worker_link import WorkerFailure, WorkerLink
 from shoal.engine.core.engine_core import ClientOutputs, EngineCore

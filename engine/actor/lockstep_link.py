@@ -13,9 +13,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from shoal.bus.base import Bus, BusError, Msg, Subscription
+from shoal.bus.base import Bus, Subscription
 from shoal.bus.codec import Codec, encode
+from shoal.bus.errors import BusError
 from shoal.bus.messages.lockstep import LockstepMessage, LockstepRejoin
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.engine.actor.worker_link import WorkerFailure
 from shoal.engine.core.group_rejoin import GroupRejoin

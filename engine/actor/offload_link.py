@@ -27,8 +27,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from shoal.bus.actor import call
-from shoal.bus.base import Bus, BusError
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
+from shoal.bus.errors import BusError
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.offload import (
     DTYPE_SIZES,

@@ -27,8 +27,9 @@ from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from shoal.bus.base import Bus, BusError, Msg, Subscription
+from shoal.bus.base import Bus, Subscription
 from shoal.bus.codec import Codec, DecodeError, encode
+from shoal.bus.errors import BusError
 from shoal.bus.liveness import watch_liveness
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import (
@@ -41,6 +42,7 @@ from shoal.bus.messages.engine import (
     SchedulerStats,
 )
 from shoal.bus.messages.sampling import SamplingParams, out_of_vocab
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.collector import RequestOutputCollector

@@ -31,7 +31,7 @@ import time
 from collections.abc import Coroutine
 from typing import Any, Protocol
 
-from shoal.bus.base import BusError
+from shoal.bus.errors import BusError
 from shoal.engine.client.fault_tolerance import FaultTolerance
 from shoal.engine.client.output_processor import ChildRequest, OutputProcessor, ResumeRequest
 from shoal.engine.client.placements import RequestPlacements

@@ -4,15 +4,41 @@ connector's and speculative decoding's own counters)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sized
+from typing import Protocol
 
 from shoal.bus.messages.engine import SchedulerStats
+from shoal.engine.core.kv_cache_manager import KVCacheManager
+from shoal.engine.core.offload_connector import OffloadConnector
+from shoal.engine.core.spec_decoding import SpecDecoding
 
-if TYPE_CHECKING:
-    from shoal.engine.core.scheduler import Scheduler
+
+class CountingScheduler(Protocol):
+    """What the stats are read from (``engine.core.scheduler.Scheduler``), read only."""
+
+    @property
+    def running(self) -> Sized: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def kv_cache_manager(self) -> KVCacheManager: ...
+    @property
+    def num_finished(self) -> dict[str, int]: ...
+    @property
+    def num_preemptions(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_generation_tokens(self) -> int: ...
+    @property
+    def step_id(self) -> int: ...
+    @property
+    def connector(self) -> OffloadConnector | None: ...
+    @property
+    def spec(self) -> SpecDecoding | None: ...
 
 
-def scheduler_stats(scheduler: Scheduler) -> SchedulerStats:
+def scheduler_stats(scheduler: CountingScheduler) -> SchedulerStats:
     kv = scheduler.kv_cache_manager
     finished = scheduler.num_finished
     stats = SchedulerStats(

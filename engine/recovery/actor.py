@@ -18,8 +18,9 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from shoal.bus.actor import Actor, Inbox, call
-from shoal.bus.base import Bus, BusError, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, DecodeError
+from shoal.bus.errors import BusError
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ControlEvent, StatusEvent
 from shoal.bus.messages.fault import (
@@ -28,6 +29,7 @@ from shoal.bus.messages.fault import (
     FaultToleranceRequest,
     FaultToleranceResult,
 )
+from shoal.bus.msg import Msg
 from shoal.engine.recovery.policy import GiveUp, RecoveryPolicy, RetryLimits, SendRetry
 
 log = logging.getLogger(__name__)

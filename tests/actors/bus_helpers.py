@@ -9,8 +9,9 @@ from collections.abc import Sequence
 import msgspec
 
 from shoal.bus.actor import Actor, Inbox
-from shoal.bus.base import Bus, Msg, ReplyStream
+from shoal.bus.base import Bus, ReplyStream
 from shoal.bus.codec import Codec
+from shoal.bus.msg import Msg
 
 
 class Ping(msgspec.Struct, tag="ping", array_like=True):

@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from shoal.bus import memory_jetstream, object_store
-from shoal.bus.base import Bus, BusTimeoutError, PayloadIntegrityError
+from shoal.bus.base import Bus
 from shoal.bus.buckets import KvBucket, KvEntry, ObjectStore, ValueTooLargeError
+from shoal.bus.errors import BusTimeoutError, PayloadIntegrityError
 from shoal.bus.memory_jetstream import MemoryObjectStore
 
 BusFactory = Callable[..., Awaitable[Bus]]

@@ -7,9 +7,12 @@ import asyncio
 import pytest
 
 from shoal.bus.actor import call
-from shoal.bus.base import ERROR_CODE_HEADER, Msg, RemoteError
+from shoal.bus.base import ERROR_CODE_HEADER
 from shoal.bus.codec import Codec, encode
+from shoal.bus.errors import RemoteError
 from shoal.bus.messages.control import ActorState, ControlEvent, ErrorReply, Heartbeat, StatusEvent
+from shoal.bus.msg import Msg
+from shoal.bus.streams import request_stream
 from tests.actors.bus_helpers import PONG_CODEC, Count, EchoActor, Note, Ping, Pong
 from tests.actors.test_bus_contract import LIMIT_S, Inbox, settle
 from tests.fixtures.nats import BusFactory
@@ -30,7 +33,7 @@ async def test_typed_request_and_streamed_reply(bus_factory: BusFactory):
     client = await bus_factory()
     pong = await call(client, actor.request_subject(), Ping(7), PONG_CODEC, timeout=LIMIT_S)
     assert (pong.seq, pong.actor_id) == (7, "e1")
-    stream = client.request_stream(actor.request_subject(), encode(Count(5)), timeout=LIMIT_S)
+    stream = request_stream(client, actor.request_subject(), encode(Count(5)), timeout=LIMIT_S)
     assert [PONG_CODEC.decode(m.data).seq async for m in stream] == [0, 1, 2, 3, 4]
 
 

@@ -7,14 +7,10 @@ import os
 
 import pytest
 
-from shoal.bus.base import (
-    Bus,
-    BusTimeoutError,
-    Msg,
-    NoRespondersError,
-    RemoteError,
-    ReplyStream,
-)
+from shoal.bus.base import Bus, ReplyStream
+from shoal.bus.errors import BusTimeoutError, NoRespondersError, RemoteError
+from shoal.bus.msg import Msg
+from shoal.bus.streams import request_stream
 from shoal.bus.subjects import SubjectError
 from tests.fixtures.nats import BusFactory
 from tests.integration.conditions import wait_for
@@ -142,7 +138,7 @@ async def test_request_without_responders_fails_fast(bus_factory: BusFactory):
         with pytest.raises(NoRespondersError):
             await client.request("t.nobody", b"?", timeout=LIMIT_S)
         with pytest.raises(NoRespondersError):
-            async for _ in client.request_stream("t.nobody", b"?", timeout=LIMIT_S):
+            async for _ in request_stream(client, "t.nobody", b"?", timeout=LIMIT_S):
                 pass
 
 
@@ -161,12 +157,12 @@ async def test_streamed_reply_in_order_then_end_or_error(bus_factory: BusFactory
 
     await server.subscribe("t.count", count)
     await settle(server)
-    got = [m.data async for m in client.request_stream("t.count", b"20", timeout=LIMIT_S)]
+    got = [m.data async for m in request_stream(client, "t.count", b"20", timeout=LIMIT_S)]
     assert got == [str(i).encode() for i in range(20)] + [b"done"]
-    assert [m.data async for m in client.request_stream("t.count", b"0", timeout=LIMIT_S)] == []
+    assert [m.data async for m in request_stream(client, "t.count", b"0", timeout=LIMIT_S)] == []
     received: list[bytes] = []
     with pytest.raises(RemoteError) as failure:
-        async for msg in client.request_stream("t.count", b"3", timeout=LIMIT_S):
+        async for msg in request_stream(client, "t.count", b"3", timeout=LIMIT_S):
             received.append(msg.data)
     assert received == [b"0", b"1", b"2"]
     assert (failure.value.code, failure.value.message) == ("test", "boom")
@@ -290,5 +286,5 @@ async def test_streamed_reply_keeps_order_across_a_chunked_message(
 
     await server.subscribe("t.bigstream", stream_big_then_small)
     await settle(server)
-    got = [m.data async for m in client.request_stream("t.bigstream", b"", timeout=30)]
+    got = [m.data async for m in request_stream(client, "t.bigstream", b"", timeout=30)]
     assert got == [b"first", big, b"last"]

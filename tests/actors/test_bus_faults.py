@@ -10,9 +10,10 @@ import signal
 import pytest
 
 from shoal.bus.actor import call
-from shoal.bus.base import BusError, BusTimeoutError, ConnectionLostError, Msg, NoRespondersError
 from shoal.bus.codec import Codec
+from shoal.bus.errors import BusError, BusTimeoutError, ConnectionLostError, NoRespondersError
 from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.server import NatsServer
 from shoal.bus.subjects import Subjects

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from shoal.bus import connect_bus
-from shoal.bus.base import BusError, Msg, PayloadIntegrityError
+from shoal.bus.errors import BusError, PayloadIntegrityError
 from shoal.bus.jetstream import KvEntry, NatsKvBucket
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import BusAuthError, NatsBus
 from shoal.bus.object_store import NatsObjectStore
 from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server, keep_running

@@ -20,7 +20,7 @@ import msgspec
 import pytest
 
 from shoal.bus.actor import Actor, Inbox, call
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.config import FsTierConfig, KVTransferConfig, ShoalConfig
 from shoal.bus.messages.kv_transfer import BackpressureConfig
@@ -43,6 +43,7 @@ from shoal.bus.messages.offload import (
     TierReply,
     TierStoreSlots,
 )
+from shoal.bus.msg import Msg
 from shoal.bus.run_actor import build_actor
 from shoal.tiers.backpressure import StoreBackpressure
 from shoal.tiers.cpu_actor import CpuTierActor

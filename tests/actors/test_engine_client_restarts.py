@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shoal.bus.base import Msg
 from shoal.bus.codec import Codec, encode
 from shoal.bus.memory import InMemoryBus
 from shoal.bus.messages.config import ShoalConfig
@@ -26,6 +25,7 @@ from shoal.bus.messages.engine import (
     SchedulerStats,
 )
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_client import AsyncEngineClient

@@ -7,7 +7,8 @@ import asyncio
 import uuid
 from collections.abc import Awaitable, Callable
 
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
+from shoal.bus.msg import Msg
 
 BusFactory = Callable[..., Awaitable[Bus]]
 

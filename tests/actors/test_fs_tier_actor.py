@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from shoal.bus.actor import Actor, call
-from shoal.bus.base import Bus, BusTimeoutError, Msg, NoRespondersError
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
+from shoal.bus.errors import BusTimeoutError, NoRespondersError
 from shoal.bus.messages.config import FsTierConfig, KVTransferConfig, ShoalConfig
 from shoal.bus.messages.control import Heartbeat
 from shoal.bus.messages.offload import (
@@ -46,6 +47,7 @@ from shoal.bus.messages.offload import (
     TierReply,
     TierStoreSlots,
 )
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
 from shoal.bus.supervisor import ActorSpec, RestartPolicy, Supervisor

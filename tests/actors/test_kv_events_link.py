@@ -14,12 +14,14 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.base import Bus, BusError, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
-from shoal.bus.event_stream import KV_EVENTS_MAX_MSGS_PER_ENGINE, open_kv_events_stream
+from shoal.bus.errors import BusError
+from shoal.bus.kv_events_stream import KV_EVENTS_MAX_MSGS_PER_ENGINE, open_kv_events_stream
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.engine.actor.kv_events_link import KvEventsLink
 from shoal.engine.client.prefix_routing import PrefixRouting

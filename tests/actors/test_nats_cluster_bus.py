@@ -12,8 +12,10 @@ import signal
 import pytest
 
 from shoal.bus import connect_bus
-from shoal.bus.base import Bus, BusError, Msg
+from shoal.bus.base import Bus
 from shoal.bus.credentials import redact_url
+from shoal.bus.errors import BusError
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.nats_cluster import NatsCluster, cluster_block, healthz, route_auth
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.base import BusTimeoutError
+from shoal.bus.errors import BusTimeoutError
 from shoal.bus.messages.offload import SecondaryAttached, TierPromote
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.object_store import NatsObjectStore

@@ -24,7 +24,7 @@ import nats.js.errors
 import pytest
 
 from shoal.bus import object_store
-from shoal.bus.base import BusTimeoutError, PayloadIntegrityError
+from shoal.bus.errors import BusTimeoutError, PayloadIntegrityError
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.object_store import CHUNK_BYTES, NatsObjectStore
 from shoal.bus.server import NatsServer

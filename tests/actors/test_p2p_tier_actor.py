@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from shoal.bus.actor import Actor, call
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.messages.config import KVTransferConfig, P2PTierConfig
 from shoal.bus.messages.offload import (
@@ -36,6 +36,7 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.bus.messages.p2p import PeerHeld, PeerLookup
+from shoal.bus.msg import Msg
 from shoal.tiers import p2p_channel, p2p_serving
 from shoal.tiers.cpu_actor import CpuTierActor
 from shoal.tiers.p2p_actor import P2PTierActor

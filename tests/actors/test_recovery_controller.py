@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from shoal.bus.actor import Actor, Inbox
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState, StatusEvent
@@ -29,6 +29,7 @@ from shoal.bus.messages.fault import (
     FaultToleranceResult,
     InjectFault,
 )
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.engine.recovery.actor import RecoveryControllerActor
 from tests.fixtures.nats import BusFactory

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.kv_events import (
@@ -24,6 +24,7 @@ from shoal.bus.messages.kv_events import (
     KVEvent,
     KVEventBatch,
 )
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.prefix_routing import PrefixRouting

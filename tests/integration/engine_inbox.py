@@ -7,9 +7,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from shoal.bus.base import Msg
 from shoal.bus.codec import Codec
 from shoal.bus.messages.engine import AddRequest, EngineInbound
+from shoal.bus.msg import Msg
 from shoal.engine.client.engine_client import AsyncEngineClient
 
 _INBOUND: Codec[EngineInbound] = Codec(EngineInbound)

@@ -8,7 +8,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from shoal.bus.actor import call
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.messages.engine import (
     AddRequest,
@@ -26,6 +26,7 @@ from shoal.bus.messages.fault import (
     InjectFault,
 )
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 
 _REPLY: Codec[EngineControlReply] = Codec(EngineControlReply)

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from shoal.bus import connect_bus
-from shoal.bus.base import Msg
 from shoal.bus.codec import Codec
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.bus.supervisor import ActorSpec, Supervisor
 from shoal.deploy.deployment import plan_actors

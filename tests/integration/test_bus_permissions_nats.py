@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.base import Msg
-from shoal.bus.event_stream import open_kv_events_stream
 from shoal.bus.jetstream_create import NotProvisionedError
 from shoal.bus.jetstream_replicas import stream_replicas
+from shoal.bus.kv_events_stream import open_kv_events_stream
 from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import BusAuthError, NatsBus
 from shoal.bus.nats_cluster import NatsCluster
 from shoal.bus.permissions import ROLES, authorization_config, user_name

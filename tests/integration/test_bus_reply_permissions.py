@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.base import Msg
 from shoal.bus.messages.config import ShoalConfig
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.permissions import ROLES, authorization_config, user_name
 from shoal.bus.server import NatsServer, NatsServerNotFoundError
+from shoal.bus.streams import request_stream
 from shoal.bus.subjects import Subjects
 from tests.fixtures.nats import nats_server_missing
 from tests.integration.conditions import wait_for
@@ -149,8 +150,8 @@ async def _ask_chunked(caller: NatsBus, gateway_bus: NatsBus, model_dir, hf_refe
     streamed = json.dumps({"prompt_token_ids": prompt, "sampling_params": params, "stream": True})
     messages = [
         json.loads(m.data)
-        async for m in caller.request_stream(
-            S.api_generate(), streamed.encode(), timeout=WAIT_S * 2
+        async for m in request_stream(
+            caller, S.api_generate(), streamed.encode(), timeout=WAIT_S * 2
         )
     ]
     assert len(messages) > 2 and messages[-1]["type"] == "final"  # many answers to one request

@@ -16,9 +16,10 @@ import msgspec
 import nats
 import pytest
 
-from shoal.bus.base import RemoteError
+from shoal.bus.errors import RemoteError
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.nats_bus import NatsBus
+from shoal.bus.streams import request_stream
 from shoal.bus.subjects import Subjects
 from shoal.gateway.nats_api import NatsApi
 from tests.unit.test_gateway_fake import FakeEngineClient
@@ -261,8 +262,8 @@ async def test_stopping_the_api_tells_running_callers_before_the_bus_closes(
     api = NatsApi(server_bus, FakeEngineClient(token_delay=0.01))
     await api.start()
     request = {"prompt": "hi", "stream": True, "sampling_params": {"max_tokens": 500}}
-    stream = client_bus.request_stream(
-        api.subjects.api_generate(), json.dumps(request).encode(), timeout=TIMEOUT
+    stream = request_stream(
+        client_bus, api.subjects.api_generate(), json.dumps(request).encode(), timeout=TIMEOUT
     )
     try:
         with pytest.raises(RemoteError) as caught:
@@ -290,12 +291,12 @@ async def test_in_memory_bus_request_stream() -> None:
         payload = msgspec.msgpack.encode({"prompt": "hi", "stream": True})
         bodies = [
             msgspec.msgpack.decode(m.data)
-            async for m in client_bus.request_stream(subject, payload, timeout=TIMEOUT)
+            async for m in request_stream(client_bus, subject, payload, timeout=TIMEOUT)
         ]
         assert bodies[-1]["type"] == "final" and bodies[-1]["usage"]["completion_tokens"] == 16
         assert sum(len(c["token_ids"]) for b in bodies[:-1] for c in b["choices"]) == 16
         with pytest.raises(RemoteError) as caught:
-            async for _ in client_bus.request_stream(subject, b'{"prompt": ', timeout=TIMEOUT):
+            async for _ in request_stream(client_bus, subject, b'{"prompt": ', timeout=TIMEOUT):
                 pass
         assert caught.value.code == "invalid_json"
     finally:

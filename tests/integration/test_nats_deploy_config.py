@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.base import Msg
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.nats_cluster import cluster_block, free_port, healthz, route_auth
 from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.event_stream import open_kv_events_stream
+from shoal.bus.kv_events_stream import open_kv_events_stream
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects

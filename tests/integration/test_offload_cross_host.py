@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.supervisor import ActorSpec, ChildState, Supervisor
 from shoal.deploy.deployment import P2P_TIER_TARGET, plan_tiers

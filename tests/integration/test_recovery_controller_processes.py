@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from shoal.bus.base import Msg
 from shoal.bus.codec import Codec
 from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.deploy.deployment import build_config
 from tests.integration.conditions import wait_for

@@ -8,9 +8,9 @@ import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.bus import connect_bus
-from shoal.bus.base import Msg
 from shoal.bus.codec import Codec
 from shoal.bus.messages.control import ActorState, Heartbeat
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.deploy.deployment import build_config
 from shoal.engine.recovery.actor import RecoveryControllerActor

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.base import Bus, Msg
+from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState, Heartbeat
@@ -27,6 +27,7 @@ from shoal.bus.messages.engine import (
     SchedulerStats,
 )
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.bus.msg import Msg
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.engine.client.engine_client import AsyncEngineClient
 from tests.fixtures.models import make_prompts

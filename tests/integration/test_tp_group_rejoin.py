@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from shoal.bus import connect_bus
-from shoal.bus.base import Msg
 from shoal.bus.codec import Codec
 from shoal.bus.messages.control import ActorState, ControlEvent, StatusEvent
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.bus.supervisor import ActorSpec, ChildState, Supervisor
 from shoal.deploy.deployment import build_config, plan_actors

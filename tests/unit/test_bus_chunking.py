@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from shoal.bus.base import Msg, PayloadIntegrityError
 from shoal.bus.chunking import CHUNKED_HEADER, ChunkSender, fetch_chunked
+from shoal.bus.errors import PayloadIntegrityError
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import _user_transfer_prefix
 
 
