@@ -30,10 +30,10 @@ ENGINE_TARGET = "shoal.engine.actor.core_actor:EngineCoreActor"
 GATEWAY_TARGET = "shoal.gateway.actor:GatewayActor"
 RECOVERY_TARGET = "shoal.engine.recovery.actor:RecoveryControllerActor"
 RECOVERY_ID = "recovery-0"
-CPU_TIER_TARGET = "shoal.tiers.cpu_actor:CpuTierActor"
-FS_TIER_TARGET = "shoal.tiers.fs_actor:FsTierActor"
-OBJ_TIER_TARGET = "shoal.tiers.obj_actor:ObjTierActor"
-P2P_TIER_TARGET = "shoal.tiers.p2p_actor:P2PTierActor"
+CPU_TIER_TARGET = "shoal.tiers.cpu.actor:CpuTierActor"
+FS_TIER_TARGET = "shoal.tiers.secondary.fs_actor:FsTierActor"
+OBJ_TIER_TARGET = "shoal.tiers.secondary.obj_actor:ObjTierActor"
+P2P_TIER_TARGET = "shoal.tiers.p2p.actor:P2PTierActor"
 SECONDARY_TIER_TARGETS = {"fs": FS_TIER_TARGET, "obj": OBJ_TIER_TARGET, "p2p": P2P_TIER_TARGET}
 
 

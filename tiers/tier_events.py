@@ -26,8 +26,8 @@ from shoal.bus.kv_events_publisher import KvEventsPublisher, snapshot_events
 from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from shoal.bus.subjects import Subjects
-from shoal.tiers.keys import OffloadKey, get_offload_block_hash
-from shoal.tiers.manager import OffloadEvent, OffloadManager
+from shoal.tiers.books.keys import OffloadKey, get_offload_block_hash
+from shoal.tiers.books.manager import OffloadEvent, OffloadManager
 
 log = logging.getLogger(__name__)
 FLUSH_INTERVAL_S = 0.1  # a tier's events wait at most this long (coalesced into one batch)

@@ -1,5 +1,5 @@
 """The worker side of the KV offload data plane: copies between this rank's paged KV cache
-(``workers.kv_cache``) and a CPU tier's shared-memory region (``tiers.region``), as a step's
+(``workers.kv_cache``) and a CPU tier's shared-memory region (``tiers.cpu.region``), as a step's
 ``KVTransfers`` says. No KV bytes travel on the bus.
 
 ``run_kv_transfers`` validates every job first, then runs the valid stores (KV → region) and

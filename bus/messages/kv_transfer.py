@@ -104,7 +104,7 @@ SECONDARY_TIER_TYPES = ("fs", "obj", "p2p")
 
 class BackpressureConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
     """Backpressure on a slow secondary tier (``kv_connector_extra_config.backpressure``;
-    ``tiers/backpressure.py``): stores to a tier whose moving average of store latency passed
+    ``tiers/books/backpressure.py``): stores to a tier whose moving average of store latency passed
     ``high_water_s`` (or that failed ``failure_streak`` stores in a row) are dropped, with a
     probability growing up to ``max_drop_probability``, until the average falls below
     ``low_water_s``; loads are never dropped."""

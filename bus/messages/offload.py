@@ -8,8 +8,8 @@ by ``ExecuteStep``). Secondary tiers (filesystem) read and write the same region
 A slot's layout (``KVLayout``): ``[tp_rank][layer][k|v][block_in_chunk][block_size, heads,
 head_dim]``, each tensor-parallel rank copying its own part; or, canonical (independent of the
 tensor-parallel size), ``[layer][k|v][block_in_chunk][kv_head][block_size, head_dim]`` over
-every KV head of the model, each rank copying its heads. Keys are offload keys (``tiers.keys``:
-block hash + KV group index).
+every KV head of the model, each rank copying its heads. Keys are offload keys
+(``tiers.books.keys``: block hash + KV group index).
 
 Engine core → CPU tier, request/reply on ``subjects.tier_in(tier_id)``:
 

@@ -1,4 +1,4 @@
-"""Peer-to-peer KV tier messages: the p2p tier actors of different hosts (``tiers.p2p_actor``).
+"""Peer-to-peer KV tier messages: the p2p tier actors of different hosts (``tiers.p2p.actor``).
 
 A CPU tier's lookup that misses reaches its p2p tier, which asks every peer at once:
 
@@ -8,11 +8,11 @@ A CPU tier's lookup that misses reaches its p2p tier, which asks every peer at o
   holds, **pinned** for the session (none: 0, nothing pinned), and where its direct stream
   listens. The requester keeps the longest answer and ends the other sessions.
 - ``PeerRead(session, index)`` → the session's ``index``-th chunk, its slot's bytes (every
-  rank) as a raw reply in the secondary tiers' part format (``tiers.chunk_format``: header,
-  key, payload, digest), or an error reply once the session is gone; on
+  rank) as a raw reply in the secondary tiers' part format (``tiers.secondary.chunk_format``:
+  header, key, payload, digest), or an error reply once the session is gone; on
   ``subjects.tier_peer_reads(peer)``. The requester keeps at most a window of reads in flight,
   and the bus carries a large reply in pulled chunks: nobody is flooded. Where the direct stream
-  connects, the chunks come over it instead (``tiers.p2p_channel``).
+  connects, the chunks come over it instead (``tiers.p2p.channel``).
 - ``PeerDone(session)`` (published, no reply) on the same subject: unpin. A session never ended
   (its requester died) is ended by the peer after its time to live.
 - ``PeerHello(peer)`` on ``subjects.tier_peers()`` when a p2p tier starts: the others answer
@@ -44,7 +44,7 @@ class PeerHeld(msgspec.Struct, tag="peer_held", array_like=True, omit_defaults=T
     peer: str
     session: str
     num_leading: int
-    data_address: str = ""  # "host:port" of its direct stream (``tiers.p2p_channel``); "": none
+    data_address: str = ""  # "host:port" of its direct stream (``tiers.p2p.channel``); "": none
 
 
 class PeerRead(msgspec.Struct, tag="peer_read", array_like=True, omit_defaults=True):

@@ -42,7 +42,7 @@ from shoal.engine.core.offload_stores import OffloadStores
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler_output import SchedulerOutput
 from shoal.engine.core.step_outcome import StepOutcome
-from shoal.tiers.keys import ChunkKey, OffloadKey, iter_chunk_keys
+from shoal.tiers.books.keys import ChunkKey, OffloadKey, iter_chunk_keys
 
 
 class Admission(enum.Enum):

@@ -22,7 +22,7 @@ from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.offload import KVStore, KVTransferResult, TierStoreSlots
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
 from shoal.engine.core.request import Request
-from shoal.tiers.keys import ChunkKey, OffloadKey
+from shoal.tiers.books.keys import ChunkKey, OffloadKey
 
 ChunkKeys = Callable[[Request, int], Iterator[ChunkKey]]  # a request's chunk keys from a chunk
 

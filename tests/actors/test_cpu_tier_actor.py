@@ -45,9 +45,9 @@ from shoal.bus.messages.offload import (
 )
 from shoal.bus.msg import Msg
 from shoal.bus.run_actor import build_actor
-from shoal.tiers.backpressure import StoreBackpressure
-from shoal.tiers.cpu_actor import CpuTierActor
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.books.backpressure import StoreBackpressure
+from shoal.tiers.cpu.actor import CpuTierActor
+from shoal.tiers.cpu.region import SharedRegion
 from tests.fixtures.nats import BusFactory
 from tests.integration.conditions import wait_for as wait_until
 

@@ -58,12 +58,12 @@ from shoal.deploy.deployment import (
     start_in_process,
     stop_in_process,
 )
-from shoal.tiers.cpu_actor import CpuTierActor
-from shoal.tiers.fs_actor import FsTierActor
-from shoal.tiers.fs_store import TMP_SUFFIX, ChunkFiles
-from shoal.tiers.keys import make_offload_key
-from shoal.tiers.mapped_regions import MappedRegions
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.books.keys import make_offload_key
+from shoal.tiers.cpu.actor import CpuTierActor
+from shoal.tiers.cpu.mapped_regions import MappedRegions
+from shoal.tiers.cpu.region import SharedRegion
+from shoal.tiers.secondary.fs_actor import FsTierActor
+from shoal.tiers.secondary.fs_store import TMP_SUFFIX, ChunkFiles
 from tests.fixtures.nats import BusFactory
 from tests.integration.conditions import wait_for
 
@@ -477,7 +477,7 @@ async def test_a_killed_tier_process_comes_back_with_its_files(nats_url: str, tm
     config = FsTierConfig(path=str(h.root), bytes_to_use=6 * LAYOUT.slot_bytes)
     spec = ActorSpec(
         name="fs",
-        target="shoal.tiers.fs_actor:FsTierActor",
+        target="shoal.tiers.secondary.fs_actor:FsTierActor",
         bus_url=nats_url,
         kwargs={"actor_id": "kv-cpu-fs0", "tier_config": config, "namespace": h.namespace},
         kind="tier",

@@ -25,8 +25,8 @@ from shoal.bus.messages.offload import SecondaryAttached, TierAttach, TierCascad
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.object_store import NatsObjectStore
 from shoal.bus.server import NatsServer
-from shoal.tiers.obj_actor import ObjTierActor
-from shoal.tiers.obj_store import ObjectChunks
+from shoal.tiers.secondary.obj_actor import ObjTierActor
+from shoal.tiers.secondary.obj_store import ObjectChunks
 from tests.actors.test_fs_tier_actor import LAYOUT, NUM_SLOTS, REPLY_S, Harness, done, key, pattern
 from tests.integration.conditions import wait_for
 

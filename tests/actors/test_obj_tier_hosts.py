@@ -25,9 +25,9 @@ from shoal.bus.errors import BusTimeoutError
 from shoal.bus.messages.offload import SecondaryAttached, TierPromote
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.object_store import NatsObjectStore
-from shoal.tiers import obj_store
-from shoal.tiers.obj_actor import ObjTierActor
-from shoal.tiers.obj_store import ObjectChunks
+from shoal.tiers.secondary import obj_store
+from shoal.tiers.secondary.obj_actor import ObjTierActor
+from shoal.tiers.secondary.obj_store import ObjectChunks
 from tests.actors.test_fs_tier_actor import LAYOUT, OTHER, REPLY_S, done, key, pattern
 from tests.actors.test_obj_tier_actor import ObjHarness, chunks_of, object_names
 from tests.actors.test_object_store import at_direct_get

@@ -37,10 +37,11 @@ from shoal.bus.messages.offload import (
 )
 from shoal.bus.messages.p2p import PeerHeld, PeerLookup
 from shoal.bus.msg import Msg
-from shoal.tiers import p2p_channel, p2p_serving
-from shoal.tiers.cpu_actor import CpuTierActor
-from shoal.tiers.p2p_actor import P2PTierActor
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.cpu.actor import CpuTierActor
+from shoal.tiers.cpu.region import SharedRegion
+from shoal.tiers.p2p import channel as p2p_channel
+from shoal.tiers.p2p import serving as p2p_serving
+from shoal.tiers.p2p.actor import P2PTierActor
 from tests.fixtures.nats import BusFactory
 from tests.integration.conditions import wait_for as wait_until
 

@@ -28,7 +28,7 @@ from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.prefix_routing import PrefixRouting
-from shoal.tiers.keys import get_offload_block_hash
+from shoal.tiers.books.keys import get_offload_block_hash
 from tests.actors.test_cpu_tier_actor import LAYOUT, Deployment, K
 from tests.actors.test_fs_tier_actor import Harness, done, key
 from tests.actors.test_obj_tier_actor import ObjHarness, harness_on

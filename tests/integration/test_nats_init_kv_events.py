@@ -16,7 +16,7 @@ from shoal.bus.subjects import Subjects
 from shoal.deploy.cli import build_parser
 from shoal.deploy.nats_init import run_nats_init
 from shoal.engine.client.prefix_routing import PrefixRouting
-from shoal.tiers.keys import get_offload_block_hash
+from shoal.tiers.books.keys import get_offload_block_hash
 from tests.actors.test_cpu_tier_actor import Deployment, K
 from tests.integration.conditions import wait_for
 

@@ -25,7 +25,7 @@ from shoal.bus.messages.offload import (
 )
 from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.engine.core.scheduler import Scheduler
-from shoal.tiers.manager import LookupResult, OffloadManager
+from shoal.tiers.books.manager import LookupResult, OffloadManager
 from tests.unit.factories import FakeWorker
 
 GENERATION = "gen-1"

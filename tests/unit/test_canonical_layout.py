@@ -17,9 +17,9 @@ from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.offload import KVLayout
 from shoal.bus.messages.worker import WorkerInfo
 from shoal.engine.actor.offload_link import kv_layout
-from shoal.tiers.fs_store import ChunkFiles, model_dir_name
-from shoal.tiers.keys import make_offload_key
-from shoal.tiers.obj_store import ObjectChunks
+from shoal.tiers.books.keys import make_offload_key
+from shoal.tiers.secondary.fs_store import ChunkFiles, model_dir_name
+from shoal.tiers.secondary.obj_store import ObjectChunks
 
 LAYERS, BLOCK, HEAD_DIM, HEADS = 2, 16, 16, 2
 CANONICAL = KVLayout("tiny/llama", LAYERS, 4, HEADS, 8, "float16", 1, 2, canonical=True)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.tiers.cpu_books import CASCADE_OWNER, PROMOTE_OWNER, CpuTierBooks
-from shoal.tiers.manager import LookupResult, OffloadManager
-from shoal.tiers.owners import OwnerLeases
+from shoal.tiers.books.cpu_books import CASCADE_OWNER, PROMOTE_OWNER, CpuTierBooks
+from shoal.tiers.books.manager import LookupResult, OffloadManager
+from shoal.tiers.books.owners import OwnerLeases
 
 K = [bytes([i]) * 8 for i in range(8)]
 A, B = "engine-a/1", "engine-b/1"

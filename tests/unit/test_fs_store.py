@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 
 from shoal.bus.messages.offload import KVLayout
-from shoal.tiers import chunk_format, fs_store
-from shoal.tiers.chunk_format import HEADER
-from shoal.tiers.fs_store import (
+from shoal.tiers.books.keys import make_offload_key
+from shoal.tiers.secondary import chunk_format, fs_store
+from shoal.tiers.secondary.actor import index_from_scan
+from shoal.tiers.secondary.chunk_format import HEADER
+from shoal.tiers.secondary.fs_store import (
     TMP_SUFFIX,
     ChunkFiles,
     CorruptChunk,
     DeadlinePassed,
     model_dir_name,
 )
-from shoal.tiers.keys import make_offload_key
-from shoal.tiers.secondary_actor import index_from_scan
 
 LAYOUT = KVLayout("tiny/llama:f16", 2, 4, 2, 8, "float16", 2, 2)  # 1 KiB per rank, 2 ranks
 

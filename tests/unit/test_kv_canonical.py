@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shoal.bus.messages.offload import KVLayout, KVLoad, KVStore, KVTransfers, RegionRef
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.cpu.region import SharedRegion
 from shoal.workers.kv_cache import KVCache
 from shoal.workers.kv_canonical import CanonicalMapping, local_kv_heads
 from shoal.workers.kv_transfer import KVGeometry, RegionViews, run_kv_transfers

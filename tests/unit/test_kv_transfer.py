@@ -1,5 +1,5 @@
 """The KV copier on its own (``workers.kv_transfer``): a KV cache allocated here, regions made
-with ``tiers.region.SharedRegion``: a rank's slice of a slot, batched stores then loads, job
+with ``tiers.cpu.region.SharedRegion``: a rank's slice of a slot, batched stores then loads, job
 and region validation, and the mapped generations."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from shoal.bus.messages.offload import (
     KVTransfers,
     RegionRef,
 )
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.cpu.region import SharedRegion
 from shoal.workers import kv_copy
 from shoal.workers.kv_cache import KVCache
 from shoal.workers.kv_transfer import (

@@ -20,7 +20,7 @@ from shoal.bus.messages.worker import (
     NewRequestData,
     WorkerOutbound,
 )
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.cpu.region import SharedRegion
 from shoal.workers.actor import WorkerActor
 from shoal.workers.model_runner import ModelRunner
 from tests.golden.driver import make_runner

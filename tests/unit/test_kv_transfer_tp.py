@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from shoal.bus.messages.offload import KVLayout, RegionRef
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.cpu.region import SharedRegion
 
 BLOCK = 4
 PROMPT = [17, 40, 93, 5, 250, 61, 8, 140, 33, 77, 12, 190, 66]  # 3 full blocks and 1 token

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.engine.core.block_hash import BlockHasher
-from shoal.tiers.keys import (
+from shoal.tiers.books.keys import (
     ChunkKey,
     get_offload_block_hash,
     get_offload_group_idx,

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.tiers.keys import make_offload_key
-from shoal.tiers.manager import LookupResult, OffloadEvent, OffloadManager, PrepareStoreOutput
+from shoal.tiers.books.keys import make_offload_key
+from shoal.tiers.books.manager import LookupResult, OffloadEvent, OffloadManager, PrepareStoreOutput
 
 HIT, HIT_PENDING, MISS = LookupResult.HIT, LookupResult.HIT_PENDING, LookupResult.MISS
 

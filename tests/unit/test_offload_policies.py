@@ -7,10 +7,10 @@ from collections.abc import Collection, Sequence
 
 import pytest
 
-from shoal.tiers.keys import OffloadKey, make_offload_key
-from shoal.tiers.manager import OffloadManager
-from shoal.tiers.policies import _POLICIES as REGISTRY
-from shoal.tiers.policies import (
+from shoal.tiers.books.keys import OffloadKey, make_offload_key
+from shoal.tiers.books.manager import OffloadManager
+from shoal.tiers.books.policies import _POLICIES as REGISTRY
+from shoal.tiers.books.policies import (
     ARCPolicy,
     Chunk,
     EvictionPolicy,

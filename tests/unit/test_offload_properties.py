@@ -14,9 +14,9 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from shoal.tiers.keys import make_offload_key
-from shoal.tiers.manager import LookupResult, OffloadManager
-from shoal.tiers.policies import NOT_READY, ARCPolicy, LRUPolicy
+from shoal.tiers.books.keys import make_offload_key
+from shoal.tiers.books.manager import LookupResult, OffloadManager
+from shoal.tiers.books.policies import NOT_READY, ARCPolicy, LRUPolicy
 
 NUM_SLOTS = 3
 KEYS = [make_offload_key(i.to_bytes(2, "big")) for i in range(8)]

@@ -7,7 +7,7 @@ import pytest
 
 from shoal.bus.messages.offload import KVLayout, RegionRef
 from shoal.bus.messages.p2p import PeerHeld
-from shoal.tiers.p2p_sessions import PeerDirectory, PlannedPulls, ServedSessions, best_answer
+from shoal.tiers.books.p2p_sessions import PeerDirectory, PlannedPulls, ServedSessions, best_answer
 
 REGION = RegionRef("/dev/shm/x.kv", "g1", 4, KVLayout("m", 1, 2, 1, 4, "float32", 1, 1))
 K = [bytes([i]) * 20 for i in range(6)]

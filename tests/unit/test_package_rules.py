@@ -23,51 +23,82 @@ IO = ("asyncio", "nats", "aiohttp", "socket", "subprocess", "threading", "anyio"
 
 @dataclass(frozen=True)
 class Rule:
-    """Modules under ``package`` may import these shoal packages only (longest package wins)."""
+    """Modules under ``package`` may import these shoal packages only (longest package wins).
+    ``runs``: what runs there, for the floor plan's table in docs/architecture.md."""
 
     package: str
     allowed: tuple[str, ...]
     forbidden_third_party: tuple[str, ...] = ()
     why: str = ""
+    runs: str = ""
 
 
-PURE_TIERS = tuple(
-    f"shoal.tiers.{m}"
-    for m in ("keys", "manager", "policies", "store_filter", "owners", "cpu_books")
-)
 RULES = (
-    Rule("shoal.bus", ("shoal.bus",), why="the bus knows no engine, model or GPU"),
+    Rule(
+        "shoal.bus",
+        ("shoal.bus",),
+        why="the bus knows no engine, model or GPU",
+        runs="every process: transports, subjects, codecs, event streams and buckets, the actor "
+        "runtime, the liveness table, the supervisor",
+    ),
     Rule(
         "shoal.bus.messages",
         ("shoal.bus.messages",),
         TORCH + IO,
         "wire schemas are a leaf: msgspec only",
+        "the wire schemas and the deployment's config document",
     ),
-    Rule("shoal.kernels", ("shoal.kernels",), why="kernels import torch and triton only"),
-    Rule("shoal.workers", ("shoal.workers", "shoal.kernels", "shoal.bus")),
-    Rule("shoal.tiers", ("shoal.tiers", "shoal.bus")),
-    *(
-        Rule(pure, ("shoal.tiers",), TORCH + IO, "the offload manager is pure")
-        for pure in PURE_TIERS
+    Rule(
+        "shoal.kernels",
+        ("shoal.kernels",),
+        why="kernels import torch and triton only",
+        runs="inside the workers: Triton kernels, their torch references, the CPU's C kernels",
+    ),
+    Rule(
+        "shoal.workers",
+        ("shoal.workers", "shoal.kernels", "shoal.bus"),
+        runs="worker processes: model runner, models, layers, sampler, CUDA graphs, speculative "
+        "decoding's proposers, the worker actor",
+    ),
+    Rule(
+        "shoal.tiers",
+        ("shoal.tiers", "shoal.bus"),
+        runs="KV offload's tier actors: the CPU tier (`cpu/`), the filesystem and object-store "
+        "tiers (`secondary/`), the peer-to-peer tier (`p2p/`)",
+    ),
+    Rule(
+        "shoal.tiers.books",
+        ("shoal.tiers.books", "shoal.bus.messages"),
+        TORCH + IO,
+        "the offload books are pure: no I/O, no torch, no transport",
+        "KV offload's pure books: keys, the offload manager and its eviction policies, store "
+        "filters, leases, backpressure, the p2p sessions (the engine core imports them)",
     ),
     Rule(
         "shoal.engine.core",
-        ("shoal.engine.core", "shoal.bus.messages", *PURE_TIERS),
+        ("shoal.engine.core", "shoal.bus.messages", "shoal.tiers.books"),
         TORCH + IO,
         "the engine core is pure: no I/O, no torch, no transport, no client or shell "
-        "(the offload protocol of tiers/ is pure too)",
+        "(the offload books of tiers/ are pure too)",
+        "inside the engine core actor: the pure core (requests, scheduler, step outcome, steps in "
+        "flight, KV cache manager, block pool, block hashes, stop checks, the KV offload "
+        "connector, speculative decoding's K, `EngineCore`)",
     ),
     Rule(
         "shoal.engine.structured",
         ("shoal.engine.structured", "shoal.engine.core", "shoal.bus.messages"),
         tuple(m for m in IO if m != "threading"),  # it compiles on a thread of its own
         "the grammar engine (xgrammar) behind the engine core's GrammarBackend: no transport",
+        "inside the engine core actor (and the client's grammar check): structured outputs' "
+        "grammar engine",
     ),
     Rule(
         "shoal.engine.actor",
         ("shoal.engine.actor", "shoal.engine.core", "shoal.engine.structured", "shoal.bus"),
         TORCH,
         "the engine core's shell meets workers and clients through messages only",
+        "the engine core actor's shell (`core_actor.py`) and its links: to the workers, its KV "
+        "tier, the other engine cores (lock-step), KV events",
     ),
     Rule(
         "shoal.engine.client",
@@ -81,31 +112,56 @@ RULES = (
         "the client runs in the gateway's process: it talks to engine cores over the bus "
         "(and hashes prompts as they do, for prefix routing: block_hash is pure; it checks "
         "a request's grammar as engine cores build it)",
+        "the gateway's or `LLM`'s process: `AsyncEngineClient`, output processor, detokenizer, "
+        "stop strings, router and prefix index, resumption, user-facing outputs",
     ),
     Rule(
         "shoal.engine.recovery",
         ("shoal.engine.recovery", "shoal.bus"),
         TORCH,
         "the recovery controller commands engine cores by message only",
+        "the recovery controller actor",
     ),
     Rule(
         "shoal.engine.recovery.policy",
         ("shoal.bus.messages",),
         TORCH + IO,
         "the recovery policy is pure: no I/O, no transport",
+        "the recovery controller's pure policy",
     ),
     Rule(
         "shoal.gateway",
         ("shoal.gateway", "shoal.engine.client", "shoal.bus"),
         TORCH,
         "the gateway sees the engine through the client only",
+        "the gateway: HTTP and NATS APIs, metrics",
     ),
     Rule(
         "shoal.deploy",
         ("shoal",),
         why="the composition root may start anything",
+        runs="the launcher: the `shoal` command line, the offline `LLM`, the deployment plan, "
+        "local mode",
     ),
 )
+TABLE_START = "<!-- the floor plan's rules: written by python -m tests.unit.test_package_rules -->"
+TABLE_END = "<!-- end of the rules -->"
+
+
+def rules_table() -> str:
+    """The floor plan's table (docs/architecture.md), written from ``RULES``."""
+    lines = [
+        "| package | what runs there | may import of shoal | may not import |",
+        "|---|---|---|---|",
+    ]
+    for rule in RULES:
+        others = [p.removeprefix("shoal.") for p in rule.allowed if p != rule.package]
+        allowed = "anything" if rule.allowed == ("shoal",) else ", ".join(f"`{p}`" for p in others)
+        forbidden = ", ".join(rule.forbidden_third_party)
+        lines.append(
+            f"| `{rule.package}` | {rule.runs} | {allowed or 'nothing else'} | {forbidden} |"
+        )
+    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -221,9 +277,10 @@ def test_nothing_outside_the_composition_imports_gateway_or_deploy():
         ("shoal.engine.recovery.actor", "from shoal.engine.core import request", "core"),
         ("shoal.engine.recovery.actor", "from shoal.engine.actor import core_actor", "actor"),
         ("shoal.engine.recovery.policy", "import asyncio", "asyncio"),
-        ("shoal.tiers.manager", "import asyncio", "asyncio"),
-        ("shoal.tiers.policies.lru", "from shoal.bus.base import Bus", "bus"),
-        ("shoal.tiers.actor", "from shoal.engine.core import request", "engine"),
+        ("shoal.tiers.books.manager", "import asyncio", "asyncio"),
+        ("shoal.tiers.books.policies.lru", "from shoal.bus.base import Bus", "bus"),
+        ("shoal.tiers.cpu.actor", "from shoal.engine.core import request", "engine"),
+        ("shoal.tiers.books.p2p_sessions", "import socket", "socket"),
         ("shoal.kernels.ops", "from shoal.bus.messages import worker", "bus"),
         ("shoal.bus.messages.worker", "from shoal.bus.base import Bus", "bus.base"),
         ("shoal.bus.base", "from engine.core import request", "engine"),
@@ -251,3 +308,16 @@ def test_the_checker_lets_allowed_imports_through():
     ]
     for module, source in allowed:
         assert check_source(source, module, "probe.py") == []
+
+
+def test_the_docs_floor_plan_is_the_rules():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    start, end = doc.index(TABLE_START) + len(TABLE_START), doc.index(TABLE_END)
+    assert doc[start:end].strip() == rules_table(), (
+        "docs/architecture.md's rules table differs from RULES: rewrite it with "
+        "python -m tests.unit.test_package_rules"
+    )
+
+
+if __name__ == "__main__":
+    print(TABLE_START, rules_table(), TABLE_END, sep="\n")

@@ -1,4 +1,4 @@
-"""Backpressure on a slow secondary tier (``tiers/backpressure.py``): pressure begins past the
+"""Backpressure on a slow secondary tier (``tiers/books/backpressure.py``): pressure begins past the
 high water mark or after a streak of failures, ends below the low water mark (hysteresis), and
 drops stores with a probability that grows with the average, never all of them."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from shoal.bus.messages.kv_transfer import BackpressureConfig, kv_transfer_options
-from shoal.tiers.backpressure import StoreBackpressure
+from shoal.tiers.books.backpressure import StoreBackpressure
 
 CONFIG = BackpressureConfig(ema_alpha=0.5, high_water_s=1.0, low_water_s=0.2,
                             max_drop_probability=0.9, failure_streak=3,

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from shoal.bus.messages.offload import KVLayout
-from shoal.tiers.region import SharedRegion, region_prefix
+from shoal.tiers.cpu.region import SharedRegion, region_prefix
 
 LAYOUT = KVLayout("tiny", 1, 4, 1, 4, "float32", 1, 1)
 

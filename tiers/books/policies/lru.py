@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Mapping, Sequence
 
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.policies.base import Chunk, EvictionPolicy
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.books.policies.base import Chunk, EvictionPolicy
 
 
 class LRUPolicy(EvictionPolicy):

@@ -9,7 +9,7 @@ chunk size would find each other's files the wrong length (corrupt, removed), so
 must name the KV format too.
 
 A file is a header, the key, then the payload (the rank's ``rank_chunk_bytes`` of a region slot),
-as ``tiers.chunk_format`` lays out every secondary tier's parts (an xxh3-128 digest of the
+as ``tiers.secondary.chunk_format`` lays out every secondary tier's parts (an xxh3-128 digest of the
 payload). Writes are atomic: a unique temp file in the same directory, then ``os.replace``; there
 is no fsync (this is a cache: a file torn by a crash fails its length or digest and is treated as a
 miss). A read that finds a missing part, another magic, version, key or length, or a wrong digest
@@ -38,7 +38,8 @@ from pathlib import Path
 import xxhash
 
 from shoal.bus.messages.offload import KVLayout
-from shoal.tiers.chunk_format import (
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.secondary.chunk_format import (
     CorruptChunk,
     DeadlinePassed,
     check_deadline,
@@ -47,7 +48,6 @@ from shoal.tiers.chunk_format import (
     pack_head,
     payload_digest,
 )
-from shoal.tiers.keys import OffloadKey
 
 __all__ = ["TMP_SUFFIX", "ChunkFiles", "CorruptChunk", "DeadlinePassed", "check_deadline"]
 

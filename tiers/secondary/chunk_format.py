@@ -14,7 +14,7 @@ import time
 
 import xxhash
 
-from shoal.tiers.keys import OffloadKey
+from shoal.tiers.books.keys import OffloadKey
 
 MAGIC = b"SHKV"
 FORMAT_VERSION = 1

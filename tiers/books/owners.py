@@ -20,7 +20,7 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shoal.tiers.keys import OffloadKey
+from shoal.tiers.books.keys import OffloadKey
 
 
 @dataclass(slots=True)

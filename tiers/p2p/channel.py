@@ -2,8 +2,9 @@
 asking host's region slots, where the hosts can reach each other (the bus stays the control path).
 
 Request (asker → server): a 4-byte big-endian length and a msgpack ``PeerStream(session, start,
-count)``. Reply: for each chunk in order, its part head (``tiers.chunk_format``: header and key,
-the payload's xxh3-128 digest included) then the payload, sent from the serving host's mapped
+count)``. Reply: for each chunk in order, its part head (``tiers.secondary.chunk_format``: header
+and key, the payload's xxh3-128 digest included) then the payload, sent from the serving host's
+mapped
 region and received into the asking host's slot (no copy in between). TCP paces the sender to
 the receiver. The server closes the stream at a chunk it cannot serve (the session ended): the
 asker keeps the leading chunks that arrived whole and checked.
@@ -28,9 +29,15 @@ from typing import Protocol
 
 import msgspec
 
-from shoal.tiers.chunk_format import CorruptChunk, check_head, head_size, pack_head, payload_digest
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.cpu.region import SharedRegion
+from shoal.tiers.secondary.chunk_format import (
+    CorruptChunk,
+    check_head,
+    head_size,
+    pack_head,
+    payload_digest,
+)
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
-from shoal.tiers.keys import OffloadKey
+from shoal.tiers.books.keys import OffloadKey
 
 NOT_READY = -1
 
@@ -43,7 +43,7 @@ class Chunk:
 
 
 class EvictionPolicy(ABC):
-    """Orders a tier's chunks for eviction; registered by name in ``shoal.tiers.policies``."""
+    """Orders a tier's chunks for eviction; registered by name in ``shoal.tiers.books.policies``."""
 
     def __init__(self, capacity: int, chunks: Mapping[OffloadKey, Chunk]) -> None:
         self.capacity = capacity

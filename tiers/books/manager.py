@@ -27,9 +27,9 @@ import enum
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.policies import NOT_READY, Chunk, EvictionPolicy, make_policy
-from shoal.tiers.store_filter import DEFAULT_MAX_TRACKER_SIZE, StoreFilter
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.books.policies import NOT_READY, Chunk, EvictionPolicy, make_policy
+from shoal.tiers.books.store_filter import DEFAULT_MAX_TRACKER_SIZE, StoreFilter
 
 
 class LookupResult(enum.Enum):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from shoal.tiers.keys import OffloadKey
+from shoal.tiers.books.keys import OffloadKey
 
 DEFAULT_MAX_TRACKER_SIZE = 64_000
 

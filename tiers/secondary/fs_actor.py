@@ -1,8 +1,8 @@
 """The filesystem tier actor: a secondary tier behind a CPU tier on the same host.
 
-It keeps chunks as files (``tiers.fs_store.ChunkFiles``) under ``FsTierConfig.path``, one per
-tensor-parallel rank; the protocol, the LRU index within ``bytes_to_use``, the cascade queue and
-the deadlines are every secondary tier's (``tiers.secondary_actor``). At attach the index is
+It keeps chunks as files (``tiers.secondary.fs_store.ChunkFiles``) under ``FsTierConfig.path``, one
+per tensor-parallel rank; the protocol, the LRU index within ``bytes_to_use``, the cascade queue and
+the deadlines are every secondary tier's (``tiers.secondary.actor``). At attach the index is
 rebuilt from the files (by mtime: least recently used first; leftover temp files removed).
 
 File I/O runs in two small thread pools (writes, reads), so heartbeats, lookups and promotes go on
@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 from shoal.bus.base import Bus
 from shoal.bus.messages.config import FsTierConfig
 from shoal.bus.messages.offload import KVLayout
-from shoal.tiers.chunk_format import CorruptChunk, DeadlinePassed
-from shoal.tiers.fs_store import ChunkFiles
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.secondary_actor import ChunkIO, SecondaryTierActor, SecondaryTierCounters
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.secondary.actor import ChunkIO, SecondaryTierActor, SecondaryTierCounters
+from shoal.tiers.secondary.chunk_format import CorruptChunk, DeadlinePassed
+from shoal.tiers.secondary.fs_store import ChunkFiles
 
 log = logging.getLogger(__name__)
 

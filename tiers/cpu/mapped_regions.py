@@ -1,4 +1,4 @@
-"""The CPU tier regions a secondary tier maps (``tiers.region.SharedRegion.attach``): the latest
+"""The CPU tier regions a secondary tier maps (``tiers.cpu.region.SharedRegion.attach``): the latest
 few generations stay mapped; an older one is unmapped once no job uses it."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from shoal.bus.messages.offload import RegionRef
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.cpu.region import SharedRegion
 
 
 class MappedRegions:

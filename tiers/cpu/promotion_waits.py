@@ -1,4 +1,4 @@
-"""Lookups waiting for promotions in flight (the CPU tier's shell, ``tiers.cpu_actor``).
+"""Lookups waiting for promotions in flight (the CPU tier's shell, ``tiers.cpu.actor``).
 
 A lookup whose prefix goes on with chunks another lookup is promoting from a secondary waits for
 that promotion instead of promoting them again; which promotion brings a key is in the books

@@ -1,6 +1,6 @@
 """The CPU tier's books: its ``OffloadManager`` plus who holds which chunk (``OwnerLeases``).
 
-Pure (no I/O; callers pass ``now``): the actor shell (``tiers.cpu_actor``) moves messages and
+Pure (no I/O; callers pass ``now``): the actor shell (``tiers.cpu.actor``) moves messages and
 waits on secondaries, these methods decide. Every pin taken here is recorded for its owner and
 every unpin goes through the record, so the manager's reference counts and the leases agree:
 a release naming keys its owner never pinned changes nothing, and an expired lease unpins (or
@@ -27,9 +27,9 @@ import itertools
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.manager import LookupResult, OffloadManager, PrepareStoreOutput
-from shoal.tiers.owners import OwnerLeases
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.books.manager import LookupResult, OffloadManager, PrepareStoreOutput
+from shoal.tiers.books.owners import OwnerLeases
 
 PROMOTE_OWNER = "~promote"
 CASCADE_OWNER = "~cascade"

@@ -58,11 +58,11 @@ from shoal.bus.messages.offload import (
     TierReply,
 )
 from shoal.bus.msg import Msg
-from shoal.tiers.chunk_format import CorruptChunk, DeadlinePassed
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.manager import LookupResult, OffloadManager
-from shoal.tiers.mapped_regions import MappedRegions
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.books.manager import LookupResult, OffloadManager
+from shoal.tiers.cpu.mapped_regions import MappedRegions
+from shoal.tiers.cpu.region import SharedRegion
+from shoal.tiers.secondary.chunk_format import CorruptChunk, DeadlinePassed
 from shoal.tiers.tier_events import TierEvents, watch_manager
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Pulling a peer's pinned chunks into this host's region slots (the asking side of a p2p
-promotion; ``bus.messages.p2p``): over the direct stream (``tiers.p2p_channel``) when the peer
+promotion; ``bus.messages.p2p``): over the direct stream (``tiers.p2p.channel``) when the peer
 offers one and it connects, else over the bus.
 
 Over the bus: one ``PeerRead`` request per chunk, at most ``window`` in flight: the peer sends
@@ -24,11 +24,11 @@ from shoal.bus.errors import BusError
 from shoal.bus.messages.kv_transfer import P2PTierConfig
 from shoal.bus.messages.p2p import PeerRead
 from shoal.bus.subjects import Subjects
-from shoal.tiers.chunk_format import CorruptChunk, check_head, head_size, payload_digest
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.p2p_channel import StreamJob, receive_stream
-from shoal.tiers.p2p_sessions import PlannedPull
-from shoal.tiers.region import SharedRegion
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.books.p2p_sessions import PlannedPull
+from shoal.tiers.cpu.region import SharedRegion
+from shoal.tiers.p2p.channel import StreamJob, receive_stream
+from shoal.tiers.secondary.chunk_format import CorruptChunk, check_head, head_size, payload_digest
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,9 @@ deployment can reach.
 Name: ``<model dir>/<part dir>/<key hex>`` (the filesystem tier's path, without the fan-out
 directory; ``fs_store.model_dir_name``, ``fs_store.part_dir_name``: ``tp<tp_size>_r<rank>``, or
 ``canonical`` for the one part of a canonical layout, whatever tensor-parallel size wrote it).
-An object is a part as ``tiers.chunk_format`` lays it out (header, key, payload, the payload's
-xxh3-128 digest); the object store checks its own SHA-256 digest as well. A read that finds a
+An object is a part as ``tiers.secondary.chunk_format`` lays it out (header, key, payload, the
+payload's xxh3-128 digest); the object store checks its own SHA-256 digest as well. A read that
+finds a
 part missing (also its chunk messages purged while it reads: found at once), of another
 format, key or length, or failing either digest raises ``CorruptChunk`` and removes every part
 of that chunk; a part put again while it was read (another host stored the chunk too: same
@@ -40,7 +41,8 @@ from shoal.bus.buckets import ObjectEntry, ObjectStore
 from shoal.bus.errors import BusError, PayloadIntegrityError
 from shoal.bus.messages.offload import KVLayout
 from shoal.bus.subjects import Subjects
-from shoal.tiers.chunk_format import (
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.secondary.chunk_format import (
     CorruptChunk,
     check_deadline,
     check_head,
@@ -48,8 +50,7 @@ from shoal.tiers.chunk_format import (
     pack_head,
     payload_digest,
 )
-from shoal.tiers.fs_store import is_key_hex, model_dir_name, part_dir_name
-from shoal.tiers.keys import OffloadKey
+from shoal.tiers.secondary.fs_store import is_key_hex, model_dir_name, part_dir_name
 
 T = TypeVar("T")
 PROBE_BATCH = 64  # keys asked at once by ``probe`` after its first one was found

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.policies.arc import ARCPolicy
-from shoal.tiers.policies.base import NOT_READY, Chunk, EvictionPolicy
-from shoal.tiers.policies.lru import LRUPolicy
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.books.policies.arc import ARCPolicy
+from shoal.tiers.books.policies.base import NOT_READY, Chunk, EvictionPolicy
+from shoal.tiers.books.policies.lru import LRUPolicy
 
 _POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy, "arc": ARCPolicy}
 

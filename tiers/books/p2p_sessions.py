@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from shoal.bus.messages.offload import RegionRef
 from shoal.bus.messages.p2p import PeerHeld
-from shoal.tiers.keys import OffloadKey
+from shoal.tiers.books.keys import OffloadKey
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,7 +33,7 @@ from shoal.bus.messages.offload import (
     TierLookup,
     TierPromote,
 )
-from shoal.tiers.keys import OffloadKey
+from shoal.tiers.books.keys import OffloadKey
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The serving side of a p2p tier: the sessions it holds for peers in its own host's CPU tier,
-and the chunks it sends them (``bus.messages.p2p``; ``tiers.p2p_actor`` is the shell).
+and the chunks it sends them (``bus.messages.p2p``; ``tiers.p2p.actor`` is the shell).
 
 A peer's ``PeerLookup`` pins, in this host's CPU tier, the leading keys it holds: a
 ``TierLookup`` as owner ``<actor id>.<incarnation>`` asking for ``cpu`` only, so a peer's lookup
@@ -7,7 +7,7 @@ never promotes or asks further peers; the region is the CPU tier's (``TierAttach
 a host whose CPU tier has none, or another layout, holds nothing). The pins are renewed while
 the session lasts (``TierRenew``) and handed back at ``PeerDone``, after ``session_ttl_s``, or
 when the actor stops. Chunks go out as ``PeerRead`` replies on the bus or on the direct stream
-(``tiers.p2p_channel``), at most ``max_concurrent_reads`` bus reads at once.
+(``tiers.p2p.channel``), at most ``max_concurrent_reads`` bus reads at once.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from shoal.bus.messages.offload import (
 )
 from shoal.bus.messages.p2p import PeerLookup
 from shoal.bus.subjects import Subjects
-from shoal.tiers.chunk_format import pack_head
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.mapped_regions import MappedRegions
-from shoal.tiers.p2p_sessions import ServedSessions
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.books.p2p_sessions import ServedSessions
+from shoal.tiers.cpu.mapped_regions import MappedRegions
+from shoal.tiers.secondary.chunk_format import pack_head
 
 log = logging.getLogger(__name__)
 

@@ -72,13 +72,13 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.bus.msg import Msg
-from shoal.tiers.backpressure import StoreBackpressure
-from shoal.tiers.cpu_books import CpuTierBooks, Promotion
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.manager import OffloadManager
-from shoal.tiers.promotion_waits import PromotionWaits
-from shoal.tiers.region import SharedRegion
-from shoal.tiers.secondaries import SecondaryFailed, SecondaryLink, SecondaryTimeout
+from shoal.tiers.books.backpressure import StoreBackpressure
+from shoal.tiers.books.cpu_books import CpuTierBooks, Promotion
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.books.manager import OffloadManager
+from shoal.tiers.cpu.promotion_waits import PromotionWaits
+from shoal.tiers.cpu.region import SharedRegion
+from shoal.tiers.cpu.secondaries import SecondaryFailed, SecondaryLink, SecondaryTimeout
 from shoal.tiers.tier_events import TierEvents, tier_events_settings, watch_manager
 
 log = logging.getLogger(__name__)

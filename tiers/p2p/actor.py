@@ -9,13 +9,13 @@ It keeps no chunks of its own (the CPU tier cascades nothing to it) and plays tw
   peer heard from it is a miss at once. P2p tiers greet each other (``PeerHello``) at start and
   every ``hello_interval_s``; a peer that misses a round is not waited for until heard again.
   The longest answer is kept as a planned pull (every other peer's session is ended, late
-  answers too) and the CPU tier's ``TierPromote`` that follows pulls it (``tiers.p2p_pull``:
+  answers too) and the CPU tier's ``TierPromote`` that follows pulls it (``tiers.p2p.pull``:
   the peer's direct stream, else the bus) into the reserved slots, stopping a little before
   the promotion's deadline so the answer reaches the CPU tier in time: done is the leading run
   that arrived whole and intact. A peer that dies or stalls mid-transfer leaves the rest a
   miss (recomputed), never a wrong byte.
 - **Serving** (a peer's ``PeerLookup``, ``PeerRead``, ``PeerDone`` and streams):
-  ``tiers.p2p_serving``.
+  ``tiers.p2p.serving``.
 
 Until its CPU tier attaches it (at start, and again after a restart of this actor) it refuses
 lookups and promotions with a ``TierError``: the CPU tier's link then attaches it again.
@@ -58,13 +58,13 @@ from shoal.bus.messages.p2p import (
     PeerRead,
 )
 from shoal.bus.msg import Msg
-from shoal.tiers.chunk_format import CorruptChunk
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.mapped_regions import MappedRegions
-from shoal.tiers.p2p_channel import ChannelServer, advertised_host
-from shoal.tiers.p2p_pull import pull_chunks
-from shoal.tiers.p2p_serving import PeerServing
-from shoal.tiers.p2p_sessions import PeerDirectory, PlannedPull, PlannedPulls, best_answer
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.books.p2p_sessions import PeerDirectory, PlannedPull, PlannedPulls, best_answer
+from shoal.tiers.cpu.mapped_regions import MappedRegions
+from shoal.tiers.p2p.channel import ChannelServer, advertised_host
+from shoal.tiers.p2p.pull import pull_chunks
+from shoal.tiers.p2p.serving import PeerServing
+from shoal.tiers.secondary.chunk_format import CorruptChunk
 
 log = logging.getLogger(__name__)
 

@@ -3,10 +3,10 @@
 in-memory broker's own), so chunks outlive every engine core and this actor, and one host's
 tier finds what another host's tier put in the same bucket.
 
-Chunks are objects (``tiers.obj_store.ObjectChunks``) in ``ObjTierConfig.bucket`` (default
+Chunks are objects (``tiers.secondary.obj_store.ObjectChunks``) in ``ObjTierConfig.bucket`` (default
 ``shoal_kv_<namespace>``), one per tensor-parallel rank; the protocol, the LRU index within
 ``bytes_to_use``, the cascade queue and the deadlines are every secondary tier's
-(``tiers.secondary_actor``). At attach the index is rebuilt from the bucket's listing (oldest
+(``tiers.secondary.actor``). At attach the index is rebuilt from the bucket's listing (oldest
 put first); a lookup that the index does not answer in full asks the store for the keys past
 it (``ObjectChunks.probe``, bounded by ``probe_timeout_s``; ``plan_tiers`` gives it an eighth
 of ``kv_lookup_timeout_s``, half the CPU tier's wait for one secondary) and adopts what another
@@ -42,11 +42,11 @@ from shoal.bus.base import Bus
 from shoal.bus.buckets import ObjectStore
 from shoal.bus.messages.config import ObjTierConfig
 from shoal.bus.messages.offload import KVLayout
-from shoal.tiers.chunk_format import CorruptChunk, DeadlinePassed
-from shoal.tiers.keys import OffloadKey
-from shoal.tiers.manager import OffloadManager
-from shoal.tiers.obj_store import FoundChunk, ObjectChunks, TierStoreError, default_bucket
-from shoal.tiers.secondary_actor import ChunkIO, SecondaryTierActor, TierUnavailable
+from shoal.tiers.books.keys import OffloadKey
+from shoal.tiers.books.manager import OffloadManager
+from shoal.tiers.secondary.actor import ChunkIO, SecondaryTierActor, TierUnavailable
+from shoal.tiers.secondary.chunk_format import CorruptChunk, DeadlinePassed
+from shoal.tiers.secondary.obj_store import FoundChunk, ObjectChunks, TierStoreError, default_bucket
 
 log = logging.getLogger(__name__)
 
