@@ -41,9 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.throughput import named_model
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import ExecuteStep, NewRequestData
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
 from shoal.kernels.quant_gemm import QuantizedWeight

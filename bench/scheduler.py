@@ -41,9 +41,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.config.deployment import CacheConfig, SchedulerConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
 

@@ -57,8 +57,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
 from shoal.workers.config import CheckpointConfig

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from shoal.bus.messages.config import ShoalConfig
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import (
     GATEWAY_TARGET,
     RECOVERY_ID,

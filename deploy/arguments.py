@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 
 from shoal.bus.credentials import redact_url, url_has_secret
-from shoal.bus.messages.config import (
+from shoal.config.deployment import (
     BUS_KINDS,
     DTYPES,
     GROUPS,
@@ -26,8 +26,8 @@ from shoal.bus.messages.config import (
     FaultToleranceConfig,
     ShoalConfig,
 )
-from shoal.bus.messages.kv_transfer import OFFLOADING_BACKENDS
-from shoal.bus.messages.spec_decode import JSON_KEYS, speculative_options
+from shoal.config.kv_transfer import OFFLOADING_BACKENDS
+from shoal.config.speculative import JSON_KEYS, speculative_options
 from shoal.deploy.deployment import build_config
 
 GIB = 1 << 30

@@ -29,8 +29,8 @@ from shoal.bus.credentials import (
     NatsCredentials,
     resolve_credentials,
 )
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.permissions import ROLES
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace, option_default
 from shoal.deploy.model_source import DEFAULT_MODEL_NAME, DEMO_MODEL_NAME, ModelNotFoundError
 from shoal.deploy.nats_init import add_nats_init_arguments, run_nats_init

@@ -19,8 +19,8 @@ from typing import Any
 
 from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.run_actor import build_actor, load_target
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.model_files import with_model_files
 from shoal.deploy.model_source import ModelNotFoundError, resolve_model
 from shoal.tiers.tier_events import kv_events_interval

@@ -24,12 +24,12 @@ from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.credentials import NatsCredentials
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import StatusEvent
 from shoal.bus.msg import Msg
 from shoal.bus.server import NatsServer, keep_running
 from shoal.bus.subjects import Subjects
 from shoal.bus.supervisor import ActorSpec, ChildEvent, Supervisor
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.gateway.actor import GatewayActor

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shoal.bus.messages.config import (
+from shoal.config.deployment import (
     GENERATION_CONFIG_AUTO,
     GENERATION_CONFIG_NONE,
     ShoalConfig,

@@ -18,10 +18,10 @@ from typing import Any, cast
 from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import Heartbeat
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.bus.msg import Msg
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.gateway.app import create_app
 from shoal.gateway.metrics import Metrics

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 from shoal.bus.base import Bus
 from shoal.bus.kv_events_publisher import KvEventsPublisher, snapshot_events
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from shoal.tiers.books.keys import OffloadKey, get_offload_block_hash
 from shoal.tiers.books.manager import OffloadEvent, OffloadManager
 

@@ -53,7 +53,6 @@ from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import BusError
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.fault import FaultInjected, InjectedFault, InjectFault
 from shoal.bus.messages.structured import StepGrammar
@@ -70,6 +69,7 @@ from shoal.bus.messages.worker import (
     WorkerInfo,
 )
 from shoal.bus.msg import Msg
+from shoal.config.deployment import ShoalConfig
 from shoal.workers.grammar_mask import GrammarMailbox
 from shoal.workers.group_ports import (
     GroupMember,

@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.offload import KVTransferResult
 from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.config.deployment import ShoalConfig
 from shoal.kernels import ops
 from shoal.workers.config import CheckpointConfig, resolve_dtype
 from shoal.workers.cuda_graphs import (

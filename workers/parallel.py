@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from shoal.bus.messages.config import ShoalConfig
+from shoal.config.deployment import ShoalConfig
 from shoal.workers.group_ports import split_init_method
 
 log = logging.getLogger(__name__)

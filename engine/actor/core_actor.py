@@ -39,7 +39,6 @@ from shoal.bus.actor import Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import BusError
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.engine import (
     AbortRequest,
@@ -54,6 +53,7 @@ from shoal.bus.messages.fault import (
     EngineControl,
 )
 from shoal.bus.msg import Msg
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.actor.fault_handling import FaultHandlingActor
 from shoal.engine.actor.kv_events_link import KvEventsLink
 from shoal.engine.actor.lockstep_link import LockstepLink

@@ -30,7 +30,6 @@ from shoal.bus.actor import call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import BusError
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.offload import (
     DTYPE_SIZES,
     KVLayout,
@@ -47,6 +46,7 @@ from shoal.bus.messages.offload import (
 )
 from shoal.bus.messages.worker import WorkerInfo
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.core.offload_connector import OffloadConnector
 from shoal.engine.core.scheduler import Scheduler
 

@@ -31,7 +31,6 @@ from shoal.bus.base import Bus, Subscription
 from shoal.bus.codec import Codec, DecodeError, encode
 from shoal.bus.errors import BusError
 from shoal.bus.liveness import watch_liveness
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
@@ -44,6 +43,7 @@ from shoal.bus.messages.engine import (
 from shoal.bus.messages.sampling import SamplingParams, out_of_vocab
 from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_faults import EngineFaults

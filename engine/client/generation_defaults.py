@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 
-from shoal.bus.messages.config import GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.config.deployment import GENERATION_CONFIG_AUTO, GENERATION_CONFIG_NONE
 
 SAMPLING_KEYS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 MAX_NEW_TOKENS = "max_new_tokens"  # Hugging Face's name of vLLM's max_tokens

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shoal.bus.messages.config import FaultToleranceConfig
+from shoal.config.deployment import FaultToleranceConfig
 from shoal.engine.client.output_processor import ResumeRequest
 
 

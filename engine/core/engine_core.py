@@ -20,7 +20,6 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig, ShoalConfig
 from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
@@ -28,10 +27,11 @@ from shoal.bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
-from shoal.bus.messages.kv_transfer import KVTransferConfig
-from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.structured import StepGrammar
 from shoal.bus.messages.worker import StepResult, WorkerInfo
+from shoal.config.deployment import CacheConfig, SchedulerConfig, ShoalConfig
+from shoal.config.kv_transfer import KVTransferConfig
+from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.core.grammar import GrammarBackend, late_grammar
 from shoal.engine.core.request import Request, RequestStatus, group_final_outputs
 from shoal.engine.core.scheduler import Scheduler

@@ -27,7 +27,6 @@ from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass
 
 from shoal.bus.messages.engine import SchedulerStats
-from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.offload import (
     KVLoad,
     KVTransferResult,
@@ -37,6 +36,7 @@ from shoal.bus.messages.offload import (
     TierRelease,
     TierStoreSlots,
 )
+from shoal.config.kv_transfer import KVTransferConfig
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
 from shoal.engine.core.offload_stores import OffloadStores
 from shoal.engine.core.request import Request

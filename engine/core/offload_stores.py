@@ -18,8 +18,8 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.offload import KVStore, KVTransferResult, TierStoreSlots
+from shoal.config.kv_transfer import KVTransferConfig
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
 from shoal.engine.core.request import Request
 from shoal.tiers.books.keys import ChunkKey, OffloadKey

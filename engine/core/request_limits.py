@@ -4,7 +4,7 @@ preempts itself forever."""
 
 from __future__ import annotations
 
-from shoal.bus.messages.config import SchedulerConfig
+from shoal.config.deployment import SchedulerConfig
 from shoal.engine.core.request import Request
 
 

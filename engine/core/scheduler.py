@@ -47,11 +47,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import EngineCoreOutput, SchedulerStats
-from shoal.bus.messages.kv_transfer import KVTransferConfig
-from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.worker import StepResult
+from shoal.config.deployment import CacheConfig, SchedulerConfig
+from shoal.config.kv_transfer import KVTransferConfig
+from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.core import grammar
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.in_flight import InFlightSteps, PendingFree

@@ -25,7 +25,7 @@ counts acceptance as vLLM's ``SpecDecodingStats``: padded drafts count as drafte
 from __future__ import annotations
 
 from shoal.bus.messages.engine import SchedulerStats
-from shoal.bus.messages.spec_decode import SpeculativeConfig
+from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler_output import SchedulerOutput
 from shoal.engine.core.spec_k import AcceptanceController

@@ -1,13 +1,13 @@
 """The batch-size → K table of dynamic speculative decoding (vLLM's dynamic SD schedule).
 
 Expands the configured ``[[start, end, K], ...]`` ranges (``num_speculative_tokens_per_batch_size``,
-validated by ``bus.messages.spec_decode.validate_spec_schedule``) into a dense lookup the
+validated by ``config.speculative.validate_spec_schedule``) into a dense lookup the
 scheduler indexes with the number of scheduled requests each step.
 """
 
 from __future__ import annotations
 
-from shoal.bus.messages.spec_decode import SpecSchedule, validate_spec_schedule
+from shoal.config.speculative import SpecSchedule, validate_spec_schedule
 
 
 def build_spec_lookup(schedule: object, max_batch_size: int, max_k: int) -> list[int]:

@@ -21,7 +21,6 @@ from shoal.bus.actor import Actor, Inbox, call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.errors import BusError
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ControlEvent, StatusEvent
 from shoal.bus.messages.fault import (
     RETRY,
@@ -30,6 +29,7 @@ from shoal.bus.messages.fault import (
     FaultToleranceResult,
 )
 from shoal.bus.msg import Msg
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.recovery.policy import GiveUp, RecoveryPolicy, RetryLimits, SendRetry
 
 log = logging.getLogger(__name__)

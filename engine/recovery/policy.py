@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from shoal.bus.messages.config import FaultToleranceConfig
 from shoal.bus.messages.control import ActorState
+from shoal.config.deployment import FaultToleranceConfig
 
 FAULTED = (ActorState.UNHEALTHY, ActorState.DEAD)
 

@@ -143,7 +143,7 @@ async def test_an_incarnation_is_a_life_and_for_some_actors_a_connection() -> No
 def test_an_engine_core_takes_a_new_incarnation_at_each_reconnect(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """So its clients end the requests whose adds or outputs a reconnect may have lost."""
     from shoal.bus.memory import InMemoryBus
-    from shoal.bus.messages.config import ShoalConfig
+    from shoal.config.deployment import ShoalConfig
     from shoal.engine.actor.core_actor import EngineCoreActor
     from shoal.workers.actor import WorkerActor
 

@@ -22,8 +22,6 @@ import pytest
 from shoal.bus.actor import Actor, Inbox, call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
-from shoal.bus.messages.config import FsTierConfig, KVTransferConfig, ShoalConfig
-from shoal.bus.messages.kv_transfer import BackpressureConfig
 from shoal.bus.messages.offload import (
     KVLayout,
     RegionRef,
@@ -45,6 +43,8 @@ from shoal.bus.messages.offload import (
 )
 from shoal.bus.msg import Msg
 from shoal.bus.run_actor import build_actor
+from shoal.config.deployment import FsTierConfig, KVTransferConfig, ShoalConfig
+from shoal.config.kv_transfer import BackpressureConfig
 from shoal.tiers.books.backpressure import StoreBackpressure
 from shoal.tiers.cpu.actor import CpuTierActor
 from shoal.tiers.cpu.region import SharedRegion

@@ -27,7 +27,6 @@ from shoal.bus.actor import Actor, call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.errors import BusTimeoutError, NoRespondersError
-from shoal.bus.messages.config import FsTierConfig, KVTransferConfig, ShoalConfig
 from shoal.bus.messages.control import Heartbeat
 from shoal.bus.messages.offload import (
     KVLayout,
@@ -51,6 +50,7 @@ from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
 from shoal.bus.supervisor import ActorSpec, RestartPolicy, Supervisor
+from shoal.config.deployment import FsTierConfig, KVTransferConfig, ShoalConfig
 from shoal.deploy.deployment import (
     CPU_TIER_TARGET,
     FS_TIER_TARGET,

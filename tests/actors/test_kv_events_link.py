@@ -19,10 +19,10 @@ from shoal.bus.codec import Codec
 from shoal.bus.errors import BusError
 from shoal.bus.kv_events_stream import KV_EVENTS_MAX_MSGS_PER_ENGINE, open_kv_events_stream
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.actor.kv_events_link import KvEventsLink
 from shoal.engine.client.prefix_routing import PrefixRouting
 from shoal.engine.core.kv_cache_manager import KVCacheManager

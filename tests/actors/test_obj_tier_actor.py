@@ -20,11 +20,11 @@ import pytest
 from shoal.bus.base import Bus
 from shoal.bus.buckets import ObjectStore
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.messages.config import ObjTierConfig
 from shoal.bus.messages.offload import SecondaryAttached, TierAttach, TierCascade, TierError
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.object_store import NatsObjectStore
 from shoal.bus.server import NatsServer
+from shoal.config.deployment import ObjTierConfig
 from shoal.tiers.secondary.obj_actor import ObjTierActor
 from shoal.tiers.secondary.obj_store import ObjectChunks
 from tests.actors.test_fs_tier_actor import LAYOUT, NUM_SLOTS, REPLY_S, Harness, done, key, pattern

@@ -20,7 +20,6 @@ import pytest
 from shoal.bus.actor import Actor, call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
-from shoal.bus.messages.config import KVTransferConfig, P2PTierConfig
 from shoal.bus.messages.offload import (
     KVLayout,
     RegionRef,
@@ -37,6 +36,7 @@ from shoal.bus.messages.offload import (
 )
 from shoal.bus.messages.p2p import PeerHeld, PeerLookup
 from shoal.bus.msg import Msg
+from shoal.config.deployment import KVTransferConfig, P2PTierConfig
 from shoal.tiers.cpu.actor import CpuTierActor
 from shoal.tiers.cpu.region import SharedRegion
 from shoal.tiers.p2p import channel as p2p_channel

@@ -19,7 +19,6 @@ import pytest
 from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState, StatusEvent
 from shoal.bus.messages.fault import (
     RETRY,
@@ -31,6 +30,7 @@ from shoal.bus.messages.fault import (
 )
 from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.recovery.actor import RecoveryControllerActor
 from tests.fixtures.nats import BusFactory
 from tests.integration.conditions import wait_for as wait_until

@@ -16,7 +16,6 @@ import pytest
 
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -27,6 +26,7 @@ from shoal.bus.messages.kv_events import (
 from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.prefix_routing import PrefixRouting
 from shoal.tiers.books.keys import get_offload_block_hash
 from tests.actors.test_cpu_tier_actor import LAYOUT, Deployment, K

@@ -11,7 +11,6 @@ import pytest
 from shoal.bus.actor import call
 from shoal.bus.codec import Codec
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import (
     CachedRequestData,
@@ -22,6 +21,7 @@ from shoal.bus.messages.worker import (
     WorkerInfo,
     WorkerOutbound,
 )
+from shoal.config.deployment import ShoalConfig
 from shoal.workers.actor import WorkerActor
 
 pytest.importorskip("transformers")

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData, StepResult
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.scheduler_output import SchedulerOutput
 from shoal.workers.model_runner import ModelRunner
@@ -118,7 +118,7 @@ def generate_with_scheduler(
     """Run every prompt to completion through ``engine.core.scheduler.Scheduler`` (with the
     runner's speculative config). ``async_scheduling``: each step is scheduled (and run) before
     the previous step's result is applied, as the async engine core does."""
-    from shoal.bus.messages.config import CacheConfig, SchedulerConfig
+    from shoal.config.deployment import CacheConfig, SchedulerConfig
     from shoal.engine.core.request import Request
 
     scheduler = Scheduler(

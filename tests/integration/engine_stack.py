@@ -11,7 +11,7 @@ from typing import Any
 
 from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
-from shoal.bus.messages.config import ShoalConfig
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import plan_tiers, start_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.engine.client.engine_client import AsyncEngineClient

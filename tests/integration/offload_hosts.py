@@ -14,8 +14,8 @@ from typing import Any
 from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import CPU_TIER_TARGET, plan_tiers, start_in_process, stop_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.workers.actor import WorkerActor

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from shoal.bus.actor import Actor
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.permissions import user_name
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
 from shoal.deploy.nats_init import provision
 from shoal.engine.client.engine_client import AsyncEngineClient

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.bus.messages.config import SchedulerConfig
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.config.deployment import SchedulerConfig
 from shoal.deploy.arguments import config_from_namespace
 from shoal.deploy.cli import build_parser
 from shoal.deploy.llm import LLM

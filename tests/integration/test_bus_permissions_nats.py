@@ -17,13 +17,13 @@ import pytest
 from shoal.bus.jetstream_create import NotProvisionedError
 from shoal.bus.jetstream_replicas import stream_replicas
 from shoal.bus.kv_events_stream import open_kv_events_stream
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import BusAuthError, NatsBus
 from shoal.bus.nats_cluster import NatsCluster
 from shoal.bus.permissions import ROLES, authorization_config, user_name
 from shoal.bus.server import NatsServer, NatsServerNotFoundError
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.nats_init import provision
 from shoal.workers.group_ports import open_port_bucket
 from tests.fixtures.nats import nats_server_missing

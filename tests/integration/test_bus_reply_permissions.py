@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.msg import Msg
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.permissions import ROLES, authorization_config, user_name
 from shoal.bus.server import NatsServer, NatsServerNotFoundError
 from shoal.bus.streams import request_stream
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from tests.fixtures.nats import nats_server_missing
 from tests.integration.conditions import wait_for
 from tests.integration.role_buses import role_buses, role_deployment

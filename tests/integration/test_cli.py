@@ -232,8 +232,8 @@ async def test_actor_processes_join_an_existing_nats_deployment(nats_server, tin
     """``shoal actor worker`` and ``shoal actor engine`` on a shared NATS: a client elsewhere
     gets completions from them (the multi-host path, on one host)."""
     from shoal.bus import connect_bus
-    from shoal.bus.messages.config import ShoalConfig
     from shoal.bus.messages.sampling import SamplingParams
+    from shoal.config.deployment import ShoalConfig
     from shoal.engine.client.engine_client import AsyncEngineClient
 
     model_dir = str(tiny_checkpoint("llama"))

@@ -17,9 +17,9 @@ import pytest
 import pytest_asyncio
 
 from shoal.bus import connect_bus
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.supervisor import ActorSpec, Supervisor
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import build_config, plan_actors
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_client import AsyncEngineClient

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from shoal.bus.kv_events_stream import open_kv_events_stream
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.cli import build_parser
 from shoal.deploy.nats_init import run_nats_init
 from shoal.engine.client.prefix_routing import PrefixRouting

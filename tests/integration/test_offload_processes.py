@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.supervisor import ChildState
+from shoal.config.deployment import ShoalConfig
 from tests.integration.async_workload import complete, greedy
 from tests.integration.conditions import wait_for
 from tests.integration.engine_stack import engine_stack

@@ -17,7 +17,6 @@ import pytest
 
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState, Heartbeat
 from shoal.bus.messages.engine import (
     AddRequest,
@@ -28,6 +27,7 @@ from shoal.bus.messages.engine import (
 )
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.bus.msg import Msg
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.engine.client.engine_client import AsyncEngineClient
 from tests.fixtures.models import make_prompts

@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.config.deployment import CacheConfig, SchedulerConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.scheduler_output import SchedulerOutput

@@ -14,8 +14,6 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig
-from shoal.bus.messages.kv_transfer import KVTransferConfig
 from shoal.bus.messages.offload import (
     KVLayout,
     KVTransferResult,
@@ -24,6 +22,8 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.config.deployment import CacheConfig, SchedulerConfig
+from shoal.config.kv_transfer import KVTransferConfig
 from shoal.engine.core.scheduler import Scheduler
 from shoal.tiers.books.manager import LookupResult, OffloadManager
 from tests.unit.factories import FakeWorker

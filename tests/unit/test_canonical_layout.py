@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.offload import KVLayout
 from shoal.bus.messages.worker import WorkerInfo
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.actor.offload_link import kv_layout
 from shoal.tiers.books.keys import make_offload_key
 from shoal.tiers.secondary.fs_store import ChunkFiles, model_dir_name

@@ -14,7 +14,8 @@ import torch
 
 from shoal.bus.actor import Actor
 from shoal.bus.memory import InMemoryBus
-from shoal.bus.messages.config import (
+from shoal.bus.run_actor import build_actor
+from shoal.config.deployment import (
     GROUPS,
     OPTION_GROUPS,
     CacheConfig,
@@ -22,7 +23,6 @@ from shoal.bus.messages.config import (
     SchedulerConfig,
     ShoalConfig,
 )
-from shoal.bus.run_actor import build_actor
 from shoal.deploy.arguments import KV_OFFLOAD_FLAGS, add_engine_arguments, config_from_namespace
 from shoal.deploy.deployment import build_config
 from shoal.deploy.model_files import load_chat_template
@@ -271,7 +271,7 @@ def test_an_actor_process_gets_the_config_back_typed() -> None:
 
 def test_tool_calling_flags_as_vllm_spells_them() -> None:
     """``--enable-auto-tool-choice`` needs ``--tool-call-parser``, one of the gateway's."""
-    from shoal.bus.messages.config import TOOL_CALL_PARSERS
+    from shoal.config.deployment import TOOL_CALL_PARSERS
     from shoal.gateway.actor import GatewayActor
     from shoal.gateway.tool_parsers import TOOL_CALL_FORMATS
 

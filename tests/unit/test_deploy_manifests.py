@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.messages.config import OPTION_GROUPS
 from shoal.bus.permissions import user_name
+from shoal.config.deployment import OPTION_GROUPS
 from shoal.deploy.actors import actor_target
 from shoal.deploy.arguments import config_from_namespace, option_default
 from shoal.deploy.cli import build_parser

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.config.deployment import ShoalConfig
 from shoal.workers.input_batch import InputBatch
 from shoal.workers.request_store import RequestStore
 from shoal.workers.spec_decode.draft_model import DraftModelProposer, draft_bytes_per_block

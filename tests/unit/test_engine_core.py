@@ -3,10 +3,10 @@ before a step's results, admission control, and failure handling."""
 
 from __future__ import annotations
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig, ShoalConfig
 from shoal.bus.messages.engine import AbortRequest, AddRequest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import StepError, StepResult, WorkerInfo
+from shoal.config.deployment import CacheConfig, SchedulerConfig, ShoalConfig
 from shoal.engine.core.engine_core import EngineCore, kv_cache_shape
 from tests.unit.factories import FakeWorker
 

@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.generation_defaults import GenerationDefaults
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError

@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.engine import SchedulerStats
+from shoal.config.deployment import ShoalConfig
 from shoal.gateway.actor import GatewayActor
 from shoal.gateway.metrics import Metrics
 from tests.unit.test_gateway_fake import FakeEngineClient

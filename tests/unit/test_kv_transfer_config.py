@@ -14,15 +14,15 @@ import pytest
 
 from shoal.bus.actor import Actor
 from shoal.bus.memory import InMemoryBus
-from shoal.bus.messages.config import ShoalConfig
-from shoal.bus.messages.kv_transfer import (
+from shoal.bus.run_actor import build_actor
+from shoal.bus.supervisor import ActorSpec
+from shoal.config.deployment import ShoalConfig
+from shoal.config.kv_transfer import (
     FsTierConfig,
     KVTransferConfig,
     ObjTierConfig,
     P2PTierConfig,
 )
-from shoal.bus.run_actor import build_actor
-from shoal.bus.supervisor import ActorSpec
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
 from shoal.deploy.cli import build_parser
 from shoal.deploy.deployment import (

@@ -11,8 +11,8 @@ from typing import cast
 import pytest
 
 from shoal.bus.base import Bus
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from shoal.deploy.cli import build_parser, main
 from shoal.deploy.deployment import plan_tiers
 from shoal.deploy.local import check_embedded_server

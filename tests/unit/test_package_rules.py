@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("bus", "engine", "workers", "kernels", "tiers", "gateway", "deploy")
+FOLDERS = ("config", "bus", "engine", "workers", "kernels", "tiers", "gateway", "deploy")
 TORCH = ("torch", "triton", "numpy")
 IO = ("asyncio", "nats", "aiohttp", "socket", "subprocess", "threading", "anyio")
 
@@ -35,8 +35,15 @@ class Rule:
 
 RULES = (
     Rule(
+        "shoal.config",
+        ("shoal.config",),
+        TORCH + IO,
+        "the configuration is a leaf: msgspec only",
+        "every process: the deployment's configuration (`ShoalConfig` and its groups)",
+    ),
+    Rule(
         "shoal.bus",
-        ("shoal.bus",),
+        ("shoal.bus", "shoal.config"),
         why="the bus knows no engine, model or GPU",
         runs="every process: transports, subjects, codecs, event streams and buckets, the actor "
         "runtime, the liveness table, the supervisor",
@@ -46,7 +53,7 @@ RULES = (
         ("shoal.bus.messages",),
         TORCH + IO,
         "wire schemas are a leaf: msgspec only",
-        "the wire schemas and the deployment's config document",
+        "the wire schemas, one module per boundary",
     ),
     Rule(
         "shoal.kernels",
@@ -56,19 +63,19 @@ RULES = (
     ),
     Rule(
         "shoal.workers",
-        ("shoal.workers", "shoal.kernels", "shoal.bus"),
+        ("shoal.workers", "shoal.kernels", "shoal.bus", "shoal.config"),
         runs="worker processes: model runner, models, layers, sampler, CUDA graphs, speculative "
         "decoding's proposers, the worker actor",
     ),
     Rule(
         "shoal.tiers",
-        ("shoal.tiers", "shoal.bus"),
+        ("shoal.tiers", "shoal.bus", "shoal.config"),
         runs="KV offload's tier actors: the CPU tier (`cpu/`), the filesystem and object-store "
         "tiers (`secondary/`), the peer-to-peer tier (`p2p/`)",
     ),
     Rule(
         "shoal.tiers.books",
-        ("shoal.tiers.books", "shoal.bus.messages"),
+        ("shoal.tiers.books", "shoal.bus.messages", "shoal.config"),
         TORCH + IO,
         "the offload books are pure: no I/O, no torch, no transport",
         "KV offload's pure books: keys, the offload manager and its eviction policies, store "
@@ -76,7 +83,7 @@ RULES = (
     ),
     Rule(
         "shoal.engine.core",
-        ("shoal.engine.core", "shoal.bus.messages", "shoal.tiers.books"),
+        ("shoal.engine.core", "shoal.bus.messages", "shoal.config", "shoal.tiers.books"),
         TORCH + IO,
         "the engine core is pure: no I/O, no torch, no transport, no client or shell "
         "(the offload books of tiers/ are pure too)",
@@ -86,7 +93,7 @@ RULES = (
     ),
     Rule(
         "shoal.engine.structured",
-        ("shoal.engine.structured", "shoal.engine.core", "shoal.bus.messages"),
+        ("shoal.engine.structured", "shoal.engine.core", "shoal.bus.messages", "shoal.config"),
         tuple(m for m in IO if m != "threading"),  # it compiles on a thread of its own
         "the grammar engine (xgrammar) behind the engine core's GrammarBackend: no transport",
         "inside the engine core actor (and the client's grammar check): structured outputs' "
@@ -94,7 +101,13 @@ RULES = (
     ),
     Rule(
         "shoal.engine.actor",
-        ("shoal.engine.actor", "shoal.engine.core", "shoal.engine.structured", "shoal.bus"),
+        (
+            "shoal.engine.actor",
+            "shoal.engine.core",
+            "shoal.engine.structured",
+            "shoal.bus",
+            "shoal.config",
+        ),
         TORCH,
         "the engine core's shell meets workers and clients through messages only",
         "the engine core actor's shell (`core_actor.py`) and its links: to the workers, its KV "
@@ -105,6 +118,7 @@ RULES = (
         (
             "shoal.engine.client",
             "shoal.bus",
+            "shoal.config",
             "shoal.engine.core.block_hash",
             "shoal.engine.structured.grammars",
         ),
@@ -117,21 +131,21 @@ RULES = (
     ),
     Rule(
         "shoal.engine.recovery",
-        ("shoal.engine.recovery", "shoal.bus"),
+        ("shoal.engine.recovery", "shoal.bus", "shoal.config"),
         TORCH,
         "the recovery controller commands engine cores by message only",
         "the recovery controller actor",
     ),
     Rule(
         "shoal.engine.recovery.policy",
-        ("shoal.bus.messages",),
+        ("shoal.bus.messages", "shoal.config"),
         TORCH + IO,
         "the recovery policy is pure: no I/O, no transport",
         "the recovery controller's pure policy",
     ),
     Rule(
         "shoal.gateway",
-        ("shoal.gateway", "shoal.engine.client", "shoal.bus"),
+        ("shoal.gateway", "shoal.engine.client", "shoal.bus", "shoal.config"),
         TORCH,
         "the gateway sees the engine through the client only",
         "the gateway: HTTP and NATS APIs, metrics",

@@ -7,11 +7,11 @@ seen gone or restarted holds nothing known."""
 from __future__ import annotations
 
 from shoal.bus.memory import InMemoryBus
-from shoal.bus.messages.config import ShoalConfig
 from shoal.bus.messages.control import ActorState, Heartbeat, StatusEvent
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.bus.messages.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from shoal.bus.subjects import Subjects
+from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.prefix_index import PrefixIndex
 from shoal.engine.client.prefix_routing import PrefixRouting
 from shoal.engine.client.router import TIER_BLOCK_WEIGHT, EngineRouter

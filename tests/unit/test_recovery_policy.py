@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.bus.messages.config import FaultToleranceConfig
 from shoal.bus.messages.control import ActorState
+from shoal.config.deployment import FaultToleranceConfig
 from shoal.engine.recovery.policy import Decision, GiveUp, RecoveryPolicy, RetryLimits, SendRetry
 
 READY, UNHEALTHY, DEAD = ActorState.READY, ActorState.UNHEALTHY, ActorState.DEAD

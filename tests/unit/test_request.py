@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import AddRequest
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.config.deployment import CacheConfig, SchedulerConfig
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
 from shoal.engine.core.scheduler import Scheduler

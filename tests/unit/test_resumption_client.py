@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.bus.messages.config import FaultToleranceConfig
 from shoal.bus.messages.engine import EngineCoreOutput, Logprobs
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.config.deployment import FaultToleranceConfig
 from shoal.engine.client.output_processor import OutputProcessor, ResumeRequest
 from shoal.engine.client.resumption import Resumptions
 

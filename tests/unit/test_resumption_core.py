@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import AddRequest, EngineCoreOutput
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.config.deployment import CacheConfig, SchedulerConfig
 from shoal.engine.core.engine_core import ClientOutputs, EngineCore
 from tests.unit.factories import EOS, FakeWorker
 

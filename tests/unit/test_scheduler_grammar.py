@@ -14,11 +14,11 @@ from collections.abc import Mapping, Sequence
 
 import pytest
 
-from shoal.bus.messages.config import CacheConfig, SchedulerConfig
 from shoal.bus.messages.engine import AddRequest
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.bus.messages.spec_decode import SpeculativeConfig
 from shoal.bus.messages.structured import GrammarBitmask, StructuredOutputsParams
+from shoal.config.deployment import CacheConfig, SchedulerConfig
+from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.core.engine_core import EngineCore
 from shoal.engine.core.grammar import GrammarState
 from shoal.engine.core.request import RequestStatus

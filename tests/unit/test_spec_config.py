@@ -13,10 +13,10 @@ import msgspec
 import pytest
 
 from shoal.bus.memory import InMemoryBus
-from shoal.bus.messages.config import ShoalConfig
-from shoal.bus.messages.spec_decode import SpeculativeConfig, speculative_options
 from shoal.bus.run_actor import build_actor
 from shoal.bus.supervisor import ActorSpec
+from shoal.config.deployment import ShoalConfig
+from shoal.config.speculative import SpeculativeConfig, speculative_options
 from shoal.deploy.actors import actor_target
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace
 from shoal.deploy.cli import build_parser

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.messages.spec_decode import SpeculativeConfig
+from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.spec_decoding import SpecDecoding

@@ -4,7 +4,7 @@ cache."""
 
 from __future__ import annotations
 
-from shoal.bus.messages.spec_decode import SpeculativeConfig
+from shoal.config.speculative import SpeculativeConfig
 from tests.unit.factories import Pipeline, make_requests, make_scheduler
 from tests.unit.spec_fakes import FakeSpecWorker
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from shoal.bus.messages.config import ParallelConfig
+from shoal.config.deployment import ParallelConfig
 from shoal.kernels.cpu_build import load_kernel_library
 from shoal.workers.thread_binding import (
     ThreadBindError,

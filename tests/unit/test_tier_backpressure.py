@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.bus.messages.kv_transfer import BackpressureConfig, kv_transfer_options
+from shoal.config.kv_transfer import BackpressureConfig, kv_transfer_options
 from shoal.tiers.books.backpressure import StoreBackpressure
 
 CONFIG = BackpressureConfig(ema_alpha=0.5, high_water_s=1.0, low_water_s=0.2,

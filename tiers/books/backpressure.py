@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
-from shoal.bus.messages.kv_transfer import BackpressureConfig
+from shoal.config.kv_transfer import BackpressureConfig
 
 
 class StoreBackpressure:

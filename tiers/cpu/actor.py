@@ -55,7 +55,6 @@ from typing import Any
 from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
-from shoal.bus.messages.config import KVTransferConfig, ShoalConfig
 from shoal.bus.messages.offload import (
     KVLayout,
     TierAttach,
@@ -72,6 +71,7 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.bus.msg import Msg
+from shoal.config.deployment import KVTransferConfig, ShoalConfig
 from shoal.tiers.books.backpressure import StoreBackpressure
 from shoal.tiers.books.cpu_books import CpuTierBooks, Promotion
 from shoal.tiers.books.keys import OffloadKey

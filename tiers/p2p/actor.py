@@ -34,7 +34,6 @@ from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import BusError
-from shoal.bus.messages.config import P2PTierConfig
 from shoal.bus.messages.offload import (
     KVLayout,
     SecondaryAttached,
@@ -58,6 +57,7 @@ from shoal.bus.messages.p2p import (
     PeerRead,
 )
 from shoal.bus.msg import Msg
+from shoal.config.deployment import P2PTierConfig
 from shoal.tiers.books.keys import OffloadKey
 from shoal.tiers.books.p2p_sessions import PeerDirectory, PlannedPull, PlannedPulls, best_answer
 from shoal.tiers.cpu.mapped_regions import MappedRegions

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from shoal.bus.base import ERROR_CODE_HEADER, Bus
 from shoal.bus.codec import encode
 from shoal.bus.errors import BusError
-from shoal.bus.messages.kv_transfer import P2PTierConfig
 from shoal.bus.messages.p2p import PeerRead
 from shoal.bus.subjects import Subjects
+from shoal.config.kv_transfer import P2PTierConfig
 from shoal.tiers.books.keys import OffloadKey
 from shoal.tiers.books.p2p_sessions import PlannedPull
 from shoal.tiers.cpu.region import SharedRegion

@@ -19,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from shoal.bus.base import Bus
-from shoal.bus.messages.config import FsTierConfig
 from shoal.bus.messages.offload import KVLayout
+from shoal.config.deployment import FsTierConfig
 from shoal.tiers.books.keys import OffloadKey
 from shoal.tiers.secondary.actor import ChunkIO, SecondaryTierActor, SecondaryTierCounters
 from shoal.tiers.secondary.chunk_format import CorruptChunk, DeadlinePassed

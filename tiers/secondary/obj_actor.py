@@ -40,8 +40,8 @@ from typing import Any
 
 from shoal.bus.base import Bus
 from shoal.bus.buckets import ObjectStore
-from shoal.bus.messages.config import ObjTierConfig
 from shoal.bus.messages.offload import KVLayout
+from shoal.config.deployment import ObjTierConfig
 from shoal.tiers.books.keys import OffloadKey
 from shoal.tiers.books.manager import OffloadManager
 from shoal.tiers.secondary.actor import ChunkIO, SecondaryTierActor, TierUnavailable

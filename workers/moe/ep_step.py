@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shoal.bus.messages.config import NUM_UBATCHES, ParallelConfig, ShoalConfig
+from shoal.config.deployment import NUM_UBATCHES, ParallelConfig, ShoalConfig
 from shoal.workers.dbo.forward import SplitCounts, forward_ubatched
 from shoal.workers.dbo.thresholds import RankBatch, coordinate_batch_across_dp
 from shoal.workers.dbo.ubatch_slices import UBatchSlice, make_ubatch_slices

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from shoal.bus.messages.config import ShoalConfig
+from shoal.config.deployment import ShoalConfig
 from shoal.workers.config import CheckpointConfig
 from shoal.workers.kv_cache import KVCache, bytes_per_block
 from shoal.workers.layers.attention import AttentionMetadata

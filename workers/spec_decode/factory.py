@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.bus.messages.config import ShoalConfig
+from shoal.config.deployment import ShoalConfig
 from shoal.workers.spec_decode.draft_model import DraftModelProposer, draft_bytes_per_block
 from shoal.workers.spec_decode.ngram_proposer import NgramProposer
 from shoal.workers.spec_decode.proposer import Proposer

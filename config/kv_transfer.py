@@ -8,9 +8,9 @@ from typing import Any
 
 import msgspec
 
-from shoal.bus.messages.validation import one_of as _one_of
-from shoal.bus.messages.validation import positive as _positive
-from shoal.bus.messages.validation import require as _require
+from shoal.config.validation import one_of as _one_of
+from shoal.config.validation import positive as _positive
+from shoal.config.validation import require as _require
 
 
 class SecondaryTier(

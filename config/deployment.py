@@ -7,7 +7,7 @@ and carried whole to every actor (as JSON to actor processes), in vLLM's groupin
 them), ``BusConfig`` (the transport and namespace), ``FaultToleranceConfig`` (what happens
 when an engine core or a worker fails), ``KVTransferConfig`` (KV offload to tier actors;
 ``kv_transfer.py``, with its translation from vLLM's JSON) and ``SpeculativeConfig``
-(speculative decoding; ``spec_decode.py``, likewise). A later subsystem adds its own group as
+(speculative decoding; ``speculative.py``, likewise). A later subsystem adds its own group as
 one more struct and one more field.
 
 Option names are unique across groups, so a flat ``max_num_seqs=64`` (a CLI flag's dest, an
@@ -23,17 +23,17 @@ from typing import Any
 
 import msgspec
 
-from shoal.bus.messages.kv_transfer import (
+from shoal.config.kv_transfer import (
     FsTierConfig,
     KVTransferConfig,
     ObjTierConfig,
     P2PTierConfig,
     kv_offload_options,
 )
-from shoal.bus.messages.spec_decode import SpeculativeConfig, speculative_options
-from shoal.bus.messages.validation import one_of as _one_of
-from shoal.bus.messages.validation import positive as _positive
-from shoal.bus.messages.validation import require as _require
+from shoal.config.speculative import SpeculativeConfig, speculative_options
+from shoal.config.validation import one_of as _one_of
+from shoal.config.validation import positive as _positive
+from shoal.config.validation import require as _require
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 QUANTIZATION_METHODS = ("int8", "int4")  # weight-only, at load (workers.layers.weight_quantizing)

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from shoal.bus.messages.validation import require as _require
+from shoal.config.validation import require as _require
 
 METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's default for both n-gram bounds
