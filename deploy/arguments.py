@@ -101,6 +101,7 @@ def _option(
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine, KV cache, parallelism and bus flags."""
     _add_model_arguments(parser.add_argument_group("engine"))
+    _add_cuda_graph_arguments(parser.add_argument_group("CUDA graphs"))
     _add_chat_arguments(parser.add_argument_group("tokenizer and chat"))
     _add_cache_arguments(parser.add_argument_group("KV cache"))
     _add_parallel_arguments(parser.add_argument_group("parallelism"))
@@ -108,6 +109,24 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     _add_fault_tolerance_arguments(parser.add_argument_group("fault tolerance"))
     _add_kv_offload_arguments(parser.add_argument_group("KV offload"))
     _add_speculative_arguments(parser.add_argument_group("speculative decoding"))
+
+
+def _add_cuda_graph_arguments(g: Group) -> None:
+    _option(
+        g,
+        "--enforce-eager",
+        dest="enforce_eager",
+        help="on CUDA, run every step eagerly: no CUDA graphs for decode steps (the CPU has none)",
+    )
+    _option(
+        g,
+        "--cuda-graph-sizes",
+        dest="cuda_graph_sizes",
+        type=positive_int,
+        nargs="+",
+        help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 and every multiple "
+        "of 8 up to --max-num-seqs, at most 512)",
+    )
 
 
 def _add_model_arguments(g: Group) -> None:
@@ -141,21 +160,6 @@ def _add_model_arguments(g: Group) -> None:
         dest="dequantize",
         help="load a GGUF file's quantized weights as floats in --dtype instead of keeping them "
         "quantized",
-    )
-    _option(
-        g,
-        "--enforce-eager",
-        dest="enforce_eager",
-        help="on CUDA, run every step eagerly: no CUDA graphs for decode steps (the CPU has none)",
-    )
-    _option(
-        g,
-        "--cuda-graph-sizes",
-        dest="cuda_graph_sizes",
-        type=positive_int,
-        nargs="+",
-        help="decode batch sizes to capture as CUDA graphs (default: 1 2 4 and every multiple "
-        "of 8 up to --max-num-seqs, at most 512)",
     )
     _option(
         g,
