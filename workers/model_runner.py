@@ -494,7 +494,8 @@ class ModelRunner:
         )
 
     def _forward(self, inputs: StepInputs, expert_parallel: bool = False) -> torch.Tensor:
-        """The model over the step's tokens; a step of an expert-parallel round through
+        """The model over the step's tokens: a step of decodes through its CUDA graph when one
+        was captured (``workers.cuda_graphs``); a step of an expert-parallel round through
         ``ExpertParallelStep`` (which may split it into micro-batches)."""
         if self.graphs is not None and self.graphs.fits(inputs):
             return self.graphs.run(inputs)
