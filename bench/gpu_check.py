@@ -180,20 +180,10 @@ def divergence_gaps(
     """For each prompt whose tokens differ from transformers': where, and how far
     transformers' own logit of shoal's token is below its best there (a near-tie is a few
     steps of the dtype's rounding)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-    model.to(DEVICE).eval()
-    gaps = []
-    for prompt, ours, theirs in zip(prompts, got, expected, strict=True):
-        at = _diverge(ours, theirs)
-        if at is None or at >= min(len(ours), len(theirs)):
-            continue
-        with torch.no_grad():
-            ids = torch.tensor([prompt + theirs[:at]], device=DEVICE)
-            logits = model(ids).logits[0, -1].float()
-        gaps.append((at, round(float(logits.max() - logits[ours[at]]), 4)))
-    return gaps
+    return [
+        (at, round(float(logits.max() - logits[ours]), 4))
+        for at, logits, ours, _ in logits_at_differences(model_dir, dtype, prompts, got, expected)
+    ]
 
 
 def fp32_preference(
@@ -201,19 +191,36 @@ def fp32_preference(
 ) -> list[float]:
     """At each difference, the same weights in fp32: its logit of shoal's token minus its
     logit of transformers' (positive: fp32 sides with shoal)."""
+    differences = logits_at_differences(model_dir, torch.float32, prompts, got, expected)
+    return [
+        round(float(logits[ours] - logits[theirs]), 4) for _, logits, ours, theirs in differences
+    ]
+
+
+def logits_at_differences(
+    model_dir: Path,
+    dtype: torch.dtype,
+    prompts: list[list[int]],
+    got: list[list[int]],
+    expected: list[list[int]],
+) -> list[tuple[int, torch.Tensor, int, int]]:
+    """Per prompt whose tokens differ: the first differing position, transformers' fp32-cast
+    logits there (its weights in ``dtype``, fed its own tokens up to there), shoal's token and
+    transformers'."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
     model.to(DEVICE).eval()
-    prefs = []
+    found = []
     for prompt, ours, theirs in zip(prompts, got, expected, strict=True):
         at = _diverge(ours, theirs)
         if at is None or at >= min(len(ours), len(theirs)):
             continue
         with torch.no_grad():
-            logits = model(torch.tensor([prompt + theirs[:at]], device=DEVICE)).logits[0, -1]
-        prefs.append(round(float(logits[ours[at]] - logits[theirs[at]]), 4))
-    return prefs
+            ids = torch.tensor([prompt + theirs[:at]], device=DEVICE)
+            logits = model(ids).logits[0, -1].float()
+        found.append((at, logits, ours[at], theirs[at]))
+    return found
 
 
 def _diverge(got: list[int], expected: list[int]) -> int | None:
