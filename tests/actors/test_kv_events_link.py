@@ -87,8 +87,13 @@ async def wait_for(condition: Callable[[], bool], timeout_s: float = 10.0) -> No
             await asyncio.sleep(0.01)
 
 
-async def stored(bus: Bus, subjects: Subjects) -> list[KVEventBatch]:
+async def stored(bus: Bus, subjects: Subjects, at_least: int = 0) -> list[KVEventBatch]:
+    """Every batch the stream holds, once it holds ``at_least`` (a plain publish is stored by
+    the server a moment after it returns)."""
     stream = await open_kv_events_stream(bus, subjects)
+    async with asyncio.timeout(10):
+        while (await stream.info()).num_msgs < at_least:
+            await asyncio.sleep(0.01)
     got: list[Msg] = []
 
     async def handle(msg: Msg) -> None:
@@ -108,7 +113,7 @@ async def test_a_snapshot_above_the_payload_limit_is_replayed_whole(small_bus: B
     hashes = many_hashes(2000)  # about 70 KB of hashes
     await link.publish(fake_core(hashes), "life-1")
     assert link.num_published > 1
-    batches = await stored(client_bus, subjects)  # decodable: none was chunked
+    batches = await stored(client_bus, subjects, link.num_published)  # none was chunked
     assert [b.seq for b in batches] == list(range(link.num_published))
     assert isinstance(batches[0].events[0], AllBlocksCleared)
     config = ShoalConfig.from_options(model="m", routing_mode="kv")
@@ -152,9 +157,7 @@ async def test_snapshots_come_periodically_and_after_a_reconnect(small_bus: BusF
     engine_bus._reconnected()  # as the transport reports a reconnect
     await link.publish(core, "life-1")
     assert (link.num_published, link.num_snapshots) == (3, 3)
-    async with asyncio.timeout(10):
-        while len(batches := await stored(client_bus, subjects)) < 3:
-            await asyncio.sleep(0.05)
+    batches = await stored(client_bus, subjects, 3)
     assert [b.seq for b in batches] == [0, 1, 2]  # one life: seq goes on
     assert all(isinstance(b.events[0], AllBlocksCleared) for b in batches)
     assert all(isinstance(b.events[1], BlockStored) for b in batches)
