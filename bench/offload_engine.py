@@ -157,7 +157,7 @@ async def settle(engine: Engine) -> None:
 def stats(engine: Engine) -> Any:
     """The engine core's cumulative ``SchedulerStats``, with the workers' copy figures."""
     actor = engine.core_actor
-    return actor._stats(actor.core)
+    return actor.stats()
 
 
 async def turn(engine: Engine, prompt: list[int], max_tokens: int, request_id: str) -> Turn:

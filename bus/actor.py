@@ -166,6 +166,17 @@ class Actor:
         if self._stop_requested is not None:
             self._stop_requested.set()
 
+    async def exit_for_restart(self, exit_code: int) -> None:
+        """End this actor's process with ``exit_code`` (non-zero: its supervisor restarts it):
+        ``run_forever`` drains and returns; the caller is cancelled by the stop."""
+        self.exit_code = exit_code
+        self.request_stop()
+        await asyncio.Event().wait()
+
+    def begin_new_life(self) -> None:
+        """Restart in place: a new incarnation, as peers see a new process."""
+        self._life = new_incarnation()
+
     async def run_forever(self, *, install_signals: bool = True) -> None:
         """Start, serve until ``request_stop`` (or SIGTERM/SIGINT), then drain and stop."""
         self._stop_requested = asyncio.Event()

@@ -46,17 +46,6 @@ def max_units_for(max_payload: int | None) -> int:
     return max(2, max_payload // 2 // UNIT_BYTES)
 
 
-def snapshot_events(
-    block_hashes: list[bytes], block_size: int, medium: str | None = None
-) -> list[KVEvent]:
-    """The events that rebuild a source holding ``block_hashes`` from nothing (the first batch
-    of an incarnation)."""
-    events: list[KVEvent] = [AllBlocksCleared()]
-    if block_hashes:
-        events.append(BlockStored(block_hashes, None, block_size, medium))
-    return events
-
-
 def split_events(events: list[KVEvent], max_units: int) -> list[list[KVEvent]]:
     """``events`` cut into runs of at most ``max_units`` units each (one batch per run, so no
     batch outgrows the bus's payload limit), in order: a hash is a unit, and so is each event

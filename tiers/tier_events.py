@@ -22,8 +22,14 @@ import logging
 from collections.abc import Callable
 
 from shoal.bus.base import Bus
-from shoal.bus.kv_events_publisher import KvEventsPublisher, snapshot_events
-from shoal.bus.messages.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from shoal.bus.kv_events_publisher import KvEventsPublisher
+from shoal.bus.messages.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    snapshot_events,
+)
 from shoal.bus.subjects import Subjects
 from shoal.config.deployment import ShoalConfig
 from shoal.tiers.books.keys import OffloadKey, get_offload_block_hash

@@ -61,4 +61,22 @@ class KVEventBatch(msgspec.Struct, tag="kv_events", array_like=True, omit_defaul
     timestamp: float = 0.0
 
 
-__all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEvent", "KVEventBatch"]
+def snapshot_events(
+    block_hashes: list[bytes], block_size: int, medium: str | None = None
+) -> list[KVEvent]:
+    """The events that rebuild a source holding ``block_hashes`` from nothing (the first batch
+    of an incarnation)."""
+    events: list[KVEvent] = [AllBlocksCleared()]
+    if block_hashes:
+        events.append(BlockStored(block_hashes, None, block_size, medium))
+    return events
+
+
+__all__ = [
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "KVEventBatch",
+    "snapshot_events",
+]

@@ -21,7 +21,7 @@ handshake agrees the epoch of the workers' rebuilt group with the other engine c
 Faults: an exception in a step (the core's, the bus's, a lost or restarted worker, or with fault
 tolerance on a fatal worker error) abandons the steps in flight and ends every request; what
 follows (today's recovery, or the fault-tolerance sentinel and its recovery commands) is
-``fault_handling.FaultHandlingActor``, this class's base. A worker error that is not fatal
+``fault_handling.FaultHandler``, which this actor holds. A worker error that is not fatal
 (``StepError.fatal`` False) fails only the requests it names.
 """
 
@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
-from shoal.bus.actor import Inbox
+from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import BusError
@@ -49,25 +49,25 @@ from shoal.bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
-from shoal.bus.messages.fault import (
-    EngineControl,
-)
+from shoal.bus.messages.fault import EngineControl, FaultToleranceRequest, InjectFault
 from shoal.bus.msg import Msg
 from shoal.config.deployment import ShoalConfig
-from shoal.engine.actor.fault_handling import FaultHandlingActor
+from shoal.engine.actor.fault_handling import FaultHandler
 from shoal.engine.actor.kv_events_link import KvEventsLink
 from shoal.engine.actor.lockstep_link import LockstepLink
 from shoal.engine.actor.offload_link import OffloadLink, kv_layout
 from shoal.engine.actor.sentinel import FaultSentinel
 from shoal.engine.actor.worker_link import SentStep, WorkerFailure, WorkerLink
-from shoal.engine.core.engine_core import ClientOutputs, EngineCore, kv_cache_shape, merge_outputs
+from shoal.engine.core.engine_core import EngineCore, kv_cache_shape
+from shoal.engine.core.request import ClientOutputs, merge_outputs
 from shoal.engine.core.scheduler_output import SchedulerOutput
+from shoal.engine.core.scheduler_stats import StepTiming
 from shoal.engine.structured.backend import XgrammarBackend
 
 log = logging.getLogger(__name__)
 
 
-class EngineCoreActor(FaultHandlingActor):
+class EngineCoreActor(Actor):
     kind: ClassVar[str] = "engine"
     # A reconnect may have lost adds and outputs in flight: clients end the requests that
     # straddle it, as after a restart.
@@ -111,18 +111,16 @@ class EngineCoreActor(FaultHandlingActor):
         self._loop_task: asyncio.Task[None] | None = None
         self._last_stats_time = 0.0
         # Cumulative step timing, published in SchedulerStats (bench/throughput_e2e.py).
-        self.step_wall_s = 0.0  # sending a step to having its result
-        self.worker_execute_s = 0.0  # the workers' own StepResult.execute_time_s
-        self.num_worker_steps = 0
+        self.timing = StepTiming()
         # Steps sent, oldest first, and whether the worker's idle time before each counts.
         self._in_flight: deque[tuple[SchedulerOutput, SentStep, bool]] = deque()
         self._busy = False  # had work since the last step was sent
-        self.worker_idle_s = 0.0
-        self.max_steps_in_flight = 0
-        self.num_scheduled_tokens = 0
         ft = config.fault_tolerance_config
         self.sentinel = FaultSentinel(
             engine_id, ft.enable_fault_tolerance, ft.engine_recovery_timeout_sec
+        )
+        self.faults = FaultHandler(
+            self, self.sentinel, self.workers, self._publish, self._connect_workers
         )
         self._control_codec: Codec[EngineControl] = Codec(EngineControl)
         self.num_steps_sent = 0
@@ -152,7 +150,6 @@ class EngineCoreActor(FaultHandlingActor):
                 self.subjects,
                 config,
                 f"{engine_id}.{self.incarnation}",
-                lambda: self.core.scheduler if self.core is not None else None,
                 self._wake.set,
             )
             if config.kv_transfer_config.enabled
@@ -234,9 +231,9 @@ class EngineCoreActor(FaultHandlingActor):
                 ),
             )
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
-        if self.offload is not None:
+        if self.offload is not None and self.core.offload is not None:
             try:
-                self.offload.attach(kv_layout(self.config, infos))
+                self.offload.attach(kv_layout(self.config, infos), self.core.offload)
             except ValueError as exc:
                 log.error("engine %s: KV offload stays off: %s", self.engine_id, exc)
         log.info(
@@ -320,6 +317,18 @@ class EngineCoreActor(FaultHandlingActor):
                 log.exception("engine %s: step failed", self.engine_id)
                 await self._on_fault(core, f"engine step failed: {type(exc).__name__}: {exc}")
 
+    async def _on_fault(self, core: EngineCore, reason: str) -> None:
+        self._abandon_in_flight()
+        await self.faults.on_fault(core, reason)
+
+    async def _on_control(self, message: EngineControl, msg: Msg) -> Any:
+        match message:
+            case InjectFault():
+                return self.faults.arm(message, self.num_steps_sent)
+            case FaultToleranceRequest():
+                return await self.faults.apply_instruction(message)
+        raise TypeError(f"unexpected message {type(message).__name__}")
+
     async def _step(self, core: EngineCore) -> None:
         outputs, rejected = core.apply_inputs()
         for client_id, rejection in rejected:
@@ -358,7 +367,6 @@ class EngineCoreActor(FaultHandlingActor):
         if not in_round:
             self.sentinel.check_injection(self.num_steps_sent)
         self.num_steps_sent += 1
-        self.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
         message = scheduler_output.to_message()
         message.lockstep = in_round
         sent = await self.workers.submit(message)
@@ -366,7 +374,6 @@ class EngineCoreActor(FaultHandlingActor):
             self.offload.flush()  # lookups of requests parked by this schedule go out now
         self._in_flight.append((scheduler_output, sent, self._busy))
         self._busy = True
-        self.max_steps_in_flight = max(self.max_steps_in_flight, len(self._in_flight))
         return True
 
     async def _agree_while_landing(self, core: EngineCore, num_tokens: int) -> bool:
@@ -397,18 +404,12 @@ class EngineCoreActor(FaultHandlingActor):
         scheduler_output, sent, count_idle = self._in_flight[0]
         result = await self.workers.wait(sent)
         self._in_flight.popleft()
-        self.step_wall_s += time.monotonic() - sent.sent_at
-        self.worker_execute_s += result.execute_time_s
-        self.num_worker_steps += 1
-        if count_idle:
-            self.worker_idle_s += result.idle_before_s
+        self.timing.count(time.monotonic() - sent.sent_at, result, count_idle)
         if not any(step is scheduler_output for step in core.outstanding):
             log.warning("engine %s: step %d was abandoned", self.engine_id, result.step_id)
             return {}
         if result.error is not None and result.error.fatal and self.sentinel.enabled:
             raise WorkerFailure(f"fatal worker error: {result.error.message}")
-        if self.offload is not None and result.kv_transfer is not None:
-            self.offload.count_copies(result.kv_transfer)
         outputs = core.apply_result(scheduler_output, result)
         while core.step_grammars:  # the next step's masks waited for this one (async)
             await self.workers.send_grammar(core.step_grammars.pop(0))
@@ -422,27 +423,15 @@ class EngineCoreActor(FaultHandlingActor):
 
     # ----- outputs
 
-    def _stats(self, core: EngineCore) -> SchedulerStats:
-        """The core's stats plus this shell's cumulative step timing."""
-        stats = core.stats()
-        stats.step_wall_s, stats.worker_execute_s = self.step_wall_s, self.worker_execute_s
-        stats.num_worker_steps = self.num_worker_steps
-        stats.worker_idle_s = self.worker_idle_s
-        stats.num_steps_in_flight = len(self._in_flight)
-        stats.max_steps_in_flight = self.max_steps_in_flight
-        stats.num_scheduled_tokens = self.num_scheduled_tokens
-        if self.offload is not None:
-            stats.kv_offload_load_bytes = self.offload.load_bytes
-            stats.kv_offload_load_time_s = self.offload.load_time_s
-            stats.kv_offload_store_bytes = self.offload.store_bytes
-            stats.kv_offload_store_time_s = self.offload.store_time_s
-        return stats
+    def stats(self) -> SchedulerStats | None:
+        """The engine core's stats with this shell's step timing (None: no core yet)."""
+        return self.core.stats(self.timing) if self.core is not None else None
 
     async def _publish(self, outputs: ClientOutputs) -> None:
         """Publish a core call's outputs (and send what it queued for the KV tier)."""
         if self.offload is not None:
             self.offload.flush()
-        stats = self._stats(self.core) if self.core is not None else None
+        stats = self.stats()
         now = time.time()
         for client_id, client_outputs in outputs.items():
             await self._send(client_id, EngineOutputs(self.engine_id, client_outputs, now, stats))
@@ -462,7 +451,7 @@ class EngineCoreActor(FaultHandlingActor):
         self._last_stats_time = now
         stats = EngineStats(
             self.engine_id,
-            self._stats(self.core),
+            self.core.stats(self.timing),
             time.time(),
             max_model_len=self.max_model_len,
             num_blocks=self.num_blocks,

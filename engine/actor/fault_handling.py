@@ -1,5 +1,8 @@
-"""How an engine core lives through a fault: the half of the engine core actor that runs when
-its step loop fails (``EngineCoreActor`` derives from it; the step loop calls ``_on_fault``).
+"""How an engine core lives through a fault: ``FaultHandler``, which the engine core actor
+holds and hands a fault to when its step loop fails (``on_fault``, the steps in flight already
+abandoned), and the recovery commands that arrive on its control subject (``on_command``).
+The handler drives the actor's state (the ``Actor``'s public lifecycle) and reaches the rest
+of the engine core through two calls it is given: publish outputs, (re)connect the workers.
 
 - Fault tolerance off: every request ends with a plain error, the engine core waits for its
   workers (the supervisor restarts a dead one) and serves again.
@@ -19,22 +22,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
 
-from shoal.bus.actor import Actor, new_incarnation
+from shoal.bus.actor import Actor
 from shoal.bus.errors import BusError
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.fault import (
-    EngineControl,
     FaultInjected,
     FaultToleranceRequest,
     FaultToleranceResult,
     InjectFault,
 )
-from shoal.bus.msg import Msg
 from shoal.engine.actor.sentinel import EXIT_RECOVERY_TIMEOUT, FaultSentinel
 from shoal.engine.actor.worker_link import WorkerFailure, WorkerLink
-from shoal.engine.core.engine_core import ClientOutputs, EngineCore
+from shoal.engine.core.engine_core import EngineCore
+from shoal.engine.core.request import ClientOutputs
 
 log = logging.getLogger(__name__)
 
@@ -42,26 +44,34 @@ RETRY_HANDSHAKE_TIMEOUT_S = 30.0  # a retry finds its workers loaded: they heart
 FAULT_WATCH_INTERVAL_S = 0.25
 
 
-class FaultHandlingActor(Actor):
-    """The fault half of ``EngineCoreActor``, which provides what is declared here."""
+Publish = Callable[[ClientOutputs], Awaitable[None]]
+ConnectWorkers = Callable[[float | None], Awaitable[None]]
 
-    engine_id: str
-    sentinel: FaultSentinel
-    workers: WorkerLink
-    num_steps_sent: int
 
-    async def _publish(self, outputs: ClientOutputs) -> None:
-        raise NotImplementedError
+class FaultHandler:
+    """What an engine core actor does from a fault to serving again."""
 
-    async def _connect_workers(self, timeout_s: float | None = None) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        actor: Actor,
+        sentinel: FaultSentinel,
+        workers: WorkerLink,
+        publish: Publish,
+        connect_workers: ConnectWorkers,
+    ) -> None:
+        """``publish``: send a core call's outputs to their clients; ``connect_workers``:
+        handshake the workers again (within the timeout given, None: the actor's own)."""
+        self.actor = actor
+        self.engine_id = actor.actor_id
+        self.sentinel = sentinel
+        self.workers = workers
+        self._publish = publish
+        self._connect_workers = connect_workers
 
-    def _abandon_in_flight(self) -> None:
-        raise NotImplementedError
-
-    async def _on_fault(self, core: EngineCore, reason: str) -> None:
+    async def on_fault(self, core: EngineCore, reason: str) -> None:
+        """End every request of ``core`` (its steps in flight abandoned by the caller) and
+        return once the engine core serves again."""
         log.error("engine %s: %s; ending every request", self.engine_id, reason)
-        self._abandon_in_flight()
         if self.sentinel.enabled:
             await self._wait_for_recovery(core, reason)
         else:
@@ -76,17 +86,17 @@ class FaultHandlingActor(Actor):
 
     async def _recover(self, core: EngineCore, reason: str) -> None:
         """Without fault tolerance: fail every request, wait for the workers, serve again."""
-        await self.set_state(ActorState.UNHEALTHY, reason)
+        await self.actor.set_state(ActorState.UNHEALTHY, reason)
         await self._publish(core.fail_all(reason))
         await self._release_waiting_workers(core)
         while True:
             try:
-                await self._connect_workers()
+                await self._connect_workers(None)
                 break
             except (WorkerFailure, BusError) as exc:
                 log.warning("engine %s: workers not back yet: %s", self.engine_id, exc)
                 await asyncio.sleep(1.0)
-        await self.set_state(ActorState.READY, "workers reconnected")
+        await self.actor.set_state(ActorState.READY, "workers reconnected")
 
     # ----- the sentinel (fault tolerance on)
 
@@ -94,7 +104,7 @@ class FaultHandlingActor(Actor):
         """End every request resumable, report UNHEALTHY or DEAD, wait for a retry."""
         self.sentinel.begin(reason)
         # The state first: a client resuming these requests must not pick this engine core.
-        await self.set_state(self.sentinel.fault_state(self.workers.all_alive()), reason)
+        await self.actor.set_state(self.sentinel.fault_state(self.workers.all_alive()), reason)
         await self._publish(core.fail_all(reason, resumable=True))
         await self._release_waiting_workers(core)
         watch = asyncio.create_task(self._watch_workers_while_faulted())
@@ -110,34 +120,32 @@ class FaultHandlingActor(Actor):
         while True:
             await asyncio.sleep(FAULT_WATCH_INTERVAL_S)
             wanted = self.sentinel.fault_state(self.workers.all_alive())
-            if self.sentinel.fault_info and not self.sentinel.retrying and wanted != self.state:
-                await self.set_state(wanted, self.sentinel.fault_info)
+            if (
+                self.sentinel.fault_info
+                and not self.sentinel.retrying
+                and wanted != self.actor.state
+            ):
+                await self.actor.set_state(wanted, self.sentinel.fault_info)
 
     async def _recovery_timed_out(self, core: EngineCore) -> None:
         timeout = self.sentinel.recovery_timeout_s
-        if self.owns_bus:
+        if self.actor.owns_bus:
             log.error("engine %s: no recovery within %s s: exiting", self.engine_id, timeout)
-            self.exit_code = EXIT_RECOVERY_TIMEOUT
-            self.request_stop()
-            await asyncio.Event().wait()  # cancelled by stop()
+            await self.actor.exit_for_restart(EXIT_RECOVERY_TIMEOUT)
         log.error("engine %s: no recovery within %s s: restarting", self.engine_id, timeout)
-        self._life = new_incarnation()  # peers see a restart, as of a new process
+        self.actor.begin_new_life()
         self.sentinel.end()
         await self._recover(core, f"recovery timed out after {timeout} s; restarted")
 
-    async def _on_control(self, message: EngineControl, msg: Msg) -> Any:
-        match message:
-            case InjectFault():
-                at = self.sentinel.arm(self.num_steps_sent, message.after_steps, message.message)
-                log.warning("engine %s: fault injection armed at step %d", self.engine_id, at)
-                return FaultInjected(self.engine_id, at)
-            case FaultToleranceRequest():
-                return await self._apply_instruction(message)
-        raise TypeError(f"unexpected message {type(message).__name__}")
+    def arm(self, injection: InjectFault, num_steps_sent: int) -> FaultInjected:
+        """A fault to inject ``injection.after_steps`` steps after the ``num_steps_sent``."""
+        at = self.sentinel.arm(num_steps_sent, injection.after_steps, injection.message)
+        log.warning("engine %s: fault injection armed at step %d", self.engine_id, at)
+        return FaultInjected(self.engine_id, at)
 
-    async def _apply_instruction(self, request: FaultToleranceRequest) -> FaultToleranceResult:
+    async def apply_instruction(self, request: FaultToleranceRequest) -> FaultToleranceResult:
         """Run a recovery instruction (only ``retry``, only while UNHEALTHY)."""
-        rejected = self.sentinel.rejection(request, self.state)
+        rejected = self.sentinel.rejection(request, self.actor.state)
         if rejected is not None:
             log.warning("engine %s: %s", self.engine_id, rejected)
             return FaultToleranceResult(request.request_id, False, rejected)
@@ -145,7 +153,7 @@ class FaultHandlingActor(Actor):
         try:
             await self._connect_workers(RETRY_HANDSHAKE_TIMEOUT_S)
             # READY before the loop resumes, so no add that arrives now is turned away.
-            await self.set_state(ActorState.READY, f"recovered (retry {request.request_id})")
+            await self.actor.set_state(ActorState.READY, f"recovered (retry {request.request_id})")
             self.sentinel.end()
         except (WorkerFailure, BusError) as exc:
             log.warning("engine %s: retry failed: %s", self.engine_id, exc)

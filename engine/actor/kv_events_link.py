@@ -10,7 +10,7 @@ one every snapshot interval and after a reconnect or a failed publish.
 from __future__ import annotations
 
 from shoal.bus.base import Bus
-from shoal.bus.kv_events_publisher import KvEventsPublisher, snapshot_events
+from shoal.bus.kv_events_publisher import KvEventsPublisher
 from shoal.bus.subjects import Subjects
 from shoal.engine.core.engine_core import EngineCore
 
@@ -54,15 +54,11 @@ class KvEventsLink:
         snapshot when one is due."""
         if core is None:
             return
-        kv = core.scheduler.kv_cache_manager
         fresh = core is not self._core or incarnation != self.publisher.incarnation
-        events_log = kv.record_kv_events() if fresh else kv.block_pool.kv_events
-        if events_log is None:
+        events = core.take_kv_events(restart=fresh)
+        if events is None:
             return  # no prefix caching: nothing to tell
         if fresh:
             self._core = core
             self.publisher.begin(incarnation)
-        await self.publisher.publish(
-            events_log.take(),
-            lambda: snapshot_events(list(kv.block_pool.cached_blocks), kv.block_size),
-        )
+        await self.publisher.publish(events, core.kv_snapshot)

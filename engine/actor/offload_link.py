@@ -1,6 +1,7 @@
 """The engine core actor's link to its CPU tier: attach, lookups, store offers and releases.
 
-The pure ``OffloadConnector`` fills an outbox as the scheduler runs; ``flush`` sends it. Lookups
+The pure ``OffloadConnector`` fills an outbox as the scheduler runs; ``flush`` takes it through
+the engine core's ``OffloadPort`` (the link's one door to the core) and sends it. Lookups
 and offers are requests to ``subjects.tier_in(cpu_tier_id)`` answered in background tasks, so
 the step loop never waits on the tier: a reply is fed back to the connector (a looked-up request
 returns to the waiting queue) and wakes the loop. A lookup that fails or takes longer than
@@ -33,22 +34,19 @@ from shoal.bus.errors import BusError
 from shoal.bus.messages.offload import (
     DTYPE_SIZES,
     KVLayout,
-    KVTransferResult,
     TierAttach,
     TierAttached,
     TierError,
     TierLookup,
     TierLookupReply,
     TierPrepareStore,
-    TierRenew,
     TierReply,
     TierStoreSlots,
 )
 from shoal.bus.messages.worker import WorkerInfo
 from shoal.bus.subjects import Subjects
 from shoal.config.deployment import ShoalConfig
-from shoal.engine.core.offload_connector import OffloadConnector
-from shoal.engine.core.scheduler import Scheduler
+from shoal.engine.core.offload_port import OffloadPort
 
 log = logging.getLogger(__name__)
 
@@ -106,30 +104,29 @@ class OffloadLink:
         subjects: Subjects,
         config: ShoalConfig,
         owner: str,
-        scheduler: Callable[[], Scheduler | None],
         wake: Callable[[], None],
     ) -> None:
-        """``scheduler()`` is the engine core's current scheduler (None while it has none);
-        ``wake()`` nudges the step loop after a reply changed what it can schedule."""
+        """``wake()`` nudges the step loop after a reply changed what it can schedule."""
         self.bus = bus
         self.config = config.kv_transfer_config
         self.subject = subjects.tier_in(self.config.cpu_tier_id)
         self.owner = owner
-        self._scheduler = scheduler
+        self._port: OffloadPort | None = None  # the engine core's door, once attached
         self._wake = wake
         self._layout: KVLayout | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._attaching: asyncio.Task[None] | None = None
         self._renewing: asyncio.Task[None] | None = None
-        # Figures of the workers' copies (cumulative), from the step results.
-        self.load_bytes = 0
-        self.store_bytes = 0
-        self.load_time_s = 0.0
-        self.store_time_s = 0.0
 
-    def attach(self, layout: KVLayout) -> None:
-        """Attach (again) in the background; renew what this engine core holds from then on."""
-        self._layout = layout
+    def attach(self, layout: KVLayout, port: OffloadPort) -> None:
+        """Attach (again) in the background, for the engine core behind ``port``; renew what
+        it holds from then on."""
+        self._layout, self._port = layout, port
+        self._attach_again()
+
+    def _attach_again(self) -> None:
+        if self._layout is None:  # stopped
+            return
         if self._attaching is None or self._attaching.done():
             self._attaching = asyncio.create_task(self._attach(), name=f"attach-{self.owner}")
         if self._renewing is None:
@@ -143,10 +140,8 @@ class OffloadLink:
         while True:
             await asyncio.sleep(RENEW_INTERVAL_S)
             try:
-                connector = self._connector()
-                keys = connector.held_keys() if connector is not None else []
-                if connector is not None and keys:
-                    renewal = TierRenew(self.owner, keys, connector.generation)
+                renewal = self._port.renewal(self.owner) if self._port is not None else None
+                if renewal is not None:
                     await self._publish(encode(renewal))
             except Exception:
                 log.exception("%s: renewing the offload leases failed", self.owner)
@@ -165,9 +160,8 @@ class OffloadLink:
                 log.info("%s: CPU tier %s not attached (%r)", self.owner, self.subject, exc)
             else:
                 if isinstance(reply, TierAttached):
-                    connector = self._connector()
-                    if connector is not None:
-                        connector.set_region(reply.region)
+                    if self._port is not None:
+                        self._port.attached(reply.region)
                         log.info("%s: KV offload to %s", self.owner, reply.region.path)
                         return
                 else:
@@ -176,18 +170,15 @@ class OffloadLink:
 
     def flush(self) -> None:
         """Send what the connector queued: lookups, store offers, releases."""
-        connector = self._connector()
-        if connector is None:
+        if self._port is None:
             return
-        lookups, connector.lookups_to_send = connector.lookups_to_send, []
-        for request_id, lookup_id, keys, tiers in lookups:
+        outbox = self._port.take_outbox(self.owner)
+        for request_id, lookup_id, keys, tiers in outbox.lookups:
             self._spawn(self._lookup(request_id, lookup_id, keys, tiers))
-        offers, connector.stores.offers_to_send = connector.stores.offers_to_send, []
-        for job_id, keys in offers:
+        for job_id, keys in outbox.offers:
             self._spawn(self._offer(job_id, keys))
-        release = connector.take_release(self.owner)
-        if release is not None:
-            self._spawn(self._publish(encode(release)))
+        if outbox.release is not None:
+            self._spawn(self._publish(encode(outbox.release)))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)
@@ -205,7 +196,7 @@ class OffloadLink:
         if isinstance(reply, TierError) and self._layout is not None:
             # Typically a restarted tier that has no region yet: attach to it again.
             log.info("%s: the CPU tier refused a request (%s); attaching again", self.owner, reply)
-            self.attach(self._layout)
+            self._attach_again()
         return reply
 
     async def _lookup(
@@ -218,33 +209,24 @@ class OffloadLink:
             if isinstance(reply, TierError) and await self._attached_again():
                 reply = await self._request(lookup)  # the restarted tier
         finally:  # whatever happened, the request leaves the parking
-            scheduler = self._scheduler()
-            connector = scheduler.connector if scheduler is not None else None
-            if scheduler is not None and connector is not None:
-                if isinstance(reply, TierLookupReply):
-                    self._check_generation(reply.generation)
-                    scheduler.unpark(connector.on_lookup_reply(request_id, lookup_id, keys, reply))
-                else:
-                    scheduler.unpark(connector.on_lookup_failed(request_id, lookup_id))
+            if self._port is not None:
+                answer = reply if isinstance(reply, TierLookupReply) else None
+                if answer is not None:
+                    self._check_generation(answer.generation)
+                self._port.lookup_answered(request_id, lookup_id, keys, answer)
                 self._wake()
                 self.flush()  # a stale answer's pins go back at once
 
     async def _offer(self, job_id: int, keys: list[bytes]) -> None:
         reply = await self._request(TierPrepareStore(self.owner, keys))
-        connector = self._connector()
-        if connector is None:
+        if self._port is None:
             return
-        if isinstance(reply, TierStoreSlots):
-            self._check_generation(reply.generation)
-            connector.on_store_slots(job_id, reply)
-        else:
-            connector.on_store_slots(job_id, None)
+        slots = reply if isinstance(reply, TierStoreSlots) else None
+        if slots is not None:
+            self._check_generation(slots.generation)
+        self._port.store_answered(job_id, slots)
         self._wake()
         self.flush()
-
-    def _connector(self) -> OffloadConnector | None:
-        scheduler = self._scheduler()
-        return scheduler.connector if scheduler is not None else None
 
     async def _attached_again(self) -> bool:
         """Wait (at most a lookup's timeout) for the attach a refusal started; attached?"""
@@ -255,24 +237,16 @@ class OffloadLink:
         return attaching is not None and attaching.done() and not attaching.cancelled()
 
     def _check_generation(self, generation: str) -> None:
-        connector = self._connector()
-        region = connector.region if connector is not None else None
-        if region is not None and generation != region.generation and self._layout is not None:
+        region = self._port.region if self._port is not None else None
+        if region is not None and generation != region.generation:
             log.info("%s: the CPU tier restarted; attaching to its new region", self.owner)
-            self.attach(self._layout)
+            self._attach_again()
 
     async def _publish(self, data: bytes) -> None:
         try:
             await self.bus.publish(self.subject, data)
         except BusError as exc:
             log.debug("%s: release to the CPU tier lost: %r", self.owner, exc)
-
-    def count_copies(self, figures: KVTransferResult) -> None:
-        """Add a step's copy figures to the totals."""
-        self.load_bytes += figures.num_load_bytes
-        self.store_bytes += figures.num_store_bytes
-        self.load_time_s += figures.load_time_s
-        self.store_time_s += figures.store_time_s
 
     async def stop(self) -> None:
         self._layout = None

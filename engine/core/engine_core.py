@@ -27,25 +27,26 @@ from shoal.bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
+from shoal.bus.messages.kv_events import KVEvent, snapshot_events
 from shoal.bus.messages.structured import StepGrammar
 from shoal.bus.messages.worker import StepResult, WorkerInfo
 from shoal.config.deployment import CacheConfig, SchedulerConfig, ShoalConfig
 from shoal.config.kv_transfer import KVTransferConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.core.grammar import GrammarBackend, late_grammar
-from shoal.engine.core.request import Request, RequestStatus, group_final_outputs
+from shoal.engine.core.offload_port import OffloadPort
+from shoal.engine.core.request import (
+    ClientOutputs,
+    Request,
+    RequestStatus,
+    group_final_outputs,
+    merge_outputs,
+)
 from shoal.engine.core.scheduler import Scheduler
 from shoal.engine.core.scheduler_output import SchedulerOutput
+from shoal.engine.core.scheduler_stats import CoreFigures, StepTiming, scheduler_stats
 
 log = logging.getLogger(__name__)
-
-ClientOutputs = dict[str, list[EngineCoreOutput]]
-
-
-def merge_outputs(into: ClientOutputs, more: ClientOutputs) -> ClientOutputs:
-    for client_id, outputs in more.items():
-        into.setdefault(client_id, []).extend(outputs)
-    return into
 
 
 def kv_cache_shape(config: ShoalConfig, infos: Sequence[WorkerInfo]) -> tuple[int, int]:
@@ -91,6 +92,11 @@ class EngineCore:
         # Late masks of steps in flight (``grammar.late_grammar``), for the shell to send.
         self.step_grammars: list[StepGrammar] = []
         self._late_grammar_step = -1  # the last step they were made for
+        connector = self.scheduler.connector
+        # The offload link's door (None: no KV offload).
+        self.offload = OffloadPort(connector, self.scheduler.unpark) if connector else None
+        self.most_steps_in_flight = 0
+        self.num_scheduled_tokens = 0  # every token of every step scheduled (cumulative)
 
     # ----- inputs (called as messages arrive)
 
@@ -141,7 +147,7 @@ class EngineCore:
                     elif result is not None:
                         outputs.setdefault(msg.client_id, []).append(result)
                 case AbortRequest():
-                    merge_outputs(outputs, self._abort(msg.request_ids))
+                    merge_outputs(outputs, self.scheduler.abort(msg.request_ids))
         self._pending_aborts.clear()
         merge_outputs(outputs, group_final_outputs(self.scheduler.admit_compiled()))
         return outputs, rejected
@@ -156,10 +162,6 @@ class EngineCore:
             return RequestRejected(msg.request_id, "invalid", str(exc))
         return None if queued else request.make_final_output()
 
-    def _abort(self, request_ids: list[str]) -> ClientOutputs:
-        finished = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return group_final_outputs(finished)
-
     def schedule(self) -> SchedulerOutput | None:
         """The next step, or None when there is nothing to run. A non-empty step is outstanding
         until its result is applied; ``RuntimeError`` past ``max_steps_in_flight``."""
@@ -172,8 +174,13 @@ class EngineCore:
             return None
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.is_empty:
-            self.outstanding.append(scheduler_output)
+            self._send(scheduler_output)
         return scheduler_output
+
+    def _send(self, scheduler_output: SchedulerOutput) -> None:
+        self.outstanding.append(scheduler_output)
+        self.most_steps_in_flight = max(self.most_steps_in_flight, len(self.outstanding))
+        self.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
 
     def hold_dummy(self, scheduler_output: SchedulerOutput | None) -> SchedulerOutput:
         """The step to send when this rank has no tokens but its lock-step group runs a round
@@ -183,36 +190,24 @@ class EngineCore:
             raise ValueError(f"step {scheduler_output.step_id} has tokens: not a dummy")
         if scheduler_output is None:  # nothing to run; it may still carry KV copies by now
             scheduler_output = self.scheduler.schedule()
-            self.outstanding.append(scheduler_output)
+            self._send(scheduler_output)
         elif scheduler_output.is_empty:  # a non-empty one is outstanding already
-            self.outstanding.append(scheduler_output)
+            self._send(scheduler_output)
         return scheduler_output
 
     def apply_result(self, scheduler_output: SchedulerOutput, result: StepResult) -> ClientOutputs:
-        """Aborts that arrived during the step first, then the step's tokens.
-
-        A failed step goes first instead: it finishes the requests it names and forgets the
-        KV their blocks were meant to hold, which an abort applied before it would keep.
-        ``ValueError`` unless this is the oldest outstanding step.
-        """
+        """Land the oldest outstanding step with its result (``Scheduler.update_from_output``,
+        which also finishes the aborts that arrived during the step). ``ValueError`` unless
+        this is the oldest outstanding step and ``result`` is its own."""
         if not self.outstanding or self.outstanding[0] is not scheduler_output:
             expected = self.outstanding[0].step_id if self.outstanding else None
             raise ValueError(
                 f"result for step {scheduler_output.step_id} applied out of order "
                 f"(next outstanding step: {expected})"
             )
-        if result.step_id != scheduler_output.step_id:
-            raise ValueError(
-                f"result is for step {result.step_id}, expected {scheduler_output.step_id}"
-            )
+        outputs = self.scheduler.update_from_output(scheduler_output, result, self._pending_aborts)
+        self._pending_aborts.clear()
         self.outstanding.popleft()
-        self.scheduler.land_step(scheduler_output)
-        if result.error is not None:
-            outputs = self.scheduler.update_from_output(scheduler_output, result)
-            outputs = merge_outputs(outputs, self._take_pending_aborts())
-        else:
-            outputs = self._take_pending_aborts()
-            merge_outputs(outputs, self.scheduler.update_from_output(scheduler_output, result))
         self._make_late_grammar(result)
         return outputs
 
@@ -227,13 +222,6 @@ class EngineCore:
             drafts = dict(zip(landed.req_ids, landed.spec_token_ids, strict=False))
             self.step_grammars.append(late_grammar(backend, following, requests, drafts))
             self._late_grammar_step = following.step_id
-
-    def _take_pending_aborts(self) -> ClientOutputs:
-        if not self._pending_aborts:
-            return {}
-        aborted = list(self._pending_aborts)
-        self._pending_aborts.clear()
-        return self._abort(aborted)
 
     def fail_all(self, reason: str, resumable: bool = False) -> ClientOutputs:
         """Finish every request with an error (the workers lost their state) and forget the
@@ -262,7 +250,27 @@ class EngineCore:
                     output.resumable = True
         return outputs
 
-    def stats(self) -> SchedulerStats:
-        stats = self.scheduler.make_stats()
-        stats.num_waiting += self._num_pending_adds
-        return stats
+    # ----- KV events (prefix routing; ``engine/actor/kv_events_link.py``)
+
+    def take_kv_events(self, restart: bool = False) -> list[KVEvent] | None:
+        """What entered and left the prefix cache since the last call (None: no prefix
+        caching, nothing to tell). ``restart``: the log starts now (the caller publishes a
+        snapshot instead)."""
+        kv = self.scheduler.kv_cache_manager
+        events_log = kv.record_kv_events() if restart else kv.block_pool.kv_events
+        return events_log.take() if events_log is not None else None
+
+    def kv_snapshot(self) -> list[KVEvent]:
+        """The events that rebuild this prefix cache from nothing."""
+        kv = self.scheduler.kv_cache_manager
+        return snapshot_events(list(kv.block_pool.cached_blocks), kv.block_size)
+
+    def stats(self, timing: StepTiming | None = None) -> SchedulerStats:
+        """This engine core's stats (``timing``: the shell's, which only it measures)."""
+        figures = CoreFigures(
+            num_pending_adds=self._num_pending_adds,
+            num_steps_in_flight=len(self.outstanding),
+            most_steps_in_flight=self.most_steps_in_flight,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+        )
+        return scheduler_stats(self.scheduler, figures, timing)

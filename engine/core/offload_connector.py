@@ -26,7 +26,6 @@ import itertools
 from collections.abc import Iterator, Mapping, Set
 from dataclasses import dataclass
 
-from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.offload import (
     KVLoad,
     KVTransferResult,
@@ -80,11 +79,38 @@ class _Lookup:
     first_chunk: int
 
 
+# A lookup to send: (request id, lookup id, keys, the tier types it may load from: None for all).
+PendingLookup = tuple[str, int, list[OffloadKey], list[str] | None]
+
+
+@dataclass(slots=True)
+class OffloadOutbox:
+    """What the connector queued for the tier since the shell last took it: lookups, store
+    offers (job id, keys) and the keys to release (None: nothing)."""
+
+    lookups: list[PendingLookup]
+    offers: list[tuple[int, list[OffloadKey]]]
+    release: TierRelease | None
+
+
 @dataclass(slots=True)
 class OffloadCounters:
+    """Cumulative: tokens looked up and found in the tiers, failed lookups, and the bytes and
+    seconds of the workers' copies (as their step results report them)."""
+
     num_queried_tokens: int = 0
     num_hit_tokens: int = 0
     num_lookup_failures: int = 0
+    num_load_bytes: int = 0
+    load_time_s: float = 0.0
+    num_store_bytes: int = 0
+    store_time_s: float = 0.0
+
+    def count_copies(self, figures: KVTransferResult) -> None:
+        self.num_load_bytes += figures.num_load_bytes
+        self.num_store_bytes += figures.num_store_bytes
+        self.load_time_s += figures.load_time_s
+        self.store_time_s += figures.store_time_s
 
 
 class OffloadConnector:
@@ -105,9 +131,8 @@ class OffloadConnector:
         self._loads_by_step: dict[int, tuple[str, list[tuple[str, list[OffloadKey], int]]]] = {}
         self._step_loads: list[tuple[KVLoad, list[OffloadKey], int]] = []
         self.stores = OffloadStores(config, block_size, block_pool, self._chunk_keys)
-        # The outbox, taken by the shell after each core call (and ``stores.offers_to_send``).
-        # (request id, lookup id, keys, the tier types it may load from: None for all)
-        self.lookups_to_send: list[tuple[str, int, list[OffloadKey], list[str] | None]] = []
+        # The outbox (``take_outbox``; store offers are ``stores.offers_to_send``).
+        self.lookups_to_send: list[PendingLookup] = []
         self._release = TierRelease(owner="")
 
     @property
@@ -293,14 +318,6 @@ class OffloadConnector:
                 self.stores.offer_landed(request, blocks, self.generation)
         return loaded
 
-    def fill_stats(self, stats: SchedulerStats) -> None:
-        """Put the offload counters in an engine core's stats."""
-        stats.kv_offload_queries = self.counters.num_queried_tokens
-        stats.kv_offload_hits = self.counters.num_hit_tokens
-        stats.kv_offload_stores_skipped = self.stores.num_skipped
-        stats.kv_offload_lookup_failures = self.counters.num_lookup_failures
-        stats.kv_offload_cpu_usage = self.cpu_usage
-
     def on_step_landed(self, step_id: int, result: KVTransferResult | None) -> list[str]:
         """Release the step's pins and finish its stores (``result`` None: the worker reported
         nothing, so every copy failed); returns the requests whose load succeeded. A request
@@ -342,6 +359,12 @@ class OffloadConnector:
             if step_generation == generation:
                 keys += [key for _, step_keys, _ in loads for key in step_keys]
         return keys + self.stores.held_keys(generation)
+
+    def take_outbox(self, owner: str) -> OffloadOutbox:
+        """Everything queued for the tier, taken (releases signed by ``owner``)."""
+        lookups, self.lookups_to_send = self.lookups_to_send, []
+        offers, self.stores.offers_to_send = self.stores.offers_to_send, []
+        return OffloadOutbox(lookups, offers, self.take_release(owner))
 
     def take_release(self, owner: str) -> TierRelease | None:
         """The keys to report to the tier since the last call (None: nothing)."""

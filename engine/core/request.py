@@ -254,9 +254,19 @@ class Request:
         )
 
 
-def group_final_outputs(requests: Iterable[Request]) -> dict[str, list[EngineCoreOutput]]:
+ClientOutputs = dict[str, list[EngineCoreOutput]]  # outputs to publish, by client id
+
+
+def merge_outputs(into: ClientOutputs, more: ClientOutputs) -> ClientOutputs:
+    """``more`` appended to ``into``, client by client (``into``, returned)."""
+    for client_id, outputs in more.items():
+        into.setdefault(client_id, []).extend(outputs)
+    return into
+
+
+def group_final_outputs(requests: Iterable[Request]) -> ClientOutputs:
     """Final outputs of finished requests (``Request.make_final_output``), keyed by client id."""
-    outputs: dict[str, list[EngineCoreOutput]] = {}
+    outputs: ClientOutputs = {}
     for request in requests:
         outputs.setdefault(request.client_id, []).append(request.make_final_output())
     return outputs

@@ -47,7 +47,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from shoal.bus.messages.engine import EngineCoreOutput, SchedulerStats
+from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.worker import StepResult
 from shoal.config.deployment import CacheConfig, SchedulerConfig
 from shoal.config.kv_transfer import KVTransferConfig
@@ -57,7 +57,14 @@ from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.in_flight import InFlightSteps, PendingFree
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.offload_connector import Admission, OffloadConnector
-from shoal.engine.core.request import FINISH_REASONS, Request, RequestStatus
+from shoal.engine.core.request import (
+    FINISH_REASONS,
+    ClientOutputs,
+    Request,
+    RequestStatus,
+    group_final_outputs,
+    merge_outputs,
+)
 from shoal.engine.core.request_limits import check_fits, check_token_budget
 from shoal.engine.core.request_queue import make_request_queue
 from shoal.engine.core.scheduler_output import SchedulerOutput, StepPlan, build_scheduler_output
@@ -437,19 +444,44 @@ class Scheduler:
     # ----- results
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, result: StepResult
-    ) -> dict[str, list[EngineCoreOutput]]:
-        """Apply a step's sampled tokens; returns the outputs to publish, keyed by client id."""
+        self, scheduler_output: SchedulerOutput, result: StepResult, aborted: Iterable[str] = ()
+    ) -> ClientOutputs:
+        """Land the step (the one place a step lands) and apply its result; returns the
+        outputs to publish. ``aborted``: requests whose abort arrived while the step ran:
+        finished once it has landed (so their blocks are freed at once) and before its tokens
+        count (they get none), or, after a failed step, once that step's failures are applied
+        (they finish with the step's error and forget the KV it was to write)."""
         if result.step_id != scheduler_output.step_id:
             raise ValueError(
                 f"result is for step {result.step_id}, expected {scheduler_output.step_id}"
             )
         skipped = self.land_step(scheduler_output)
+        if result.error is not None:
+            outputs = self._apply_result(scheduler_output, result, skipped)
+            return merge_outputs(outputs, self.abort(aborted))
+        outputs = self.abort(aborted)
+        return merge_outputs(outputs, self._apply_result(scheduler_output, result, skipped))
+
+    def abort(self, request_ids: Iterable[str]) -> ClientOutputs:
+        """Finish these requests as aborted (those still here); their final outputs."""
+        request_ids = list(request_ids)
+        if not request_ids:
+            return {}
+        return group_final_outputs(
+            self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        )
+
+    def _apply_result(
+        self, scheduler_output: SchedulerOutput, result: StepResult, skipped: set[str]
+    ) -> ClientOutputs:
+        """A landed step's tokens, copies and grammar advances."""
         outcome = make_step_outcome(
             self.requests, scheduler_output, result, self.max_model_len, skipped, self.spec
         )
         loaded: list[str] = []
         if self.connector is not None:
+            if result.kv_transfer is not None:
+                self.connector.counters.count_copies(result.kv_transfer)
             fatal = result.error is not None and result.error.fatal
             copies = None if fatal else result.kv_transfer
             table = self.kv_cache_manager.req_to_blocks
@@ -465,8 +497,9 @@ class Scheduler:
         return outcome.outputs
 
     def land_step(self, scheduler_output: SchedulerOutput, wrote_kv: bool = True) -> set[str]:
-        """The step's result arrived (``InFlightSteps.land``): returns the ids whose output to
-        ignore."""
+        """End the step's flight (``InFlightSteps.land``, idempotent): returns the ids whose
+        output to ignore. Called directly only for a step abandoned with its result unknown
+        (``wrote_kv=False``); a result lands through ``update_from_output``."""
         return self.in_flight.land(scheduler_output, self.requests, wrote_kv)
 
     @property

@@ -1,16 +1,45 @@
-"""``SchedulerStats`` of a scheduler: what it publishes for load-aware routing and metrics
-(requests running and waiting, KV usage, prefix-cache hits, finishes by reason, the offload
-connector's and speculative decoding's own counters)."""
+"""``SchedulerStats``, built here and nowhere else: what an engine core publishes for load-aware
+routing and metrics (requests running and waiting, KV usage, prefix-cache hits, finishes by
+reason, steps in flight, the offload connector's and speculative decoding's own counters, and
+the shell's step timing).
+
+Each figure is read from the part that owns it: the scheduler, the ``EngineCore`` around it
+(inputs not applied yet, steps in flight), the connector, speculative decoding, and
+``StepTiming``, which only the shell can measure (it waits on the workers) and hands in.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sized
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, TypedDict
 
 from shoal.bus.messages.engine import SchedulerStats
+from shoal.bus.messages.worker import StepResult
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.offload_connector import OffloadConnector
 from shoal.engine.core.spec_decoding import SpecDecoding
+
+
+@dataclass(slots=True)
+class StepTiming:
+    """The shell's step timing (cumulative): wall time from sending a step to having its
+    result, the workers' own execute time, the steps landed, and the workers' idle time
+    between steps while the engine core had work."""
+
+    step_wall_s: float = 0.0
+    worker_execute_s: float = 0.0
+    num_worker_steps: int = 0
+    worker_idle_s: float = 0.0
+
+    def count(self, wall_s: float, result: StepResult, count_idle: bool) -> None:
+        """A step's result came back ``wall_s`` after it was sent (``count_idle``: the worker
+        waited for it while this engine core had work)."""
+        self.step_wall_s += wall_s
+        self.worker_execute_s += result.execute_time_s
+        self.num_worker_steps += 1
+        if count_idle:
+            self.worker_idle_s += result.idle_before_s
 
 
 class CountingScheduler(Protocol):
@@ -38,12 +67,30 @@ class CountingScheduler(Protocol):
     def spec(self) -> SpecDecoding | None: ...
 
 
-def scheduler_stats(scheduler: CountingScheduler) -> SchedulerStats:
+@dataclass(frozen=True, slots=True)
+class CoreFigures:
+    """What the ``EngineCore`` around a scheduler adds: adds queued but not applied (they wait
+    too), the steps in flight now and the most seen at once, every token scheduled."""
+
+    num_pending_adds: int = 0
+    num_steps_in_flight: int = 0
+    most_steps_in_flight: int = 0
+    num_scheduled_tokens: int = 0
+
+
+def scheduler_stats(
+    scheduler: CountingScheduler,
+    core: CoreFigures | None = None,
+    timing: StepTiming | None = None,
+) -> SchedulerStats:
+    """The stats of ``scheduler`` (a bare one: no ``core`` figures, no ``timing``)."""
+    core = core or CoreFigures()
+    timing = timing or StepTiming()
     kv = scheduler.kv_cache_manager
     finished = scheduler.num_finished
-    stats = SchedulerStats(
+    return SchedulerStats(
         num_running=len(scheduler.running),
-        num_waiting=scheduler.num_waiting,
+        num_waiting=scheduler.num_waiting + core.num_pending_adds,
         kv_usage=kv.usage,
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
@@ -51,14 +98,67 @@ def scheduler_stats(scheduler: CountingScheduler) -> SchedulerStats:
         num_prompt_tokens=scheduler.num_prompt_tokens,
         num_generation_tokens=scheduler.num_generation_tokens,
         step_id=scheduler.step_id,
+        step_wall_s=timing.step_wall_s,
+        worker_execute_s=timing.worker_execute_s,
+        num_worker_steps=timing.num_worker_steps,
         num_finished_stop=finished["stop"],
         num_finished_length=finished["length"],
         num_finished_abort=finished["abort"],
         num_finished_error=finished["error"],
         num_free_blocks=kv.num_free_blocks,
+        worker_idle_s=timing.worker_idle_s,
+        num_steps_in_flight=core.num_steps_in_flight,
+        max_steps_in_flight=core.most_steps_in_flight,
+        num_scheduled_tokens=core.num_scheduled_tokens,
+        **_offload_fields(scheduler.connector),
+        **_spec_fields(scheduler.spec),
     )
-    if scheduler.connector is not None:
-        scheduler.connector.fill_stats(stats)
-    if scheduler.spec is not None:
-        scheduler.spec.fill_stats(stats)
-    return stats
+
+
+class _OffloadFields(TypedDict, total=False):
+    kv_offload_queries: int
+    kv_offload_hits: int
+    kv_offload_load_bytes: int
+    kv_offload_load_time_s: float
+    kv_offload_store_bytes: int
+    kv_offload_store_time_s: float
+    kv_offload_stores_skipped: int
+    kv_offload_lookup_failures: int
+    kv_offload_cpu_usage: float
+
+
+class _SpecFields(TypedDict, total=False):
+    spec_decode_num_drafts: int
+    spec_decode_num_draft_tokens: int
+    spec_decode_num_accepted_tokens: int
+    spec_decode_num_accepted_tokens_per_pos: list[int]
+    spec_decode_k: int
+
+
+def _offload_fields(connector: OffloadConnector | None) -> _OffloadFields:
+    if connector is None:
+        return {}
+    counters = connector.counters
+    return {
+        "kv_offload_queries": counters.num_queried_tokens,
+        "kv_offload_hits": counters.num_hit_tokens,
+        "kv_offload_load_bytes": counters.num_load_bytes,
+        "kv_offload_load_time_s": counters.load_time_s,
+        "kv_offload_store_bytes": counters.num_store_bytes,
+        "kv_offload_store_time_s": counters.store_time_s,
+        "kv_offload_stores_skipped": connector.stores.num_skipped,
+        "kv_offload_lookup_failures": counters.num_lookup_failures,
+        "kv_offload_cpu_usage": connector.cpu_usage,
+    }
+
+
+def _spec_fields(spec: SpecDecoding | None) -> _SpecFields:
+    if spec is None:
+        return {}
+    return {
+        "spec_decode_num_drafts": spec.num_drafts,
+        "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+        "spec_decode_num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
+        "spec_decode_k": spec.k,
+    }

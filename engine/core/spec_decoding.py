@@ -24,7 +24,6 @@ counts acceptance as vLLM's ``SpecDecodingStats``: padded drafts count as drafte
 
 from __future__ import annotations
 
-from shoal.bus.messages.engine import SchedulerStats
 from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler_output import SchedulerOutput
@@ -113,10 +112,3 @@ class SpecDecoding:
         if self.controller is not None:
             self.controller.observe(self._step_accepted, self._step_rejections)
         self._step_accepted = self._step_rejections = 0
-
-    def fill_stats(self, stats: SchedulerStats) -> None:
-        stats.spec_decode_num_drafts = self.num_drafts
-        stats.spec_decode_num_draft_tokens = self.num_draft_tokens
-        stats.spec_decode_num_accepted_tokens = self.num_accepted_tokens
-        stats.spec_decode_num_accepted_tokens_per_pos = list(self.num_accepted_tokens_per_pos)
-        stats.spec_decode_k = self.k

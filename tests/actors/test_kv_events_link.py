@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -22,10 +21,10 @@ from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
-from shoal.config.deployment import ShoalConfig
+from shoal.config.deployment import CacheConfig, SchedulerConfig, ShoalConfig
 from shoal.engine.actor.kv_events_link import KvEventsLink
 from shoal.engine.client.prefix_routing import PrefixRouting
-from shoal.engine.core.kv_cache_manager import KVCacheManager
+from shoal.engine.core.engine_core import EngineCore
 
 MAX_PAYLOAD = 16 * 1024
 BusFactory = Callable[[], Awaitable[Bus]]
@@ -71,10 +70,12 @@ async def small_bus(small_server: Any) -> AsyncIterator[BusFactory]:
         await bus.close()
 
 
-def fake_core(hashes: list[bytes]) -> Any:
-    manager = KVCacheManager(8, 4)
-    manager.block_pool.cached_blocks = dict.fromkeys(hashes)  # type: ignore[arg-type]
-    return SimpleNamespace(scheduler=SimpleNamespace(kv_cache_manager=manager))
+def fake_core(hashes: list[bytes]) -> EngineCore:
+    """An engine core whose prefix cache holds ``hashes``."""
+    core = EngineCore(SchedulerConfig(), CacheConfig(block_size=4), num_blocks=8, max_model_len=64)
+    pool = core.scheduler.kv_cache_manager.block_pool
+    pool.cached_blocks = dict.fromkeys(hashes)  # type: ignore[arg-type]
+    return core
 
 
 def many_hashes(count: int) -> list[bytes]:

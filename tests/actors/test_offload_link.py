@@ -16,6 +16,7 @@ from shoal.bus.subjects import Subjects
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.actor import offload_link
 from shoal.engine.actor.offload_link import OffloadLink
+from shoal.engine.core.offload_port import OffloadPort
 from tests.integration.conditions import wait_for
 from tests.unit.offload_fakes import make_offload_scheduler
 
@@ -52,9 +53,9 @@ async def test_the_link_renews_what_the_engine_core_holds(monkeypatch) -> None: 
 
     subjects = Subjects()
     await bus.subscribe(subjects.tier_in("kv-cpu"), tier)
-    link = OffloadLink(bus, subjects, config, "engine-0.inc", lambda: scheduler, lambda: None)
+    link = OffloadLink(bus, subjects, config, "engine-0.inc", lambda: None)
     try:
-        link.attach(LAYOUT)
+        link.attach(LAYOUT, OffloadPort(scheduler.connector, scheduler.unpark))
         await wait_for(lambda: len(renewals) >= 2, 10, "two renewals")
         assert {(r.owner, tuple(r.keys)) for r in renewals} == {("engine-0.inc", tuple(held))}
         held.clear()

@@ -95,7 +95,9 @@ class Host:
         core = self.engine.core
         assert core is not None
         await wait_for(lambda: not core.has_work(), REPLY_S, f"{self.name} settles")
-        return self.engine._stats(core)
+        stats = self.engine.stats()
+        assert stats is not None
+        return stats
 
     async def stop(self) -> None:
         await self.engine.stop()

@@ -47,7 +47,9 @@ def _stack(bus: InMemoryBus, model_dir: Path, async_on: bool, **options: Any) ->
 def _stats(stack: EngineStack) -> SchedulerStats:
     engine: EngineCoreActor = stack.engines[0]
     assert engine.core is not None
-    return engine._stats(engine.core)
+    stats = engine.stats()
+    assert stats is not None
+    return stats
 
 
 async def _settled(stack: EngineStack) -> SchedulerStats:

@@ -47,6 +47,7 @@ def test_llm_option_reaches_the_engine_core(tiny_checkpoint, async_on: bool) -> 
         outputs = llm.generate(prompts, params)
         assert [len(o.outputs[0].token_ids) for o in outputs] == [12, 12]
         engine = next(a for a in llm._actors if isinstance(a, EngineCoreActor))
-        assert engine.max_steps_in_flight == (2 if async_on else 1)
+        assert engine.core is not None
+        assert engine.core.stats().max_steps_in_flight == (2 if async_on else 1)
     finally:
         llm.shutdown()

@@ -66,7 +66,9 @@ async def settled_stats(built: EngineStack) -> SchedulerStats:
     core = engine.core
     assert core is not None
     await wait_for(lambda: not core.has_work(), 60, "the engine core settles")
-    return engine._stats(core)
+    stats = engine.stats()
+    assert stats is not None
+    return stats
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,8 @@ from shoal.bus.messages.offload import (
 from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.config.deployment import CacheConfig, SchedulerConfig
 from shoal.config.kv_transfer import KVTransferConfig
+from shoal.engine.core.offload_connector import OffloadOutbox
+from shoal.engine.core.offload_port import OffloadPort
 from shoal.engine.core.scheduler import Scheduler
 from shoal.tiers.books.manager import LookupResult, OffloadManager
 from tests.unit.factories import FakeWorker
@@ -163,27 +165,26 @@ class Exchange:
     def __call__(self) -> None:
         connector = self.scheduler.connector
         assert connector is not None
+        port = OffloadPort(connector, self.scheduler.unpark)  # the link's door to the core
         self._ticks += 1
-        for request_id, lookup_id, keys, _ in connector.lookups_to_send:
-            self._held.append((self._ticks, ("lookup", (request_id, lookup_id), keys)))
-        for job_id, keys in connector.stores.offers_to_send:
-            self._held.append((self._ticks, ("offer", job_id, keys)))
-            self.offered.extend(keys)
-        connector.lookups_to_send, connector.stores.offers_to_send = [], []
-        self._release()
+        self._send(port.take_outbox("owner"))
         while self._held and self._held[0][0] + self.delay <= self._ticks:
             kind, ident, keys = self._held.popleft()[1]
             if kind == "lookup":
                 request_id, lookup_id = ident
-                reply = self.tier.lookup(keys)
-                self.scheduler.unpark(connector.on_lookup_reply(request_id, lookup_id, keys, reply))
+                port.lookup_answered(request_id, lookup_id, keys, self.tier.lookup(keys))
             else:
-                connector.on_store_slots(ident, self.tier.prepare_store(keys))
-        self._release()
+                port.store_answered(ident, self.tier.prepare_store(keys))
+        self._send(port.take_outbox("owner"))
 
-    def _release(self) -> None:
-        assert self.scheduler.connector is not None
-        release = self.scheduler.connector.take_release("owner")
+    def _send(self, outbox: OffloadOutbox) -> None:
+        """Hold the lookups and offers for their answers; release at once."""
+        for request_id, lookup_id, keys, _ in outbox.lookups:
+            self._held.append((self._ticks, ("lookup", (request_id, lookup_id), keys)))
+        for job_id, keys in outbox.offers:
+            self._held.append((self._ticks, ("offer", job_id, keys)))
+            self.offered.extend(keys)
+        release = outbox.release
         if release is not None and release.generation == self.tier.generation:
             self.tier.release(release.loaded_keys, release.stored_keys, release.failed_keys)
 

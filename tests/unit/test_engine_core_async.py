@@ -10,7 +10,8 @@ from shoal.bus.messages.engine import AbortRequest, AddRequest, EngineCoreOutput
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import StepError, StepResult
 from shoal.config.deployment import CacheConfig, SchedulerConfig
-from shoal.engine.core.engine_core import ClientOutputs, EngineCore
+from shoal.engine.core.engine_core import EngineCore
+from shoal.engine.core.request import ClientOutputs
 from shoal.engine.core.scheduler_output import SchedulerOutput
 from tests.unit.factories import FakeWorker
 

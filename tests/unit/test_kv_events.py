@@ -6,13 +6,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.bus.kv_events_publisher import snapshot_events
 from shoal.bus.messages.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEvent,
     KVEventBatch,
+    snapshot_events,
 )
 from shoal.engine.client.prefix_index import PrefixIndex
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock

@@ -11,7 +11,8 @@ import pytest
 from shoal.bus.messages.engine import AddRequest, EngineCoreOutput
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.config.deployment import CacheConfig, SchedulerConfig
-from shoal.engine.core.engine_core import ClientOutputs, EngineCore
+from shoal.engine.core.engine_core import EngineCore
+from shoal.engine.core.request import ClientOutputs
 from tests.unit.factories import EOS, FakeWorker
 
 PROMPT = [31, 32, 33, 34, 35, 36, 37, 38]  # two blocks of 4
