@@ -23,17 +23,15 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 from shoal.bus.base import Bus, Subscription
-from shoal.bus.codec import Codec, DecodeError, encode
+from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.errors import BusError
 from shoal.bus.liveness import watch_liveness
 from shoal.bus.messages.engine import (
-    AbortRequest,
-    AddRequest,
     EngineOutbound,
     EngineOutputs,
     EngineStats,
@@ -47,6 +45,7 @@ from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_faults import EngineFaults
+from shoal.engine.client.engine_sender import EngineSender
 from shoal.engine.client.fault_tolerance import FaultTolerance
 from shoal.engine.client.generation_defaults import GenerationDefaults, read_generation_defaults
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
@@ -107,12 +106,18 @@ class AsyncEngineClient:
         self.placements = RequestPlacements()
         self._subs: list[Subscription] = []
         self._watchdog: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[None]] = set()
         self._stop_listening: Callable[[], None] | None = None
         self.resumptions = Resumptions(config.fault_tolerance_config)
+        self.sender = EngineSender(bus, self.subjects, self.client_id)
+        # Lost, restarted, silent engine cores; resumption.
         self._faults = EngineFaults(
-            self, self.placements
-        )  # lost, restarted, silent engine cores; resumption
+            self.router,
+            self.fault_tolerance,
+            self.resumptions,
+            self.placements,
+            self.sender,
+            self.require_processor,
+        )
 
     # ----- lifecycle
 
@@ -157,6 +162,7 @@ class AsyncEngineClient:
                 defaults.describe(),
             )
         self._generation_defaults, self._tokenizer = defaults, tokenizer
+        self.sender.eos_token_ids = tokenizer.eos_token_ids
 
     async def close(self) -> None:
         if self._stop_listening is not None:
@@ -286,7 +292,7 @@ class AsyncEngineClient:
         self.placements.place(request_id, engine.engine_id, self.router.epoch(engine.engine_id))
         try:
             sends: list[tuple[ChildRequest, list[int]]] = [(child, []) for child in children]
-            await self.send_adds(engine.engine_id, sends, prompt_ids, arrival, priority)
+            await self.sender.send_adds(engine.engine_id, sends, prompt_ids, arrival, priority)
         except BusError as exc:
             self._fail(request_id, EngineUnavailableError(f"request not sent: {exc!r}"))
             raise EngineUnavailableError(f"request not sent to {engine.engine_id}: {exc}") from exc
@@ -294,30 +300,6 @@ class AsyncEngineClient:
             self._fail(request_id, exc if isinstance(exc, Exception) else RuntimeError(str(exc)))
             raise
         return collector
-
-    async def send_adds(
-        self,
-        engine_id: str,
-        children: list[tuple[ChildRequest, list[int]]],
-        prompt_ids: list[int],
-        arrival: float,
-        priority: int,
-    ) -> None:
-        """One add per completion, with the tokens it already has (resumed) or none."""
-        tokenizer = self.require_tokenizer()
-        subject = self.subjects.engine_in(engine_id)
-        for child, output_token_ids in children:
-            add = AddRequest(
-                child.request_id,
-                prompt_ids,
-                child.sampling_params,
-                self.client_id,
-                arrival,
-                eos_token_ids=tokenizer.eos_token_ids,
-                priority=priority,
-                output_token_ids=output_token_ids,
-            )
-            await self.bus.publish(subject, encode(add))
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -341,7 +323,7 @@ class AsyncEngineClient:
         """Stop a request (idempotent): the engine core frees it, the caller gets no more."""
         _, engine_id, engine_ids = self._forget(request_id)
         if engine_id is not None and engine_ids:
-            await self._send_abort(engine_id, engine_ids)
+            await self.sender.send_abort(engine_id, engine_ids)
 
     def _forget(
         self, request_id: str
@@ -351,14 +333,6 @@ class AsyncEngineClient:
         self.resumptions.forget(request_id)
         collector, engine_id = self.placements.untrack(request_id)
         return collector, engine_id, self.require_processor().abort_request(request_id)
-
-    async def _send_abort(self, engine_id: str, engine_request_ids: list[str]) -> None:
-        try:
-            await self.bus.publish(
-                self.subjects.engine_in(engine_id), encode(AbortRequest(engine_request_ids))
-            )
-        except BusError as exc:
-            log.warning("abort of %s not sent to %s: %r", engine_request_ids, engine_id, exc)
 
     # ----- inbound
 
@@ -391,7 +365,7 @@ class AsyncEngineClient:
             self.resumptions.forget(request_id)
             self.placements.untrack(request_id)
         if processed.reqs_to_abort:
-            await self._send_abort(message.engine_id, processed.reqs_to_abort)
+            await self.sender.send_abort(message.engine_id, processed.reqs_to_abort)
         for request_id, error in processed.to_resume.items():
             engine_id = message.engine_id
             self._faults.resume_or_fail(request_id, engine_id, f"engine core {engine_id}: {error}")
@@ -413,19 +387,9 @@ class AsyncEngineClient:
     def _fail(self, request_id: str, error: Exception) -> None:
         collector, engine_id, engine_ids = self._forget(request_id)
         if engine_id is not None and engine_ids:
-            self.abort_later(engine_id, engine_ids)
+            self.sender.abort_later(engine_id, engine_ids)
         if collector is not None:
             collector.put(error)
-
-    def abort_later(self, engine_id: str, engine_request_ids: list[str]) -> None:
-        """Send an abort in the background (for callers that cannot await)."""
-        self.spawn(self._send_abort(engine_id, engine_request_ids))
-
-    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None:
-        """Run ``coroutine`` in the background, holding on to its task until it is done."""
-        task = asyncio.get_running_loop().create_task(coroutine)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
 
     async def _on_stats(self, msg: Msg) -> None:
         try:

@@ -1,6 +1,6 @@
 """What the engine client does with its requests when an engine core fails them: the
-collaborator (``EngineFaults``) that ``AsyncEngineClient`` calls when it hears of an engine core,
-when its own bus connection comes back, and on each round of its watchdog.
+collaborator (``EngineFaults``) that ``AsyncEngineClient`` holds and calls when it hears of an
+engine core, when its own bus connection comes back, and on each round of its watchdog.
 
 The requests of an engine core that stopped, died or came back as a new incarnation (a restarted
 process, or one whose bus connection dropped: what was in flight may be lost) end at once with
@@ -20,7 +20,8 @@ bit-exact across a resume (the sampler's generator starts afresh).
 
 It keeps no request bookkeeping of its own: it reads and updates the client's
 ``placements.RequestPlacements`` (collectors, which engine core and epoch each request went to)
-and sends through the client; ``Client`` names what it uses of it.
+and its output processor, and sends through the client's ``EngineSender``; the client hands it
+each of these (composition: it never calls the client back).
 """
 
 from __future__ import annotations
@@ -28,12 +29,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Coroutine
-from typing import Any, Protocol
+from collections.abc import Callable
 
 from shoal.bus.errors import BusError
+from shoal.engine.client.engine_sender import EngineSender
 from shoal.engine.client.fault_tolerance import FaultTolerance
-from shoal.engine.client.output_processor import ChildRequest, OutputProcessor, ResumeRequest
+from shoal.engine.client.output_processor import OutputProcessor, ResumeRequest
 from shoal.engine.client.placements import RequestPlacements
 from shoal.engine.client.resumption import Resumptions
 from shoal.engine.client.router import EngineRouter
@@ -41,52 +42,35 @@ from shoal.engine.client.router import EngineRouter
 log = logging.getLogger(__name__)
 
 
-class Client(Protocol):
-    """What ``EngineFaults`` uses of the client (``AsyncEngineClient``): its routing, fault
-    tolerance and resumptions, its output processor and its ways to send."""
-
-    router: EngineRouter
-    fault_tolerance: FaultTolerance
-    resumptions: Resumptions
-
-    def require_processor(self) -> OutputProcessor: ...
-    def abort_later(self, engine_id: str, engine_request_ids: list[str]) -> None: ...
-    def spawn(self, coroutine: Coroutine[Any, Any, None]) -> None: ...
-    async def send_adds(
-        self,
-        engine_id: str,
-        children: list[tuple[ChildRequest, list[int]]],
-        prompt_ids: list[int],
-        arrival: float,
-        priority: int,
-    ) -> None: ...
-
-
 class EngineFaults:
-    """Ends or resumes the requests of lost, restarted or silent engine cores for ``client``,
-    whose requests in flight are ``placements``."""
+    """Ends or resumes the requests of lost, restarted or silent engine cores for one client:
+    its requests in flight are ``placements``, their outputs ``processor()``'s."""
 
-    def __init__(self, client: Client, placements: RequestPlacements) -> None:
-        self._client = client
+    def __init__(
+        self,
+        router: EngineRouter,
+        fault_tolerance: FaultTolerance,
+        resumptions: Resumptions,
+        placements: RequestPlacements,
+        sender: EngineSender,
+        processor: Callable[[], OutputProcessor],
+    ) -> None:
+        """``processor``: the client's output processor (it exists once the client started)."""
+        self.router = router
+        self.fault_tolerance = fault_tolerance
+        self.resumptions = resumptions
         self._placements = placements
+        self._sender = sender
+        self._processor = processor
         self._epochs_checked: dict[str, int] = {}  # engine id → last epoch acted upon
         self._ready_seen: set[str] = set()  # engine cores last seen ready (for transitions)
-
-    @property
-    def router(self) -> EngineRouter:
-        return self._client.router
-
-    @property
-    def resumptions(self) -> Resumptions:
-        return self._client.resumptions
 
     def check_engine(self, engine_id: str) -> None:
         """Hear of ``engine_id``: tell ``FaultTolerance``; once it is ready again, requests
         parked away from it may go to it; if it is lost, or restarted since they were sent,
         end the client's requests on it (no output of theirs can come any more) or resume them
         (lost: on another engine core; restarted: its new incarnation may take them back)."""
-        client = self._client
-        client.fault_tolerance.observe(engine_id)
+        self.fault_tolerance.observe(engine_id)
         self._note_readiness(engine_id)
         lost, epoch = self.router.is_lost(engine_id), self.router.epoch(engine_id)
         if not lost and self._epochs_checked.get(engine_id, 0) == epoch:
@@ -122,8 +106,7 @@ class EngineFaults:
     def _end_with_error(self, request_id: str, engine_id: str | None, error: str) -> None:
         """Finish a request with reason "error"; abort it on the engine core in case a new
         incarnation of it did get it."""
-        client = self._client
-        processor = client.require_processor()
+        processor = self._processor()
         engine_ids = processor.engine_request_ids(request_id)
         output = processor.fail_request(request_id, error)
         self.resumptions.forget(request_id)
@@ -131,7 +114,7 @@ class EngineFaults:
         if collector is not None and output is not None:
             collector.put(output)
         if engine_ids and engine_id is not None:
-            client.abort_later(engine_id, engine_ids)
+            self._sender.abort_later(engine_id, engine_ids)
 
     # ----- resumption (see resumption.py)
 
@@ -147,20 +130,19 @@ class EngineFaults:
         """A request its engine core will not finish: park it to resume on a ready engine core
         (``avoid``: not this one until it is ready again), or end it with ``error``.
         ``counts``: a fault (counted against max resumptions), not a rejection."""
-        client = self._client
         if request_id not in self._placements:
             return
         if not self.resumptions.may_resume(request_id, counts):
             self._end_with_error(request_id, engine_id, error)
             return
-        processor = client.require_processor()
+        processor = self._processor()
         old_ids = processor.engine_request_ids(request_id)
         payload = processor.prepare_resume(request_id)
         if payload is None:
             return
         self._placements.detach(request_id)
         if engine_id is not None and old_ids:
-            client.abort_later(engine_id, old_ids)
+            self._sender.abort_later(engine_id, old_ids)
         log.info("resuming %s (%s)", request_id, error)
         now = time.monotonic()
         self.resumptions.park(request_id, payload, engine_id if avoid else None, now, counts)
@@ -168,7 +150,7 @@ class EngineFaults:
 
     def _resume_parked(self) -> None:
         """Send parked requests to ready engine cores; end those that waited too long."""
-        resumptions, client = self.resumptions, self._client
+        resumptions = self.resumptions
         if not resumptions.parked:
             return
         for request_id in resumptions.take_expired(time.monotonic()):
@@ -184,14 +166,14 @@ class EngineFaults:
             resumptions.unpark(request_id)
             engine_id = engine.engine_id
             self._placements.place(request_id, engine_id, self.router.epoch(engine_id))
-            client.spawn(self._send_resumed(request_id, engine_id, parked.payload))
+            self._sender.spawn(self._send_resumed(request_id, engine_id, parked.payload))
 
     async def _send_resumed(self, request_id: str, engine_id: str, payload: ResumeRequest) -> None:
         placements = self._placements
         if placements.engine_of(request_id) != engine_id:
             return  # aborted, or moved again, before this ran
         try:
-            await self._client.send_adds(
+            await self._sender.send_adds(
                 engine_id,
                 payload.children,
                 payload.prompt_token_ids,
