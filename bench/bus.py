@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import nats
 
 from shoal.bus.errors import NoRespondersError
-from shoal.bus.memory import InMemoryBus
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.server import NatsServer
+from shoal.bus.nats_ops.server import NatsServer
+from shoal.bus.transport.memory import InMemoryBus
+from shoal.bus.transport.nats_bus import NatsBus
 
 SUBJECT = "bench.echo"
 SIZES = (200, 64 * 1024)

@@ -75,7 +75,7 @@ from bench.offload_engine import (
     turn,
 )
 from bench.offload_turns import MODES, returning_turns
-from shoal.bus.server import NatsServer
+from shoal.bus.nats_ops.server import NatsServer
 
 SUFFIX_TOKENS = 16  # fresh tokens after a trace prefix
 POLICIES = ("lru", "arc")

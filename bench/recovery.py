@@ -100,7 +100,7 @@ def make_config(model_dir: Path, args: argparse.Namespace) -> Any:
 async def open_deployment(stack: AsyncExitStack, config: Any) -> tuple[Any, Any, StatusLog]:
     """The actors as supervised processes on a fresh nats-server, a ready client here."""
     from bench.throughput_e2e import start_supervised
-    from shoal.bus.liveness import LivenessTable, watch_liveness
+    from shoal.bus.runtime.liveness import LivenessTable, watch_liveness
     from shoal.engine.client.engine_client import AsyncEngineClient
 
     bus, supervisor = await start_supervised(
@@ -168,9 +168,9 @@ async def workload(client: Any, args: argparse.Namespace, tag: str) -> tuple[Out
 
 
 async def inject(client: Any, engine_id: str) -> None:
-    from shoal.bus.actor import call
     from shoal.bus.codec import Codec
     from shoal.bus.messages.fault import EngineControlReply, InjectFault
+    from shoal.bus.runtime.actor import call
 
     subject = client.subjects.control("engine", engine_id)
     await call(client.bus, subject, InjectFault(0), Codec(EngineControlReply), timeout=10)

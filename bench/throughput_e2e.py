@@ -231,8 +231,8 @@ async def start_supervised(
     """A fresh local nats-server, every planned actor a supervised process on it (with
     ``actor_kwargs`` added to each), and a bus here; (bus, supervisor), closed with ``stack``."""
     from shoal.bus import connect_bus
-    from shoal.bus.server import NatsServer
-    from shoal.bus.supervisor import ActorSpec, Supervisor
+    from shoal.bus.nats_ops.server import NatsServer
+    from shoal.bus.runtime.supervisor import ActorSpec, Supervisor
     from shoal.deploy.deployment import plan_actors
 
     server = stack.enter_context(NatsServer())

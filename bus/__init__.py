@@ -1,8 +1,11 @@
-"""shoal's message bus: the ``Bus`` interface (``bus.base``), its in-memory and NATS transports,
-subjects (``bus.subjects``), codecs (``bus.codec``), the actor runtime (``bus.actor``,
-``bus.supervisor``), the nats-server launcher (``bus.server``) and the key-value buckets and
-object stores of both transports (``bus.buckets``: ``Bus.open_kv``, ``Bus.open_object_store``).
-Only this package imports ``nats``. See ``docs/bus.md``."""
+"""shoal's message bus, grouped by role: the ``Bus`` interface (``bus.base``; its messages
+``bus.msg``, errors ``bus.errors``, streamed replies ``bus.streams``, event streams
+``bus.event_stream``, buckets and object stores ``bus.buckets``), subjects (``bus.subjects``),
+codecs (``bus.codec``) and the wire schemas (``bus.messages``); the transports
+(``bus.transport``: in-memory and NATS); JetStream on NATS (``bus.jetstream``); the actor
+runtime (``bus.runtime``: the actor base, liveness, processes and their supervisor); and NATS
+operations (``bus.nats_ops``: the local nats-server, clusters, permissions, credentials). Only
+this package imports ``nats``. See ``docs/bus.md``."""
 
 from __future__ import annotations
 
@@ -48,12 +51,12 @@ def make_bus(url: str = "memory", **options: Any) -> Bus:
     token, creds_file, tls, name, …).
     """
     if url == "memory" or url.startswith("memory://"):
-        from shoal.bus.memory import InMemoryBus, named_broker
+        from shoal.bus.transport.memory import InMemoryBus, named_broker
 
         name = url.removeprefix("memory").removeprefix("://") or "default"
         return InMemoryBus(named_broker(name), **options)
     if url.startswith(("nats://", "tls://", "ws://", "wss://")):
-        from shoal.bus.nats_bus import NatsBus
+        from shoal.bus.transport.nats_bus import NatsBus
 
         return NatsBus([u.strip() for u in url.split(",") if u.strip()], **options)
     raise ValueError(

@@ -1,7 +1,9 @@
 """What every bus offers beside messages: a key-value bucket (``Bus.open_kv``) and an object
-store (``Bus.open_object_store``). On NATS they are JetStream's (``bus.jetstream``,
-``bus.object_store``); on the in-memory bus they live in the process, shared by every bus of
-one broker (``bus.memory_jetstream``). Both behave alike (``tests/actors/test_bucket_contract.py``):
+store (``Bus.open_object_store``). On NATS they are JetStream's (``bus.jetstream.kv_bucket``,
+``bus.jetstream.object_store``); on the in-memory bus they live in the process, shared by every bus
+of
+one broker (``bus.transport.memory_jetstream``). Both behave alike
+(``tests/actors/test_bucket_contract.py``):
 
 - A bucket is opened, or created when missing; a bucket that exists keeps its own settings.
 - KV: a put returns the revision (rising across the whole bucket); a key put with ``ttl_s``

@@ -2,8 +2,9 @@
 order with bounded retention, replayed to each follower from the start and then live.
 
 On NATS this is a JetStream stream read by an ordered push consumer delivering everything
-(``bus.nats_stream``); on the in-memory bus, an in-memory stream shared by every bus of one
-broker (``bus.memory_stream``), with the same semantics:
+(``bus.jetstream.nats_stream``); on the in-memory bus, an in-memory stream shared by every bus of
+one
+broker (``bus.transport.memory_stream``), with the same semantics:
 
 - ``Bus.open_stream(name, subjects, *, max_age_s=None, max_msgs=None, replicas=1,
   max_msgs_per_subject=None)`` creates

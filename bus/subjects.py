@@ -11,7 +11,7 @@ import functools
 import re
 
 VERSION = "v1"
-# Chunked transfers (``bus.chunking``) are pulled on
+# Chunked transfers (``bus.transport.chunking``) are pulled on
 # ``<TRANSFER_PREFIX>[.<user>].<sender>.<transfer>`` (``Subjects.transfer_prefix``); reply
 # inboxes live under ``<INBOX_ROOT>.<user>`` (``Subjects.inbox_prefix``).
 TRANSFER_PREFIX = "_SHOAL_XFER"
@@ -179,7 +179,8 @@ class Subjects:
         """Object Store bucket of the deployment's object KV tier (``shoal_kv_<namespace>``)."""
         return f"shoal_kv_{self.namespace.replace('.', '_')}"
 
-    # reply inboxes and chunked transfers (not namespaced: nats-py and bus.chunking name them)
+    # reply inboxes and chunked transfers (not namespaced: nats-py and bus.transport.chunking
+    # name them)
     def inbox_prefix(self, user: str) -> str:
         """The reply inboxes of a bus connected as NATS user ``user`` (``_INBOX.<user>``): a
         user may subscribe to its own inboxes only, so no one reads another's replies."""
@@ -196,7 +197,7 @@ class Subjects:
         return f"{TRANSFER_PREFIX}.{validate_token(user, 'NATS user')}"
 
     def transfers(self) -> str:
-        """Every chunked transfer's pull subject (``bus.chunking``)."""
+        """Every chunked transfer's pull subject (``bus.transport.chunking``)."""
         return f"{TRANSFER_PREFIX}.>"
 
     def all(self) -> str:

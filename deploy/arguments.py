@@ -13,7 +13,7 @@ from typing import Any
 
 import msgspec
 
-from shoal.bus.credentials import redact_url, url_has_secret
+from shoal.bus.nats_ops.credentials import redact_url, url_has_secret
 from shoal.config.deployment import (
     BUS_KINDS,
     DTYPES,

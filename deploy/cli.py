@@ -24,12 +24,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from shoal.bus.credentials import (
+from shoal.bus.nats_ops.credentials import (
     CredentialsError,
     NatsCredentials,
     resolve_credentials,
 )
-from shoal.bus.permissions import ROLES
+from shoal.bus.nats_ops.permissions import ROLES
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace, option_default
 from shoal.deploy.model_source import DEFAULT_MODEL_NAME, DEMO_MODEL_NAME, ModelNotFoundError
@@ -310,7 +310,7 @@ def _generate(config: ShoalConfig, ns: argparse.Namespace) -> int:
 async def _actor(
     parser: argparse.ArgumentParser, config: ShoalConfig, ns: argparse.Namespace
 ) -> int:
-    from shoal.bus.run_actor import serve
+    from shoal.bus.runtime.run_actor import serve
     from shoal.deploy.actors import actor_target
 
     nats_url = config.bus_config.nats_url

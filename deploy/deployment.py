@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
-from shoal.bus.run_actor import build_actor, load_target
+from shoal.bus.runtime.actor import Actor
+from shoal.bus.runtime.run_actor import build_actor, load_target
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.model_files import with_model_files
 from shoal.deploy.model_source import ModelNotFoundError, resolve_model

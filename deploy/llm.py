@@ -29,8 +29,8 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from shoal.bus import make_bus
-from shoal.bus.actor import Actor
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.runtime.actor import Actor
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import build_config, plan_actors, start_in_process, stop_in_process
 from shoal.deploy.progress import ProgressBar

@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.bus import connect_bus
-from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, DecodeError
-from shoal.bus.credentials import NatsCredentials
 from shoal.bus.messages.control import StatusEvent
 from shoal.bus.msg import Msg
-from shoal.bus.server import NatsServer, keep_running
+from shoal.bus.nats_ops.credentials import NatsCredentials
+from shoal.bus.nats_ops.server import NatsServer, keep_running
+from shoal.bus.runtime.actor import Actor
+from shoal.bus.runtime.supervisor import ActorSpec, ChildEvent, Supervisor
 from shoal.bus.subjects import Subjects
-from shoal.bus.supervisor import ActorSpec, ChildEvent, Supervisor
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
 from shoal.engine.client.engine_client import AsyncEngineClient

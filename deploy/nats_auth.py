@@ -1,8 +1,9 @@
 """``shoal nats-auth``: the nats-server authorization config of a namespace, one user per role
-(``bus.permissions``), each with a random password kept in ``<credentials dir>/<role>.password``
-(a 0600 file in a 0700 folder; an existing one is reused, so running it again prints the same
-config). The printed config holds the passwords in plain text: keep its file 0600 too (or a
-Kubernetes Secret), and give each actor its own role's file (``--nats-password-file``).
+(``bus.nats_ops.permissions``), each with a random password kept in ``<credentials
+dir>/<role>.password`` (a 0600 file in a 0700 folder; an existing one is reused, so running it
+again prints the same config). The printed config holds the passwords in plain text: keep its file
+0600 too (or a Kubernetes Secret), and give each actor its own role's file
+(``--nats-password-file``).
 
 The cluster's routes get a user of their own, ``<namespace>-route`` (password in
 ``route.password``): ``cluster_auth_config`` is the part of a node's ``cluster {}`` block that
@@ -15,9 +16,9 @@ import os
 import secrets
 from pathlib import Path
 
-from shoal.bus.credentials import read_password_file
-from shoal.bus.nats_cluster import route_auth
-from shoal.bus.permissions import ROLES, authorization_config, user_name
+from shoal.bus.nats_ops.cluster import route_auth
+from shoal.bus.nats_ops.credentials import read_password_file
+from shoal.bus.nats_ops.permissions import ROLES, authorization_config, user_name
 
 PASSWORD_BYTES = 24
 ROUTE = "route"  # the routes' password file is route.password

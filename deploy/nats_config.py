@@ -17,8 +17,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from shoal.bus.nats_cluster import DEFAULT_CLUSTER_NAME, cluster_block
-from shoal.bus.server import DEFAULT_MAX_PAYLOAD
+from shoal.bus.nats_ops.cluster import DEFAULT_CLUSTER_NAME, cluster_block
+from shoal.bus.nats_ops.server import DEFAULT_MAX_PAYLOAD
 
 NUM_NODES = 3
 CLIENT_PORT = 4222

@@ -6,7 +6,7 @@ replicas brought to ``--jetstream-replicas`` (a deployment moved onto a cluster)
 subjects a newer shoal captures added to the KV-events stream (the tiers' KV events).
 
 With per-role NATS users (``shoal nats-auth``) no actor may create a bucket or stream (whoever
-creates one picks its subjects: ``bus.permissions``), so this runs first, as the
+creates one picks its subjects: ``bus.nats_ops.permissions``), so this runs first, as the
 ``<namespace>-provisioner`` user. Without users the first actor to need one creates it and this
 is optional.
 """
@@ -19,12 +19,12 @@ from typing import Any
 
 from shoal.bus import connect_bus
 from shoal.bus.base import Bus
-from shoal.bus.credentials import CredentialsError, resolve_credentials
 from shoal.bus.errors import BusError
-from shoal.bus.jetstream_replicas import add_stream_subjects, set_stream_replicas, stream_replicas
-from shoal.bus.kv_events_stream import kv_events_subjects, open_kv_events_stream
+from shoal.bus.jetstream.replicas import add_stream_subjects, set_stream_replicas, stream_replicas
+from shoal.bus.nats_ops.credentials import CredentialsError, resolve_credentials
 from shoal.bus.subjects import Subjects
 from shoal.deploy.arguments import JoinNatsUrls, option_default, positive_int
+from shoal.kv_events.stream import kv_events_subjects, open_kv_events_stream
 from shoal.workers.group_ports import open_port_bucket
 
 EXIT_OK, EXIT_FAILED = 0, 1

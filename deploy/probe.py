@@ -2,12 +2,12 @@
 (a Kubernetes exec readiness probe, a systemd or compose health check).
 
 The probe joins the bus, listens to the heartbeats and status events of actors of ``KIND``
-(``bus.liveness``) until ``ID`` is heard from, and exits 0 if that actor is READY (with
+(``bus.runtime.liveness``) until ``ID`` is heard from, and exits 0 if that actor is READY (with
 ``--alive``: in any state but DEAD or STOPPED, i.e. its process is up and on the bus), 1 if it
 is in another state, 2 if it was not heard from within the timeout (every actor sends a
 heartbeat each second). The bus credentials come from ``SHOAL_NATS_USER`` and
-``SHOAL_NATS_PASSWORD`` in the environment (``bus.credentials``), never from the command line,
-and ``--nats-url`` is checked like the actors' (no credentials in it).
+``SHOAL_NATS_PASSWORD`` in the environment (``bus.nats_ops.credentials``), never from the command
+line, and ``--nats-url`` is checked like the actors' (no credentials in it).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import sys
 
 from shoal.bus import connect_bus
 from shoal.bus.base import Bus
-from shoal.bus.credentials import CredentialsError, resolve_credentials
 from shoal.bus.errors import BusError
-from shoal.bus.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.messages.control import ActorState
+from shoal.bus.nats_ops.credentials import CredentialsError, resolve_credentials
+from shoal.bus.runtime.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.subjects import Subjects
 from shoal.deploy.arguments import JoinNatsUrls
 

@@ -15,12 +15,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any, cast
 
-from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.control import Heartbeat
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import Actor, Inbox
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.gateway.app import create_app

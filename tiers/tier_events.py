@@ -1,6 +1,6 @@
 """An offload tier's KV events (prefix routing): the chunks that became readable in it and
 those that left, as vLLM's offloading events, published on ``Subjects.tier_kv_events(tier_id)``
-through a ``bus.kv_events_publisher.KvEventsPublisher`` (seq, snapshots, payload limit, the
+through a ``kv_events.publisher.KvEventsPublisher`` (seq, snapshots, payload limit, the
 kv-events stream) so engine clients know which prefixes a host's CPU tier holds.
 
 The tier's ``OffloadManager`` logs ``OffloadEvent``s; every ``flush_interval_s`` (coalesced:
@@ -22,7 +22,6 @@ import logging
 from collections.abc import Callable
 
 from shoal.bus.base import Bus
-from shoal.bus.kv_events_publisher import KvEventsPublisher
 from shoal.bus.messages.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -32,6 +31,7 @@ from shoal.bus.messages.kv_events import (
 )
 from shoal.bus.subjects import Subjects
 from shoal.config.deployment import ShoalConfig
+from shoal.kv_events.publisher import KvEventsPublisher
 from shoal.tiers.books.keys import OffloadKey, get_offload_block_hash
 from shoal.tiers.books.manager import OffloadEvent, OffloadManager
 

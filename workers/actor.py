@@ -49,7 +49,6 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, TypeVar
 
-from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import BusError
@@ -69,6 +68,7 @@ from shoal.bus.messages.worker import (
     WorkerInfo,
 )
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import Actor, Inbox
 from shoal.config.deployment import ShoalConfig
 from shoal.workers.grammar_mask import GrammarMailbox
 from shoal.workers.group_ports import (

@@ -35,7 +35,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, ClassVar
 
-from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import BusError
@@ -51,6 +50,7 @@ from shoal.bus.messages.engine import (
 )
 from shoal.bus.messages.fault import EngineControl, FaultToleranceRequest, InjectFault
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import Actor, Inbox
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.actor.fault_handling import FaultHandler
 from shoal.engine.actor.kv_events_link import KvEventsLink

@@ -24,7 +24,6 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from shoal.bus.actor import Actor
 from shoal.bus.errors import BusError
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.fault import (
@@ -33,6 +32,7 @@ from shoal.bus.messages.fault import (
     FaultToleranceResult,
     InjectFault,
 )
+from shoal.bus.runtime.actor import Actor
 from shoal.engine.actor.sentinel import EXIT_RECOVERY_TIMEOUT, FaultSentinel
 from shoal.engine.actor.worker_link import WorkerFailure, WorkerLink
 from shoal.engine.core.engine_core import EngineCore

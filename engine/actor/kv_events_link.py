@@ -1,6 +1,6 @@
 """Publishes an engine core's KV events (prefix routing): once per step, the events its block
 pool logged since the last one, on ``Subjects.kv_events(engine_id)`` through a
-``bus.kv_events_publisher.KvEventsPublisher`` (seq, snapshots, payload limit, the stream).
+``kv_events.publisher.KvEventsPublisher`` (seq, snapshots, payload limit, the stream).
 
 The first batch of each incarnation of the actor, and the first for a new ``EngineCore`` (a
 rebuilt cache), is a snapshot of every hash cached now (``seq`` restarts at 0 with it); so is
@@ -10,9 +10,9 @@ one every snapshot interval and after a reconnect or a failed publish.
 from __future__ import annotations
 
 from shoal.bus.base import Bus
-from shoal.bus.kv_events_publisher import KvEventsPublisher
 from shoal.bus.subjects import Subjects
 from shoal.engine.core.engine_core import EngineCore
+from shoal.kv_events.publisher import KvEventsPublisher
 
 
 class KvEventsLink:

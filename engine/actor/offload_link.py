@@ -27,7 +27,6 @@ import re
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-from shoal.bus.actor import call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import BusError
@@ -44,6 +43,7 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.bus.messages.worker import WorkerInfo
+from shoal.bus.runtime.actor import call
 from shoal.bus.subjects import Subjects
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.core.offload_port import OffloadPort

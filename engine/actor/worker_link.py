@@ -19,11 +19,9 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from shoal.bus.actor import call
 from shoal.bus.base import Bus, Subscription
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.errors import BusError
-from shoal.bus.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.offload import KVTransferResult
 from shoal.bus.messages.structured import StepGrammar
@@ -38,6 +36,8 @@ from shoal.bus.messages.worker import (
     WorkerOutbound,
 )
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import call
+from shoal.bus.runtime.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.streams import is_no_responders
 from shoal.bus.subjects import Subjects
 

@@ -30,7 +30,6 @@ from typing import Any
 from shoal.bus.base import Bus, Subscription
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.errors import BusError
-from shoal.bus.liveness import watch_liveness
 from shoal.bus.messages.engine import (
     EngineOutbound,
     EngineOutputs,
@@ -40,6 +39,7 @@ from shoal.bus.messages.engine import (
 )
 from shoal.bus.messages.sampling import SamplingParams, out_of_vocab
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.liveness import watch_liveness
 from shoal.bus.subjects import Subjects
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.chat_options import ChatOptions

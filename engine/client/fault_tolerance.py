@@ -21,10 +21,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from shoal.bus.actor import call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
-from shoal.bus.liveness import GONE_STATES, LivenessTable
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.fault import (
     EngineControlReply,
@@ -32,6 +30,8 @@ from shoal.bus.messages.fault import (
     FaultToleranceResult,
     status_name,
 )
+from shoal.bus.runtime.actor import call
+from shoal.bus.runtime.liveness import GONE_STATES, LivenessTable
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.router import EngineRouter
 

@@ -20,15 +20,15 @@ from shoal.bus.base import Bus, Subscription
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.errors import BusError
 from shoal.bus.event_stream import StreamFollower
-from shoal.bus.kv_events_stream import kv_events_subjects, open_kv_events_stream
-from shoal.bus.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.messages.kv_events import KVEventBatch
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.subjects import Subjects
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.prefix_index import PrefixIndex
 from shoal.engine.core.block_hash import BlockHash, BlockHasher
+from shoal.kv_events.stream import kv_events_subjects, open_kv_events_stream
 
 log = logging.getLogger(__name__)
 _BATCH: Codec[KVEventBatch] = Codec(KVEventBatch)

@@ -2,8 +2,8 @@
 last published load, and this client's own requests in flight on each.
 
 An engine core is known once its stats arrive. It counts as ready while its heartbeats or stats
-keep arriving (``stale_after_s``) and its last state (``bus.liveness``) is READY; it counts as
-lost once DEAD or STOPPED or silent for twice that. Its ``epoch`` counts its restarts (new
+keep arriving (``stale_after_s``) and its last state (``bus.runtime.liveness``) is READY; it counts
+as lost once DEAD or STOPPED or silent for twice that. Its ``epoch`` counts its restarts (new
 incarnations): a request sent in an earlier epoch died with the process that had it. The least
 loaded ready one wins: waiting + running requests as last reported, plus what this client sent
 since (not yet in a report), ties broken by KV usage.
@@ -28,9 +28,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shoal.bus.liveness import GONE_STATES, LivenessTable
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.engine import EngineStats
+from shoal.bus.runtime.liveness import GONE_STATES, LivenessTable
 from shoal.engine.client.prefix_index import PrefixIndex
 
 
@@ -66,7 +66,7 @@ def kv_score(
 
 class EngineRouter:
     """Engine views by id; ``liveness`` is fed with the engine cores' heartbeats and status
-    events (``bus.liveness.watch_liveness``) and touched by their stats."""
+    events (``bus.runtime.liveness.watch_liveness``) and touched by their stats."""
 
     def __init__(
         self,

@@ -3,7 +3,7 @@
 ``BlockPool`` calls it (only when one is attached: no cost otherwise) where hashes enter its
 map (``stored``), leave it (``removed``) and where the whole map is forgotten (``cleared``).
 The engine shell takes the events once per step (``take``) and publishes them as one
-``KVEventBatch`` (``bus.kv_events_publisher``). Replaying every event ever taken, in order,
+``KVEventBatch`` (``kv_events.publisher``). Replaying every event ever taken, in order,
 gives exactly the set of hashes in the pool's map; a clear drops the events before it.
 """
 

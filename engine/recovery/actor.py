@@ -17,7 +17,6 @@ import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from shoal.bus.actor import Actor, Inbox, call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.errors import BusError
@@ -29,6 +28,7 @@ from shoal.bus.messages.fault import (
     FaultToleranceResult,
 )
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import Actor, Inbox, call
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.recovery.policy import GiveUp, RecoveryPolicy, RetryLimits, SendRetry
 

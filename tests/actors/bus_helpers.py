@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 import msgspec
 
-from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus, ReplyStream
 from shoal.bus.codec import Codec
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import Actor, Inbox
 
 
 class Ping(msgspec.Struct, tag="ping", array_like=True):

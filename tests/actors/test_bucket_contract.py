@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 
-from shoal.bus import memory_jetstream, object_store
 from shoal.bus.base import Bus
 from shoal.bus.buckets import KvBucket, KvEntry, ObjectStore, ValueTooLargeError
 from shoal.bus.errors import BusTimeoutError, PayloadIntegrityError
-from shoal.bus.memory_jetstream import MemoryObjectStore
+from shoal.bus.jetstream import object_store
+from shoal.bus.transport import memory_jetstream
+from shoal.bus.transport.memory_jetstream import MemoryObjectStore
 
 BusFactory = Callable[..., Awaitable[Bus]]
 WAIT_S = 10.0

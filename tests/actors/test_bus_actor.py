@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from shoal.bus.actor import call
 from shoal.bus.base import ERROR_CODE_HEADER
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import RemoteError
 from shoal.bus.messages.control import ActorState, ControlEvent, ErrorReply, Heartbeat, StatusEvent
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import call
 from shoal.bus.streams import request_stream
 from tests.actors.bus_helpers import PONG_CODEC, Count, EchoActor, Note, Ping, Pong
 from tests.actors.test_bus_contract import LIMIT_S, Inbox, settle
@@ -127,7 +127,7 @@ class SessionEcho(EchoActor):
 async def test_an_incarnation_is_a_life_and_for_some_actors_a_connection() -> None:
     """A bus reconnect gives a new incarnation only to actors whose peers must learn that
     messages in flight may be lost (engine cores); others keep theirs (workers: state intact)."""
-    from shoal.bus.memory import InMemoryBus
+    from shoal.bus.transport.memory import InMemoryBus
 
     bus = InMemoryBus()
     plain, session = EchoActor(bus, "p"), SessionEcho(bus, "s")
@@ -142,7 +142,7 @@ async def test_an_incarnation_is_a_life_and_for_some_actors_a_connection() -> No
 
 def test_an_engine_core_takes_a_new_incarnation_at_each_reconnect(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     """So its clients end the requests whose adds or outputs a reconnect may have lost."""
-    from shoal.bus.memory import InMemoryBus
+    from shoal.bus.transport.memory import InMemoryBus
     from shoal.config.deployment import ShoalConfig
     from shoal.engine.actor.core_actor import EngineCoreActor
     from shoal.workers.actor import WorkerActor

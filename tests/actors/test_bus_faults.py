@@ -9,15 +9,15 @@ import signal
 
 import pytest
 
-from shoal.bus.actor import call
 from shoal.bus.codec import Codec
 from shoal.bus.errors import BusError, BusTimeoutError, ConnectionLostError, NoRespondersError
 from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.server import NatsServer
+from shoal.bus.nats_ops.server import NatsServer
+from shoal.bus.runtime.actor import call
+from shoal.bus.runtime.supervisor import ActorSpec, ChildState, RestartPolicy, Supervisor
 from shoal.bus.subjects import Subjects
-from shoal.bus.supervisor import ActorSpec, ChildState, RestartPolicy, Supervisor
+from shoal.bus.transport.nats_bus import NatsBus
 from tests.actors.bus_helpers import PONG_CODEC, Ping, Pong
 
 pytestmark = pytest.mark.nats

@@ -11,11 +11,16 @@ import pytest
 
 from shoal.bus import connect_bus
 from shoal.bus.errors import BusError, PayloadIntegrityError
-from shoal.bus.jetstream import KvEntry, NatsKvBucket
+from shoal.bus.jetstream.kv_bucket import KvEntry, NatsKvBucket
+from shoal.bus.jetstream.object_store import NatsObjectStore
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import BusAuthError, NatsBus
-from shoal.bus.object_store import NatsObjectStore
-from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server, keep_running
+from shoal.bus.nats_ops.server import (
+    NatsServer,
+    NatsServerNotFoundError,
+    find_nats_server,
+    keep_running,
+)
+from shoal.bus.transport.nats_bus import BusAuthError, NatsBus
 
 pytestmark = pytest.mark.nats
 

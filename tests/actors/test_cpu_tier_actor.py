@@ -19,7 +19,6 @@ from typing import Any
 import msgspec
 import pytest
 
-from shoal.bus.actor import Actor, Inbox, call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.offload import (
@@ -42,7 +41,8 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.bus.msg import Msg
-from shoal.bus.run_actor import build_actor
+from shoal.bus.runtime.actor import Actor, Inbox, call
+from shoal.bus.runtime.run_actor import build_actor
 from shoal.config.deployment import FsTierConfig, KVTransferConfig, ShoalConfig
 from shoal.config.kv_transfer import BackpressureConfig
 from shoal.tiers.books.backpressure import StoreBackpressure
@@ -535,7 +535,8 @@ async def test_only_a_wait_of_the_links_own_length_detaches_it(deployment):
 
 
 async def test_run_actor_builds_it_from_the_deployments_json(deployment):
-    """``bus.run_actor`` builds it from JSON keywords (the deployment's config, a directory)."""
+    """``bus.runtime.run_actor`` builds it from JSON keywords (the deployment's config, a
+    directory)."""
     config = ShoalConfig.from_options(
         model="unused", namespace=deployment.namespace, cpu_bytes_to_use=LAYOUT.slot_bytes
     )

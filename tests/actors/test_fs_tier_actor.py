@@ -23,7 +23,6 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.actor import Actor, call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.errors import BusTimeoutError, NoRespondersError
@@ -47,9 +46,10 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import NatsBus
+from shoal.bus.runtime.actor import Actor, call
+from shoal.bus.runtime.supervisor import ActorSpec, RestartPolicy, Supervisor
 from shoal.bus.subjects import Subjects
-from shoal.bus.supervisor import ActorSpec, RestartPolicy, Supervisor
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.config.deployment import FsTierConfig, KVTransferConfig, ShoalConfig
 from shoal.deploy.deployment import (
     CPU_TIER_TARGET,

@@ -8,11 +8,11 @@ from __future__ import annotations
 import asyncio
 
 from shoal.bus.codec import Codec, encode
-from shoal.bus.memory import InMemoryBus
 from shoal.bus.messages.control import ActorState, StatusEvent
 from shoal.bus.messages.fault import EngineControl, FaultToleranceRequest, FaultToleranceResult
 from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.engine.client.fault_tolerance import FaultTolerance
 from shoal.engine.client.router import EngineRouter
 

@@ -16,15 +16,15 @@ import pytest
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.errors import BusError
-from shoal.bus.kv_events_stream import KV_EVENTS_MAX_MSGS_PER_ENGINE, open_kv_events_stream
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.kv_events import AllBlocksCleared, BlockStored, KVEventBatch
 from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.config.deployment import CacheConfig, SchedulerConfig, ShoalConfig
 from shoal.engine.actor.kv_events_link import KvEventsLink
 from shoal.engine.client.prefix_routing import PrefixRouting
 from shoal.engine.core.engine_core import EngineCore
+from shoal.kv_events.stream import KV_EVENTS_MAX_MSGS_PER_ENGINE, open_kv_events_stream
 
 MAX_PAYLOAD = 16 * 1024
 BusFactory = Callable[[], Awaitable[Bus]]
@@ -36,7 +36,7 @@ def small_server(bus_kind: str) -> Iterator[Any]:
     if bus_kind == "memory":
         yield None
         return
-    from shoal.bus.server import NatsServer, NatsServerNotFoundError
+    from shoal.bus.nats_ops.server import NatsServer, NatsServerNotFoundError
     from tests.fixtures.nats import nats_server_missing
 
     try:
@@ -50,7 +50,7 @@ def small_server(bus_kind: str) -> Iterator[Any]:
 @pytest.fixture
 async def small_bus(small_server: Any) -> AsyncIterator[BusFactory]:
     """Buses (one subject space) whose payloads above 16 KiB travel chunked."""
-    from shoal.bus.nats_bus import NatsBus
+    from shoal.bus.transport.nats_bus import NatsBus
 
     buses: list[Bus] = []
     broker = InMemoryBroker()

@@ -13,11 +13,11 @@ import pytest
 
 from shoal.bus import connect_bus
 from shoal.bus.base import Bus
-from shoal.bus.credentials import redact_url
 from shoal.bus.errors import BusError
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.nats_cluster import NatsCluster, cluster_block, healthz, route_auth
+from shoal.bus.nats_ops.cluster import NatsCluster, cluster_block, healthz, route_auth
+from shoal.bus.nats_ops.credentials import redact_url
+from shoal.bus.transport.nats_bus import NatsBus
 
 pytestmark = [pytest.mark.nats, pytest.mark.slow, pytest.mark.timeout(120)]
 

@@ -19,11 +19,11 @@ import pytest
 
 from shoal.bus.base import Bus
 from shoal.bus.buckets import ObjectStore
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.jetstream.object_store import NatsObjectStore
 from shoal.bus.messages.offload import SecondaryAttached, TierAttach, TierCascade, TierError
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.object_store import NatsObjectStore
-from shoal.bus.server import NatsServer
+from shoal.bus.nats_ops.server import NatsServer
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.config.deployment import ObjTierConfig
 from shoal.tiers.secondary.obj_actor import ObjTierActor
 from shoal.tiers.secondary.obj_store import ObjectChunks

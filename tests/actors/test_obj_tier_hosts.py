@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 from shoal.bus.errors import BusTimeoutError
+from shoal.bus.jetstream.object_store import NatsObjectStore
 from shoal.bus.messages.offload import SecondaryAttached, TierPromote
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.object_store import NatsObjectStore
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.tiers.secondary import obj_store
 from shoal.tiers.secondary.obj_actor import ObjTierActor
 from shoal.tiers.secondary.obj_store import ObjectChunks

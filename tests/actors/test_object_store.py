@@ -1,5 +1,5 @@
-"""The Object Store (``bus.object_store``) cut short or raced, against a real nats-server: two
-clients (two hosts) on one bucket.
+"""The Object Store (``bus.jetstream.object_store``) cut short or raced, against a real
+nats-server: two clients (two hosts) on one bucket.
 
 A read takes direct gets and makes no consumer; a chunk a direct get does not find (a replica
 behind the leader) or a stream without direct gets sends the read to a consumer, which returns
@@ -23,11 +23,11 @@ from typing import Any
 import nats.js.errors
 import pytest
 
-from shoal.bus import object_store
 from shoal.bus.errors import BusTimeoutError, PayloadIntegrityError
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.object_store import CHUNK_BYTES, NatsObjectStore
-from shoal.bus.server import NatsServer
+from shoal.bus.jetstream import object_store
+from shoal.bus.jetstream.object_store import CHUNK_BYTES, NatsObjectStore
+from shoal.bus.nats_ops.server import NatsServer
+from shoal.bus.transport.nats_bus import NatsBus
 from tests.integration.conditions import wait_for
 
 pytestmark = pytest.mark.nats

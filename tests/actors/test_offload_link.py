@@ -9,10 +9,10 @@ import asyncio
 import pytest
 
 from shoal.bus.codec import Codec, DecodeError
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.offload import KVLayout, TierInbound, TierRenew
 from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.actor import offload_link
 from shoal.engine.actor.offload_link import OffloadLink

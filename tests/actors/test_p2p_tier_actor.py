@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.actor import Actor, call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.messages.offload import (
@@ -36,6 +35,7 @@ from shoal.bus.messages.offload import (
 )
 from shoal.bus.messages.p2p import PeerHeld, PeerLookup
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import Actor, call
 from shoal.config.deployment import KVTransferConfig, P2PTierConfig
 from shoal.tiers.cpu.actor import CpuTierActor
 from shoal.tiers.cpu.region import SharedRegion

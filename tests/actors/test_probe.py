@@ -13,8 +13,8 @@ import pytest
 from shoal.bus.base import Bus
 from shoal.bus.codec import encode
 from shoal.bus.messages.control import ActorState, Heartbeat
-from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.deploy.cli import build_parser
 from shoal.deploy.probe import (
     EXIT_NOT_READY,

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.control import ActorState, StatusEvent
@@ -29,6 +28,7 @@ from shoal.bus.messages.fault import (
     InjectFault,
 )
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import Actor, Inbox
 from shoal.bus.subjects import Subjects
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.recovery.actor import RecoveryControllerActor

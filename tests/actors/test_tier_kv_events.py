@@ -24,8 +24,8 @@ from shoal.bus.messages.kv_events import (
     KVEventBatch,
 )
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.prefix_routing import PrefixRouting
 from shoal.tiers.books.keys import get_offload_block_hash

@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from shoal.bus.actor import call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.control import ActorState, Heartbeat
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import (
@@ -27,6 +25,8 @@ from shoal.bus.messages.worker import (
     WorkerInfo,
     WorkerOutbound,
 )
+from shoal.bus.runtime.actor import call
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.workers.actor import WorkerActor
 from tests.fixtures.nats import BusFactory
 from tests.integration.conditions import wait_for

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.actor import call
 from shoal.bus.codec import Codec
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import (
     CachedRequestData,
@@ -21,6 +19,8 @@ from shoal.bus.messages.worker import (
     WorkerInfo,
     WorkerOutbound,
 )
+from shoal.bus.runtime.actor import call
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.workers.actor import WorkerActor
 

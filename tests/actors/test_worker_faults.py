@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.actor import call
 from shoal.bus.base import Bus
 from shoal.bus.messages.fault import FaultInjected, InjectFault
 from shoal.bus.messages.worker import GroupJoined, JoinGroup, StepResult
+from shoal.bus.runtime.actor import call
 from shoal.bus.subjects import Subjects
 from shoal.engine.actor.worker_link import WorkerFailure, WorkerLink
 from shoal.workers.actor import WorkerActor

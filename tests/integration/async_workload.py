@@ -8,8 +8,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from tests.fixtures.models import make_prompts
 from tests.integration.conditions import pick_stop_string, read_then_hang_up, wait_for
 from tests.integration.engine_stack import engine_stack

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
+from shoal.bus.runtime.actor import Actor
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import plan_tiers, start_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor

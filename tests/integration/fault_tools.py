@@ -7,7 +7,6 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
-from shoal.bus.actor import call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.messages.engine import (
@@ -27,6 +26,7 @@ from shoal.bus.messages.fault import (
 )
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import call
 from shoal.bus.subjects import Subjects
 
 _REPLY: Codec[EngineControlReply] = Codec(EngineControlReply)

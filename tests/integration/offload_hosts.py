@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.engine import SchedulerStats
+from shoal.bus.runtime.actor import Actor
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import CPU_TIER_TARGET, plan_tiers, start_in_process, stop_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor

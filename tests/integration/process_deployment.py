@@ -12,8 +12,8 @@ from shoal.bus import connect_bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.supervisor import ActorSpec, Supervisor
 from shoal.bus.subjects import Subjects
-from shoal.bus.supervisor import ActorSpec, Supervisor
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import plan_actors
 from shoal.engine.client.engine_client import AsyncEngineClient

@@ -1,5 +1,5 @@
-"""Buses connected as a namespace's per-role NATS users (``bus.permissions``), for the tests
-that run a real nats-server with the generated authorization config: ``role_buses`` gives
+"""Buses connected as a namespace's per-role NATS users (``bus.nats_ops.permissions``), for the
+tests that run a real nats-server with the generated authorization config: ``role_buses`` gives
 ``connect(role)`` (a connected ``NatsBus``; every one closed at the end), ``role_deployment``
 a whole deployment with each actor on its role's bus."""
 
@@ -9,9 +9,9 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
-from shoal.bus.actor import Actor
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.permissions import user_name
+from shoal.bus.nats_ops.permissions import user_name
+from shoal.bus.runtime.actor import Actor
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import plan_actors, start_in_process, stop_in_process
 from shoal.deploy.nats_init import provision

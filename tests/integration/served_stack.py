@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from shoal.bus.memory import InMemoryBus
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.gateway.app import create_app
 from shoal.gateway.metrics import FINISH_REASONS, Metrics
 from shoal.gateway.server import start_http_server

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.engine.actor.core_actor import EngineCoreActor
 from tests.fixtures.models import make_prompts
 from tests.integration.async_workload import (

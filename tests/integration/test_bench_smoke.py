@@ -26,7 +26,7 @@ from aiohttp import web
 
 from bench import serve
 from bench.spec_decode import WORKLOADS
-from shoal.bus.memory import InMemoryBus
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.gateway.app import create_app
 from shoal.gateway.server import start_http_server
 from tests.integration.engine_stack import engine_stack

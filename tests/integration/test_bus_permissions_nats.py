@@ -1,5 +1,5 @@
-"""Least privilege on a real nats-server started with ``bus.permissions``' config: each role
-connects as its own user and a whole deployment (tiers with the object store, worker, engine
+"""Least privilege on a real nats-server started with ``bus.nats_ops.permissions``' config: each
+role connects as its own user and a whole deployment (tiers with the object store, worker, engine
 core, recovery controller, gateway, a NATS API caller) serves a greedy request of the tiny
 model, with no refusal; a forbidden publish or subscription of each role is refused by the
 server, seen in the refused bus's ``permission_violations`` and by a subscriber that never gets
@@ -14,17 +14,17 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.jetstream_create import NotProvisionedError
-from shoal.bus.jetstream_replicas import stream_replicas
-from shoal.bus.kv_events_stream import open_kv_events_stream
+from shoal.bus.jetstream.create import NotProvisionedError
+from shoal.bus.jetstream.replicas import stream_replicas
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import BusAuthError, NatsBus
-from shoal.bus.nats_cluster import NatsCluster
-from shoal.bus.permissions import ROLES, authorization_config, user_name
-from shoal.bus.server import NatsServer, NatsServerNotFoundError
+from shoal.bus.nats_ops.cluster import NatsCluster
+from shoal.bus.nats_ops.permissions import ROLES, authorization_config, user_name
+from shoal.bus.nats_ops.server import NatsServer, NatsServerNotFoundError
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.nats_bus import BusAuthError, NatsBus
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.nats_init import provision
+from shoal.kv_events.stream import open_kv_events_stream
 from shoal.workers.group_ports import open_port_bucket
 from tests.fixtures.nats import nats_server_missing
 from tests.integration.conditions import wait_for
@@ -252,8 +252,8 @@ async def test_only_the_provisioner_creates_buckets_through_shoal_nats_init(
 async def test_shoal_nats_auth_prints_a_config_nats_server_accepts(tmp_path: Path, capsys):  # type: ignore[no-untyped-def]
     """The users it prints, and the route credentials it writes with ``--cluster-auth-file``
     (0600, the route password kept and reused), included inside a ``cluster {}`` block."""
-    from shoal.bus.credentials import resolve_credentials
-    from shoal.bus.nats_cluster import cluster_block, free_port
+    from shoal.bus.nats_ops.cluster import cluster_block, free_port
+    from shoal.bus.nats_ops.credentials import resolve_credentials
     from shoal.deploy.cli import main
 
     try:
@@ -301,8 +301,8 @@ def test_credentials_in_the_url_are_refused(capsys):  # type: ignore[no-untyped-
 
 async def test_a_supervised_child_gets_its_credentials_by_environment():
     """The child connects with the credentials given in its env; its command line has none."""
-    from shoal.bus.credentials import NatsCredentials
-    from shoal.bus.supervisor import ActorSpec, Supervisor
+    from shoal.bus.nats_ops.credentials import NatsCredentials
+    from shoal.bus.runtime.supervisor import ActorSpec, Supervisor
     from tests.actors.test_bus_faults import ECHO_SUBJECT, echo_spec, ping_until_answered
 
     credentials = NatsCredentials("u", secrets.token_urlsafe(12))

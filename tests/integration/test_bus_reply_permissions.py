@@ -1,6 +1,6 @@
-"""Replies and chunked transfers under ``bus.permissions`` on a real nats-server whose small
-max_payload makes every large message travel chunked: a reply forged into another user's request
-in flight is refused (the requester gets the real one), an actor answers a request once, no
+"""Replies and chunked transfers under ``bus.nats_ops.permissions`` on a real nats-server whose
+small max_payload makes every large message travel chunked: a reply forged into another user's
+request in flight is refused (the requester gets the real one), an actor answers a request once, no
 role sees another's chunk pulls, and the ``client`` role sends a chunked request to the NATS API
 and gets chunked and streamed answers from a deployment of the tiny model, with no refusal."""
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.permissions import ROLES, authorization_config, user_name
-from shoal.bus.server import NatsServer, NatsServerNotFoundError
+from shoal.bus.nats_ops.permissions import ROLES, authorization_config, user_name
+from shoal.bus.nats_ops.server import NatsServer, NatsServerNotFoundError
 from shoal.bus.streams import request_stream
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.config.deployment import ShoalConfig
 from tests.fixtures.nats import nats_server_missing
 from tests.integration.conditions import wait_for

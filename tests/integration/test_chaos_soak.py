@@ -13,12 +13,12 @@ import signal
 
 import pytest
 
-from shoal.bus.actor import call
 from shoal.bus.codec import Codec
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.fault import FaultInjected, InjectFault
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import WorkerOutbound
+from shoal.bus.runtime.actor import call
 from shoal.bus.subjects import Subjects
 from shoal.deploy.deployment import build_config
 from shoal.engine.client.interface import EngineUnavailableError

@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.deploy.deployment import build_config, plan_actors, start_in_process, stop_in_process
 from shoal.gateway.actor import GatewayActor
 

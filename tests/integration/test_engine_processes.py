@@ -18,7 +18,7 @@ import pytest_asyncio
 
 from shoal.bus import connect_bus
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.bus.supervisor import ActorSpec, Supervisor
+from shoal.bus.runtime.supervisor import ActorSpec, Supervisor
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.deployment import build_config, plan_actors
 from shoal.engine.client.collector import RequestOutputCollector

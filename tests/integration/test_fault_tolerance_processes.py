@@ -14,8 +14,8 @@ import pytest
 
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
+from shoal.bus.runtime.supervisor import ChildState
 from shoal.bus.subjects import Subjects
-from shoal.bus.supervisor import ChildState
 from shoal.deploy.deployment import build_config
 from shoal.engine.actor.sentinel import EXIT_RECOVERY_TIMEOUT
 from tests.integration.conditions import wait_for

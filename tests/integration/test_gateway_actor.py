@@ -11,9 +11,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.bus.codec import encode
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.control import ActorState, Heartbeat
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.gateway.actor import GatewayActor
 from tests.integration.conditions import wait_for

@@ -17,10 +17,10 @@ import nats
 import pytest
 
 from shoal.bus.errors import RemoteError
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.nats_bus import NatsBus
 from shoal.bus.streams import request_stream
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.gateway.nats_api import NatsApi
 from tests.unit.test_gateway_fake import FakeEngineClient
 

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.gateway.nats_api import NatsApi
 from tests.unit.test_gateway_fake import FakeEngineClient
 from tests.unit.test_gateway_params import bos_tokenizer

@@ -21,8 +21,8 @@ import pytest_asyncio
 
 from shoal.bus import connect_bus
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.bus.nats_cluster import NatsCluster
-from shoal.bus.supervisor import ActorSpec, Supervisor
+from shoal.bus.nats_ops.cluster import NatsCluster
+from shoal.bus.runtime.supervisor import ActorSpec, Supervisor
 from shoal.deploy.deployment import build_config, plan_actors
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.engine.client.outputs import RequestOutput

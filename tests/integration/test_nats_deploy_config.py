@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.nats_cluster import cluster_block, free_port, healthz, route_auth
-from shoal.bus.server import NatsServer, NatsServerNotFoundError, find_nats_server
+from shoal.bus.nats_ops.cluster import cluster_block, free_port, healthz, route_auth
+from shoal.bus.nats_ops.server import NatsServer, NatsServerNotFoundError, find_nats_server
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.deploy import nats_config
 from shoal.deploy.nats_auth import (
     cluster_auth_config,

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.kv_events_stream import open_kv_events_stream
-from shoal.bus.nats_bus import NatsBus
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.cli import build_parser
 from shoal.deploy.nats_init import run_nats_init
 from shoal.engine.client.prefix_routing import PrefixRouting
+from shoal.kv_events.stream import open_kv_events_stream
 from shoal.tiers.books.keys import get_offload_block_hash
 from tests.actors.test_cpu_tier_actor import Deployment, K
 from tests.integration.conditions import wait_for

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from shoal.bus.codec import Codec
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.control import Heartbeat
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from tests.fixtures.models import make_prompts
 from tests.integration.async_workload import complete, greedy
 from tests.integration.conditions import wait_for

@@ -19,8 +19,8 @@ import pytest_asyncio
 
 from shoal.bus.base import Bus
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.supervisor import ActorSpec, ChildState, Supervisor
+from shoal.bus.runtime.supervisor import ActorSpec, ChildState, Supervisor
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.deploy.deployment import P2P_TIER_TARGET, plan_tiers
 from tests.integration.conditions import wait_for
 from tests.integration.offload_hosts import Host, reference_turns, start_host

@@ -16,9 +16,9 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from shoal.bus.base import Bus
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.msg import Msg
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.deploy.deployment import CPU_TIER_TARGET, plan_tiers, start_in_process
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.gateway.metrics import Metrics

@@ -21,8 +21,8 @@ import pytest
 import pytest_asyncio
 
 from shoal.bus.buckets import ObjectEntry, ObjectStore
-from shoal.bus.nats_bus import NatsBus
-from shoal.bus.server import NatsServer
+from shoal.bus.nats_ops.server import NatsServer
+from shoal.bus.transport.nats_bus import NatsBus
 from shoal.engine.recovery.actor import RecoveryControllerActor
 from tests.integration.conditions import wait_for
 from tests.integration.engine_stack import EngineStack, engine_stack

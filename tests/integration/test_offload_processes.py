@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.supervisor import ChildState
+from shoal.bus.runtime.supervisor import ChildState
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from tests.integration.async_workload import complete, greedy
 from tests.integration.conditions import wait_for

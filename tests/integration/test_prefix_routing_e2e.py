@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.sampling import SamplingParams
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.engine.actor.core_actor import EngineCoreActor
 from shoal.engine.client.engine_client import AsyncEngineClient
 from tests.integration.conditions import wait_for

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 import pytest
 
 from shoal.bus.codec import Codec, encode
-from shoal.bus.memory import InMemoryBus
 from shoal.bus.messages.control import ActorState, Heartbeat, StatusEvent
 from shoal.bus.messages.engine import (
     AbortRequest,
@@ -28,6 +27,7 @@ from shoal.bus.messages.engine import (
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_client import AsyncEngineClient

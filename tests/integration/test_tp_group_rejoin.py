@@ -21,8 +21,8 @@ from shoal.bus.messages.control import ActorState, ControlEvent, StatusEvent
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.supervisor import ActorSpec, ChildState, Supervisor
 from shoal.bus.subjects import Subjects
-from shoal.bus.supervisor import ActorSpec, ChildState, Supervisor
 from shoal.deploy.deployment import build_config, plan_actors
 from shoal.deploy.local import free_tcp_port
 from shoal.engine.actor.worker_link import WorkerLink

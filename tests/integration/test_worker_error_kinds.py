@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.bus.actor import call
 from shoal.bus.codec import Codec
 from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.fault import FaultInjected, InjectFault
 from shoal.bus.messages.worker import WorkerOutbound
+from shoal.bus.runtime.actor import call
 from shoal.bus.subjects import Subjects
 from tests.fixtures.models import hf_greedy
 from tests.integration.conditions import wait_for

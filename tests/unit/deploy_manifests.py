@@ -42,7 +42,7 @@ class Launch:
 
     @property
     def role(self) -> str:
-        """Whose NATS user it runs as (``bus.permissions``)."""
+        """Whose NATS user it runs as (``bus.nats_ops.permissions``)."""
         return "provisioner" if self.argv[0] == "nats-init" else self.kind
 
 

@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from shoal.bus.chunking import CHUNKED_HEADER, ChunkSender, fetch_chunked
 from shoal.bus.errors import PayloadIntegrityError
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.msg import Msg
-from shoal.bus.nats_bus import _user_transfer_prefix
+from shoal.bus.transport.chunking import CHUNKED_HEADER, ChunkSender, fetch_chunked
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
+from shoal.bus.transport.nats_bus import _user_transfer_prefix
 
 
 async def make_pair(max_payload: int = 1000) -> tuple[InMemoryBus, InMemoryBus]:
@@ -68,7 +68,7 @@ async def test_tampered_digest_is_detected():
 
 async def test_a_sender_offers_under_its_users_prefix():
     """Connected as a user, a bus's transfers are pulled under ``_SHOAL_XFER.<user>``, the
-    only transfers its permissions let it subscribe to (``bus.permissions``)."""
+    only transfers its permissions let it subscribe to (``bus.nats_ops.permissions``)."""
     sender_bus, receiver_bus = await make_pair()
     sender = ChunkSender(sender_bus, chunk_size=100, prefix=_user_transfer_prefix("ns-worker"))
     data = os.urandom(450)

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from shoal.bus.memory import InMemoryBus
+from shoal.bus.transport.memory import InMemoryBus
 
 
 async def test_named_brokers_are_shared_and_released():
     import gc
 
     from shoal.bus import make_bus
-    from shoal.bus.memory import _NAMED_BROKERS
+    from shoal.bus.transport.memory import _NAMED_BROKERS
 
     first, second = make_bus("memory://shared-test"), make_bus("memory://shared-test")
     assert isinstance(first, InMemoryBus) and isinstance(second, InMemoryBus)
@@ -23,7 +23,7 @@ async def test_connect_bus_urls():
     import pytest
 
     from shoal.bus import connect_bus, make_bus
-    from shoal.bus.nats_bus import NatsBus
+    from shoal.bus.transport.nats_bus import NatsBus
 
     bus = await connect_bus("memory")
     assert isinstance(bus, InMemoryBus) and bus.is_connected

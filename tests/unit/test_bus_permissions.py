@@ -1,7 +1,7 @@
-"""The role table of ``bus.permissions`` (pure): every subject method is covered, the issue's
-required denials hold, no role's deny shadows what it must do, inboxes and transfers are private,
-replies go out by a bounded ``allow_responses`` (no one may publish into another's inbox but
-the gateway into the client's), and the credentials of an actor process never reach a command
+"""The role table of ``bus.nats_ops.permissions`` (pure): every subject method is covered, the
+issue's required denials hold, no role's deny shadows what it must do, inboxes and transfers are
+private, replies go out by a bounded ``allow_responses`` (no one may publish into another's inbox
+but the gateway into the client's), and the credentials of an actor process never reach a command
 line or a log line."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from shoal.bus.credentials import (
+from shoal.bus.nats_ops.credentials import (
     CredentialsError,
     NatsCredentials,
     redact_url,
     resolve_credentials,
     url_has_secret,
 )
-from shoal.bus.permissions import (
+from shoal.bus.nats_ops.permissions import (
     BUCKETS,
     COMMON_PUBLISH,
     COMMON_SUBSCRIBE,
@@ -32,8 +32,8 @@ from shoal.bus.permissions import (
     subject_matches,
     user_name,
 )
+from shoal.bus.runtime.supervisor import ActorSpec
 from shoal.bus.subjects import Subjects
-from shoal.bus.supervisor import ActorSpec
 from shoal.deploy.nats_auth import nats_auth_config
 
 S = Subjects("prod.shoal")
@@ -54,7 +54,8 @@ def test_every_public_subjects_method_is_in_the_role_table():
         if not name.startswith("_")
     }
     missing = public - _granted_methods() - NOT_GRANTED.keys()
-    assert not missing, f"add these Subjects methods to bus.permissions.ROLES: {sorted(missing)}"
+    where = "bus.nats_ops.permissions.ROLES"
+    assert not missing, f"add these Subjects methods to {where}: {sorted(missing)}"
     assert NOT_GRANTED.keys() <= public  # no stale exemption
     assert not NOT_GRANTED.keys() & _granted_methods()
 

@@ -105,7 +105,7 @@ class Entry:
 
 
 class FakeObjectStore:
-    """``bus.object_store.ObjectStore``'s calls, in memory."""
+    """``bus.jetstream.object_store.ObjectStore``'s calls, in memory."""
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 import torch
 
-from shoal.bus.actor import Actor
-from shoal.bus.memory import InMemoryBus
-from shoal.bus.run_actor import build_actor
+from shoal.bus.runtime.actor import Actor
+from shoal.bus.runtime.run_actor import build_actor
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.config.deployment import (
     GROUPS,
     OPTION_GROUPS,

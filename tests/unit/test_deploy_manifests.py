@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.permissions import user_name
+from shoal.bus.nats_ops.permissions import user_name
 from shoal.config.deployment import OPTION_GROUPS
 from shoal.deploy.actors import actor_target
 from shoal.deploy.arguments import config_from_namespace, option_default

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import msgspec
 
-from shoal.bus.liveness import LivenessTable
 from shoal.bus.messages.control import ActorState, Heartbeat, StatusEvent
+from shoal.bus.runtime.liveness import LivenessTable
 from shoal.engine.client.fault_tolerance import FailedCommand, ft_status
 from shoal.gateway.metrics import Metrics
 

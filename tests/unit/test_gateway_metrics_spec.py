@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.engine import SchedulerStats
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.gateway.actor import GatewayActor
 from shoal.gateway.metrics import Metrics

@@ -12,10 +12,10 @@ from typing import Any, ClassVar
 import msgspec
 import pytest
 
-from shoal.bus.actor import Actor
-from shoal.bus.memory import InMemoryBus
-from shoal.bus.run_actor import build_actor
-from shoal.bus.supervisor import ActorSpec
+from shoal.bus.runtime.actor import Actor
+from shoal.bus.runtime.run_actor import build_actor
+from shoal.bus.runtime.supervisor import ActorSpec
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.config.kv_transfer import (
     FsTierConfig,

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from shoal.bus.codec import Codec, encode
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.messages.offload import KVLayout, KVLoad, KVStore, KVTransfers, RegionRef
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import (
@@ -20,6 +19,7 @@ from shoal.bus.messages.worker import (
     NewRequestData,
     WorkerOutbound,
 )
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.tiers.cpu.region import SharedRegion
 from shoal.workers.actor import WorkerActor
 from shoal.workers.model_runner import ModelRunner

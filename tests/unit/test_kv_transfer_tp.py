@@ -162,11 +162,11 @@ def test_ranks_fail_the_same_jobs_and_run_the_same_forward(tmp_path: Path, tiny_
 
 def test_the_step_result_merges_every_ranks_kv_copies() -> None:
     from shoal.bus.codec import encode
-    from shoal.bus.memory import InMemoryBus
     from shoal.bus.messages.offload import KVTransferResult
     from shoal.bus.messages.worker import ExecuteStep, StepResult
     from shoal.bus.msg import Msg
     from shoal.bus.subjects import Subjects
+    from shoal.bus.transport.memory import InMemoryBus
     from shoal.engine.actor.worker_link import WorkerLink
 
     link = WorkerLink(InMemoryBus(), Subjects("t"), "e0", ["w0", "w1"])

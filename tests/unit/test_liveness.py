@@ -1,14 +1,14 @@
-"""The one liveness table (``bus.liveness``) and its two users' readings of it: the engine
+"""The one liveness table (``bus.runtime.liveness``) and its two users' readings of it: the engine
 core's worker link (a worker lost: gone, restarted since the handshake, or silent) and the
 engine client's router (an engine core ready: READY and fresh; lost: gone or long silent)."""
 
 from __future__ import annotations
 
-from shoal.bus.liveness import LivenessTable
-from shoal.bus.memory import InMemoryBus
 from shoal.bus.messages.control import ActorState, Heartbeat, StatusEvent
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
+from shoal.bus.runtime.liveness import LivenessTable
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.engine.actor.worker_link import WorkerLink
 from shoal.engine.client.router import EngineRouter
 

@@ -16,7 +16,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FOLDERS = ("config", "bus", "engine", "workers", "kernels", "tiers", "gateway", "deploy")
+FOLDERS = (
+    "config",
+    "bus",
+    "kv_events",
+    "engine",
+    "workers",
+    "kernels",
+    "tiers",
+    "gateway",
+    "deploy",
+)
 TORCH = ("torch", "triton", "numpy")
 IO = ("asyncio", "nats", "aiohttp", "socket", "subprocess", "threading", "anyio")
 
@@ -45,8 +55,17 @@ RULES = (
         "shoal.bus",
         ("shoal.bus", "shoal.config"),
         why="the bus knows no engine, model or GPU",
-        runs="every process: transports, subjects, codecs, event streams and buckets, the actor "
-        "runtime, the liveness table, the supervisor",
+        runs="every process: the `Bus` interface, subjects, codecs and wire schemas; the "
+        "transports (`transport/`), JetStream (`jetstream/`), the actor runtime (`runtime/`: "
+        "actors, liveness, processes, the supervisor), NATS operations (`nats_ops/`)",
+    ),
+    Rule(
+        "shoal.kv_events",
+        ("shoal.kv_events", "shoal.bus", "shoal.config"),
+        TORCH,
+        "prefix routing's KV events ride the bus but are not the bus's: no engine, no tier",
+        "engine core actors, KV tiers and engine clients: the KV-events publisher a source "
+        "sends its batches through, and the stream that keeps them",
     ),
     Rule(
         "shoal.bus.messages",
@@ -69,7 +88,7 @@ RULES = (
     ),
     Rule(
         "shoal.tiers",
-        ("shoal.tiers", "shoal.bus", "shoal.config"),
+        ("shoal.tiers", "shoal.kv_events", "shoal.bus", "shoal.config"),
         runs="KV offload's tier actors: the CPU tier (`cpu/`), the filesystem and object-store "
         "tiers (`secondary/`), the peer-to-peer tier (`p2p/`)",
     ),
@@ -105,6 +124,7 @@ RULES = (
             "shoal.engine.actor",
             "shoal.engine.core",
             "shoal.engine.structured",
+            "shoal.kv_events",
             "shoal.bus",
             "shoal.config",
         ),
@@ -117,6 +137,7 @@ RULES = (
         "shoal.engine.client",
         (
             "shoal.engine.client",
+            "shoal.kv_events",
             "shoal.bus",
             "shoal.config",
             "shoal.engine.core.block_hash",
@@ -279,7 +300,11 @@ def test_nothing_outside_the_composition_imports_gateway_or_deploy():
     ("module", "source", "expected"),
     [
         ("shoal.engine.core.scheduler", "import torch", "torch"),
-        ("shoal.engine.core.scheduler", "from shoal.bus.nats_bus import NatsBus", "nats_bus"),
+        (
+            "shoal.engine.core.scheduler",
+            "from shoal.bus.transport.nats_bus import NatsBus",
+            "nats_bus",
+        ),
         ("shoal.engine.core.scheduler", "from shoal.engine.client import router", "client"),
         ("shoal.engine.core.scheduler", "from ..actor import core_actor", "actor"),
         ("shoal.engine.core.scheduler", "def f():\n    import asyncio\n", "asyncio"),
@@ -317,7 +342,7 @@ def test_the_checker_lets_allowed_imports_through():
         ),
         ("shoal.workers.model_runner", "from shoal.kernels import ops\nimport torch"),
         ("shoal.deploy.llm", "from shoal.engine.actor import core_actor"),
-        ("shoal.engine.recovery.actor", "from shoal.bus.actor import call"),
+        ("shoal.engine.recovery.actor", "from shoal.bus.runtime.actor import call"),
         ("shoal.engine.recovery.actor", "from shoal.engine.recovery.policy import GiveUp"),
     ]
     for module, source in allowed:

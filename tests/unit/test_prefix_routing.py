@@ -141,9 +141,9 @@ def test_the_pick_has_the_best_score_and_the_least_load_among_the_best(
 
 
 def test_an_engine_core_seen_dead_or_stopped_is_dropped_from_the_index() -> None:
-    from shoal.bus.liveness import LivenessTable
-    from shoal.bus.memory import InMemoryBus
+    from shoal.bus.runtime.liveness import LivenessTable
     from shoal.bus.subjects import Subjects
+    from shoal.bus.transport.memory import InMemoryBus
     from shoal.config.deployment import ShoalConfig
     from shoal.engine.client.prefix_routing import PrefixRouting
 

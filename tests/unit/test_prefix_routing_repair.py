@@ -12,8 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shoal.bus.codec import encode
-from shoal.bus.kv_events_publisher import UNIT_BYTES, max_units_for, split_events
-from shoal.bus.memory import InMemoryBus
 from shoal.bus.messages.control import ActorState, Heartbeat
 from shoal.bus.messages.kv_events import (
     AllBlocksCleared,
@@ -24,9 +22,11 @@ from shoal.bus.messages.kv_events import (
 )
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.prefix_index import PrefixIndex
 from shoal.engine.client.prefix_routing import PrefixRouting
+from shoal.kv_events.publisher import UNIT_BYTES, max_units_for, split_events
 from tests.unit.test_prefix_routing import batch, h, kv_router, picked
 
 

@@ -6,11 +6,11 @@ seen gone or restarted holds nothing known."""
 
 from __future__ import annotations
 
-from shoal.bus.memory import InMemoryBus
 from shoal.bus.messages.control import ActorState, Heartbeat, StatusEvent
 from shoal.bus.messages.engine import EngineStats, SchedulerStats
 from shoal.bus.messages.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 from shoal.bus.subjects import Subjects
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.prefix_index import PrefixIndex
 from shoal.engine.client.prefix_routing import PrefixRouting

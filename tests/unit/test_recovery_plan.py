@@ -7,8 +7,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from shoal.bus.memory import InMemoryBroker, InMemoryBus
-from shoal.bus.run_actor import build_actor, load_target
+from shoal.bus.runtime.run_actor import build_actor, load_target
+from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.deploy.actors import actor_target
 from shoal.deploy.cli import build_parser
 from shoal.deploy.deployment import RECOVERY_TARGET, build_config, plan_actors

@@ -12,9 +12,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from shoal.bus.memory import InMemoryBus
-from shoal.bus.run_actor import build_actor
-from shoal.bus.supervisor import ActorSpec
+from shoal.bus.runtime.run_actor import build_actor
+from shoal.bus.runtime.supervisor import ActorSpec
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.config.speculative import SpeculativeConfig, speculative_options
 from shoal.deploy.actors import actor_target

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from shoal.bus.memory import InMemoryBus
+from shoal.bus.transport.memory import InMemoryBus
 from shoal.workers.group_ports import (
     LOOPBACK,
     KvPortBoard,

@@ -52,7 +52,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.offload import (
@@ -71,6 +70,7 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import Actor, Inbox
 from shoal.config.deployment import KVTransferConfig, ShoalConfig
 from shoal.tiers.books.backpressure import StoreBackpressure
 from shoal.tiers.books.cpu_books import CpuTierBooks, Promotion

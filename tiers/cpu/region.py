@@ -33,8 +33,8 @@ def region_prefix(namespace: str, tier_id: str) -> str:
 
 def _owner_alive(generation: str) -> bool:
     """Whether the tier that made a region is another live process: a generation starts with
-    its process id (``bus.actor.new_incarnation``). Another deployment on this host sharing the
-    namespace and tier id (two offline ``LLM`` instances, say) keeps its region."""
+    its process id (``bus.runtime.actor.new_incarnation``). Another deployment on this host sharing
+    the namespace and tier id (two offline ``LLM`` instances, say) keeps its region."""
     pid_text = generation.split("-", 1)[0]
     if not pid_text.isdigit() or int(pid_text) == os.getpid():
         return False

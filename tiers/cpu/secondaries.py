@@ -18,7 +18,6 @@ import asyncio
 import logging
 from typing import Any
 
-from shoal.bus.actor import call
 from shoal.bus.base import ERROR_CODE_HEADER, Bus
 from shoal.bus.codec import Codec, DecodeError, encode
 from shoal.bus.errors import BusError, BusTimeoutError
@@ -33,6 +32,7 @@ from shoal.bus.messages.offload import (
     TierLookup,
     TierPromote,
 )
+from shoal.bus.runtime.actor import call
 from shoal.tiers.books.keys import OffloadKey
 
 log = logging.getLogger(__name__)

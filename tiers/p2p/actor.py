@@ -30,7 +30,6 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
 
-from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import BusError
@@ -57,6 +56,7 @@ from shoal.bus.messages.p2p import (
     PeerRead,
 )
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import Actor, Inbox
 from shoal.config.deployment import P2PTierConfig
 from shoal.tiers.books.keys import OffloadKey
 from shoal.tiers.books.p2p_sessions import PeerDirectory, PlannedPull, PlannedPulls, best_answer

@@ -4,9 +4,9 @@ offers one and it connects, else over the bus.
 
 Over the bus: one ``PeerRead`` request per chunk, at most ``window`` in flight: the peer sends
 a chunk only when asked, and the bus carries a reply larger than its payload limit in chunks it
-pulls too (``bus.chunking``), so a large transfer never floods a slow receiver. Each reply is
-checked (the part format's header, key, length and xxh3 digest) and copied into its slot in a
-thread. No read is issued after one failed or past the job's stop time, and each read is cut
+pulls too (``bus.transport.chunking``), so a large transfer never floods a slow receiver. Each
+reply is checked (the part format's header, key, length and xxh3 digest) and copied into its slot
+in a thread. No read is issued after one failed or past the job's stop time, and each read is cut
 at it: the caller keeps the leading run that arrived, in time to answer the CPU tier.
 """
 

@@ -17,7 +17,6 @@ import logging
 import time
 from typing import Any
 
-from shoal.bus.actor import call
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec, DecodeError, encode
 from shoal.bus.errors import BusError
@@ -33,6 +32,7 @@ from shoal.bus.messages.offload import (
     TierRenew,
 )
 from shoal.bus.messages.p2p import PeerLookup
+from shoal.bus.runtime.actor import call
 from shoal.bus.subjects import Subjects
 from shoal.tiers.books.keys import OffloadKey
 from shoal.tiers.books.p2p_sessions import ServedSessions

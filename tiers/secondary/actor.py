@@ -41,7 +41,6 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import ClassVar, Generic, Protocol, TypeVar
 
-from shoal.bus.actor import Actor, Inbox
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
 from shoal.bus.messages.offload import (
@@ -58,6 +57,7 @@ from shoal.bus.messages.offload import (
     TierReply,
 )
 from shoal.bus.msg import Msg
+from shoal.bus.runtime.actor import Actor, Inbox
 from shoal.tiers.books.keys import OffloadKey
 from shoal.tiers.books.manager import LookupResult, OffloadManager
 from shoal.tiers.cpu.mapped_regions import MappedRegions

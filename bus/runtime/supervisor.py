@@ -1,7 +1,8 @@
-"""Runs actors as separate OS processes (``python -m shoal.bus.run_actor``), restarts one that dies
-(exponential backoff, a limit of restarts per time window) and stops them all cleanly (SIGTERM,
-then SIGKILL after a grace period). A restarted actor rejoins by subscribing to its subjects
-again. Every change of a child's state is reported to ``on_event`` and kept in ``events``."""
+"""Runs actors as separate OS processes (``python -m shoal.bus.runtime.run_actor``), restarts one
+that dies (exponential backoff, a limit of restarts per time window) and stops them all cleanly
+(SIGTERM, then SIGKILL after a grace period). A restarted actor rejoins by subscribing to its
+subjects again. Every change of a child's state is reported to ``on_event`` and kept in
+``events``."""
 
 from __future__ import annotations
 
@@ -22,9 +23,9 @@ import msgspec
 
 from shoal.bus.base import Bus
 from shoal.bus.codec import encode
-from shoal.bus.credentials import SECRET_OPTIONS, url_has_secret
 from shoal.bus.errors import BusError
 from shoal.bus.messages.control import ActorState, StatusEvent
+from shoal.bus.nats_ops.credentials import SECRET_OPTIONS, url_has_secret
 from shoal.bus.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class ActorSpec:
             what = ", ".join(sorted(secrets)) or "credentials in the bus url"
             raise ValueError(f"{self.name}: {what} would show on a command line; use env")
         return [
-            sys.executable, "-m", "shoal.bus.run_actor", "--target", self.target,
+            sys.executable, "-m", "shoal.bus.runtime.run_actor", "--target", self.target,
             "--bus", self.bus_url,
             "--kwargs", _json(self.kwargs), "--bus-options", _json(self.bus_options),
         ]  # fmt: skip

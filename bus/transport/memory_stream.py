@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 
 class TappedBroker(Protocol):
-    """What a stream needs of the broker (``bus.memory.InMemoryBroker``): its publish taps."""
+    """What a stream needs of the broker (``bus.transport.memory.InMemoryBroker``): its publish
+    taps."""
 
     @property
     def taps(self) -> list[Callable[[str, bytes, dict[str, str] | None], None]]: ...

@@ -1,9 +1,10 @@
 """Opening a JetStream stream (a KV bucket's, an object store's, an event stream), creating it
-when missing, for ``bus.jetstream``, ``bus.object_store`` and ``bus.nats_stream``. With
-per-role NATS users no actor may create one (``bus.permissions``: whoever creates a stream picks
-its subjects); the provisioner does, through ``shoal nats-init``. A request the server refuses
-fails at once (nats-py only logs the refusal and waits for its timeout): creating is
-``NotProvisionedError``, anything else ``NotPermittedError``."""
+when missing, for ``bus.jetstream.kv_bucket``, ``bus.jetstream.object_store`` and
+``bus.jetstream.nats_stream``. With per-role NATS users no actor may create one
+(``bus.nats_ops.permissions``: whoever creates a stream picks its subjects); the provisioner does,
+through ``shoal nats-init``. A request the server refuses fails at once (nats-py only logs the
+refusal and waits for its timeout): creating is ``NotProvisionedError``, anything else
+``NotPermittedError``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from shoal.bus.errors import BusError
-from shoal.bus.nats_connected import NatsConnectedBus
+from shoal.bus.transport.nats_connected import NatsConnectedBus
 
 T = TypeVar("T")
 

@@ -3,16 +3,17 @@ heartbeat, status events, and ``run_forever`` with graceful drain on SIGTERM/SIG
 
 The same class runs as a task in a shared event loop (``asyncio.create_task(actor.run_forever(
 install_signals=False))``, stopped by ``actor.request_stop()``) or as its own OS process
-(``python -m shoal.bus.run_actor``, usually started by ``bus.supervisor.Supervisor``).
+(``python -m shoal.bus.runtime.run_actor``, usually started by
+``bus.runtime.supervisor.Supervisor``).
 
 A handler receives the decoded message and the raw ``Msg``. For a request, a returned struct (or
 bytes) is the reply; an undecodable payload or a failing handler gets an ``ErrorReply`` (flagged
 with the ``Shoal-Error`` header); for an event, it is logged and counted. The actor keeps running.
 
 Heartbeats and status events carry the actor's ``incarnation``, fixed when the actor object is
-made: a restarted actor keeps its id but not its incarnation, so peers (``bus.liveness``) know
-that what the old one held is lost. An actor whose peers must also learn that messages in flight
-across a lost bus connection may be gone (an engine core's clients: an add or an output)
+made: a restarted actor keeps its id but not its incarnation, so peers (``bus.runtime.liveness``)
+know that what the old one held is lost. An actor whose peers must also learn that messages in
+flight across a lost bus connection may be gone (an engine core's clients: an add or an output)
 takes a new incarnation at each reconnect too (``new_incarnation_on_reconnect``).
 """
 

@@ -3,7 +3,7 @@ other traffic that proves a peer alive, such as an engine core's stats).
 
 ``LivenessTable`` records facts only: each peer's last state, when it was last heard from, its
 last heartbeat sequence number, its incarnation and how many times it restarted. A restart is a
-new incarnation (every actor sends the one it got at start, ``bus.actor``); for senders that
+new incarnation (every actor sends the one it got at start, ``bus.runtime.actor``); for senders that
 carry none, a heartbeat sequence that starts again or a STARTING status after it was seen. Once
 a peer has a new incarnation, late messages of its old one are ignored. Its users decide what
 the facts mean: the engine core's worker link fails a step when a worker restarted or fell

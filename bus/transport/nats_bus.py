@@ -2,7 +2,7 @@
 imports ``nats``).
 
 Reconnects by itself (nats-py resubscribes every subscription after the server comes back),
-drains on close, chunks payloads above the server's ``max_payload`` (``bus.chunking``).
+drains on close, chunks payloads above the server's ``max_payload`` (``bus.transport.chunking``).
 
 Several servers (the nodes of a cluster): the client connects to one of them (in random order,
 spreading clients over the nodes) and, when that node goes, to another, among those given and
@@ -13,9 +13,9 @@ A node lost without closing its sockets (a host gone) is noticed after ``ping_in
 
 Connected as a user, its reply inboxes are ``Subjects.inbox_prefix(user)`` and its chunked
 transfers ``Subjects.transfer_prefix(user)`` (what the user's permissions let it subscribe to,
-``bus.permissions``); a publish or subscription the server refuses is counted and logged
+``bus.nats_ops.permissions``); a publish or subscription the server refuses is counted and logged
 (``permission_violations``); refused credentials raise ``BusAuthError``. Server URLs are logged
-without their passwords (``bus.credentials``).
+without their passwords (``bus.nats_ops.credentials``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ from nats.aio.msg import Msg as NatsMsg
 from nats.aio.subscription import Subscription as NatsSubscription
 
 from shoal.bus.base import Subscription
-from shoal.bus.chunking import ChunkSender, resolve_chunked
-from shoal.bus.credentials import redact_url
-from shoal.bus.dispatch import Dispatcher
 from shoal.bus.errors import (
     BusClosedError,
     BusError,
@@ -47,13 +44,16 @@ from shoal.bus.errors import (
     NoRespondersError,
 )
 from shoal.bus.msg import Handler, Msg
-from shoal.bus.nats_connected import NatsConnectedBus
+from shoal.bus.nats_ops.credentials import redact_url
 from shoal.bus.subjects import TRANSFER_PREFIX, SubjectError, Subjects, validate_subject
+from shoal.bus.transport.chunking import ChunkSender, resolve_chunked
+from shoal.bus.transport.dispatch import Dispatcher
+from shoal.bus.transport.nats_connected import NatsConnectedBus
 
 if TYPE_CHECKING:
     from shoal.bus.event_stream import EventStream
-    from shoal.bus.jetstream import NatsKvBucket
-    from shoal.bus.object_store import NatsObjectStore
+    from shoal.bus.jetstream.kv_bucket import NatsKvBucket
+    from shoal.bus.jetstream.object_store import NatsObjectStore
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class _NatsSubscription(Subscription):
 class NatsBus(NatsConnectedBus):
     """A bus on NATS. Credentials: ``user``/``password``, ``token`` or ``creds_file``; ``tls``
     is an ``ssl.SSLContext`` or True (system defaults). Payloads above ``chunk_size`` (default:
-    the server's max_payload less room for headers) travel chunked (``bus.chunking``).
+    the server's max_payload less room for headers) travel chunked (``bus.transport.chunking``).
     ``inbox_prefix`` (default: ``_INBOX.<user>`` with a user, else nats-py's ``_INBOX``)."""
 
     def __init__(
@@ -162,7 +162,8 @@ class NatsBus(NatsConnectedBus):
 
     @property
     def client(self) -> Client:
-        """The nats-py client (for ``bus.jetstream`` and ``bus.object_store``)."""
+        """The nats-py client (for ``bus.jetstream.kv_bucket`` and
+        ``bus.jetstream.object_store``)."""
         if self._nc is None:
             raise BusClosedError("NATS bus is not connected")
         return self._nc
@@ -175,14 +176,14 @@ class NatsBus(NatsConnectedBus):
         self, name: str, *, history: int = 1, ttl_s: float | None = None, replicas: int = 1
     ) -> NatsKvBucket:
         from shoal.bus.buckets import check_bucket_name
-        from shoal.bus.jetstream import NatsKvBucket
+        from shoal.bus.jetstream.kv_bucket import NatsKvBucket
 
         check_bucket_name(name)
         return await NatsKvBucket.open(self, name, history=history, ttl_s=ttl_s, replicas=replicas)
 
     async def open_object_store(self, name: str, *, replicas: int = 1) -> NatsObjectStore:
         from shoal.bus.buckets import check_bucket_name
-        from shoal.bus.object_store import NatsObjectStore
+        from shoal.bus.jetstream.object_store import NatsObjectStore
 
         check_bucket_name(name)
         return await NatsObjectStore.open(self, name, replicas=replicas)
@@ -409,8 +410,8 @@ class NatsBus(NatsConnectedBus):
         replicas: int = 1,
         max_msgs_per_subject: int | None = None,
     ) -> EventStream:
-        """A JetStream stream (``bus.nats_stream``)."""
-        from shoal.bus.nats_stream import open_nats_stream
+        """A JetStream stream (``bus.jetstream.nats_stream``)."""
+        from shoal.bus.jetstream.nats_stream import open_nats_stream
 
         return await open_nats_stream(
             self,

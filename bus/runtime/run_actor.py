@@ -1,10 +1,10 @@
-"""Runs one actor as its own OS process: ``python -m shoal.bus.run_actor --target module:Class
---bus URL [--kwargs JSON] [--bus-options JSON]``. The actor is built as ``Class(bus, **kwargs)``
-(``build_actor``: a keyword whose parameter is typed as a msgspec struct, such as the
+"""Runs one actor as its own OS process: ``python -m shoal.bus.runtime.run_actor --target
+module:Class --bus URL [--kwargs JSON] [--bus-options JSON]``. The actor is built as ``Class(bus,
+**kwargs)`` (``build_actor``: a keyword whose parameter is typed as a msgspec struct, such as the
 deployment's config, is decoded into it) and served until SIGTERM/SIGINT (graceful drain),
 until the parent process dies, or until the actor stops itself; the process exits with the
-actor's ``exit_code``. NATS credentials come from the environment (``bus.credentials``), never
-from the command line."""
+actor's ``exit_code``. NATS credentials come from the environment (``bus.nats_ops.credentials``),
+never from the command line."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from typing import Any
 import msgspec
 
 from shoal.bus import connect_bus
-from shoal.bus.actor import Actor
 from shoal.bus.base import Bus
-from shoal.bus.credentials import resolve_credentials
-from shoal.bus.server import die_with_parent
+from shoal.bus.nats_ops.credentials import resolve_credentials
+from shoal.bus.nats_ops.server import die_with_parent
+from shoal.bus.runtime.actor import Actor
 
 PARENT_POLL_S = 0.5
 
@@ -89,7 +89,9 @@ async def serve(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shoal.bus.run_actor", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m shoal.bus.runtime.run_actor", description=__doc__
+    )
     parser.add_argument("--target", required=True, help="module:Class of the actor")
     parser.add_argument("--bus", required=True, help="bus url (nats://host:port)")
     parser.add_argument("--kwargs", default="{}", help="JSON object of constructor kwargs")

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from shoal.bus.base import Bus
 from shoal.bus.codec import encode
 from shoal.bus.errors import BusError
-from shoal.bus.kv_events_stream import open_kv_events_stream
 from shoal.bus.messages.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -32,6 +31,7 @@ from shoal.bus.messages.kv_events import (
     KVEventBatch,
 )
 from shoal.bus.subjects import Subjects
+from shoal.kv_events.stream import open_kv_events_stream
 
 log = logging.getLogger(__name__)
 UNIT_BYTES = 64  # a hash (<= 32 bytes) or an event's tag and parent hash, encoded, with room

@@ -1,8 +1,8 @@
-"""``NatsConnectedBus``: the NATS bus as the JetStream pieces see it (``bus.jetstream``,
-``bus.object_store``, ``bus.nats_stream``, ``bus.jetstream_create``): a ``Bus`` with a nats-py
-client, the NATS user it connected as, and the server's permission refusals. ``NatsBus``
-implements it; the pieces depend on this and ``NatsBus`` opens them, so neither imports the
-other back."""
+"""``NatsConnectedBus``: the NATS bus as the JetStream pieces see it (``bus.jetstream.kv_bucket``,
+``bus.jetstream.object_store``, ``bus.jetstream.nats_stream``, ``bus.jetstream.create``): a ``Bus``
+with a nats-py client, the NATS user it connected as, and the server's permission refusals.
+``NatsBus`` implements it; the pieces depend on this and ``NatsBus`` opens them, so neither imports
+the other back."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 ``deploy/nats/`` is rendered from), and ``NatsCluster``, a launcher of N clustered nodes on
 loopback for tests and single-host trials.
 
-Each node of a ``NatsCluster`` is a ``bus.server.NatsServer`` with its own client port (picked by
-the server), a cluster port routed to every other node's (as ``route_user`` with a random
+Each node of a ``NatsCluster`` is a ``bus.nats_ops.server.NatsServer`` with its own client port
+(picked by the server), a cluster port routed to every other node's (as ``route_user`` with a random
 ``route_password``: a node without it is refused), a monitoring port, a unique ``server_name``
 and its own JetStream store dir; all share one cluster name. ``start`` returns
 once every node's JetStream is in contact with an elected meta leader (``/healthz`` answers ok),
@@ -23,7 +23,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import quote
 
-from shoal.bus.server import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerError
+from shoal.bus.nats_ops.server import DEFAULT_MAX_PAYLOAD, NatsServer, NatsServerError
 
 DEFAULT_CLUSTER_NAME = "shoal"
 

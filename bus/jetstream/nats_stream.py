@@ -18,10 +18,10 @@ from nats.js.client import JetStreamContext as _JS
 
 from shoal.bus.errors import BusError
 from shoal.bus.event_stream import EventStream, StreamFollower, StreamInfo
-from shoal.bus.jetstream_create import open_guarded
+from shoal.bus.jetstream.create import open_guarded
 from shoal.bus.msg import Handler, Msg
-from shoal.bus.nats_connected import NatsConnectedBus
 from shoal.bus.subjects import validate_subject, validate_token
+from shoal.bus.transport.nats_connected import NatsConnectedBus
 
 log = logging.getLogger(__name__)
 _TIMEOUT_S = 5.0

@@ -2,7 +2,7 @@
 request/reply with "no responders", streamed replies, chunking above an optional max_payload).
 
 Buses on one ``InMemoryBroker`` see each other's messages and share its key-value buckets and
-object stores (``bus.memory_jetstream``); each bus closes on its own. Used by the
+object stores (``bus.transport.memory_jetstream``); each bus closes on its own. Used by the
 offline API, local single-process mode and fast tests.
 """
 
@@ -18,16 +18,16 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from shoal.bus.base import Bus, Subscription
-from shoal.bus.chunking import ChunkSender, resolve_chunked
-from shoal.bus.dispatch import Dispatcher
 from shoal.bus.errors import BusClosedError, BusError, BusTimeoutError, NoRespondersError
 from shoal.bus.msg import Handler, Msg
 from shoal.bus.streams import NO_RESPONDERS_STATUS, STATUS_HEADER, is_no_responders
 from shoal.bus.subjects import tokens_match, validate_subject
+from shoal.bus.transport.chunking import ChunkSender, resolve_chunked
+from shoal.bus.transport.dispatch import Dispatcher
 
 if TYPE_CHECKING:
     from shoal.bus.event_stream import EventStream
-    from shoal.bus.memory_jetstream import MemoryKvBucket, MemoryObjectStore
+    from shoal.bus.transport.memory_jetstream import MemoryKvBucket, MemoryObjectStore
 
 
 class _MemorySubscription(Subscription):
@@ -160,7 +160,7 @@ class InMemoryBus(Bus):
     ) -> MemoryKvBucket:
         """The broker's bucket ``name``, shared by its buses (``replicas`` ignored)."""
         from shoal.bus.buckets import check_bucket_name
-        from shoal.bus.memory_jetstream import MemoryKvBucket
+        from shoal.bus.transport.memory_jetstream import MemoryKvBucket
 
         self._check_open()
         check_bucket_name(name)
@@ -169,7 +169,7 @@ class InMemoryBus(Bus):
     async def open_object_store(self, name: str, *, replicas: int = 1) -> MemoryObjectStore:
         """The broker's object store ``name``, shared by its buses (``replicas`` ignored)."""
         from shoal.bus.buckets import check_bucket_name
-        from shoal.bus.memory_jetstream import MemoryObjectStore
+        from shoal.bus.transport.memory_jetstream import MemoryObjectStore
 
         self._check_open()
         check_bucket_name(name)
@@ -274,9 +274,9 @@ class InMemoryBus(Bus):
         replicas: int = 1,
         max_msgs_per_subject: int | None = None,
     ) -> EventStream:
-        """This broker's stream ``name`` (``bus.memory_stream``; ``replicas`` has no meaning
-        in one process)."""
-        from shoal.bus.memory_stream import open_memory_stream
+        """This broker's stream ``name`` (``bus.transport.memory_stream``; ``replicas`` has no
+        meaning in one process)."""
+        from shoal.bus.transport.memory_stream import open_memory_stream
 
         self._check_open()
         return open_memory_stream(

@@ -205,7 +205,7 @@ ROLES: dict[str, Role] = {
         subscribe=(),
         deny_publish=(*NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
     ),
-    # A process launcher (bus.supervisor): reports a dead child's DEAD status for it.
+    # A process launcher (bus.runtime.supervisor): reports a dead child's DEAD status for it.
     "supervisor": Role(
         kind="supervisor",
         publish=(_g("status", ANY),),
@@ -272,7 +272,7 @@ def _stream_api(stream: str, *, purge: bool = False, create: bool = False) -> li
     ]
     if purge:
         subjects.append(f"{api}.STREAM.PURGE.{stream}")
-    if create:  # and bring its replicas to the deployment's (``bus.jetstream_replicas``)
+    if create:  # and bring its replicas to the deployment's (``bus.jetstream.replicas``)
         subjects += [f"{api}.STREAM.CREATE.{stream}", f"{api}.STREAM.UPDATE.{stream}"]
     return subjects
 

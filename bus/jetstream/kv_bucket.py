@@ -1,5 +1,5 @@
 """The key-value bucket on NATS: ``NatsKvBucket``, a JetStream KV bucket (``NatsBus.open_kv``;
-put/get/delete/history/watch, per-key TTL). The Object Store is ``bus.object_store``; the
+put/get/delete/history/watch, per-key TTL). The Object Store is ``bus.jetstream.object_store``; the
 interface both buses share is ``bus.buckets``."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from nats.js.kv import KeyValue
 
 from shoal.bus.buckets import KvBucket, KvEntry, ValueTooLargeError, check_key
 from shoal.bus.errors import BusTimeoutError
-from shoal.bus.jetstream_create import open_guarded
-from shoal.bus.nats_connected import NatsConnectedBus
+from shoal.bus.jetstream.create import open_guarded
+from shoal.bus.transport.nats_connected import NatsConnectedBus
 
 __all__ = ["KvEntry", "NatsKvBucket"]
 
 
 class NatsKvBucket(KvBucket):
     """A JetStream key-value bucket. ``open`` creates it when missing (where the user may:
-    ``bus.jetstream_create``)."""
+    ``bus.jetstream.create``)."""
 
     def __init__(self, kv: KeyValue, js: JetStreamContext, name: str) -> None:
         self._kv = kv

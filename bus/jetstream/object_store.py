@@ -37,8 +37,8 @@ from nats.js.object_store import ObjectStore as NatsPyObjectStore
 
 from shoal.bus.buckets import ObjectEntry, ObjectStore
 from shoal.bus.errors import BusTimeoutError, PayloadIntegrityError
-from shoal.bus.jetstream_create import open_guarded
-from shoal.bus.nats_connected import NatsConnectedBus
+from shoal.bus.jetstream.create import open_guarded
+from shoal.bus.transport.nats_connected import NatsConnectedBus
 
 FETCH_BATCH = 64
 FETCH_WAIT_S = 0.25  # one pull's wait: after an empty one the consumer is asked what is left
