@@ -174,10 +174,10 @@ class EngineCore:
             return None
         scheduler_output = self.scheduler.schedule()
         if not scheduler_output.is_empty:
-            self._send(scheduler_output)
+            self._make_outstanding(scheduler_output)
         return scheduler_output
 
-    def _send(self, scheduler_output: SchedulerOutput) -> None:
+    def _make_outstanding(self, scheduler_output: SchedulerOutput) -> None:
         self.outstanding.append(scheduler_output)
         self.most_steps_in_flight = max(self.most_steps_in_flight, len(self.outstanding))
         self.num_scheduled_tokens += scheduler_output.total_num_scheduled_tokens
@@ -190,9 +190,9 @@ class EngineCore:
             raise ValueError(f"step {scheduler_output.step_id} has tokens: not a dummy")
         if scheduler_output is None:  # nothing to run; it may still carry KV copies by now
             scheduler_output = self.scheduler.schedule()
-            self._send(scheduler_output)
+            self._make_outstanding(scheduler_output)
         elif scheduler_output.is_empty:  # a non-empty one is outstanding already
-            self._send(scheduler_output)
+            self._make_outstanding(scheduler_output)
         return scheduler_output
 
     def apply_result(self, scheduler_output: SchedulerOutput, result: StepResult) -> ClientOutputs:
