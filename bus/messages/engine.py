@@ -25,6 +25,18 @@ class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ranks: list[int]
 
 
+class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Disaggregated prefill (vLLM's ``kv_transfer_params``). Asked of a prefill engine core
+    with ``do_remote_decode``: it runs the prompt, and when the request ends normally it holds
+    the prompt's KV blocks (one reference each) for a decode engine core to pull, answering in
+    the request's final output with ``remote_block_ids`` and ``num_remote_tokens`` (the prompt
+    tokens whose KV those blocks hold, in order), until a ``ReleaseKV`` or its lease ends."""
+
+    do_remote_decode: bool = False
+    remote_block_ids: list[int] = []
+    num_remote_tokens: int = 0
+
+
 class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True, gc=False):
     """A new request for an engine core. ``client_id`` names the output subject to answer on."""
 
@@ -40,6 +52,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True,
     # The engine core takes them as the request's output so far (recomputed with the prompt,
     # counted against max_tokens, seen by stop checks and penalties) and continues after them.
     output_token_ids: list[int] = []
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True, gc=False):
@@ -48,7 +61,14 @@ class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=T
     request_ids: list[str]
 
 
-EngineInbound = AddRequest | AbortRequest
+class ReleaseKV(msgspec.Struct, tag="release_kv", array_like=True, gc=False):
+    """The KV these requests' prefill held for a remote decode is no longer needed (pulled, or
+    given up): free it. Unknown ids are ignored (a lease may have ended first)."""
+
+    request_ids: list[str]
+
+
+EngineInbound = AddRequest | AbortRequest | ReleaseKV
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -70,6 +90,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # Ended by a fault of the engine core (its sentinel aborted everything), not by anything in
     # the request: the client may resume it on a healthy engine core.
     resumable: bool = False
+    # On the final output of a request prefilled for a remote decode: where its KV is held.
+    kv_transfer_params: KVTransferParams | None = None
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

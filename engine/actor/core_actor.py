@@ -1,17 +1,18 @@
 """The engine core actor: a thin async shell around ``EngineCore`` (one per data-parallel rank).
 
-Inbox ``engine_in(engine_id)``: ``AddRequest`` / ``AbortRequest``, queued and applied together
-before each step. The step loop sleeps while there is nothing to do, then: apply inputs,
-schedule and send a step to the workers (``WorkerLink.submit``) while the core has room for one
-more in flight, else await the oldest step's result, apply it (aborts that arrived meanwhile
-first) and publish one ``EngineOutputs`` per client (and, for prefix routing, one batch of KV
-events: ``KvEventsLink``). With ``async_scheduling`` the core allows
-two steps in flight, so step N+1 is sent before step N's result is back and the worker never
-waits for this loop; without it each step is awaited before the next is scheduled. The order
-rules (results applied strictly in step order, placeholders) live in ``EngineCore``.
-``EngineStats`` go out after steps (at most every ``stats_interval_s``) and on every heartbeat,
-so clients can discover and route by load. While idle, the loop still checks its workers'
-heartbeats, so a dead worker is noticed within ``worker_dead_after_s``, not at the next request.
+Inbox ``engine_in(engine_id)``: ``AddRequest`` / ``AbortRequest`` / ``ReleaseKV`` (prompt KV
+held for a remote decode may go), queued and applied together before each step. The step loop
+sleeps while there is nothing to do, then: apply inputs, schedule and send a step to the workers
+(``WorkerLink.submit``) while the core has room for one more in flight, else await the oldest
+step's result, apply it (aborts that arrived meanwhile first) and publish one ``EngineOutputs``
+per client (and, for prefix routing, one batch of KV events: ``KvEventsLink``). With
+``async_scheduling`` the core allows two steps in flight, so step N+1 is sent before step N's
+result is back and the worker never waits for this loop; without it each step is awaited before
+the next is scheduled. The order rules (results applied strictly in step order, placeholders)
+live in ``EngineCore``. ``EngineStats`` go out after steps (at most every ``stats_interval_s``)
+and on every heartbeat, so clients can discover and route by load. While idle, the loop still
+checks its workers' heartbeats, so a dead worker is noticed within ``worker_dead_after_s``, not
+at the next request.
 
 Expert parallelism (``ParallelConfig.runs_in_lockstep``): every step is a round agreed with the
 other engine cores over the bus first (``LockstepLink``); a rank without tokens sends its
@@ -45,6 +46,7 @@ from shoal.bus.messages.engine import (
     EngineInbound,
     EngineOutputs,
     EngineStats,
+    ReleaseKV,
     RequestRejected,
     SchedulerStats,
 )
@@ -290,6 +292,8 @@ class EngineCoreActor(Actor):
                     return
             case AbortRequest():
                 core.queue_abort(message)
+            case ReleaseKV():
+                core.queue_release(message)
         self._wake.set()
 
     # ----- the step loop

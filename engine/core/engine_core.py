@@ -17,6 +17,7 @@ the step has landed (so the blocks of a request in no other step in flight are f
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ from shoal.bus.messages.engine import (
     AbortRequest,
     AddRequest,
     EngineCoreOutput,
+    ReleaseKV,
     RequestRejected,
     SchedulerStats,
 )
@@ -86,7 +88,7 @@ class EngineCore:
         self.max_waiting_requests = scheduler_config.max_waiting_requests
         self.max_steps_in_flight = 2 if scheduler_config.async_scheduling else 1
         self.outstanding: deque[SchedulerOutput] = deque()  # steps sent, oldest first
-        self._inputs: deque[AddRequest | AbortRequest] = deque()
+        self._inputs: deque[AddRequest | AbortRequest | ReleaseKV] = deque()
         self._pending_aborts: set[str] = set()
         self._num_pending_adds = 0
         # Late masks of steps in flight (``grammar.late_grammar``), for the shell to send.
@@ -117,6 +119,10 @@ class EngineCore:
         self._inputs.append(msg)
         self._pending_aborts.update(msg.request_ids)
 
+    def queue_release(self, msg: ReleaseKV) -> None:
+        """Prompt KV held for these requests' remote decodes may go (applied with the inputs)."""
+        self._inputs.append(msg)
+
     @property
     def has_inputs(self) -> bool:
         return bool(self._inputs)
@@ -132,8 +138,9 @@ class EngineCore:
     # ----- the step
 
     def apply_inputs(self) -> tuple[ClientOutputs, list[tuple[str, RequestRejected]]]:
-        """Apply every queued add and abort in arrival order. A resumed request already at its
-        end finishes here (its final output, no new tokens)."""
+        """Apply every queued add, abort and KV release in arrival order, then end the KV holds
+        whose lease ran out. A resumed request already at its end finishes here (its final
+        output, no new tokens)."""
         outputs: ClientOutputs = {}
         rejected: list[tuple[str, RequestRejected]] = []
         while self._inputs:
@@ -148,7 +155,10 @@ class EngineCore:
                         outputs.setdefault(msg.client_id, []).append(result)
                 case AbortRequest():
                     merge_outputs(outputs, self.scheduler.abort(msg.request_ids))
+                case ReleaseKV():
+                    self.scheduler.handovers.release(msg.request_ids)
         self._pending_aborts.clear()
+        self.scheduler.handovers.expire(time.monotonic())
         merge_outputs(outputs, group_final_outputs(self.scheduler.admit_compiled()))
         return outputs, rejected
 
@@ -241,6 +251,7 @@ class EngineCore:
         finished = self.scheduler.finish_requests(None, RequestStatus.FINISHED_ERROR)
         self.scheduler.finished_req_ids.clear()
         self.scheduler.preempted_req_ids.clear()
+        self.scheduler.handovers.release_all()  # the KV they held is not trusted either
         if not self.scheduler.reset_prefix_cache():
             log.error("prefix cache not reset after a failure: blocks still in use")
         outputs = group_final_outputs(finished)

@@ -87,6 +87,7 @@ class Request:
         "eos_token_ids",
         "error",
         "first_scheduled_time",
+        "hands_kv_over",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -122,6 +123,7 @@ class Request:
         cache_salt: str | None = None,
         block_hasher: BlockHasherFn | None = None,
         output_token_ids: list[int] | None = None,
+        hands_kv_over: bool = False,
     ) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -156,6 +158,8 @@ class Request:
         self.stop_reason: int | str | None = None
         self.error: str | None = None
         self.spec_token_ids: list[int] = []  # latest drafts (-1: not known yet)
+        # Prefilled for a remote decode: its prompt's KV is held once it ends (kv_handover.py).
+        self.hands_kv_over = hands_kv_over
         self.block_hashes: list[bytes] = []
         self._block_hasher: BlockHasherFn | None = None
         if block_hasher is not None:
@@ -175,6 +179,8 @@ class Request:
             cache_salt=msg.cache_salt,
             block_hasher=block_hasher,
             output_token_ids=msg.output_token_ids,
+            hands_kv_over=msg.kv_transfer_params is not None
+            and msg.kv_transfer_params.do_remote_decode,
         )
 
     def set_block_hasher(self, block_hasher: BlockHasherFn) -> None:

@@ -56,6 +56,7 @@ from shoal.engine.core import grammar
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.in_flight import InFlightSteps, PendingFree
 from shoal.engine.core.kv_cache_manager import KVCacheManager
+from shoal.engine.core.kv_handover import KVHandovers
 from shoal.engine.core.offload_connector import Admission, OffloadConnector
 from shoal.engine.core.request import (
     FINISH_REASONS,
@@ -132,6 +133,8 @@ class Scheduler:
         # before the next schedule() (then the counts stay zero), one with async scheduling.
         self.num_placeholders_per_step = 1 if scheduler_config.async_scheduling else 0
         self.in_flight = InFlightSteps(self.kv_cache_manager)
+        # Prompt KV held for remote decodes (disaggregated prefill).
+        self.handovers = KVHandovers(self.kv_cache_manager.block_pool, self.block_size)
         self.connector: OffloadConnector | None = None
         if kv_transfer_config is not None and kv_transfer_config.enabled:
             if not cache_config.enable_prefix_caching:
@@ -267,6 +270,7 @@ class Scheduler:
         return self.kv_cache_manager.get_block_ids(request_id)
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (refused while a block is in use, a held one included)."""
         return self.kv_cache_manager.reset_prefix_cache()
 
     # ----- one step
@@ -512,6 +516,8 @@ class Scheduler:
         stopped = outcome.stopped
         if stopped:
             for request in stopped:
+                if request.hands_kv_over:
+                    self._hold_for_remote_decode(request, outcome)
                 self.release_finished(request, was_on_worker=True)
             self.running = [r for r in self.running if r.status is RUNNING]
         for request in outcome.failed:
@@ -524,6 +530,22 @@ class Scheduler:
             self.preempted_req_ids.append(request.request_id)
         self.num_prompt_tokens += outcome.num_prompt_tokens
         self.num_generation_tokens += outcome.num_generation_tokens
+
+    def _hold_for_remote_decode(self, request: Request, outcome: StepOutcome) -> None:
+        """Hold a finished prefill's prompt KV for its decode side, and say where in its final
+        output (the last of its outputs this step)."""
+        blocks = self.kv_cache_manager.req_to_blocks.get(request.request_id, [])
+        params = self.handovers.hold(
+            request.request_id,
+            blocks,
+            request.num_prompt_tokens,
+            request.num_landed_tokens,
+            time.monotonic(),
+        )
+        for output in reversed(outcome.outputs.get(request.client_id, [])):
+            if output.request_id == request.request_id:
+                output.kv_transfer_params = params
+                return
 
     def make_stats(self) -> SchedulerStats:
         return scheduler_stats(self)

@@ -15,7 +15,9 @@ from shoal.bus.messages.engine import (
     EngineOutbound,
     EngineOutputs,
     EngineStats,
+    KVTransferParams,
     Logprobs,
+    ReleaseKV,
     RequestRejected,
     SchedulerStats,
 )
@@ -38,6 +40,11 @@ def test_union_round_trip_dispatches_on_tag():
     add = AddRequest("r1", [1, 2, 3], SamplingParams(max_tokens=4), "c1", 1.5)
     assert codec.decode(codec.encode(add)) == add
     assert codec.decode(encode(AbortRequest(["r1"]))) == AbortRequest(["r1"])
+    assert codec.decode(encode(ReleaseKV(["r1"]))) == ReleaseKV(["r1"])
+    remote = AddRequest(
+        "r2", [1], SamplingParams(), "c1", 0.0, kv_transfer_params=KVTransferParams(True)
+    )
+    assert codec.decode(codec.encode(remote)) == remote
 
 
 def test_decode_errors_are_readable_and_typed():
@@ -62,6 +69,8 @@ WIRE_LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
     AddRequest: ("request_id", "prompt_token_ids", "sampling_params", "client_id",
                  "arrival_time", "eos_token_ids", "priority", "cache_salt"),
     AbortRequest: ("request_ids",),
+    ReleaseKV: ("request_ids",),
+    KVTransferParams: ("do_remote_decode", "remote_block_ids", "num_remote_tokens"),
     Logprobs: ("token_ids", "logprobs", "ranks"),
     EngineCoreOutput: ("request_id", "new_token_ids", "finish_reason", "stop_reason",
                     "new_logprobs", "prompt_logprobs", "num_cached_tokens", "error"),

@@ -1,0 +1,94 @@
+"""The prefill side of disaggregated prefill: KV held for a remote decode (issue 33).
+
+A request added with ``KVTransferParams.do_remote_decode`` runs on a prefill engine core like
+any other; when it ends normally (stop or length) its prompt's KV is not given back with its
+blocks: ``hold`` takes one extra reference on each block that holds landed prompt KV, so the
+block stays allocated (and out of eviction) however the request's own blocks are freed, and
+says where the KV is (``KVTransferParams``: block ids in order, the tokens they hold). The
+decode side pulls the blocks and sends ``ReleaseKV``: ``release`` drops the references. A hold
+nobody releases ends with its lease (``expire``), so a lost decode side never pins blocks for
+ever. Aborted and failed requests hold nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from shoal.bus.messages.engine import KVTransferParams
+from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
+
+DEFAULT_LEASE_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
+
+
+@dataclass(slots=True)
+class _Hold:
+    blocks: list[KVCacheBlock]
+    expires_at: float
+
+
+class KVHandovers:
+    """Holds of prompt KV for remote decodes, over one block pool."""
+
+    def __init__(self, block_pool: BlockPool, block_size: int, lease_s: float = DEFAULT_LEASE_S):
+        self.block_pool = block_pool
+        self.block_size = block_size
+        self.lease_s = lease_s
+        self._holds: dict[str, _Hold] = {}
+        self.num_held = 0  # holds made (cumulative)
+        self.num_released = 0
+        self.num_expired = 0
+
+    @property
+    def num_holding(self) -> int:
+        return len(self._holds)
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        hold = self._holds.get(request_id)
+        return [block.block_id for block in hold.blocks] if hold is not None else []
+
+    def hold(
+        self,
+        request_id: str,
+        blocks: list[KVCacheBlock],
+        num_prompt_tokens: int,
+        num_landed_tokens: int,
+        now: float,
+    ) -> KVTransferParams:
+        """Hold the blocks of ``blocks`` (a request's table) that hold landed prompt KV, until
+        ``release`` or ``now + lease_s``; where they are. A request held again (its id reused)
+        gives the older hold back first."""
+        self.release([request_id], count=False)
+        num_tokens = min(num_prompt_tokens, num_landed_tokens)
+        held = blocks[: -(-num_tokens // self.block_size)]
+        self.block_pool.touch(held)
+        self._holds[request_id] = _Hold(held, now + self.lease_s)
+        self.num_held += 1
+        return KVTransferParams(
+            do_remote_decode=True,
+            remote_block_ids=[block.block_id for block in held],
+            num_remote_tokens=num_tokens,
+        )
+
+    def release(self, request_ids: Iterable[str], count: bool = True) -> int:
+        """Give these holds back (unknown ids are skipped); how many there were."""
+        released = 0
+        for request_id in request_ids:
+            hold = self._holds.pop(request_id, None)
+            if hold is not None:
+                self.block_pool.free_blocks(reversed(hold.blocks))
+                released += 1
+        if count:
+            self.num_released += released
+        return released
+
+    def expire(self, now: float) -> list[str]:
+        """Give back the holds whose lease ended by ``now``; their request ids."""
+        expired = [rid for rid, hold in self._holds.items() if hold.expires_at <= now]
+        self.release(expired, count=False)
+        self.num_expired += len(expired)
+        return expired
+
+    def release_all(self) -> None:
+        """Every hold given back (the engine core's KV is gone: a fault, a reset)."""
+        self.release(list(self._holds), count=False)
