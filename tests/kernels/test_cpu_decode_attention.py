@@ -140,7 +140,7 @@ def test_without_a_compiler_the_sparse_products_serve_decodes(fresh_build, monke
 def test_built_for_an_older_cpu_the_kernel_answers_the_same(fresh_build, monkeypatch, arch, flag):
     """SHOAL_KERNEL_ARCH: the paths of CPUs without AVX-512 (a dot per key and query head, no
     folded tile scores) and of AVX-512 without bf16 dot products (bf16 widened to fp32), built
-    and run on this machine."""
+    and run on this machine, once: loading the library again takes the cached build."""
     if flag not in cpu_flags():
         pytest.skip(f"the CPU has no {flag}")
     monkeypatch.setenv("SHOAL_KERNEL_ARCH", arch)
@@ -155,13 +155,7 @@ def test_built_for_an_older_cpu_the_kernel_answers_the_same(fresh_build, monkeyp
             tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
             torch.testing.assert_close(out, _decode_reference(case), **tol)
     assert len(list(fresh_build.glob("paged_decode_attention-*.so"))) == 1
-
-
-@needs_kernel
-def test_the_library_is_built_once_per_machine(fresh_build, monkeypatch):
-    assert cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is not None
-    built = list(fresh_build.glob("paged_decode_attention-*.so"))
-    assert len(built) == 1
+    # Built once per machine: a process loading it again takes the build from the cache.
     cpu_build.load_kernel_library.cache_clear()
 
     def no_build(*args: object) -> None:
