@@ -43,10 +43,6 @@ class KVHandovers:
     def num_holding(self) -> int:
         return len(self._holds)
 
-    def held_block_ids(self, request_id: str) -> list[int]:
-        hold = self._holds.get(request_id)
-        return [block.block_id for block in hold.blocks] if hold is not None else []
-
     def hold(
         self,
         request_id: str,
@@ -58,7 +54,7 @@ class KVHandovers:
         """Hold the blocks of ``blocks`` (a request's table) that hold landed prompt KV, until
         ``release`` or ``now + lease_s``; where they are. A request held again (its id reused)
         gives the older hold back first."""
-        self.release([request_id], count=False)
+        self._drop(request_id)
         num_tokens = min(num_prompt_tokens, num_landed_tokens)
         held = blocks[: -(-num_tokens // self.block_size)]
         self.block_pool.touch(held)
@@ -70,25 +66,29 @@ class KVHandovers:
             num_remote_tokens=num_tokens,
         )
 
-    def release(self, request_ids: Iterable[str], count: bool = True) -> int:
+    def release(self, request_ids: Iterable[str]) -> int:
         """Give these holds back (unknown ids are skipped); how many there were."""
-        released = 0
-        for request_id in request_ids:
-            hold = self._holds.pop(request_id, None)
-            if hold is not None:
-                self.block_pool.free_blocks(reversed(hold.blocks))
-                released += 1
-        if count:
-            self.num_released += released
+        released = sum(self._drop(request_id) for request_id in request_ids)
+        self.num_released += released
         return released
 
     def expire(self, now: float) -> list[str]:
         """Give back the holds whose lease ended by ``now``; their request ids."""
         expired = [rid for rid, hold in self._holds.items() if hold.expires_at <= now]
-        self.release(expired, count=False)
+        for request_id in expired:
+            self._drop(request_id)
         self.num_expired += len(expired)
         return expired
 
     def release_all(self) -> None:
         """Every hold given back (the engine core's KV is gone: a fault, a reset)."""
-        self.release(list(self._holds), count=False)
+        for request_id in list(self._holds):
+            self._drop(request_id)
+
+    def _drop(self, request_id: str) -> bool:
+        """Drop the hold's references (its blocks become free unless used elsewhere)."""
+        hold = self._holds.pop(request_id, None)
+        if hold is None:
+            return False
+        self.block_pool.free_blocks(reversed(hold.blocks))
+        return True
