@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from shoal.config.disaggregation import DisaggregationConfig
 from shoal.config.kv_transfer import (
     FsTierConfig,
     KVTransferConfig,
@@ -338,6 +339,9 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     )
     kv_transfer_config: KVTransferConfig = msgspec.field(default_factory=KVTransferConfig)
     speculative_config: SpeculativeConfig = msgspec.field(default_factory=SpeculativeConfig)
+    disaggregation_config: DisaggregationConfig = msgspec.field(
+        default_factory=DisaggregationConfig
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -361,6 +365,15 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             self.parallel_config.routing_mode != "kv" or self.cache_config.enable_prefix_caching,
             "routing_mode",
             "kv routes by the prefix cache's blocks: it needs enable_prefix_caching",
+        )
+        disagg = self.disaggregation_config
+        _require(
+            disagg.num_prefill == 0
+            or disagg.num_prefill + disagg.num_decode == self.parallel_config.data_parallel_size,
+            "num_prefill",
+            f"+ num_decode must equal data_parallel_size "
+            f"({self.parallel_config.data_parallel_size}), got {disagg.num_prefill} + "
+            f"{disagg.num_decode}",
         )
 
     @property
@@ -394,6 +407,9 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         if spec is not None:
             options = {**speculative_options(spec), **options}
         options = {**kv, **options}
+        if options.get("num_prefill") and options.get("data_parallel_size") in (None, 1):
+            # local mode's engine cores are the prefill and decode ones
+            options["data_parallel_size"] = options["num_prefill"] + options.get("num_decode", 0)
         by_group: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
         for option, value in options.items():
             group = OPTION_GROUPS.get(option)
@@ -448,6 +464,7 @@ GROUPS: dict[str, type[msgspec.Struct]] = {
     "fault_tolerance_config": FaultToleranceConfig,
     "kv_transfer_config": KVTransferConfig,
     "speculative_config": SpeculativeConfig,
+    "disaggregation_config": DisaggregationConfig,
 }
 OPTION_GROUPS: dict[str, str] = {
     field: group for group, struct in GROUPS.items() for field in struct.__struct_fields__
@@ -460,6 +477,7 @@ __all__ = [
     "TOOL_CALL_PARSERS",
     "BusConfig",
     "CacheConfig",
+    "DisaggregationConfig",
     "FaultToleranceConfig",
     "FsTierConfig",
     "KVTransferConfig",

@@ -26,6 +26,7 @@ from shoal.config.deployment import (
     FaultToleranceConfig,
     ShoalConfig,
 )
+from shoal.config.disaggregation import DISAGG_ROLES
 from shoal.config.kv_transfer import OFFLOADING_BACKENDS
 from shoal.config.speculative import JSON_KEYS, speculative_options
 from shoal.deploy.deployment import build_config
@@ -109,6 +110,48 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     _add_fault_tolerance_arguments(parser.add_argument_group("fault tolerance"))
     _add_kv_offload_arguments(parser.add_argument_group("KV offload"))
     _add_speculative_arguments(parser.add_argument_group("speculative decoding"))
+    _add_disaggregation_arguments(parser.add_argument_group("disaggregated prefill"))
+
+
+def _add_disaggregation_arguments(g: Group) -> None:
+    _option(
+        g,
+        "--kv-role",
+        dest="disagg_role",
+        choices=DISAGG_ROLES,
+        help="this engine core's part: prefill (prompts whose decode runs elsewhere), decode "
+        "(the rest, pulling the KV of prompts prefilled elsewhere) or both (no handovers)",
+    )
+    _option(
+        g,
+        "--num-prefill",
+        dest="num_prefill",
+        type=int,
+        help="local mode: prefill engine cores (with --num-decode; the data parallel size is "
+        "their sum)",
+    )
+    _option(g, "--num-decode", dest="num_decode", type=int, help="local mode: decode engine cores")
+    _option(
+        g,
+        "--max-local-prefill-length",
+        dest="max_local_prefill_length",
+        type=int,
+        help="prefill on a prefill engine core only prompts with more uncached tokens than this",
+    )
+    _option(
+        g,
+        "--max-prefill-queue-size",
+        dest="max_prefill_queue_size",
+        type=int,
+        help="...and only while a prefill engine core has at most this many requests waiting",
+    )
+    _option(
+        g,
+        "--kv-handover-lease-s",
+        dest="kv_handover_lease_s",
+        type=positive_float,
+        help="how long a prefill engine core holds prompt KV that no decode side pulls",
+    )
 
 
 def _add_cuda_graph_arguments(g: Group) -> None:

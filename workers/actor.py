@@ -328,6 +328,7 @@ class WorkerActor(Actor):
         if self.facts is None:
             raise RuntimeError(f"worker {self.worker_id} has not loaded its model yet")
         tp = getattr(self.runner, "tp", None)
+        export_ref = getattr(self.runner, "kv_export_ref", None)  # (a new epoch: see there)
         return WorkerInfo(
             worker_id=self.worker_id,
             num_blocks=self.facts.num_blocks,
@@ -343,6 +344,7 @@ class WorkerActor(Actor):
             head_dim=getattr(self.facts, "head_dim", 0),
             kv_dtype=getattr(self.facts, "kv_dtype", ""),
             total_kv_heads=getattr(self.facts, "total_kv_heads", 0),
+            kv_export=export_ref() if export_ref is not None else None,
         )
 
     # -- helpers -------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from shoal.bus.messages.engine import Logprobs
+from shoal.bus.messages.kv_handover import KVExportRef
 from shoal.bus.messages.offload import KVTransferResult
 from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import ExecuteStep, StepResult
@@ -41,6 +42,9 @@ from shoal.workers.cuda_graphs import (
 from shoal.workers.grammar_mask import GrammarMailbox, apply_grammar_bitmask
 from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from shoal.workers.kv_canonical import CanonicalMapping
+from shoal.workers.kv_export import ExportedKVCache, ExportViews
+from shoal.workers.kv_pull import run_kv_pulls
 from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run_kv_transfers
 from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.layers.weight_packing import pack_linear_weights
@@ -97,6 +101,10 @@ class ModelRunner:
         self.grammar_mailbox: GrammarMailbox | None = None
         self.grammar_wait_s = 60.0
         self.regions = RegionViews()  # CPU tier regions, mapped for KV offload copies
+        # Disaggregated prefill: this cache shared for remote decodes to pull (CPU workers of a
+        # disaggregated deployment), and the prefill workers' caches this one pulls from.
+        self.kv_export: ExportedKVCache | None = None
+        self.remote_caches = ExportViews()
         self._dropped = DroppedLoads()  # requests out of the batch after a failed KV load
         self.spec: SpecDecoder | None = None  # speculative decoding, when enabled
         self.dp_rank = dp_rank
@@ -177,15 +185,26 @@ class ModelRunner:
         num_blocks = self.config.cache_config.num_gpu_blocks_override or num_blocks_for_budget(
             self._kv_budget_bytes(), block_bytes
         )
-        self.kv_cache = KVCache.allocate(
-            num_layers=cfg.num_layers,
-            num_blocks=num_blocks,
-            block_size=self.block_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=cfg.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        if self.config.disaggregation_config.enabled and self.device.type == "cpu":
+            self.kv_export = ExportedKVCache.allocate(
+                num_layers=cfg.num_layers,
+                num_blocks=num_blocks,
+                block_size=self.block_size,
+                num_kv_heads=num_kv_heads,
+                head_dim=cfg.head_dim,
+                dtype=self.dtype,
+            )
+            self.kv_cache = self.kv_export.kv_cache
+        else:
+            self.kv_cache = KVCache.allocate(
+                num_layers=cfg.num_layers,
+                num_blocks=num_blocks,
+                block_size=self.block_size,
+                num_kv_heads=num_kv_heads,
+                head_dim=cfg.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
         for layer, k, v in zip(
             model.attention_layers(), self.kv_cache.k, self.kv_cache.v, strict=True
         ):
@@ -450,24 +469,55 @@ class ModelRunner:
                 self.spec.take_cached(state, cached)
 
     def _run_kv_transfers(self, step: ExecuteStep) -> KVTransferResult | None:
-        """Run the step's KV offload copies (``workers.kv_transfer``) before anything reads the
-        KV. A request whose load failed leaves the batch (its generator parked, as when
-        preempted) and stays out of this step and of any step naming it as cached, until the
-        engine core finishes, preempts or re-sends it: the engine core recomputes it."""
-        if step.kv_transfers is None:
-            return None
-        result = run_kv_transfers(
-            step.kv_transfers,
-            self.kv_cache,
-            tp_rank=self.tp.rank,
-            tp_size=self.tp.size,
-            regions=self.regions,
-            agree=self._agree_failures if self.tp.size > 1 else None,
-        )
-        for req_id in result.failed_load_req_ids:
+        """Run the step's KV offload copies (``workers.kv_transfer``) and remote prefills' pulls
+        (``workers.kv_pull``) before anything reads the KV. A request whose load or pull failed
+        leaves the batch (its generator parked, as when preempted) and stays out of this step
+        and of any step naming it as cached, until the engine core finishes, preempts or
+        re-sends it: the engine core recomputes it."""
+        result = None
+        if step.kv_transfers is not None:
+            result = run_kv_transfers(
+                step.kv_transfers,
+                self.kv_cache,
+                tp_rank=self.tp.rank,
+                tp_size=self.tp.size,
+                regions=self.regions,
+                agree=self._agree_failures if self.tp.size > 1 else None,
+            )
+            self._drop_failed(result.failed_load_req_ids)
+        if step.kv_pulls:
+            assert self.facts is not None
+            pulled = run_kv_pulls(
+                step.kv_pulls,
+                self.kv_cache,
+                mine=CanonicalMapping.of(self.facts.total_kv_heads, self.tp.size, self.tp.rank),
+                views=self.remote_caches,
+                agree=self._agree_failures if self.tp.size > 1 else None,
+            )
+            self._drop_failed(pulled.failed_req_ids)
+            result = result or KVTransferResult()
+            result.failed_pull_req_ids = pulled.failed_req_ids
+            result.num_pull_bytes = pulled.num_bytes
+            result.pull_time_s = pulled.seconds
+        return result
+
+    def _drop_failed(self, req_ids: list[str]) -> None:
+        for req_id in req_ids:
             self.batch.remove_request(req_id, preempted=True)
             self._dropped.add(req_id)
-        return result
+
+    def kv_export_ref(self) -> KVExportRef | None:
+        """This cache as remote decodes find it, in a new epoch (None: not exported). Asked
+        once per engine core handshake: KV that an earlier engine core life held is void."""
+        if self.kv_export is None or self.facts is None:
+            return None
+        self.kv_export.advance_epoch()
+        return self.kv_export.ref(
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.size,
+            total_kv_heads=self.facts.total_kv_heads,
+            dtype=self.facts.kv_dtype,
+        )
 
     def _agree_failures(self, failed: list[bool]) -> list[bool]:
         """Per-job KV copy failures of every rank: a job fails if it fails on any."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shoal.bus.messages.kv_handover import KVExportRef
 from shoal.bus.messages.sampling import SamplingParams
 
 
@@ -26,15 +27,25 @@ class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
 
 
 class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Disaggregated prefill (vLLM's ``kv_transfer_params``). Asked of a prefill engine core
-    with ``do_remote_decode``: it runs the prompt, and when the request ends normally it holds
-    the prompt's KV blocks (one reference each) for a decode engine core to pull, answering in
-    the request's final output with ``remote_block_ids`` and ``num_remote_tokens`` (the prompt
-    tokens whose KV those blocks hold, in order), until a ``ReleaseKV`` or its lease ends."""
+    """Disaggregated prefill (vLLM's ``kv_transfer_params``).
+
+    Asked of a prefill engine core with ``do_remote_decode``: it runs the prompt, and when the
+    request ends capped by ``max_tokens`` it holds the prompt's KV blocks (one reference each)
+    for a decode engine core to pull, answering in the request's final output with
+    ``remote_engine_id``, ``remote_block_ids`` and ``num_remote_tokens`` (the prompt tokens
+    whose KV those blocks hold, in order) and ``remote_kv`` (its workers' exported caches),
+    until a ``ReleaseKV`` or its lease ends.
+
+    Given to a decode engine core with ``do_remote_prefill`` (the same fields): it admits the
+    request with those tokens' KV pulled from the prefill side's workers instead of computed
+    (``bus.messages.kv_handover``), then sends ``ReleaseKV`` there."""
 
     do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str = ""
     remote_block_ids: list[int] = []
     num_remote_tokens: int = 0
+    remote_kv: list[KVExportRef] = []
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True, gc=False):
@@ -142,6 +153,20 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_offload_stores_skipped: int = 0
     kv_offload_lookup_failures: int = 0
     kv_offload_cpu_usage: float = 0.0
+    # Disaggregated prefill (cumulative, except the holds now). Prefill side: prompt KV holds
+    # made, released by their decode side, ended by their lease, and held now. Decode side:
+    # pulls landed and failed, tokens pulled and (failed pulls) recomputed instead, the workers'
+    # bytes and seconds.
+    kv_handover_holds: int = 0
+    kv_handover_released: int = 0
+    kv_handover_expired: int = 0
+    kv_handover_holding: int = 0
+    kv_pulls: int = 0
+    kv_pull_failures: int = 0
+    kv_pulled_tokens: int = 0
+    kv_pull_recomputed_tokens: int = 0
+    kv_pull_bytes: int = 0
+    kv_pull_time_s: float = 0.0
     # Speculative decoding (cumulative, vLLM's SpecDecodingStats): requests that verified drafts
     # (one per request and step), drafts verified, drafts accepted, and accepted drafts by
     # position (index i: the (i+1)-th draft of a run); the K the engine core asks for now.
@@ -181,6 +206,7 @@ class EngineStats(msgspec.Struct, tag="stats", array_like=True, omit_defaults=Tr
     block_size: int = 0
     incarnation: str = ""  # the engine core actor's (see control.Heartbeat)
     kv_tier_id: str = ""  # the CPU tier it loads offloaded KV from ("": offload off)
+    kv_role: str = "both"  # disaggregated prefill: "prefill", "decode" or "both"
 
 
 EngineOutbound = EngineOutputs | RequestRejected

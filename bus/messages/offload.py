@@ -155,6 +155,11 @@ class KVTransferResult(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_store_bytes: int = 0
     load_time_s: float = 0.0
     store_time_s: float = 0.0
+    # Remote prefills' KV pulled (``ExecuteStep.kv_pulls``): a failed pull leaves its request
+    # out of the step, as a failed load does.
+    failed_pull_req_ids: list[str] = []
+    num_pull_bytes: int = 0
+    pull_time_s: float = 0.0
 
 
 # ----- engine core → CPU tier

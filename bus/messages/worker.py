@@ -32,6 +32,7 @@ import msgspec
 
 from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.fault import FaultInjected, InjectFault
+from shoal.bus.messages.kv_handover import KVExportRef, KVPull
 from shoal.bus.messages.offload import KVTransferResult, KVTransfers
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.structured import GrammarBitmask
@@ -91,6 +92,7 @@ class ExecuteStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     finished_req_ids: list[str] = []
     preempted_req_ids: list[str] = []
     kv_transfers: KVTransfers | None = None  # KV offload copies, run before the forward pass
+    kv_pulls: list[KVPull] = []  # remote prefills' KV to copy in first (disaggregated prefill)
     num_spec_tokens: int = 0  # drafts to propose after this step per sampling request (K)
     # A round of the engine cores' lock-step group (expert parallelism): every rank's workers
     # run this step's collectives, with no tokens too (``bus/messages/lockstep.py``).
@@ -201,6 +203,7 @@ class WorkerInfo(msgspec.Struct, tag="info", array_like=True, omit_defaults=True
     head_dim: int = 0
     kv_dtype: str = ""
     total_kv_heads: int = 0  # the model's (every rank's together), for a canonical layout
+    kv_export: KVExportRef | None = None  # its KV cache, shared for remote decodes to pull
 
 
 class ResetDone(msgspec.Struct, tag="reset_done", array_like=True, omit_defaults=True):

@@ -95,6 +95,8 @@ class EngineCoreActor(Actor):
         )
         self.engine_id = engine_id
         self.config = config
+        # Disaggregated prefill: "prefill", "decode" or "both" (config.disaggregation).
+        self.kv_role = config.disaggregation_config.role_of(dp_rank)
         self.startup_timeout_s = startup_timeout_s
         self.stats_interval_s = stats_interval_s
         self.workers = WorkerLink(
@@ -231,7 +233,10 @@ class EngineCoreActor(Actor):
                     infos[0].vocab_size,
                     infos[0].eos_token_ids,
                 ),
+                kv_handover_lease_s=self.config.disaggregation_config.kv_handover_lease_s,
             )
+        exports = [info.kv_export for info in infos if info.kv_export is not None]
+        self.core.set_kv_source(self.engine_id, exports if len(exports) == len(infos) else [])
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
         if self.offload is not None and self.core.offload is not None:
             try:
@@ -432,15 +437,30 @@ class EngineCoreActor(Actor):
         return self.core.stats(self.timing) if self.core is not None else None
 
     async def _publish(self, outputs: ClientOutputs) -> None:
-        """Publish a core call's outputs (and send what it queued for the KV tier)."""
+        """Publish a core call's outputs (and send what it queued for the KV tier and the
+        prefill engine cores whose held KV it is done with)."""
         if self.offload is not None:
             self.offload.flush()
+        if self.core is not None:
+            for prefill_engine_id, request_ids in self.core.take_kv_releases().items():
+                await self._release_kv(prefill_engine_id, request_ids)
         stats = self.stats()
         now = time.time()
         for client_id, client_outputs in outputs.items():
             await self._send(client_id, EngineOutputs(self.engine_id, client_outputs, now, stats))
         if self.kv_events is not None:  # once per step, like the outputs
             await self.kv_events.publish(self.core, self.incarnation)
+
+    async def _release_kv(self, prefill_engine_id: str, request_ids: list[str]) -> None:
+        """Tell a prefill engine core it may free the KV it holds for these requests (a lost
+        release is logged: the hold's lease frees it later)."""
+        subject = self.subjects.engine_in(prefill_engine_id)
+        try:
+            await self.bus.publish(subject, encode(ReleaseKV(request_ids)))
+        except BusError as exc:
+            log.warning(
+                "engine %s: KV release to %s lost: %r", self.engine_id, prefill_engine_id, exc
+            )
 
     async def _send(self, client_id: str, message: EngineOutputs | RequestRejected) -> None:
         try:
@@ -462,6 +482,7 @@ class EngineCoreActor(Actor):
             block_size=self.config.cache_config.block_size,
             incarnation=self.incarnation,
             kv_tier_id=self.offload.config.cpu_tier_id if self.offload is not None else "",
+            kv_role=self.kv_role,
         )
         try:
             await self.bus.publish(self.subjects.engine_stats(self.engine_id), encode(stats))

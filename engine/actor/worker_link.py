@@ -347,4 +347,9 @@ def merge_kv_transfers(
         num_store_bytes=sum(r.num_store_bytes for r in present),
         load_time_s=max(r.load_time_s for r in present),
         store_time_s=max(r.store_time_s for r in present),
+        failed_pull_req_ids=list(
+            dict.fromkeys(req_id for r in present for req_id in r.failed_pull_req_ids)
+        ),
+        num_pull_bytes=sum(r.num_pull_bytes for r in present),
+        pull_time_s=max(r.pull_time_s for r in present),
     )

@@ -27,6 +27,8 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from shoal.bus.base import Bus, Subscription
 from shoal.bus.codec import Codec, DecodeError
 from shoal.bus.errors import BusError
@@ -34,6 +36,7 @@ from shoal.bus.messages.engine import (
     EngineOutbound,
     EngineOutputs,
     EngineStats,
+    KVTransferParams,
     RequestRejected,
     SchedulerStats,
 )
@@ -44,6 +47,7 @@ from shoal.bus.subjects import Subjects
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.collector import RequestOutputCollector
+from shoal.engine.client.disagg_routing import DisaggRouting, continued_params, prefill_params
 from shoal.engine.client.engine_faults import EngineFaults
 from shoal.engine.client.engine_sender import EngineSender
 from shoal.engine.client.fault_tolerance import FaultTolerance
@@ -98,6 +102,10 @@ class AsyncEngineClient:
             load_weight=config.parallel_config.routing_load_weight,
         )
         self.fault_tolerance = FaultTolerance(bus, self.subjects, self.router)
+        # Disaggregated prefill: which requests a prefill engine core prefills, and the decode
+        # engine core each of those continues on.
+        self.disagg = DisaggRouting(config.disaggregation_config, self.router)
+        self._decode_engine_of: dict[str, str] = {}
         self.stats_listeners: list[StatsListener] = []
         self._tokenizer: Tokenizer | None = None
         self._vocabulary: Vocabulary | None = None
@@ -289,10 +297,23 @@ class AsyncEngineClient:
             payload = ResumeRequest(prompt_ids, arrival, priority, [(c, []) for c in children])
             self.resumptions.park(request_id, payload, None, time.monotonic(), counts=False)
             return collector
+        sends: list[tuple[ChildRequest, list[int]]] = [(child, []) for child in children]
+        kv_params = None
+        prefill = self.disagg.prefill_engine(engine, len(prompt_ids), params, hashes)
+        if prefill is not None:  # prefilled there, continued on ``engine``
+            self._decode_engine_of[request_id] = engine.engine_id
+            processor.mark_remote_prefill(request_id)
+            sends = [
+                (ChildRequest(c.request_id, prefill_params(c.sampling_params)), [])
+                for c in children
+            ]
+            kv_params = KVTransferParams(do_remote_decode=True)
+            engine = prefill
         self.placements.place(request_id, engine.engine_id, self.router.epoch(engine.engine_id))
         try:
-            sends: list[tuple[ChildRequest, list[int]]] = [(child, []) for child in children]
-            await self.sender.send_adds(engine.engine_id, sends, prompt_ids, arrival, priority)
+            await self.sender.send_adds(
+                engine.engine_id, sends, prompt_ids, arrival, priority, kv_params
+            )
         except BusError as exc:
             self._fail(request_id, EngineUnavailableError(f"request not sent: {exc!r}"))
             raise EngineUnavailableError(f"request not sent to {engine.engine_id}: {exc}") from exc
@@ -331,6 +352,7 @@ class AsyncEngineClient:
         """Stop tracking a request: its collector, its engine core and the engine-side ids
         still running there."""
         self.resumptions.forget(request_id)
+        self._decode_engine_of.pop(request_id, None)
         collector, engine_id = self.placements.untrack(request_id)
         return collector, engine_id, self.require_processor().abort_request(request_id)
 
@@ -363,12 +385,61 @@ class AsyncEngineClient:
                 collector.put(output)
         for request_id in processed.finished_request_ids:
             self.resumptions.forget(request_id)
+            self._decode_engine_of.pop(request_id, None)
             self.placements.untrack(request_id)
         if processed.reqs_to_abort:
             await self.sender.send_abort(message.engine_id, processed.reqs_to_abort)
+        for prefill_engine_id, engine_request_id in processed.to_release:
+            await self.sender.send_release(prefill_engine_id, [engine_request_id])
+        for request_id, held in processed.to_hand_over.items():
+            await self._hand_over(request_id, held)
         for request_id, error in processed.to_resume.items():
             engine_id = message.engine_id
             self._faults.resume_or_fail(request_id, engine_id, f"engine core {engine_id}: {error}")
+
+    async def _hand_over(self, request_id: str, held: KVTransferParams) -> None:
+        """Continue a request prefilled remotely on its decode engine core (another ready one
+        if that one is not), which pulls the KV ``held`` names; with none ready it is resumed
+        or fails as after a fault, and the held KV is released."""
+        processor = self.require_processor()
+        payload = processor.continuation(request_id)
+        wanted = self._decode_engine_of.pop(request_id, None)
+        engine = None
+        if wanted is not None and self.router.is_ready(wanted):
+            engine = self.router.engines[wanted]
+        engine = engine or self.router.pick()
+        if payload is None or engine is None or request_id not in self.placements:
+            await self.sender.send_release(
+                held.remote_engine_id, processor.engine_request_ids(request_id) or [request_id]
+            )
+            if payload is not None:
+                self._faults.resume_or_fail(
+                    request_id,
+                    held.remote_engine_id,
+                    "no decode engine core is ready",
+                    counts=False,
+                )
+            return
+        pull = msgspec.structs.replace(held, do_remote_decode=False, do_remote_prefill=True)
+        children = [
+            (ChildRequest(c.request_id, continued_params(c.sampling_params)), tokens)
+            for c, tokens in payload.children
+        ]
+        self.placements.place(request_id, engine.engine_id, self.router.epoch(engine.engine_id))
+        try:
+            await self.sender.send_adds(
+                engine.engine_id,
+                children,
+                payload.prompt_token_ids,
+                payload.arrival_time,
+                payload.priority,
+                pull,
+            )
+        except BusError as exc:
+            await self.sender.send_release(
+                held.remote_engine_id, [c.request_id for c, _ in children]
+            )
+            self._fail(request_id, EngineUnavailableError(f"request not handed over: {exc!r}"))
 
     def _on_rejected(self, rejected: RequestRejected) -> None:
         owner = self.require_processor().owner_of(rejected.request_id)

@@ -12,7 +12,7 @@ from typing import Any
 from shoal.bus.base import Bus
 from shoal.bus.codec import encode
 from shoal.bus.errors import BusError
-from shoal.bus.messages.engine import AbortRequest, AddRequest
+from shoal.bus.messages.engine import AbortRequest, AddRequest, KVTransferParams, ReleaseKV
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.output_processor import ChildRequest
 
@@ -36,9 +36,10 @@ class EngineSender:
         prompt_ids: list[int],
         arrival: float,
         priority: int,
+        kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
-        """One add per completion, with the tokens it already has (resumed) or none;
-        ``BusError`` when one is not sent."""
+        """One add per completion, with the tokens it already has (resumed) or none, and the
+        disaggregated prefill's ``kv_transfer_params``; ``BusError`` when one is not sent."""
         subject = self.subjects.engine_in(engine_id)
         for child, output_token_ids in children:
             add = AddRequest(
@@ -50,6 +51,7 @@ class EngineSender:
                 eos_token_ids=self.eos_token_ids,
                 priority=priority,
                 output_token_ids=output_token_ids,
+                kv_transfer_params=kv_transfer_params,
             )
             await self.bus.publish(subject, encode(add))
 
@@ -61,6 +63,16 @@ class EngineSender:
             )
         except BusError as exc:
             log.warning("abort of %s not sent to %s: %r", engine_request_ids, engine_id, exc)
+
+    async def send_release(self, engine_id: str, engine_request_ids: list[str]) -> None:
+        """Free the KV ``engine_id`` holds for these requests' remote decodes (a lost release
+        is logged, not raised: the hold's lease ends it)."""
+        try:
+            await self.bus.publish(
+                self.subjects.engine_in(engine_id), encode(ReleaseKV(engine_request_ids))
+            )
+        except BusError as exc:
+            log.warning("KV release of %s not sent to %s: %r", engine_request_ids, engine_id, exc)
 
     def abort_later(self, engine_id: str, engine_request_ids: list[str]) -> None:
         """Send an abort in the background (for callers that cannot await)."""

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from shoal.bus.messages.engine import EngineCoreOutput, EngineOutputs
+from shoal.bus.messages.engine import EngineCoreOutput, EngineOutputs, KVTransferParams
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.client.completion_state import CompletionState, convert_logprobs
 from shoal.engine.client.outputs import RequestMetrics, RequestOutput, TokenLogprobs
@@ -53,6 +53,12 @@ class ProcessedOutputs:
     # Requests (user ids) whose completions a fault ended, to resume (``resume_on_fault``),
     # with the fault's error text.
     to_resume: dict[str, str] = field(default_factory=dict)
+    # Requests (user ids) prefilled for a remote decode, to continue on a decode engine core
+    # with the KV their prefill engine core holds (``mark_remote_prefill``).
+    to_hand_over: dict[str, KVTransferParams] = field(default_factory=dict)
+    # KV held for requests that will not continue (they ended on their first token here): to
+    # release at the prefill engine core that holds it.
+    to_release: list[tuple[str, str]] = field(default_factory=list)  # (engine id, request id)
 
 
 @dataclass(slots=True, frozen=True)
@@ -103,6 +109,8 @@ class RequestState:
         self.num_cached_tokens = 0
         self.error: str | None = None
         self._prompt_logprobs_sent = False
+        # Sent to a prefill engine core with max_tokens 1: its "length" finish is the handover.
+        self.prefilling_remotely = False
 
     @property
     def finished(self) -> bool:
@@ -228,13 +236,22 @@ class OutputProcessor:
             if item.resumable and self.resume_on_fault:
                 result.to_resume.setdefault(owner, item.error or "engine core fault")
                 continue
+            handover = _handover_of(state, item)
+            if handover is not None:  # the prefill's end is not the request's
+                state.prefilling_remotely = False
+                item = msgspec.structs.replace(item, finish_reason=None, kv_transfer_params=None)
             stopped_here = child.update(item)
             state.absorb_request_fields(item, child)
             state.record_times(bool(item.new_token_ids), now)
             touched.setdefault(owner, []).append(child)
+            if handover is not None:
+                if child.finished:  # on a stop string in its first token
+                    result.to_release.append((handover.remote_engine_id, item.request_id))
+                else:
+                    result.to_hand_over[owner] = handover
             if child.finished:
                 del self._owner_of[item.request_id]
-                if stopped_here and item.finish_reason is None:
+                if stopped_here and item.finish_reason is None and handover is None:
                     result.reqs_to_abort.append(item.request_id)
         for owner, children in touched.items():
             state = self._requests[owner]
@@ -245,6 +262,26 @@ class OutputProcessor:
                 self._drop(owner)
                 result.finished_request_ids.append(owner)
         return result
+
+    def mark_remote_prefill(self, request_id: str) -> None:
+        """The request was sent to a prefill engine core (max_tokens 1, held KV): its first
+        output's "length" finish hands it over (``ProcessedOutputs.to_hand_over``)."""
+        self._requests[request_id].prefilling_remotely = True
+
+    def continuation(self, request_id: str) -> ResumeRequest | None:
+        """What to send a decode engine core for a handed-over request: its completion under
+        the same engine-side id, with the token it has (None if no longer tracked)."""
+        state = self._requests.get(request_id)
+        if state is None:
+            return None
+        children = [
+            (ChildRequest(eid, c.params), list(c.token_ids))
+            for eid, c in state.children.items()
+            if not c.finished
+        ]
+        return ResumeRequest(
+            state.prompt_token_ids, state.metrics.arrival_time, state.priority, children
+        )
 
     def owner_of(self, engine_request_id: str) -> str | None:
         """The user request an engine-side id belongs to (None once finished or replaced)."""
@@ -257,6 +294,7 @@ class OutputProcessor:
         if state is None:
             return None
         attempt, state.num_attempts = state.num_attempts, state.num_attempts + 1
+        state.prefilling_remotely = False  # resumed whole, on an engine core that decodes
         children: list[tuple[ChildRequest, list[int]]] = []
         rekeyed: dict[str, CompletionState] = {}  # in the same (index) order
         for old_id, child in state.children.items():
@@ -302,3 +340,16 @@ class OutputProcessor:
             return
         for engine_id in state.children:
             self._owner_of.pop(engine_id, None)
+
+
+def _handover_of(state: RequestState, item: EngineCoreOutput) -> KVTransferParams | None:
+    """The held KV of a remote prefill's final output (None: not one)."""
+    params = item.kv_transfer_params
+    if (
+        not state.prefilling_remotely
+        or item.finish_reason != "length"
+        or params is None
+        or not params.do_remote_decode
+    ):
+        return None
+    return params

@@ -20,6 +20,11 @@ liveness table knows to be over.
 
 A pick counts ``num_requests`` toward the engine core's load: a request with ``n`` > 1 sends
 ``n`` engine requests there.
+
+Disaggregated prefill: each engine core reports its role (``EngineStats.kv_role``). A pick
+names the roles it takes: requests go to ``both`` and ``decode`` engine cores, remote prefills
+to ``prefill`` ones (``disagg_routing.DisaggRouting`` decides which requests); a ``prefill``
+engine core takes other requests only while no other is ready.
 """
 
 from __future__ import annotations
@@ -48,6 +53,14 @@ class EngineView:
 
     def score(self) -> tuple[float, float]:
         return (self.load, self.stats.stats.kv_usage)
+
+    @property
+    def role(self) -> str:
+        return self.stats.kv_role
+
+
+SERVING_ROLES = ("both", "decode")  # the engine cores a request goes to
+PREFILL_ROLES = ("prefill",)  # those a remote prefill goes to
 
 
 # What a block its host's CPU tier holds is worth, against one its device cache holds (1) and
@@ -106,9 +119,16 @@ class EngineRouter:
             and self.liveness.is_fresh(engine_id, self.stale_after_s, now)
         )
 
-    def ready_engines(self, now: float | None = None) -> list[EngineView]:
+    def ready_engines(
+        self, now: float | None = None, roles: Sequence[str] | None = None
+    ) -> list[EngineView]:
+        """The ready engine cores (of ``roles``, when given)."""
         now = time.monotonic() if now is None else now
-        return [v for v in self.engines.values() if self.is_ready(v.engine_id, now)]
+        return [
+            v
+            for v in self.engines.values()
+            if self.is_ready(v.engine_id, now) and (roles is None or v.role in roles)
+        ]
 
     def pick(
         self,
@@ -116,21 +136,39 @@ class EngineRouter:
         exclude: str | None = None,
         block_hashes: Sequence[bytes] = (),
         num_requests: int = 1,
+        roles: Sequence[str] = SERVING_ROLES,
     ) -> EngineView | None:
-        """The ready engine core (other than ``exclude``) for a request whose chained block
-        hashes are ``block_hashes`` (kv mode; else the least loaded), counted as sent
-        ``num_requests`` more (the engine requests it makes: its ``n``)."""
-        ready = [v for v in self.ready_engines(now) if v.engine_id != exclude]
-        if not ready:
+        """The ready engine core of ``roles`` (other than ``exclude``) for a request whose
+        chained block hashes are ``block_hashes`` (kv mode; else the least loaded), counted as
+        sent ``num_requests`` more (the engine requests it makes: its ``n``). For a request
+        (``SERVING_ROLES``) with none of them ready, any ready engine core will do."""
+        ready = [v for v in self.ready_engines(now, roles) if v.engine_id != exclude]
+        if not ready and roles == SERVING_ROLES:
+            ready = [v for v in self.ready_engines(now) if v.engine_id != exclude]
+        return self.choose(ready, block_hashes, num_requests)
+
+    def choose(
+        self, views: Sequence[EngineView], block_hashes: Sequence[bytes] = (), num_requests: int = 1
+    ) -> EngineView | None:
+        """``pick``'s choice among ``views`` (None if there are none), counted as sent."""
+        if not views:
             return None
         if self.index is None or not block_hashes:
-            best = min(ready, key=EngineView.score)
+            best = min(views, key=EngineView.score)
         else:
-            best = self._best_prefix(ready, block_hashes)
+            best = self._best_prefix(views, block_hashes)
         best.num_sent_since_stats += num_requests
         return best
 
-    def _best_prefix(self, ready: list[EngineView], block_hashes: Sequence[bytes]) -> EngineView:
+    def num_cached_blocks(self, engine_id: str, block_hashes: Sequence[bytes]) -> int:
+        """The leading blocks of ``block_hashes`` cached on ``engine_id`` (kv mode; else 0)."""
+        if self.index is None or not block_hashes:
+            return 0
+        return self.index.num_cached_blocks(engine_id, block_hashes)
+
+    def _best_prefix(
+        self, ready: Sequence[EngineView], block_hashes: Sequence[bytes]
+    ) -> EngineView:
         index = self.index
         assert index is not None
         for view in ready:  # a new life whose snapshot is late holds nothing known yet

@@ -30,6 +30,7 @@ from shoal.bus.messages.engine import (
     SchedulerStats,
 )
 from shoal.bus.messages.kv_events import KVEvent, snapshot_events
+from shoal.bus.messages.kv_handover import KVExportRef
 from shoal.bus.messages.structured import StepGrammar
 from shoal.bus.messages.worker import StepResult, WorkerInfo
 from shoal.config.deployment import CacheConfig, SchedulerConfig, ShoalConfig
@@ -75,7 +76,10 @@ class EngineCore:
         kv_transfer_config: KVTransferConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
         grammar_backend: GrammarBackend | None = None,
+        kv_handover_lease_s: float | None = None,
     ) -> None:
+        """``kv_handover_lease_s``: how long prompt KV held for a remote decode waits to be
+        pulled (None: ``kv_handover.DEFAULT_LEASE_S``)."""
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,
@@ -85,6 +89,8 @@ class EngineCore:
             speculative_config=speculative_config,
             grammar_backend=grammar_backend,
         )
+        if kv_handover_lease_s is not None:
+            self.scheduler.handovers.lease_s = kv_handover_lease_s
         self.max_waiting_requests = scheduler_config.max_waiting_requests
         self.max_steps_in_flight = 2 if scheduler_config.async_scheduling else 1
         self.outstanding: deque[SchedulerOutput] = deque()  # steps sent, oldest first
@@ -252,6 +258,7 @@ class EngineCore:
         self.scheduler.finished_req_ids.clear()
         self.scheduler.preempted_req_ids.clear()
         self.scheduler.handovers.release_all()  # the KV they held is not trusted either
+        self.scheduler.remote_prefills.abandon()  # (their prefill sides are released)
         if not self.scheduler.reset_prefix_cache():
             log.error("prefix cache not reset after a failure: blocks still in use")
         outputs = group_final_outputs(finished)
@@ -260,6 +267,18 @@ class EngineCore:
                 for output in client_outputs:
                     output.resumable = True
         return outputs
+
+    # ----- disaggregated prefill
+
+    def set_kv_source(self, engine_id: str, exports: list[KVExportRef]) -> None:
+        """Where this engine core's held prompt KV can be pulled from: its workers' exported
+        caches, one per rank in rank order (none: a decode side recomputes)."""
+        self.scheduler.handovers.set_source(engine_id, exports)
+
+    def take_kv_releases(self) -> dict[str, list[str]]:
+        """Prefill engine core → the requests whose held KV it may free (pulled, failed or no
+        longer needed), since the last call."""
+        return self.scheduler.remote_prefills.take_releases()
 
     # ----- KV events (prefix routing; ``engine/actor/kv_events_link.py``)
 

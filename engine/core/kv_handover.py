@@ -1,13 +1,15 @@
 """The prefill side of disaggregated prefill: KV held for a remote decode (issue 33).
 
-A request added with ``KVTransferParams.do_remote_decode`` runs on a prefill engine core like
-any other; when it ends normally (stop or length) its prompt's KV is not given back with its
-blocks: ``hold`` takes one extra reference on each block that holds landed prompt KV, so the
-block stays allocated (and out of eviction) however the request's own blocks are freed, and
-says where the KV is (``KVTransferParams``: block ids in order, the tokens they hold). The
-decode side pulls the blocks and sends ``ReleaseKV``: ``release`` drops the references. A hold
-nobody releases ends with its lease (``expire``), so a lost decode side never pins blocks for
-ever. Aborted and failed requests hold nothing.
+A request added with ``KVTransferParams.do_remote_decode`` runs on a prefill engine core like any
+other; when it ends capped by ``max_tokens`` (the router sends it with 1: the decode side goes on
+from its first token; a request that stopped has nothing left to decode) its prompt's KV is not
+given back with its blocks: ``hold`` takes one extra reference on each block that holds landed
+prompt KV, so the block stays allocated (and out of eviction) however the request's own blocks are
+freed, and says where the KV is (``KVTransferParams``: this engine core, block ids in order, the
+tokens they hold, its workers' exported caches). The decode side pulls the blocks and sends
+``ReleaseKV``: ``release`` drops the references. A hold nobody releases ends with its lease
+(``expire``), so a lost decode side never pins blocks for ever. Aborted and failed requests hold
+nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shoal.bus.messages.engine import KVTransferParams
+from shoal.bus.messages.kv_handover import KVExportRef
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
 
 DEFAULT_LEASE_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
@@ -34,10 +37,18 @@ class KVHandovers:
         self.block_pool = block_pool
         self.block_size = block_size
         self.lease_s = lease_s
+        # Where a decode side finds the KV: this engine core and its workers' exported caches
+        # (``set_source``; none: it cannot pull, and recomputes).
+        self.engine_id = ""
+        self.exports: list[KVExportRef] = []
         self._holds: dict[str, _Hold] = {}
         self.num_held = 0  # holds made (cumulative)
         self.num_released = 0
         self.num_expired = 0
+
+    def set_source(self, engine_id: str, exports: list[KVExportRef]) -> None:
+        """This engine core and its workers' caches, as its workers last described them."""
+        self.engine_id, self.exports = engine_id, exports
 
     @property
     def num_holding(self) -> int:
@@ -62,8 +73,10 @@ class KVHandovers:
         self.num_held += 1
         return KVTransferParams(
             do_remote_decode=True,
+            remote_engine_id=self.engine_id,
             remote_block_ids=[block.block_id for block in held],
             num_remote_tokens=num_tokens,
+            remote_kv=self.exports,
         )
 
     def release(self, request_ids: Iterable[str]) -> int:

@@ -32,7 +32,7 @@ import sys
 from collections.abc import Iterable
 from typing import Protocol
 
-from shoal.bus.messages.engine import AddRequest, EngineCoreOutput
+from shoal.bus.messages.engine import AddRequest, EngineCoreOutput, KVTransferParams
 from shoal.bus.messages.sampling import SamplingParams
 
 
@@ -101,6 +101,7 @@ class Request:
         "output_token_ids",
         "priority",
         "prompt_token_ids",
+        "remote_prefill",
         "request_id",
         "sampling_params",
         "spec_token_ids",
@@ -124,6 +125,7 @@ class Request:
         block_hasher: BlockHasherFn | None = None,
         output_token_ids: list[int] | None = None,
         hands_kv_over: bool = False,
+        remote_prefill: KVTransferParams | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -160,6 +162,8 @@ class Request:
         self.spec_token_ids: list[int] = []  # latest drafts (-1: not known yet)
         # Prefilled for a remote decode: its prompt's KV is held once it ends (kv_handover.py).
         self.hands_kv_over = hands_kv_over
+        # Prefilled on a remote engine core that holds its prompt's KV (remote_prefill.py).
+        self.remote_prefill = remote_prefill
         self.block_hashes: list[bytes] = []
         self._block_hasher: BlockHasherFn | None = None
         if block_hasher is not None:
@@ -181,6 +185,7 @@ class Request:
             output_token_ids=msg.output_token_ids,
             hands_kv_over=msg.kv_transfer_params is not None
             and msg.kv_transfer_params.do_remote_decode,
+            remote_prefill=remote_prefill_of(msg.kv_transfer_params),
         )
 
     def set_block_hasher(self, block_hasher: BlockHasherFn) -> None:
@@ -276,3 +281,10 @@ def group_final_outputs(requests: Iterable[Request]) -> ClientOutputs:
     for request in requests:
         outputs.setdefault(request.client_id, []).append(request.make_final_output())
     return outputs
+
+
+def remote_prefill_of(params: KVTransferParams | None) -> KVTransferParams | None:
+    """``params`` if they give a remote prefill's KV to pull, else None."""
+    if params is None or not params.do_remote_prefill or not params.remote_block_ids:
+        return None
+    return params

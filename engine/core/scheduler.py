@@ -37,6 +37,9 @@ With one step in flight at a time the placeholder and in-flight counts are zero 
 
 KV offload (``offload_connector.py``): admission asks the connector after the local prefix-cache
 lookup (parking a request while it is looked up); landing hands it the step's copies and chunks.
+Disaggregated prefill: a request prefilled elsewhere pulls its prompt's KV at admission instead
+(``remote_prefill.py``); a request prefilled here for a decode elsewhere has its prompt's KV
+held when it ends capped by ``max_tokens`` (``kv_handover.py``).
 
 Speculative decoding (``spec_decoding.py``): a request that samples verifies its drafts as extra
 scheduled tokens; the landing rolls back the rejected ones. Structured outputs: ``grammar.py``.
@@ -58,6 +61,7 @@ from shoal.engine.core.in_flight import InFlightSteps, PendingFree
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.kv_handover import KVHandovers
 from shoal.engine.core.offload_connector import Admission, OffloadConnector
+from shoal.engine.core.remote_prefill import RemotePrefills
 from shoal.engine.core.request import (
     FINISH_REASONS,
     ClientOutputs,
@@ -135,6 +139,8 @@ class Scheduler:
         self.in_flight = InFlightSteps(self.kv_cache_manager)
         # Prompt KV held for remote decodes (disaggregated prefill).
         self.handovers = KVHandovers(self.kv_cache_manager.block_pool, self.block_size)
+        # Prompt KV pulled from remote prefills (the decode side of disaggregation).
+        self.remote_prefills = RemotePrefills(self.block_size)
         self.connector: OffloadConnector | None = None
         if kv_transfer_config is not None and kv_transfer_config.enabled:
             if not cache_config.enable_prefix_caching:
@@ -184,6 +190,7 @@ class Scheduler:
         else:
             self.waiting.add(request)
         self.requests[request.request_id] = request
+        self.remote_prefills.track(request)
         return True
 
     def finish_requests(
@@ -228,6 +235,7 @@ class Scheduler:
         self.in_flight.free(request, drop_cached)
         if self.connector is not None:
             self.connector.forget(request)
+        self.remote_prefills.forget(request)
         if self.grammars is not None:
             self.grammars.release(request)
         self.num_finished[FINISH_REASONS[request.status]] += 1
@@ -380,15 +388,21 @@ class Scheduler:
         config = self.scheduler_config
         waiting, running = self.waiting, self.running
         kv, connector = self.kv_cache_manager, self.connector
+        remote_prefills = self.remote_prefills
         budget = plan.token_budget
         while waiting and budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
             hits, num_hit_tokens = kv.get_computed_blocks(request)
-            external = connector.on_admission(request, len(hits)) if connector else None
+            remote = remote_prefills.on_admission(request, len(hits))
+            external = (
+                connector.on_admission(request, len(hits)) if connector and not remote else None
+            )
             if external is Admission.PARK:
                 waiting.pop()  # waits for its lookup; the requests behind it go on
                 continue
             num_external_tokens = external.num_blocks * self.block_size if external else 0
+            if remote is not None:
+                num_external_tokens = remote.num_tokens
             num_new = num_missing = request.num_tokens - num_hit_tokens - num_external_tokens
             if threshold and num_new > threshold:
                 num_new = threshold
@@ -417,6 +431,8 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens + num_external_tokens
             if connector is not None:
                 connector.on_admitted(request, external, new_block_ids)
+            if remote is not None:
+                remote_prefills.on_admitted(request, remote, new_block_ids)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = request.num_computed_tokens
                 request.first_scheduled_time = time.time()
@@ -439,6 +455,7 @@ class Scheduler:
         )
         if self.connector is not None:
             output.kv_transfers = self.connector.build_transfers(self.step_id)
+        output.kv_pulls = self.remote_prefills.build(self.step_id)
         if self.grammars is not None and self.grammars.num_active:  # (before drafts go -1)
             grammar.plan_grammar(self.grammars.backend, output)
         if self.spec is not None:
@@ -490,11 +507,15 @@ class Scheduler:
             copies = None if fatal else result.kv_transfer
             table = self.kv_cache_manager.req_to_blocks
             loaded = self.connector.on_landed(scheduler_output, copies, outcome, skipped, table)
+        if scheduler_output.kv_pulls:
+            fatal = result.error is not None and result.error.fatal
+            copies = None if fatal else result.kv_transfer
+            loaded += self.remote_prefills.on_landed(scheduler_output.step_id, copies)
         if self.grammars is not None and self.grammars.num_active:
             grammar.advance_matchers(self.grammars.backend, self.requests, outcome)
         self._apply_outcome(outcome)  # (a failed load's blocks were never cached)
         self.in_flight.cache_landed(scheduler_output)
-        for request_id in loaded:  # KV loaded: now it may be cached
+        for request_id in loaded:  # KV loaded or pulled: now it may be cached
             request = self.requests.get(request_id)
             if request is not None and request.status is RUNNING:
                 self.kv_cache_manager.cache_blocks(request, request.num_landed_tokens)
@@ -516,7 +537,7 @@ class Scheduler:
         stopped = outcome.stopped
         if stopped:
             for request in stopped:
-                if request.hands_kv_over:
+                if request.hands_kv_over and request.status is RequestStatus.FINISHED_LENGTH_CAPPED:
                     self._hold_for_remote_decode(request, outcome)
                 self.release_finished(request, was_on_worker=True)
             self.running = [r for r in self.running if r.status is RUNNING]

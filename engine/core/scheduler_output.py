@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shoal.bus.messages.kv_handover import KVPull
 from shoal.bus.messages.offload import KVTransfers
 from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import (
@@ -39,6 +40,7 @@ class SchedulerOutput:
         "grammar",
         "grammar_drafts",
         "grammar_later",
+        "kv_pulls",
         "kv_transfers",
         "landed",
         "new_requests",
@@ -75,6 +77,7 @@ class SchedulerOutput:
         self.landed = False  # its result arrived (``Scheduler.land_step``)
         self.skipped_req_ids: set[str] = set()  # whose output is stale or for a finished one
         self.kv_transfers: KVTransfers | None = None  # KV offload copies to run first
+        self.kv_pulls: list[KVPull] = []  # remote prefills' KV to pull first
         self.num_spec_tokens: dict[str, int] = {}  # req_id → drafts it verifies (when any)
         self.sampling_req_ids: list[str] = []  # requests scheduled to the end of their tokens
         self.num_spec_tokens_to_propose = 0  # K: drafts per sampling request, after the step
@@ -105,6 +108,7 @@ class SchedulerOutput:
             self.finished_req_ids,
             self.preempted_req_ids,
             self.kv_transfers,
+            self.kv_pulls,
             self.num_spec_tokens_to_propose,
             grammar=self.grammar,
             grammar_later=self.grammar_later,

@@ -1,7 +1,7 @@
 """``SchedulerStats``, built here and nowhere else: what an engine core publishes for load-aware
 routing and metrics (requests running and waiting, KV usage, prefix-cache hits, finishes by
-reason, steps in flight, the offload connector's and speculative decoding's own counters, and
-the shell's step timing).
+reason, steps in flight, the offload connector's, disaggregated prefill's and speculative
+decoding's own counters, and the shell's step timing).
 
 Each figure is read from the part that owns it: the scheduler, the ``EngineCore`` around it
 (inputs not applied yet, steps in flight), the connector, speculative decoding, and
@@ -17,7 +17,9 @@ from typing import Protocol, TypedDict
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.worker import StepResult
 from shoal.engine.core.kv_cache_manager import KVCacheManager
+from shoal.engine.core.kv_handover import KVHandovers
 from shoal.engine.core.offload_connector import OffloadConnector
+from shoal.engine.core.remote_prefill import RemotePrefills
 from shoal.engine.core.spec_decoding import SpecDecoding
 
 
@@ -65,6 +67,10 @@ class CountingScheduler(Protocol):
     def connector(self) -> OffloadConnector | None: ...
     @property
     def spec(self) -> SpecDecoding | None: ...
+    @property
+    def handovers(self) -> KVHandovers: ...
+    @property
+    def remote_prefills(self) -> RemotePrefills: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +118,7 @@ def scheduler_stats(
         num_scheduled_tokens=core.num_scheduled_tokens,
         **_offload_fields(scheduler.connector),
         **_spec_fields(scheduler.spec),
+        **_handover_fields(scheduler.handovers, scheduler.remote_prefills),
     )
 
 
@@ -125,6 +132,19 @@ class _OffloadFields(TypedDict, total=False):
     kv_offload_stores_skipped: int
     kv_offload_lookup_failures: int
     kv_offload_cpu_usage: float
+
+
+class _HandoverFields(TypedDict):
+    kv_handover_holds: int
+    kv_handover_released: int
+    kv_handover_expired: int
+    kv_handover_holding: int
+    kv_pulls: int
+    kv_pull_failures: int
+    kv_pulled_tokens: int
+    kv_pull_recomputed_tokens: int
+    kv_pull_bytes: int
+    kv_pull_time_s: float
 
 
 class _SpecFields(TypedDict, total=False):
@@ -161,4 +181,20 @@ def _spec_fields(spec: SpecDecoding | None) -> _SpecFields:
         "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
         "spec_decode_num_accepted_tokens_per_pos": list(spec.num_accepted_tokens_per_pos),
         "spec_decode_k": spec.k,
+    }
+
+
+def _handover_fields(handovers: KVHandovers, remote_prefills: RemotePrefills) -> _HandoverFields:
+    pulls = remote_prefills.counters
+    return {
+        "kv_handover_holds": handovers.num_held,
+        "kv_handover_released": handovers.num_released,
+        "kv_handover_expired": handovers.num_expired,
+        "kv_handover_holding": handovers.num_holding,
+        "kv_pulls": pulls.num_pulls,
+        "kv_pull_failures": pulls.num_failed_pulls,
+        "kv_pulled_tokens": pulls.num_pulled_tokens,
+        "kv_pull_recomputed_tokens": pulls.num_recomputed_tokens,
+        "kv_pull_bytes": pulls.num_pull_bytes,
+        "kv_pull_time_s": pulls.pull_time_s,
     }

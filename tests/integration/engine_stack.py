@@ -58,7 +58,12 @@ async def engine_stack(
             await worker.start()
             workers.append(worker)
             engine = EngineCoreActor(
-                bus, f"e{rank}", config=config, worker_ids=[f"w{rank}"], heartbeat_interval_s=0.2
+                bus,
+                f"e{rank}",
+                config=config,
+                worker_ids=[f"w{rank}"],
+                dp_rank=rank,
+                heartbeat_interval_s=0.2,
             )
             await engine.start()
             engines.append(engine)

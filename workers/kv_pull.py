@@ -1,0 +1,160 @@
+"""The decode side of disaggregated prefill on a worker: a step's ``KVPull``s copy remote
+prefills' held blocks from the prefill workers' exported caches (``workers.kv_export``) into
+this rank's cache, before the forward pass reads them.
+
+This rank needs the model's KV heads it holds (``workers.kv_canonical``: the same split as a
+canonical offload slot); each comes from the first prefill rank holding it, so the two sides'
+tensor-parallel sizes may differ. A pull fails whole, and its request is left out of the step
+(recomputed by the engine core), when a source is unreadable (another host, gone, not the
+file its ref names), its geometry or a block id does not fit, or the exporting worker's epoch
+is not the ref's before and after the copy (its engine core's life that held the KV has
+ended). With tensor parallelism the ranks ``agree`` on the failures after copying: a pull that
+failed on any rank fails on all (a failed pull only ever wrote its own request's blocks).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.bus.messages.kv_handover import KVExportRef, KVPull
+from shoal.workers.kv_cache import KVCache
+from shoal.workers.kv_canonical import CanonicalMapping
+from shoal.workers.kv_export import ExportUnavailable, ExportViews
+
+log = logging.getLogger(__name__)
+
+Agree = Callable[[list[bool]], list[bool]]
+
+
+@dataclass(frozen=True)
+class HeadCopy:
+    """Heads ``[dst_start, dst_start + num_heads)`` of this rank come from heads ``[src_start,
+    ...)`` of ``source``."""
+
+    source: KVExportRef
+    src_start: int
+    dst_start: int
+    num_heads: int
+
+
+@dataclass
+class PullOutcome:
+    failed_req_ids: list[str] = field(default_factory=list)
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+
+def plan_heads(sources: Sequence[KVExportRef], mine: CanonicalMapping) -> list[HeadCopy]:
+    """Where each of this rank's heads comes from; ``ValueError`` if no source holds one."""
+    copies: list[HeadCopy] = []
+    head = mine.head_start
+    end = mine.head_start + mine.num_heads
+    while head < end:
+        for ref in sources:
+            theirs = CanonicalMapping.of(ref.total_kv_heads, ref.tp_size, ref.tp_rank)
+            their_end = theirs.head_start + theirs.num_heads
+            if theirs.head_start <= head < their_end:
+                num = min(end, their_end) - head
+                copies.append(HeadCopy(ref, head - theirs.head_start, head - mine.head_start, num))
+                head += num
+                break
+        else:
+            raise ValueError(f"no prefill rank holds KV head {head}")
+    return copies
+
+
+def geometry_fault(pull: KVPull, kv_cache: KVCache, ref: KVExportRef) -> str | None:
+    """Why ``ref``'s cache cannot feed this one for ``pull`` (None: it can)."""
+    _, block_size, _, head_dim = kv_cache.k[0].shape
+    dtype = str(kv_cache.k[0].dtype).removeprefix("torch.")
+    if (ref.num_layers, ref.block_size, ref.head_dim, ref.dtype) != (
+        len(kv_cache.k),
+        block_size,
+        head_dim,
+        dtype,
+    ):
+        return f"rank {ref.tp_rank}'s KV geometry differs from this cache's"
+    if len(pull.block_ids) != len(pull.remote_block_ids):
+        return "block lists of unequal length"
+    if any(not 0 <= b < kv_cache.num_blocks for b in pull.block_ids):
+        return "a block id outside this cache"
+    if any(not 0 <= b < ref.num_blocks for b in pull.remote_block_ids):
+        return f"a remote block id outside rank {ref.tp_rank}'s cache"
+    return None
+
+
+def copy_heads(
+    kv_cache: KVCache,
+    view: torch.Tensor,
+    copy: HeadCopy,
+    block_ids: torch.Tensor,
+    remote_ids: torch.Tensor,
+) -> int:
+    """Copy one source's heads of the pulled blocks, every layer, K and V; bytes copied."""
+    src_heads = slice(copy.src_start, copy.src_start + copy.num_heads)
+    dst_heads = slice(copy.dst_start, copy.dst_start + copy.num_heads)
+    whole = copy.num_heads == kv_cache.k[0].shape[2]
+    device = kv_cache.k[0].device
+    num_bytes = 0
+    for layer in range(len(kv_cache.k)):
+        for kv, pages in ((0, kv_cache.k[layer]), (1, kv_cache.v[layer])):
+            rows = view[layer, kv].index_select(0, remote_ids)[:, :, src_heads].to(device)
+            target = pages if whole else pages[:, :, dst_heads]
+            target.index_copy_(0, block_ids, rows)
+            num_bytes += rows.numel() * rows.element_size()
+    return num_bytes
+
+
+def pull_one(pull: KVPull, kv_cache: KVCache, mine: CanonicalMapping, views: ExportViews) -> int:
+    """Run one pull; its bytes. Raises ``ExportUnavailable`` or ``ValueError`` on a fault."""
+    if not pull.block_ids:
+        return 0
+    copies = plan_heads(pull.source, mine)
+    for copy in copies:
+        if (fault := geometry_fault(pull, kv_cache, copy.source)) is not None:
+            raise ValueError(fault)
+    mapped = [(copy, views.view(copy.source)) for copy in copies]
+    refs = {copy.source for copy in copies}
+    if any(views.epoch(ref) != ref.epoch for ref in refs):
+        raise ExportUnavailable("the prefill worker forgot the held KV (a new epoch)")
+    device = kv_cache.k[0].device
+    block_ids = torch.tensor(pull.block_ids, dtype=torch.int64, device=device)
+    remote_ids = torch.tensor(pull.remote_block_ids, dtype=torch.int64)
+    num_bytes = sum(
+        copy_heads(kv_cache, view, copy, block_ids, remote_ids) for copy, view in mapped
+    )
+    if any(views.epoch(ref) != ref.epoch for ref in refs):
+        raise ExportUnavailable("the prefill worker forgot the held KV during the copy")
+    return num_bytes
+
+
+def run_kv_pulls(
+    pulls: Sequence[KVPull],
+    kv_cache: KVCache,
+    *,
+    mine: CanonicalMapping,
+    views: ExportViews,
+    agree: Agree | None = None,
+) -> PullOutcome:
+    """Run a step's pulls; the ids whose pull failed (on any rank, with ``agree``), the bytes
+    this rank copied and the seconds it took."""
+    started = time.perf_counter()
+    outcome = PullOutcome()
+    failed = []
+    for pull in pulls:
+        try:
+            outcome.num_bytes += pull_one(pull, kv_cache, mine, views)
+            failed.append(False)
+        except (ExportUnavailable, ValueError) as exc:
+            log.warning("KV pull of %s failed (it is recomputed): %s", pull.req_id, exc)
+            failed.append(True)
+    if agree is not None:
+        failed = agree(failed)
+    outcome.failed_req_ids = [pull.req_id for pull, bad in zip(pulls, failed, strict=True) if bad]
+    outcome.seconds = time.perf_counter() - started
+    return outcome
