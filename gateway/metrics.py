@@ -5,7 +5,8 @@ Two sources feed them:
   ``finish_request``): token counters, request success by finish reason, TTFT, inter-token,
   end-to-end and (when the engine reports timestamps) queue/prefill/decode histograms;
 - engine-core statistics (``update_engine_stats``, connected by whoever owns the engine client):
-  running/waiting gauges, KV usage, and prefix-cache/preemption/KV offload counters derived
+  running/waiting gauges, KV usage, and prefix-cache/preemption/KV offload/disaggregated
+  prefill (holds, pulls) counters derived
   from the cumulative figures each engine core reports (every series from the first report
   on, at 0 where a core has no offload), and speculative decoding's counters when the
   deployment speculates (``spec_decode_metrics``);
@@ -60,6 +61,24 @@ OFFLOAD_COUNTERS = (
         "Offload lookups failed or timed out (the request recomputed)",
         "kv_offload_lookup_failures",
     ),
+)
+# Disaggregated prefill's counters of SchedulerStats: the prefill side's holds, the decode
+# side's pulls (vLLM's NIXL connector counts failed transfers under this name; the rest are
+# shoal's own).
+DISAGG_COUNTERS = (
+    ("shoal:kv_handover_holds", "Prompt KV holds made for remote decodes", "kv_handover_holds"),
+    ("shoal:kv_handover_released", "Holds released by their decode side", "kv_handover_released"),
+    ("shoal:kv_handover_expired", "Holds ended by their lease", "kv_handover_expired"),
+    ("shoal:kv_pulls", "Remote prefills' KV pulled", "kv_pulls"),
+    ("vllm:nixl_num_failed_transfers", "KV pulls failed (recomputed)", "kv_pull_failures"),
+    ("shoal:kv_pulled_tokens", "Prompt tokens pulled from prefill engines", "kv_pulled_tokens"),
+    (
+        "shoal:kv_pull_recomputed_tokens",
+        "Prompt tokens of failed pulls, recomputed instead",
+        "kv_pull_recomputed_tokens",
+    ),
+    ("shoal:kv_pull_bytes", "Bytes pulled from prefill engines' KV caches", "kv_pull_bytes"),
+    ("shoal:kv_pull_seconds", "Seconds the workers spent pulling", "kv_pull_time_s"),
 )
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -217,7 +236,12 @@ class Metrics:
             (self.worker_idle, "worker_idle_s"),
             (self.worker_execute, "worker_execute_s"),
         ]
-        self.engine_counters += [(self._counter(n, d, le), a) for n, d, a in OFFLOAD_COUNTERS]
+        self.engine_counters += [
+            (self._counter(n, d, le), a) for n, d, a in (*OFFLOAD_COUNTERS, *DISAGG_COUNTERS)
+        ]
+        self.kv_handover_holding = self._gauge(
+            "shoal:kv_handover_holding", "Prompt KV held for remote decodes now", le
+        )
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -311,6 +335,7 @@ class Metrics:
         self.kv_cache_usage.labels(*labels).set(stats.kv_usage)
         self.steps_in_flight.labels(*labels).set(stats.num_steps_in_flight)
         self.kv_offload_usage.labels(*labels).set(stats.kv_offload_cpu_usage)
+        self.kv_handover_holding.labels(*labels).set(stats.kv_handover_holding)
         for counter, attr in self.engine_counters:
             value = getattr(stats, attr)
             previous = getattr(last, attr) if last is not None else 0

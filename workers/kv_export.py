@@ -8,8 +8,8 @@ token, the epoch), each layer's K and V a contiguous ``KVCache`` page tensor as 
 processes of the host open it as ``/proc/<pid>/fd/<fd>``. ``advance_epoch`` (the worker forgot
 its requests) makes every pull of KV held before it fail.
 
-Reading (``ExportViews``): another worker's file mapped as a tensor ``[L, 2, B, block_size, H,
-D]``, refused unless it is the file the ref names (size, magic and token), and its epoch.
+Reading (``ExportViews.map``): another worker's file mapped as a tensor ``[L, 2, B, block_size,
+H, D]`` with its epoch, refused unless it is the file the ref names (size, magic and token).
 """
 
 from __future__ import annotations
@@ -123,9 +123,15 @@ class ExportedKVCache:
 
 
 @dataclass
-class _Mapped:
+class MappedExport:
+    """Another worker's exported cache, mapped: readable for as long as this is held."""
+
     mapping: mmap.mmap
     view: torch.Tensor  # [L, 2, B, block_size, H, D]
+
+    def epoch(self) -> int:
+        """The exporting worker's epoch now."""
+        return int(struct.unpack_from("<Q", self.mapping, _EPOCH_OFFSET)[0])
 
 
 class ExportViews:
@@ -134,11 +140,11 @@ class ExportViews:
     def __init__(self, keep: int = KEEP_MAPPED) -> None:
         self.keep = keep
         self.host = host_identity()
-        self._mapped: OrderedDict[tuple[str, str], _Mapped] = OrderedDict()
+        self._mapped: OrderedDict[tuple[str, str], MappedExport] = OrderedDict()
 
-    def view(self, ref: KVExportRef) -> torch.Tensor:
-        """The cache ``ref`` names as ``[L, 2, B, block_size, H, D]``; ``ExportUnavailable``
-        if it is on another host, gone or not the file ``ref`` names."""
+    def map(self, ref: KVExportRef) -> MappedExport:
+        """The cache ``ref`` names, mapped (``view``: ``[L, 2, B, block_size, H, D]``);
+        ``ExportUnavailable`` if it is on another host, gone or not the file ``ref`` names."""
         if ref.host != self.host:
             raise ExportUnavailable(f"KV cache of rank {ref.tp_rank} is on another host")
         key = (ref.path, ref.token)
@@ -147,22 +153,12 @@ class ExportViews:
             mapped = self._map(ref)
             self._mapped[key] = mapped
             while len(self._mapped) > self.keep:
-                self._mapped.popitem(last=False)
+                self._mapped.popitem(last=False)  # (still readable through handles held)
         self._mapped.move_to_end(key)
-        return mapped.view
-
-    def epoch(self, ref: KVExportRef) -> int:
-        """The exporting worker's epoch now (its file stays readable once mapped)."""
-        mapped = self._mapped.get((ref.path, ref.token))
-        if mapped is None:
-            raise ExportUnavailable(f"KV cache of rank {ref.tp_rank} is not mapped")
-        return int(struct.unpack_from("<Q", mapped.mapping, _EPOCH_OFFSET)[0])
-
-    def forget(self, ref: KVExportRef) -> None:
-        self._mapped.pop((ref.path, ref.token), None)
+        return mapped
 
     @staticmethod
-    def _map(ref: KVExportRef) -> _Mapped:
+    def _map(ref: KVExportRef) -> MappedExport:
         dtype = TORCH_DTYPES.get(ref.dtype)
         if dtype is None:
             raise ExportUnavailable(f"KV dtype {ref.dtype!r} is not one shoal exports")
@@ -187,4 +183,4 @@ class ExportViews:
             raise ExportUnavailable(f"{ref.path} is not the KV cache the ref names")
         with torch.inference_mode(False):
             view = torch.frombuffer(mapping, dtype=dtype, offset=HEADER_BYTES).view(shape)
-        return _Mapped(mapping, view)
+        return MappedExport(mapping, view)

@@ -68,8 +68,18 @@ def plan_heads(sources: Sequence[KVExportRef], mine: CanonicalMapping) -> list[H
     return copies
 
 
-def geometry_fault(pull: KVPull, kv_cache: KVCache, ref: KVExportRef) -> str | None:
-    """Why ``ref``'s cache cannot feed this one for ``pull`` (None: it can)."""
+def geometry_fault(
+    pull: KVPull, kv_cache: KVCache, ref: KVExportRef, mine: CanonicalMapping
+) -> str | None:
+    """Why ``ref``'s cache cannot feed this one (whose heads are ``mine``) for ``pull``
+    (None: it can)."""
+    if ref.total_kv_heads != mine.num_kv_heads:
+        return (
+            f"rank {ref.tp_rank}'s model has {ref.total_kv_heads} KV heads, not {mine.num_kv_heads}"
+        )
+    theirs = CanonicalMapping.of(ref.total_kv_heads, ref.tp_size, ref.tp_rank)
+    if ref.num_kv_heads != theirs.num_heads:
+        return f"rank {ref.tp_rank} of {ref.tp_size} says it holds {ref.num_kv_heads} KV heads"
     _, block_size, _, head_dim = kv_cache.k[0].shape
     dtype = str(kv_cache.k[0].dtype).removeprefix("torch.")
     if (ref.num_layers, ref.block_size, ref.head_dim, ref.dtype) != (
@@ -116,19 +126,19 @@ def pull_one(pull: KVPull, kv_cache: KVCache, mine: CanonicalMapping, views: Exp
         return 0
     copies = plan_heads(pull.source, mine)
     for copy in copies:
-        if (fault := geometry_fault(pull, kv_cache, copy.source)) is not None:
+        if (fault := geometry_fault(pull, kv_cache, copy.source, mine)) is not None:
             raise ValueError(fault)
-    mapped = [(copy, views.view(copy.source)) for copy in copies]
-    refs = {copy.source for copy in copies}
-    if any(views.epoch(ref) != ref.epoch for ref in refs):
+    mapped = {ref: views.map(ref) for ref in dict.fromkeys(copy.source for copy in copies)}
+    if any(export.epoch() != ref.epoch for ref, export in mapped.items()):
         raise ExportUnavailable("the prefill worker forgot the held KV (a new epoch)")
     device = kv_cache.k[0].device
     block_ids = torch.tensor(pull.block_ids, dtype=torch.int64, device=device)
     remote_ids = torch.tensor(pull.remote_block_ids, dtype=torch.int64)
     num_bytes = sum(
-        copy_heads(kv_cache, view, copy, block_ids, remote_ids) for copy, view in mapped
+        copy_heads(kv_cache, mapped[copy.source].view, copy, block_ids, remote_ids)
+        for copy in copies
     )
-    if any(views.epoch(ref) != ref.epoch for ref in refs):
+    if any(export.epoch() != ref.epoch for ref, export in mapped.items()):
         raise ExportUnavailable("the prefill worker forgot the held KV during the copy")
     return num_bytes
 

@@ -41,10 +41,10 @@ class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     (``bus.messages.kv_handover``), then sends ``ReleaseKV`` there."""
 
     do_remote_decode: bool = False
-    do_remote_prefill: bool = False
-    remote_engine_id: str = ""
     remote_block_ids: list[int] = []
     num_remote_tokens: int = 0
+    do_remote_prefill: bool = False
+    remote_engine_id: str = ""
     remote_kv: list[KVExportRef] = []
 
 

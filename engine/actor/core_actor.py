@@ -287,6 +287,7 @@ class EngineCoreActor(Actor):
             case AddRequest():
                 rejected: RequestRejected | None
                 if self.state is not ActorState.READY:
+                    core.turn_away(message)
                     rejected = RequestRejected(
                         message.request_id, "unavailable", f"engine {self.engine_id} is recovering"
                     )
@@ -294,6 +295,7 @@ class EngineCoreActor(Actor):
                     rejected = core.admit(message)
                 if rejected is not None:
                     await self._send(message.client_id, rejected)
+                    await self._publish({})  # (the KV a remote prefill held for it may go)
                     return
             case AbortRequest():
                 core.queue_abort(message)

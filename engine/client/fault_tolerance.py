@@ -53,6 +53,7 @@ class EngineFtStatus(msgspec.Struct, omit_defaults=True):
     fault_info: str | None = None
     last_ft_request_id: str | None = None
     ft_error: str | None = None
+    kv_role: str | None = None  # disaggregated prefill: prefill or decode (shoal's own)
 
 
 class FtStatus(msgspec.Struct):
@@ -102,17 +103,19 @@ def ft_status(
     *,
     lost_after_s: float,
     failed: dict[str, FailedCommand] | None = None,
+    roles: dict[str, str] | None = None,
     now: float | None = None,
 ) -> FtStatus:
-    """Every engine core the table knows, by id."""
+    """Every engine core the table knows, by id, with its role where its stats gave one."""
     now = time.monotonic() if now is None else now
-    failed = failed or {}
-    engines = [
-        engine_status(
+    failed, roles = failed or {}, roles or {}
+    engines = []
+    for engine_id in sorted(liveness.peers):
+        entry = engine_status(
             liveness, engine_id, lost_after_s=lost_after_s, failed=failed.get(engine_id), now=now
         )
-        for engine_id in sorted(liveness.peers)
-    ]
+        entry.kv_role = roles.get(engine_id)
+        engines.append(entry)
     return FtStatus(SCHEMA_VERSION, len(engines), engines)
 
 
@@ -143,8 +146,14 @@ class FaultTolerance:
         return sorted(self.router.liveness.peers)
 
     def status(self, now: float | None = None) -> FtStatus:
+        # (vLLM's body exactly, unless prefill and decode run on separate engine cores)
+        roles = {e: view.role for e, view in self.router.engines.items() if view.role != "both"}
         return ft_status(
-            self.router.liveness, lost_after_s=self.lost_after_s, failed=self.failed, now=now
+            self.router.liveness,
+            lost_after_s=self.lost_after_s,
+            failed=self.failed,
+            roles=roles,
+            now=now,
         )
 
     def observe(self, engine_id: str, now: float | None = None) -> None:

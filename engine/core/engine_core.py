@@ -112,6 +112,7 @@ class EngineCore:
         """Queue an add, or say why not (``overloaded`` past the waiting bound)."""
         num_waiting = self.scheduler.num_waiting + self._num_pending_adds
         if num_waiting >= self.max_waiting_requests:
+            self.turn_away(msg)
             return RequestRejected(
                 msg.request_id,
                 "overloaded",
@@ -175,6 +176,7 @@ class EngineCore:
         try:
             queued = self.scheduler.add_request(request)
         except ValueError as exc:
+            self.scheduler.remote_prefills.release_unadded(msg.request_id, msg.kv_transfer_params)
             return RequestRejected(msg.request_id, "invalid", str(exc))
         return None if queued else request.make_final_output()
 
@@ -274,6 +276,11 @@ class EngineCore:
         """Where this engine core's held prompt KV can be pulled from: its workers' exported
         caches, one per rank in rank order (none: a decode side recomputes)."""
         self.scheduler.handovers.set_source(engine_id, exports)
+
+    def turn_away(self, msg: AddRequest) -> None:
+        """An add refused before it reached the core (the shell's own reason): the KV a remote
+        prefill holds for it may go."""
+        self.scheduler.remote_prefills.release_unadded(msg.request_id, msg.kv_transfer_params)
 
     def take_kv_releases(self) -> dict[str, list[str]]:
         """Prefill engine core → the requests whose held KV it may free (pulled, failed or no

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shoal.bus.messages.engine import KVTransferParams
 from shoal.bus.messages.kv_handover import KVPull
 from shoal.bus.messages.offload import KVTransferResult
-from shoal.engine.core.request import Request
+from shoal.engine.core.request import Request, remote_prefill_of
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,6 +67,13 @@ class RemotePrefills:
         params = request.remote_prefill
         if params is not None:
             self._unreleased[request.request_id] = params.remote_engine_id
+
+    def release_unadded(self, request_id: str, params: KVTransferParams | None) -> None:
+        """A request that was never added (refused, or done on arrival): release its remote
+        prefill, if it has one."""
+        if remote_prefill_of(params) is not None:
+            assert params is not None
+            self._releases.setdefault(params.remote_engine_id, []).append(request_id)
 
     def on_admission(self, request: Request, num_local_blocks: int) -> RemoteHit | None:
         """What a waiting request pulls beyond its local hit (None: nothing; then the prefill

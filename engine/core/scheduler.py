@@ -180,6 +180,8 @@ class Scheduler:
         )
         if request.num_resumed_tokens and check_stop(request, self.max_model_len):
             self.num_finished[FINISH_REASONS[request.status]] += 1
+            # (nothing to pull any more)
+            self.remote_prefills.release_unadded(request.request_id, request.remote_prefill)
             return False
         if self.block_hasher is not None and not request.has_block_hasher:
             request.set_block_hasher(self.block_hasher)

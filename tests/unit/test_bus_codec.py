@@ -21,6 +21,7 @@ from shoal.bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
+from shoal.bus.messages.kv_handover import KVPull
 from shoal.bus.messages.offload import KVTransferResult, KVTransfers
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.structured import GrammarBitmask
@@ -70,7 +71,9 @@ WIRE_LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
                  "arrival_time", "eos_token_ids", "priority", "cache_salt"),
     AbortRequest: ("request_ids",),
     ReleaseKV: ("request_ids",),
-    KVTransferParams: ("do_remote_decode", "remote_block_ids", "num_remote_tokens"),
+    KVTransferParams: ("do_remote_decode", "remote_block_ids", "num_remote_tokens",
+                       "do_remote_prefill", "remote_engine_id", "remote_kv"),
+    KVPull: ("req_id", "block_ids", "remote_block_ids", "source"),
     Logprobs: ("token_ids", "logprobs", "ranks"),
     EngineCoreOutput: ("request_id", "new_token_ids", "finish_reason", "stop_reason",
                     "new_logprobs", "prompt_logprobs", "num_cached_tokens", "error"),

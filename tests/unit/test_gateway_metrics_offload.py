@@ -66,3 +66,31 @@ def test_offload_series_are_zero_for_a_core_without_offload() -> None:
     metrics.update_engine_stats(SchedulerStats(num_running=1, step_id=1), "e0")
     e0 = _samples(metrics.render().decode(), "e0")
     assert {e0[s] for s in (*FIELDS.values(), USAGE)} == {0.0}
+
+
+DISAGG_FIELDS = {  # disaggregated prefill's SchedulerStats fields → their series
+    "kv_handover_holds": "shoal:kv_handover_holds_total",
+    "kv_handover_released": "shoal:kv_handover_released_total",
+    "kv_handover_expired": "shoal:kv_handover_expired_total",
+    "kv_pulls": "shoal:kv_pulls_total",
+    "kv_pull_failures": "vllm:nixl_num_failed_transfers_total",
+    "kv_pulled_tokens": "shoal:kv_pulled_tokens_total",
+    "kv_pull_recomputed_tokens": "shoal:kv_pull_recomputed_tokens_total",
+    "kv_pull_bytes": "shoal:kv_pull_bytes_total",
+    "kv_pull_time_s": "shoal:kv_pull_seconds_total",
+}
+
+
+def test_disaggregation_counters_and_holds_in_the_exposition() -> None:
+    metrics = Metrics("m")
+    for step, scale in ((1, 2), (2, 7)):
+        figures = {
+            f: type(getattr(SchedulerStats(), f))((i + 1) * scale)
+            for i, f in enumerate(DISAGG_FIELDS)
+        }
+        stats = SchedulerStats(step_id=step, kv_handover_holding=3 * step, **figures)
+        metrics.update_engine_stats(stats, "p0")
+    p0 = _samples(metrics.render().decode(), "p0")
+    for i, series in enumerate(DISAGG_FIELDS.values()):
+        assert p0[series] == (i + 1) * 7, series
+    assert p0["shoal:kv_handover_holding"] == 6
