@@ -34,6 +34,9 @@ class DisaggregationConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unk
     # How long a prefill engine core holds a prompt's KV nobody pulled (vLLM's
     # VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
     kv_handover_lease_s: float = 480.0
+    # Where a prefill worker serves its KV cache to decode workers on other hosts ("": every
+    # interface, advertised as this host's name resolved).
+    kv_data_host: str = ""
 
     def __post_init__(self) -> None:
         one_of(self.disagg_role, DISAGG_ROLES, "disagg_role")

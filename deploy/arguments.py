@@ -147,6 +147,13 @@ def _add_disaggregation_arguments(g: Group) -> None:
     )
     _option(
         g,
+        "--kv-data-host",
+        dest="kv_data_host",
+        help="the address a prefill worker serves its KV cache on to other hosts (default: every "
+        "interface, advertised as this host's name)",
+    )
+    _option(
+        g,
         "--kv-handover-lease-s",
         dest="kv_handover_lease_s",
         type=positive_float,

@@ -216,6 +216,8 @@ class WorkerActor(Actor):
 
     async def on_stop(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if (close := getattr(self.runner, "close", None)) is not None:
+            close()
 
     def load(self) -> dict[str, float]:
         figures = {

@@ -97,8 +97,11 @@ class ExportedKVCache:
         )
         return cls(kv_cache, fd, mapping, token)
 
-    def ref(self, *, tp_rank: int, tp_size: int, total_kv_heads: int, dtype: str) -> KVExportRef:
-        """What a remote decode's workers need to find and read this cache."""
+    def ref(
+        self, *, tp_rank: int, tp_size: int, total_kv_heads: int, dtype: str, address: str = ""
+    ) -> KVExportRef:
+        """What a remote decode's workers need to find and read this cache (``address``: its
+        server's, for readers on other hosts)."""
         num_blocks, block_size, num_kv_heads, head_dim = self.kv_cache.k[0].shape
         return KVExportRef(
             host=host_identity(),
@@ -114,6 +117,7 @@ class ExportedKVCache:
             tp_rank=tp_rank,
             tp_size=tp_size,
             total_kv_heads=total_kv_heads,
+            address=address,
         )
 
     def advance_epoch(self) -> None:

@@ -2,6 +2,8 @@
 prefills' held blocks from the prefill workers' exported caches (``workers.kv_export``) into
 this rank's cache, before the forward pass reads them.
 
+A source on this host is read straight out of its mapped file; one on another host through its
+worker's TCP server (``workers.kv_export_server``: the read checked by digest and epoch there).
 This rank needs the model's KV heads it holds (``workers.kv_canonical``: the same split as a
 canonical offload slot); each comes from the first prefill rank holding it, so the two sides'
 tensor-parallel sizes may differ. A pull fails whole, and its request is left out of the step
@@ -25,6 +27,7 @@ from shoal.bus.messages.kv_handover import KVExportRef, KVPull
 from shoal.workers.kv_cache import KVCache
 from shoal.workers.kv_canonical import CanonicalMapping
 from shoal.workers.kv_export import ExportUnavailable, ExportViews
+from shoal.workers.kv_export_server import fetch_blocks
 
 log = logging.getLogger(__name__)
 
@@ -98,22 +101,21 @@ def geometry_fault(
     return None
 
 
-def copy_heads(
-    kv_cache: KVCache,
-    view: torch.Tensor,
-    copy: HeadCopy,
-    block_ids: torch.Tensor,
-    remote_ids: torch.Tensor,
-) -> int:
-    """Copy one source's heads of the pulled blocks, every layer, K and V; bytes copied."""
-    src_heads = slice(copy.src_start, copy.src_start + copy.num_heads)
+Rows = Callable[[int, int], torch.Tensor]
+"""(layer, 0 for K or 1 for V) → one source's pulled blocks of its heads, ``[n, block_size, h,
+D]``."""
+
+
+def copy_heads(kv_cache: KVCache, copy: HeadCopy, block_ids: torch.Tensor, rows_of: Rows) -> int:
+    """Copy one source's heads of the pulled blocks into this cache, every layer, K and V;
+    bytes copied."""
     dst_heads = slice(copy.dst_start, copy.dst_start + copy.num_heads)
     whole = copy.num_heads == kv_cache.k[0].shape[2]
     device = kv_cache.k[0].device
     num_bytes = 0
     for layer in range(len(kv_cache.k)):
         for kv, pages in ((0, kv_cache.k[layer]), (1, kv_cache.v[layer])):
-            rows = view[layer, kv].index_select(0, remote_ids)[:, :, src_heads].to(device)
+            rows = rows_of(layer, kv).to(device)
             target = pages if whole else pages[:, :, dst_heads]
             target.index_copy_(0, block_ids, rows)
             num_bytes += rows.numel() * rows.element_size()
@@ -128,16 +130,48 @@ def pull_one(pull: KVPull, kv_cache: KVCache, mine: CanonicalMapping, views: Exp
     for copy in copies:
         if (fault := geometry_fault(pull, kv_cache, copy.source, mine)) is not None:
             raise ValueError(fault)
+    block_ids = torch.tensor(pull.block_ids, dtype=torch.int64, device=kv_cache.k[0].device)
+    local = [copy for copy in copies if copy.source.host == views.host]
+    num_bytes = sum(  # other hosts' through their servers (each read checked there)
+        copy_heads(kv_cache, copy, block_ids, remote_rows(pull, copy))
+        for copy in copies
+        if copy.source.host != views.host
+    )
+    return num_bytes + pull_local(pull, kv_cache, local, block_ids, views)
+
+
+def remote_rows(pull: KVPull, copy: HeadCopy) -> Rows:
+    """The rows of ``copy``'s heads, read from its worker's server on another host."""
+    fetched = fetch_blocks(copy.source, pull.remote_block_ids, copy.src_start, copy.num_heads)
+    return lambda layer, kv: fetched[layer, kv]
+
+
+def pull_local(
+    pull: KVPull,
+    kv_cache: KVCache,
+    copies: list[HeadCopy],
+    block_ids: torch.Tensor,
+    views: ExportViews,
+) -> int:
+    """The copies from this host's exported caches, mapped, with the epochs checked before and
+    after; bytes copied."""
     mapped = {ref: views.map(ref) for ref in dict.fromkeys(copy.source for copy in copies)}
     if any(export.epoch() != ref.epoch for ref, export in mapped.items()):
         raise ExportUnavailable("the prefill worker forgot the held KV (a new epoch)")
-    device = kv_cache.k[0].device
-    block_ids = torch.tensor(pull.block_ids, dtype=torch.int64, device=device)
     remote_ids = torch.tensor(pull.remote_block_ids, dtype=torch.int64)
-    num_bytes = sum(
-        copy_heads(kv_cache, mapped[copy.source].view, copy, block_ids, remote_ids)
-        for copy in copies
-    )
+    num_bytes = 0
+    for copy in copies:
+        view, heads = (
+            mapped[copy.source].view,
+            slice(copy.src_start, copy.src_start + copy.num_heads),
+        )
+
+        def rows_of(
+            layer: int, kv: int, view: torch.Tensor = view, heads: slice = heads
+        ) -> torch.Tensor:
+            return view[layer, kv].index_select(0, remote_ids)[:, :, heads]
+
+        num_bytes += copy_heads(kv_cache, copy, block_ids, rows_of)
     if any(export.epoch() != ref.epoch for ref, export in mapped.items()):
         raise ExportUnavailable("the prefill worker forgot the held KV during the copy")
     return num_bytes

@@ -30,6 +30,7 @@ from shoal.bus.messages.kv_handover import KVExportRef
 from shoal.bus.messages.offload import KVTransferResult
 from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.bus.transport.data_address import data_address
 from shoal.config.deployment import ShoalConfig
 from shoal.kernels import ops
 from shoal.workers.config import CheckpointConfig, resolve_dtype
@@ -44,6 +45,7 @@ from shoal.workers.input_batch import InputBatch, StepInputs
 from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
 from shoal.workers.kv_canonical import CanonicalMapping
 from shoal.workers.kv_export import ExportedKVCache, ExportViews
+from shoal.workers.kv_export_server import KVExportServer
 from shoal.workers.kv_pull import run_kv_pulls
 from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run_kv_transfers
 from shoal.workers.layers.attention import AttentionMetadata
@@ -104,6 +106,7 @@ class ModelRunner:
         # Disaggregated prefill: this cache shared for remote decodes to pull (CPU workers of a
         # disaggregated deployment), and the prefill workers' caches this one pulls from.
         self.kv_export: ExportedKVCache | None = None
+        self.kv_server: KVExportServer | None = None  # its reads for other hosts
         self.remote_caches = ExportViews()
         self._dropped = DroppedLoads()  # requests out of the batch after a failed KV load
         self.spec: SpecDecoder | None = None  # speculative decoding, when enabled
@@ -195,6 +198,8 @@ class ModelRunner:
                 dtype=self.dtype,
             )
             self.kv_cache = self.kv_export.kv_cache
+            data_host = self.config.disaggregation_config.kv_data_host
+            self.kv_server = KVExportServer(self.kv_export, *data_address(data_host))
         else:
             self.kv_cache = KVCache.allocate(
                 num_layers=cfg.num_layers,
@@ -517,12 +522,19 @@ class ModelRunner:
             tp_size=self.tp.size,
             total_kv_heads=self.facts.total_kv_heads,
             dtype=self.facts.kv_dtype,
+            address=self.kv_server.address if self.kv_server is not None else "",
         )
 
     def _agree_failures(self, failed: list[bool]) -> list[bool]:
         """Per-job KV copy failures of every rank: a job fails if it fails on any."""
         flags = torch.tensor(failed, dtype=torch.int32, device=self.device)
         return [bool(flag) for flag in self.tp.any_rank(flags).tolist()]
+
+    def close(self) -> None:
+        """Stop serving the exported KV cache (the worker stops)."""
+        if self.kv_server is not None:
+            self.kv_server.close()
+            self.kv_server = None
 
     def reset(self) -> None:
         """Forget every request (after an engine core restart)."""

@@ -6,9 +6,10 @@ A prefill-role worker on the CPU keeps its paged KV cache in one shared-memory f
 prefill engine core puts its workers' refs (one per tensor-parallel rank) in the
 ``KVTransferParams`` of a finished prefill; the decode engine core admits the request with those
 params and rides a ``KVPull`` per request on a step: its workers copy the held blocks straight
-out of the prefill workers' files into their own cache before the forward pass, each rank the
-KV heads it holds, from whichever prefill ranks hold them (the two sides' tensor-parallel sizes
-may differ). No KV bytes travel on the bus.
+out of the prefill workers' files into their own cache before the forward pass (on another host:
+through the prefill worker's TCP server, ``workers.kv_export_server``), each rank the KV heads it
+holds, from whichever prefill ranks hold them (the two sides' tensor-parallel sizes may differ).
+No KV bytes travel on the bus.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class KVExportRef(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     tp_rank: int
     tp_size: int
     total_kv_heads: int  # the model's
+    address: str = ""  # host:port of its worker's server for readers on other hosts ("": none)
 
 
 class KVPull(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

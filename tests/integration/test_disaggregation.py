@@ -70,15 +70,20 @@ async def reference(bus: Any, model_dir: Path, prompts: list[list[int]]) -> list
         return await generate(stack.client, prompts, "ref")
 
 
+@pytest.mark.parametrize("path", ["shared_memory", "tcp"])
 async def test_long_prompts_are_prefilled_remotely_and_their_kv_pulled(
-    bus_factory, model_dir
+    bus_factory, model_dir, path
 ) -> None:  # type: ignore[no-untyped-def]
+    """``tcp``: the decode worker believes it is on another host, so it reads every held block
+    through the prefill worker's server instead of its shared memory."""
     bus = await bus_factory()
     expected = await reference(bus, model_dir, LONG + SHORT)
     async with engine_stack(
         bus, model_dir, num_engines=2, block_size=BLOCK_SIZE, namespace="disagg", **DISAGG
     ) as stack:
         assert [e.kv_role for e in stack.engines] == ["prefill", "decode"]
+        if path == "tcp":
+            stack.workers[1].runner.remote_caches.host = "another-boot-id:another-host"  # type: ignore[union-attr]
         assert await generate(stack.client, LONG + SHORT, "pd") == expected
         prefill, decode = await settled(stack)
         await wait_for(

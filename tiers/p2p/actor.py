@@ -57,11 +57,12 @@ from shoal.bus.messages.p2p import (
 )
 from shoal.bus.msg import Msg
 from shoal.bus.runtime.actor import Actor, Inbox
+from shoal.bus.transport.data_address import data_address
 from shoal.config.deployment import P2PTierConfig
 from shoal.tiers.books.keys import OffloadKey
 from shoal.tiers.books.p2p_sessions import PeerDirectory, PlannedPull, PlannedPulls, best_answer
 from shoal.tiers.cpu.mapped_regions import MappedRegions
-from shoal.tiers.p2p.channel import ChannelServer, advertised_host
+from shoal.tiers.p2p.channel import ChannelServer
 from shoal.tiers.p2p.pull import pull_chunks
 from shoal.tiers.p2p.serving import PeerServing
 from shoal.tiers.secondary.chunk_format import CorruptChunk
@@ -159,7 +160,7 @@ class P2PTierActor(Actor):
     async def on_start(self) -> None:
         if self.channel is not None:
             config = self.tier_config
-            await self.channel.start(*advertised_host(config.data_host), config.data_port)
+            await self.channel.start(*data_address(config.data_host), config.data_port)
 
     async def start(self) -> None:
         await super().start()  # subscribed: the answers to the hello reach it

@@ -226,13 +226,3 @@ def _read_into(conn: socket.socket, view: memoryview, end: float, key: OffloadKe
         if num == 0:
             raise ChannelClosed(f"stream closed after {got} of {len(view)} bytes")
         got += num
-
-
-def advertised_host(data_host: str) -> tuple[str, str]:
-    """Where to bind and what address to give peers: ``data_host`` for both, or (""), every
-    interface and this host's name resolved (loopback when it does not resolve)."""
-    if data_host:
-        return data_host, data_host
-    with contextlib.suppress(OSError):
-        return "0.0.0.0", socket.gethostbyname(socket.gethostname())
-    return "0.0.0.0", "127.0.0.1"
