@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 
+from shoal.config.disaggregation import VLLM_KV_ROLES
 from shoal.config.validation import one_of as _one_of
 from shoal.config.validation import positive as _positive
 from shoal.config.validation import require as _require
@@ -210,6 +211,8 @@ class KVTransferConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown
 
 
 OFFLOADING_CONNECTOR = "OffloadingConnector"
+# vLLM's connectors for disaggregated prefill: shoal's own handover stands in for them.
+HANDOVER_CONNECTORS = ("NixlConnector",)
 OFFLOADING_SPECS = ("CPUOffloadingSpec", "TieringOffloadingSpec")  # CPU tier, + secondary tiers
 OFFLOADING_BACKENDS = ("native",)
 KV_TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
@@ -297,10 +300,13 @@ def kv_transfer_options(
     _check_keys(value, "kv_transfer_config", KV_TRANSFER_KEYS, KV_TRANSFER_UNSUPPORTED)
     connector = value.get("kv_connector")
     _require(connector is not None, "kv_transfer_config.kv_connector", "is required")
+    if connector in HANDOVER_CONNECTORS:
+        return _handover_options(value)
     _require(
         connector == OFFLOADING_CONNECTOR,
         "kv_transfer_config.kv_connector",
-        f"{connector!r} is not supported; shoal has only {OFFLOADING_CONNECTOR!r}",
+        f"{connector!r} is not supported; shoal has {OFFLOADING_CONNECTOR!r} (KV offload) and "
+        f"{', '.join(map(repr, HANDOVER_CONNECTORS))} (disaggregated prefill)",
     )
     extra = value.get(EXTRA, {})
     _check_keys(extra, EXTRA, EXTRA_KEYS, EXTRA_UNSUPPORTED)
@@ -323,6 +329,24 @@ def kv_transfer_options(
     except msgspec.ValidationError as exc:  # a wrong type, or the group's own checks
         raise ValueError(f"kv_transfer_config: {str(exc).replace('`$.', f'`{EXTRA}.')}") from None
     return msgspec.structs.asdict(group)
+
+
+def _handover_options(value: dict[str, Any]) -> dict[str, Any]:
+    """Disaggregated prefill in vLLM's spelling: ``{"kv_connector": "NixlConnector", "kv_role":
+    "kv_producer"}`` is ``disagg_role`` prefill (``kv_consumer``: decode, ``kv_both``: both);
+    shoal's own KV handover takes the connector's place (``config.disaggregation``)."""
+    role = value.get("kv_role", "kv_both")
+    _require(
+        role in VLLM_KV_ROLES,
+        "kv_transfer_config.kv_role",
+        f"must be one of {', '.join(VLLM_KV_ROLES)}, got {role!r}",
+    )
+    _require(
+        not value.get(EXTRA),
+        f"kv_transfer_config.{EXTRA}",
+        f"is not supported with {value['kv_connector']!r}: shoal's handover takes no options here",
+    )
+    return {"disagg_role": VLLM_KV_ROLES[role]}
 
 
 def _blocks_per_chunk(extra: dict[str, Any], cache_block_size: int) -> int:

@@ -515,3 +515,20 @@ def test_gpu_check_dry_run_on_the_cpu():
     subsystems = result["subsystems"]
     assert subsystems["equal"] == subsystems["of"] == 16
     assert subsystems["kv_offload_hits"] > 0 and subsystems["spec_accepted_tokens"] > 0
+
+
+# ----- bench/disagg.py (its figures; a whole run starts two process deployments: by hand)
+
+
+def test_disagg_figures_count_stalls_and_the_requests_meeting_their_objectives() -> None:
+    from bench.disagg import ModeRun, Timed, mode_figures, parse_args
+
+    args = parse_args(["--itl-slo-ms", "100", "--ttft-slo-ms", "1000"])
+    smooth = Timed("stream", 0.0, [0.05 + 0.01 * i for i in range(11)])  # 10 ms gaps
+    stalled = Timed("stream", 0.0, [0.05, 0.06, 0.5, 0.51])  # one 440 ms gap
+    quick, slow = Timed("long", 0.0, [0.8, 0.9]), Timed("long", 1.0, [2.5])
+    run = ModeRun([smooth, stalled, quick, slow], seconds=2.0, stats={"kv_pulls": 0})
+    figures = mode_figures(run, args)
+    assert figures["stalled_gaps"] == 1 and round(figures["itl_max_ms"]) == 440
+    assert figures["num_met_slo"] == 2 and figures["goodput"] == 1.0  # smooth and quick
+    assert figures["ttft_p50_ms"] == 1150.0  # median of 800 and 1500
