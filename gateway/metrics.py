@@ -178,6 +178,18 @@ class Metrics:
             "inference": ("vllm:request_inference_time_seconds", "Time running", LATENCY_BUCKETS),
             "prefill": ("vllm:request_prefill_time_seconds", "Prefill time", LATENCY_BUCKETS),
             "decode": ("vllm:request_decode_time_seconds", "Decode time", LATENCY_BUCKETS),
+            # Disaggregated prefill, after the queue and prefill on the prefill engine core:
+            "handover": (
+                "shoal:request_handover_time_seconds",
+                "From the prefill's first token to the decode engine core admitting the request",
+                TTFT_BUCKETS,
+            ),
+            "first_decode": (
+                "shoal:request_first_decode_time_seconds",
+                "From the decode engine core admitting the request to its first token (KV pull "
+                "and first step)",
+                TTFT_BUCKETS,
+            ),
         }
         self.histograms = {key: self._histogram(*spec) for key, spec in hist.items()}
         tokens = one_two_five_buckets(max_model_len)
@@ -316,6 +328,11 @@ class Metrics:
             h["inference"].labels(name).observe(max(0.0, m.finished_time - m.first_scheduled_time))
             if m.first_token_time is not None:
                 h["decode"].labels(name).observe(max(0.0, m.finished_time - m.first_token_time))
+        if m.handover_time is not None and m.decode_scheduled_time is not None:
+            h["handover"].labels(name).observe(max(0.0, m.decode_scheduled_time - m.handover_time))
+            if m.decode_first_token_time is not None:
+                first_decode = m.decode_first_token_time - m.decode_scheduled_time
+                h["first_decode"].labels(name).observe(max(0.0, first_decode))
 
     # --- engine cores -----------------------------------------------------------------------
 

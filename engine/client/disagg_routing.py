@@ -30,15 +30,18 @@ class DisaggRouting:
         self.router = router
         self.num_remote = 0  # requests sent to a prefill engine core
         self.num_local = 0  # requests that could have been, prefilled on their decode core
+        self._decode_engine_of: dict[str, str] = {}  # request → where it continues
 
     def prefill_engine(
         self,
+        request_id: str,
         decode: EngineView,
         prompt_len: int,
         params: SamplingParams,
         block_hashes: Sequence[bytes] = (),
     ) -> EngineView | None:
-        """The prefill engine core for a request bound for ``decode`` (None: prefill there)."""
+        """The prefill engine core for a request bound for ``decode`` (None: prefill there);
+        ``decode`` is remembered as where it continues (``decode_engine``)."""
         if not self.enabled or not disaggregable(params):
             return None
         cached = self.router.num_cached_blocks(decode.engine_id, block_hashes)
@@ -57,7 +60,20 @@ class DisaggRouting:
             self.num_local += 1
             return None
         self.num_remote += 1
+        self._decode_engine_of[request_id] = decode.engine_id
         return chosen
+
+    def decode_engine(self, request_id: str) -> EngineView | None:
+        """Where a request prefilled remotely continues: the decode engine core chosen for it
+        if it is still ready, else the router's pick now (None: no engine core is ready)."""
+        wanted = self._decode_engine_of.pop(request_id, None)
+        if wanted is not None and self.router.is_ready(wanted):
+            return self.router.engines[wanted]
+        return self.router.pick()
+
+    def forget(self, request_id: str) -> None:
+        """The request ended (or was aborted) before its handover."""
+        self._decode_engine_of.pop(request_id, None)
 
 
 def disaggregable(params: SamplingParams) -> bool:

@@ -105,7 +105,6 @@ class AsyncEngineClient:
         # Disaggregated prefill: which requests a prefill engine core prefills, and the decode
         # engine core each of those continues on.
         self.disagg = DisaggRouting(config.disaggregation_config, self.router)
-        self._decode_engine_of: dict[str, str] = {}
         self.stats_listeners: list[StatsListener] = []
         self._tokenizer: Tokenizer | None = None
         self._vocabulary: Vocabulary | None = None
@@ -299,9 +298,8 @@ class AsyncEngineClient:
             return collector
         sends: list[tuple[ChildRequest, list[int]]] = [(child, []) for child in children]
         kv_params = None
-        prefill = self.disagg.prefill_engine(engine, len(prompt_ids), params, hashes)
+        prefill = self.disagg.prefill_engine(request_id, engine, len(prompt_ids), params, hashes)
         if prefill is not None:  # prefilled there, continued on ``engine``
-            self._decode_engine_of[request_id] = engine.engine_id
             processor.mark_remote_prefill(request_id)
             sends = [
                 (ChildRequest(c.request_id, prefill_params(c.sampling_params)), [])
@@ -352,7 +350,7 @@ class AsyncEngineClient:
         """Stop tracking a request: its collector, its engine core and the engine-side ids
         still running there."""
         self.resumptions.forget(request_id)
-        self._decode_engine_of.pop(request_id, None)
+        self.disagg.forget(request_id)
         collector, engine_id = self.placements.untrack(request_id)
         return collector, engine_id, self.require_processor().abort_request(request_id)
 
@@ -385,7 +383,7 @@ class AsyncEngineClient:
                 collector.put(output)
         for request_id in processed.finished_request_ids:
             self.resumptions.forget(request_id)
-            self._decode_engine_of.pop(request_id, None)
+            self.disagg.forget(request_id)
             self.placements.untrack(request_id)
         if processed.reqs_to_abort:
             await self.sender.send_abort(message.engine_id, processed.reqs_to_abort)
@@ -403,11 +401,7 @@ class AsyncEngineClient:
         or fails as after a fault, and the held KV is released."""
         processor = self.require_processor()
         payload = processor.continuation(request_id)
-        wanted = self._decode_engine_of.pop(request_id, None)
-        engine = None
-        if wanted is not None and self.router.is_ready(wanted):
-            engine = self.router.engines[wanted]
-        engine = engine or self.router.pick()
+        engine = self.disagg.decode_engine(request_id)
         if payload is None or engine is None or request_id not in self.placements:
             await self.sender.send_release(
                 held.remote_engine_id, processor.engine_request_ids(request_id) or [request_id]

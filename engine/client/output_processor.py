@@ -122,14 +122,21 @@ class RequestState:
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.error is not None:
             self.error = output.error
-        if output.scheduled_time is not None and self.metrics.first_scheduled_time is None:
-            self.metrics.first_scheduled_time = output.scheduled_time
+        metrics = self.metrics
+        if output.scheduled_time is not None:
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = output.scheduled_time
+            elif metrics.handover_time is not None and metrics.decode_scheduled_time is None:
+                metrics.decode_scheduled_time = output.scheduled_time  # (the continuation's)
 
     def record_times(self, has_new_tokens: bool, now: float) -> None:
+        metrics = self.metrics
         if has_new_tokens:
-            if self.metrics.first_token_time is None:
-                self.metrics.first_token_time = now
-            self.metrics.last_token_time = now
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            elif metrics.handover_time is not None and metrics.decode_first_token_time is None:
+                metrics.decode_first_token_time = now
+            metrics.last_token_time = now
         if self.finished and self.metrics.finished_time is None:
             self.metrics.finished_time = now
 
@@ -249,6 +256,7 @@ class OutputProcessor:
                     result.to_release.append((handover.remote_engine_id, item.request_id))
                 else:
                     result.to_hand_over[owner] = handover
+                    state.metrics.handover_time = now
             if child.finished:
                 del self._owner_of[item.request_id]
                 if stopped_here and item.finish_reason is None and handover is None:

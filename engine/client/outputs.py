@@ -29,6 +29,12 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Prefilled on a prefill engine core (disaggregated prefill): when its prefill's output
+    # handed it over, when the decode engine core admitted it (and pulled its KV), and when the
+    # decode side's first token arrived.
+    handover_time: float | None = None
+    decode_scheduled_time: float | None = None
+    decode_first_token_time: float | None = None
 
 
 @dataclass(slots=True)

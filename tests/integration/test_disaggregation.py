@@ -60,6 +60,31 @@ async def settled(stack: EngineStack) -> list[SchedulerStats]:
     return stats  # type: ignore[return-value]
 
 
+async def test_a_handed_over_request_reports_its_timeline(bus_factory, model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Its first token (prefill side), its handover, the decode engine core admitting it and the
+    decode side's first token, in that order (the gateway's TTFT split); a local request has no
+    handover."""
+    bus = await bus_factory()
+    async with engine_stack(
+        bus, model_dir, num_engines=2, block_size=BLOCK_SIZE, namespace="timeline", **DISAGG
+    ) as stack:
+        for prompt, remote in ((LONG[0], True), (SHORT[0], False)):
+            final = None
+            async for output in stack.client.generate(prompt, GREEDY, f"split-{remote}"):
+                final = output
+            assert final is not None and final.metrics is not None
+            m = final.metrics
+            assert m.first_scheduled_time is not None and m.first_token_time is not None
+            if not remote:
+                assert m.handover_time is None and m.decode_scheduled_time is None
+                continue
+            assert m.handover_time is not None and m.decode_first_token_time is not None
+            assert m.decode_scheduled_time is not None
+            assert m.first_scheduled_time <= m.first_token_time <= m.handover_time
+            assert m.handover_time <= m.decode_first_token_time
+            assert m.first_scheduled_time < m.decode_scheduled_time
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_checkpoint) -> Path:  # type: ignore[no-untyped-def]
     return tiny_checkpoint("llama")

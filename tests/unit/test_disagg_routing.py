@@ -89,7 +89,7 @@ def config(**changes: object) -> DisaggregationConfig:
 def chosen(
     routing: DisaggRouting, prompt_len: int, params: SamplingParams = PLAIN, decode: str = "d0"
 ) -> str | None:
-    view = routing.prefill_engine(routing.router.engines[decode], prompt_len, params)
+    view = routing.prefill_engine("r", routing.router.engines[decode], prompt_len, params)
     return None if view is None else view.engine_id
 
 
@@ -116,8 +116,8 @@ def test_the_cached_part_of_the_prompt_does_not_count_toward_the_limit() -> None
     index.apply(KVEventBatch("d0", "", 0, [BlockStored(hashes[:5])]))  # 20 tokens on d0
     routing = DisaggRouting(config(), router)
     decode = router.engines["d0"]
-    assert routing.prefill_engine(decode, MAX_LOCAL + 20, PLAIN, hashes) is None
-    view = routing.prefill_engine(decode, MAX_LOCAL + 21, PLAIN, hashes)
+    assert routing.prefill_engine("r", decode, MAX_LOCAL + 20, PLAIN, hashes) is None
+    view = routing.prefill_engine("r", decode, MAX_LOCAL + 21, PLAIN, hashes)
     assert view is not None and view.engine_id == "p0"
     assert counts(routing) == (1, 1)
 
@@ -351,3 +351,18 @@ def test_prepare_resume_clears_the_mark(tokenizer: Tokenizer) -> None:
     result = processor.process_outputs(prefill_final(token, request_id="r@1"), now=1.0)
     assert moved(result) == ({}, [], [], ["r"])
     assert result.request_outputs[0].finished
+
+
+def test_a_request_prefilled_remotely_continues_on_its_decode_engine_while_it_is_ready() -> None:
+    router = router_of(stats("p0", "prefill"), stats("d0", "decode"), stats("d1", "decode", 5))
+    routing = DisaggRouting(config(), router)
+    for request_id in ("a", "b", "c"):
+        assert routing.prefill_engine(request_id, router.engines["d1"], MAX_LOCAL + 1, PLAIN)
+    view = routing.decode_engine("a")
+    assert view is not None and view.engine_id == "d1"  # the one chosen, not the least loaded
+    routing.forget("b")
+    view = routing.decode_engine("b")  # forgotten: the router's pick now
+    assert view is not None and view.engine_id == "d0"
+    router.liveness.reset("d1", state=ActorState.UNHEALTHY)
+    view = routing.decode_engine("c")  # its decode engine is no longer ready
+    assert view is not None and view.engine_id == "d0"

@@ -39,6 +39,24 @@ def test_request_lifecycle_counts_tokens_latencies_and_reasons() -> None:
     assert abs(_get(metrics, "vllm:request_decode_time_seconds_sum") - 0.5) < 1e-9  # type: ignore[operator]
 
 
+def test_a_disaggregated_requests_ttft_split_into_handover_and_first_decode() -> None:
+    """Queue and prefill on the prefill engine core (vLLM's histograms), then the handover to the
+    decode engine core and its first step (the KV pull with it): shoal's two."""
+    metrics = Metrics("m")
+    for handed_over in (True, False):
+        timer = metrics.start_request(num_prompt_tokens=7, n=1, max_tokens=3, arrival_time=100.0)
+        times = RequestMetrics(100.0, 100.1, 100.5, 101.4, 101.5)
+        if handed_over:
+            times.handover_time, times.decode_scheduled_time = 100.5, 100.75
+            times.decode_first_token_time = 101.0
+        metrics.observe_output(timer, _output(0, [5, 6, 7], "length", times), now=101.5)
+        metrics.finish_request(timer, n=1, now=101.5)
+    assert abs(_get(metrics, "vllm:request_prefill_time_seconds_sum") - 0.8) < 1e-9  # type: ignore[operator]
+    assert _get(metrics, "shoal:request_handover_time_seconds_count") == 1
+    assert _get(metrics, "shoal:request_handover_time_seconds_sum") == 0.25
+    assert _get(metrics, "shoal:request_first_decode_time_seconds_sum") == 0.25
+
+
 def test_unfinished_choices_count_as_aborted() -> None:
     metrics = Metrics("m")
     timer = metrics.start_request(num_prompt_tokens=2, n=3, max_tokens=None)
