@@ -79,6 +79,11 @@ DISAGG_COUNTERS = (
     ),
     ("shoal:kv_pull_bytes", "Bytes pulled from prefill engines' KV caches", "kv_pull_bytes"),
     ("shoal:kv_pull_seconds", "Seconds the workers spent pulling", "kv_pull_time_s"),
+    (
+        "shoal:kv_pull_late",
+        "Remote prefills admitted too late to pull (recomputed)",
+        "kv_pull_late",
+    ),
 )
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

@@ -26,6 +26,11 @@ class Logprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     ranks: list[int]
 
 
+# How long a prefill engine core holds prompt KV nobody pulls, by default (vLLM's
+# VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+DEFAULT_KV_LEASE_S = 480.0
+
+
 class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Disaggregated prefill (vLLM's ``kv_transfer_params``).
 
@@ -46,6 +51,7 @@ class KVTransferParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     do_remote_prefill: bool = False
     remote_engine_id: str = ""
     remote_kv: list[KVExportRef] = []
+    lease_s: float = DEFAULT_KV_LEASE_S  # how long the prefill side holds the KV, from its answer
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True, gc=False):
@@ -167,6 +173,7 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     kv_pull_recomputed_tokens: int = 0
     kv_pull_bytes: int = 0
     kv_pull_time_s: float = 0.0
+    kv_pull_late: int = 0  # remote prefills not pulled: admitted too late in their hold's lease
     # Speculative decoding (cumulative, vLLM's SpecDecodingStats): requests that verified drafts
     # (one per request and step), drafts verified, drafts accepted, and accepted drafts by
     # position (index i: the (i+1)-th draft of a run); the K the engine core asks for now.

@@ -79,7 +79,7 @@ class EngineCore:
         kv_handover_lease_s: float | None = None,
     ) -> None:
         """``kv_handover_lease_s``: how long prompt KV held for a remote decode waits to be
-        pulled (None: ``kv_handover.DEFAULT_LEASE_S``)."""
+        pulled (None: vLLM's 480 s)."""
         self.scheduler = Scheduler(
             scheduler_config,
             cache_config,

@@ -17,11 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from shoal.bus.messages.engine import KVTransferParams
+from shoal.bus.messages.engine import DEFAULT_KV_LEASE_S, KVTransferParams
 from shoal.bus.messages.kv_handover import KVExportRef
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
-
-DEFAULT_LEASE_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
 
 
 @dataclass(slots=True)
@@ -33,7 +31,7 @@ class _Hold:
 class KVHandovers:
     """Holds of prompt KV for remote decodes, over one block pool."""
 
-    def __init__(self, block_pool: BlockPool, block_size: int, lease_s: float = DEFAULT_LEASE_S):
+    def __init__(self, block_pool: BlockPool, block_size: int, lease_s: float = DEFAULT_KV_LEASE_S):
         self.block_pool = block_pool
         self.block_size = block_size
         self.lease_s = lease_s
@@ -77,6 +75,7 @@ class KVHandovers:
             remote_block_ids=[block.block_id for block in held],
             num_remote_tokens=num_tokens,
             remote_kv=self.exports,
+            lease_s=self.lease_s,
         )
 
     def release(self, request_ids: Iterable[str]) -> int:

@@ -10,11 +10,16 @@ becomes external computed tokens: their blocks are allocated with the request's 
 pulled at most once: once the step lands, the prefill side is released (``take_releases``)
 whatever came of the pull; a failed pull is recomputed (the worker left the request out of the
 step, so the scheduler preempts it), as is the request preempted later. A request that ends
-before its pull, or needs none (its local hit covers the remote tokens), is released too.
+before its pull, or needs none (its local hit covers the remote tokens), is released too, and a
+request admitted later than half the hold's lease after it arrived is not pulled (released and
+recomputed): the prefill side may have freed the blocks at the lease's end, and a freed block
+says nothing about what it holds now.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from shoal.bus.messages.engine import KVTransferParams
@@ -48,25 +53,31 @@ class PullCounters:
     num_recomputed_tokens: int = 0
     num_pull_bytes: int = 0
     pull_time_s: float = 0.0
+    num_late: int = 0  # not pulled: admitted too late in the hold's lease (recomputed)
 
 
 class RemotePrefills:
     """Requests whose prompt KV a prefill engine core holds for this (decode) engine core."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
+        self.clock = clock
         self.counters = PullCounters()
         self._unreleased: dict[str, str] = {}  # request id → the prefill engine core holding
+        self._pull_by: dict[str, float] = {}  # request id → its pull's deadline (``clock``)
         self._pulled: set[str] = set()  # admitted with a pull once: never again
         self._step_pulls: list[tuple[KVPull, int]] = []  # this schedule's, with their tokens
         self._pulls_by_step: dict[int, list[tuple[str, int]]] = {}
         self._releases: dict[str, list[str]] = {}  # prefill engine core → request ids
 
     def track(self, request: Request) -> None:
-        """A request was added: remember whom to release if it has a remote prefill."""
+        """A request was added: remember whom to release if it has a remote prefill, and until
+        when its pull is safe (half the hold's lease from now: past it the prefill side may have
+        let the blocks go and reused them, and nothing in them would say so)."""
         params = request.remote_prefill
         if params is not None:
             self._unreleased[request.request_id] = params.remote_engine_id
+            self._pull_by[request.request_id] = self.clock() + params.lease_s / 2
 
     def release_unadded(self, request_id: str, params: KVTransferParams | None) -> None:
         """A request that was never added (refused, or done on arrival): release its remote
@@ -80,7 +91,11 @@ class RemotePrefills:
         side is released at once, or was already)."""
         params = request.remote_prefill
         request_id = request.request_id
-        if params is None or request_id in self._pulled:
+        if params is None or request_id in self._pulled or request_id not in self._unreleased:
+            return None  # (a released hold is never read: its blocks may hold other KV by now)
+        if self.clock() > self._pull_by[request_id]:
+            self.counters.num_late += 1
+            self._release(request_id)
             return None
         num_tokens = min(params.num_remote_tokens, request.num_tokens - 1)
         num_tokens = min(num_tokens, len(params.remote_block_ids) * self.block_size)
@@ -155,6 +170,7 @@ class RemotePrefills:
         return len(self._unreleased)
 
     def _release(self, request_id: str) -> None:
+        self._pull_by.pop(request_id, None)
         engine_id = self._unreleased.pop(request_id, None)
         if engine_id is not None:
             self._releases.setdefault(engine_id, []).append(request_id)

@@ -145,6 +145,7 @@ class _HandoverFields(TypedDict):
     kv_pull_recomputed_tokens: int
     kv_pull_bytes: int
     kv_pull_time_s: float
+    kv_pull_late: int
 
 
 class _SpecFields(TypedDict, total=False):
@@ -197,4 +198,5 @@ def _handover_fields(handovers: KVHandovers, remote_prefills: RemotePrefills) ->
         "kv_pull_recomputed_tokens": pulls.num_recomputed_tokens,
         "kv_pull_bytes": pulls.num_pull_bytes,
         "kv_pull_time_s": pulls.pull_time_s,
+        "kv_pull_late": pulls.num_late,
     }

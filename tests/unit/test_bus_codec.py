@@ -72,7 +72,7 @@ WIRE_LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
     AbortRequest: ("request_ids",),
     ReleaseKV: ("request_ids",),
     KVTransferParams: ("do_remote_decode", "remote_block_ids", "num_remote_tokens",
-                       "do_remote_prefill", "remote_engine_id", "remote_kv"),
+                       "do_remote_prefill", "remote_engine_id", "remote_kv", "lease_s"),
     KVPull: ("req_id", "block_ids", "remote_block_ids", "source"),
     Logprobs: ("token_ids", "logprobs", "ranks"),
     EngineCoreOutput: ("request_id", "new_token_ids", "finish_reason", "stop_reason",

@@ -78,6 +78,7 @@ DISAGG_FIELDS = {  # disaggregated prefill's SchedulerStats fields → their ser
     "kv_pull_recomputed_tokens": "shoal:kv_pull_recomputed_tokens_total",
     "kv_pull_bytes": "shoal:kv_pull_bytes_total",
     "kv_pull_time_s": "shoal:kv_pull_seconds_total",
+    "kv_pull_late": "shoal:kv_pull_late_total",
 }
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
 import pytest
 
 from shoal.bus.messages.engine import KVTransferParams
@@ -445,3 +446,30 @@ def test_a_continuation_the_engine_core_refuses_releases_its_prefill_side() -> N
     assert [r.code for _, r in rejected] == ["invalid"]
     core.turn_away(add("recovering", 10))
     assert core.take_kv_releases() == {"p0": ["overflow", "too-long", "recovering"]}
+
+
+def test_a_request_admitted_past_half_the_holds_lease_is_not_pulled() -> None:
+    """The prefill side frees a hold at its lease's end and may reuse the blocks at once: a
+    request that waited past half the lease recomputes instead of reading them."""
+    now = [1000.0]
+    remote = RemotePrefills(BLOCK, clock=lambda: now[0])
+    on_time, late = remote_request("on-time", 10), remote_request("late", 10)
+    for request in (on_time, late):
+        request.remote_prefill = msgspec.structs.replace(request.remote_prefill, lease_s=60.0)
+        remote.track(request)
+    now[0] += 29.0
+    assert remote.on_admission(on_time, 0) is not None
+    now[0] += 2.0  # 31 s: past half of 60
+    assert remote.on_admission(late, 0) is None
+    assert remote.counters.num_late == 1
+    assert remote.take_releases() == {"p0": ["late"]}
+
+
+def test_a_request_released_without_a_pull_never_pulls_later() -> None:
+    """Its local hit covered the remote tokens, so the prefill side was released at admission;
+    preempted and evicted later, it recomputes: the released blocks are never read."""
+    request = remote_request("r", 10)
+    remote = tracked(request)
+    assert remote.on_admission(request, 3) is None  # 3 local blocks cover 10 tokens
+    assert remote.take_releases() == {"p0": ["r"]}
+    assert remote.on_admission(request, 0) is None
