@@ -20,6 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -101,24 +102,55 @@ def geometry_fault(
     return None
 
 
-Rows = Callable[[int, int], torch.Tensor]
-"""(layer, 0 for K or 1 for V) → one source's pulled blocks of its heads, ``[n, block_size, h,
-D]``."""
+@dataclass(frozen=True)
+class Source:
+    """Where one ``HeadCopy``'s rows are read: ``pages(layer, 0 for K or 1 for V)`` is a cache
+    ``[blocks, block_size, heads, head_dim]``, read at ``block_ids`` (one per pulled block) and
+    ``heads``."""
+
+    pages: Callable[[int, int], torch.Tensor]
+    block_ids: list[int]
+    heads: slice
 
 
-def copy_heads(kv_cache: KVCache, copy: HeadCopy, block_ids: torch.Tensor, rows_of: Rows) -> int:
-    """Copy one source's heads of the pulled blocks into this cache, every layer, K and V;
-    bytes copied."""
+# Copy run by run (a slice each) when the runs average this many blocks; else gather first.
+MIN_BLOCKS_PER_RUN = 4
+
+
+def block_runs(dst_ids: Sequence[int], src_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first destination block, first source block, length) of each run where both sides
+    advance by one block."""
+    runs: list[tuple[int, int, int]] = []
+    for dst, src in zip(dst_ids, src_ids, strict=True):
+        if runs and dst == runs[-1][0] + runs[-1][2] and src == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((dst, src, 1))
+    return runs
+
+
+def copy_heads(kv_cache: KVCache, copy: HeadCopy, block_ids: list[int], source: Source) -> int:
+    """Copy one source's heads of the pulled blocks into this cache, every layer, K and V:
+    a slice per run of consecutive blocks on both sides (no temporary), or one gather when the
+    blocks are scattered; bytes copied."""
     dst_heads = slice(copy.dst_start, copy.dst_start + copy.num_heads)
-    whole = copy.num_heads == kv_cache.k[0].shape[2]
+    runs = block_runs(block_ids, source.block_ids)
+    scattered = len(runs) * MIN_BLOCKS_PER_RUN > len(block_ids)
     device = kv_cache.k[0].device
+    if scattered:
+        dst_index = torch.tensor(block_ids, dtype=torch.int64, device=device)
+        src_index = torch.tensor(source.block_ids, dtype=torch.int64)
     num_bytes = 0
     for layer in range(len(kv_cache.k)):
         for kv, pages in ((0, kv_cache.k[layer]), (1, kv_cache.v[layer])):
-            rows = rows_of(layer, kv).to(device)
-            target = pages if whole else pages[:, :, dst_heads]
-            target.index_copy_(0, block_ids, rows)
-            num_bytes += rows.numel() * rows.element_size()
+            src = source.pages(layer, kv)[:, :, source.heads]
+            dst = pages[:, :, dst_heads]
+            if scattered:
+                dst.index_copy_(0, dst_index, src.index_select(0, src_index).to(device))
+            else:
+                for dst_start, src_start, length in runs:
+                    dst[dst_start : dst_start + length].copy_(src[src_start : src_start + length])
+            num_bytes += len(block_ids) * src[0].numel() * src.element_size()
     return num_bytes
 
 
@@ -130,48 +162,42 @@ def pull_one(pull: KVPull, kv_cache: KVCache, mine: CanonicalMapping, views: Exp
     for copy in copies:
         if (fault := geometry_fault(pull, kv_cache, copy.source, mine)) is not None:
             raise ValueError(fault)
-    block_ids = torch.tensor(pull.block_ids, dtype=torch.int64, device=kv_cache.k[0].device)
     local = [copy for copy in copies if copy.source.host == views.host]
     num_bytes = sum(  # other hosts' through their servers (each read checked there)
-        copy_heads(kv_cache, copy, block_ids, remote_rows(pull, copy))
+        copy_heads(kv_cache, copy, pull.block_ids, fetched_source(pull, copy))
         for copy in copies
         if copy.source.host != views.host
     )
-    return num_bytes + pull_local(pull, kv_cache, local, block_ids, views)
+    return num_bytes + pull_local(pull, kv_cache, local, views)
 
 
-def remote_rows(pull: KVPull, copy: HeadCopy) -> Rows:
-    """The rows of ``copy``'s heads, read from its worker's server on another host."""
+def layer_pages(cache: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
+    """One layer's K (0) or V (1) pages of a cache laid out ``[L, 2, blocks, ...]``."""
+    return cache[layer, kv]
+
+
+def fetched_source(pull: KVPull, copy: HeadCopy) -> Source:
+    """``copy``'s rows, read from its worker's server on another host (in pull order)."""
     fetched = fetch_blocks(copy.source, pull.remote_block_ids, copy.src_start, copy.num_heads)
-    return lambda layer, kv: fetched[layer, kv]
+    return Source(
+        partial(layer_pages, fetched),
+        list(range(len(pull.remote_block_ids))),
+        slice(0, copy.num_heads),
+    )
 
 
-def pull_local(
-    pull: KVPull,
-    kv_cache: KVCache,
-    copies: list[HeadCopy],
-    block_ids: torch.Tensor,
-    views: ExportViews,
-) -> int:
+def pull_local(pull: KVPull, kv_cache: KVCache, copies: list[HeadCopy], views: ExportViews) -> int:
     """The copies from this host's exported caches, mapped, with the epochs checked before and
     after; bytes copied."""
     mapped = {ref: views.map(ref) for ref in dict.fromkeys(copy.source for copy in copies)}
     if any(export.epoch() != ref.epoch for ref, export in mapped.items()):
         raise ExportUnavailable("the prefill worker forgot the held KV (a new epoch)")
-    remote_ids = torch.tensor(pull.remote_block_ids, dtype=torch.int64)
     num_bytes = 0
     for copy in copies:
-        view, heads = (
-            mapped[copy.source].view,
-            slice(copy.src_start, copy.src_start + copy.num_heads),
-        )
-
-        def rows_of(
-            layer: int, kv: int, view: torch.Tensor = view, heads: slice = heads
-        ) -> torch.Tensor:
-            return view[layer, kv].index_select(0, remote_ids)[:, :, heads]
-
-        num_bytes += copy_heads(kv_cache, copy, block_ids, rows_of)
+        view = mapped[copy.source].view
+        heads = slice(copy.src_start, copy.src_start + copy.num_heads)
+        source = Source(partial(layer_pages, view), pull.remote_block_ids, heads)
+        num_bytes += copy_heads(kv_cache, copy, pull.block_ids, source)
     if any(export.epoch() != ref.epoch for ref, export in mapped.items()):
         raise ExportUnavailable("the prefill worker forgot the held KV during the copy")
     return num_bytes

@@ -502,3 +502,30 @@ def test_a_ref_whose_heads_do_not_add_up_fails_the_pull(
     )
     assert outcome.failed_req_ids == ["r"]
     assert torch.equal(stacked(cache), before)
+
+
+def test_block_runs_follow_both_sides() -> None:
+    from shoal.workers.kv_pull import block_runs
+
+    assert block_runs([5, 6, 7, 9, 10], [0, 1, 2, 3, 4]) == [(5, 0, 3), (9, 3, 2)]
+    assert block_runs([5, 6], [3, 9]) == [(5, 3, 1), (6, 9, 1)]
+    assert block_runs([], []) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_NAMES.get)
+def test_runs_of_consecutive_blocks_copy_slice_by_slice_with_the_same_result(
+    export: Export, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks consecutive on both sides (as both sides mostly allocate) copy a slice per run;
+    the gather is never used, and every head lands as through it."""
+    side = prefill_side(export, total_kv_heads=4, tp_size=2, dtype=dtype)
+    mine = CanonicalMapping.of(4, 1, 0)
+    cache = decode_cache(mine, dtype)
+    before = stacked(cache)
+    monkeypatch.setattr(torch.Tensor, "index_copy_", None)  # the gather path would fail
+    local, remote = [2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5]  # one run
+    outcome = run_kv_pulls(
+        [KVPull("r", local, remote, side.refs())], cache, mine=mine, views=ExportViews()
+    )
+    assert outcome.failed_req_ids == []
+    assert torch.equal(stacked(cache), landed(before, side, mine, local, remote))
