@@ -34,9 +34,9 @@ MAGIC = b"SHOALKV1"
 _HEADER = struct.Struct("<8s16sQ")  # magic, token, epoch
 _EPOCH_OFFSET = 24
 KEEP_MAPPED = 8  # other workers' caches kept mapped at once
-# Shared, and populated at once: a shared-memory page touched for the first time costs a fault
-# several times the copy of its bytes (a pull into never-touched blocks ran at ~1 GB/s, ~7 GB/s
-# once touched), so the cache pays it at start, not in a step.
+# The exporting worker's own cache: shared, and populated at once. A shared-memory page written
+# for the first time costs a fault several times the copy of its bytes (a pull into untouched
+# blocks ran at ~1 GB/s, ~7 GB/s once touched), so the cache pays it at start, not in a step.
 MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
@@ -182,7 +182,7 @@ class ExportViews:
         try:
             if os.fstat(fd).st_size != size:
                 raise ExportUnavailable(f"KV cache {ref.path} is not {size} bytes")
-            mapping = mmap.mmap(fd, size, flags=MAP_FLAGS)
+            mapping = mmap.mmap(fd, size)  # (not populated: a read maps only the pages it reads)
         finally:
             os.close(fd)
         magic, token, _ = _HEADER.unpack_from(mapping, 0)

@@ -176,7 +176,7 @@ class EngineCore:
         try:
             queued = self.scheduler.add_request(request)
         except ValueError as exc:
-            self.scheduler.remote_prefills.release_unadded(msg.request_id, msg.kv_transfer_params)
+            self.turn_away(msg)
             return RequestRejected(msg.request_id, "invalid", str(exc))
         return None if queued else request.make_final_output()
 
@@ -278,8 +278,8 @@ class EngineCore:
         self.scheduler.handovers.set_source(engine_id, exports)
 
     def turn_away(self, msg: AddRequest) -> None:
-        """An add refused before it reached the core (the shell's own reason): the KV a remote
-        prefill holds for it may go."""
+        """An add refused (here, or by the shell for its own reason): the KV a remote prefill
+        holds for it may go."""
         self.scheduler.remote_prefills.release_unadded(msg.request_id, msg.kv_transfer_params)
 
     def take_kv_releases(self) -> dict[str, list[str]]:
