@@ -22,6 +22,7 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -128,6 +129,17 @@ class ExportedKVCache:
         """The worker forgot its requests: KV held for remote decodes before now is void."""
         self.epoch += 1
         struct.pack_into("<Q", self.mapping, _EPOCH_OFFSET, self.epoch)
+
+
+def allocate_kv_cache(
+    *, exported: bool, device: torch.device, **shape: Any
+) -> tuple[ExportedKVCache | None, KVCache]:
+    """A worker's KV cache of ``shape`` (``KVCache.allocate``'s geometry): exported (on the CPU,
+    for remote decodes to pull), or plain on ``device``."""
+    if exported:
+        export = ExportedKVCache.allocate(**shape)
+        return export, export.kv_cache
+    return None, KVCache.allocate(**shape, device=device)
 
 
 @dataclass

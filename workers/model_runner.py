@@ -42,9 +42,9 @@ from shoal.workers.cuda_graphs import (
 )
 from shoal.workers.grammar_mask import GrammarMailbox, apply_grammar_bitmask
 from shoal.workers.input_batch import InputBatch, StepInputs
-from shoal.workers.kv_cache import KVCache, bytes_per_block, num_blocks_for_budget
+from shoal.workers.kv_cache import bytes_per_block, num_blocks_for_budget
 from shoal.workers.kv_canonical import CanonicalMapping
-from shoal.workers.kv_export import ExportedKVCache, ExportViews
+from shoal.workers.kv_export import ExportedKVCache, ExportViews, allocate_kv_cache
 from shoal.workers.kv_export_server import KVExportServer
 from shoal.workers.kv_pull import run_kv_pulls
 from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run_kv_transfers
@@ -188,28 +188,20 @@ class ModelRunner:
         num_blocks = self.config.cache_config.num_gpu_blocks_override or num_blocks_for_budget(
             self._kv_budget_bytes(), block_bytes
         )
-        if self.config.disaggregation_config.enabled and self.device.type == "cpu":
-            self.kv_export = ExportedKVCache.allocate(
-                num_layers=cfg.num_layers,
-                num_blocks=num_blocks,
-                block_size=self.block_size,
-                num_kv_heads=num_kv_heads,
-                head_dim=cfg.head_dim,
-                dtype=self.dtype,
-            )
-            self.kv_cache = self.kv_export.kv_cache
+        exported = self.config.disaggregation_config.enabled and self.device.type == "cpu"
+        self.kv_export, self.kv_cache = allocate_kv_cache(
+            exported=exported,
+            device=self.device,
+            num_layers=cfg.num_layers,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            num_kv_heads=num_kv_heads,
+            head_dim=cfg.head_dim,
+            dtype=self.dtype,
+        )
+        if self.kv_export is not None:  # served to decode workers on other hosts too
             data_host = self.config.disaggregation_config.kv_data_host
             self.kv_server = KVExportServer(self.kv_export, *data_address(data_host))
-        else:
-            self.kv_cache = KVCache.allocate(
-                num_layers=cfg.num_layers,
-                num_blocks=num_blocks,
-                block_size=self.block_size,
-                num_kv_heads=num_kv_heads,
-                head_dim=cfg.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
         for layer, k, v in zip(
             model.attention_layers(), self.kv_cache.k, self.kv_cache.v, strict=True
         ):
