@@ -149,9 +149,12 @@ class RemotePrefills:
         return pulled
 
     def forget(self, request: Request) -> None:
-        """The request finished: its prefill side may go (if not released yet)."""
-        self._release(request.request_id)
-        self._pulled.discard(request.request_id)
+        """The request finished: its prefill side may go (if not released yet), once no step in
+        flight still reads it (that step's landing releases it then)."""
+        request_id = request.request_id
+        if not any(request_id == r for pulls in self._pulls_by_step.values() for r, _ in pulls):
+            self._release(request_id)
+        self._pulled.discard(request_id)
 
     def abandon(self) -> None:
         """Steps in flight will not land (a fault): their pulls count as failed."""
