@@ -29,10 +29,9 @@ from shoal.workers.kv_cache import KVCache
 from shoal.workers.kv_canonical import CanonicalMapping
 from shoal.workers.kv_export import ExportUnavailable, ExportViews
 from shoal.workers.kv_export_server import fetch_blocks
+from shoal.workers.kv_transfer import Agree
 
 log = logging.getLogger(__name__)
-
-Agree = Callable[[list[bool]], list[bool]]
 
 
 @dataclass(frozen=True)
