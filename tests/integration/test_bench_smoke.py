@@ -531,4 +531,5 @@ def test_disagg_figures_count_stalls_and_the_requests_meeting_their_objectives()
     figures = mode_figures(run, args)
     assert figures["stalled_gaps"] == 1 and round(figures["itl_max_ms"]) == 440
     assert figures["num_met_slo"] == 2 and figures["goodput"] == 1.0  # smooth and quick
+    assert figures["slo_attainment"] == 0.5
     assert figures["ttft_p50_ms"] == 1150.0  # median of 800 and 1500
