@@ -8,6 +8,10 @@ engine stats, heartbeats and status events for routing (``EngineRouter``). Its r
 flight (each one's collector, and which engine core and epoch it went to) are kept in
 ``placements.RequestPlacements``, shared with ``EngineFaults``.
 
+Disaggregated prefill (``disagg_routing.DisaggRouting``): a long prompt goes to a prefill engine
+core first; once its first token is back, the request continues on its decode engine core, which
+pulls the held KV (``_hand_over``).
+
 Requests their engine core will not finish (it stopped, died, restarted or went silent, or this
 client's bus connection dropped; with ``enable_request_resumption`` also a ``resumable`` error or
 an ``unavailable`` rejection) are left to ``engine_faults.EngineFaults``: it ends them with

@@ -12,6 +12,12 @@ Resumption (``resume_on_fault``): an output that says its engine core's fault en
 (``"{id}@{attempt}"``, so late outputs of the old attempt are dropped as unknown) and returns what
 to send again: the prompt and, per completion, the tokens received so far.
 
+Disaggregated prefill (``mark_remote_prefill``): a request sent to a prefill engine core ends
+there capped at one token, its KV held; that output's token reaches the caller but its finish
+does not, and the request is listed in ``to_hand_over`` with the held KV (``continuation``: what
+to send the decode engine core), or, when its first token already ended it on a stop string, in
+``to_release``.
+
 Per completion (``completion_state``) it detokenizes incrementally, applies stop strings
 with hold-back, converts logprobs and tracks what was already sent; per request it aggregates the
 children into one output in the request's output kind and keeps latency timestamps.
