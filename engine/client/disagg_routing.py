@@ -31,6 +31,7 @@ class DisaggRouting:
         self.num_remote = 0  # requests sent to a prefill engine core
         self.num_local = 0  # requests that could have been, prefilled on their decode core
         self._decode_engine_of: dict[str, str] = {}  # request → where it continues
+        self.num_handed_over = 0  # requests continued on a decode engine core
 
     def prefill_engine(
         self,
@@ -68,8 +69,11 @@ class DisaggRouting:
         if it is still ready, else the router's pick now (None: no engine core is ready)."""
         wanted = self._decode_engine_of.pop(request_id, None)
         if wanted is not None and self.router.is_ready(wanted):
-            return self.router.engines[wanted]
-        return self.router.pick()
+            engine: EngineView | None = self.router.engines[wanted]
+        else:
+            engine = self.router.pick()
+        self.num_handed_over += engine is not None
+        return engine
 
     def forget(self, request_id: str) -> None:
         """The request ended (or was aborted) before its handover."""
