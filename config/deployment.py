@@ -31,6 +31,7 @@ from shoal.config.kv_transfer import (
     P2PTierConfig,
     kv_offload_options,
 )
+from shoal.config.lora import LoRAConfig, lora_modules
 from shoal.config.speculative import SpeculativeConfig, speculative_options
 from shoal.config.validation import one_of as _one_of
 from shoal.config.validation import positive as _positive
@@ -342,6 +343,7 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     disaggregation_config: DisaggregationConfig = msgspec.field(
         default_factory=DisaggregationConfig
     )
+    lora_config: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -360,6 +362,11 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             not self.kv_transfer_config.enabled or self.cache_config.enable_prefix_caching,
             "kv_transfer_config",
             "(KV offload) needs enable_prefix_caching: its keys are the prefix cache's hashes",
+        )
+        _require(
+            not self.lora_config.enable_lora or not self.parallel_config.enable_expert_parallel,
+            "enable_lora",
+            "does not combine with enable_expert_parallel (its steps run split in micro-batches)",
         )
         _require(
             self.parallel_config.routing_mode != "kv" or self.cache_config.enable_prefix_caching,
@@ -407,6 +414,8 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         if spec is not None:
             options = {**speculative_options(spec), **options}
         options = {**kv, **options}
+        if options.get("lora_modules"):
+            options["lora_modules"] = lora_modules(options["lora_modules"])
         if options.get("num_prefill") and options.get("data_parallel_size") in (None, 1):
             # local mode's engine cores are the prefill and decode ones
             options["data_parallel_size"] = options["num_prefill"] + options.get("num_decode", 0)
@@ -465,6 +474,7 @@ GROUPS: dict[str, type[msgspec.Struct]] = {
     "kv_transfer_config": KVTransferConfig,
     "speculative_config": SpeculativeConfig,
     "disaggregation_config": DisaggregationConfig,
+    "lora_config": LoRAConfig,
 }
 OPTION_GROUPS: dict[str, str] = {
     field: group for group, struct in GROUPS.items() for field in struct.__struct_fields__
@@ -481,6 +491,7 @@ __all__ = [
     "FaultToleranceConfig",
     "FsTierConfig",
     "KVTransferConfig",
+    "LoRAConfig",
     "ModelConfig",
     "ObjTierConfig",
     "P2PTierConfig",

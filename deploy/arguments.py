@@ -27,6 +27,7 @@ from shoal.config.deployment import (
     ShoalConfig,
 )
 from shoal.config.disaggregation import DISAGG_ROLES
+from shoal.config.lora import LORA_RANKS, parse_lora_module
 from shoal.config.kv_transfer import OFFLOADING_BACKENDS
 from shoal.config.speculative import JSON_KEYS, speculative_options
 from shoal.deploy.deployment import build_config
@@ -111,6 +112,42 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     _add_kv_offload_arguments(parser.add_argument_group("KV offload"))
     _add_speculative_arguments(parser.add_argument_group("speculative decoding"))
     _add_disaggregation_arguments(parser.add_argument_group("disaggregated prefill"))
+    _add_lora_arguments(parser.add_argument_group("LoRA adapters"))
+
+
+def _add_lora_arguments(g: Group) -> None:
+    _option(g, "--enable-lora", dest="enable_lora", help="serve LoRA adapters of the model")
+    _option(
+        g,
+        "--lora-modules",
+        dest="lora_modules",
+        type=parse_lora_module,
+        nargs="+",
+        help="adapters served from the start: name=path, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'',
+    )
+    _option(
+        g,
+        "--max-loras",
+        dest="max_loras",
+        type=positive_int,
+        help="adapters resident per worker at once (the most distinct adapters in one step)",
+    )
+    _option(
+        g,
+        "--max-lora-rank",
+        dest="max_lora_rank",
+        type=int,
+        choices=LORA_RANKS,
+        help="the highest adapter rank served (its slots are this wide)",
+    )
+    _option(
+        g,
+        "--max-cpu-loras",
+        dest="max_cpu_loras",
+        type=positive_int,
+        help="adapters kept in each worker's host memory (default: --max-loras)",
+    )
 
 
 def _add_disaggregation_arguments(g: Group) -> None:

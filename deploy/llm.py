@@ -29,6 +29,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 from shoal.bus import make_bus
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.runtime.actor import Actor
 from shoal.config.deployment import ShoalConfig
@@ -162,12 +163,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (a string or ``{"prompt_token_ids": [...]}``)."""
+        """Generate for every prompt (a string or ``{"prompt_token_ids": [...]}``), each with
+        ``lora_request``'s adapter (one for all, or one per prompt; needs ``enable_lora``)."""
         prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
         inputs = [_prompt_input(p) for p in prompt_list]
         params = self._params_per_prompt(sampling_params, len(inputs))
-        return self._run_requests(inputs, params, use_tqdm)
+        return self._run_requests(inputs, params, use_tqdm, _per_prompt(lora_request, len(inputs)))
 
     def chat(
         self,
@@ -180,6 +183,7 @@ class LLM:
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (``chat_template``'s text, else the served one) to each
         conversation, with vLLM's options, then generate."""
@@ -197,7 +201,7 @@ class LLM:
             for conv in conversations
         ]
         params = self._params_per_prompt(sampling_params, len(inputs))
-        return self._run_requests(inputs, params, use_tqdm)
+        return self._run_requests(inputs, params, use_tqdm, _per_prompt(lora_request, len(inputs)))
 
     def _params_per_prompt(
         self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
@@ -211,12 +215,16 @@ class LLM:
         return list(params)
 
     def _run_requests(
-        self, inputs: list[str | list[int]], params: list[SamplingParams], use_tqdm: bool
+        self,
+        inputs: list[str | list[int]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         """Run the requests to the end; if the wait is interrupted, abort them in the engine."""
         request_ids = [str(next(self._request_counter)) for _ in inputs]
         future = asyncio.run_coroutine_threadsafe(
-            self._generate_all(inputs, params, request_ids, use_tqdm), self._loop
+            self._generate_all(inputs, params, request_ids, use_tqdm, loras), self._loop
         )
         try:
             return future.result()
@@ -237,13 +245,17 @@ class LLM:
         params: list[SamplingParams],
         request_ids: list[str],
         use_tqdm: bool,
+        loras: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         client = self._require_client()
         progress = ProgressBar(len(inputs), enabled=use_tqdm, desc="Processed prompts")
 
         async def one(index: int) -> RequestOutput:
             final = None
-            async for output in client.generate(inputs[index], params[index], request_ids[index]):
+            stream = client.generate(
+                inputs[index], params[index], request_ids[index], lora_request=loras[index]
+            )
+            async for output in stream:
                 final = output
             progress.update(final)
             assert final is not None
@@ -258,6 +270,16 @@ class LLM:
         if self._client is None:
             raise RuntimeError("LLM is shut down")
         return self._client
+
+
+def _per_prompt(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, count: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    if len(lora_request) != count:
+        raise ValueError(f"got {len(lora_request)} LoRA requests for {count} prompts")
+    return list(lora_request)
 
 
 def _prompt_input(prompt: PromptInput) -> str | list[int]:

@@ -23,7 +23,9 @@ from shoal.bus.msg import Msg
 from shoal.bus.runtime.actor import Actor, Inbox
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.interface import EngineClientInterface
+from shoal.engine.client.model_info import read_num_layers
 from shoal.gateway.app import create_app
+from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.nats_api import NatsApi
 from shoal.gateway.server import HttpServer, start_http_server
@@ -127,6 +129,7 @@ class GatewayActor(Actor):
         self.stats_logger = StatsLogger() if k > 0 else None
         if self._engine_reports_stats():
             cast(Any, engine).stats_listeners.append(self.on_stats)
+        loras = self._lora_adapters(name)
         app = create_app(
             engine,
             served_model_name=name,
@@ -135,6 +138,7 @@ class GatewayActor(Actor):
             sse_keep_alive_s=self.sse_keep_alive_s,
             tool_calling=self._tool_calling(),
             trust_request_chat_template=self._trusts_request_chat_templates(),
+            loras=loras,
         )
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:
@@ -145,9 +149,18 @@ class GatewayActor(Actor):
                 served_model_name=name,
                 metrics=self.metrics,
                 trust_request_chat_template=self._trusts_request_chat_templates(),
+                loras=loras,
             )
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)
+
+    def _lora_adapters(self, served_model_name: str) -> LoRAAdapters:
+        """The deployment's LoRA adapters (``--enable-lora``, ``--lora-modules``), shared by
+        the HTTP and NATS APIs so an adapter loaded through one serves on both."""
+        if self.config is None:
+            return LoRAAdapters()
+        model = self.config.model_config.model
+        return LoRAAdapters(self.config.lora_config, served_model_name, read_num_layers(model))
 
     def _tool_calling(self) -> ToolCallingOptions:
         """The deployment's tool-calling flags (none without a config)."""

@@ -24,8 +24,14 @@ from shoal.gateway.chat_prompt import chat_options, render_chat
 from shoal.gateway.completions import create_completion
 from shoal.gateway.errors import ApiError, bad_request, internal_error
 from shoal.gateway.fault_tolerance import FaultToleranceEndpoints
+from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.metrics import CONTENT_TYPE, Metrics
-from shoal.gateway.request_types import DetokenizeRequest, TokenizeRequest
+from shoal.gateway.request_types import (
+    DetokenizeRequest,
+    LoadLoRAAdapterRequest,
+    TokenizeRequest,
+    UnloadLoRAAdapterRequest,
+)
 from shoal.gateway.response_types import (
     DetokenizeResponse,
     ModelCard,
@@ -55,13 +61,15 @@ def create_app(
     fault_tolerance: FaultToleranceApi | None = None,
     tool_calling: ToolCallingOptions | None = None,
     trust_request_chat_template: bool = False,
+    loras: LoRAAdapters | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app for one engine client (real or fake); a stream that waits
     ``sse_keep_alive_s`` for output gets a keep-alive comment (None: never). The
     ``/fault_tolerance/*`` endpoints use ``fault_tolerance`` (default: the client's own
     ``fault_tolerance`` attribute, if it has one); ``tool_calling``: the server's
     ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither);
-    ``trust_request_chat_template``: its ``--trust-request-chat-template``."""
+    ``trust_request_chat_template``: its ``--trust-request-chat-template``; ``loras``: the
+    LoRA adapters served (with ``--enable-lora``: the run-time load and unload endpoints)."""
     name = served_model_name or engine_client.model_name
     if fault_tolerance is None:
         fault_tolerance = getattr(engine_client, "fault_tolerance", None)
@@ -78,10 +86,14 @@ def create_app(
         sse_keep_alive_s,
         tool_calling or ToolCallingOptions(),
         trust_request_chat_template,
+        loras or LoRAAdapters(),
     )
     app.router.add_post("/v1/completions", _with_context(create_completion))
     app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))
     app.router.add_get("/v1/models", _with_context(list_models))
+    if loras is not None and loras.enabled:
+        app.router.add_post("/v1/load_lora_adapter", _with_context(load_lora_adapter))
+        app.router.add_post("/v1/unload_lora_adapter", _with_context(unload_lora_adapter))
     app.router.add_get("/health", _with_context(health))
     app.router.add_route("*", "/ping", _with_context(health))
     app.router.add_get("/load", _with_context(load))
@@ -156,7 +168,23 @@ async def list_models(ctx: ServingContext, request: web.Request) -> web.Response
         max_model_len=ctx.engine.max_model_len,
         root=ctx.engine.model_name,
     )
-    return json_response(ModelList([card]))
+    adapters = ctx.loras.cards(ctx.engine.max_model_len, name)
+    return json_response(ModelList([card, *adapters]))
+
+
+async def load_lora_adapter(ctx: ServingContext, request: web.Request) -> web.Response:
+    """vLLM's ``POST /v1/load_lora_adapter``: serve the adapter in ``lora_path`` as
+    ``lora_name`` from now on."""
+    body = await decode_body(request, LoadLoRAAdapterRequest)
+    ctx.loras.add(body.lora_name, body.lora_path)
+    return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+async def unload_lora_adapter(ctx: ServingContext, request: web.Request) -> web.Response:
+    """vLLM's ``POST /v1/unload_lora_adapter``: stop serving ``lora_name``."""
+    body = await decode_body(request, UnloadLoRAAdapterRequest)
+    ctx.loras.remove(body.lora_name)
+    return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 async def health(ctx: ServingContext, request: web.Request) -> web.Response:

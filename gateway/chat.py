@@ -46,7 +46,7 @@ ASSISTANT = "assistant"
 async def create_chat_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     arrival_time = time.time()
     body = await decode_body(request, ChatCompletionRequest)
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     check_unsupported(body)
     plan = tool_plan(body, ctx.tool_calling)
     trusted = ctx.trust_request_chat_template
@@ -78,7 +78,13 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
     params = with_tool_plan(params, plan)
     ctx.check_ready()
     generation = Generation(
-        ctx.engine, [prompt], [params], new_request_id("chatcmpl"), ctx.metrics, arrival_time
+        ctx.engine,
+        [prompt],
+        [params],
+        new_request_id("chatcmpl"),
+        ctx.metrics,
+        arrival_time,
+        lora,
     )
     view = ChatView(ctx, body, generation, plan)
     try:
@@ -191,7 +197,7 @@ class ChatView:
         return ChatCompletionResponse(
             self.generation.request_id,
             self.created,
-            self.ctx.served_model_name,
+            self.ctx.model_name(self.generation.lora_request),
             choices,
             self.usage.usage(),
         )
@@ -234,7 +240,7 @@ class ChatView:
         return ChatCompletionChunk(
             self.generation.request_id,
             self.created,
-            self.ctx.served_model_name,
+            self.ctx.model_name(self.generation.lora_request),
             choices,
             usage=usage,
         )

@@ -49,7 +49,7 @@ from shoal.gateway.serving import (
 async def create_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     arrival_time = time.time()
     body = await decode_body(request, CompletionRequest)
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     check_unsupported(body)
     engine = ctx.engine
     max_model_len = engine.max_model_len
@@ -81,7 +81,7 @@ async def create_completion(ctx: ServingContext, request: web.Request) -> web.St
     ]
     ctx.check_ready()
     generation = Generation(
-        engine, prompts, params, new_request_id("cmpl"), ctx.metrics, arrival_time
+        engine, prompts, params, new_request_id("cmpl"), ctx.metrics, arrival_time, lora
     )
     view = CompletionView(ctx, body, prompts, generation)
     async with generation:
@@ -194,7 +194,7 @@ class CompletionView:
         return CompletionResponse(
             self.generation.request_id,
             self.created,
-            self.ctx.served_model_name,
+            self.ctx.model_name(self.generation.lora_request),
             choices,
             self.usage.usage(),
         )
@@ -221,7 +221,7 @@ class CompletionView:
         return CompletionChunk(
             self.generation.request_id,
             self.created,
-            self.ctx.served_model_name,
+            self.ctx.model_name(self.generation.lora_request),
             choices,
             usage=usage,
         )

@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Any
 
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.interface import (
     EngineClientInterface,
@@ -57,8 +58,10 @@ class Generation:
         request_id: str,
         metrics: Metrics | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.engine = engine
+        self.lora_request = lora_request  # every prompt's adapter (None: the base model)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.prompts = list(prompts)
         self.params = list(params)
@@ -87,7 +90,12 @@ class Generation:
             self._tasks.append(task)
 
     async def _pump(self, index: int, prompt: Prompt, params: SamplingParams) -> None:
-        stream = self.engine.generate(prompt.token_ids, params, self.engine_request_id(index))
+        stream = self.engine.generate(
+            prompt.token_ids,
+            params,
+            self.engine_request_id(index),
+            lora_request=self.lora_request,
+        )
         try:
             async for output in stream:
                 self._queue.put_nowait((index, output))

@@ -35,6 +35,7 @@ from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import RequestOutput
 from shoal.gateway.errors import ApiError, internal_error, unavailable
 from shoal.gateway.generation import Generation
+from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.nats_replies import (
     ReplyBuilder,
@@ -72,8 +73,10 @@ class NatsApi:
         served_model_name: str | None = None,
         metrics: Metrics | None = None,
         trust_request_chat_template: bool = False,
+        loras: LoRAAdapters | None = None,
     ) -> None:
         self.bus = bus
+        self.loras = loras or LoRAAdapters()
         self.engine = engine
         self.trust_request_chat_template = trust_request_chat_template
         self.subjects = subjects or Subjects()
@@ -154,14 +157,14 @@ class NatsApi:
         request_id: str,
         arrival_time: float,
     ) -> None:
-        check_model(request, self.served_model_name)
+        lora = check_model(request, self.served_model_name, self.loras)
         prompt = request_prompt(request, self.engine, self.trust_request_chat_template)
         params = request_params(request, prompt, self.engine, wire.given_sampling_fields(msg.data))
         if not self.engine.is_ready():
             raise unavailable("no engine core is ready")
         builder = ReplyBuilder(params.n, len(prompt.token_ids), params.logprobs is not None)
         generation = Generation(
-            self.engine, [prompt], [params], request_id, self.metrics, arrival_time
+            self.engine, [prompt], [params], request_id, self.metrics, arrival_time, lora
         )
         async with generation:
             outputs = generation.outputs()

@@ -8,12 +8,14 @@ from typing import Any
 
 import msgspec
 
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.bus.msg import Msg
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import CompletionOutput
 from shoal.gateway.chat_prompt import chat_options, render_chat
-from shoal.gateway.errors import ApiError, bad_request, from_decode_error, from_value_error
+from shoal.gateway.errors import bad_request, from_decode_error, from_value_error
+from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest, GivenSamplingFields
 from shoal.gateway.params import (
     Prompt,
@@ -63,10 +65,11 @@ class WireFormat:
         return frozenset(decoder.decode(data).sampling_params)
 
 
-def check_model(request: GenerateRequest, served_model_name: str) -> None:
-    if request.model is not None and request.model != served_model_name:
-        message = f"The model `{request.model}` does not exist."
-        raise ApiError(404, message, code="model_not_found", param="model")
+def check_model(
+    request: GenerateRequest, served_model_name: str, loras: LoRAAdapters
+) -> LoRARequest | None:
+    """The adapter the request's ``model`` names (None: the base model); 404 otherwise."""
+    return loras.resolve(request.model, served_model_name)
 
 
 def request_prompt(

@@ -173,3 +173,17 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
     tokens: list[TokenId]
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``/v1/load_lora_adapter`` body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``/v1/unload_lora_adapter`` body (``lora_int_id`` is accepted and unused)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -14,10 +14,12 @@ from typing import Any, TypeVar
 import msgspec
 from aiohttp import web
 
+from shoal.bus.messages.lora import LoRARequest
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import CompletionOutput, RequestOutput
 from shoal.gateway.errors import ApiError, from_decode_error, internal_error, unavailable
 from shoal.gateway.generation import Generation
+from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.request_types import decode_json_body
 from shoal.gateway.response_types import Usage, make_usage
@@ -42,12 +44,16 @@ class ServingContext:
     sse_keep_alive_s: float | None = DEFAULT_SSE_KEEP_ALIVE_S  # None or 0: no keep-alive
     tool_calling: ToolCallingOptions = field(default_factory=ToolCallingOptions)
     trust_request_chat_template: bool = False  # a request may bring its own chat template
+    loras: LoRAAdapters = field(default_factory=LoRAAdapters)  # served adapters, by name
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise ApiError(
-                404, f"The model `{model}` does not exist.", code="model_not_found", param="model"
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the base model); 404 for a model
+        this server does not have."""
+        return self.loras.resolve(model, self.served_model_name)
+
+    def model_name(self, lora: LoRARequest | None) -> str:
+        """The name a response gives as its ``model``: the adapter's, or the served one."""
+        return self.served_model_name if lora is None else lora.lora_name
 
     def check_ready(self) -> None:
         if not self.engine.is_ready():

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from shoal.deploy.llm import LLM
 
-__all__ = ["LLM", "OutputKind", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "OutputKind", "SamplingParams"]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.workers.request_store import CachedRequestState, RequestStore
 
@@ -78,6 +79,7 @@ class InputBatch:
         output_token_ids: Sequence[int] = (),
         eos_token_ids: Sequence[int] = (),
         resumed: bool = False,
+        lora: LoRARequest | None = None,
     ) -> CachedRequestState:
         """Add the request to the store and fill its row (prompt, then outputs so far)."""
         num_tokens = len(prompt_token_ids) + len(output_token_ids)
@@ -92,6 +94,7 @@ class InputBatch:
             output_token_ids,
             eos_token_ids,
             resumed=resumed,
+            lora=lora,
         )
         row = state.row
         self.token_ids[row, : state.num_prompt_tokens] = state.prompt_token_ids

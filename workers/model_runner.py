@@ -29,9 +29,10 @@ from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.kv_handover import KVExportRef
 from shoal.bus.messages.offload import KVTransferResult
 from shoal.bus.messages.structured import GrammarBitmask
-from shoal.bus.messages.worker import ExecuteStep, StepResult
+from shoal.bus.messages.worker import ExecuteStep, NewRequestData, StepResult
 from shoal.bus.transport.data_address import data_address
 from shoal.config.deployment import ShoalConfig
+from shoal.config.peft_adapter import LoRAAdapterError
 from shoal.kernels import ops
 from shoal.workers.config import CheckpointConfig, resolve_dtype
 from shoal.workers.cuda_graphs import (
@@ -51,6 +52,7 @@ from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run
 from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.layers.weight_packing import pack_linear_weights
 from shoal.workers.loader import load_model
+from shoal.workers.lora.manager import LoRAManager
 from shoal.workers.models.decoder import DecoderForCausalLM
 from shoal.workers.moe.ep_step import ExpertParallelStep, join_expert_parallel
 from shoal.workers.parallel import TPContext, init_tensor_parallel, rebuildable_group
@@ -121,6 +123,7 @@ class ModelRunner:
             capture_cuda_graph if self.device.type == "cuda" else None
         )
         self.graphs: DecodeGraphs | None = None
+        self.lora: LoRAManager | None = None  # adapters and their slots (enable_lora)
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -151,6 +154,8 @@ class ModelRunner:
         if self.tp.rank == 0:
             log.info("%s: linear weights: %s", self.model_dir.name, model.linear_weights)
         self.gemm_backend = pack_linear_weights(model, self.device, self.dtype)
+        if self.config.lora_config.enable_lora:
+            self.lora = LoRAManager(model, self.config.lora_config, self.dtype, self.device)
         if self.device.type == "cpu":
             ops.build_cpu_kernels()  # now rather than in the first step
         num_kv_heads = model.attention_layers()[0].num_kv_heads
@@ -245,6 +250,7 @@ class ModelRunner:
         model_config = self.config.model_config
         if (
             self.graph_capture is None
+            or self.lora is not None  # (each step's adapters: not in a captured graph)
             or model_config.enforce_eager
             or self.tp.size > 1
             or self.ep_step is not None
@@ -379,8 +385,14 @@ class ModelRunner:
         spec = self.spec
         num_drafts = spec.num_drafts(req_ids) if spec is not None else None
         inputs = self.batch.prepare_inputs(req_ids, num_scheduled, num_drafts)
+        if self.lora is not None:
+            self.lora.prepare([self.requests[r].lora for r in req_ids], inputs.num_scheduled)
         t1 = time.perf_counter()
-        hidden = self._forward(inputs, expert_parallel=True)  # [T, hidden]
+        try:
+            hidden = self._forward(inputs, expert_parallel=True)  # [T, hidden]
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         sampling_idx = np.flatnonzero(inputs.is_sampling)  # [R] rows of the batch
         if spec is not None and spec.verifies(inputs, sampling_idx):
             t2 = time.perf_counter()
@@ -435,7 +447,7 @@ class ModelRunner:
             self._dropped.forget([*step.finished_req_ids, *step.preempted_req_ids])
             self._dropped.forget(new.req_id for new in step.new_requests)
         for new in step.new_requests:
-            if not self.rejections.admit(new):
+            if not self.rejections.admit(new) or not self._admit_adapter(new):
                 self.batch.remove_request(new.req_id)  # an earlier request of that id is gone
                 continue
             added = self.batch.add_request(
@@ -447,6 +459,7 @@ class ModelRunner:
                 output_token_ids=new.output_token_ids,
                 eos_token_ids=new.eos_token_ids,
                 resumed=new.resumed,
+                lora=new.lora,
             )
             if self.spec is not None:
                 self.spec.add_request(added)
@@ -464,6 +477,22 @@ class ModelRunner:
                 self.batch.num_computed[state.row] = cached.num_computed_tokens
             else:  # the worker's own count (drafts' rejections), and the drafts to verify
                 self.spec.take_cached(state, cached)
+
+    def _admit_adapter(self, new: NewRequestData) -> bool:
+        """Read a new request's adapter into host memory now (a bad one refuses the request
+        alone, named in the step's non-fatal error)."""
+        if new.lora is None:
+            return True
+        if self.lora is None:
+            reason = f"asks for LoRA adapter {new.lora.lora_name!r}; this worker serves none"
+        else:
+            try:
+                self.lora.read(new.lora)
+                return True
+            except LoRAAdapterError as exc:
+                reason = f"LoRA adapter {new.lora.lora_name!r}: {exc}"
+        self.rejections.refuse(new.req_id, reason)
+        return False
 
     def _run_kv_transfers(self, step: ExecuteStep) -> KVTransferResult | None:
         """Run the step's KV offload copies (``workers.kv_transfer``) and remote prefills' pulls

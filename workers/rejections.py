@@ -52,10 +52,15 @@ class Rejections:
         if reason is None:
             self._reasons.pop(new.req_id, None)
             return True
+        self.refuse(new.req_id, reason)
+        return False
+
+    def refuse(self, req_id: str, reason: str) -> None:
+        """Remember ``req_id`` as rejected for ``reason`` (an input the runner found bad
+        later, such as an adapter that cannot be read)."""
         if len(self._reasons) >= MAX_REMEMBERED:
             del self._reasons[next(iter(self._reasons))]
-        self._reasons[new.req_id] = reason
-        return False
+        self._reasons[req_id] = reason
 
     def forget(self, req_ids: Iterable[str]) -> None:
         for req_id in req_ids:

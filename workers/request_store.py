@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 
 
@@ -36,6 +37,7 @@ class CachedRequestState:
     # distribution each was drawn from ([n, V], draft model) or None (certain drafts)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
+    lora: LoRARequest | None = None  # the adapter it runs with (multi-LoRA)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -83,6 +85,7 @@ class RequestStore:
         eos_token_ids: Sequence[int] = (),
         *,
         resumed: bool = False,
+        lora: LoRARequest | None = None,
     ) -> CachedRequestState:
         """Register a request (new, or resumed after preemption with its outputs so far) on a
         free row; one already here is replaced."""
@@ -102,6 +105,7 @@ class RequestStore:
             stop_token_ids=[t for t in dict.fromkeys(stop_ids) if t < self.vocab_size],
             generator=self._generator_for(req_id, sampling_params),
             resumed=resumed,
+            lora=lora,
         )
         self._states[req_id] = state
         self.version += 1

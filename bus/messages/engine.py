@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from shoal.bus.messages.kv_handover import KVExportRef
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 
 
@@ -70,6 +71,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True,
     # counted against max_tokens, seen by stop checks and penalties) and continues after them.
     output_token_ids: list[int] = []
     kv_transfer_params: KVTransferParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter to run it with (multi-LoRA)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True, gc=False):

@@ -33,6 +33,7 @@ import msgspec
 from shoal.bus.messages.engine import Logprobs
 from shoal.bus.messages.fault import FaultInjected, InjectFault
 from shoal.bus.messages.kv_handover import KVExportRef, KVPull
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.offload import KVTransferResult, KVTransfers
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.structured import GrammarBitmask
@@ -50,6 +51,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     output_token_ids: list[int] = []
     resumed: bool = False
     eos_token_ids: list[int] = []
+    lora: LoRARequest | None = None  # the adapter it runs with (multi-LoRA)
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

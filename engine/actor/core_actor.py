@@ -234,6 +234,7 @@ class EngineCoreActor(Actor):
                     infos[0].eos_token_ids,
                 ),
                 kv_handover_lease_s=self.config.disaggregation_config.kv_handover_lease_s,
+                lora_config=self.config.lora_config,
             )
         exports = [info.kv_export for info in infos if info.kv_export is not None]
         self.core.set_kv_source(self.engine_id, exports if len(exports) == len(infos) else [])

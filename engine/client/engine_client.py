@@ -44,6 +44,7 @@ from shoal.bus.messages.engine import (
     RequestRejected,
     SchedulerStats,
 )
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams, out_of_vocab
 from shoal.bus.msg import Msg
 from shoal.bus.runtime.liveness import watch_liveness
@@ -253,8 +254,11 @@ class AsyncEngineClient:
         request_id: str,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        collector = await self.add_request(prompt, sampling_params, request_id, priority=priority)
+        collector = await self.add_request(
+            prompt, sampling_params, request_id, priority=priority, lora_request=lora_request
+        )
         finished = False
         try:
             while not finished:
@@ -272,8 +276,10 @@ class AsyncEngineClient:
         request_id: str,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> RequestOutputCollector:
-        """Send a request to an engine core; its outputs arrive in the returned collector."""
+        """Send a request to an engine core (run with ``lora_request``'s adapter); its outputs
+        arrive in the returned collector."""
         processor = self.require_processor()
         prompt_text, prompt_ids = self._tokenize(prompt)
         if invalid := out_of_vocab(params, self.vocabulary.model_vocab_size):
@@ -283,7 +289,12 @@ class AsyncEngineClient:
         if params.structured_outputs is not None:  # a bad schema is the caller's mistake
             await check_structured_outputs(params.structured_outputs)
         routing, router = self.prefix_routing, self.router
-        hashes = routing.request_hashes(prompt_ids, params, router.ready_engines) if routing else []
+        lora_name = None if lora_request is None else lora_request.lora_name
+        hashes = (
+            routing.request_hashes(prompt_ids, params, router.ready_engines, lora_name)
+            if routing
+            else []
+        )
         engine = router.pick(block_hashes=hashes, num_requests=max(1, params.n))
         # With resumption on, a request that finds every known engine core faulted waits for one
         # as a cut request would (parked); with none known, or resumption off, it is refused.
@@ -292,12 +303,14 @@ class AsyncEngineClient:
             raise EngineUnavailableError("no engine core is ready to take requests")
         arrival = time.time()
         children = processor.add_request(
-            request_id, prompt_ids, params, prompt_text, arrival, priority
+            request_id, prompt_ids, params, prompt_text, arrival, priority, lora_request
         )
         collector = RequestOutputCollector(params.output_kind)
         self.placements.track(request_id, collector)
         if engine is None:
-            payload = ResumeRequest(prompt_ids, arrival, priority, [(c, []) for c in children])
+            payload = ResumeRequest(
+                prompt_ids, arrival, priority, [(c, []) for c in children], lora_request
+            )
             self.resumptions.park(request_id, payload, None, time.monotonic(), counts=False)
             return collector
         sends: list[tuple[ChildRequest, list[int]]] = [(child, []) for child in children]
@@ -314,7 +327,7 @@ class AsyncEngineClient:
         self.placements.place(request_id, engine.engine_id, self.router.epoch(engine.engine_id))
         try:
             await self.sender.send_adds(
-                engine.engine_id, sends, prompt_ids, arrival, priority, kv_params
+                engine.engine_id, sends, prompt_ids, arrival, priority, kv_params, lora_request
             )
         except BusError as exc:
             self._fail(request_id, EngineUnavailableError(f"request not sent: {exc!r}"))
@@ -432,6 +445,7 @@ class AsyncEngineClient:
                 payload.arrival_time,
                 payload.priority,
                 pull,
+                payload.lora_request,
             )
         except BusError as exc:
             await self.sender.send_release(

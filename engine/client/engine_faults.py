@@ -179,6 +179,7 @@ class EngineFaults:
                 payload.prompt_token_ids,
                 payload.arrival_time,
                 payload.priority,
+                lora_request=payload.lora_request,
             )
         except BusError as exc:
             if placements.engine_of(request_id) == engine_id:

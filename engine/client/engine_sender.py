@@ -13,6 +13,7 @@ from shoal.bus.base import Bus
 from shoal.bus.codec import encode
 from shoal.bus.errors import BusError
 from shoal.bus.messages.engine import AbortRequest, AddRequest, KVTransferParams, ReleaseKV
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.output_processor import ChildRequest
 
@@ -37,9 +38,11 @@ class EngineSender:
         arrival: float,
         priority: int,
         kv_transfer_params: KVTransferParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """One add per completion, with the tokens it already has (resumed) or none, and the
-        disaggregated prefill's ``kv_transfer_params``; ``BusError`` when one is not sent."""
+        """One add per completion, with the tokens it already has (resumed) or none, the
+        disaggregated prefill's ``kv_transfer_params`` and the request's adapter; ``BusError``
+        when one is not sent."""
         subject = self.subjects.engine_in(engine_id)
         for child, output_token_ids in children:
             add = AddRequest(
@@ -52,6 +55,7 @@ class EngineSender:
                 priority=priority,
                 output_token_ids=output_token_ids,
                 kv_transfer_params=kv_transfer_params,
+                lora_request=lora_request,
             )
             await self.bus.publish(subject, encode(add))
 

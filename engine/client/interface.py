@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from shoal.bus.messages.fault import FaultToleranceRequest, FaultToleranceResult
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.errors import EngineUnavailableError, RequestValidationError
 from shoal.engine.client.fault_tolerance import FtStatus
@@ -73,8 +74,9 @@ class EngineClientInterface(Protocol):
         request_id: str,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs until it finishes.
+        """Stream a request's outputs until it finishes (with ``lora_request``'s adapter).
 
         Raises ``RequestValidationError`` (bad prompt), ``EngineUnavailableError`` (503).
         Closing the iterator early (client gone) aborts the request in its engine core.

@@ -35,3 +35,13 @@ def read_vocab_size(model_dir: Path) -> int | None:
     """The rows of the model's embedding and columns of its logits (``vocab_size``), if given."""
     value = read_text_config(model_dir).get("vocab_size")
     return value if isinstance(value, int) and value > 0 else None
+
+
+def read_num_layers(model: str) -> int | None:
+    """The model's decoder layers (``num_hidden_layers``) when ``model`` is a folder with a
+    ``config.json`` saying so; None otherwise (a GGUF file, a name)."""
+    try:
+        value = read_text_config(Path(model)).get("num_hidden_layers")
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from shoal.bus.messages.engine import EngineCoreOutput, EngineOutputs, KVTransferParams
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.client.completion_state import CompletionState, convert_logprobs
 from shoal.engine.client.outputs import RequestMetrics, RequestOutput, TokenLogprobs
@@ -76,6 +77,7 @@ class ResumeRequest:
     arrival_time: float
     priority: int
     children: list[tuple[ChildRequest, list[int]]]
+    lora_request: LoRARequest | None = None
 
 
 def child_request_id(index: int, request_id: str) -> str:
@@ -94,9 +96,11 @@ class RequestState:
         tokenizer: Tokenizer | None,
         arrival_time: float,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
+        self.lora_request = lora_request
         self.num_attempts = 1  # sent once, plus one per resumption
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -206,13 +210,21 @@ class OutputProcessor:
         prompt: str | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> list[ChildRequest]:
         """Track a request; returns the engine-side requests to send (one per completion)."""
         if request_id in self._requests:
             raise ValueError(f"request id already in flight: {request_id!r}")
         arrival = time.time() if arrival_time is None else arrival_time
         state = RequestState(
-            request_id, prompt, list(prompt_token_ids), params, self.tokenizer, arrival, priority
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            self.tokenizer,
+            arrival,
+            priority,
+            lora_request,
         )
         self._requests[request_id] = state
         for child in state.child_params:
@@ -294,7 +306,11 @@ class OutputProcessor:
             if not c.finished
         ]
         return ResumeRequest(
-            state.prompt_token_ids, state.metrics.arrival_time, state.priority, children
+            state.prompt_token_ids,
+            state.metrics.arrival_time,
+            state.priority,
+            children,
+            state.lora_request,
         )
 
     def owner_of(self, engine_request_id: str) -> str | None:
@@ -324,7 +340,11 @@ class OutputProcessor:
                 state.prompt_logprob_rows = []  # the prompt is run whole again, with its rows
         state.children = rekeyed
         return ResumeRequest(
-            state.prompt_token_ids, state.metrics.arrival_time, state.priority, children
+            state.prompt_token_ids,
+            state.metrics.arrival_time,
+            state.priority,
+            children,
+            state.lora_request,
         )
 
     def abort_request(self, request_id: str) -> list[str]:

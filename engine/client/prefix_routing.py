@@ -108,18 +108,22 @@ class PrefixRouting:
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
         ready_engines: Callable[[], Sized],
+        lora_name: str | None = None,
     ) -> list[BlockHash]:
         """The hashes to route a request by: none (by load) when fewer than two engine cores
         are ready (nothing to choose) or the request skips the prefix cache (prompt
-        logprobs)."""
+        logprobs). ``lora_name``: the request's adapter, a key of every block."""
         if params.prompt_logprobs is not None or len(ready_engines()) < 2:
             return []
-        return self.block_hashes(prompt_token_ids)
+        return self.block_hashes(prompt_token_ids, lora_name=lora_name)
 
     def block_hashes(
-        self, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+        self,
+        prompt_token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> list[BlockHash]:
         """The prompt's blocks an engine core could take from its cache (never the block of
         the last token, whose logits must be computed)."""
         max_blocks = (len(prompt_token_ids) - 1) // self.hasher.block_size
-        return self.hasher.prompt_block_hashes(prompt_token_ids, cache_salt, max_blocks)
+        return self.hasher.prompt_block_hashes(prompt_token_ids, cache_salt, max_blocks, lora_name)

@@ -6,10 +6,11 @@ over a fixed byte encoding: the parent digest, a 4-byte length and the extra key
 id as a little-endian int64. ``NONE_HASH`` is ``H`` of a fixed seed, never random and never
 Python's ``hash()``, so two engine cores (or an offload tier on another host) agree on every key.
 Only full blocks are hashed. The cache salt is an extra key of block 0 only; through the chain it
-changes every later hash.
+changes every later hash. A request's LoRA adapter is an extra key of every block (as vLLM's):
+two adapters never share KV, and each block's key says which adapter made it.
 
-Seams: LoRA adapters or multimodal inputs would add their own extra keys per block; a KV cache
-group id would be appended to the key when hybrid models bring several groups.
+Seams: multimodal inputs would add their own extra keys per block; a KV cache group id would be
+appended to the key when hybrid models bring several groups.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ def salt_extra_key(cache_salt: str | None) -> bytes:
     return b"" if cache_salt is None else b"salt:" + cache_salt.encode()
 
 
+def extra_keys(index: int, cache_salt: str | None, lora_name: str | None) -> bytes:
+    """Block ``index``'s extra-key bytes: the cache salt (block 0), then the adapter's name."""
+    salt = salt_extra_key(cache_salt) if index == 0 else b""
+    return salt if lora_name is None else salt + b"lora:" + lora_name.encode()
+
+
 def hash_block_tokens(
     hash_fn: HashFn, parent: BlockHash, token_ids: Sequence[int], extra_keys: bytes = b""
 ) -> BlockHash:
@@ -88,8 +95,10 @@ class BlockHasher:
         end = len(tokens) // block_size
         new_hashes: list[BlockHash] = []
         parent = hashes[-1] if hashes else self.none_hash
+        lora = request.lora_request
+        lora_name = None if lora is None else lora.lora_name
         for index in range(start, end):
-            extra = salt_extra_key(request.cache_salt) if index == 0 else b""
+            extra = extra_keys(index, request.cache_salt, lora_name)
             first = index * block_size
             parent = hash_block_tokens(
                 self.hash_fn, parent, tokens[first : first + block_size], extra
@@ -98,7 +107,11 @@ class BlockHasher:
         return new_hashes
 
     def prompt_block_hashes(
-        self, token_ids: Sequence[int], cache_salt: str | None = None, max_blocks: int = -1
+        self,
+        token_ids: Sequence[int],
+        cache_salt: str | None = None,
+        max_blocks: int = -1,
+        lora_name: str | None = None,
     ) -> list[BlockHash]:
         """The chained hashes of a prompt's full blocks (at most ``max_blocks``; -1: all), as
         an engine core computes them for a request with this prompt (a router's lookup key)."""
@@ -109,7 +122,7 @@ class BlockHasher:
         hashes: list[BlockHash] = []
         parent = self.none_hash
         for index in range(num_blocks):
-            extra = salt_extra_key(cache_salt) if index == 0 else b""
+            extra = extra_keys(index, cache_salt, lora_name)
             first = index * block_size
             parent = hash_block_tokens(
                 self.hash_fn, parent, token_ids[first : first + block_size], extra

@@ -35,6 +35,7 @@ from shoal.bus.messages.structured import StepGrammar
 from shoal.bus.messages.worker import StepResult, WorkerInfo
 from shoal.config.deployment import CacheConfig, SchedulerConfig, ShoalConfig
 from shoal.config.kv_transfer import KVTransferConfig
+from shoal.config.lora import LoRAConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.core.grammar import GrammarBackend, late_grammar
 from shoal.engine.core.offload_port import OffloadPort
@@ -77,6 +78,7 @@ class EngineCore:
         speculative_config: SpeculativeConfig | None = None,
         grammar_backend: GrammarBackend | None = None,
         kv_handover_lease_s: float | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """``kv_handover_lease_s``: how long prompt KV held for a remote decode waits to be
         pulled (None: vLLM's 480 s)."""
@@ -88,6 +90,7 @@ class EngineCore:
             kv_transfer_config=kv_transfer_config,
             speculative_config=speculative_config,
             grammar_backend=grammar_backend,
+            lora_config=lora_config,
         )
         if kv_handover_lease_s is not None:
             self.scheduler.handovers.lease_s = kv_handover_lease_s

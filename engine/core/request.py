@@ -33,6 +33,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from shoal.bus.messages.engine import AddRequest, EngineCoreOutput, KVTransferParams
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 
 
@@ -88,6 +89,7 @@ class Request:
         "error",
         "first_scheduled_time",
         "hands_kv_over",
+        "lora_request",
         "max_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
@@ -126,6 +128,7 @@ class Request:
         output_token_ids: list[int] | None = None,
         hands_kv_over: bool = False,
         remote_prefill: KVTransferParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -138,6 +141,7 @@ class Request:
         self.arrival_time = arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # its adapter: in its block hashes, on its worker
         self.eos_token_ids: list[int] = list(eos_token_ids or [])
         # The ids that end the request when sampled (eos unless ignore_eos).
         self.stop_eos_ids = frozenset(() if sampling_params.ignore_eos else self.eos_token_ids)
@@ -186,6 +190,7 @@ class Request:
             hands_kv_over=msg.kv_transfer_params is not None
             and msg.kv_transfer_params.do_remote_decode,
             remote_prefill=remote_prefill_of(msg.kv_transfer_params),
+            lora_request=msg.lora_request,
         )
 
     def set_block_hasher(self, block_hasher: BlockHasherFn) -> None:

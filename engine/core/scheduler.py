@@ -54,8 +54,10 @@ from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.worker import StepResult
 from shoal.config.deployment import CacheConfig, SchedulerConfig
 from shoal.config.kv_transfer import KVTransferConfig
+from shoal.config.lora import LoRAConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.core import grammar
+from shoal.engine.core.adapter_limit import AdapterLimit
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.in_flight import InFlightSteps, PendingFree
 from shoal.engine.core.kv_cache_manager import KVCacheManager
@@ -93,12 +95,15 @@ class Scheduler:
         kv_transfer_config: KVTransferConfig | None = None,
         speculative_config: SpeculativeConfig | None = None,
         grammar_backend: grammar.GrammarBackend | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """``max_model_len`` and ``num_blocks`` are what the workers reported (the block
         count defaults to ``cache_config.num_gpu_blocks_override``). ``kv_transfer_config``
         with a connector: KV offload (``offload_connector.py``); ``speculative_config`` with
         a method: speculative decoding (``spec_decoding.py``); ``grammar_backend``: structured
-        outputs (``grammar.py``; without one a request with a grammar is refused)."""
+        outputs (``grammar.py``; without one a request with a grammar is refused);
+        ``lora_config`` with ``enable_lora``: requests with adapters, at most ``max_loras``
+        distinct ones among the running requests (a worker's slots)."""
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         num_blocks = num_blocks or cache_config.num_gpu_blocks_override
@@ -155,6 +160,9 @@ class Scheduler:
             max_num_seqs = scheduler_config.max_num_seqs
             self.spec = SpecDecoding(speculative_config, max_num_seqs, max_model_len)
         self.grammars = grammar.GrammarParking(grammar_backend) if grammar_backend else None
+        self.max_loras = (
+            lora_config.max_loras if lora_config is not None and lora_config.enable_lora else 0
+        )
 
     # ----- requests in and out
 
@@ -166,6 +174,11 @@ class Scheduler:
         status set, and not queued; the caller publishes its final output."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        if request.lora_request is not None and not self.max_loras:
+            raise ValueError(
+                f"request asks for LoRA adapter {request.lora_request.lora_name!r} but this "
+                "engine core serves no adapters (--enable-lora)"
+            )
         if request.num_prompt_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens, more than "
@@ -392,8 +405,12 @@ class Scheduler:
         kv, connector = self.kv_cache_manager, self.connector
         remote_prefills = self.remote_prefills
         budget = plan.token_budget
+        loras = AdapterLimit(self.max_loras, running)
         while waiting and budget > 0 and len(running) < config.max_num_seqs:
             request = waiting.peek()
+            if not loras.admits(request):
+                loras.skip(waiting.pop())  # its adapter would need one slot too many
+                continue
             hits, num_hit_tokens = kv.get_computed_blocks(request)
             remote = remote_prefills.on_admission(request, len(hits))
             external = (
@@ -440,9 +457,11 @@ class Scheduler:
                 request.first_scheduled_time = time.time()
                 kv.record_prefix_lookup(request.num_tokens, num_hit_tokens)
             running.append(request)
+            loras.admitted(request)
             plan.num_scheduled[request.request_id] = num_new
             budget -= num_new
         plan.token_budget = budget
+        loras.requeue(waiting)
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         finished, self.finished_req_ids = self.finished_req_ids, []

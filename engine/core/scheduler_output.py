@@ -170,6 +170,7 @@ def build_scheduler_output(
                 list(request.output_token_ids) if resumed else [],
                 resumed,
                 request.eos_token_ids,
+                request.lora_request,
             )
         )
     cached_requests = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shoal.bus.messages.engine import SchedulerStats
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData, StepResult
 from shoal.config.deployment import ShoalConfig
@@ -114,10 +115,12 @@ def generate_with_scheduler(
     max_model_len: int = 1024,
     enable_prefix_caching: bool = True,
     async_scheduling: bool = False,
+    loras: list[LoRARequest | None] | None = None,
 ) -> SchedulerRun:
     """Run every prompt to completion through ``engine.core.scheduler.Scheduler`` (with the
     runner's speculative config). ``async_scheduling``: each step is scheduled (and run) before
-    the previous step's result is applied, as the async engine core does."""
+    the previous step's result is applied, as the async engine core does. ``loras``: each
+    prompt's adapter (the runner's LoRA config applies)."""
     from shoal.config.deployment import CacheConfig, SchedulerConfig
     from shoal.engine.core.request import Request
 
@@ -131,10 +134,14 @@ def generate_with_scheduler(
         num_blocks=num_blocks,
         max_model_len=max_model_len,
         speculative_config=runner.config.speculative_config,
+        lora_config=runner.config.lora_config,
     )
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        lora = loras[i] if loras is not None else None
         scheduler.add_request(
-            Request(f"r{i}", list(prompt), p, client_id="c", arrival_time=float(i))
+            Request(
+                f"r{i}", list(prompt), p, client_id="c", arrival_time=float(i), lora_request=lora
+            )
         )
     run = SchedulerRun(outputs={f"r{i}": [] for i in range(len(prompts))})
     in_flight: list[tuple[SchedulerOutput, StepResult]] = []

@@ -22,6 +22,7 @@ from shoal.bus.messages.engine import (
     SchedulerStats,
 )
 from shoal.bus.messages.kv_handover import KVPull
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.offload import KVTransferResult, KVTransfers
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.structured import GrammarBitmask
@@ -74,6 +75,7 @@ WIRE_LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
     KVTransferParams: ("do_remote_decode", "remote_block_ids", "num_remote_tokens",
                        "do_remote_prefill", "remote_engine_id", "remote_kv", "lease_s"),
     KVPull: ("req_id", "block_ids", "remote_block_ids", "source"),
+    LoRARequest: ("lora_name", "lora_int_id", "lora_path", "base_model_name"),
     Logprobs: ("token_ids", "logprobs", "ranks"),
     EngineCoreOutput: ("request_id", "new_token_ids", "finish_reason", "stop_reason",
                     "new_logprobs", "prompt_logprobs", "num_cached_tokens", "error"),

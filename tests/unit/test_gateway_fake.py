@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.bus.messages.engine import SchedulerStats
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.chat_options import ChatOptions
@@ -110,6 +111,7 @@ class FakeEngineClient:
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.lora_requests: list[LoRARequest | None] = []  # each generate call's adapter
         self.tokenizer = fake_tokenizer()
         self.vocabulary = Vocabulary(len(self.tokenizer) - 1, len(self.tokenizer))
         self.generation_defaults = GenerationDefaults()
@@ -174,7 +176,9 @@ class FakeEngineClient:
         request_id: str,
         *,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        self.lora_requests.append(lora_request)
         ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
         self._admit(request_id, ids, sampling_params)
         metrics = RequestMetrics(arrival_time=time.time(), first_scheduled_time=time.time())

@@ -31,7 +31,7 @@ class SlowAbortEngine:
         return getattr(self.inner, name)
 
     async def generate(
-        self, prompt: list[int], params: SamplingParams, request_id: str
+        self, prompt: list[int], params: SamplingParams, request_id: str, **kwargs: object
     ) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
