@@ -63,9 +63,9 @@ def parse_lora_module(text: str) -> LoRAModule:
     if text.startswith("{"):
         try:
             return msgspec.json.decode(text, type=LoRAModule)
-        except KeyError as exc:
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             raise ValueError(f"--lora-modules {text!r}: {exc}") from exc
-    name, sep, path = text.partition("=")
+    name, sep, path = (part.strip() for part in text.partition("="))
     if not sep or not name or not path:
         raise ValueError(f"--lora-modules {text!r}: expected name=path or a JSON object")
     return LoRAModule(name=name, path=path)

@@ -110,19 +110,23 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
             size = path.stat().st_size
     except FileNotFoundError as exc:
         raise LoRAAdapterError(f"{path.parent}: no {path.name}") from exc
+    except OSError as exc:
+        raise LoRAAdapterError(f"{path}: cannot be read ({exc.strerror})") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise LoRAAdapterError(f"{path}: corrupt safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise LoRAAdapterError(f"{path}: corrupt safetensors header (not a JSON object)")
     tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
     end = 0
     for name, info in header.items():
         if name == "__metadata__":
             continue
         try:
-            dtype, shape, (_, stop) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+            dtype, shape, (_, stop) = info["dtype"], info["shape"], info["data_offsets"]
+            tensors[name] = (str(dtype), tuple(int(n) for n in shape))
+            end = max(end, int(stop))
         except (KeyError, TypeError, ValueError) as exc:
             raise LoRAAdapterError(f"{path}: corrupt entry for tensor {name!r}") from exc
-        tensors[name] = (str(dtype), tuple(int(n) for n in shape))
-        end = max(end, int(stop))
     if 8 + length + end > size:
         raise LoRAAdapterError(
             f"{path}: truncated ({size} B, the header describes {8 + length + end} B)"

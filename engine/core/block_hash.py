@@ -63,9 +63,13 @@ def salt_extra_key(cache_salt: str | None) -> bytes:
 
 
 def extra_keys(index: int, cache_salt: str | None, lora_name: str | None) -> bytes:
-    """Block ``index``'s extra-key bytes: the cache salt (block 0), then the adapter's name."""
+    """Block ``index``'s extra-key bytes: the adapter's name, length first (so no salt can pose
+    as a salt plus an adapter), then the cache salt (block 0)."""
     salt = salt_extra_key(cache_salt) if index == 0 else b""
-    return salt if lora_name is None else salt + b"lora:" + lora_name.encode()
+    if lora_name is None:
+        return salt
+    name = lora_name.encode()
+    return b"lora:" + len(name).to_bytes(4, "little") + name + salt
 
 
 def hash_block_tokens(
