@@ -27,8 +27,8 @@ from shoal.config.deployment import (
     ShoalConfig,
 )
 from shoal.config.disaggregation import DISAGG_ROLES
-from shoal.config.lora import LORA_RANKS, parse_lora_module
 from shoal.config.kv_transfer import OFFLOADING_BACKENDS
+from shoal.config.lora import LORA_RANKS, parse_lora_module
 from shoal.config.speculative import JSON_KEYS, speculative_options
 from shoal.deploy.deployment import build_config
 
