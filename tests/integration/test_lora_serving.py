@@ -104,7 +104,7 @@ async def test_adapters_served_by_name_and_loaded_at_run_time(tiny_checkpoint, t
 
         assert await greedy_text(client, "a0") == expected["a0"]
         assert await greedy_text(client, MODEL_NAME) == expected[MODEL_NAME]
-        with pytest.raises(openai.NotFoundError, match="The model `a1` does not exist."):
+        with pytest.raises(openai.NotFoundError, match=r"The model `a1` does not exist\."):
             await greedy_text(client, "a1")
 
         async with aiohttp.ClientSession() as session:
