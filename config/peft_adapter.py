@@ -66,6 +66,8 @@ class AdapterTensor(msgspec.Struct, frozen=True):
 
 
 def read_config(folder: Path) -> PeftAdapterConfig:
+    if not folder.is_dir():
+        raise LoRAAdapterError(f"{folder}: no such adapter folder")
     path = folder / CONFIG_FILE
     try:
         raw = path.read_bytes()
@@ -149,8 +151,6 @@ def check_adapter(
     projection shoal's models have (in a layer the model has), and no rank is above
     ``max_lora_rank``; else ``LoRAAdapterError`` naming the first problem."""
     folder = Path(folder)
-    if not folder.is_dir():
-        raise LoRAAdapterError(f"{folder}: no such adapter folder")
     config = read_config(folder)
     header = read_safetensors_header(folder / WEIGHTS_FILE)
     if not header:

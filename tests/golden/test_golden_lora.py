@@ -13,7 +13,7 @@ import pytest
 
 from shoal.bus.messages.lora import LoRARequest
 from tests.fixtures.lora import build_adapter, hf_lora_greedy
-from tests.fixtures.models import build_checkpoint, make_prompts
+from tests.fixtures.models import build_checkpoint, build_markov_checkpoint, make_prompts
 from tests.golden.driver import generate_with_scheduler, greedy, make_runner
 from tests.unit.test_model_runner_tp import free_port
 
@@ -41,23 +41,26 @@ def requests_of(adapters: list[Path]) -> list[LoRARequest | None]:
     return [None if w is None else LoRARequest(f"a{w}", w + 1, str(adapters[w])) for w in WHICH]
 
 
-def expected_outputs(model_dir: Path, adapters: list[Path]) -> list[list[int]]:
+def expected_outputs(
+    model_dir: Path, adapters: list[Path], max_tokens: int = MAX_TOKENS
+) -> list[list[int]]:
     return [
-        hf_lora_greedy(model_dir, None if w is None else adapters[w], [p], MAX_TOKENS)[0]
+        hf_lora_greedy(model_dir, None if w is None else adapters[w], [p], max_tokens)[0]
         for p, w in zip(PROMPTS, WHICH, strict=True)
     ]
 
 
-def run(runner, adapters: list[Path]):  # type: ignore[no-untyped-def]
+def run(runner, adapters: list[Path], max_tokens: int = MAX_TOKENS):  # type: ignore[no-untyped-def]
+    """Each prompt's greedy output through the scheduler, and the scheduler's stats."""
     run = generate_with_scheduler(
         runner,
         PROMPTS,
-        [greedy(MAX_TOKENS)] * len(PROMPTS),
+        [greedy(max_tokens)] * len(PROMPTS),
         num_blocks=NUM_BLOCKS,
         block_size=BLOCK,
         loras=requests_of(adapters),
     )
-    return [run.outputs[f"r{i}"] for i in range(len(PROMPTS))]
+    return [run.outputs[f"r{i}"] for i in range(len(PROMPTS))], run.stats
 
 
 @pytest.mark.slow
@@ -77,7 +80,7 @@ def test_mixed_batch_of_adapters_equals_peft(tmp_path: Path, variant: str):
         enable_lora=True, max_loras=2, max_lora_rank=16, max_cpu_loras=2,
     )  # fmt: skip
     runner.load()
-    assert run(runner, adapters) == expected
+    assert run(runner, adapters)[0] == expected
     lora = runner.lora
     assert lora is not None
     assert lora.num_slot_writes >= 3 and lora.slots.num_evictions >= 1
@@ -95,7 +98,7 @@ def rank_main(rank: int, port: int, model_dir: str, adapters: list[str], queue) 
             enable_lora=True, max_loras=3, max_lora_rank=16,
         )  # fmt: skip
         runner.load()
-        queue.put((rank, run(runner, [Path(a) for a in adapters]), None))
+        queue.put((rank, run(runner, [Path(a) for a in adapters])[0], None))
     except Exception as exc:  # reported to the test, not swallowed
         queue.put((rank, None, repr(exc)))
     finally:
@@ -132,3 +135,31 @@ def test_tp2_mixed_batch_equals_peft(tmp_path: Path):
         outputs, error = results[rank]
         assert error is None, f"rank {rank}: {error}"
         assert outputs == expected, f"rank {rank}"
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+
+
+@pytest.mark.slow
+def test_ngram_drafts_verified_with_each_requests_adapter(tmp_path: Path):
+    """A Markov model (attention and MLP write nothing: greedy outputs loop, drafts get
+    accepted) with adapters on its MLP only (a function of the current token: still Markov,
+    but a different chain per adapter): with n-gram speculation, outputs equal PEFT's and drafts
+    are accepted."""
+    model_dir = build_markov_checkpoint(tmp_path / "m")
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    adapters = [
+        build_adapter(model_dir, tmp_path / f"a{i}", seed=30 + i, rank=8, alpha=64.0, targets=mlp)
+        for i in range(3)
+    ]
+    expected = expected_outputs(model_dir, adapters, max_tokens=24)
+    base = hf_lora_greedy(model_dir, None, PROMPTS, 24)
+    assert sum(expected[i] != base[i] for i, w in enumerate(WHICH) if w is not None) >= 3
+    runner = make_runner(
+        model_dir, num_blocks=NUM_BLOCKS, block_size=BLOCK, dtype="float32",
+        enable_lora=True, max_loras=3, max_lora_rank=16, speculative_config=NGRAM,
+    )  # fmt: skip
+    runner.load()
+    outputs, stats = run(runner, adapters, max_tokens=24)
+    assert outputs == expected
+    assert stats.spec_decode_num_accepted_tokens >= 20
