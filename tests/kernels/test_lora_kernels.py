@@ -138,6 +138,26 @@ def test_add_lora_torch_matches_the_per_token_loop(name, dim_in, dim_out, rank):
     _assert_untouched(y, before, slots)
 
 
+@pytest.mark.parametrize(
+    ("slots", "padded"),
+    [
+        ([0, 1, 2, 3, 0, 1, 2, 3, _N, 2], True),  # decodes spread over adapters: batched
+        ([3, 1, _N, 1, 3, 0, 0, 3], True),  # slot 2 unused: padded rows only, dropped
+        ([0] * 12 + [1, 2], False),  # one long group: padding would triple the rows
+        ([0, 1, 0, 1, 0, 1], False),  # two adapters: a matmul pair each is cheaper
+    ],
+)
+def test_the_batched_form_is_taken_when_it_pays_and_equals_the_loop(slots, padded):
+    y, x, a, b = _case(slots, 40, 100, 8, torch.float32)
+    expected = _naive(y, x, a, b, slots)
+    mapping = build_mapping(np.array(slots), "cpu")
+    assert mapping is not None and (mapping.padded is not None) == padded
+    before = y.clone()
+    add_lora_torch(y, x, a, b, mapping)
+    torch.testing.assert_close(y.double(), expected, atol=1e-5, rtol=1e-5)
+    _assert_untouched(y, before, slots)
+
+
 def test_add_lora_torch_checks_the_reference_with_no_adapter():
     """All tokens without an adapter: no mapping, and the loop leaves y as it is."""
     y, x, a, b = _case(ALL_NONE, 32, 48, 8, torch.float32)
