@@ -175,6 +175,10 @@ class Subjects:
         ``tier_kv_events`` (prefix routing)."""
         return f"{self.namespace.replace('.', '-')}-kv-events"
 
+    def lora_bucket(self) -> str:
+        """Object Store bucket of the deployment's LoRA adapters (``shoal lora push``)."""
+        return f"shoal_lora_{self.namespace.replace('.', '_')}"
+
     def object_bucket(self) -> str:
         """Object Store bucket of the deployment's object KV tier (``shoal_kv_<namespace>``)."""
         return f"shoal_kv_{self.namespace.replace('.', '_')}"

@@ -8,6 +8,7 @@ shoal bench NAME [ARGS...]     a benchmark from bench/ (throughput, serve, sched
 shoal nats-auth --namespace NS the nats-server authorization config: one user per actor role
   [--cluster-auth-file PATH]   and the cluster routes' user and routes (include in cluster {})
 shoal nats-init --namespace NS create its JetStream buckets and stream (as its provisioner)
+shoal lora push NAME PATH      put a LoRA adapter into a deployment's object store
 
 NATS credentials: $SHOAL_NATS_USER and $SHOAL_NATS_PASSWORD, or --nats-user NAME with
 --nats-password-file PATH; never in --nats-url (a process listing would show them).
@@ -32,6 +33,7 @@ from shoal.bus.nats_ops.credentials import (
 from shoal.bus.nats_ops.permissions import ROLES
 from shoal.config.deployment import ShoalConfig
 from shoal.deploy.arguments import add_engine_arguments, config_from_namespace, option_default
+from shoal.deploy.lora_push import add_lora_push_arguments, run_lora_push
 from shoal.deploy.model_source import DEFAULT_MODEL_NAME, DEMO_MODEL_NAME, ModelNotFoundError
 from shoal.deploy.nats_init import add_nats_init_arguments, run_nats_init
 from shoal.deploy.probe import add_probe_arguments, probed_id, run_probe
@@ -126,6 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_nats_init_arguments(init)
     _add_credential_arguments(init)
+    lora = commands.add_parser("lora", parents=[common], help="LoRA adapters of a deployment")
+    lora_commands = lora.add_subparsers(dest="lora_command", required=True)
+    push = lora_commands.add_parser(
+        "push", parents=[common], help="put an adapter folder into the deployment's object store"
+    )
+    add_lora_push_arguments(push)
+    _add_credential_arguments(push)
     return parser  # fmt: skip
 
 
@@ -218,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         return _nats_auth(parser, ns)
     if ns.command == "nats-init":
         return asyncio.run(run_nats_init(ns))
+    if ns.command == "lora":
+        return asyncio.run(run_lora_push(ns))
     try:
         return _run(parser, ns)
     except KeyboardInterrupt:  # Ctrl-C before the signal handlers are set (the demo build)

@@ -129,7 +129,7 @@ class GatewayActor(Actor):
         self.stats_logger = StatsLogger() if k > 0 else None
         if self._engine_reports_stats():
             cast(Any, engine).stats_listeners.append(self.on_stats)
-        loras = self._lora_adapters(name)
+        loras = await self._lora_adapters(name)
         app = create_app(
             engine,
             served_model_name=name,
@@ -154,13 +154,20 @@ class GatewayActor(Actor):
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)
 
-    def _lora_adapters(self, served_model_name: str) -> LoRAAdapters:
+    async def _lora_adapters(self, served_model_name: str) -> LoRAAdapters:
         """The deployment's LoRA adapters (``--enable-lora``, ``--lora-modules``), shared by
         the HTTP and NATS APIs so an adapter loaded through one serves on both."""
         if self.config is None:
             return LoRAAdapters()
-        model = self.config.model_config.model
-        return LoRAAdapters(self.config.lora_config, served_model_name, read_num_layers(model))
+        bus, bucket = self.bus, self.subjects.lora_bucket()
+        loras = LoRAAdapters(
+            self.config.lora_config,
+            served_model_name,
+            read_num_layers(self.config.model_config.model),
+            open_store=lambda: bus.open_object_store(bucket),
+        )
+        await loras.load_modules()
+        return loras
 
     def _tool_calling(self) -> ToolCallingOptions:
         """The deployment's tool-calling flags (none without a config)."""

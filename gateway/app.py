@@ -176,7 +176,7 @@ async def load_lora_adapter(ctx: ServingContext, request: web.Request) -> web.Re
     """vLLM's ``POST /v1/load_lora_adapter``: serve the adapter in ``lora_path`` as
     ``lora_name`` from now on."""
     body = await decode_body(request, LoadLoRAAdapterRequest)
-    ctx.loras.add(body.lora_name, body.lora_path)
+    await ctx.loras.add(body.lora_name, body.lora_path)
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 

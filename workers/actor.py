@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Protocol, TypeVar
 
 from shoal.bus.base import Bus
+from shoal.bus.buckets import ObjectStore
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import BusError
 from shoal.bus.messages.control import ActorState
@@ -79,6 +80,7 @@ from shoal.workers.group_ports import (
     port_board_for,
     rejoin_group,
 )
+from shoal.workers.lora.folders import AdapterFolders, adapters_to_fetch
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -183,6 +185,7 @@ class WorkerActor(Actor):
         # where rank 0 hosts a new group
         self.group_host = advertised_host(ep_init_method or tp_init_method)
         self._port_board = port_board
+        self._lora_store: ObjectStore | None = None  # the deployment's adapters, once needed
         self.group_epoch: str | None = None  # the epoch of the group this rank is in
         self._fault_at: tuple[int, str] | None = None  # (step count, message) of an armed fault
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"runner-{worker_id}")
@@ -262,6 +265,7 @@ class WorkerActor(Actor):
 
     async def _execute(self, step: ExecuteStep, msg: Msg) -> StepResult | None:
         runner = self._require_runner()
+        await self._fetch_adapters(runner, step)
         self._step_running = True
         started = time.perf_counter()
         injected = None
@@ -280,6 +284,21 @@ class WorkerActor(Actor):
             return result
         await self._publish_result(result)
         return None
+
+    async def _fetch_adapters(self, runner: StepRunner, step: ExecuteStep) -> None:
+        """Fetch the object-store adapters of the step's new requests that this host has not
+        (a failed fetch fails only their requests, when the runner cannot find the files)."""
+        folders: AdapterFolders | None = getattr(runner, "lora_folders", None)
+        if folders is None:
+            return
+        for lora in adapters_to_fetch(folders, step):
+            try:
+                if self._lora_store is None:
+                    self._lora_store = await self.bus.open_object_store(self.subjects.lora_bucket())
+                await folders.fetch(self._lora_store, lora)
+                log.info("%r: fetched LoRA adapter %r", self, lora.lora_name)
+            except (BusError, OSError, ValueError) as exc:
+                log.error("%r: LoRA adapter %r not fetched: %s", self, lora.lora_name, exc)
 
     async def _publish_result(self, result: StepResult) -> None:
         if self.engine_id is None:

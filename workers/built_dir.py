@@ -18,13 +18,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from shoal.config.cache_root import default_cache_root
 
-def default_cache_root() -> Path:
-    """``$SHOAL_CACHE_DIR``, else ``$XDG_CACHE_HOME/shoal``, else ``~/.cache/shoal``."""
-    if explicit := os.environ.get("SHOAL_CACHE_DIR"):
-        return Path(explicit)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "shoal"
+__all__ = ["default_cache_root", "ensure_built", "is_complete"]
 
 
 def is_complete(directory: Path, manifest: str) -> bool:

@@ -52,6 +52,7 @@ from shoal.workers.kv_transfer import DroppedLoads, RegionViews, dtype_name, run
 from shoal.workers.layers.attention import AttentionMetadata
 from shoal.workers.layers.weight_packing import pack_linear_weights
 from shoal.workers.loader import load_model
+from shoal.workers.lora.folders import AdapterFolders
 from shoal.workers.lora.manager import LoRAManager
 from shoal.workers.models.decoder import DecoderForCausalLM
 from shoal.workers.moe.ep_step import ExpertParallelStep, join_expert_parallel
@@ -124,6 +125,7 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.lora: LoRAManager | None = None  # adapters and their slots (enable_lora)
+        self.lora_folders = AdapterFolders()  # where adapters' files are (the actor fetches)
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -155,7 +157,9 @@ class ModelRunner:
             log.info("%s: linear weights: %s", self.model_dir.name, model.linear_weights)
         self.gemm_backend = pack_linear_weights(model, self.device, self.dtype)
         if self.config.lora_config.enable_lora:
-            self.lora = LoRAManager(model, self.config.lora_config, self.dtype, self.device)
+            self.lora = LoRAManager(
+                model, self.config.lora_config, self.dtype, self.device, self.lora_folders
+            )
         if self.device.type == "cpu":
             ops.build_cpu_kernels()  # now rather than in the first step
         num_kv_heads = model.attention_layers()[0].num_kv_heads

@@ -142,7 +142,10 @@ ROLES: dict[str, Role] = {
             _g("api", "cancel"),
         ),
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_results", ANY)),
-        buckets=(BucketGrant("stream", "kv_events_stream"),),  # replayed into the routing index
+        buckets=(
+            BucketGrant("stream", "kv_events_stream"),  # replayed into the routing index
+            BucketGrant("obj", "lora_bucket"),  # fetches an adapter to check it
+        ),
     ),
     "engine": Role(
         kind="engine",
@@ -169,7 +172,10 @@ ROLES: dict[str, Role] = {
         publish=(_g("engine_results", ANY),),
         subscribe=(_g("worker_in", ANY), _g("worker_grammar", ANY)),
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
-        buckets=(BucketGrant("kv", "group_ports_bucket"),),
+        buckets=(
+            BucketGrant("kv", "group_ports_bucket"),
+            BucketGrant("obj", "lora_bucket"),  # fetches the adapters it is asked for
+        ),
     ),
     # Every KV tier (cpu, fs, obj, p2p): one role, the tiers ask each other.
     "tier": Role(
@@ -237,6 +243,7 @@ ROLES: dict[str, Role] = {
         buckets=(
             BucketGrant("kv", "group_ports_bucket", create=True),
             BucketGrant("obj", "object_bucket", create=True),
+            BucketGrant("obj", "lora_bucket", create=True),  # and pushes adapters to it
             BucketGrant("stream", "kv_events_stream", create=True),
         ),
         actor=False,

@@ -15,6 +15,8 @@ import openai
 import pytest
 from safetensors.torch import load_file, save_file
 
+from shoal.bus.folder_objects import put_folder
+from shoal.bus.subjects import Subjects
 from shoal.config.lora import LoRAConfig, LoRAModule
 from shoal.gateway.lora_adapters import LoRAAdapters
 from tests.fixtures.lora import build_adapter, hf_lora_greedy
@@ -87,6 +89,7 @@ async def test_adapters_served_by_name_and_loaded_at_run_time(tiny_checkpoint, t
     a1 = build_adapter(model_dir, root / "a1", seed=21, rank=16, alpha=32.0)
     bad = bad_adapters(model_dir, a0, root)
     loras = adapters_for(root / "base")
+    await loras.load_modules()
     lora_options = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
     async with served_stack(model_dir, app_options={"loras": loras}, **lora_options) as served:
         url = served.url
@@ -143,6 +146,7 @@ async def test_prefix_cache_never_shares_blocks_between_adapters(tiny_checkpoint
     build_adapter(model_dir, root / "a0", seed=20)
     lora_options = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
     loras = adapters_for(root / "base")
+    await loras.load_modules()
     async with served_stack(model_dir, app_options={"loras": loras}, **lora_options) as served:
         client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0)
         kv = served.scheduler.kv_cache_manager
@@ -154,4 +158,34 @@ async def test_prefix_cache_never_shares_blocks_between_adapters(tiny_checkpoint
         assert kv.prefix_cache_hits == 32
         assert await greedy_text(client, MODEL_NAME) == base
         assert kv.prefix_cache_hits == 64
+        await served.wait_until_idle()
+
+
+async def test_an_adapter_from_the_object_store_serves_by_name(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Pushed to the deployment's object store, loaded as ``nats-object://NAME``: the gateway
+    fetches it to check it and the worker fetches it to apply it (a missing one is a 400)."""
+    model_dir = tiny_checkpoint("llama")
+    root = tmp_path / "adapters"
+    root.mkdir()
+    a0 = build_adapter(model_dir, root / "a0", seed=20)
+    expected = hf_lora_greedy(model_dir, a0, [PROMPT], MAX_TOKENS)[0]
+    loras = adapters_for(root / "base")
+    loras.cache_root = tmp_path / "gateway-cache"
+    lora_options = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+    async with served_stack(model_dir, app_options={"loras": loras}, **lora_options) as served:
+        bus = served.stack.client.bus
+        bucket = Subjects().lora_bucket()  # the stack's namespace: the default
+        store = await bus.open_object_store(bucket)
+        await put_folder(store, "pushed", a0)
+        loras.open_store = lambda: bus.open_object_store(bucket)
+        client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0)
+        async with aiohttp.ClientSession() as session:
+            for name, status in (("pushed", 200), ("absent", 400)):
+                load = {"lora_name": name, "lora_path": f"nats-object://{name}"}
+                async with session.post(f"{served.url}/v1/load_lora_adapter", json=load) as r:
+                    assert r.status == status, await r.text()
+                    if status == 400:
+                        assert "no such adapter" in (await r.json())["error"]["message"]
+        answer = await greedy_text(client, "pushed")
+        assert answer == served.stack.client.tokenizer.decode(expected)
         await served.wait_until_idle()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,6 +21,7 @@ from shoal.config.lora import LoRAConfig
 from shoal.kernels.lora import NO_ADAPTER, build_mapping
 from shoal.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shoal.workers.lora.adapter import LoadedAdapter, load_adapter
+from shoal.workers.lora.folders import AdapterFolders
 from shoal.workers.lora.layers import (
     LoRAColumnLinear,
     LoRALayer,
@@ -76,8 +76,10 @@ class LoRAManager:
         config: LoRAConfig,
         dtype: torch.dtype,
         device: torch.device,
+        folders: AdapterFolders | None = None,
     ) -> None:
         self.model = model
+        self.folders = folders or AdapterFolders()
         self.config = config
         self.dtype = dtype
         self.device = device
@@ -98,7 +100,7 @@ class LoRAManager:
             self._host.move_to_end(lora.lora_int_id)
             return adapter
         adapter = load_adapter(
-            Path(lora.lora_path),
+            self.folders.local(lora),
             lora.lora_int_id,
             self.model,
             self.layers,
