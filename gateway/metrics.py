@@ -259,6 +259,13 @@ class Metrics:
         self.kv_handover_holding = self._gauge(
             "shoal:kv_handover_holding", "Prompt KV held for remote decodes now", le
         )
+        # vLLM's: one series per engine core, labelled with its adapters, valued the time seen
+        self.lora_requests_info = self._gauge(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests",
+            [*le, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        self._lora_labels: dict[str, tuple[str, ...]] = {}
 
     # --- requests ---------------------------------------------------------------------------
 
@@ -364,7 +371,23 @@ class Metrics:
             counter.labels(*labels).inc(increment(value, previous))
         if self.spec_decode is not None:
             self.spec_decode.update(stats, last, labels)
+        if stats.max_loras:
+            self._update_lora_info(stats, labels)
         self._last_stats[engine_id] = stats
+
+    def _update_lora_info(self, stats: SchedulerStats, labels: tuple[str, str]) -> None:
+        """The engine core's series of ``vllm:lora_requests_info`` (its last one replaced)."""
+        lora = (
+            *labels,
+            str(stats.max_loras),
+            ",".join(stats.lora_running),
+            ",".join(stats.lora_waiting),
+        )
+        previous = self._lora_labels.get(labels[1])
+        if previous is not None and previous != lora:
+            self.lora_requests_info.remove(*previous)
+        self.lora_requests_info.labels(*lora).set(time.time())
+        self._lora_labels[labels[1]] = lora
 
     def observe_engine_status(self, engine_id: str, status: str) -> None:
         """An engine core's new status (``fault.status_name``): a fault when it enters

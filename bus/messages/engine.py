@@ -184,6 +184,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
     spec_decode_k: int = 0
+    # LoRA (vLLM's lora_requests_info): the adapters of the running and waiting requests, those
+    # its workers' slots hold (as its steps tell), and how many slots they have.
+    lora_running: list[str] = []
+    lora_waiting: list[str] = []
+    lora_resident: list[str] = []
+    max_loras: int = 0
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):

@@ -295,7 +295,9 @@ class AsyncEngineClient:
             if routing
             else []
         )
-        engine = router.pick(block_hashes=hashes, num_requests=max(1, params.n))
+        engine = router.pick(
+            block_hashes=hashes, num_requests=max(1, params.n), lora_name=lora_name
+        )
         # With resumption on, a request that finds every known engine core faulted waits for one
         # as a cut request would (parked); with none known, or resumption off, it is refused.
         may_wait = self.resumptions.enabled and bool(self.router.engines)

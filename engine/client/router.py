@@ -21,6 +21,11 @@ liveness table knows to be over.
 A pick counts ``num_requests`` toward the engine core's load: a request with ``n`` > 1 sends
 ``n`` engine requests there.
 
+LoRA affinity: a request with an adapter prefers an engine core whose workers hold it in a slot
+(``SchedulerStats.lora_resident``): there it costs no slot write and evicts no other adapter.
+Holding it is worth ``LORA_AFFINITY`` requests of load (and as many cached blocks in kv mode),
+so a busier engine core that holds it still loses to a much idler one.
+
 Disaggregated prefill: each engine core reports its role (``EngineStats.kv_role``). A pick
 names the roles it takes: requests go to ``both`` and ``decode`` engine cores, remote prefills
 to ``prefill`` ones (``disagg_routing.DisaggRouting`` decides which requests); a ``prefill``
@@ -68,6 +73,17 @@ PREFILL_ROLES = ("prefill",)  # those a remote prefill goes to
 # tokens, but not free (the copy, and the lookup's round trip before the request is scheduled).
 TIER_BLOCK_WEIGHT = 0.5
 
+# What an engine core holding a request's adapter is worth, in requests of load (load mode) or
+# cached blocks (kv mode).
+LORA_AFFINITY = 2.0
+
+
+def adapter_bonus(view: EngineView, lora_name: str | None) -> float:
+    """``LORA_AFFINITY`` if ``view``'s workers hold the adapter ``lora_name``, else 0."""
+    if lora_name is None or lora_name not in view.stats.stats.lora_resident:
+        return 0.0
+    return LORA_AFFINITY
+
 
 def kv_score(
     num_cached_blocks: int, load: float, load_weight: float, num_tier_blocks: int = 0
@@ -75,6 +91,11 @@ def kv_score(
     """An engine core's worth for a request in kv mode (higher is better): its device-cached
     leading blocks, plus ``num_tier_blocks`` further leading blocks its CPU tier holds."""
     return num_cached_blocks + TIER_BLOCK_WEIGHT * num_tier_blocks - load_weight * load
+
+
+def _load_key(view: EngineView, lora_name: str | None) -> tuple[float, float]:
+    load, kv_usage = view.score()
+    return (load - adapter_bonus(view, lora_name), kv_usage)
 
 
 class EngineRouter:
@@ -137,26 +158,32 @@ class EngineRouter:
         block_hashes: Sequence[bytes] = (),
         num_requests: int = 1,
         roles: Sequence[str] = SERVING_ROLES,
+        lora_name: str | None = None,
     ) -> EngineView | None:
         """The ready engine core of ``roles`` (other than ``exclude``) for a request whose
-        chained block hashes are ``block_hashes`` (kv mode; else the least loaded), counted as
-        sent ``num_requests`` more (the engine requests it makes: its ``n``). For a request
-        (``SERVING_ROLES``) with none of them ready, any ready engine core will do."""
+        chained block hashes are ``block_hashes`` (kv mode; else the least loaded) and whose
+        adapter is ``lora_name``, counted as sent ``num_requests`` more (the engine requests it
+        makes: its ``n``). For a request (``SERVING_ROLES``) with none of them ready, any ready
+        engine core will do."""
         ready = [v for v in self.ready_engines(now, roles) if v.engine_id != exclude]
         if not ready and roles == SERVING_ROLES:
             ready = [v for v in self.ready_engines(now) if v.engine_id != exclude]
-        return self.choose(ready, block_hashes, num_requests)
+        return self.choose(ready, block_hashes, num_requests, lora_name)
 
     def choose(
-        self, views: Sequence[EngineView], block_hashes: Sequence[bytes] = (), num_requests: int = 1
+        self,
+        views: Sequence[EngineView],
+        block_hashes: Sequence[bytes] = (),
+        num_requests: int = 1,
+        lora_name: str | None = None,
     ) -> EngineView | None:
         """``pick``'s choice among ``views`` (None if there are none), counted as sent."""
         if not views:
             return None
         if self.index is None or not block_hashes:
-            best = min(views, key=EngineView.score)
+            best = min(views, key=lambda v: _load_key(v, lora_name))
         else:
-            best = self._best_prefix(views, block_hashes)
+            best = self._best_prefix(views, block_hashes, lora_name)
         best.num_sent_since_stats += num_requests
         return best
 
@@ -167,7 +194,7 @@ class EngineRouter:
         return self.index.num_cached_blocks(engine_id, block_hashes)
 
     def _best_prefix(
-        self, ready: Sequence[EngineView], block_hashes: Sequence[bytes]
+        self, ready: Sequence[EngineView], block_hashes: Sequence[bytes], lora_name: str | None
     ) -> EngineView:
         index = self.index
         assert index is not None
@@ -183,6 +210,7 @@ class EngineRouter:
             score = kv_score(
                 cached[view.engine_id], load, self.load_weight, in_tier[view.engine_id]
             )
+            score += adapter_bonus(view, lora_name)
             return (-score, load, view.stats.stats.kv_usage)
 
         best = min(ready, key=key)

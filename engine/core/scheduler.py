@@ -57,7 +57,12 @@ from shoal.config.kv_transfer import KVTransferConfig
 from shoal.config.lora import LoRAConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.core import grammar
-from shoal.engine.core.adapter_limit import AdapterLimit
+from shoal.engine.core.adapter_limit import (
+    AdapterLimit,
+    LoRAReport,
+    ResidentAdapters,
+    adapter_names,
+)
 from shoal.engine.core.block_hash import BlockHasher
 from shoal.engine.core.in_flight import InFlightSteps, PendingFree
 from shoal.engine.core.kv_cache_manager import KVCacheManager
@@ -163,6 +168,7 @@ class Scheduler:
         self.max_loras = (
             lora_config.max_loras if lora_config is not None and lora_config.enable_lora else 0
         )
+        self.resident_adapters = ResidentAdapters(self.max_loras)
 
     # ----- requests in and out
 
@@ -307,7 +313,21 @@ class Scheduler:
         self._schedule_running(plan, threshold)
         if not plan.preempted:
             self._schedule_waiting(plan, threshold)
+        if self.max_loras:
+            scheduled = (self.requests[r] for r in plan.num_scheduled)
+            self.resident_adapters.note_step(adapter_names(scheduled))
         return self._make_output(plan)
+
+    def lora_report(self) -> LoRAReport | None:
+        """The adapters running, waiting and held in the workers' slots (None: no LoRA)."""
+        if not self.max_loras:
+            return None
+        return LoRAReport(
+            adapter_names(self.running),
+            adapter_names(self.waiting),
+            self.resident_adapters.names,
+            self.max_loras,
+        )
 
     def _schedule_running(self, plan: StepPlan, threshold: int) -> None:
         running, spec = self.running, self.spec

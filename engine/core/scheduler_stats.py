@@ -16,6 +16,7 @@ from typing import Protocol, TypedDict
 
 from shoal.bus.messages.engine import SchedulerStats
 from shoal.bus.messages.worker import StepResult
+from shoal.engine.core.adapter_limit import LoRAReport
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.kv_handover import KVHandovers
 from shoal.engine.core.offload_connector import OffloadConnector
@@ -71,6 +72,7 @@ class CountingScheduler(Protocol):
     def handovers(self) -> KVHandovers: ...
     @property
     def remote_prefills(self) -> RemotePrefills: ...
+    def lora_report(self) -> LoRAReport | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +121,26 @@ def scheduler_stats(
         **_offload_fields(scheduler.connector),
         **_spec_fields(scheduler.spec),
         **_handover_fields(scheduler.handovers, scheduler.remote_prefills),
+        **_lora_fields(scheduler.lora_report()),
     )
+
+
+class _LoRAFields(TypedDict, total=False):
+    lora_running: list[str]
+    lora_waiting: list[str]
+    lora_resident: list[str]
+    max_loras: int
+
+
+def _lora_fields(report: LoRAReport | None) -> _LoRAFields:
+    if report is None:
+        return {}
+    return {
+        "lora_running": report.running,
+        "lora_waiting": report.waiting,
+        "lora_resident": report.resident,
+        "max_loras": report.max_loras,
+    }
 
 
 class _OffloadFields(TypedDict, total=False):
