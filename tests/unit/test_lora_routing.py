@@ -39,23 +39,32 @@ def picked(router: EngineRouter, lora_name: str | None, hashes: list[bytes] | No
     return view.engine_id
 
 
+def picked_fresh(loads: tuple[int, int], lora_name: str | None) -> str:
+    """The pick of a router that has heard e0 and e1 (e1 holding "sql") at these loads."""
+    router = router_of(stats("e0", loads[0]), stats("e1", loads[1], resident=("sql",)))
+    return picked(router, lora_name)
+
+
 def test_an_adapter_goes_where_it_is_resident_unless_that_engine_is_much_busier() -> None:
-    router = router_of(stats("e0", 0), stats("e1", 1, resident=("sql",)))
-    assert picked(router, None) == "e0"  # by load alone
-    assert picked(router, "chat") == "e0"  # held nowhere: by load alone
-    assert picked(router, "sql") == "e1"  # held on e1: 1 - 2 beats 1 (e0 has one sent now)
-    router = router_of(stats("e0", 0), stats("e1", 3, resident=("sql",)))
+    assert picked_fresh((0, 1), None) == "e0"  # by load alone
+    assert picked_fresh((0, 1), "chat") == "e0"  # held nowhere: by load alone
+    assert picked_fresh((0, 1), "sql") == "e1"  # held on e1: 1 - 2 beats 0
+    assert picked_fresh((0, 0), "sql") == "e1"  # (a tie by load would go to e0)
     assert LORA_AFFINITY < 3
-    assert picked(router, "sql") == "e0"  # 3 - 2 loses to 0
+    assert picked_fresh((0, 3), "sql") == "e0"  # 3 - 2 loses to 0
 
 
 def test_in_kv_mode_a_resident_adapter_weighs_as_cached_blocks() -> None:
-    index = PrefixIndex()
-    router = router_of(stats("e0", 0), stats("e1", 0, resident=("sql",)), index=index)
     block = (1).to_bytes(4, "little")
-    index.apply(KVEventBatch("e0", "a", 0, [BlockStored([block])]))
-    assert picked(router, None, [block]) == "e0"  # one cached block
-    assert picked(router, "sql", [block]) == "e1"  # 2 (adapter) - 0 beats 1 (block) - 1 (sent)
+
+    def pick(lora_name: str | None) -> str:
+        index = PrefixIndex()
+        router = router_of(stats("e0", 0), stats("e1", 0, resident=("sql",)), index=index)
+        index.apply(KVEventBatch("e0", "a", 0, [BlockStored([block])]))
+        return picked(router, lora_name, [block])
+
+    assert pick(None) == "e0"  # one cached block
+    assert pick("sql") == "e1"  # 2 (the adapter) beats 1 (the block)
 
 
 def test_resident_adapters_follow_the_steps_least_recently_used_out() -> None:
