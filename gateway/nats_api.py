@@ -169,32 +169,43 @@ class NatsApi:
         async with generation:
             outputs = generation.outputs()
             async with contextlib.aclosing(outputs):
+                model = self.served_model_name if lora is None else lora.lora_name
                 if request.stream:
-                    await self._stream(msg, wire, outputs, builder, request_id)
+                    await self._stream(msg, wire, outputs, builder, (request_id, model))
                 else:
-                    await self._answer(msg, wire, outputs, builder, request_id)
+                    await self._answer(msg, wire, outputs, builder, (request_id, model))
 
     async def _answer(
-        self, msg: Msg, wire: WireFormat, outputs: Outputs, builder: ReplyBuilder, request_id: str
+        self,
+        msg: Msg,
+        wire: WireFormat,
+        outputs: Outputs,
+        builder: ReplyBuilder,
+        named: tuple[str, str],
     ) -> None:
+        """``named``: the request's id and the model (or adapter) that answers."""
         async for _, output in outputs:
             for completion in output.outputs:
                 builder.add(completion)
-        result = GenerateResult(
-            request_id, self.served_model_name, builder.choices, builder.usage()
-        )
+        result = GenerateResult(*named, builder.choices, builder.usage())
         await ReplyStream(msg).end(wire.encode(result))
 
     async def _stream(
-        self, msg: Msg, wire: WireFormat, outputs: Outputs, builder: ReplyBuilder, request_id: str
+        self,
+        msg: Msg,
+        wire: WireFormat,
+        outputs: Outputs,
+        builder: ReplyBuilder,
+        named: tuple[str, str],
     ) -> None:
         """Chunks as outputs come; a failure part-way ends the stream with the error message."""
+        request_id = named[0]
         stream = ReplyStream(msg)
         async for _, output in outputs:
             choices = [builder.add(completion) for completion in output.outputs]
             if choices:
                 await stream.send(wire.encode(GenerateChunk(request_id, choices)))
-        final = GenerateFinal(request_id, self.served_model_name, builder.ends(), builder.usage())
+        final = GenerateFinal(*named, builder.ends(), builder.usage())
         await stream.end(wire.encode(final))
 
 

@@ -15,10 +15,13 @@ import openai
 import pytest
 from safetensors.torch import load_file, save_file
 
+from shoal.bus.errors import RemoteError
 from shoal.bus.folder_objects import put_folder
+from shoal.bus.streams import request_stream
 from shoal.bus.subjects import Subjects
 from shoal.config.lora import LoRAConfig, LoRAModule
 from shoal.gateway.lora_adapters import LoRAAdapters
+from shoal.gateway.nats_api import NatsApi
 from tests.fixtures.lora import build_adapter, hf_lora_greedy
 from tests.fixtures.models import make_prompts
 from tests.integration.served_stack import MODEL_NAME, served_stack
@@ -188,4 +191,39 @@ async def test_an_adapter_from_the_object_store_serves_by_name(tiny_checkpoint, 
                         assert "no such adapter" in (await r.json())["error"]["message"]
         answer = await greedy_text(client, "pushed")
         assert answer == served.stack.client.tokenizer.decode(expected)
+        await served.wait_until_idle()
+
+
+async def test_the_nats_api_serves_adapters_by_name(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The gateway's NATS request/reply API shares the HTTP API's adapters: ``model`` names
+    one (the answer says it), an unknown one is the same 404."""
+    model_dir = tiny_checkpoint("llama")
+    root = tmp_path / "adapters"
+    root.mkdir()
+    a0 = build_adapter(model_dir, root / "a0", seed=20)
+    expected = hf_lora_greedy(model_dir, a0, [PROMPT], MAX_TOKENS)[0]
+    loras = adapters_for(root / "base")
+    await loras.load_modules()
+    lora_options = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
+    async with served_stack(model_dir, app_options={"loras": loras}, **lora_options) as served:
+        client = served.stack.client
+        api = NatsApi(client.bus, client, served_model_name=MODEL_NAME, loras=loras)
+        await api.start()
+        try:
+            request = {
+                "model": "a0",
+                "prompt_token_ids": PROMPT,
+                "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+            }
+            subject = api.subjects.api_generate()
+            replies = request_stream(client.bus, subject, json.dumps(request).encode(), timeout=30)
+            body = [json.loads(m.data) async for m in replies][-1]
+            assert body["model"] == "a0" and body["choices"][0]["token_ids"] == expected
+            unknown = json.dumps({**request, "model": "a9"}).encode()
+            with pytest.raises(RemoteError) as caught:
+                async for _ in request_stream(client.bus, subject, unknown, timeout=30):
+                    pass
+            assert caught.value.code == "model_not_found"
+        finally:
+            await api.stop()
         await served.wait_until_idle()
