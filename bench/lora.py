@@ -9,13 +9,15 @@ neither PEFT nor a download. ``--num-prompts`` random prompts of ``--prompt-len`
 ``--max-tokens`` each, eos ignored; request ``i`` of the k-adapter run uses adapter ``i % k``.
 Every configuration is run once untimed (adapters read and resident), then ``--rounds`` timed
 rounds in alternating order; each keeps its best. ``load_ms``: the extra latency of a one-token
-request whose adapter no worker has read yet, over the same request once it is resident.
+request whose adapter no worker has read yet, over the same request once it is resident, from a
+folder; ``load_ms_object_store``: the same for an adapter pushed to the deployment's object store
+(``nats-object://NAME``: the worker fetches it over the bus first; here the in-process bus).
 
     .venv/bin/python bench/lora.py [--model default] [--rank 16] [--counts 1,4,16]
         [--num-prompts 64] [--prompt-len 128] [--max-tokens 64] [--rounds 2] [--dtype auto]
 
 The last line printed is one JSON object: ``tok_s`` per adapter count (``0``: the base model),
-``ratio_16`` (16 adapters over the base), ``load_ms``.
+``ratio_16`` (16 adapters over the base), ``load_ms``, ``load_ms_object_store``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shoal import LLM, LoRARequest, SamplingParams
+from shoal.bus.folder_objects import put_folder
+from shoal.bus.messages.lora import OBJECT_STORE_SCHEME
+from shoal.bus.subjects import Subjects
 from shoal.deploy.model_source import resolve_model
 from shoal.engine.client.model_info import read_text_config
 
@@ -101,6 +106,20 @@ def load_latency_ms(llm: LLM, prompt: list[int], fresh: LoRARequest) -> float:
     return (cold - warm) * 1000
 
 
+def push_to_object_store(llm: LLM, name: str, folder: Path) -> LoRARequest:
+    """The adapter put into the LLM's own bus's object store (reached through its internals:
+    an in-process deployment has no other bus to push from)."""
+    client = llm._require_client()
+    store_bucket = Subjects(llm.config.bus_config.namespace).lora_bucket()
+
+    async def push() -> None:
+        store = await client.bus.open_object_store(store_bucket)
+        await put_folder(store, name, folder)
+
+    llm._run(push())
+    return LoRARequest(name, 10_000, f"{OBJECT_STORE_SCHEME}{name}")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
@@ -129,12 +148,12 @@ def main() -> None:
     most = max(counts)
     with tempfile.TemporaryDirectory() as tmp:
         folders = [
-            write_adapter(Path(tmp) / f"a{i}", config, args.rank, i) for i in range(most + 1)
+            write_adapter(Path(tmp) / f"a{i}", config, args.rank, i) for i in range(most + 2)
         ]
         adapters = [LoRARequest(f"a{i}", i + 1, str(f)) for i, f in enumerate(folders)]
         llm = LLM(
             source.directory, dtype=args.dtype, enable_lora=True, max_loras=most,
-            max_lora_rank=args.rank, max_cpu_loras=most + 1, max_num_seqs=args.num_prompts,
+            max_lora_rank=args.rank, max_cpu_loras=most + 2, max_num_seqs=args.num_prompts,
         )  # fmt: skip
         try:
             runs: dict[int, list] = {0: [None] * len(prompts)}
@@ -150,19 +169,22 @@ def main() -> None:
                     best[k] = max(best[k], tok_s)
                     print(f"round {round_index}: {k:2d} adapters {tok_s:7.1f} tok/s", flush=True)
             load_ms = load_latency_ms(llm, prompts[0][:32], adapters[most])
+            pushed = push_to_object_store(llm, "pushed", folders[most + 1])
+            load_ms_store = load_latency_ms(llm, prompts[0][:32], pushed)
         finally:
             llm.shutdown()
     base = best[0]
     print(f"{'adapters':>8}  {'tok/s':>8}  {'x base':>7}")
     for k, tok_s in best.items():
         print(f"{k:8d}  {tok_s:8.1f}  {tok_s / base:7.3f}")
-    print(f"new adapter load: {load_ms:.1f} ms")
+    print(f"new adapter load: {load_ms:.1f} ms from a folder, {load_ms_store:.1f} from the store")
     result = {
         "model": source.served_name or args.model,
         "rank": args.rank,
         "tok_s": {str(k): round(v, 1) for k, v in best.items()},
         "ratio_16": round(best.get(16, 0.0) / base, 3) if 16 in best else None,
         "load_ms": round(load_ms, 1),
+        "load_ms_object_store": round(load_ms_store, 1),
     }
     print(json.dumps(result))
 

@@ -37,6 +37,7 @@ class BlockStored(msgspec.Struct, tag="stored", array_like=True, omit_defaults=T
     parent_block_hash: bytes | None = None
     block_size: int = 0
     medium: str | None = None  # None: the engine core's own KV cache; else a tier's type
+    lora_name: str | None = None  # the adapter that made them (vLLM's lora_id; in the hashes)
 
 
 class BlockRemoved(msgspec.Struct, tag="removed", array_like=True, omit_defaults=True, gc=False):

@@ -106,10 +106,11 @@ class BlockPool:
         blocks: Iterable[KVCacheBlock],
         block_hashes: Iterable[BlockHash],
         parent_hash: BlockHash | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Mark each full block as holding the tokens its hash names, in order (for a hash
         already cached, the first block keeps it). ``parent_hash``: the hash of the block
-        before the first (for KV events)."""
+        before the first, ``lora_name`` the adapter that made them (for KV events)."""
         setdefault = self.cached_blocks.setdefault
         if self.kv_events is None:
             for block, block_hash in zip(blocks, block_hashes, strict=True):
@@ -126,10 +127,10 @@ class BlockPool:
                     run_parent = previous
                 run.append(block_hash)
             elif run:
-                self.kv_events.stored(run, run_parent)
+                self.kv_events.stored(run, run_parent, lora_name)
                 run = []
             previous = block_hash
-        self.kv_events.stored(run, run_parent)
+        self.kv_events.stored(run, run_parent, lora_name)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits; free ones leave the free queue."""

@@ -154,7 +154,13 @@ class KVCacheManager:
         start = self.num_cached_blocks[request.request_id]
         if start < num_full:
             parent = hashes[start - 1] if start else None
-            self.block_pool.cache_blocks(blocks[start:num_full], hashes[start:num_full], parent)
+            lora = request.lora_request
+            self.block_pool.cache_blocks(
+                blocks[start:num_full],
+                hashes[start:num_full],
+                parent,
+                None if lora is None else lora.lora_name,
+            )
             self.num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request, drop_cached: bool = False) -> None:

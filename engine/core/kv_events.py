@@ -21,9 +21,16 @@ class KVEventLog:
         self.block_size = block_size
         self.events: list[KVEvent] = []
 
-    def stored(self, block_hashes: list[bytes], parent_block_hash: bytes | None) -> None:
+    def stored(
+        self,
+        block_hashes: list[bytes],
+        parent_block_hash: bytes | None,
+        lora_name: str | None = None,
+    ) -> None:
         if block_hashes:
-            self.events.append(BlockStored(block_hashes, parent_block_hash, self.block_size))
+            self.events.append(
+                BlockStored(block_hashes, parent_block_hash, self.block_size, lora_name=lora_name)
+            )
 
     def removed(self, block_hash: bytes) -> None:
         events = self.events

@@ -533,3 +533,19 @@ def test_disagg_figures_count_stalls_and_the_requests_meeting_their_objectives()
     assert figures["num_met_slo"] == 2 and figures["goodput"] == 1.0  # smooth and quick
     assert figures["slo_attainment"] == 0.5
     assert figures["ttft_p50_ms"] == 1150.0  # median of 800 and 1500
+
+
+# ----- bench/lora.py
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_lora_bench_spreads_a_batch_over_adapters_beside_the_base(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    model = tiny_checkpoint("llama")
+    args = ("--model", str(model), "--rounds", "1", "--num-prompts", "8", "--prompt-len", "12")
+    done = _run(str(BENCH / "lora.py"), *args, "--max-tokens", "4", "--dtype", "float32",
+                timeout=230)  # fmt: skip
+    out = _last_json(done)
+    assert set(out["tok_s"]) == {"0", "1", "4", "16"} and all(out["tok_s"].values())
+    assert out["ratio_16"] == round(out["tok_s"]["16"] / out["tok_s"]["0"], 3)
+    assert out["load_ms"] > 0 and out["load_ms_object_store"] > 0

@@ -204,12 +204,17 @@ async def test_a_deployment_serves_with_one_user_per_role(connect_as, model_dir,
 
 
 # What each actor role opens: none may create it (whoever creates a stream picks its subjects).
-OPENERS: dict[str, Callable[[NatsBus], Awaitable[object]]] = {
-    "worker": lambda bus: open_port_bucket(bus, S.group_ports_bucket()),
-    "tier": lambda bus: bus.open_object_store(S.object_bucket()),
-    "engine": lambda bus: open_kv_events_stream(bus, S),
-    "gateway": lambda bus: open_kv_events_stream(bus, S),
-}
+OPENERS: list[tuple[str, Callable[[NatsBus], Awaitable[object]]]] = [
+    ("worker", lambda bus: open_port_bucket(bus, S.group_ports_bucket())),
+    ("worker", lambda bus: bus.open_object_store(S.lora_bucket())),
+    ("tier", lambda bus: bus.open_object_store(S.object_bucket())),
+    ("engine", lambda bus: open_kv_events_stream(bus, S)),
+    ("gateway", lambda bus: open_kv_events_stream(bus, S)),
+    ("gateway", lambda bus: bus.open_object_store(S.lora_bucket())),
+]
+# What nats-init provisions: the group-ports bucket, the KV tier's and the adapters' object
+# buckets, the KV-events stream.
+NUM_PROVISIONED = 4
 
 
 async def test_only_the_provisioner_creates_buckets_through_shoal_nats_init(
@@ -225,7 +230,7 @@ async def test_only_the_provisioner_creates_buckets_through_shoal_nats_init(
             await bus.connect()
             return bus
 
-        for role, open_it in OPENERS.items():
+        for role, open_it in OPENERS:
             bus = await connect(role)
             with pytest.raises(NotProvisionedError, match="shoal nats-init"):
                 await open_it(bus)
@@ -236,8 +241,8 @@ async def test_only_the_provisioner_creates_buckets_through_shoal_nats_init(
         argv = ["nats-init", "--nats-url", server.url, "--namespace", NS]
         for _ in range(2):  # idempotent
             assert await run_nats_init(build_parser().parse_args(argv)) == 0
-            assert capsys.readouterr().out.count("ready: ") == len(OPENERS) - 1
-        for role, open_it in OPENERS.items():
+            assert capsys.readouterr().out.count("ready: ") == NUM_PROVISIONED
+        for role, open_it in OPENERS:
             bus = await connect(role)
             await open_it(bus)
             await bus.flush()

@@ -14,10 +14,13 @@ from shoal.bus.messages.kv_events import (
     KVEventBatch,
     snapshot_events,
 )
+from shoal.bus.messages.lora import LoRARequest
+from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.prefix_index import PrefixIndex
 from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.kv_events import KVEventLog
+from shoal.engine.core.request import Request
 from tests.unit.factories import make_request
 
 
@@ -126,6 +129,20 @@ def test_the_manager_logs_a_requests_blocks_with_their_chain_parent() -> None:
     (stored,) = log.take()
     assert isinstance(stored, BlockStored)
     assert stored.block_hashes == request.block_hashes[:2] and stored.parent_block_hash is None
+
+
+def test_blocks_of_a_request_with_an_adapter_are_stored_under_its_name() -> None:
+    manager = KVCacheManager(16, 4)
+    log = manager.record_kv_events()
+    assert log is not None
+    for request_id, lora in (("plain", None), ("sql", LoRARequest("sql", 1, "/adapters/sql"))):
+        request = Request(request_id, list(range(10)), SamplingParams(), lora_request=lora)
+        request.block_hashes.extend(_hashes_of(request))
+        assert manager.allocate_slots(request, 10) is not None
+    plain, sql = log.take()
+    assert isinstance(plain, BlockStored) and isinstance(sql, BlockStored)
+    assert plain.lora_name is None and sql.lora_name == "sql"
+    assert not set(plain.block_hashes) & set(sql.block_hashes)
 
 
 def _hashes_of(request: object) -> list[bytes]:

@@ -119,11 +119,6 @@ class LoRAManager:
         )
         return adapter
 
-    def remove(self, lora_int_id: int) -> bool:
-        """Forget the adapter (unloaded): out of host memory and its slot."""
-        in_host = self._host.pop(lora_int_id, None) is not None
-        return self.slots.remove(lora_int_id) is not None or in_host
-
     def prepare(self, loras: Sequence[LoRARequest | None], num_scheduled: np.ndarray) -> None:
         """Put the step's adapters in slots and map its tokens (``loras[i]``: the adapter of
         the i-th scheduled request, whose tokens number ``num_scheduled[i]``)."""
