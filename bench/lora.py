@@ -7,7 +7,9 @@ takes). Adapters are written here in PEFT's format with random A and B of ``--ra
 projection (q/k/v/o, gate/up/down), shaped from the model's config.json, so the bench needs
 neither PEFT nor a download. ``--num-prompts`` random prompts of ``--prompt-len`` tokens, greedy,
 ``--max-tokens`` each, eos ignored; request ``i`` of the k-adapter run uses adapter ``i % k``.
-Every configuration is run once untimed (adapters read and resident), then ``--rounds`` timed
+The prefix cache is off (the runs share their prompts, under different adapters' keys: a run
+would otherwise find its prompts cached by the same run of the round before). Every
+configuration is run once untimed (adapters read and resident), then ``--rounds`` timed
 rounds in alternating order; each keeps its best. ``load_ms``: the extra latency of a one-token
 request whose adapter no worker has read yet, over the same request once it is resident, from a
 folder; ``load_ms_object_store``: the same for an adapter pushed to the deployment's object store
@@ -154,6 +156,7 @@ def main() -> None:
         llm = LLM(
             source.directory, dtype=args.dtype, enable_lora=True, max_loras=most,
             max_lora_rank=args.rank, max_cpu_loras=most + 2, max_num_seqs=args.num_prompts,
+            enable_prefix_caching=False,  # every run computes every prompt
         )  # fmt: skip
         try:
             runs: dict[int, list] = {0: [None] * len(prompts)}
