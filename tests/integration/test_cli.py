@@ -296,3 +296,28 @@ def test_cuda_graph_flags_reach_the_config(tiny_checkpoint) -> None:  # type: ig
     assert not default.model_config.enforce_eager and default.model_config.cuda_graph_sizes is None
     assert given.model_config.enforce_eager and given.model_config.cuda_graph_sizes == [1, 2, 8]
     assert _run("serve", model, "--cuda-graph-sizes", "0").returncode == 2
+
+
+def test_lora_flags_reach_the_config(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    from shoal.config.lora import LoRAModule
+    from shoal.deploy.arguments import config_from_namespace
+    from shoal.deploy.cli import build_parser
+
+    model = str(tiny_checkpoint("llama"))
+    default = config_from_namespace(build_parser().parse_args(["serve", model]), model)
+    assert not default.lora_config.enable_lora and default.lora_config.lora_modules == ()
+    flags = [
+        "serve", model, "--enable-lora", "--max-loras", "3", "--max-lora-rank", "32",
+        "--max-cpu-loras", "6", "--lora-modules", "sql=/adapters/sql",
+        '{"name": "chat", "path": "nats-object://chat", "base_model_name": "base"}',
+    ]  # fmt: skip
+    lora = config_from_namespace(build_parser().parse_args(flags), model).lora_config
+    assert (lora.enable_lora, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) == (
+        True, 3, 32, 6,
+    )  # fmt: skip
+    assert lora.lora_modules == (
+        LoRAModule("sql", "/adapters/sql"),
+        LoRAModule("chat", "nats-object://chat", "base"),
+    )
+    assert _run("serve", model, "--max-lora-rank", "12").returncode == 2  # not a vLLM rank
+    assert _run("serve", model, "--lora-modules", "sql=/x").returncode == 2  # needs --enable-lora
