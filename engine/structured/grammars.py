@@ -1,7 +1,13 @@
 """A request's grammar from its ``StructuredOutputsParams``, built with xgrammar: JSON schema,
 any JSON object, regex, a choice of strings, or an EBNF grammar. ``check_grammar`` builds it
 once to find mistakes early (the client calls it: a bad schema is refused before any engine
-core sees it); ``compile_grammar`` compiles it against a tokenizer (the engine core)."""
+core sees it); ``compile_grammar`` compiles it against a tokenizer (the engine core).
+
+JSON strings never hold what JSON forbids: xgrammar (0.2.8) writes a string with
+``minLength``/``maxLength`` as any characters but quote, backslash and line breaks, so raw
+control characters (U+0000-U+001F) got through and the output failed strict parsing (a forced
+tool call was then lost). ``json_safe_schema`` writes such a string as the equivalent
+``pattern`` without them, which xgrammar enforces."""
 
 from __future__ import annotations
 
@@ -19,7 +25,8 @@ class GrammarError(ValueError):
 
 
 def schema_text(params: StructuredOutputsParams) -> str:
-    """The JSON schema of ``params.json`` as text (an object is dumped, text is checked)."""
+    """The JSON schema of ``params.json`` as text (an object is dumped, text is checked),
+    made ``json_safe_schema``."""
     schema: Any = params.json
     if isinstance(schema, str):
         try:
@@ -28,7 +35,27 @@ def schema_text(params: StructuredOutputsParams) -> str:
             raise GrammarError(f"structured_outputs.json is not valid JSON: {exc}") from None
     if not isinstance(schema, dict | bool):
         raise GrammarError("structured_outputs.json must be a JSON schema (an object)")
-    return json.dumps(schema)
+    return json.dumps(json_safe_schema(schema))
+
+
+_STRING_CONSTRAINTS = ("pattern", "format", "enum", "const")
+
+
+def json_safe_schema(schema: Any) -> Any:
+    """``schema`` with every length-bounded string (``minLength``/``maxLength`` and nothing
+    that already fixes its characters) written as a ``pattern`` of as many characters that are
+    not control characters."""
+    if isinstance(schema, list):
+        return [json_safe_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    safe = {key: json_safe_schema(value) for key, value in schema.items()}
+    bounded = "minLength" in safe or "maxLength" in safe
+    if safe.get("type") == "string" and bounded and not any(k in safe for k in _STRING_CONSTRAINTS):
+        low = int(safe.pop("minLength", 0))
+        high = safe.pop("maxLength", None)
+        safe["pattern"] = f"^[^\\x00-\\x1f]{{{low},{'' if high is None else int(high)}}}$"
+    return safe
 
 
 def choice_ebnf(choices: list[str]) -> str:
