@@ -19,6 +19,8 @@ from aiohttp.typedefs import Handler, Middleware
 
 from shoal.engine.client.interface import EngineClientInterface, FaultToleranceApi
 from shoal.engine.client.tokenizer import tokenizer_config
+from shoal.gateway.anthropic_messages import create_message
+from shoal.gateway.anthropic_messages import error_response as anthropic_error_response
 from shoal.gateway.chat import create_chat_completion
 from shoal.gateway.chat_prompt import chat_options, render_chat
 from shoal.gateway.completions import create_completion
@@ -48,6 +50,7 @@ from shoal.gateway.tools import ToolCallingOptions
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 PROTECTED_PREFIXES = ("/v1/", "/fault_tolerance/")  # behind the API key, when there is one
+MESSAGES_PATH = "/v1/messages"  # Anthropic's: its errors in Anthropic's shape
 _ERROR_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -91,6 +94,7 @@ def create_app(
     app.router.add_post("/v1/completions", _with_context(create_completion))
     app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))
     app.router.add_get("/v1/models", _with_context(list_models))
+    app.router.add_post(MESSAGES_PATH, _with_context(create_message))
     if loras is not None and loras.enabled:
         app.router.add_post("/v1/load_lora_adapter", _with_context(load_lora_adapter))
         app.router.add_post("/v1/unload_lora_adapter", _with_context(unload_lora_adapter))
@@ -146,15 +150,22 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 def bearer_auth(api_key: str) -> Middleware:
-    """Middleware: ``/v1/*`` and ``/fault_tolerance/*`` need ``Authorization: Bearer <api_key>``."""
+    """Middleware: ``/v1/*`` and ``/fault_tolerance/*`` need ``Authorization: Bearer <api_key>``
+    (or Anthropic's ``x-api-key: <api_key>``)."""
     expected = f"Bearer {api_key}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path.startswith(PROTECTED_PREFIXES):
             given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                raise ApiError(401, "Invalid or missing API key.", code="invalid_api_key")
+            anthropic = b"Bearer " + request.headers.get("x-api-key", "").encode()
+            if not (
+                hmac.compare_digest(given, expected) or hmac.compare_digest(anthropic, expected)
+            ):
+                error = ApiError(401, "Invalid or missing API key.", code="invalid_api_key")
+                if request.path == MESSAGES_PATH:
+                    return anthropic_error_response(error)
+                raise error
         return await handler(request)
 
     return check

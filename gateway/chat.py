@@ -6,17 +6,19 @@ whole."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import msgspec
 from aiohttp import web
 
+from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.outputs import CompletionOutput, RequestOutput
 from shoal.gateway.chat_prompt import chat_options, message_text, render_chat
 from shoal.gateway.errors import ApiError, bad_request
 from shoal.gateway.generation import Generation
 from shoal.gateway.logprobs import TokenText, chat_logprobs
-from shoal.gateway.params import check_unsupported, resolve_max_tokens, sampling_params
+from shoal.gateway.params import Prompt, check_unsupported, resolve_max_tokens, sampling_params
 from shoal.gateway.request_types import ChatCompletionRequest
 from shoal.gateway.response_types import (
     ChatChoice,
@@ -43,9 +45,19 @@ from shoal.gateway.tools import CallStream, ToolPlan, template_tools, tool_plan
 ASSISTANT = "assistant"
 
 
-async def create_chat_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
-    arrival_time = time.time()
-    body = await decode_body(request, ChatCompletionRequest)
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """A chat request ready to run: its prompt, sampling parameters, tool plan and adapter."""
+
+    prompt: Prompt
+    params: SamplingParams
+    plan: ToolPlan | None
+    lora: LoRARequest | None
+
+
+def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedChat:
+    """The chat template over the messages and tools, and the request's sampling parameters
+    (shared by chat completions and the APIs translated into it: Anthropic's Messages)."""
     lora = ctx.check_model(body.model)
     check_unsupported(body)
     plan = tool_plan(body, ctx.tool_calling)
@@ -75,16 +87,23 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         vocab_size=ctx.engine.vocabulary.model_vocab_size,
         defaults=defaults,
     )
-    params = with_tool_plan(params, plan)
+    return PreparedChat(prompt, with_tool_plan(params, plan), plan, lora)
+
+
+async def create_chat_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+    arrival_time = time.time()
+    body = await decode_body(request, ChatCompletionRequest)
+    chat = prepare_chat(ctx, body)
+    plan = chat.plan
     ctx.check_ready()
     generation = Generation(
         ctx.engine,
-        [prompt],
-        [params],
+        [chat.prompt],
+        [chat.params],
         new_request_id("chatcmpl"),
         ctx.metrics,
         arrival_time,
-        lora,
+        chat.lora,
     )
     view = ChatView(ctx, body, generation, plan)
     try:
@@ -94,12 +113,17 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
             response = await view.complete()
             return web.Response(body=msgspec.json.encode(response), content_type="application/json")
     except ApiError as error:
-        if plan is not None and plan.constraint is not None and error.param == SO_PARAM:
-            raise bad_request(f"tools: {error.message}", param="tools") from None
-        raise
+        raise tools_error(error, plan) from None
 
 
 SO_PARAM = "structured_outputs"  # where the engine client names a grammar it cannot build
+
+
+def tools_error(error: ApiError, plan: ToolPlan | None) -> ApiError:
+    """A grammar the engine client could not build from the tools is the tools' fault."""
+    if plan is not None and plan.constraint is not None and error.param == SO_PARAM:
+        return bad_request(f"tools: {error.message}", param="tools")
+    return error
 
 
 def with_tool_plan(params: SamplingParams, plan: ToolPlan | None) -> SamplingParams:

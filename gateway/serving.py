@@ -176,6 +176,7 @@ async def stream_events(
     *,
     add_opening: AddEvents | None = None,
     add_closing: AddEvents | None = None,
+    stream_class: type[EventStream] = EventStream,
 ) -> web.StreamResponse:
     """Answer with a generation as server-sent events.
 
@@ -184,9 +185,10 @@ async def stream_events(
     ``[DONE]``. Whenever no output comes for the serving context's ``sse_keep_alive_s`` (a long
     queue wait or prefill), a keep-alive comment goes out. An error before anything was sent
     keeps its HTTP status (the middleware answers it); a later one becomes an error event. A
-    client that went away ends the stream quietly.
+    client that went away ends the stream quietly. ``stream_class`` writes the events (OpenAI's
+    ``data:`` lines by default).
     """
-    events = EventStream(request)
+    events = stream_class(request)
     ctx = request.app.get(CONTEXT_KEY)
     idle_s = ctx.sse_keep_alive_s if ctx is not None else None
     outputs = generation.outputs(idle_s, events.keep_alive)
