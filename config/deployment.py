@@ -44,6 +44,7 @@ HASH_ALGOS = ("sha256", "xxhash")
 BUS_KINDS = ("nats", "memory")
 ROUTING_MODES = ("kv", "load")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # gateway.tool_parsers has each
+REASONING_PARSERS = ("deepseek_r1", "qwen3")  # gateway.reasoning splits each
 MAX_BLOCK_SIZE = 128
 GENERATION_CONFIG_AUTO = "auto"  # the model's generation_config.json (vLLM's default)
 GENERATION_CONFIG_NONE = "vllm"  # no defaults from any generation_config.json (vLLM's spelling)
@@ -62,6 +63,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     # Tool calling (the gateway's): parse calls out of the output when tool_choice is "auto".
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None  # one of TOOL_CALL_PARSERS
+    # Reasoning models (vLLM's --reasoning-parser): <think>...</think> as reasoning_content.
+    reasoning_parser: str | None = None  # one of REASONING_PARSERS
     # A Hugging Face tokenizer directory used instead of the model's (vLLM's --tokenizer).
     tokenizer: str | None = None
     # The chat template's text (vLLM's --chat-template; the launcher reads a file path into it),
@@ -98,6 +101,8 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             )
         if self.tool_call_parser is not None:
             _one_of(self.tool_call_parser, TOOL_CALL_PARSERS, "tool_call_parser")
+        if self.reasoning_parser is not None:
+            _one_of(self.reasoning_parser, REASONING_PARSERS, "reasoning_parser")
         _require(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "enable_auto_tool_choice",
@@ -484,6 +489,7 @@ __all__ = [
     "GROUPS",
     "OPTION_GROUPS",
     "QUANTIZATION_METHODS",
+    "REASONING_PARSERS",
     "TOOL_CALL_PARSERS",
     "BusConfig",
     "CacheConfig",

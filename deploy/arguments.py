@@ -21,6 +21,7 @@ from shoal.config.deployment import (
     OPTION_GROUPS,
     POLICIES,
     QUANTIZATION_METHODS,
+    REASONING_PARSERS,
     ROUTING_MODES,
     TOOL_CALL_PARSERS,
     FaultToleranceConfig,
@@ -309,6 +310,14 @@ def _add_chat_arguments(g: Group) -> None:
         choices=TOOL_CALL_PARSERS,
         help="the format of the model's tool calls: hermes (Qwen, Hermes: <tool_call>), "
         "llama3_json (Llama 3.x JSON), mistral ([TOOL_CALLS])",
+    )
+    _option(
+        g,
+        "--reasoning-parser",
+        dest="reasoning_parser",
+        choices=REASONING_PARSERS,
+        help="split a reasoning model's <think>...</think> into reasoning_content: deepseek_r1 "
+        "(the prompt opens the thinking) or qwen3 (thinking optional)",
     )
     _option(
         g,

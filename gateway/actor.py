@@ -139,6 +139,7 @@ class GatewayActor(Actor):
             tool_calling=self._tool_calling(),
             trust_request_chat_template=self._trusts_request_chat_templates(),
             loras=loras,
+            reasoning_parser=self.config.model_config.reasoning_parser if self.config else None,
         )
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:

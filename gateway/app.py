@@ -65,6 +65,7 @@ def create_app(
     tool_calling: ToolCallingOptions | None = None,
     trust_request_chat_template: bool = False,
     loras: LoRAAdapters | None = None,
+    reasoning_parser: str | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app for one engine client (real or fake); a stream that waits
     ``sse_keep_alive_s`` for output gets a keep-alive comment (None: never). The
@@ -72,7 +73,8 @@ def create_app(
     ``fault_tolerance`` attribute, if it has one); ``tool_calling``: the server's
     ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither);
     ``trust_request_chat_template``: its ``--trust-request-chat-template``; ``loras``: the
-    LoRA adapters served (with ``--enable-lora``: the run-time load and unload endpoints)."""
+    LoRA adapters served (with ``--enable-lora``: the run-time load and unload endpoints);
+    ``reasoning_parser``: its ``--reasoning-parser``."""
     name = served_model_name or engine_client.model_name
     if fault_tolerance is None:
         fault_tolerance = getattr(engine_client, "fault_tolerance", None)
@@ -90,6 +92,7 @@ def create_app(
         tool_calling or ToolCallingOptions(),
         trust_request_chat_template,
         loras or LoRAAdapters(),
+        reasoning_parser,
     )
     app.router.add_post("/v1/completions", _with_context(create_completion))
     app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))

@@ -19,6 +19,7 @@ from shoal.gateway.errors import ApiError, bad_request
 from shoal.gateway.generation import Generation
 from shoal.gateway.logprobs import TokenText, chat_logprobs
 from shoal.gateway.params import Prompt, check_unsupported, resolve_max_tokens, sampling_params
+from shoal.gateway.reasoning import ReasoningStream, split_reasoning
 from shoal.gateway.request_types import ChatCompletionRequest
 from shoal.gateway.response_types import (
     ChatChoice,
@@ -158,6 +159,10 @@ class ChatView:
             [plan.stream() for _ in self.choices] if streams and plan is not None else None
         )
         self.logprobs = [ChatLogprobs() for _ in self.choices] if body.logprobs else None
+        parser = ctx.reasoning_parser
+        self.reasoning: list[ReasoningStream] | None = (
+            [ReasoningStream(parser) for _ in self.choices] if parser and body.stream else None
+        )
         self.usage = UsageCounter([len(p.token_ids) for p in generation.prompts])
         self.token_text = TokenText(ctx.engine.tokenizer)
         self.created = now_seconds()
@@ -177,20 +182,32 @@ class ChatView:
             self.logprobs[choice.index].content.extend(logprobs.content)
         choice.add(completion)
         self.usage.add(completion)
+        reasoning, text = self._reasoning_delta(completion)
         if self.call_streams is None:
-            delta = DeltaMessage(content=completion.text)
+            delta = DeltaMessage(content=text)
             finish_reason = completion.finish_reason
         else:
-            delta, finish_reason = self._tool_delta(completion)
-        if not (delta.content or delta.tool_calls) and finish_reason is None and logprobs is None:
+            delta, finish_reason = self._tool_delta(completion, text)
+        delta.reasoning_content = reasoning or None
+        new = delta.content or delta.tool_calls or delta.reasoning_content
+        if not new and finish_reason is None and logprobs is None:
             return None
         return ChatChunkChoice(choice.index, delta, logprobs, finish_reason, completion.stop_reason)
 
-    def _tool_delta(self, completion: CompletionOutput) -> tuple[DeltaMessage, str | None]:
-        """A streamed choice's text through its tool-call parser."""
+    def _reasoning_delta(self, completion: CompletionOutput) -> tuple[str, str]:
+        """A streamed choice's new reasoning and content (all content without a parser)."""
+        if self.reasoning is None:
+            return "", completion.text
+        stream = self.reasoning[completion.index]
+        return stream.feed(completion.text, final=completion.finish_reason is not None)
+
+    def _tool_delta(
+        self, completion: CompletionOutput, text: str
+    ) -> tuple[DeltaMessage, str | None]:
+        """A streamed choice's content through its tool-call parser."""
         assert self.call_streams is not None and self.plan is not None
         stream = self.call_streams[completion.index]
-        parsed = stream.feed(completion.text)
+        parsed = stream.feed(text)
         reason = completion.finish_reason
         if reason is not None:
             parsed.extend(stream.finish())
@@ -199,15 +216,25 @@ class ChatView:
         return DeltaMessage(content=content, tool_calls=parsed.tool_calls or None), reason
 
     def _message(self, choice: Choice) -> tuple[ChatMessageOut, str | None]:
-        """A whole choice's message (its tool calls parsed out) and finish reason."""
+        """A whole choice's message (its reasoning split off, its tool calls parsed out of the
+        rest) and finish reason."""
+        reasoning, text = None, choice.text
+        if self.ctx.reasoning_parser is not None:
+            split = split_reasoning(self.ctx.reasoning_parser, text)
+            reasoning, text = split.reasoning, split.content or ""
         if self.plan is None:
-            return ChatMessageOut(ASSISTANT, self.echo + choice.text), choice.finish_reason
-        parsed = self.plan.extract(choice.text)
+            content = (self.echo + text) if text or reasoning is None else None
+            message = ChatMessageOut(ASSISTANT, content, reasoning_content=reasoning)
+            return message, choice.finish_reason
+        parsed = self.plan.extract(text)
         content = parsed.content
         if self.echo:
             content = self.echo + (content or "")
         reason = self.plan.finish_reason(parsed.called, choice.finish_reason)
-        return ChatMessageOut(ASSISTANT, content, tool_calls=parsed.tool_calls), reason
+        message = ChatMessageOut(
+            ASSISTANT, content, tool_calls=parsed.tool_calls, reasoning_content=reasoning
+        )
+        return message, reason
 
     async def complete(self) -> ChatCompletionResponse:
         async for _, output in self.generation.outputs():

@@ -81,6 +81,7 @@ class ChatMessageOut(msgspec.Struct):
     content: str | None
     refusal: str | None = None  # required by the schema (nullable); shoal never refuses
     tool_calls: list[ToolCall] = msgspec.field(default_factory=list)
+    reasoning_content: str | None = None  # vLLM's: the thinking (--reasoning-parser)
 
 
 class ChatChoice(msgspec.Struct):
@@ -105,6 +106,7 @@ class DeltaMessage(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -45,6 +45,7 @@ class ServingContext:
     tool_calling: ToolCallingOptions = field(default_factory=ToolCallingOptions)
     trust_request_chat_template: bool = False  # a request may bring its own chat template
     loras: LoRAAdapters = field(default_factory=LoRAAdapters)  # served adapters, by name
+    reasoning_parser: str | None = None  # --reasoning-parser: thinking split from the answer
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model); 404 for a model

@@ -1,0 +1,53 @@
+"""Reasoning models through chat completions (``--reasoning-parser``) over the real engine
+stack: a tiny model driven by a regex grammar to write ``<think>...</think>`` and an answer
+gives ``reasoning_content`` and ``content`` split exactly, and the streamed deltas join to the
+same split; with qwen3's parser an answer without thinking is all content."""
+
+from __future__ import annotations
+
+import re
+
+import openai
+import pytest
+
+from tests.integration.served_stack import MODEL_NAME, served_stack, with_chat_template
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+THINKING = r"<think>[a-z]{3,8}( [a-z]{2,6}){1,2}</think>[a-z]{3,8}( [a-z]{2,6}){1,2}"
+PLAIN = r"[a-z]{3,8}( [a-z]{2,6}){1,2}"
+MESSAGES = [{"role": "user", "content": "the quick brown fox"}]
+
+
+async def answers(url: str, regex: str) -> tuple[dict, str, str]:  # type: ignore[type-arg]
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    common = {
+        "model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 80, "temperature": 0,
+        "extra_body": {"structured_outputs": {"regex": regex}},
+    }  # fmt: skip
+    whole = await client.chat.completions.create(**common)
+    reasoning, content = "", ""
+    async for chunk in await client.chat.completions.create(**common, stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta.model_dump()
+            reasoning += delta.get("reasoning_content") or ""
+            content += delta.get("content") or ""
+    return whole.choices[0].message.model_dump(), reasoning, content
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+async def test_thinking_is_split_from_the_answer_whole_and_streamed(
+    tiny_checkpoint, tmp_path, parser
+) -> None:  # type: ignore[no-untyped-def]
+    model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
+    options = {"reasoning_parser": parser}
+    async with served_stack(model_dir, app_options=options) as served:
+        message, reasoning, content = await answers(served.url, THINKING)
+        # the grammar wrote <think>WORDS</think>WORDS: each side of the tags, exactly
+        assert re.fullmatch(PLAIN, message["reasoning_content"] or "") is not None, message
+        assert re.fullmatch(PLAIN, message["content"] or "") is not None, message
+        assert (reasoning, content) == (message["reasoning_content"], message["content"])
+        if parser == "qwen3":  # no thinking written: all of it is the answer
+            message, reasoning, content = await answers(served.url, PLAIN)
+            assert message["reasoning_content"] is None and reasoning == ""
+            assert re.fullmatch(PLAIN, message["content"]) and content == message["content"]
+        await served.wait_until_idle()
