@@ -45,6 +45,8 @@ BUS_KINDS = ("nats", "memory")
 ROUTING_MODES = ("kv", "load")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")  # gateway.tool_parsers has each
 REASONING_PARSERS = ("deepseek_r1", "qwen3")  # gateway.reasoning splits each
+RUNNERS = ("generate", "pooling")
+CONVERTS = ("auto", "embed")
 MAX_BLOCK_SIZE = 128
 GENERATION_CONFIG_AUTO = "auto"  # the model's generation_config.json (vLLM's default)
 GENERATION_CONFIG_NONE = "vllm"  # no defaults from any generation_config.json (vLLM's spelling)
@@ -89,9 +91,22 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     # 2, 4 and every multiple of 8 up to max_num_seqs, at most 512).
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    # What the model is run for (vLLM's --runner / --convert): "generate" (completions and chat)
+    # or "pooling" (embeddings: /v1/embeddings, LLM.embed); convert "embed" implies pooling.
+    runner: str = "generate"
+    convert: str = "auto"
+    # How embeddings are pooled (vLLM's --pooler-config JSON: pooling_type LAST|MEAN|CLS,
+    # normalize); None: the model's sentence-transformers config, else LAST, normalized.
+    pooler_config: dict[str, Any] | None = None
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling" or self.convert == "embed"
 
     def __post_init__(self) -> None:
         _one_of(self.dtype, DTYPES, "dtype")
+        _one_of(self.runner, RUNNERS, "runner")
+        _one_of(self.convert, CONVERTS, "convert")
         if self.quantization is not None:
             _one_of(self.quantization, QUANTIZATION_METHODS, "quantization")
             _require(

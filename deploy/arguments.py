@@ -16,6 +16,7 @@ import msgspec
 from shoal.bus.nats_ops.credentials import redact_url, url_has_secret
 from shoal.config.deployment import (
     BUS_KINDS,
+    CONVERTS,
     DTYPES,
     GROUPS,
     OPTION_GROUPS,
@@ -23,6 +24,7 @@ from shoal.config.deployment import (
     QUANTIZATION_METHODS,
     REASONING_PARSERS,
     ROUTING_MODES,
+    RUNNERS,
     TOOL_CALL_PARSERS,
     FaultToleranceConfig,
     ShoalConfig,
@@ -291,6 +293,23 @@ def _add_model_arguments(g: Group) -> None:
         help="send step N+1 to the workers while step N runs (two steps in flight)",
     )
     _option(g, "--seed", dest="seed", type=int, help="random seed")
+    _option(
+        g,
+        "--runner",
+        dest="runner",
+        choices=RUNNERS,
+        help="what the model is run for: generate (completions, chat) or pooling (embeddings: "
+        "/v1/embeddings)",
+    )
+    _option(g, "--convert", dest="convert", choices=CONVERTS, help="embed: as --runner pooling")
+    _option(
+        g,
+        "--pooler-config",
+        dest="pooler_config",
+        type=json_object,
+        help='how embeddings are pooled: JSON such as \'{"pooling_type": "MEAN", "normalize": '
+        "true}' (default: the model's sentence-transformers config, else LAST, normalized)",
+    )
     _option(g, "--device", dest="device", help="cpu, or cuda / cuda:N")  # fmt: skip
 
 

@@ -37,7 +37,7 @@ from shoal.deploy.deployment import build_config, plan_actors, start_in_process,
 from shoal.deploy.progress import ProgressBar
 from shoal.engine.client.chat_options import ChatOptions
 from shoal.engine.client.engine_client import AsyncEngineClient
-from shoal.engine.client.outputs import RequestOutput
+from shoal.engine.client.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
 
 T = TypeVar("T")
 PromptInput = str | dict[str, Any]
@@ -171,6 +171,48 @@ class LLM:
         inputs = [_prompt_input(p) for p in prompt_list]
         params = self._params_per_prompt(sampling_params, len(inputs))
         return self._run_requests(inputs, params, use_tqdm, _per_prompt(lora_request, len(inputs)))
+
+    def embed(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        *,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding, pooled as the model's pooling config (or
+        ``pooler_config``) says (vLLM's ``LLM.embed``; the model run with ``runner="pooling"``)."""
+        if not self.config.model_config.is_pooling:
+            raise ValueError("LLM.embed needs a pooling model: LLM(model, runner='pooling')")
+        prompt_list = [prompts] if isinstance(prompts, str | dict) else list(prompts)
+        inputs = [_prompt_input(p) for p in prompt_list]
+        loras = _per_prompt(lora_request, len(inputs))
+        request_ids = [str(next(self._request_counter)) for _ in inputs]
+        return self._run(self._embed_all(inputs, request_ids, loras, use_tqdm))
+
+    async def _embed_all(
+        self,
+        inputs: list[str | list[int]],
+        request_ids: list[str],
+        loras: list[LoRARequest | None],
+        use_tqdm: bool,
+    ) -> list[EmbeddingRequestOutput]:
+        client = self._require_client()
+        progress = ProgressBar(len(inputs), enabled=use_tqdm, desc="Embedded prompts")
+
+        async def one(index: int) -> EmbeddingRequestOutput:
+            output = await client.embed(
+                inputs[index], request_ids[index], lora_request=loras[index]
+            )
+            progress.update(output)
+            if output.error is not None or output.pooled is None:
+                raise RuntimeError(f"request {request_ids[index]} failed: {output.error}")
+            embedding = EmbeddingOutput(output.pooled)
+            return EmbeddingRequestOutput(output.request_id, output.prompt_token_ids, embedding)
+
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(len(inputs)))))
+        finally:
+            progress.close()
 
     def chat(
         self,

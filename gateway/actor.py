@@ -13,6 +13,7 @@ import importlib
 import inspect
 import logging
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, cast
 
 from shoal.bus.base import Bus
@@ -23,8 +24,9 @@ from shoal.bus.msg import Msg
 from shoal.bus.runtime.actor import Actor, Inbox
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.interface import EngineClientInterface
-from shoal.engine.client.model_info import read_num_layers
+from shoal.engine.client.model_info import is_matryoshka, read_num_layers
 from shoal.gateway.app import create_app
+from shoal.gateway.embedding_options import EmbeddingOptions
 from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.nats_api import NatsApi
@@ -140,6 +142,7 @@ class GatewayActor(Actor):
             trust_request_chat_template=self._trusts_request_chat_templates(),
             loras=loras,
             reasoning_parser=self.config.model_config.reasoning_parser if self.config else None,
+            embeddings=self._embeddings(),
         )
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:
@@ -169,6 +172,12 @@ class GatewayActor(Actor):
         )
         await loras.load_modules()
         return loras
+
+    def _embeddings(self) -> EmbeddingOptions | None:
+        """With ``--runner pooling``: how /v1/embeddings answers (None: it refuses)."""
+        if self.config is None or not self.config.model_config.is_pooling:
+            return None
+        return EmbeddingOptions(matryoshka=is_matryoshka(Path(self.config.model_config.model)))
 
     def _tool_calling(self) -> ToolCallingOptions:
         """The deployment's tool-calling flags (none without a config)."""

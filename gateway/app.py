@@ -24,6 +24,8 @@ from shoal.gateway.anthropic_messages import error_response as anthropic_error_r
 from shoal.gateway.chat import create_chat_completion
 from shoal.gateway.chat_prompt import chat_options, render_chat
 from shoal.gateway.completions import create_completion
+from shoal.gateway.embedding_options import EmbeddingOptions
+from shoal.gateway.embeddings import create_embedding
 from shoal.gateway.errors import ApiError, bad_request, internal_error
 from shoal.gateway.fault_tolerance import FaultToleranceEndpoints
 from shoal.gateway.lora_adapters import LoRAAdapters
@@ -66,6 +68,7 @@ def create_app(
     trust_request_chat_template: bool = False,
     loras: LoRAAdapters | None = None,
     reasoning_parser: str | None = None,
+    embeddings: EmbeddingOptions | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app for one engine client (real or fake); a stream that waits
     ``sse_keep_alive_s`` for output gets a keep-alive comment (None: never). The
@@ -74,7 +77,8 @@ def create_app(
     ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither);
     ``trust_request_chat_template``: its ``--trust-request-chat-template``; ``loras``: the
     LoRA adapters served (with ``--enable-lora``: the run-time load and unload endpoints);
-    ``reasoning_parser``: its ``--reasoning-parser``."""
+    ``reasoning_parser``: its ``--reasoning-parser``; ``embeddings``: with ``--runner pooling``,
+    how ``/v1/embeddings`` answers."""
     name = served_model_name or engine_client.model_name
     if fault_tolerance is None:
         fault_tolerance = getattr(engine_client, "fault_tolerance", None)
@@ -93,11 +97,13 @@ def create_app(
         trust_request_chat_template,
         loras or LoRAAdapters(),
         reasoning_parser,
+        embeddings,
     )
     app.router.add_post("/v1/completions", _with_context(create_completion))
     app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))
     app.router.add_get("/v1/models", _with_context(list_models))
     app.router.add_post(MESSAGES_PATH, _with_context(create_message))
+    app.router.add_post("/v1/embeddings", _with_context(create_embedding))
     if loras is not None and loras.enabled:
         app.router.add_post("/v1/load_lora_adapter", _with_context(load_lora_adapter))
         app.router.add_post("/v1/unload_lora_adapter", _with_context(unload_lora_adapter))

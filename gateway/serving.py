@@ -17,6 +17,7 @@ from aiohttp import web
 from shoal.bus.messages.lora import LoRARequest
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import CompletionOutput, RequestOutput
+from shoal.gateway.embedding_options import EmbeddingOptions
 from shoal.gateway.errors import ApiError, from_decode_error, internal_error, unavailable
 from shoal.gateway.generation import Generation
 from shoal.gateway.lora_adapters import LoRAAdapters
@@ -46,6 +47,7 @@ class ServingContext:
     trust_request_chat_template: bool = False  # a request may bring its own chat template
     loras: LoRAAdapters = field(default_factory=LoRAAdapters)  # served adapters, by name
     reasoning_parser: str | None = None  # --reasoning-parser: thinking split from the answer
+    embeddings: EmbeddingOptions | None = None  # --runner pooling: /v1/embeddings answers
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model); 404 for a model

@@ -57,6 +57,7 @@ from shoal.workers.lora.manager import LoRAManager
 from shoal.workers.models.decoder import DecoderForCausalLM
 from shoal.workers.moe.ep_step import ExpertParallelStep, join_expert_parallel
 from shoal.workers.parallel import TPContext, init_tensor_parallel, rebuildable_group
+from shoal.workers.pooling import Pooler
 from shoal.workers.rejections import Rejections
 from shoal.workers.request_store import RequestStore
 from shoal.workers.runner_facts import ModelFacts, StepTimings
@@ -126,6 +127,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.lora: LoRAManager | None = None  # adapters and their slots (enable_lora)
         self.lora_folders = AdapterFolders()  # where adapters' files are (the actor fetches)
+        self.pooler = Pooler()  # embeddings of pooling requests, as their prefills run
 
     # ---- loading -------------------------------------------------------------------------
 
@@ -413,6 +415,7 @@ class ModelRunner:
             t2 = time.perf_counter()
             sampled, logprobs = self._sample(inputs, sampling_idx, logits)
         prompt_logprobs = self._prompt_logprobs(inputs, hidden)
+        pooled = self.pooler.pool(inputs, hidden) if self.pooler else []
         self.batch.advance(inputs)
         spec_ids = spec.finish(inputs, sampling_idx, step.num_spec_tokens) if spec else []
         t3 = time.perf_counter()
@@ -427,6 +430,7 @@ class ModelRunner:
             execute_time_s=t3 - started,
             kv_transfer=transfer,
             spec_token_ids=spec_ids,
+            pooled=pooled,
         )
 
     def _step_grammar(self, step: ExecuteStep) -> GrammarBitmask | None:
@@ -441,6 +445,8 @@ class ModelRunner:
     def _apply_diff(self, step: ExecuteStep) -> None:
         if self.spec is not None:
             self.spec.begin_step()
+        for req_id in [*step.finished_req_ids, *step.preempted_req_ids]:
+            self.pooler.forget(req_id)
         for req_id in step.finished_req_ids:
             self.batch.remove_request(req_id)
         for req_id in step.preempted_req_ids:
@@ -467,6 +473,8 @@ class ModelRunner:
             )
             if self.spec is not None:
                 self.spec.add_request(added)
+            if new.pooling is not None:
+                self.pooler.begin(new.req_id, new.pooling)
         for cached in step.cached_requests:
             if cached.req_id in self.rejections or cached.req_id in self._dropped:
                 continue  # refused, or out after a failed KV load: left out of the step

@@ -11,6 +11,7 @@ import msgspec
 
 from shoal.bus.messages.kv_handover import KVExportRef
 from shoal.bus.messages.lora import LoRARequest
+from shoal.bus.messages.pooling import PoolingParams
 from shoal.bus.messages.sampling import SamplingParams
 
 
@@ -72,6 +73,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True, omit_defaults=True,
     output_token_ids: list[int] = []
     kv_transfer_params: KVTransferParams | None = None
     lora_request: LoRARequest | None = None  # the adapter to run it with (multi-LoRA)
+    pooling_params: PoolingParams | None = None  # an embedding: the prompt's pooled state
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True, omit_defaults=True, gc=False):
@@ -111,6 +113,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     resumable: bool = False
     # On the final output of a request prefilled for a remote decode: where its KV is held.
     kv_transfer_params: KVTransferParams | None = None
+    pooled: list[float] | None = None  # a pooling request's embedding, on its final output
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -35,6 +35,7 @@ from shoal.bus.messages.fault import FaultInjected, InjectFault
 from shoal.bus.messages.kv_handover import KVExportRef, KVPull
 from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.offload import KVTransferResult, KVTransfers
+from shoal.bus.messages.pooling import PoolingParams
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.structured import GrammarBitmask
 
@@ -52,6 +53,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     resumed: bool = False
     eos_token_ids: list[int] = []
     lora: LoRARequest | None = None  # the adapter it runs with (multi-LoRA)
+    pooling: PoolingParams | None = None  # an embedding: pool the prompt's hidden states
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -181,6 +183,9 @@ class StepResult(msgspec.Struct, tag="result", array_like=True, omit_defaults=Tr
     idle_before_s: float = 0.0
     kv_transfer: KVTransferResult | None = None  # what failed of the step's KV copies
     spec_token_ids: list[list[int]] = []
+    # pooling requests' embeddings, aligned with req_ids (None: not one, or its prompt is not
+    # done); empty when the step has none
+    pooled: list[list[float] | None] = []
 
 
 class WorkerInfo(msgspec.Struct, tag="info", array_like=True, omit_defaults=True):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
@@ -45,7 +46,8 @@ from shoal.bus.messages.engine import (
     SchedulerStats,
 )
 from shoal.bus.messages.lora import LoRARequest
-from shoal.bus.messages.sampling import SamplingParams, out_of_vocab
+from shoal.bus.messages.pooling import PoolingParams
+from shoal.bus.messages.sampling import OutputKind, SamplingParams, out_of_vocab
 from shoal.bus.msg import Msg
 from shoal.bus.runtime.liveness import watch_liveness
 from shoal.bus.subjects import Subjects
@@ -58,7 +60,7 @@ from shoal.engine.client.engine_sender import EngineSender
 from shoal.engine.client.fault_tolerance import FaultTolerance
 from shoal.engine.client.generation_defaults import GenerationDefaults, read_generation_defaults
 from shoal.engine.client.interface import EngineUnavailableError, RequestValidationError
-from shoal.engine.client.model_info import read_max_model_len
+from shoal.engine.client.model_info import read_max_model_len, sentence_transformers_pooling
 from shoal.engine.client.output_processor import ChildRequest, OutputProcessor, ResumeRequest
 from shoal.engine.client.outputs import RequestOutput
 from shoal.engine.client.placements import RequestPlacements
@@ -269,6 +271,40 @@ class AsyncEngineClient:
             if not finished:
                 await self.abort(request_id)
 
+    @functools.cached_property
+    def pooling_params(self) -> PoolingParams:
+        """How this model's embeddings are pooled: ``--pooler-config`` over the model's
+        sentence-transformers config, else vLLM's default for a decoder (LAST, normalized)."""
+        declared = sentence_transformers_pooling(Path(self.model_dir)) or {}
+        given = {**declared, **(self.model_config.pooler_config or {})}
+        try:
+            return PoolingParams(**given)  # type: ignore[arg-type]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"pooler_config: {exc}") from None
+
+    async def embed(
+        self,
+        prompt: str | list[int],
+        request_id: str,
+        *,
+        lora_request: LoRARequest | None = None,
+    ) -> RequestOutput:
+        """The prompt's embedding (``RequestOutput.pooled``): its prefill, pooled."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=OutputKind.FINAL_ONLY)
+        collector = await self.add_request(
+            prompt,
+            params,
+            request_id,
+            lora_request=lora_request,
+            pooling_params=self.pooling_params,
+        )
+        try:
+            output = await collector.get()
+        except BaseException:
+            await self.abort(request_id)
+            raise
+        return output
+
     async def add_request(
         self,
         prompt: str | list[int],
@@ -277,9 +313,11 @@ class AsyncEngineClient:
         *,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> RequestOutputCollector:
-        """Send a request to an engine core (run with ``lora_request``'s adapter); its outputs
-        arrive in the returned collector."""
+        """Send a request to an engine core (run with ``lora_request``'s adapter; with
+        ``pooling_params``, for its prompt's embedding); its outputs arrive in the returned
+        collector."""
         processor = self.require_processor()
         prompt_text, prompt_ids = self._tokenize(prompt)
         if invalid := out_of_vocab(params, self.vocabulary.model_vocab_size):
@@ -305,13 +343,25 @@ class AsyncEngineClient:
             raise EngineUnavailableError("no engine core is ready to take requests")
         arrival = time.time()
         children = processor.add_request(
-            request_id, prompt_ids, params, prompt_text, arrival, priority, lora_request
+            request_id,
+            prompt_ids,
+            params,
+            prompt_text,
+            arrival,
+            priority,
+            lora_request,
+            pooling_params,
         )
         collector = RequestOutputCollector(params.output_kind)
         self.placements.track(request_id, collector)
         if engine is None:
             payload = ResumeRequest(
-                prompt_ids, arrival, priority, [(c, []) for c in children], lora_request
+                prompt_ids,
+                arrival,
+                priority,
+                [(c, []) for c in children],
+                lora_request,
+                pooling_params,
             )
             self.resumptions.park(request_id, payload, None, time.monotonic(), counts=False)
             return collector
@@ -329,7 +379,14 @@ class AsyncEngineClient:
         self.placements.place(request_id, engine.engine_id, self.router.epoch(engine.engine_id))
         try:
             await self.sender.send_adds(
-                engine.engine_id, sends, prompt_ids, arrival, priority, kv_params, lora_request
+                engine.engine_id,
+                sends,
+                prompt_ids,
+                arrival,
+                priority,
+                kv_params,
+                lora_request,
+                pooling_params,
             )
         except BusError as exc:
             self._fail(request_id, EngineUnavailableError(f"request not sent: {exc!r}"))
@@ -448,6 +505,7 @@ class AsyncEngineClient:
                 payload.priority,
                 pull,
                 payload.lora_request,
+                payload.pooling_params,
             )
         except BusError as exc:
             await self.sender.send_release(

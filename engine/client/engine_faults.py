@@ -180,6 +180,7 @@ class EngineFaults:
                 payload.arrival_time,
                 payload.priority,
                 lora_request=payload.lora_request,
+                pooling_params=payload.pooling_params,
             )
         except BusError as exc:
             if placements.engine_of(request_id) == engine_id:

@@ -14,6 +14,7 @@ from shoal.bus.codec import encode
 from shoal.bus.errors import BusError
 from shoal.bus.messages.engine import AbortRequest, AddRequest, KVTransferParams, ReleaseKV
 from shoal.bus.messages.lora import LoRARequest
+from shoal.bus.messages.pooling import PoolingParams
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.output_processor import ChildRequest
 
@@ -39,6 +40,7 @@ class EngineSender:
         priority: int,
         kv_transfer_params: KVTransferParams | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """One add per completion, with the tokens it already has (resumed) or none, the
         disaggregated prefill's ``kv_transfer_params`` and the request's adapter; ``BusError``
@@ -56,6 +58,7 @@ class EngineSender:
                 output_token_ids=output_token_ids,
                 kv_transfer_params=kv_transfer_params,
                 lora_request=lora_request,
+                pooling_params=pooling_params,
             )
             await self.bus.publish(subject, encode(add))
 

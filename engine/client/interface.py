@@ -63,6 +63,13 @@ class EngineClientInterface(Protocol):
         """The sampling defaults of requests that leave fields unset (``--generation-config``)."""
         ...
 
+    async def embed(
+        self, prompt: str | list[int], request_id: str, *, lora_request: LoRARequest | None = None
+    ) -> RequestOutput:
+        """The prompt's embedding (``RequestOutput.pooled``), pooled as the model's pooling
+        config says; raises as ``generate`` does."""
+        ...
+
     def is_ready(self) -> bool:
         """True while at least one engine core is ready to take requests."""
         ...

@@ -45,3 +45,45 @@ def read_num_layers(model: str) -> int | None:
     except (OSError, ValueError):
         return None
     return value if isinstance(value, int) and value > 0 else None
+
+
+def _read_json(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def sentence_transformers_pooling(model_dir: Path) -> dict[str, object] | None:
+    """The pooling a sentence-transformers model declares (``modules.json``: its Pooling
+    module's mode, and whether a Normalize module follows), as vLLM's ``--pooler-config``
+    fields; None without one."""
+    modules = _read_json(model_dir / "modules.json")
+    if not isinstance(modules, list):
+        return None
+    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+    pooling = kinds.get("Pooling")
+    if pooling is None:
+        return None
+    config = _read_json(model_dir / str(pooling.get("path", "")) / "config.json")
+    if not isinstance(config, dict):
+        return None
+    modes = {
+        "pooling_mode_cls_token": "CLS",
+        "pooling_mode_mean_tokens": "MEAN",
+        "pooling_mode_lasttoken": "LAST",
+    }
+    kind = next((name for key, name in modes.items() if config.get(key)), None)
+    if kind is None:
+        return None
+    return {"pooling_type": kind, "normalize": "Normalize" in kinds}
+
+
+def is_matryoshka(model_dir: Path) -> bool:
+    """Whether the model was trained for truncated embeddings (``dimensions`` may shorten them:
+    vLLM's ``is_matryoshka`` / ``matryoshka_dimensions`` in config.json)."""
+    try:
+        config = read_text_config(model_dir)
+    except (OSError, ValueError):
+        return False
+    return bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))

@@ -34,6 +34,7 @@ import msgspec
 
 from shoal.bus.messages.engine import EngineCoreOutput, EngineOutputs, KVTransferParams
 from shoal.bus.messages.lora import LoRARequest
+from shoal.bus.messages.pooling import PoolingParams
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.engine.client.completion_state import CompletionState, convert_logprobs
 from shoal.engine.client.outputs import RequestMetrics, RequestOutput, TokenLogprobs
@@ -78,6 +79,7 @@ class ResumeRequest:
     priority: int
     children: list[tuple[ChildRequest, list[int]]]
     lora_request: LoRARequest | None = None
+    pooling_params: PoolingParams | None = None
 
 
 def child_request_id(index: int, request_id: str) -> str:
@@ -97,10 +99,13 @@ class RequestState:
         arrival_time: float,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.priority = priority
         self.lora_request = lora_request
+        self.pooling_params = pooling_params
+        self.pooled: list[float] | None = None  # a pooling request's embedding, at its end
         self.num_attempts = 1  # sent once, plus one per resumption
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -132,6 +137,8 @@ class RequestState:
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         if output.error is not None:
             self.error = output.error
+        if output.pooled is not None:
+            self.pooled = output.pooled
         metrics = self.metrics
         if output.scheduled_time is not None:
             if metrics.first_scheduled_time is None:
@@ -174,6 +181,7 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             metrics=dataclasses.replace(self.metrics),
             error=self.error,
+            pooled=self.pooled,
         )
 
     def _take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
@@ -211,6 +219,7 @@ class OutputProcessor:
         arrival_time: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> list[ChildRequest]:
         """Track a request; returns the engine-side requests to send (one per completion)."""
         if request_id in self._requests:
@@ -225,6 +234,7 @@ class OutputProcessor:
             arrival,
             priority,
             lora_request,
+            pooling_params,
         )
         self._requests[request_id] = state
         for child in state.child_params:
@@ -311,6 +321,7 @@ class OutputProcessor:
             state.priority,
             children,
             state.lora_request,
+            state.pooling_params,
         )
 
     def owner_of(self, engine_request_id: str) -> str | None:
@@ -345,6 +356,7 @@ class OutputProcessor:
             state.priority,
             children,
             state.lora_request,
+            state.pooling_params,
         )
 
     def abort_request(self, request_id: str) -> list[str]:

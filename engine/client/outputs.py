@@ -63,3 +63,19 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    pooled: list[float] | None = None  # a pooling request's embedding, once finished
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """vLLM's ``LLM.embed`` result: the prompt and its embedding."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True

@@ -34,6 +34,7 @@ from typing import Protocol
 
 from shoal.bus.messages.engine import AddRequest, EngineCoreOutput, KVTransferParams
 from shoal.bus.messages.lora import LoRARequest
+from shoal.bus.messages.pooling import PoolingParams
 from shoal.bus.messages.sampling import SamplingParams
 
 
@@ -101,6 +102,7 @@ class Request:
         "num_resumed_tokens",
         "num_stale_steps",
         "output_token_ids",
+        "pooling_params",
         "priority",
         "prompt_token_ids",
         "remote_prefill",
@@ -129,6 +131,7 @@ class Request:
         hands_kv_over: bool = False,
         remote_prefill: KVTransferParams | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
@@ -142,6 +145,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # its adapter: in its block hashes, on its worker
+        self.pooling_params = pooling_params  # an embedding request: its prompt's pooled state
         self.eos_token_ids: list[int] = list(eos_token_ids or [])
         # The ids that end the request when sampled (eos unless ignore_eos).
         self.stop_eos_ids = frozenset(() if sampling_params.ignore_eos else self.eos_token_ids)
@@ -191,6 +195,7 @@ class Request:
             and msg.kv_transfer_params.do_remote_decode,
             remote_prefill=remote_prefill_of(msg.kv_transfer_params),
             lora_request=msg.lora_request,
+            pooling_params=msg.pooling_params,
         )
 
     def set_block_hasher(self, block_hasher: BlockHasherFn) -> None:
@@ -230,8 +235,11 @@ class Request:
 
     @property
     def skip_reading_prefix_cache(self) -> bool:
-        """Prompt logprobs need every prompt position computed, so no cache hit is taken (a
-        request resumed after a fault produces none: its first run did)."""
+        """Prompt logprobs and pooling need every prompt position computed, so no cache hit is
+        taken (a request resumed after a fault produces no prompt logprobs: its first run
+        did)."""
+        if self.pooling_params is not None:
+            return True
         return self.sampling_params.prompt_logprobs is not None and not self.num_resumed_tokens
 
     def append_output_token_id(self, token_id: int) -> None:

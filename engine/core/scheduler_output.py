@@ -171,6 +171,7 @@ def build_scheduler_output(
                 resumed,
                 request.eos_token_ids,
                 request.lora_request,
+                request.pooling_params,
             )
         )
     cached_requests = []

@@ -91,6 +91,7 @@ def _read_sampled_tokens(
     outputs, stopped = outcome.outputs, outcome.stopped
     all_logprobs = result.logprobs
     all_prompt_logprobs = result.prompt_logprobs
+    all_pooled = result.pooled
     num_prompt_tokens = num_generated = 0
     for index, (request_id, sampled) in enumerate(
         zip(result.req_ids, result.sampled_token_ids, strict=True)
@@ -130,6 +131,7 @@ def _read_sampled_tokens(
             prompt_logprobs,
             request.num_cached_tokens,
             scheduled_time=request.first_scheduled_time if first_output else None,
+            pooled=all_pooled[index] if all_pooled else None,
         )
         client_outputs = outputs.get(request.client_id)
         if client_outputs is None:

@@ -23,6 +23,7 @@ from shoal.bus.messages.engine import (
 )
 from shoal.bus.messages.kv_handover import KVPull
 from shoal.bus.messages.lora import LoRARequest
+from shoal.bus.messages.pooling import PoolingParams
 from shoal.bus.messages.offload import KVTransferResult, KVTransfers
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.structured import GrammarBitmask
@@ -76,6 +77,7 @@ WIRE_LAYOUT: dict[type[msgspec.Struct], tuple[str, ...]] = {
                        "do_remote_prefill", "remote_engine_id", "remote_kv", "lease_s"),
     KVPull: ("req_id", "block_ids", "remote_block_ids", "source"),
     LoRARequest: ("lora_name", "lora_int_id", "lora_path", "base_model_name"),
+    PoolingParams: ("pooling_type", "normalize"),
     Logprobs: ("token_ids", "logprobs", "ranks"),
     EngineCoreOutput: ("request_id", "new_token_ids", "finish_reason", "stop_reason",
                     "new_logprobs", "prompt_logprobs", "num_cached_tokens", "error"),
