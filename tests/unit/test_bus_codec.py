@@ -23,8 +23,8 @@ from shoal.bus.messages.engine import (
 )
 from shoal.bus.messages.kv_handover import KVPull
 from shoal.bus.messages.lora import LoRARequest
-from shoal.bus.messages.pooling import PoolingParams
 from shoal.bus.messages.offload import KVTransferResult, KVTransfers
+from shoal.bus.messages.pooling import PoolingParams
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.structured import GrammarBitmask
 from shoal.bus.messages.worker import (
