@@ -175,6 +175,10 @@ class Subjects:
         ``tier_kv_events`` (prefix routing)."""
         return f"{self.namespace.replace('.', '-')}-kv-events"
 
+    def responses_bucket(self) -> str:
+        """Key-value bucket of stored responses (the Responses API's ``store``), any gateway's."""
+        return f"{self.namespace.replace('.', '-')}-responses"
+
     def lora_bucket(self) -> str:
         """Object Store bucket of the deployment's LoRA adapters (``shoal lora push``)."""
         return f"shoal_lora_{self.namespace.replace('.', '_')}"

@@ -30,6 +30,7 @@ from shoal.gateway.embedding_options import EmbeddingOptions
 from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.nats_api import NatsApi
+from shoal.gateway.response_store import ResponseStore
 from shoal.gateway.server import HttpServer, start_http_server
 from shoal.gateway.serving import DEFAULT_SSE_KEEP_ALIVE_S
 from shoal.gateway.stats_logging import StatsLogger
@@ -132,6 +133,7 @@ class GatewayActor(Actor):
         if self._engine_reports_stats():
             cast(Any, engine).stats_listeners.append(self.on_stats)
         loras = await self._lora_adapters(name)
+        bus, responses_bucket = self.bus, self.subjects.responses_bucket()
         app = create_app(
             engine,
             served_model_name=name,
@@ -143,6 +145,7 @@ class GatewayActor(Actor):
             loras=loras,
             reasoning_parser=self.config.model_config.reasoning_parser if self.config else None,
             embeddings=self._embeddings(),
+            responses=ResponseStore(lambda: bus.open_kv(responses_bucket)),
         )
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:

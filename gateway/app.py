@@ -36,12 +36,14 @@ from shoal.gateway.request_types import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from shoal.gateway.response_store import ResponseStore
 from shoal.gateway.response_types import (
     DetokenizeResponse,
     ModelCard,
     ModelList,
     TokenizeResponse,
 )
+from shoal.gateway.responses import cancel_response, create_response, get_response
 from shoal.gateway.serving import (
     CONTEXT_KEY,
     DEFAULT_SSE_KEEP_ALIVE_S,
@@ -69,6 +71,7 @@ def create_app(
     loras: LoRAAdapters | None = None,
     reasoning_parser: str | None = None,
     embeddings: EmbeddingOptions | None = None,
+    responses: ResponseStore | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app for one engine client (real or fake); a stream that waits
     ``sse_keep_alive_s`` for output gets a keep-alive comment (None: never). The
@@ -78,7 +81,8 @@ def create_app(
     ``trust_request_chat_template``: its ``--trust-request-chat-template``; ``loras``: the
     LoRA adapters served (with ``--enable-lora``: the run-time load and unload endpoints);
     ``reasoning_parser``: its ``--reasoning-parser``; ``embeddings``: with ``--runner pooling``,
-    how ``/v1/embeddings`` answers."""
+    how ``/v1/embeddings`` answers; ``responses``: where stored responses are kept (default:
+    this process)."""
     name = served_model_name or engine_client.model_name
     if fault_tolerance is None:
         fault_tolerance = getattr(engine_client, "fault_tolerance", None)
@@ -98,12 +102,16 @@ def create_app(
         loras or LoRAAdapters(),
         reasoning_parser,
         embeddings,
+        responses or ResponseStore(),
     )
     app.router.add_post("/v1/completions", _with_context(create_completion))
     app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))
     app.router.add_get("/v1/models", _with_context(list_models))
     app.router.add_post(MESSAGES_PATH, _with_context(create_message))
     app.router.add_post("/v1/embeddings", _with_context(create_embedding))
+    app.router.add_post("/v1/responses", _with_context(create_response))
+    app.router.add_get("/v1/responses/{response_id}", _with_context(get_response))
+    app.router.add_post("/v1/responses/{response_id}/cancel", _with_context(cancel_response))
     if loras is not None and loras.enabled:
         app.router.add_post("/v1/load_lora_adapter", _with_context(load_lora_adapter))
         app.router.add_post("/v1/unload_lora_adapter", _with_context(unload_lora_adapter))

@@ -23,6 +23,7 @@ from shoal.gateway.generation import Generation
 from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.metrics import Metrics
 from shoal.gateway.request_types import decode_json_body
+from shoal.gateway.response_store import ResponseStore
 from shoal.gateway.response_types import Usage, make_usage
 from shoal.gateway.tools import ToolCallingOptions
 
@@ -48,6 +49,7 @@ class ServingContext:
     loras: LoRAAdapters = field(default_factory=LoRAAdapters)  # served adapters, by name
     reasoning_parser: str | None = None  # --reasoning-parser: thinking split from the answer
     embeddings: EmbeddingOptions | None = None  # --runner pooling: /v1/embeddings answers
+    responses: ResponseStore = field(default_factory=ResponseStore)  # stored responses
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model); 404 for a model
