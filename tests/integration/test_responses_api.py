@@ -68,7 +68,7 @@ async def test_responses_create_whole_and_streamed_equal_chat(served) -> None:  
             max_output_tokens=12,
             temperature=0,
             stream=True,
-        )  # fmt: skip
+        )
     ]
     kinds = [e.type for e in events]
     assert kinds[:4] == [
@@ -89,9 +89,10 @@ async def test_responses_create_whole_and_streamed_equal_chat(served) -> None:  
 
 async def test_a_forced_function_call_and_a_json_schema_format(served) -> None:  # type: ignore[no-untyped-def]
     client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0)
+    forced = {"type": "function", "name": "get_weather"}
     called = await client.responses.create(
-        model=MODEL_NAME, input="weather?", tools=[WEATHER],
-        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=80, temperature=0,
+        model=MODEL_NAME, input="weather?", tools=[WEATHER], tool_choice=forced,
+        max_output_tokens=80, temperature=0,
     )  # fmt: skip
     (call,) = [item for item in called.output if item.type == "function_call"]
     assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
@@ -105,7 +106,7 @@ async def test_a_forced_function_call_and_a_json_schema_format(served) -> None: 
             temperature=0,
             tool_choice={"type": "function", "name": "get_weather"},
             max_output_tokens=80,
-        )  # fmt: skip
+        )
     ]
     arguments = "".join(
         e.delta for e in streamed if e.type == "response.function_call_arguments.delta"
