@@ -27,6 +27,13 @@ line is one JSON object: ``{"levels": [{"mode", "concurrency" | "request_rate", 
 ``--launch`` starts the server command first (its own process group), waits for ``/health``,
 and stops it at the end. Token counts come from the stream's usage chunk; inter-token latency is
 the gap between content chunks (one chunk per engine step).
+
+``--api completions|chat|responses|messages`` (``--endpoint``) sends the same workload through
+OpenAI's completions, chat completions or Responses API or Anthropic's Messages API (each
+stream's text deltas and usage read in its own shape; the last two end with their final event
+instead of ``[DONE]``): run it once per API to compare their throughput and TTFT.
+
+    python bench/serve.py --url http://127.0.0.1:8000 --api responses --concurrency 1,8
 """
 
 from __future__ import annotations
@@ -104,19 +111,53 @@ def request_body(args: argparse.Namespace, model: str, index: int) -> dict[str, 
     }
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": prompt}]
+    elif args.endpoint == "messages":  # Anthropic's: no stream_options, usage in message_delta
+        del body["stream_options"]
+        body["messages"] = [{"role": "user", "content": prompt}]
+    elif args.endpoint == "responses":
+        del body["stream_options"], body["max_tokens"]
+        body["input"] = [{"role": "user", "content": prompt}]
+        body["max_output_tokens"] = args.max_tokens
     else:
         body["prompt"] = prompt
     return body
 
 
+PATHS = {
+    "completions": "/v1/completions",
+    "chat": "/v1/chat/completions",
+    "messages": "/v1/messages",
+    "responses": "/v1/responses",
+}
+# the events that end a stream of the Responses and Messages APIs (they send no [DONE])
+FINAL_EVENTS = ("response.completed", "response.incomplete", "message_stop")
+
+
 # ----- one request
 
 
-def content_of(chunk: dict[str, object]) -> str:
+def content_of(chunk: dict[str, Any]) -> str:
+    """The text a chunk adds, in any of the four APIs' shapes."""
+    if chunk.get("type") == "response.output_text.delta":
+        return str(chunk.get("delta") or "")
+    if chunk.get("type") == "content_block_delta":
+        return str((chunk.get("delta") or {}).get("text") or "")
     text = ""
-    for choice in chunk.get("choices") or []:  # type: ignore[attr-defined]
+    for choice in chunk.get("choices") or []:
         text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
     return text
+
+
+def output_tokens_of(chunk: dict[str, Any]) -> int | None:
+    """The generated tokens a chunk reports, in any of the four APIs' shapes."""
+    if chunk.get("usage") and "completion_tokens" in chunk["usage"]:
+        return int(chunk["usage"]["completion_tokens"])
+    if chunk.get("type") == "message_delta":
+        return int(chunk["usage"]["output_tokens"])
+    response = chunk.get("response")
+    if chunk.get("type") in FINAL_EVENTS and isinstance(response, dict):
+        return int(response["usage"]["output_tokens"])
+    return None
 
 
 async def stream_request(
@@ -138,10 +179,12 @@ async def stream_request(
                 done = True
                 break
             chunk = json.loads(data)
-            if "error" in chunk:
-                result.error = f"error chunk: {chunk['error'].get('message')}"
-            if chunk.get("usage"):
-                result.output_tokens = chunk["usage"]["completion_tokens"]
+            if "error" in chunk or chunk.get("type") == "error":
+                error = chunk.get("error") or chunk
+                result.error = f"error chunk: {error.get('message')}"
+            if (tokens := output_tokens_of(chunk)) is not None:
+                result.output_tokens = tokens
+            done = done or chunk.get("type") in FINAL_EVENTS
             if content_of(chunk):
                 now = time.perf_counter()
                 if last is None:
@@ -206,7 +249,7 @@ class Load:
     """Sends the run's requests; every request, warm-up included, gets a fresh prompt index."""
 
     def __init__(self, session: aiohttp.ClientSession, args: argparse.Namespace, model: str):
-        path = "/v1/chat/completions" if args.endpoint == "chat" else "/v1/completions"
+        path = PATHS[args.endpoint]
         self.session, self.args, self.model = session, args, model
         self.url = args.url.rstrip("/") + path
         self.next_index = 0
@@ -349,7 +392,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="gateway base URL")
     parser.add_argument("--model", default=None, help="model name (default: from /v1/models)")
-    parser.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    parser.add_argument(
+        "--endpoint",
+        "--api",
+        choices=list(PATHS),
+        default="completions",
+        help="the API the load goes through (the same workload through each)",
+    )
     parser.add_argument(
         "--concurrency",
         default=None,

@@ -1,9 +1,10 @@
 """``shoal nats-init``: creates a namespace's JetStream buckets and stream before its actors
-start: the tensor-parallel group-ports key-value bucket, the KV-offload and LoRA-adapter object
-buckets and the prefix-routing KV-events stream, through the calls the actors open them with
-(so with their settings), with ``--jetstream-replicas`` copies. Idempotent: an existing one is
-kept, only its replicas brought to ``--jetstream-replicas`` (a deployment moved onto a cluster)
-and the subjects a newer shoal captures added to the KV-events stream (the tiers' KV events).
+start: the tensor-parallel group-ports and stored-responses key-value buckets, the KV-offload
+and LoRA-adapter object buckets and the prefix-routing KV-events stream, through the calls the
+actors open them with (so with their settings), with ``--jetstream-replicas`` copies.
+Idempotent: an existing one is kept, only its replicas brought to ``--jetstream-replicas`` (a
+deployment moved onto a cluster) and the subjects a newer shoal captures added to the KV-events
+stream (the tiers' KV events).
 
 With per-role NATS users (``shoal nats-auth``) no actor may create a bucket or stream (whoever
 creates one picks its subjects: ``bus.nats_ops.permissions``), so this runs first, as the
@@ -62,8 +63,9 @@ async def provision(
     """Open (creating what is missing) every bucket and stream of ``namespace``; what each is."""
     subjects = Subjects(namespace)
     ports, objects = subjects.group_ports_bucket(), subjects.object_bucket()
-    adapters = subjects.lora_bucket()
+    adapters, responses = subjects.lora_bucket(), subjects.responses_bucket()
     await open_port_bucket(bus, ports, replicas=replicas)
+    await bus.open_kv(responses, replicas=replicas)
     await (await bus.open_object_store(objects, replicas=replicas)).close()
     await (await bus.open_object_store(adapters, replicas=replicas)).close()
     events = await open_kv_events_stream(bus, subjects, replicas, snapshot_interval_s)
@@ -73,6 +75,7 @@ async def provision(
         (f"KV_{ports}", f"key-value bucket {ports} (tensor-parallel group ports)"),
         (f"OBJ_{objects}", f"object bucket {objects} (KV offload tier 'obj')"),
         (f"OBJ_{adapters}", f"object bucket {adapters} (LoRA adapters: shoal lora push)"),
+        (f"KV_{responses}", f"key-value bucket {responses} (stored responses)"),
         (
             events.name,
             f"stream {events.name} (KV events for prefix routing)"

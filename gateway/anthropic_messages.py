@@ -159,6 +159,7 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         tools=tools or None,
         tool_choice=tool_choice if tools else None,
         parallel_tool_calls=parallel,
+        ignore_eos=body.ignore_eos,
     )
 
 

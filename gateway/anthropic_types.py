@@ -74,6 +74,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
+    ignore_eos: bool = False  # vLLM's extension (benchmarks: every request its max_tokens)
 
 
 class Usage(msgspec.Struct):

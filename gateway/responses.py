@@ -192,6 +192,7 @@ def chat_request(body: ResponsesRequest, conversation: list[ChatMessage]) -> Cha
         tool_choice=choice if tools else None,
         parallel_tool_calls=body.parallel_tool_calls,
         structured_outputs=_format(body),
+        ignore_eos=body.ignore_eos,
     )
 
 

@@ -49,6 +49,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] | None = None
     user: str | None = None
     background: bool = False
+    ignore_eos: bool = False  # vLLM's extension (benchmarks: every request its max tokens)
 
 
 # ----- the response

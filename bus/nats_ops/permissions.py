@@ -145,6 +145,7 @@ ROLES: dict[str, Role] = {
         buckets=(
             BucketGrant("stream", "kv_events_stream"),  # replayed into the routing index
             BucketGrant("obj", "lora_bucket"),  # fetches an adapter to check it
+            BucketGrant("kv", "responses_bucket"),  # stores and reads stored responses
         ),
     ),
     "engine": Role(
@@ -244,6 +245,7 @@ ROLES: dict[str, Role] = {
             BucketGrant("kv", "group_ports_bucket", create=True),
             BucketGrant("obj", "object_bucket", create=True),
             BucketGrant("obj", "lora_bucket", create=True),  # and pushes adapters to it
+            BucketGrant("kv", "responses_bucket", create=True),
             BucketGrant("stream", "kv_events_stream", create=True),
         ),
         actor=False,

@@ -549,3 +549,22 @@ def test_lora_bench_spreads_a_batch_over_adapters_beside_the_base(tiny_checkpoin
     assert set(out["tok_s"]) == {"0", "1", "4", "16"} and all(out["tok_s"].values())
     assert out["ratio_16"] == round(out["tok_s"]["16"] / out["tok_s"]["0"], 3)
     assert out["load_ms"] > 0 and out["load_ms_object_store"] > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+async def test_serve_drives_each_api_with_the_same_workload(tiny_checkpoint, tmp_path, api) -> None:  # type: ignore[no-untyped-def]
+    from tests.integration.served_stack import served_stack, with_chat_template
+
+    model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
+    async with served_stack(model_dir) as served:
+        args = serve.parse_args(
+            [*_serve_args(served.url), "--api", api, "--warmup-requests", "1", "--concurrency", "2"]
+        )
+        summary = await serve.sweep(args)
+    (level,) = summary["levels"]
+    assert level["num_requests"] == 4 and level["num_failed"] == 0, level
+    assert (
+        level["tok_s"] > 0 and level["ttft_ms_p50"] is not None and level["itl_ms_p50"] is not None
+    )

@@ -211,10 +211,11 @@ OPENERS: list[tuple[str, Callable[[NatsBus], Awaitable[object]]]] = [
     ("engine", lambda bus: open_kv_events_stream(bus, S)),
     ("gateway", lambda bus: open_kv_events_stream(bus, S)),
     ("gateway", lambda bus: bus.open_object_store(S.lora_bucket())),
+    ("gateway", lambda bus: bus.open_kv(S.responses_bucket())),
 ]
-# What nats-init provisions: the group-ports bucket, the KV tier's and the adapters' object
-# buckets, the KV-events stream.
-NUM_PROVISIONED = 4
+# What nats-init provisions: the group-ports and stored-responses buckets, the KV tier's and
+# the adapters' object buckets, the KV-events stream.
+NUM_PROVISIONED = 5
 
 
 async def test_only_the_provisioner_creates_buckets_through_shoal_nats_init(
