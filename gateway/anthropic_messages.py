@@ -38,6 +38,8 @@ from shoal.gateway.anthropic_types import (
     TextDelta,
     TextOut,
     ThinkingBlock,
+    ThinkingDelta,
+    ThinkingOut,
     ToolResultBlock,
     ToolUseBlock,
     ToolUseOut,
@@ -46,6 +48,7 @@ from shoal.gateway.anthropic_types import (
 from shoal.gateway.chat import PreparedChat, prepare_chat, tools_error
 from shoal.gateway.errors import ApiError, bad_request
 from shoal.gateway.generation import Generation
+from shoal.gateway.reasoning import ReasoningStream, split_reasoning
 from shoal.gateway.request_types import (
     CalledFunction,
     ChatCompletionRequest,
@@ -160,6 +163,7 @@ def chat_request(body: MessagesRequest) -> ChatCompletionRequest:
         tool_choice=tool_choice if tools else None,
         parallel_tool_calls=parallel,
         ignore_eos=body.ignore_eos,
+        structured_outputs=body.structured_outputs,
     )
 
 
@@ -221,8 +225,8 @@ def stop_reason(completion: CompletionOutput | None, called: bool) -> tuple[str,
     return "end_turn", None
 
 
-def content_blocks(parsed: ExtractedToolCalls) -> list[ContentOut]:
-    blocks: list[ContentOut] = []
+def content_blocks(parsed: ExtractedToolCalls, reasoning: str | None = None) -> list[ContentOut]:
+    blocks: list[ContentOut] = [ThinkingOut(reasoning)] if reasoning is not None else []
     if parsed.content:
         blocks.append(TextOut(parsed.content))
     for call in parsed.tool_calls:
@@ -248,8 +252,10 @@ class MessageView:
         self.num_output_tokens = 0
         self.last: CompletionOutput | None = None
         self.calls: CallStream | None = chat.plan.stream() if chat.plan is not None else None
+        self.parser = ctx.reasoning_parser  # --reasoning-parser: thinking blocks first
+        self.reasoning = ReasoningStream(self.parser) if self.parser is not None else None
         self.num_blocks = 0
-        self.open_block: str | None = None  # "text", "tool_use" or None
+        self.open_block: str | None = None  # "thinking", "text", "tool_use" or None
 
     @property
     def num_input_tokens(self) -> int:
@@ -265,14 +271,16 @@ class MessageView:
         async for _, output in self.generation.outputs():
             for completion in output.outputs:
                 self._take(completion)
-        text = "".join(self.text)
+        text, reasoning = "".join(self.text), None
+        if self.parser is not None:
+            split = split_reasoning(self.parser, text)
+            text, reasoning = split.content or "", split.reasoning
         plan = self.chat.plan
         parsed = plan.extract(text) if plan is not None else ExtractedToolCalls(text)
         reason, sequence = stop_reason(self.last, parsed.called)
         usage = Usage(self.num_input_tokens, self.num_output_tokens)
-        return Message(
-            self.generation.request_id, self.model, content_blocks(parsed), reason, sequence, usage
-        )
+        blocks = content_blocks(parsed, reasoning)
+        return Message(self.generation.request_id, self.model, blocks, reason, sequence, usage)
 
     # streaming
 
@@ -284,10 +292,18 @@ class MessageView:
     def add_events(self, events: EventStream, prompt_index: int, output: RequestOutput) -> None:
         for completion in output.outputs:
             self._take(completion)
+            text = completion.text
+            if self.reasoning is not None:
+                final = completion.finish_reason is not None
+                thinking, text = self.reasoning.feed(text, final=final)
+                if thinking:
+                    if self.open_block != "thinking":
+                        self._start_block(events, ThinkingOut(""), "thinking")
+                    events.add(ContentBlockDelta(self.num_blocks - 1, ThinkingDelta(thinking)))
             if self.calls is None:
-                self._add_text(events, completion.text)
+                self._add_text(events, text)
                 continue
-            parsed = self.calls.feed(completion.text)
+            parsed = self.calls.feed(text)
             if completion.finish_reason is not None:
                 parsed.extend(self.calls.finish())
             self._add_text(events, parsed.content)

@@ -75,6 +75,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
     ignore_eos: bool = False  # vLLM's extension (benchmarks: every request its max_tokens)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's extension: a grammar
 
 
 class Usage(msgspec.Struct):
@@ -92,7 +93,12 @@ class ToolUseOut(msgspec.Struct, tag="tool_use", tag_field="type"):
     input: Any
 
 
-ContentOut = TextOut | ToolUseOut
+class ThinkingOut(msgspec.Struct, tag="thinking", tag_field="type"):
+    thinking: str
+    signature: str = ""  # Anthropic signs its thinking; shoal has nothing to sign it with
+
+
+ContentOut = TextOut | ToolUseOut | ThinkingOut
 
 
 class Message(msgspec.Struct, tag="message", tag_field="type"):
@@ -126,9 +132,13 @@ class InputJsonDelta(msgspec.Struct, tag="input_json_delta", tag_field="type"):
     partial_json: str
 
 
+class ThinkingDelta(msgspec.Struct, tag="thinking_delta", tag_field="type"):
+    thinking: str
+
+
 class ContentBlockDelta(msgspec.Struct, tag="content_block_delta", tag_field="type"):
     index: int
-    delta: TextDelta | InputJsonDelta
+    delta: TextDelta | InputJsonDelta | ThinkingDelta
 
 
 class ContentBlockStop(msgspec.Struct, tag="content_block_stop", tag_field="type"):

@@ -51,3 +51,30 @@ async def test_thinking_is_split_from_the_answer_whole_and_streamed(
             assert message["reasoning_content"] is None and reasoning == ""
             assert re.fullmatch(PLAIN, message["content"]) and content == message["content"]
         await served.wait_until_idle()
+
+
+async def test_anthropic_messages_give_thinking_blocks(tiny_checkpoint, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With a reasoning parser, /v1/messages answers the thinking as a ``thinking`` block
+    before the text, whole and streamed (``thinking_delta``s joining to it)."""
+    import anthropic
+
+    model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
+    async with served_stack(model_dir, app_options={"reasoning_parser": "deepseek_r1"}) as served:
+        client = anthropic.AsyncAnthropic(base_url=served.url, api_key="x", max_retries=0)
+        common = {
+            "model": MODEL_NAME, "max_tokens": 80, "messages": MESSAGES,
+            "extra_body": {"temperature": 0, "structured_outputs": {"regex": THINKING}},
+        }  # fmt: skip
+        message = await client.messages.create(**common)
+        assert [b.type for b in message.content] == ["thinking", "text"]
+        assert re.fullmatch(PLAIN, message.content[0].thinking), message.content
+        assert re.fullmatch(PLAIN, message.content[1].text), message.content
+        thinking, text = "", ""
+        async with client.messages.stream(**common) as stream:
+            async for event in stream:
+                if event.type == "content_block_delta" and event.delta.type == "thinking_delta":
+                    thinking += event.delta.thinking
+                elif event.type == "content_block_delta" and event.delta.type == "text_delta":
+                    text += event.delta.text
+        assert (thinking, text) == (message.content[0].thinking, message.content[1].text)
+        await served.wait_until_idle()
