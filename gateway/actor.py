@@ -157,6 +157,7 @@ class GatewayActor(Actor):
                 metrics=self.metrics,
                 trust_request_chat_template=self._trusts_request_chat_templates(),
                 loras=loras,
+                embeddings=self._embeddings(),
             )
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)

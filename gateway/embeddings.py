@@ -17,6 +17,8 @@ from typing import Literal
 import msgspec
 from aiohttp import web
 
+from shoal.bus.messages.lora import LoRARequest
+from shoal.engine.client.interface import EngineClientInterface
 from shoal.gateway.embedding_options import EmbeddingOptions
 from shoal.gateway.errors import ApiError, bad_request
 from shoal.gateway.generation import engine_error
@@ -54,15 +56,27 @@ class EmbeddingResponse(msgspec.Struct, tag="list", tag_field="object"):
 
 async def create_embedding(ctx: ServingContext, request: web.Request) -> web.Response:
     body = await decode_body(request, EmbeddingRequest)
-    if ctx.embeddings is None:
+    lora = ctx.check_model(body.model)
+    ctx.check_ready()
+    response = await embed(ctx.engine, body, ctx.embeddings, lora, ctx.model_name(lora))
+    return web.Response(body=msgspec.json.encode(response), content_type="application/json")
+
+
+async def embed(
+    engine: EngineClientInterface,
+    body: EmbeddingRequest,
+    options: EmbeddingOptions | None,
+    lora: LoRARequest | None,
+    model_name: str,
+) -> EmbeddingResponse:
+    """The embeddings of a request's inputs (the HTTP and NATS APIs' shared part)."""
+    if options is None:
         raise bad_request(
             "The model does not support Embeddings API (this server generates: start it with "
             "--runner pooling)",
             param="model",
         )
-    lora = ctx.check_model(body.model)
-    engine = ctx.engine
-    check_dimensions(body.dimensions, ctx.embeddings)
+    check_dimensions(body.dimensions, options)
     prompts = completion_prompts(
         body.input,
         engine.tokenizer,
@@ -70,7 +84,6 @@ async def create_embedding(ctx: ServingContext, request: web.Request) -> web.Res
         engine.max_model_len,
         body.add_special_tokens,
     )
-    ctx.check_ready()
     request_id = new_request_id("embd")
     try:
         outputs = await asyncio.gather(
@@ -88,14 +101,8 @@ async def create_embedding(ctx: ServingContext, request: web.Request) -> web.Res
         vector = shorten(output.pooled, body.dimensions)
         data.append(EmbeddingData(index, encode(vector, body.encoding_format)))
     num_tokens = sum(len(p.token_ids) for p in prompts)
-    response = EmbeddingResponse(
-        request_id,
-        now_seconds(),
-        ctx.model_name(lora),
-        data,
-        EmbeddingUsage(num_tokens, num_tokens),
-    )
-    return web.Response(body=msgspec.json.encode(response), content_type="application/json")
+    usage = EmbeddingUsage(num_tokens, num_tokens)
+    return EmbeddingResponse(request_id, now_seconds(), model_name, data, usage)
 
 
 def check_dimensions(dimensions: int | None, options: EmbeddingOptions) -> None:

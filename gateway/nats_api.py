@@ -33,6 +33,8 @@ from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import RequestOutput
+from shoal.gateway.embedding_options import EmbeddingOptions
+from shoal.gateway.embeddings import EmbeddingRequest, embed
 from shoal.gateway.errors import ApiError, internal_error, unavailable
 from shoal.gateway.generation import Generation
 from shoal.gateway.lora_adapters import LoRAAdapters
@@ -74,9 +76,11 @@ class NatsApi:
         metrics: Metrics | None = None,
         trust_request_chat_template: bool = False,
         loras: LoRAAdapters | None = None,
+        embeddings: EmbeddingOptions | None = None,
     ) -> None:
         self.bus = bus
         self.loras = loras or LoRAAdapters()
+        self.embeddings = embeddings  # --runner pooling: the embeddings subject answers
         self.engine = engine
         self.trust_request_chat_template = trust_request_chat_template
         self.subjects = subjects or Subjects()
@@ -91,6 +95,7 @@ class NatsApi:
         self._subscriptions = [
             await self.bus.subscribe(subjects.api_generate(), self._on_generate, queue=queue),
             await self.bus.subscribe(subjects.api("cancel"), self._on_cancel),
+            await self.bus.subscribe(subjects.api("embeddings"), self._on_embed, queue=queue),
         ]
         await self.bus.flush()  # the server knows the subscriptions once start returns
 
@@ -118,6 +123,25 @@ class NatsApi:
         task = self.running.get(cancel.request_id)
         if task is not None:
             task.cancel()
+
+    async def _on_embed(self, msg: Msg) -> None:
+        """``/v1/embeddings`` over NATS: the same body, the same answer, in one reply."""
+        if not msg.reply:
+            return
+        wire = WireFormat.of(msg)
+        request_id = f"nats-{uuid.uuid4().hex}"
+        try:
+            body = wire.decode_as(msg.data, EmbeddingRequest)
+            lora = check_model(body, self.served_model_name, self.loras)
+            if not self.engine.is_ready():
+                raise unavailable("no engine core is ready")
+            model = self.served_model_name if lora is None else lora.lora_name
+            answer = await embed(self.engine, body, self.embeddings, lora, model)
+            await ReplyStream(msg).end(wire.encode(answer))
+        except ApiError as error:
+            await _reply_error(msg, wire, error, request_id)
+        except Exception as error:
+            await _reply_error(msg, wire, internal_error(error), request_id)
 
     async def _on_generate(self, msg: Msg) -> None:
         if not msg.reply:

@@ -4,7 +4,7 @@ of a message, and the reply builders."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -25,7 +25,7 @@ from shoal.gateway.params import (
     text_prompt,
     token_prompt,
 )
-from shoal.gateway.request_types import MAX_N
+from shoal.gateway.request_types import MAX_N, decode_json_body
 from shoal.gateway.response_types import Usage, make_usage
 
 # Lax, as the HTTP API decodes: 14.0 is the integer 14 (see gateway.request_types).
@@ -33,6 +33,9 @@ _JSON_DECODER = msgspec.json.Decoder(GenerateRequest, strict=False)
 _MSGPACK_DECODER = msgspec.msgpack.Decoder(GenerateRequest, strict=False)
 _JSON_GIVEN = msgspec.json.Decoder(GivenSamplingFields)
 _MSGPACK_GIVEN = msgspec.msgpack.Decoder(GivenSamplingFields)
+
+
+T = TypeVar("T")
 
 
 class WireFormat:
@@ -59,14 +62,28 @@ class WireFormat:
         except msgspec.DecodeError as error:
             raise from_decode_error(error, "json" if self.is_json else "msgpack") from None
 
+    def decode_as(self, data: bytes, body_type: type[T]) -> T:
+        """Another operation's body (``/v1/embeddings``'), laxly as the HTTP API reads it."""
+        try:
+            if self.is_json:
+                return decode_json_body(data, body_type)
+            return msgspec.msgpack.decode(data, type=body_type, strict=False)
+        except msgspec.DecodeError as error:
+            raise from_decode_error(error, "json" if self.is_json else "msgpack") from None
+
     def given_sampling_fields(self, data: bytes) -> frozenset[str]:
         """The ``sampling_params`` fields named in ``data`` (a request that decoded)."""
         decoder = _JSON_GIVEN if self.is_json else _MSGPACK_GIVEN
         return frozenset(decoder.decode(data).sampling_params)
 
 
+class _NamesModel(Protocol):
+    @property
+    def model(self) -> str | None: ...
+
+
 def check_model(
-    request: GenerateRequest, served_model_name: str, loras: LoRAAdapters
+    request: _NamesModel, served_model_name: str, loras: LoRAAdapters
 ) -> LoRARequest | None:
     """The adapter the request's ``model`` names (None: the base model); 404 otherwise."""
     return loras.resolve(request.model, served_model_name)

@@ -84,3 +84,37 @@ async def test_a_generating_server_refuses_embeddings(tiny_checkpoint) -> None: 
     async with served_stack(tiny_checkpoint("llama")) as served:
         with pytest.raises(openai.BadRequestError, match="--runner pooling"):
             await client_of(served.url).embeddings.create(model=MODEL_NAME, input=TEXTS)
+
+
+async def test_the_nats_api_embeds_as_http_does(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from shoal.bus.errors import RemoteError
+    from shoal.bus.streams import request_stream
+    from shoal.gateway.nats_api import NatsApi
+
+    model_dir = tiny_checkpoint("llama")
+    app_options = {"embeddings": EmbeddingOptions()}
+    async with served_stack(model_dir, app_options=app_options, runner="pooling") as served:
+        client = served.stack.client
+        api = NatsApi(
+            client.bus, client, served_model_name=MODEL_NAME, embeddings=EmbeddingOptions()
+        )
+        await api.start()
+        try:
+            subject = api.subjects.api("embeddings")
+            payload = json.dumps({"input": TEXTS}).encode()
+            (reply,) = [
+                json.loads(m.data)
+                async for m in request_stream(client.bus, subject, payload, timeout=30)
+            ]
+            http = await client_of(served.url).embeddings.create(model=MODEL_NAME, input=TEXTS)
+            assert [d["embedding"] for d in reply["data"]] == [d.embedding for d in http.data]
+            with pytest.raises(RemoteError) as caught:
+                bad = json.dumps({"input": TEXTS, "dimensions": 4}).encode()
+                async for _ in request_stream(client.bus, subject, bad, timeout=30):
+                    pass
+            assert "matryoshka" in str(caught.value)
+        finally:
+            await api.stop()
+        await served.wait_until_idle()
