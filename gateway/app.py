@@ -70,6 +70,7 @@ def create_app(
     trust_request_chat_template: bool = False,
     loras: LoRAAdapters | None = None,
     reasoning_parser: str | None = None,
+    structured_in_reasoning: bool = False,
     embeddings: EmbeddingOptions | None = None,
     responses: ResponseStore | None = None,
 ) -> web.Application:
@@ -80,9 +81,10 @@ def create_app(
     ``--enable-auto-tool-choice`` / ``--tool-call-parser`` (default: neither);
     ``trust_request_chat_template``: its ``--trust-request-chat-template``; ``loras``: the
     LoRA adapters served (with ``--enable-lora``: the run-time load and unload endpoints);
-    ``reasoning_parser``: its ``--reasoning-parser``; ``embeddings``: with ``--runner pooling``,
-    how ``/v1/embeddings`` answers; ``responses``: where stored responses are kept (default:
-    this process)."""
+    ``reasoning_parser``: its ``--reasoning-parser`` (``structured_in_reasoning``: a grammar
+    constrains the thinking too, vLLM's ``enable_in_reasoning``); ``embeddings``: with
+    ``--runner pooling``, how ``/v1/embeddings`` answers; ``responses``: where stored responses
+    are kept (default: this process)."""
     name = served_model_name or engine_client.model_name
     if fault_tolerance is None:
         fault_tolerance = getattr(engine_client, "fault_tolerance", None)
@@ -101,6 +103,7 @@ def create_app(
         trust_request_chat_template,
         loras or LoRAAdapters(),
         reasoning_parser,
+        structured_in_reasoning,
         embeddings,
         responses or ResponseStore(),
     )

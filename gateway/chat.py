@@ -88,7 +88,14 @@ def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedCh
         vocab_size=ctx.engine.vocabulary.model_vocab_size,
         defaults=defaults,
     )
-    return PreparedChat(prompt, with_tool_plan(params, plan), plan, lora)
+    params = with_tool_plan(params, plan)
+    reasoning = ctx.reasoning_parser is not None and not ctx.structured_in_reasoning
+    if reasoning and params.structured_outputs is not None:
+        after = msgspec.structs.replace(
+            params.structured_outputs, after_reasoning=ctx.reasoning_parser
+        )  # the constraint holds after the thinking, as vLLM applies it
+        params = msgspec.structs.replace(params, structured_outputs=after)
+    return PreparedChat(prompt, params, plan, lora)
 
 
 async def create_chat_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:

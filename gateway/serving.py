@@ -48,6 +48,9 @@ class ServingContext:
     trust_request_chat_template: bool = False  # a request may bring its own chat template
     loras: LoRAAdapters = field(default_factory=LoRAAdapters)  # served adapters, by name
     reasoning_parser: str | None = None  # --reasoning-parser: thinking split from the answer
+    # vLLM's structured-outputs enable_in_reasoning: a grammar constrains the thinking too
+    # (by default it starts after the thinking)
+    structured_in_reasoning: bool = False
     embeddings: EmbeddingOptions | None = None  # --runner pooling: /v1/embeddings answers
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored responses
 

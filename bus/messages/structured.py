@@ -25,6 +25,9 @@ class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, 
     json_object: bool | None = None
     # No whitespace outside strings in JSON output (shorter output, same meaning).
     disable_any_whitespace: bool = False
+    # A reasoning model's parser (deepseek_r1, qwen3): the constraint applies after its
+    # <think>...</think> (the gateway sets it with --reasoning-parser, as vLLM does).
+    after_reasoning: str | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]

@@ -63,8 +63,33 @@ def choice_ebnf(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(choice) for choice in choices)
 
 
+# Any text but ``</think>``, then ``</think>`` (a thinking that closes), as a regex.
+_THINKING = r"([^<]|<[^/]|</[^t]|</t[^h]|</th[^i]|</thi[^n]|</thin[^k]|</think[^>])*</think>"
+
+
+def with_reasoning(grammar: xgrammar.Grammar, parser: str | None) -> xgrammar.Grammar:
+    """``grammar`` after a reasoning model's thinking: deepseek_r1's output starts inside it (the
+    prompt opened ``<think>``), qwen3's may open one or not."""
+    import xgrammar as xgr
+
+    if parser is None:
+        return grammar
+    if parser == "deepseek_r1":
+        thinking = xgr.Grammar.from_regex(_THINKING)
+    elif parser == "qwen3":
+        thinking = xgr.Grammar.from_regex(rf"(\s*<think>{_THINKING}\s*)?")
+    else:
+        raise GrammarError(f"structured_outputs.after_reasoning: no reasoning parser {parser!r}")
+    return xgr.Grammar.concat(thinking, grammar)
+
+
 def build_grammar(params: StructuredOutputsParams) -> xgrammar.Grammar:
-    """The xgrammar ``Grammar`` of ``params``; ``GrammarError`` naming the mistake."""
+    """The xgrammar ``Grammar`` of ``params`` (after the reasoning when it says so);
+    ``GrammarError`` naming the mistake."""
+    return with_reasoning(_base_grammar(params), params.after_reasoning)
+
+
+def _base_grammar(params: StructuredOutputsParams) -> xgrammar.Grammar:
     import xgrammar as xgr
 
     any_whitespace = not params.disable_any_whitespace
@@ -105,6 +130,8 @@ def compile_grammar(
 ) -> xgrammar.CompiledGrammar:
     """``params``' grammar compiled against the compiler's tokenizer (which caches it by
     schema, regex or grammar text: the same constraint compiles once)."""
+    if params.after_reasoning is not None:
+        return compiler.compile_grammar(build_grammar(params))
     any_whitespace = not params.disable_any_whitespace
     try:
         match params.kind:

@@ -1,7 +1,8 @@
 """Reasoning models through chat completions (``--reasoning-parser``) over the real engine
 stack: a tiny model driven by a regex grammar to write ``<think>...</think>`` and an answer
 gives ``reasoning_content`` and ``content`` split exactly, and the streamed deltas join to the
-same split; with qwen3's parser an answer without thinking is all content."""
+same split; with qwen3's parser an answer without thinking is all content. (The regex
+constrains the thinking too here: ``structured_in_reasoning``, vLLM's ``enable_in_reasoning``.)"""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ async def test_thinking_is_split_from_the_answer_whole_and_streamed(
     tiny_checkpoint, tmp_path, parser
 ) -> None:  # type: ignore[no-untyped-def]
     model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
-    options = {"reasoning_parser": parser}
+    options = {"reasoning_parser": parser, "structured_in_reasoning": True}  # the regex drives
     async with served_stack(model_dir, app_options=options) as served:
         message, reasoning, content = await answers(served.url, THINKING)
         # the grammar wrote <think>WORDS</think>WORDS: each side of the tags, exactly
@@ -59,7 +60,8 @@ async def test_anthropic_messages_give_thinking_blocks(tiny_checkpoint, tmp_path
     import anthropic
 
     model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
-    async with served_stack(model_dir, app_options={"reasoning_parser": "deepseek_r1"}) as served:
+    options = {"reasoning_parser": "deepseek_r1", "structured_in_reasoning": True}
+    async with served_stack(model_dir, app_options=options) as served:
         client = anthropic.AsyncAnthropic(base_url=served.url, api_key="x", max_retries=0)
         common = {
             "model": MODEL_NAME, "max_tokens": 80, "messages": MESSAGES,

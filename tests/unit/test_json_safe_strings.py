@@ -87,3 +87,22 @@ def test_only_length_bounded_strings_are_rewritten() -> None:
             "items": {"anyOf": [{"type": "string", "pattern": r"^[^\x00-\x1f]{0,4}$"}]},
         }
     )
+
+
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_a_constraint_after_reasoning_lets_the_thinking_be(compiler, parser) -> None:  # type: ignore[no-untyped-def]
+    """With a reasoning parser the grammar holds after ``</think>`` (vLLM's default): any
+    thinking first (deepseek_r1: the prompt opened it; qwen3: optional), then the schema."""
+    schema = obj({"type": "integer"})
+
+    def ok(text: str) -> bool:
+        params = StructuredOutputsParams(
+            json=schema, disable_any_whitespace=True, after_reasoning=parser
+        )
+        return bool(xgr.GrammarMatcher(compile_grammar(compiler, params)).accept_string(text))
+
+    opened = "" if parser == "deepseek_r1" else "<think>"
+    assert ok(opened + 'any <words> at all</think>{"x": 3}')
+    assert not ok(opened + 'thinking</think>{"x": "no"}')  # after it: the schema
+    # no thinking written: qwen3's schema holds from the start; deepseek_r1 is still thinking
+    assert ok('{"x": "no"}') == (parser == "deepseek_r1")

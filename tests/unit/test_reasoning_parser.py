@@ -53,3 +53,23 @@ def test_streamed_deltas_join_to_the_whole_split(parser, pieces, data) -> None: 
         reasoning, content = reasoning + r, content + c
     whole = split_reasoning(parser, text)
     assert reasoning == (whole.reasoning or "") and content == (whole.content or "")
+
+
+@pytest.mark.parametrize("in_reasoning", [False, True])
+def test_a_chat_grammar_holds_after_the_thinking_unless_asked_otherwise(in_reasoning) -> None:  # type: ignore[no-untyped-def]
+    from shoal.gateway.chat import prepare_chat
+    from shoal.gateway.metrics import Metrics
+    from shoal.gateway.request_types import ChatCompletionRequest, ChatMessage
+    from shoal.gateway.serving import ServingContext
+    from tests.unit.test_gateway_fake import FakeEngineClient
+
+    ctx = ServingContext(
+        FakeEngineClient(), "m", Metrics("m", max_model_len=256),
+        reasoning_parser="qwen3", structured_in_reasoning=in_reasoning,
+    )  # fmt: skip
+    body = ChatCompletionRequest(
+        messages=[ChatMessage("user", "hi")], structured_outputs={"json": {"type": "object"}}
+    )
+    constraint = prepare_chat(ctx, body).params.structured_outputs
+    assert constraint is not None
+    assert constraint.after_reasoning == (None if in_reasoning else "qwen3")
