@@ -116,6 +116,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     _add_speculative_arguments(parser.add_argument_group("speculative decoding"))
     _add_disaggregation_arguments(parser.add_argument_group("disaggregated prefill"))
     _add_lora_arguments(parser.add_argument_group("LoRA adapters"))
+    _add_pooling_arguments(parser.add_argument_group("embeddings (pooling)"))
 
 
 def _add_lora_arguments(g: Group) -> None:
@@ -293,6 +294,10 @@ def _add_model_arguments(g: Group) -> None:
         help="send step N+1 to the workers while step N runs (two steps in flight)",
     )
     _option(g, "--seed", dest="seed", type=int, help="random seed")
+    _option(g, "--device", dest="device", help="cpu, or cuda / cuda:N")  # fmt: skip
+
+
+def _add_pooling_arguments(g: Group) -> None:
     _option(
         g,
         "--runner",
@@ -310,7 +315,6 @@ def _add_model_arguments(g: Group) -> None:
         help='how embeddings are pooled: JSON such as \'{"pooling_type": "MEAN", "normalize": '
         "true}' (default: the model's sentence-transformers config, else LAST, normalized)",
     )
-    _option(g, "--device", dest="device", help="cpu, or cuda / cuda:N")  # fmt: skip
 
 
 def _add_chat_arguments(g: Group) -> None:

@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_nats_init_arguments(init)
     _add_credential_arguments(init)
+    _add_lora_command(commands, common)
+    return parser  # fmt: skip
+
+
+def _add_lora_command(commands: Any, common: argparse.ArgumentParser) -> None:
     lora = commands.add_parser("lora", parents=[common], help="LoRA adapters of a deployment")
     lora_commands = lora.add_subparsers(dest="lora_command", required=True)
     push = lora_commands.add_parser(
@@ -135,7 +140,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_lora_push_arguments(push)
     _add_credential_arguments(push)
-    return parser  # fmt: skip
 
 
 def _add_nats_auth_command(commands: Any, common: argparse.ArgumentParser) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -354,40 +355,25 @@ class AsyncEngineClient:
         )
         collector = RequestOutputCollector(params.output_kind)
         self.placements.track(request_id, collector)
+        fresh: list[tuple[ChildRequest, list[int]]] = [(child, []) for child in children]
+        payload = ResumeRequest(prompt_ids, arrival, priority, fresh, lora_request, pooling_params)
         if engine is None:
-            payload = ResumeRequest(
-                prompt_ids,
-                arrival,
-                priority,
-                [(c, []) for c in children],
-                lora_request,
-                pooling_params,
-            )
             self.resumptions.park(request_id, payload, None, time.monotonic(), counts=False)
             return collector
-        sends: list[tuple[ChildRequest, list[int]]] = [(child, []) for child in children]
         kv_params = None
         prefill = self.disagg.prefill_engine(request_id, engine, len(prompt_ids), params, hashes)
         if prefill is not None:  # prefilled there, continued on ``engine``
             processor.mark_remote_prefill(request_id)
-            sends = [
+            prefilled: list[tuple[ChildRequest, list[int]]] = [
                 (ChildRequest(c.request_id, prefill_params(c.sampling_params)), [])
                 for c in children
             ]
+            payload = dataclasses.replace(payload, children=prefilled)
             kv_params = KVTransferParams(do_remote_decode=True)
             engine = prefill
         self.placements.place(request_id, engine.engine_id, self.router.epoch(engine.engine_id))
         try:
-            await self.sender.send_adds(
-                engine.engine_id,
-                sends,
-                prompt_ids,
-                arrival,
-                priority,
-                kv_params,
-                lora_request,
-                pooling_params,
-            )
+            await self.sender.send_adds(engine.engine_id, payload, kv_params)
         except BusError as exc:
             self._fail(request_id, EngineUnavailableError(f"request not sent: {exc!r}"))
             raise EngineUnavailableError(f"request not sent to {engine.engine_id}: {exc}") from exc
@@ -497,16 +483,8 @@ class AsyncEngineClient:
         ]
         self.placements.place(request_id, engine.engine_id, self.router.epoch(engine.engine_id))
         try:
-            await self.sender.send_adds(
-                engine.engine_id,
-                children,
-                payload.prompt_token_ids,
-                payload.arrival_time,
-                payload.priority,
-                pull,
-                payload.lora_request,
-                payload.pooling_params,
-            )
+            continuation = dataclasses.replace(payload, children=children)
+            await self.sender.send_adds(engine.engine_id, continuation, pull)
         except BusError as exc:
             await self.sender.send_release(
                 held.remote_engine_id, [c.request_id for c, _ in children]

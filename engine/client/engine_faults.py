@@ -173,15 +173,7 @@ class EngineFaults:
         if placements.engine_of(request_id) != engine_id:
             return  # aborted, or moved again, before this ran
         try:
-            await self._sender.send_adds(
-                engine_id,
-                payload.children,
-                payload.prompt_token_ids,
-                payload.arrival_time,
-                payload.priority,
-                lora_request=payload.lora_request,
-                pooling_params=payload.pooling_params,
-            )
+            await self._sender.send_adds(engine_id, payload)
         except BusError as exc:
             if placements.engine_of(request_id) == engine_id:
                 error = f"resumed request not sent to {engine_id}: {exc!r}"

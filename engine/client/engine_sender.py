@@ -13,10 +13,8 @@ from shoal.bus.base import Bus
 from shoal.bus.codec import encode
 from shoal.bus.errors import BusError
 from shoal.bus.messages.engine import AbortRequest, AddRequest, KVTransferParams, ReleaseKV
-from shoal.bus.messages.lora import LoRARequest
-from shoal.bus.messages.pooling import PoolingParams
 from shoal.bus.subjects import Subjects
-from shoal.engine.client.output_processor import ChildRequest
+from shoal.engine.client.output_processor import ResumeRequest
 
 log = logging.getLogger(__name__)
 
@@ -34,31 +32,26 @@ class EngineSender:
     async def send_adds(
         self,
         engine_id: str,
-        children: list[tuple[ChildRequest, list[int]]],
-        prompt_ids: list[int],
-        arrival: float,
-        priority: int,
+        payload: ResumeRequest,
         kv_transfer_params: KVTransferParams | None = None,
-        lora_request: LoRARequest | None = None,
-        pooling_params: PoolingParams | None = None,
     ) -> None:
-        """One add per completion, with the tokens it already has (resumed) or none, the
-        disaggregated prefill's ``kv_transfer_params`` and the request's adapter; ``BusError``
-        when one is not sent."""
+        """One add per completion of ``payload``, with the tokens it already has (resumed) or
+        none, and the disaggregated prefill's ``kv_transfer_params``; ``BusError`` when one is
+        not sent."""
         subject = self.subjects.engine_in(engine_id)
-        for child, output_token_ids in children:
+        for child, output_token_ids in payload.children:
             add = AddRequest(
                 child.request_id,
-                prompt_ids,
+                payload.prompt_token_ids,
                 child.sampling_params,
                 self.client_id,
-                arrival,
+                payload.arrival_time,
                 eos_token_ids=self.eos_token_ids,
-                priority=priority,
+                priority=payload.priority,
                 output_token_ids=output_token_ids,
                 kv_transfer_params=kv_transfer_params,
-                lora_request=lora_request,
-                pooling_params=pooling_params,
+                lora_request=payload.lora_request,
+                pooling_params=payload.pooling_params,
             )
             await self.bus.publish(subject, encode(add))
 

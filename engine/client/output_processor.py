@@ -71,8 +71,10 @@ class ProcessedOutputs:
 
 @dataclass(slots=True, frozen=True)
 class ResumeRequest:
-    """What to send again for a request cut by a fault: per unfinished completion, its new
-    engine-side request and the tokens it already produced."""
+    """What to send an engine core for a request: per unfinished completion, its engine-side
+    request and the tokens it already produced (none on the first send; those of the cut
+    attempt when sent again after a fault, or handed over), and what every add carries (its
+    adapter, its pooling)."""
 
     prompt_token_ids: list[int]
     arrival_time: float
