@@ -140,6 +140,7 @@ ROLES: dict[str, Role] = {
             _g("tier_kv_events", ANY),
             _g("api_generate"),
             _g("api", "cancel"),
+            _g("api", "embeddings"),
         ),
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_results", ANY)),
         buckets=(
@@ -228,6 +229,7 @@ ROLES: dict[str, Role] = {
         publish=(
             _g("api_generate"),
             _g("api", "cancel"),
+            _g("api", "embeddings"),
             _g("transfer_prefix", user_of("gateway"), tail=">"),
         ),
         subscribe=(_g("inbox_prefix", USER, tail=">"), _g("transfer_prefix", USER, tail=">")),

@@ -176,7 +176,10 @@ async def test_either_side_killed_under_load_still_gives_the_calm_outputs(
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         assert await asyncio.wait_for(running, 240) == expected
-        assert client.resumptions.num_resumptions_total > 0
+        if victim.startswith("d-"):  # its streams were cut: resumed elsewhere
+            assert client.resumptions.num_resumptions_total > 0
+        # (a prefill-side kill may land once every prefill there is done: then it cuts no
+        # request, and the accounting below is what it can change)
         if victim.startswith("p-"):
             # Every handover the decode engine core took was pulled where its KV still existed
             # or, the prefill side gone, recomputed: none lost, none read from a dead cache.
