@@ -66,6 +66,12 @@ def subject_matches(pattern: str, subject: str) -> bool:
     return tokens_match(tuple(pattern.split(".")), tuple(subject.split(".")))
 
 
+# The gateway's public NATS API: its request/reply operations (``Subjects.api(op)``, served in
+# the queue group) and ``cancel`` (every gateway hears it).
+API_OPERATIONS = ("generate", "embeddings", "responses", "responses_get", "messages")
+API_CANCEL = "cancel"
+
+
 class Subjects:
     """Builds the subjects of one deployment. ``namespace`` may be dotted (``"prod.shoal"``)."""
 

@@ -98,10 +98,18 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     # How embeddings are pooled (vLLM's --pooler-config JSON: pooling_type LAST|MEAN|CLS,
     # normalize); None: the model's sentence-transformers config, else LAST, normalized.
     pooler_config: dict[str, Any] | None = None
+    # vLLM's --structured-outputs-config JSON: enable_in_reasoning (a grammar constrains a
+    # reasoning model's thinking too; by default it applies after the thinking) and backend
+    # (xgrammar, shoal's one; "auto" names it too).
+    structured_outputs_config: dict[str, Any] | None = None
 
     @property
     def is_pooling(self) -> bool:
         return self.runner == "pooling" or self.convert == "embed"
+
+    @property
+    def structured_in_reasoning(self) -> bool:
+        return bool((self.structured_outputs_config or {}).get("enable_in_reasoning", False))
 
     def __post_init__(self) -> None:
         _one_of(self.dtype, DTYPES, "dtype")
@@ -118,6 +126,7 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
             _one_of(self.tool_call_parser, TOOL_CALL_PARSERS, "tool_call_parser")
         if self.reasoning_parser is not None:
             _one_of(self.reasoning_parser, REASONING_PARSERS, "reasoning_parser")
+        _check_structured_outputs_config(self.structured_outputs_config or {})
         _require(
             not self.enable_auto_tool_choice or self.tool_call_parser is not None,
             "enable_auto_tool_choice",
@@ -140,6 +149,22 @@ class ModelConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
     def name(self) -> str:
         """The served model name."""
         return self.served_model_name or self.model
+
+
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+
+
+def _check_structured_outputs_config(options: dict[str, Any]) -> None:
+    field = "structured_outputs_config"
+    unknown = sorted(set(options) - {"enable_in_reasoning", "backend"})
+    _require(not unknown, field, f"has no options {unknown} (enable_in_reasoning, backend)")
+    in_reasoning = options.get("enable_in_reasoning", False)
+    _require(
+        isinstance(in_reasoning, bool),
+        field,
+        f"enable_in_reasoning must be true or false, got {in_reasoning!r}",
+    )
+    _one_of(options.get("backend", "auto"), STRUCTURED_OUTPUTS_BACKENDS, f"{field}.backend")
 
 
 class CacheConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):

@@ -344,6 +344,15 @@ def _add_chat_arguments(g: Group) -> None:
     )
     _option(
         g,
+        "--structured-outputs-config",
+        dest="structured_outputs_config",
+        type=json_object,
+        help="structured outputs: JSON such as '{\"enable_in_reasoning\": true}' (a grammar "
+        "constrains a reasoning model's thinking too; by default it applies after it) or "
+        '\'{"backend": "xgrammar"}\' (the only backend)',
+    )
+    _option(
+        g,
         "--tokenizer",
         dest="tokenizer",
         help="the tokenizer to use instead of the model's: a Hugging Face directory, or a GGUF "

@@ -32,7 +32,7 @@ from shoal.gateway.metrics import Metrics
 from shoal.gateway.nats_api import NatsApi
 from shoal.gateway.response_store import ResponseStore
 from shoal.gateway.server import HttpServer, start_http_server
-from shoal.gateway.serving import DEFAULT_SSE_KEEP_ALIVE_S
+from shoal.gateway.serving import CONTEXT_KEY, DEFAULT_SSE_KEEP_ALIVE_S
 from shoal.gateway.stats_logging import StatsLogger
 from shoal.gateway.tools import ToolCallingOptions
 
@@ -144,21 +144,13 @@ class GatewayActor(Actor):
             trust_request_chat_template=self._trusts_request_chat_templates(),
             loras=loras,
             reasoning_parser=self.config.model_config.reasoning_parser if self.config else None,
+            structured_in_reasoning=self._structured_in_reasoning(),
             embeddings=self._embeddings(),
             responses=ResponseStore(lambda: bus.open_kv(responses_bucket)),
         )
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:
-            self.nats_api = NatsApi(
-                self.bus,
-                engine,
-                subjects=self.subjects,
-                served_model_name=name,
-                metrics=self.metrics,
-                trust_request_chat_template=self._trusts_request_chat_templates(),
-                loras=loras,
-                embeddings=self._embeddings(),
-            )
+            self.nats_api = NatsApi(self.bus, app[CONTEXT_KEY], subjects=self.subjects)
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)
 
@@ -189,6 +181,10 @@ class GatewayActor(Actor):
             return ToolCallingOptions()
         model = self.config.model_config
         return ToolCallingOptions(model.enable_auto_tool_choice, model.tool_call_parser)
+
+    def _structured_in_reasoning(self) -> bool:
+        """The deployment's ``--structured-outputs-config`` ``enable_in_reasoning``."""
+        return self.config is not None and self.config.model_config.structured_in_reasoning
 
     def _trusts_request_chat_templates(self) -> bool:
         """The deployment's ``--trust-request-chat-template`` (off without a config)."""

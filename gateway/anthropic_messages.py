@@ -47,6 +47,7 @@ from shoal.gateway.anthropic_types import (
 )
 from shoal.gateway.chat import PreparedChat, prepare_chat, tools_error
 from shoal.gateway.errors import ApiError, bad_request
+from shoal.gateway.events import EventStream, NamedSseStream, write_stream
 from shoal.gateway.generation import Generation
 from shoal.gateway.reasoning import ReasoningStream, split_reasoning
 from shoal.gateway.request_types import (
@@ -59,7 +60,7 @@ from shoal.gateway.request_types import (
     NamedFunction,
     NamedToolChoice,
 )
-from shoal.gateway.serving import EventStream, ServingContext, decode_body, stream_events
+from shoal.gateway.serving import ServingContext, decode_body
 from shoal.gateway.tool_parsers.calls import DeltaToolCall, ExtractedToolCalls
 from shoal.gateway.tools import CallStream
 
@@ -86,15 +87,27 @@ def error_response(error: ApiError) -> web.Response:
 
 
 async def create_message(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
+    arrival_time = time.time()
     try:
-        return await _create_message(ctx, request)
+        body = await decode_body(request, MessagesRequest)
+        if not body.stream:
+            message = await answer_message(ctx, body, arrival_time)
+            return web.Response(body=msgspec.json.encode(message), content_type="application/json")
+        events = AnthropicEventStream(request, ctx.sse_keep_alive_s)
+        await answer_message(ctx, body, arrival_time, events)
+        return events.response
     except ApiError as error:
         return error_response(error)
 
 
-async def _create_message(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
-    arrival_time = time.time()
-    body = await decode_body(request, MessagesRequest)
+async def answer_message(
+    ctx: ServingContext,
+    body: MessagesRequest,
+    arrival_time: float,
+    events: EventStream | None = None,
+) -> Message | None:
+    """Run one Messages request (the HTTP and NATS APIs' shared part): streamed into
+    ``events`` (None returned), else answered whole."""
     chat = prepare_chat(ctx, chat_request(body))
     ctx.check_ready()
     generation = Generation(
@@ -109,17 +122,16 @@ async def _create_message(ctx: ServingContext, request: web.Request) -> web.Stre
     view = MessageView(ctx, chat, generation)
     try:
         async with generation:
-            if body.stream:
-                return await stream_events(
-                    request,
-                    generation,
-                    view.add_events,
-                    add_opening=view.add_start,
-                    add_closing=view.add_end,
-                    stream_class=AnthropicEventStream,
-                )
-            message = await view.complete()
-            return web.Response(body=msgspec.json.encode(message), content_type="application/json")
+            if events is None:
+                return await view.complete()
+            await write_stream(
+                events,
+                generation,
+                view.add_events,
+                add_opening=view.add_start,
+                add_closing=view.add_end,
+            )
+            return None
     except ApiError as error:
         raise tools_error(error, chat.plan) from None
 
@@ -252,7 +264,7 @@ class MessageView:
         self.num_output_tokens = 0
         self.last: CompletionOutput | None = None
         self.calls: CallStream | None = chat.plan.stream() if chat.plan is not None else None
-        self.parser = ctx.reasoning_parser  # --reasoning-parser: thinking blocks first
+        self.parser = chat.reasoning_parser  # --reasoning-parser: thinking blocks first
         self.reasoning = ReasoningStream(self.parser) if self.parser is not None else None
         self.num_blocks = 0
         self.open_block: str | None = None  # "thinking", "text", "tool_use" or None
@@ -344,19 +356,9 @@ class MessageView:
         events.add(MessageStop())
 
 
-class AnthropicEventStream(EventStream):
+class AnthropicEventStream(NamedSseStream):
     """Anthropic's server-sent events: ``event: <type>`` before each ``data:``, no ``[DONE]``,
     an error as an ``error`` event."""
 
-    def add(self, chunk: Any) -> None:
-        kind = type(chunk).__struct_config__.tag  # every event is a tagged struct
-        data = msgspec.json.encode(chunk)
-        self._buffer.append(f"event: {kind}\n".encode() + b"data: " + data + b"\n\n")
-
-    async def send_error(self, error: ApiError) -> None:
-        self.add(error_body(error))
-        await self.flush()
-
-    async def finish(self) -> None:
-        await self.flush()
-        await self.response.write_eof()
+    def error_event(self, error: ApiError) -> Any:
+        return error_body(error)

@@ -49,6 +49,7 @@ from shoal.gateway.serving import (
     DEFAULT_SSE_KEEP_ALIVE_S,
     ServingContext,
     decode_body,
+    serving_context,
 )
 from shoal.gateway.tools import ToolCallingOptions
 
@@ -85,28 +86,26 @@ def create_app(
     constrains the thinking too, vLLM's ``enable_in_reasoning``); ``embeddings``: with
     ``--runner pooling``, how ``/v1/embeddings`` answers; ``responses``: where stored responses
     are kept (default: this process)."""
-    name = served_model_name or engine_client.model_name
     if fault_tolerance is None:
         fault_tolerance = getattr(engine_client, "fault_tolerance", None)
-    if metrics is None:
-        metrics = Metrics(name, max_model_len=engine_client.max_model_len)
+    ctx = serving_context(
+        engine_client,
+        served_model_name=served_model_name,
+        metrics=metrics,
+        sse_keep_alive_s=sse_keep_alive_s,
+        tool_calling=tool_calling or ToolCallingOptions(),
+        trust_request_chat_template=trust_request_chat_template,
+        loras=loras or LoRAAdapters(),
+        reasoning_parser=reasoning_parser,
+        structured_in_reasoning=structured_in_reasoning,
+        embeddings=embeddings,
+        responses=responses or ResponseStore(),
+    )
     middlewares: list[Middleware] = [error_middleware]
     if api_key:
         middlewares.append(bearer_auth(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
-    app[CONTEXT_KEY] = ServingContext(
-        engine_client,
-        name,
-        metrics,
-        sse_keep_alive_s,
-        tool_calling or ToolCallingOptions(),
-        trust_request_chat_template,
-        loras or LoRAAdapters(),
-        reasoning_parser,
-        structured_in_reasoning,
-        embeddings,
-        responses or ResponseStore(),
-    )
+    app[CONTEXT_KEY] = ctx
     app.router.add_post("/v1/completions", _with_context(create_completion))
     app.router.add_post("/v1/chat/completions", _with_context(create_chat_completion))
     app.router.add_get("/v1/models", _with_context(list_models))
@@ -126,7 +125,7 @@ def create_app(
     app.router.add_post("/detokenize", _with_context(detokenize))
     app.router.add_get("/tokenizer_info", _with_context(tokenizer_info))
     app.router.add_get("/version", version)
-    FaultToleranceEndpoints(fault_tolerance, metrics).install(app)
+    FaultToleranceEndpoints(fault_tolerance, ctx.metrics).install(app)
     return app
 
 

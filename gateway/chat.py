@@ -16,10 +16,11 @@ from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.outputs import CompletionOutput, RequestOutput
 from shoal.gateway.chat_prompt import chat_options, message_text, render_chat
 from shoal.gateway.errors import ApiError, bad_request
+from shoal.gateway.events import EventStream
 from shoal.gateway.generation import Generation
 from shoal.gateway.logprobs import TokenText, chat_logprobs
 from shoal.gateway.params import Prompt, check_unsupported, resolve_max_tokens, sampling_params
-from shoal.gateway.reasoning import ReasoningStream, split_reasoning
+from shoal.gateway.reasoning import ReasoningStream, prompt_closes_thinking, split_reasoning
 from shoal.gateway.request_types import ChatCompletionRequest
 from shoal.gateway.response_types import (
     ChatChoice,
@@ -33,7 +34,6 @@ from shoal.gateway.response_types import (
 )
 from shoal.gateway.serving import (
     Choice,
-    EventStream,
     ServingContext,
     UsageCounter,
     decode_body,
@@ -44,6 +44,7 @@ from shoal.gateway.serving import (
 from shoal.gateway.tools import CallStream, ToolPlan, template_tools, tool_plan
 
 ASSISTANT = "assistant"
+PROMPT_TAIL_TOKENS = 16  # enough to hold a closing </think> and the blank lines after it
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +55,10 @@ class PreparedChat:
     params: SamplingParams
     plan: ToolPlan | None
     lora: LoRARequest | None
+    # how the output's thinking is split off: the server's --reasoning-parser, unless the
+    # prompt already closed the thinking (a template told to skip it: Qwen3's
+    # chat_template_kwargs enable_thinking false), when the whole output is the answer
+    reasoning_parser: str | None = None
 
 
 def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedChat:
@@ -89,13 +94,20 @@ def prepare_chat(ctx: ServingContext, body: ChatCompletionRequest) -> PreparedCh
         defaults=defaults,
     )
     params = with_tool_plan(params, plan)
-    reasoning = ctx.reasoning_parser is not None and not ctx.structured_in_reasoning
-    if reasoning and params.structured_outputs is not None:
-        after = msgspec.structs.replace(
-            params.structured_outputs, after_reasoning=ctx.reasoning_parser
-        )  # the constraint holds after the thinking, as vLLM applies it
-        params = msgspec.structs.replace(params, structured_outputs=after)
-    return PreparedChat(prompt, params, plan, lora)
+    parser = ctx.reasoning_parser
+    if parser is not None and _closes_thinking(ctx, prompt):
+        parser = None
+    constraint = params.structured_outputs
+    if parser is not None and not ctx.structured_in_reasoning and constraint is not None:
+        after = msgspec.structs.replace(constraint, after_reasoning=parser)
+        params = msgspec.structs.replace(params, structured_outputs=after)  # as vLLM applies it
+    return PreparedChat(prompt, params, plan, lora, parser)
+
+
+def _closes_thinking(ctx: ServingContext, prompt: Prompt) -> bool:
+    """Whether the rendered prompt ends with the thinking already closed."""
+    tail = ctx.engine.tokenizer.decode(prompt.token_ids[-PROMPT_TAIL_TOKENS:])
+    return prompt_closes_thinking(tail)
 
 
 async def create_chat_completion(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
@@ -113,7 +125,7 @@ async def create_chat_completion(ctx: ServingContext, request: web.Request) -> w
         arrival_time,
         chat.lora,
     )
-    view = ChatView(ctx, body, generation, plan)
+    view = ChatView(ctx, body, generation, plan, chat.reasoning_parser)
     try:
         async with generation:
             if body.stream:
@@ -155,8 +167,10 @@ class ChatView:
         body: ChatCompletionRequest,
         generation: Generation,
         plan: ToolPlan | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         self.ctx = ctx
+        self.reasoning_parser = reasoning_parser
         self.body = body
         self.generation = generation
         self.plan = plan
@@ -166,7 +180,7 @@ class ChatView:
             [plan.stream() for _ in self.choices] if streams and plan is not None else None
         )
         self.logprobs = [ChatLogprobs() for _ in self.choices] if body.logprobs else None
-        parser = ctx.reasoning_parser
+        parser = reasoning_parser
         self.reasoning: list[ReasoningStream] | None = (
             [ReasoningStream(parser) for _ in self.choices] if parser and body.stream else None
         )
@@ -226,8 +240,8 @@ class ChatView:
         """A whole choice's message (its reasoning split off, its tool calls parsed out of the
         rest) and finish reason."""
         reasoning, text = None, choice.text
-        if self.ctx.reasoning_parser is not None:
-            split = split_reasoning(self.ctx.reasoning_parser, text)
+        if self.reasoning_parser is not None:
+            split = split_reasoning(self.reasoning_parser, text)
             reasoning, text = split.reasoning, split.content or ""
         if self.plan is None:
             content = (self.echo + text) if text or reasoning is None else None

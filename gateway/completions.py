@@ -17,6 +17,7 @@ from aiohttp import web
 
 from shoal.engine.client.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from shoal.gateway.errors import bad_request
+from shoal.gateway.events import EventStream
 from shoal.gateway.generation import Generation
 from shoal.gateway.logprobs import TokenText, append_completion_logprobs
 from shoal.gateway.params import (
@@ -36,7 +37,6 @@ from shoal.gateway.response_types import (
 )
 from shoal.gateway.serving import (
     Choice,
-    EventStream,
     ServingContext,
     UsageCounter,
     decode_body,

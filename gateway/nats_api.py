@@ -1,13 +1,19 @@
-"""The gateway's public NATS request/reply API: ``Subjects.api_generate()`` in the queue group
-``Subjects.api_queue()``, so several gateways share the load.
+"""The gateway's public NATS request/reply API, served in the queue group
+``Subjects.api_queue()`` so several gateways share the load. Each operation is a subject,
+``Subjects.api(<op>)``, and takes JSON or msgpack (answered in kind):
 
-A request (``GenerateRequest``, JSON or msgpack) is answered on its reply subject with one
-``result``, or with ``chunk`` messages ending in a ``final`` one (``stream: true``). A failure is
-one ``error`` message with the same code and status as on the HTTP API. Messages carry the
-bus's streamed-reply headers (``Shoal-Stream: more|last|error``, ``Shoal-Error: <code>``), so
-``bus.streams.request_stream`` reads them as well as a plain nats-py client does. A message on
-``Subjects.api("cancel")`` with ``{"request_id": ...}`` stops that request on whichever gateway
-runs it. Schema and example: ``docs/nats-api.md``.
+- ``generate`` (``GenerateRequest``): one ``result``, or ``chunk`` messages ending in a
+  ``final`` one (``stream: true``);
+- ``responses``, ``responses_get``, ``messages``, ``embeddings``: the HTTP API's
+  ``/v1/responses``, ``GET /v1/responses/{id}``, Anthropic's ``/v1/messages`` and
+  ``/v1/embeddings`` (same body, same answer, run by the same code on the same serving context),
+  answered in one message, or streamed as one message per event;
+- ``cancel`` with ``{"request_id": ...}`` stops that generate request on whichever gateway runs it.
+
+A failure is one ``error`` message with the same code and status as on the HTTP API. Messages
+carry the bus's streamed-reply headers (``Shoal-Stream: more|last|error``, ``Shoal-Error:
+<code>``), so ``bus.streams.request_stream`` reads them as well as a plain nats-py client does.
+Schema and example: ``docs/nats-api.md``.
 """
 
 from __future__ import annotations
@@ -17,43 +23,36 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
 
 import msgspec
 
-from shoal.bus.base import (
-    ERROR_CODE_HEADER,
-    STREAM_ERROR,
-    STREAM_HEADER,
-    Bus,
-    ReplyStream,
-    Subscription,
-)
+from shoal.bus.base import Bus, ReplyStream, Subscription
 from shoal.bus.msg import Msg
-from shoal.bus.subjects import Subjects
-from shoal.engine.client.interface import EngineClientInterface
+from shoal.bus.subjects import API_OPERATIONS, Subjects
 from shoal.engine.client.outputs import RequestOutput
-from shoal.gateway.embedding_options import EmbeddingOptions
+from shoal.gateway.anthropic_messages import answer_message
+from shoal.gateway.anthropic_types import MessagesRequest
 from shoal.gateway.embeddings import EmbeddingRequest, embed
-from shoal.gateway.errors import ApiError, internal_error, unavailable
+from shoal.gateway.errors import ApiError, internal_error
 from shoal.gateway.generation import Generation
-from shoal.gateway.lora_adapters import LoRAAdapters
-from shoal.gateway.metrics import Metrics
+from shoal.gateway.nats_events import NatsEventStream, reply_error
 from shoal.gateway.nats_replies import (
     ReplyBuilder,
     WireFormat,
-    check_model,
     request_params,
     request_prompt,
 )
 from shoal.gateway.nats_schema import (
-    JSON_CONTENT_TYPE,
     GenerateChunk,
-    GenerateError,
     GenerateFinal,
     GenerateRequest,
     GenerateResult,
 )
+from shoal.gateway.responses import respond, stored_response
+from shoal.gateway.responses_types import ResponsesRequest
+from shoal.gateway.serving import ServingContext
 
 log = logging.getLogger(__name__)
 Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
@@ -63,40 +62,52 @@ class CancelRequest(msgspec.Struct):
     request_id: str
 
 
-class NatsApi:
-    """Serves generate requests arriving on the bus with one engine client."""
+class GetResponseRequest(msgspec.Struct):
+    response_id: str
 
-    def __init__(
-        self,
-        bus: Bus,
-        engine: EngineClientInterface,
-        *,
-        subjects: Subjects | None = None,
-        served_model_name: str | None = None,
-        metrics: Metrics | None = None,
-        trust_request_chat_template: bool = False,
-        loras: LoRAAdapters | None = None,
-        embeddings: EmbeddingOptions | None = None,
-    ) -> None:
+
+@dataclass(slots=True)
+class Exchange:
+    """One request on the API: its message, wire format and request id (made up until the
+    request names its own)."""
+
+    msg: Msg
+    wire: WireFormat
+    request_id: str
+
+
+Operation = Callable[[Exchange], Awaitable[None]]
+
+
+class NatsApi:
+    """Serves the API's operations arriving on the bus with one serving context (the HTTP API's)."""
+
+    def __init__(self, bus: Bus, ctx: ServingContext, *, subjects: Subjects | None = None) -> None:
         self.bus = bus
-        self.loras = loras or LoRAAdapters()
-        self.embeddings = embeddings  # --runner pooling: the embeddings subject answers
-        self.engine = engine
-        self.trust_request_chat_template = trust_request_chat_template
+        self.ctx = ctx
         self.subjects = subjects or Subjects()
-        self.served_model_name = served_model_name or engine.model_name
-        self.metrics = metrics
         self.running: dict[str, asyncio.Task[None] | None] = {}
         self._subscriptions: list[Subscription] = []
 
     async def start(self) -> None:
         subjects = self.subjects
         queue = subjects.api_queue()
-        self._subscriptions = [
-            await self.bus.subscribe(subjects.api_generate(), self._on_generate, queue=queue),
-            await self.bus.subscribe(subjects.api("cancel"), self._on_cancel),
-            await self.bus.subscribe(subjects.api("embeddings"), self._on_embed, queue=queue),
-        ]
+        operations: dict[str, Operation] = {
+            "generate": self._generate,
+            "embeddings": self._embed,
+            "responses": self._respond,
+            "responses_get": self._get_response,
+            "messages": self._message,
+        }
+        assert tuple(operations) == API_OPERATIONS, "every operation served, and only those"
+        for name, operation in operations.items():
+            handler = self._handler(operation)
+            self._subscriptions.append(
+                await self.bus.subscribe(subjects.api(name), handler, queue=queue)
+            )
+        self._subscriptions.append(
+            await self.bus.subscribe(subjects.api("cancel"), self._on_cancel)
+        )
         await self.bus.flush()  # the server knows the subscriptions once start returns
 
     async def stop(self, timeout_s: float = 5.0) -> None:
@@ -124,54 +135,97 @@ class NatsApi:
         if task is not None:
             task.cancel()
 
-    async def _on_embed(self, msg: Msg) -> None:
-        """``/v1/embeddings`` over NATS: the same body, the same answer, in one reply."""
-        if not msg.reply:
-            return
-        wire = WireFormat.of(msg)
-        request_id = f"nats-{uuid.uuid4().hex}"
-        try:
-            body = wire.decode_as(msg.data, EmbeddingRequest)
-            lora = check_model(body, self.served_model_name, self.loras)
-            if not self.engine.is_ready():
-                raise unavailable("no engine core is ready")
-            model = self.served_model_name if lora is None else lora.lora_name
-            answer = await embed(self.engine, body, self.embeddings, lora, model)
-            await ReplyStream(msg).end(wire.encode(answer))
-        except ApiError as error:
-            await _reply_error(msg, wire, error, request_id)
-        except Exception as error:
-            await _reply_error(msg, wire, internal_error(error), request_id)
+    def _handler(self, operation: Operation) -> Callable[[Msg], Awaitable[None]]:
+        async def handle(msg: Msg) -> None:
+            await self._exchange(msg, operation)
 
-    async def _on_generate(self, msg: Msg) -> None:
+        return handle
+
+    async def _exchange(self, msg: Msg, operation: Operation) -> None:
+        """Run one request's operation; any failure becomes its error reply."""
         if not msg.reply:
-            log.warning("generate request on %s has no reply subject: dropped", msg.subject)
+            log.warning("API request on %s has no reply subject: dropped", msg.subject)
             return
-        wire = WireFormat.of(msg)
-        request_id = f"nats-{uuid.uuid4().hex}"
-        arrival_time = time.time()
+        exchange = Exchange(msg, WireFormat.of(msg), f"nats-{uuid.uuid4().hex}")
         try:
-            request = wire.decode_request(msg.data)
-            request_id = request.request_id or request_id
-            if request_id in self.running:
-                raise ApiError(
-                    400,
-                    f"request id {request_id!r} is already running",
-                    code="duplicate_request_id",
-                    param="request_id",
-                )
-            self.running[request_id] = asyncio.current_task()
-            try:
-                await self._serve(msg, wire, request, request_id, arrival_time)
-            finally:
-                self.running.pop(request_id, None)
+            await operation(exchange)
         except ApiError as error:
-            await _reply_error(msg, wire, error, request_id)
+            await reply_error(msg, exchange.wire, error, exchange.request_id)
         except asyncio.CancelledError:
             cancelled = ApiError(499, "the request was cancelled", code="cancelled")
-            await _reply_error(msg, wire, cancelled, request_id)
+            await reply_error(msg, exchange.wire, cancelled, exchange.request_id)
         except Exception as error:
-            await _reply_error(msg, wire, internal_error(error), request_id)
+            await reply_error(msg, exchange.wire, internal_error(error), exchange.request_id)
+
+    @contextlib.contextmanager
+    def _running(self, exchange: Exchange, request_id: str | None = None) -> Iterator[None]:
+        """Known as running under ``request_id`` (default: the exchange's) while inside: a
+        cancel or ``stop`` reaches it."""
+        request_id = exchange.request_id = request_id or exchange.request_id
+        if request_id in self.running:
+            raise ApiError(
+                400,
+                f"request id {request_id!r} is already running",
+                code="duplicate_request_id",
+                param="request_id",
+            )
+        self.running[request_id] = asyncio.current_task()
+        try:
+            yield
+        finally:
+            self.running.pop(request_id, None)
+
+    # ----- the operations
+
+    async def _embed(self, exchange: Exchange) -> None:
+        """``/v1/embeddings``: the same body, the same answer, in one reply."""
+        ctx, wire = self.ctx, exchange.wire
+        body = wire.decode_as(exchange.msg.data, EmbeddingRequest)
+        lora = ctx.check_model(body.model)
+        ctx.check_ready()
+        with self._running(exchange):
+            answer = await embed(ctx.engine, body, ctx.embeddings, lora, ctx.model_name(lora))
+        await ReplyStream(exchange.msg).end(wire.encode(answer))
+
+    async def _respond(self, exchange: Exchange) -> None:
+        """``POST /v1/responses``: the response, or its events one message each."""
+        arrival_time = time.time()
+        body = exchange.wire.decode_as(exchange.msg.data, ResponsesRequest)
+        with self._running(exchange):
+            if body.stream:
+                events = self._events(exchange)
+                await respond(self.ctx, body, arrival_time, events)
+                return
+            response = await respond(self.ctx, body, arrival_time)
+        await ReplyStream(exchange.msg).end(exchange.wire.encode(response))
+
+    async def _get_response(self, exchange: Exchange) -> None:
+        """``GET /v1/responses/{id}``: ``{"response_id": ...}``, answered with the response."""
+        wire = exchange.wire
+        wanted = wire.decode_as(exchange.msg.data, GetResponseRequest)
+        response = await stored_response(self.ctx, wanted.response_id)
+        await ReplyStream(exchange.msg).end(wire.encode(response))
+
+    async def _message(self, exchange: Exchange) -> None:
+        """Anthropic's ``POST /v1/messages``: the message, or its events one message each."""
+        arrival_time = time.time()
+        body = exchange.wire.decode_as(exchange.msg.data, MessagesRequest)
+        with self._running(exchange):
+            if body.stream:
+                await answer_message(self.ctx, body, arrival_time, self._events(exchange))
+                return
+            message = await answer_message(self.ctx, body, arrival_time)
+        await ReplyStream(exchange.msg).end(exchange.wire.encode(message))
+
+    def _events(self, exchange: Exchange) -> NatsEventStream:
+        return NatsEventStream(exchange.msg, exchange.wire, exchange.request_id)
+
+    async def _generate(self, exchange: Exchange) -> None:
+        arrival_time = time.time()
+        msg, wire = exchange.msg, exchange.wire
+        request = wire.decode_request(msg.data)
+        with self._running(exchange, request.request_id):
+            await self._serve(msg, wire, request, exchange.request_id, arrival_time)
 
     async def _serve(
         self,
@@ -181,23 +235,23 @@ class NatsApi:
         request_id: str,
         arrival_time: float,
     ) -> None:
-        lora = check_model(request, self.served_model_name, self.loras)
-        prompt = request_prompt(request, self.engine, self.trust_request_chat_template)
-        params = request_params(request, prompt, self.engine, wire.given_sampling_fields(msg.data))
-        if not self.engine.is_ready():
-            raise unavailable("no engine core is ready")
+        ctx = self.ctx
+        lora = ctx.check_model(request.model)
+        prompt = request_prompt(request, ctx.engine, ctx.trust_request_chat_template)
+        params = request_params(request, prompt, ctx.engine, wire.given_sampling_fields(msg.data))
+        ctx.check_ready()
         builder = ReplyBuilder(params.n, len(prompt.token_ids), params.logprobs is not None)
         generation = Generation(
-            self.engine, [prompt], [params], request_id, self.metrics, arrival_time, lora
+            ctx.engine, [prompt], [params], request_id, ctx.metrics, arrival_time, lora
         )
         async with generation:
             outputs = generation.outputs()
             async with contextlib.aclosing(outputs):
-                model = self.served_model_name if lora is None else lora.lora_name
+                named = (request_id, ctx.model_name(lora))
                 if request.stream:
-                    await self._stream(msg, wire, outputs, builder, (request_id, model))
+                    await self._stream(msg, wire, outputs, builder, named)
                 else:
-                    await self._answer(msg, wire, outputs, builder, (request_id, model))
+                    await self._answer(msg, wire, outputs, builder, named)
 
     async def _answer(
         self,
@@ -231,14 +285,3 @@ class NatsApi:
                 await stream.send(wire.encode(GenerateChunk(request_id, choices)))
         final = GenerateFinal(*named, builder.ends(), builder.usage())
         await stream.end(wire.encode(final))
-
-
-async def _reply_error(msg: Msg, wire: WireFormat, error: ApiError, request_id: str) -> None:
-    reply = GenerateError(error.to_response().error, error.status, request_id)
-    headers = {STREAM_HEADER: STREAM_ERROR, ERROR_CODE_HEADER: error.code or "error"}
-    if wire.is_json:
-        headers["Content-Type"] = JSON_CONTENT_TYPE
-    try:
-        await msg.respond(wire.encode(reply), headers=headers)
-    except Exception:  # the caller may be gone: nothing left to tell
-        log.debug("could not deliver the error reply of %s", request_id, exc_info=True)

@@ -4,18 +4,16 @@ of a message, and the reply builders."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
-from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.bus.msg import Msg
 from shoal.engine.client.interface import EngineClientInterface
 from shoal.engine.client.outputs import CompletionOutput
 from shoal.gateway.chat_prompt import chat_options, render_chat
 from shoal.gateway.errors import bad_request, from_decode_error, from_value_error
-from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.nats_schema import ChoiceEnd, ChoiceOut, GenerateRequest, GivenSamplingFields
 from shoal.gateway.params import (
     Prompt,
@@ -75,18 +73,6 @@ class WireFormat:
         """The ``sampling_params`` fields named in ``data`` (a request that decoded)."""
         decoder = _JSON_GIVEN if self.is_json else _MSGPACK_GIVEN
         return frozenset(decoder.decode(data).sampling_params)
-
-
-class _NamesModel(Protocol):
-    @property
-    def model(self) -> str | None: ...
-
-
-def check_model(
-    request: _NamesModel, served_model_name: str, loras: LoRAAdapters
-) -> LoRARequest | None:
-    """The adapter the request's ``model`` names (None: the base model); 404 otherwise."""
-    return loras.resolve(request.model, served_model_name)
 
 
 def request_prompt(

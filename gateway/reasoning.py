@@ -14,9 +14,36 @@ back until it is whole, so the deltas join to exactly the split of the whole tex
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 START, END = "<think>", "</think>"
+Decode = Callable[[list[int]], str]
+
+
+def prompt_closes_thinking(prompt_tail: str) -> bool:
+    """Whether a prompt (its last few tokens' text) ends with the thinking closed: the model
+    answers at once (vLLM looks for the end of the reasoning in the prompt the same way)."""
+    return prompt_tail.rstrip().endswith(END)
+
+
+def count_reasoning_tokens(parser: str, token_ids: list[int], decode: Decode) -> int:
+    """How many of an output's tokens are its thinking: through the one that completes
+    ``</think>`` (found by bisection over decoded prefixes), all of them when the thinking never
+    closes, none when there is no thinking."""
+    text = decode(token_ids)
+    if split_reasoning(parser, text).reasoning is None:
+        return 0
+    if END not in text:
+        return len(token_ids)
+    low, high = 1, len(token_ids)
+    while low < high:
+        middle = (low + high) // 2
+        if END in decode(token_ids[:middle]):
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,9 @@ from aiohttp import web
 from shoal.engine.client.outputs import CompletionOutput, RequestOutput
 from shoal.gateway.chat import PreparedChat, prepare_chat, tools_error
 from shoal.gateway.errors import ApiError, bad_request
+from shoal.gateway.events import EventStream, NamedSseStream, write_stream
 from shoal.gateway.generation import Generation
-from shoal.gateway.reasoning import split_reasoning
+from shoal.gateway.reasoning import count_reasoning_tokens, split_reasoning
 from shoal.gateway.request_types import (
     CalledFunction,
     ChatCompletionRequest,
@@ -50,7 +51,7 @@ from shoal.gateway.responses_types import (
     ResponseUsage,
     TextOptions,
 )
-from shoal.gateway.serving import EventStream, ServingContext, decode_body, stream_events
+from shoal.gateway.serving import ServingContext, decode_body
 from shoal.gateway.tool_parsers.calls import ExtractedToolCalls
 
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
@@ -68,6 +69,23 @@ def not_found(response_id: str) -> ApiError:
 async def create_response(ctx: ServingContext, request: web.Request) -> web.StreamResponse:
     arrival_time = time.time()
     body = await decode_body(request, ResponsesRequest)
+    if not body.stream:
+        response = await respond(ctx, body, arrival_time)
+        return web.Response(body=msgspec.json.encode(response), content_type="application/json")
+    events = ResponseEventStream(request, ctx.sse_keep_alive_s)
+    await respond(ctx, body, arrival_time, events)
+    return events.response
+
+
+async def respond(
+    ctx: ServingContext,
+    body: ResponsesRequest,
+    arrival_time: float,
+    events: EventStream | None = None,
+) -> Response | None:
+    """Run one Responses request (the HTTP and NATS APIs' shared part): streamed into
+    ``events`` (None returned), else answered whole; stored either way unless ``store`` is
+    false."""
     if body.background:
         raise bad_request("background responses are not supported", param="background")
     history: list[ChatMessage] = []
@@ -86,37 +104,39 @@ async def create_response(ctx: ServingContext, request: web.Request) -> web.Stre
     view = ResponseView(ctx, body, chat, generation, conversation)
     try:
         async with generation:
-            if body.stream:
-                streamed = await stream_events(
-                    request,
+            if events is not None:
+                await write_stream(
+                    events,
                     generation,
                     view.add_events,
                     add_opening=view.add_start,
                     add_closing=view.add_end,
-                    stream_class=ResponseEventStream,
                 )
                 if view.final is not None:
                     await view.store(view.final)
-                return streamed
+                return None
             response = await view.complete()
     except ApiError as error:
         raise tools_error(error, chat.plan) from None
     await view.store(response)
-    return web.Response(body=msgspec.json.encode(response), content_type="application/json")
+    return response
 
 
-async def get_response(ctx: ServingContext, request: web.Request) -> web.Response:
-    response_id = request.match_info["response_id"]
+async def stored_response(ctx: ServingContext, response_id: str) -> Response:
+    """A stored response (404 if there is none by that id)."""
     stored = await ctx.responses.get(response_id)
     if stored is None:
         raise not_found(response_id)
-    return web.Response(body=msgspec.json.encode(stored.response), content_type="application/json")
+    return stored.response
+
+
+async def get_response(ctx: ServingContext, request: web.Request) -> web.Response:
+    response = await stored_response(ctx, request.match_info["response_id"])
+    return web.Response(body=msgspec.json.encode(response), content_type="application/json")
 
 
 async def cancel_response(ctx: ServingContext, request: web.Request) -> web.Response:
-    response_id = request.match_info["response_id"]
-    if await ctx.responses.get(response_id) is None:
-        raise not_found(response_id)
+    await stored_response(ctx, request.match_info["response_id"])
     raise bad_request("Cannot cancel a synchronous response: only background responses can be")
 
 
@@ -197,9 +217,11 @@ def chat_request(body: ResponsesRequest, conversation: list[ChatMessage]) -> Cha
 
 
 def _format(body: ResponsesRequest) -> dict[str, Any] | None:
-    """``text.format`` as vLLM's ``structured_outputs``."""
+    """``text.format`` as vLLM's ``structured_outputs`` (or those given as such)."""
     if body.text is None or body.text.format.type == "text":
-        return None
+        return body.structured_outputs
+    if body.structured_outputs is not None:
+        raise bad_request("give text.format or structured_outputs, not both", param="text")
     fmt = body.text.format
     if fmt.type == "json_object":
         return {"json_object": True}
@@ -229,11 +251,12 @@ class ResponseView:
         self.conversation = conversation
         self.created_at = int(time.time())
         self.texts: list[str] = []
+        self.token_ids: list[int] = []
         self.num_output_tokens = 0
         self.num_cached_tokens = 0
         self.last: CompletionOutput | None = None
         # streamed text goes out as it comes when nothing is parsed out of it
-        self.live = chat.plan is None and ctx.reasoning_parser is None
+        self.live = chat.plan is None and chat.reasoning_parser is None
         self.message_id = new_id("msg")
         self.sequence = 0
         self.final: Response | None = None  # a stream's last response, to store
@@ -243,6 +266,7 @@ class ResponseView:
         texts = []
         for completion in output.outputs:
             self.texts.append(completion.text)
+            self.token_ids.extend(completion.token_ids)
             texts.append(completion.text)
             self.num_output_tokens += len(completion.token_ids)
             if completion.finish_reason is not None:
@@ -257,8 +281,8 @@ class ResponseView:
     def items(self) -> list[OutputItem]:
         text = "".join(self.texts)
         items: list[OutputItem] = []
-        if self.ctx.reasoning_parser is not None:
-            split = split_reasoning(self.ctx.reasoning_parser, text)
+        if self.chat.reasoning_parser is not None:
+            split = split_reasoning(self.chat.reasoning_parser, text)
             if split.reasoning is not None:
                 items.append(ReasoningItem(new_id("rs"), [ReasoningText(split.reasoning)]))
             text = split.content or ""
@@ -279,6 +303,7 @@ class ResponseView:
         num_input = len(self.chat.prompt.token_ids)
         usage = ResponseUsage(num_input, self.num_output_tokens, num_input + self.num_output_tokens)
         usage.input_tokens_details.cached_tokens = self.num_cached_tokens
+        usage.output_tokens_details.reasoning_tokens = self._num_reasoning_tokens()
         return Response(
             id=self.generation.request_id,
             created_at=self.created_at,
@@ -296,9 +321,15 @@ class ResponseView:
             tool_choice=body.tool_choice or "auto",
             parallel_tool_calls=body.parallel_tool_calls is not False,
             text=body.text or TextOptions(),
-            store=body.store,
             metadata=body.metadata or {},
         )
+
+    def _num_reasoning_tokens(self) -> int:
+        parser = self.chat.reasoning_parser
+        if parser is None or not self.token_ids:
+            return 0
+        tokenizer = self.ctx.engine.tokenizer
+        return count_reasoning_tokens(parser, self.token_ids, lambda ids: tokenizer.decode(ids))
 
     async def store(self, response: Response) -> None:
         if not self.body.store:
@@ -377,9 +408,8 @@ class ResponseView:
                 events, "response.function_call_arguments.delta", delta=item.arguments, **common
             )
             self._event(
-                events, "response.function_call_arguments.done", arguments=item.arguments,
-                name=item.name, **common,
-            )  # fmt: skip
+                events, "response.function_call_arguments.done", arguments=item.arguments, **common
+            )
         else:
             self._event(events, "response.output_item.added", output_index=index, item=item)
         self._event(events, "response.output_item.done", output_index=index, item=item)
@@ -396,18 +426,21 @@ def _as_messages(output: list[OutputItem]) -> list[ChatMessage]:
     return [ChatMessage("assistant", text, tool_calls=calls or None)]
 
 
-class ResponseEventStream(EventStream):
-    """The Responses API's events: ``event: <type>`` before each ``data:``, no ``[DONE]``."""
+class ResponseEventStream(NamedSseStream):
+    """The Responses API's events: ``event: <type>`` before each ``data:``, no ``[DONE]``; an
+    error is an ``error`` event numbered after the events before it."""
 
-    def add(self, chunk: Any) -> None:
-        data = msgspec.json.encode(chunk)
-        self._buffer.append(f"event: {chunk['type']}\n".encode() + b"data: " + data + b"\n\n")
+    num_events = 0
 
-    async def send_error(self, error: ApiError) -> None:
-        body = {"type": "error", "code": error.code, "message": error.message, "param": error.param}
-        self._buffer.append(b"event: error\ndata: " + msgspec.json.encode(body) + b"\n\n")
-        await self.flush()
+    def add(self, event: Any) -> None:
+        super().add(event)
+        self.num_events += 1
 
-    async def finish(self) -> None:
-        await self.flush()
-        await self.response.write_eof()
+    def error_event(self, error: ApiError) -> Any:
+        return {
+            "type": "error",
+            "code": error.code,
+            "message": error.message,
+            "param": error.param,
+            "sequence_number": self.num_events,
+        }

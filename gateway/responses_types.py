@@ -12,8 +12,8 @@ from typing import Any
 import msgspec
 
 
-class TextFormat(msgspec.Struct, kw_only=True):
-    type: str = "text"  # text | json_schema | json_object
+class TextFormat(msgspec.Struct, kw_only=True, omit_defaults=True):
+    type: str  # text | json_schema | json_object
     name: str | None = None
     schema: dict[str, Any] | None = None
     strict: bool | None = None
@@ -21,7 +21,7 @@ class TextFormat(msgspec.Struct, kw_only=True):
 
 
 class TextOptions(msgspec.Struct, kw_only=True):
-    format: TextFormat = msgspec.field(default_factory=TextFormat)
+    format: TextFormat = msgspec.field(default_factory=lambda: TextFormat(type="text"))
 
 
 class FunctionTool(msgspec.Struct, kw_only=True):
@@ -50,6 +50,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     user: str | None = None
     background: bool = False
     ignore_eos: bool = False  # vLLM's extension (benchmarks: every request its max tokens)
+    # as on chat completions (a regex, choice, grammar...): instead of text.format
+    structured_outputs: dict[str, Any] | None = None
 
 
 # ----- the response
@@ -89,7 +91,10 @@ OutputItem = MessageItem | FunctionCallItem | ReasoningItem
 
 
 class InputTokensDetails(msgspec.Struct):
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
+    # tokens written with an explicit cache retention (OpenAI's extended caching): shoal's
+    # prefix cache keeps every full block without being asked, so none are
+    cache_write_tokens: int = 0
 
 
 class OutputTokensDetails(msgspec.Struct):
@@ -126,5 +131,4 @@ class Response(msgspec.Struct, tag="response", tag_field="object", kw_only=True)
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     text: TextOptions = msgspec.field(default_factory=TextOptions)
-    store: bool = True
     metadata: dict[str, str] = msgspec.field(default_factory=dict)

@@ -1,13 +1,12 @@
-"""What the endpoint handlers share: the engine and served name, typed body decoding, the model
-check, per-choice accumulation and usage, and server-sent events (``stream_events``) with
-keep-alive comments while no output comes."""
+"""What the endpoint handlers share (``ServingContext``: the engine and served name, the
+deployment's serving options; the HTTP and NATS APIs hold the same one), typed body decoding, the
+model check, per-choice accumulation and usage, and an HTTP answer streamed as server-sent events
+(``stream_events``) with keep-alive comments while no output comes."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -16,9 +15,10 @@ from aiohttp import web
 
 from shoal.bus.messages.lora import LoRARequest
 from shoal.engine.client.interface import EngineClientInterface
-from shoal.engine.client.outputs import CompletionOutput, RequestOutput
+from shoal.engine.client.outputs import CompletionOutput
 from shoal.gateway.embedding_options import EmbeddingOptions
-from shoal.gateway.errors import ApiError, from_decode_error, internal_error, unavailable
+from shoal.gateway.errors import from_decode_error, unavailable
+from shoal.gateway.events import AddEvents, AddOutputEvents, SseEventStream, write_stream
 from shoal.gateway.generation import Generation
 from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.metrics import Metrics
@@ -30,12 +30,6 @@ from shoal.gateway.tools import ToolCallingOptions
 T = TypeVar("T")
 
 DEFAULT_SSE_KEEP_ALIVE_S = 15.0
-KEEP_ALIVE_EVENT = b": keep-alive\n\n"  # an SSE comment: clients skip it, proxies see traffic
-SSE_HEADERS = {
-    "Content-Type": "text/event-stream",
-    "Cache-Control": "no-cache",
-    "X-Accel-Buffering": "no",
-}
 
 
 @dataclass(slots=True)
@@ -66,6 +60,21 @@ class ServingContext:
     def check_ready(self) -> None:
         if not self.engine.is_ready():
             raise unavailable("no engine core is ready")
+
+
+def serving_context(
+    engine: EngineClientInterface,
+    *,
+    served_model_name: str | None = None,
+    metrics: Metrics | None = None,
+    **options: Any,
+) -> ServingContext:
+    """A serving context for ``engine``: served as ``served_model_name`` (default: the engine's
+    model), its own metrics unless given, and ``options`` (``ServingContext``'s other fields)."""
+    name = served_model_name or engine.model_name
+    if metrics is None:
+        metrics = Metrics(name, max_model_len=engine.max_model_len)
+    return ServingContext(engine, name, metrics, **options)
 
 
 CONTEXT_KEY = web.AppKey("shoal_serving_context", ServingContext)
@@ -127,56 +136,6 @@ class UsageCounter:
         return make_usage(self.prompt_tokens, self.completion_tokens)
 
 
-class EventStream:
-    """A server-sent event response: ``data: <json>`` per chunk, then ``data: [DONE]``.
-
-    ``add`` buffers an event and ``flush`` writes the buffer in one go, so outputs that piled up
-    while the client was being served leave in one write.
-    """
-
-    def __init__(self, request: web.Request) -> None:
-        self._request = request
-        self._buffer: list[bytes] = []
-        self.response = web.StreamResponse(headers=SSE_HEADERS)
-
-    @property
-    def is_open(self) -> bool:
-        """Whether the 200 and its headers have gone out (an error is then an event)."""
-        return self.response.prepared
-
-    async def open(self) -> None:
-        if not self.response.prepared:
-            await self.response.prepare(self._request)
-
-    async def keep_alive(self) -> None:
-        """A comment line, so proxies do not cut a stream that waits; opens the stream first."""
-        await self.open()
-        self._buffer.append(KEEP_ALIVE_EVENT)
-        await self.flush()
-
-    def add(self, chunk: Any) -> None:
-        self._buffer.append(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
-
-    async def flush(self) -> None:
-        if self._buffer:
-            data = b"".join(self._buffer)
-            self._buffer.clear()
-            await self.response.write(data)
-
-    async def send_error(self, error: ApiError) -> None:
-        self._buffer.append(b"data: " + error.to_json() + b"\n\n")
-        await self.flush()
-
-    async def finish(self) -> None:
-        self._buffer.append(b"data: [DONE]\n\n")
-        await self.flush()
-        await self.response.write_eof()
-
-
-AddEvents = Callable[[EventStream], None]
-AddOutputEvents = Callable[[EventStream, int, RequestOutput], None]
-
-
 async def stream_events(
     request: web.Request,
     generation: Generation,
@@ -184,59 +143,16 @@ async def stream_events(
     *,
     add_opening: AddEvents | None = None,
     add_closing: AddEvents | None = None,
-    stream_class: type[EventStream] = EventStream,
+    stream_class: type[SseEventStream] = SseEventStream,
 ) -> web.StreamResponse:
-    """Answer with a generation as server-sent events.
-
-    ``add_opening`` chunks, then ``add_output(events, prompt_index, output)`` per engine output,
-    written whenever no more outputs wait (the first at once), then ``add_closing`` chunks and
-    ``[DONE]``. Whenever no output comes for the serving context's ``sse_keep_alive_s`` (a long
-    queue wait or prefill), a keep-alive comment goes out. An error before anything was sent
-    keeps its HTTP status (the middleware answers it); a later one becomes an error event. A
-    client that went away ends the stream quietly. ``stream_class`` writes the events (OpenAI's
-    ``data:`` lines by default).
-    """
-    events = stream_class(request)
+    """Answer an HTTP request with a generation as server-sent events (``write_stream`` says
+    how), a keep-alive comment going out whenever no output comes for the serving context's
+    ``sse_keep_alive_s`` (a long queue wait or prefill). An error before anything was sent
+    keeps its HTTP status (the middleware answers it). ``stream_class`` writes the events
+    (OpenAI's ``data:`` lines by default)."""
     ctx = request.app.get(CONTEXT_KEY)
-    idle_s = ctx.sse_keep_alive_s if ctx is not None else None
-    outputs = generation.outputs(idle_s, events.keep_alive)
-    async with contextlib.aclosing(outputs):
-        try:
-            await _write_events(events, generation, outputs, add_output, add_opening, add_closing)
-        except ApiError as error:
-            if not events.is_open:
-                raise
-            await events.send_error(error)
-        except ConnectionResetError:
-            if not events.is_open:
-                raise
-            return events.response
-        except Exception as error:  # a bug: tell the client, keep serving others
-            if not events.is_open:
-                raise
-            await events.send_error(internal_error(error))
-        await events.finish()
+    events = stream_class(request, ctx.sse_keep_alive_s if ctx is not None else None)
+    await write_stream(
+        events, generation, add_output, add_opening=add_opening, add_closing=add_closing
+    )
     return events.response
-
-
-async def _write_events(
-    events: EventStream,
-    generation: Generation,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-    add_output: AddOutputEvents,
-    add_opening: AddEvents | None,
-    add_closing: AddEvents | None,
-) -> None:
-    first = await anext(outputs, None)
-    await events.open()
-    if add_opening is not None:
-        add_opening(events)
-    if first is not None:
-        add_output(events, *first)
-    await events.flush()
-    async for prompt_index, output in outputs:
-        add_output(events, prompt_index, output)
-        if not generation.has_pending():
-            await events.flush()
-    if add_closing is not None:
-        add_closing(events)

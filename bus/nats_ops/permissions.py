@@ -25,7 +25,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from shoal.bus.subjects import Subjects, subject_matches
+from shoal.bus.subjects import API_CANCEL, API_OPERATIONS, Subjects, subject_matches
 
 ANY = "*"  # a grant argument standing for every id (a "*" token)
 USER = "<user>"  # a grant argument standing for the role's own NATS user name
@@ -57,6 +57,9 @@ class Grant:
 
 def _g(method: str, *args: str, tail: str = "") -> Grant:
     return Grant(method, args, tail)
+
+
+API_GRANTS = tuple(_g("api", op) for op in (*API_OPERATIONS, API_CANCEL))
 
 
 def user_of(role: str) -> str:
@@ -138,9 +141,7 @@ ROLES: dict[str, Role] = {
             _g("engine_stats", ANY),
             _g("kv_events", ANY),
             _g("tier_kv_events", ANY),
-            _g("api_generate"),
-            _g("api", "cancel"),
-            _g("api", "embeddings"),
+            *API_GRANTS,
         ),
         deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_results", ANY)),
         buckets=(
@@ -227,9 +228,7 @@ ROLES: dict[str, Role] = {
     "client": Role(
         kind="client",
         publish=(
-            _g("api_generate"),
-            _g("api", "cancel"),
-            _g("api", "embeddings"),
+            *API_GRANTS,
             _g("transfer_prefix", user_of("gateway"), tail=">"),
         ),
         subscribe=(_g("inbox_prefix", USER, tail=">"), _g("transfer_prefix", USER, tail=">")),
@@ -259,6 +258,7 @@ NOT_GRANTED = {
     "all": "a debugging tap of every subject: for an operator's own unrestricted user",
     "inboxes": "every reply inbox: replies go out by allow_responses (Role.responses)",
     "api_queue": "a queue group name, not a subject",
+    "api_generate": "the subject api('generate'), granted with the other API_OPERATIONS",
 }
 
 

@@ -13,7 +13,10 @@ import aiohttp
 import anthropic
 import openai
 import pytest
+from anthropic.types import ErrorResponse, Message, RawMessageStreamEvent
 
+from shoal.gateway.tools import ToolCallingOptions
+from tests.fixtures.api_schemas import check_schema, sse_events
 from tests.integration.served_stack import MODEL_NAME, served_stack, with_chat_template
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -151,3 +154,57 @@ async def test_errors_are_anthropic_shaped_and_harmless(served) -> None:  # type
     ok = await claude.messages.create(model=MODEL_NAME, max_tokens=4, messages=MESSAGES)
     assert ok.content[0].type == "text"
     await served.wait_until_idle()
+
+
+# What hermes' format forces (a regex): some text, then two calls.
+HERMES_CALLS = (
+    'ok <tool_call>\\{"name": "get_weather", "arguments": \\{"city": "(Paris|Rome)"\\}\\}'
+    '</tool_call>\n<tool_call>\\{"name": "get_time", "arguments": \\{"zone": "[A-Z]{3}"\\}\\}'
+    "</tool_call>"
+)
+GET_TIME = {
+    "name": "get_time",
+    "input_schema": {"type": "object", "properties": {"zone": {"type": "string"}}},
+}
+
+
+async def test_auto_tool_choice_parses_calls_and_every_body_matches_the_schema(
+    tiny_checkpoint, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """``tool_choice: auto`` with ``--enable-auto-tool-choice --tool-call-parser hermes``: the
+    calls the model writes (a grammar makes it write two, after some text) become ``tool_use``
+    blocks after the text, whole and streamed; every raw body and event, plain, forced, auto
+    and an error, validates against the published types."""
+    model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
+    options = {"tool_calling": ToolCallingOptions(True, "hermes")}
+    async with served_stack(model_dir, app_options=options) as served:
+        claude, _ = clients(served.url)
+        auto = {
+            "model": MODEL_NAME, "max_tokens": 400, "messages": MESSAGES,
+            "tools": [WEATHER, GET_TIME], "tool_choice": {"type": "auto"},
+            "extra_body": {**GREEDY, "structured_outputs": {"regex": HERMES_CALLS}},
+        }  # fmt: skip
+        message = await claude.messages.create(**auto)
+        assert [b.type for b in message.content] == ["text", "tool_use", "tool_use"], message
+        assert message.content[0].text == "ok "  # type: ignore[union-attr]
+        uses = [(b.name, b.input) for b in message.content if b.type == "tool_use"]
+        assert [name for name, _ in uses] == ["get_weather", "get_time"]
+        assert uses[0][1]["city"] in ("Paris", "Rome") and message.stop_reason == "tool_use"
+        async with claude.messages.stream(**auto) as stream:
+            final = await stream.get_final_message()
+        assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == uses
+        forced = {**auto, "tool_choice": {"type": "any"}, "extra_body": GREEDY}
+        async with aiohttp.ClientSession() as session:
+            for body in (auto, forced, {**auto, "tools": [], "tool_choice": {"type": "none"}}):
+                raw = {k: v for k, v in body.items() if k != "extra_body"}
+                raw.update(body["extra_body"])  # type: ignore[arg-type]
+                url = f"{served.url}/v1/messages"
+                async with session.post(url, json=raw) as answer:
+                    check_schema(Message, await answer.json())
+                async with session.post(url, json={**raw, "stream": True}) as answer:
+                    for event in sse_events(await answer.text()):
+                        check_schema(RawMessageStreamEvent, event)
+            async with session.post(url, json={**raw, "model": "nope"}) as answer:
+                assert answer.status == 404
+                check_schema(ErrorResponse, await answer.json())
+        await served.wait_until_idle()

@@ -321,3 +321,21 @@ def test_lora_flags_reach_the_config(tiny_checkpoint) -> None:  # type: ignore[n
     )
     assert _run("serve", model, "--max-lora-rank", "12").returncode == 2  # not a vLLM rank
     assert _run("serve", model, "--lora-modules", "sql=/x").returncode == 2  # needs --enable-lora
+
+
+def test_structured_outputs_config_reaches_the_gateway(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's ``--structured-outputs-config '{"enable_in_reasoning": true}'``: a grammar then
+    constrains the thinking too (the gateway's serving option); unknown keys or a backend
+    shoal lacks are refused."""
+    from shoal.deploy.arguments import config_from_namespace
+    from shoal.deploy.cli import build_parser
+
+    model = str(tiny_checkpoint("llama"))
+    default = config_from_namespace(build_parser().parse_args(["serve", model]), model)
+    assert not default.model_config.structured_in_reasoning
+    flags = ["serve", model, "--reasoning-parser", "qwen3", "--structured-outputs-config",
+             '{"enable_in_reasoning": true, "backend": "xgrammar"}']  # fmt: skip
+    config = config_from_namespace(build_parser().parse_args(flags), model)
+    assert config.model_config.structured_in_reasoning
+    for bad in ('{"enable_in_reasoning": 1}', '{"backend": "outlines"}', '{"reasoning": true}'):
+        assert _run("serve", model, "--structured-outputs-config", bad).returncode == 2

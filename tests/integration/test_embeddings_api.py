@@ -89,16 +89,21 @@ async def test_a_generating_server_refuses_embeddings(tiny_checkpoint) -> None: 
 async def test_the_nats_api_embeds_as_http_does(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
     import json
 
+    from openai.types import CreateEmbeddingResponse
+
     from shoal.bus.errors import RemoteError
     from shoal.bus.streams import request_stream
     from shoal.gateway.nats_api import NatsApi
+    from shoal.gateway.serving import serving_context
+    from tests.fixtures.api_schemas import check_schema
 
     model_dir = tiny_checkpoint("llama")
     app_options = {"embeddings": EmbeddingOptions()}
     async with served_stack(model_dir, app_options=app_options, runner="pooling") as served:
         client = served.stack.client
         api = NatsApi(
-            client.bus, client, served_model_name=MODEL_NAME, embeddings=EmbeddingOptions()
+            client.bus,
+            serving_context(client, served_model_name=MODEL_NAME, embeddings=EmbeddingOptions()),
         )
         await api.start()
         try:
@@ -110,6 +115,10 @@ async def test_the_nats_api_embeds_as_http_does(tiny_checkpoint) -> None:  # typ
             ]
             http = await client_of(served.url).embeddings.create(model=MODEL_NAME, input=TEXTS)
             assert [d["embedding"] for d in reply["data"]] == [d.embedding for d in http.data]
+            # the published body, with vLLM's id and creation time besides
+            check_schema(
+                CreateEmbeddingResponse, reply, extensions=frozenset({"$.id", "$.created"})
+            )
             with pytest.raises(RemoteError) as caught:
                 bad = json.dumps({"input": TEXTS, "dimensions": 4}).encode()
                 async for _ in request_stream(client.bus, subject, bad, timeout=30):

@@ -22,6 +22,7 @@ from shoal.bus.subjects import Subjects
 from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.bus.transport.nats_bus import NatsBus
 from shoal.gateway.nats_api import NatsApi
+from shoal.gateway.serving import serving_context
 from tests.unit.test_gateway_fake import FakeEngineClient
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.nats]
@@ -40,7 +41,7 @@ async def _start_gateways(url: str, count: int = 1, **engine_options: Any) -> li
         bus = NatsBus([url])
         await bus.connect()
         engine = FakeEngineClient(**engine_options)
-        api = NatsApi(bus, engine, subjects=subjects)
+        api = NatsApi(bus, serving_context(engine), subjects=subjects)
         await api.start()
         gateways.append(Gateway(api, engine))
     return gateways
@@ -259,7 +260,7 @@ async def test_stopping_the_api_tells_running_callers_before_the_bus_closes(
         server_bus, client_bus = InMemoryBus(broker), InMemoryBus(broker)
     await server_bus.connect()
     await client_bus.connect()
-    api = NatsApi(server_bus, FakeEngineClient(token_delay=0.01))
+    api = NatsApi(server_bus, serving_context(FakeEngineClient(token_delay=0.01)))
     await api.start()
     request = {"prompt": "hi", "stream": True, "sampling_params": {"max_tokens": 500}}
     stream = request_stream(
@@ -284,7 +285,7 @@ async def test_in_memory_bus_request_stream() -> None:
     await server_bus.connect()
     await client_bus.connect()
     engine = FakeEngineClient()
-    api = NatsApi(server_bus, engine)
+    api = NatsApi(server_bus, serving_context(engine))
     await api.start()
     try:
         subject = api.subjects.api_generate()

@@ -13,6 +13,7 @@ import pytest
 
 from shoal.bus.transport.memory import InMemoryBroker, InMemoryBus
 from shoal.gateway.nats_api import NatsApi
+from shoal.gateway.serving import serving_context
 from tests.unit.test_gateway_fake import FakeEngineClient
 from tests.unit.test_gateway_params import bos_tokenizer
 
@@ -29,7 +30,7 @@ async def served() -> AsyncIterator[tuple[InMemoryBus, NatsApi, FakeEngineClient
     await client_bus.connect()
     engine = FakeEngineClient()
     engine.tokenizer = bos_tokenizer()
-    api = NatsApi(server_bus, engine)
+    api = NatsApi(server_bus, serving_context(engine))
     await api.start()
     yield client_bus, api, engine
     await api.stop()
@@ -110,7 +111,7 @@ async def test_chat_template_fields_reach_the_prompt(served) -> None:  # type: i
     params = {"max_tokens": 1}
     untrusted = {"messages": [USER], "sampling_params": params, "chat_template": OWN_TEMPLATE}
     assert (await _error(bus, api, untrusted))["param"] == "chat_template"
-    api.trust_request_chat_template = True  # --trust-request-chat-template
+    api.ctx.trust_request_chat_template = True  # --trust-request-chat-template
     for fields, expected in (
         ({}, "user=the quick brown fox;assistant="),
         ({"add_generation_prompt": False}, "user=the quick brown fox;"),

@@ -19,6 +19,7 @@ import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.gateway.nats_api import NatsApi
+from shoal.gateway.serving import serving_context
 from tests.fixtures.models import hf_greedy
 from tests.integration.engine_inbox import EngineInbox, engine_inbox
 from tests.integration.served_stack import ServedStack, served_stack, with_chat_template
@@ -88,7 +89,7 @@ async def test_unset_fields_take_the_models_generation_config(  # type: ignore[n
                 model="tiny", prompt="the quick brown fox", max_tokens=None, extra_body=NO_EOS
             )
             assert _ran_with(inbox) == (0.0, 5) and unset.usage.completion_tokens == 5
-            nats = NatsApi(served.stack.client.bus, served.stack.client)
+            nats = NatsApi(served.stack.client.bus, serving_context(served.stack.client))
             await nats.start()
             try:
                 answer = await _ask_nats(nats, {"prompt": "the fox", "sampling_params": NO_EOS})

@@ -22,6 +22,7 @@ from shoal.bus.subjects import Subjects
 from shoal.config.lora import LoRAConfig, LoRAModule
 from shoal.gateway.lora_adapters import LoRAAdapters
 from shoal.gateway.nats_api import NatsApi
+from shoal.gateway.serving import serving_context
 from tests.fixtures.lora import build_adapter, hf_lora_greedy
 from tests.fixtures.models import make_prompts
 from tests.integration.served_stack import MODEL_NAME, served_stack
@@ -207,7 +208,9 @@ async def test_the_nats_api_serves_adapters_by_name(tiny_checkpoint, tmp_path) -
     lora_options = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}
     async with served_stack(model_dir, app_options={"loras": loras}, **lora_options) as served:
         client = served.stack.client
-        api = NatsApi(client.bus, client, served_model_name=MODEL_NAME, loras=loras)
+        api = NatsApi(
+            client.bus, serving_context(client, served_model_name=MODEL_NAME, loras=loras)
+        )
         await api.start()
         try:
             request = {

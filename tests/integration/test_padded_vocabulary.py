@@ -19,6 +19,7 @@ import pytest
 from shoal import LLM, SamplingParams
 from shoal.engine.client.interface import RequestValidationError
 from shoal.gateway.nats_api import NatsApi
+from shoal.gateway.serving import serving_context
 from tests.fixtures.models import TINY_VOCAB, hf_greedy
 from tests.integration.served_stack import ServedStack, served_stack
 
@@ -52,7 +53,7 @@ async def test_prompt_ids_up_to_the_embedding_are_taken_over_http_and_nats(padde
         assert answer.usage is not None and answer.usage.prompt_tokens == len(PROMPT)
         assert answer.usage.completion_tokens == NUM_TOKENS
         assert answer.choices[0].text == tokenizer.decode(expected)
-        nats = NatsApi(served.stack.client.bus, served.stack.client)
+        nats = NatsApi(served.stack.client.bus, serving_context(served.stack.client))
         await nats.start()
         try:
             request = {"prompt_token_ids": PROMPT, "sampling_params": greedy}

@@ -11,7 +11,12 @@ import re
 import openai
 import pytest
 
-from tests.integration.served_stack import MODEL_NAME, served_stack, with_chat_template
+from tests.integration.served_stack import (
+    CHAT_TEMPLATE,
+    MODEL_NAME,
+    served_stack,
+    with_chat_template,
+)
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 THINKING = r"<think>[a-z]{3,8}( [a-z]{2,6}){1,2}</think>[a-z]{3,8}( [a-z]{2,6}){1,2}"
@@ -79,4 +84,72 @@ async def test_anthropic_messages_give_thinking_blocks(tiny_checkpoint, tmp_path
                 elif event.type == "content_block_delta" and event.delta.type == "text_delta":
                     text += event.delta.text
         assert (thinking, text) == (message.content[0].thinking, message.content[1].text)
+        await served.wait_until_idle()
+
+
+async def test_responses_give_a_reasoning_item_and_count_its_tokens(
+    tiny_checkpoint, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """With a reasoning parser, a response's output is a reasoning item then the message, its
+    usage counts the thinking's tokens (some, not all), and the stream's events say the same."""
+    from openai.types.responses import ResponseStreamEvent
+
+    from tests.fixtures.api_schemas import check_schema
+
+    model_dir = with_chat_template(tiny_checkpoint("llama"), tmp_path / "model")
+    options = {"reasoning_parser": "deepseek_r1", "structured_in_reasoning": True}
+    async with served_stack(model_dir, app_options=options) as served:
+        client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0)
+        common = {
+            "model": MODEL_NAME, "input": "the quick brown fox", "max_output_tokens": 80,
+            "temperature": 0, "extra_body": {"structured_outputs": {"regex": THINKING[7:]}},
+        }  # fmt: skip
+        response = await client.responses.create(**common)
+        assert [item.type for item in response.output] == ["reasoning", "message"]
+        thinking = response.output[0].content[0].text  # type: ignore[union-attr,index]
+        assert re.fullmatch(PLAIN, thinking) and re.fullmatch(PLAIN, response.output_text)
+        usage = response.usage
+        assert usage is not None
+        assert 0 < usage.output_tokens_details.reasoning_tokens < usage.output_tokens
+        events = [e async for e in await client.responses.create(**common, stream=True)]
+        for event in events:
+            check_schema(ResponseStreamEvent, event.model_dump(mode="json", exclude_unset=True))
+        closing = events[-1].response  # type: ignore[union-attr]
+        assert closing.output_text == response.output_text
+        assert closing.usage.output_tokens_details == usage.output_tokens_details
+        await served.wait_until_idle()
+
+
+# Qwen3's way to turn the thinking off: the template closes an empty one in the prompt.
+THINKING_SWITCH_TEMPLATE = CHAT_TEMPLATE + (
+    "{% if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}"
+)
+
+
+async def test_thinking_turned_off_by_the_template_leaves_all_answer(
+    tiny_checkpoint, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    """``chat_template_kwargs: {"enable_thinking": false}`` with a template that then closes the
+    thinking in the prompt: the grammar applies from the first token (not after a thinking
+    that will not come) and the whole output is content; with thinking on, the same request's
+    grammar waits for a ``</think>`` first."""
+    model_dir = with_chat_template(
+        tiny_checkpoint("llama"), tmp_path / "model", THINKING_SWITCH_TEMPLATE
+    )
+    async with served_stack(model_dir, app_options={"reasoning_parser": "deepseek_r1"}) as served:
+        client = openai.AsyncOpenAI(base_url=f"{served.url}/v1", api_key="x", max_retries=0)
+        common = {
+            "model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 40, "temperature": 0,
+            "extra_body": {"structured_outputs": {"regex": PLAIN}},
+        }  # fmt: skip
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        answer = await client.chat.completions.create(
+            **{**common, "extra_body": {**common["extra_body"], **off}}  # type: ignore[dict-item]
+        )
+        message = answer.choices[0].message.model_dump()
+        assert message["reasoning_content"] is None
+        assert re.fullmatch(PLAIN, message["content"]) is not None, message
+        thinking_on = await client.chat.completions.create(**common)
+        assert thinking_on.choices[0].message.model_dump()["reasoning_content"] is not None
         await served.wait_until_idle()

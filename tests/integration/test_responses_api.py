@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 
+import aiohttp
 import openai
 import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.shared import ErrorObject
 
 from shoal.bus.subjects import Subjects
 from shoal.gateway.app import create_app
 from shoal.gateway.response_store import ResponseStore
 from shoal.gateway.server import start_http_server
+from tests.fixtures.api_schemas import check_schema, sse_events
 from tests.integration.served_stack import MODEL_NAME, served_stack, with_chat_template
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
@@ -163,4 +167,40 @@ async def test_a_conversation_continues_through_another_gateway(served) -> None:
     finally:
         await first.stop()
         await second.stop()
+    await served.wait_until_idle()
+
+
+async def test_every_body_and_event_matches_the_published_schema(served) -> None:  # type: ignore[no-untyped-def]
+    """Raw bodies and server-sent events (not the SDK's lenient parse) validated against the
+    published types: plain, a forced function call, a JSON-schema format, each whole and
+    streamed; a fetched response; an error."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    bodies = [
+        {"input": "the quick brown fox", "instructions": "be terse", "max_output_tokens": 12},
+        {"input": "weather?", "tools": [WEATHER], "max_output_tokens": 80,
+         "tool_choice": {"type": "function", "name": "get_weather"}},
+        {"input": "a number", "max_output_tokens": 40,
+         "text": {"format": {"type": "json_schema", "name": "num", "schema": schema}}},
+    ]  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        for body in bodies:
+            body = {"model": MODEL_NAME, "temperature": 0, **body}
+            async with session.post(f"{served.url}/v1/responses", json=body) as answer:
+                response = check_schema(Response, await answer.json())
+            async with session.post(
+                f"{served.url}/v1/responses", json={**body, "stream": True}
+            ) as answer:
+                events = sse_events(await answer.text())
+            for event in events:
+                check_schema(ResponseStreamEvent, event)
+            assert events[-1]["type"] in ("response.completed", "response.incomplete")
+            closing = events[-1]["response"]
+            assert [item["type"] for item in closing["output"]] == [o.type for o in response.output]
+        async with session.get(f"{served.url}/v1/responses/{response.id}") as answer:
+            check_schema(Response, await answer.json())
+        async with session.post(
+            f"{served.url}/v1/responses", json={"model": "nope", "input": "x"}
+        ) as answer:
+            assert answer.status == 404
+            check_schema(ErrorObject, (await answer.json())["error"])
     await served.wait_until_idle()

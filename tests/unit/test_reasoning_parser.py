@@ -4,13 +4,19 @@ content joining to exactly the whole split (a tag cut between deltas is held bac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import pairwise
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.gateway.reasoning import ReasoningSplit, ReasoningStream, split_reasoning
+from shoal.gateway.reasoning import (
+    ReasoningSplit,
+    ReasoningStream,
+    count_reasoning_tokens,
+    split_reasoning,
+)
 
 
 @pytest.mark.parametrize(
@@ -73,3 +79,25 @@ def test_a_chat_grammar_holds_after_the_thinking_unless_asked_otherwise(in_reaso
     constraint = prepare_chat(ctx, body).params.structured_outputs
     assert constraint is not None
     assert constraint.after_reasoning == (None if in_reasoning else "qwen3")
+
+
+def _chars(text: str) -> tuple[list[int], Callable[[list[int]], str]]:
+    """``text`` as one token per character, and its decoder."""
+    return [ord(c) for c in text], lambda ids: "".join(chr(i) for i in ids)
+
+
+@pytest.mark.parametrize(
+    ("parser", "text", "expected"),
+    [
+        ("deepseek_r1", "abc</think>answer", len("abc</think>")),
+        ("deepseek_r1", "still thinking", len("still thinking")),
+        ("qwen3", "<think>hm</think>ok", len("<think>hm</think>")),
+        ("qwen3", "no thinking", 0),
+        ("deepseek_r1", "</think>at once", len("</think>")),
+    ],
+)
+def test_reasoning_tokens_are_those_through_the_closing_tag(
+    parser: str, text: str, expected: int
+) -> None:
+    ids, decode = _chars(text)
+    assert count_reasoning_tokens(parser, ids, decode) == expected
