@@ -195,7 +195,9 @@ async def test_auto_tool_choice_parses_calls_and_every_body_matches_the_schema(
         assert [(b.name, b.input) for b in final.content if b.type == "tool_use"] == uses
         forced = {**auto, "tool_choice": {"type": "any"}, "extra_body": GREEDY}
         async with aiohttp.ClientSession() as session:
-            for body in (auto, forced, {**auto, "tools": [], "tool_choice": {"type": "none"}}):
+            plain = {**auto, "tools": [], "tool_choice": {"type": "none"}, "extra_body": GREEDY}
+            stopped = {**plain, "stop_sequences": [" ", "e"], "system": "be terse"}
+            for body in (auto, forced, plain, stopped):
                 raw = {k: v for k, v in body.items() if k != "extra_body"}
                 raw.update(body["extra_body"])  # type: ignore[arg-type]
                 url = f"{served.url}/v1/messages"
