@@ -339,15 +339,17 @@ class FaultToleranceConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unk
     """Engine-core fault tolerance (vLLM's ``--enable-fault-tolerance`` and
     ``--fault-tolerance-config``, whose JSON sets any field here and turns it on).
 
-    Off: today's behaviour (an engine core fails its requests and waits for its workers). On: an
-    engine core that faults aborts its requests, reports UNHEALTHY or DEAD with the fault and
-    waits up to ``engine_recovery_timeout_sec`` for a ``retry`` command, else exits so its
-    supervisor restarts it; the recovery controller sends that retry (unless turned off, for an
-    operator to drive recovery by hand), and the engine client resumes the aborted requests on a
-    healthy engine core (unless turned off: then they end with a clean error).
+    On (shoal's default; vLLM's is off, see docs/fault-tolerance.md): an engine core that faults
+    aborts its requests, reports UNHEALTHY or DEAD with the fault and waits up to
+    ``engine_recovery_timeout_sec`` for a ``retry`` command, else exits so its supervisor
+    restarts it; the recovery controller sends that retry (unless turned off, for an operator to
+    drive recovery by hand), and the engine client resumes the aborted requests on a healthy
+    engine core (unless turned off: then they end with a clean error). Off
+    (``--no-enable-fault-tolerance``): an engine core fails its requests and waits for its
+    workers.
     """
 
-    enable_fault_tolerance: bool = False
+    enable_fault_tolerance: bool = True
     engine_recovery_timeout_sec: int = 120
     # The engine client: resume requests cut by a fault on a healthy engine core, each at most
     # ``max_request_resumptions`` times and waiting at most ``request_resume_timeout_s`` for one.

@@ -561,7 +561,8 @@ def _add_fault_tolerance_arguments(g: Group) -> None:
         "--enable-fault-tolerance",
         dest="enable_fault_tolerance",
         help="an engine core that faults waits for recovery (retried by the recovery "
-        "controller) instead of failing, and its requests resume on a healthy engine core",
+        "controller) instead of failing, and its requests resume on a healthy engine core "
+        "(on by default; vLLM's is off)",
     )
     g.add_argument(
         "--fault-tolerance-config",
@@ -632,8 +633,8 @@ def config_from_namespace(ns: argparse.Namespace, model: str | None) -> ShoalCon
     options = {k: v for k, v in vars(ns).items() if k in OPTION_GROUPS}
     if getattr(ns, "fault_tolerance_config", None) is not None:
         options["fault_tolerance_config"] = ns.fault_tolerance_config
-        if not ns.enable_fault_tolerance:  # the flag's default: let the JSON turn it on
-            del options["enable_fault_tolerance"]
+        if ns.enable_fault_tolerance == option_default("enable_fault_tolerance"):
+            del options["enable_fault_tolerance"]  # not given: the JSON says (on unless it's off)
     for name in (*KV_OFFLOAD_FLAGS, *JSON_GROUP_FLAGS):  # a group's JSON (and a shortcut)
         if getattr(ns, name, None) is not None:
             options[name] = getattr(ns, name)

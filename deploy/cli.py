@@ -4,6 +4,8 @@ shoal serve [MODEL]            the OpenAI-compatible server (default: SmolLM2-13
 shoal generate [MODEL] -p TEXT one completion, printed
 shoal actor KIND MODEL ...     one actor process joining a NATS deployment (multi-host)
 shoal probe KIND [ID]          exit 0 if that actor of a NATS deployment is ready (for probes)
+shoal status [--json]          every actor of a NATS deployment: state, load, KV, faults
+shoal top                      the same, redrawn in the terminal
 shoal bench NAME [ARGS...]     a benchmark from bench/ (throughput, serve, scheduler, bus, …)
 shoal nats-auth --namespace NS the nats-server authorization config: one user per actor role
   [--cluster-auth-file PATH]   and the cluster routes' user and routes (include in cluster {})
@@ -37,6 +39,7 @@ from shoal.deploy.lora_push import add_lora_push_arguments, run_lora_push
 from shoal.deploy.model_source import DEFAULT_MODEL_NAME, DEMO_MODEL_NAME, ModelNotFoundError
 from shoal.deploy.nats_init import add_nats_init_arguments, run_nats_init
 from shoal.deploy.probe import add_probe_arguments, probed_id, run_probe
+from shoal.deploy.status_cli import add_status_arguments, run_status, run_top
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 ACTOR_KINDS = ("worker", "engine", "gateway", "recovery", "tier")
@@ -119,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_probe_arguments(probe, ACTOR_KINDS, option_default("namespace"))
 
+    _add_status_commands(commands, common)
     bench = commands.add_parser("bench", parents=[common], help="run a benchmark from bench/")
     bench.add_argument("name", help="benchmark name: " + ", ".join(_bench_names()))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own arguments")
@@ -130,6 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_credential_arguments(init)
     _add_lora_command(commands, common)
     return parser  # fmt: skip
+
+
+def _add_status_commands(commands: Any, common: argparse.ArgumentParser) -> None:
+    status = commands.add_parser(
+        "status", parents=[common], help="every actor of a NATS deployment, from its heartbeats"
+    )
+    add_status_arguments(status, option_default("namespace"), top=False)
+    top = commands.add_parser("top", parents=[common], help="shoal status, redrawn live")
+    add_status_arguments(top, option_default("namespace"), top=True)
 
 
 def _add_lora_command(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -227,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         return asyncio.run(run_probe(ns, actor_id))
+    if ns.command == "status":
+        return asyncio.run(run_status(ns))
+    if ns.command == "top":
+        try:
+            return asyncio.run(run_top(ns))
+        except KeyboardInterrupt:
+            return 0
     if ns.command == "nats-auth":
         return _nats_auth(parser, ns)
     if ns.command == "nats-init":

@@ -26,6 +26,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", array_like=True, omit_defaults=
     timestamp: float
     load: dict[str, float] = {}
     incarnation: str = ""  # fixed when the actor starts: a new one means a new process
+    host: str = ""  # the machine the actor runs on
+    started_at: float = 0.0  # wall time this incarnation started
 
 
 class StatusEvent(msgspec.Struct, tag="status", array_like=True, omit_defaults=True):

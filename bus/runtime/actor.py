@@ -25,6 +25,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -40,6 +41,7 @@ from shoal.bus.streams import error_from_reply
 from shoal.bus.subjects import Subjects, validate_token
 
 log = logging.getLogger(__name__)
+HOST = socket.gethostname()  # told with every heartbeat (shoal status)
 
 TypedHandler = Callable[[Any, Msg], Awaitable[Any]]
 
@@ -88,6 +90,7 @@ class Actor:
         self.exit_code = 0  # of its process, once ``run_forever`` returns (non-zero: restart me)
         self.state = ActorState.STARTING
         self._life = new_incarnation()
+        self.started_at = time.time()  # this life's start, told with every heartbeat
         self.num_decode_errors = 0
         self.num_handler_errors = 0
         self._heartbeat_seq = 0
@@ -249,6 +252,8 @@ class Actor:
             time.time(),
             self.load(),
             self.incarnation,
+            HOST,
+            self.started_at,
         )
 
     async def _heartbeat_loop(self) -> None:

@@ -268,6 +268,7 @@ class EngineCoreActor(Actor):
         return {
             "num_running": float(stats.num_running),
             "num_waiting": float(stats.num_waiting),
+            "num_steps": float(self.num_steps_sent),
             "kv_usage": stats.kv_usage,
             "num_faults": float(self.sentinel.num_faults),
             "num_recoveries": float(self.sentinel.num_recoveries),

@@ -156,13 +156,27 @@ def test_cli_flags_are_config_options_with_the_configs_defaults(tmp_path) -> Non
     assert config_from_namespace(ns, str(tmp_path)) == ShoalConfig.from_options(model=str(tmp_path))
 
 
-def test_fault_tolerance_is_off_by_default_and_the_flag_turns_it_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    assert not config_from_namespace(
-        _parse(), str(tmp_path)
+def test_fault_tolerance_is_on_by_default_and_the_flag_turns_it_off(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """shoal's one default that differs from vLLM's (docs/fault-tolerance.md)."""
+    ft = config_from_namespace(_parse(), str(tmp_path)).fault_tolerance_config
+    assert ft.enable_fault_tolerance and ft.enable_recovery_controller
+    assert ft.enable_request_resumption
+    assert ft.engine_recovery_timeout_sec == 120  # vLLM's default
+    assert ShoalConfig.from_options(
+        model=str(tmp_path)
     ).fault_tolerance_config.enable_fault_tolerance
-    ft = config_from_namespace(_parse("--enable-fault-tolerance"), str(tmp_path))
-    assert ft.fault_tolerance_config.enable_fault_tolerance
-    assert ft.fault_tolerance_config.engine_recovery_timeout_sec == 120  # vLLM's default
+    off = config_from_namespace(_parse("--no-enable-fault-tolerance"), str(tmp_path))
+    assert not off.fault_tolerance_config.enable_fault_tolerance
+    json_off = _parse("--fault-tolerance-config", '{"enable_fault_tolerance": false}')
+    assert not config_from_namespace(
+        json_off, str(tmp_path)
+    ).fault_tolerance_config.enable_fault_tolerance
+    both = _parse(
+        "--no-enable-fault-tolerance", "--fault-tolerance-config", '{"max_request_resumptions": 1}'
+    )
+    assert not config_from_namespace(
+        both, str(tmp_path)
+    ).fault_tolerance_config.enable_fault_tolerance
 
 
 def test_fault_tolerance_config_json_turns_it_on_and_sets_its_fields(tmp_path) -> None:  # type: ignore[no-untyped-def]

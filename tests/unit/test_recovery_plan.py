@@ -18,10 +18,10 @@ from shoal.engine.recovery.actor import RecoveryControllerActor
 @pytest.mark.parametrize(
     ("options", "planned"),
     [
-        ({}, False),
+        ({}, True),  # fault tolerance is on by default
         ({"enable_fault_tolerance": True}, True),
         ({"enable_fault_tolerance": True, "enable_recovery_controller": False}, False),
-        ({"enable_recovery_controller": True}, False),
+        ({"enable_fault_tolerance": False, "enable_recovery_controller": True}, False),
         ({"fault_tolerance_config": {"recovery_max_retries": 2}}, True),
     ],
 )
@@ -45,7 +45,7 @@ def test_shoal_actor_recovery_resolves_to_the_planned_controller(tmp_path):
     target, kwargs = actor_target(ns.kind, config, ns.actor_id, ns)
     assert target == RECOVERY_TARGET and kwargs["actor_id"] == "recovery-0"
     with pytest.raises(ValueError, match="no recovery named"):
-        actor_target("recovery", build_config(model=model), None, ns)
+        actor_target("recovery", build_config(model=model, enable_fault_tolerance=False), None, ns)
 
 
 def test_the_planned_kwargs_build_the_controller_in_another_process(tmp_path):
