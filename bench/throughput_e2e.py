@@ -412,7 +412,8 @@ def processes(args: argparse.Namespace) -> dict[str, Any]:
         "hf": 1,  # a worker thread of this process
         "torch_threads_per_process": args.threads,
         "layout": {
-            "nats": "engine client here; worker and engine core in own processes; nats-server",
+            "nats": "engine client here; each planned actor (worker, engine core, recovery "
+            "controller) in its own process; nats-server",
             "memory": "engine client, engine core and worker in this process",
             "hf": "generate() in a worker thread of this process",
         },

@@ -1,8 +1,8 @@
-"""The engine client against a fake engine core on the in-memory bus: the requests it sent to an
-engine core end with finish reason "error" as soon as that engine core shows a new incarnation
-(a restarted process) or is reported dead, and only those; late messages of the old
-incarnation change nothing. When the client's own bus connection comes back after a loss, every
-request it had in flight ends the same way."""
+"""The engine client (fault tolerance off) against a fake engine core on the in-memory bus: the
+requests it sent to an engine core end with finish reason "error" as soon as that engine core
+shows a new incarnation (a restarted process) or is reported dead, and only those; late
+messages of the old incarnation change nothing. When the client's own bus connection comes back
+after a loss, every request it had in flight ends the same way."""
 
 from __future__ import annotations
 
@@ -84,7 +84,9 @@ class FakeEngine:
 async def setup(tiny_checkpoint) -> AsyncIterator[tuple[AsyncEngineClient, FakeEngine, FakeEngine]]:  # type: ignore[no-untyped-def]
     bus = InMemoryBus()
     await bus.connect()
-    config = ShoalConfig.from_options(model=str(tiny_checkpoint("llama")), namespace=NAMESPACE)
+    config = ShoalConfig.from_options(
+        model=str(tiny_checkpoint("llama")), namespace=NAMESPACE, enable_fault_tolerance=False
+    )  # what fails requests without fault tolerance (with it they resume: elsewhere)
     engines = (FakeEngine(bus, "e0"), FakeEngine(bus, "e1"))
     client = AsyncEngineClient(bus, config)
     await client.start()

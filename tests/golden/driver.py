@@ -28,7 +28,10 @@ def make_runner(
     **options: object,
 ) -> ModelRunner:
     """A runner (not loaded) for ``model_dir`` with ``num_blocks`` KV blocks and any other
-    config options (``block_size``, ``dtype``, ``max_model_len``, ...)."""
+    config options (``block_size``, ``dtype``, ``max_model_len``, ...). Fault tolerance is off
+    unless asked for: with no engine core to send ``JoinGroup``, a tensor-parallel runner joins
+    its group at ``tp_init_method`` as a static one."""
+    options.setdefault("enable_fault_tolerance", False)
     config = ShoalConfig.from_options(
         model=str(model_dir), num_gpu_blocks_override=num_blocks, **options
     )

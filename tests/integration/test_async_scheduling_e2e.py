@@ -148,7 +148,9 @@ async def test_a_failed_step_with_another_in_flight(tiny_checkpoint) -> None:  #
     end with an error, nothing hangs, and the engine serves again."""
     bus = await _memory_bus()
     try:
-        async with _stack(bus, tiny_checkpoint("llama"), True) as stack:
+        # fault tolerance off: the failed step's requests end (on, they would resume)
+        model_dir = tiny_checkpoint("llama")
+        async with _stack(bus, model_dir, True, enable_fault_tolerance=False) as stack:
             runner = stack.workers[0].runner
             assert runner is not None
             real_execute = runner.execute

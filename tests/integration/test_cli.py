@@ -129,7 +129,8 @@ def test_serve_starts_answers_and_stops_cleanly(tiny_checkpoint, how: str) -> No
         text = "".join(lines)
         child_pids = [int(p) for p in re.findall(r"running \(pid (\d+)\)", text)]
         server_pids = [int(p) for p in re.findall(r"nats-server pid (\d+)", text)]
-        assert len(child_pids) == 2 and len(server_pids) == 1, text
+        # worker, engine core and (fault tolerance is on by default) the recovery controller
+        assert len(child_pids) == 3 and len(server_pids) == 1, text
         body = json.dumps({"model": str(model_dir), "prompt": "hi", "max_tokens": 3}).encode()
         request = urllib.request.Request(
             f"{url}/v1/completions", body, {"Content-Type": "application/json"}

@@ -1,9 +1,9 @@
 """End to end with every actor in its own process over a real nats-server (the supervisor
-runs them): greedy tokens equal transformers', both data-parallel engine cores take load, a
-worker killed mid-generation fails every request of its engine core cleanly while the other
-engine core's finish, and an engine core killed under load (restarted under the same id, its
-death unreported) fails its requests at once through its new incarnation; each then serves
-again. One deployment serves the module's tests (each leaves it healthy)."""
+runs them), fault tolerance off: greedy tokens equal transformers', both data-parallel engine
+cores take load, a worker killed mid-generation fails every request of its engine core cleanly
+while the other engine core's finish, and an engine core killed under load (restarted under the
+same id, its death unreported) fails its requests at once through its new incarnation; each
+then serves again. One deployment serves the module's tests (each leaves it healthy)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ async def deployment(nats_server, tiny_checkpoint):  # type: ignore[no-untyped-d
         max_num_seqs=16,
         max_num_batched_tokens=256,
         namespace="procs",
+        enable_fault_tolerance=False,  # the clean failures without it (tests of it: *_fault_*)
     )
     bus = await connect_bus(nats_server.url)
     supervisor = Supervisor(_specs(config, nats_server.url), status_bus=bus, namespace="procs")

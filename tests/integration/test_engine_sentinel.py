@@ -82,7 +82,7 @@ async def test_retry_is_rejected_unless_unhealthy(bus_factory, tiny_checkpoint):
 
 async def test_ft_off_rejects_commands_and_recovers_by_itself(bus_factory, tiny_checkpoint):  # type: ignore[no-untyped-def]
     bus = await bus_factory()
-    async with engine_stack(bus, tiny_checkpoint("llama")) as stack:
+    async with engine_stack(bus, tiny_checkpoint("llama"), enable_fault_tolerance=False) as stack:
         engine, subjects = stack.engines[0], stack.engines[0].subjects
         bare = await BareClient(bus, subjects).start()
         await inject_engine_fault(bus, subjects, "e0", after_steps=2)

@@ -29,7 +29,7 @@ def test_the_offline_llm_runs_the_controller_with_fault_tolerance(tiny_checkpoin
         assert len(llm.generate("hello", params, use_tqdm=False)[0].outputs[0].token_ids) == 4
         engine = controller.policy.engines.get("engine-0")
         assert engine is not None and engine.state is ActorState.READY  # it watches
-    with LLM(model, num_gpu_blocks_override=64) as llm:
+    with LLM(model, num_gpu_blocks_override=64, enable_fault_tolerance=False) as llm:
         assert not [a for a in llm._actors if isinstance(a, RecoveryControllerActor)]
 
 

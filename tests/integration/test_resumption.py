@@ -132,13 +132,15 @@ async def test_requests_on_a_stopped_engine_core_finish_on_the_other(
             assert stream.finish_reasons[i] == "length"
 
 
-@pytest.mark.parametrize("ft", [{"enable_request_resumption": False}, None])
+@pytest.mark.parametrize(
+    "ft", [{"enable_request_resumption": False}, {"enable_fault_tolerance": False}]
+)
 async def test_without_resumption_requests_on_a_stopped_engine_core_end_with_an_error(
-    bus_factory: Any, tiny_checkpoint: Any, ft: dict[str, Any] | None
+    bus_factory: Any, tiny_checkpoint: Any, ft: dict[str, Any]
 ) -> None:
     bus = await bus_factory()
     model_dir = tiny_checkpoint("llama")
-    options: dict[str, Any] = {} if ft is None else {"fault_tolerance_config": ft}
+    options: dict[str, Any] = {"fault_tolerance_config": ft}
     async with engine_stack(bus, model_dir, num_engines=2, **options) as stack:
         reference = await reference_run(stack.client)
         streams, tasks = await start_streams(stack.client)

@@ -1,0 +1,151 @@
+"""Resilience with default flags: ``shoal serve MODEL`` and nothing else (fault tolerance, the
+recovery controller and request resumption are on by default). Under a load of streamed greedy
+completions, SIGKILL of the worker, of the engine core and of the embedded nats-server, each in
+its own round: every request in flight completes, with the text the calm round gave it; and the
+gateway counts the engine fault they were resumed across (``/metrics``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+SHOAL = [sys.executable, "-m", "shoal.deploy.cli"]
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = [f"story {i}: the fox and the {word}" for i, word in enumerate("abcdef")]
+MAX_TOKENS = 600
+
+
+class Server:
+    """``shoal serve`` with default flags, its output read by a thread."""
+
+    def __init__(self, model_dir: Path) -> None:
+        command = [*SHOAL, "serve", str(model_dir), "--port", "0"]
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+            start_new_session=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = re.findall(pattern, self.text)
+            if found:
+                return str(found[-1])
+            time.sleep(0.05)  # paces the polling
+        raise AssertionError(f"no line matching {pattern!r}; output:\n{self.text[-4000:]}")
+
+    def pid_of(self, target: str) -> int:
+        """The current pid of ``target``: an actor id, or ``nats-server``."""
+        if target == "nats-server":
+            return int(self.wait_for(r"nats-server (?:restarted: )?pid (\d+)", 5))
+        return int(self.wait_for(rf"process {target}: running \(pid (\d+)\)", 5))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+async def stream(
+    session: aiohttp.ClientSession, url: str, prompt: str, started: asyncio.Event
+) -> str:
+    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    text = ""
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            text += chunk["choices"][0]["text"]
+            if text:
+                started.set()
+    return text
+
+
+async def load(url: str, kill: tuple[Server, str] | None = None) -> list[str]:
+    """Every prompt streamed at once; with ``kill``, that target SIGKILLed once every stream
+    has begun."""
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = [asyncio.Event() for _ in PROMPTS]
+        tasks = [
+            asyncio.create_task(stream(session, url, p, s))
+            for p, s in zip(PROMPTS, started, strict=True)
+        ]
+        if kill is not None:
+            await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
+            server, target = kill
+            os.kill(server.pid_of(target), signal.SIGKILL)
+        return list(await asyncio.gather(*tasks))
+
+
+async def faults_seen(url: str) -> float:
+    """The engine core faults the gateway saw (``shoal:engine_faults_total``, all engines)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as response:
+        text = await response.text()
+    found = re.findall(r"^shoal:engine_faults_total(?:\{[^}]*\})? (\S+)$", text, re.M)
+    return sum(float(value) for value in found)
+
+
+async def wait_serving(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            try:
+                async with session.get(f"{url}/health") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"{url} not serving again within {timeout_s}s")
+
+
+@pytest.mark.parametrize("target", ["worker-0-0", "engine-0", "nats-server"])
+async def test_in_flight_requests_survive_a_kill_with_default_flags(
+    tiny_checkpoint, target
+) -> None:  # type: ignore[no-untyped-def]
+    server = Server(tiny_checkpoint("llama"))
+    try:
+        url = await asyncio.to_thread(server.wait_for, r"is serving .* on (http://\S+)", 240)
+        calm = await load(url)
+        assert all(len(text) > 0 for text in calm)
+        before = await faults_seen(url)
+        cut = await load(url, (server, target))
+        assert cut == calm, server.text[-4000:]
+        await wait_serving(url, 120)
+        if target != "nats-server":  # a fault the requests were resumed across
+            assert await faults_seen(url) > before
+    finally:
+        server.stop()
