@@ -30,8 +30,8 @@ MAX_TOKENS = 600
 class Server:
     """``shoal serve`` with default flags, its output read by a thread."""
 
-    def __init__(self, model_dir: Path) -> None:
-        command = [*SHOAL, "serve", str(model_dir), "--port", "0"]
+    def __init__(self, model_dir: Path, *flags: str) -> None:
+        command = [*SHOAL, "serve", str(model_dir), "--port", "0", *flags]
         self.proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
             start_new_session=True,
@@ -95,7 +95,7 @@ async def stream(
 
 async def load(url: str, kill: tuple[Server, str] | None = None) -> list[str]:
     """Every prompt streamed at once; with ``kill``, that target SIGKILLed once every stream
-    has begun."""
+    has begun (and none has ended)."""
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         started = [asyncio.Event() for _ in PROMPTS]
@@ -107,6 +107,7 @@ async def load(url: str, kill: tuple[Server, str] | None = None) -> list[str]:
             await asyncio.wait_for(asyncio.gather(*(s.wait() for s in started)), 60)
             server, target = kill
             os.kill(server.pid_of(target), signal.SIGKILL)
+            assert not any(task.done() for task in tasks), "a stream ended before the kill"
         return list(await asyncio.gather(*tasks))
 
 
@@ -136,7 +137,7 @@ async def wait_serving(url: str, timeout_s: float) -> None:
 async def test_in_flight_requests_survive_a_kill_with_default_flags(
     tiny_checkpoint, target
 ) -> None:  # type: ignore[no-untyped-def]
-    server = Server(tiny_checkpoint("llama"))
+    server = Server(tiny_checkpoint("llama"))  # with --no-enable-fault-tolerance: all 3 fail
     try:
         url = await asyncio.to_thread(server.wait_for, r"is serving .* on (http://\S+)", 240)
         calm = await load(url)
@@ -145,7 +146,9 @@ async def test_in_flight_requests_survive_a_kill_with_default_flags(
         cut = await load(url, (server, target))
         assert cut == calm, server.text[-4000:]
         await wait_serving(url, 120)
-        if target != "nats-server":  # a fault the requests were resumed across
+        if target == "nats-server":
+            await asyncio.to_thread(server.wait_for, r"nats-server restarted: pid \d+", 30)
+        else:  # a fault the requests were resumed across
             assert await faults_seen(url) > before
     finally:
         server.stop()
