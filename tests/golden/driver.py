@@ -29,9 +29,10 @@ def make_runner(
 ) -> ModelRunner:
     """A runner (not loaded) for ``model_dir`` with ``num_blocks`` KV blocks and any other
     config options (``block_size``, ``dtype``, ``max_model_len``, ...). Fault tolerance is off
-    unless asked for: with no engine core to send ``JoinGroup``, a tensor-parallel runner joins
-    its group at ``tp_init_method`` as a static one."""
-    options.setdefault("enable_fault_tolerance", False)
+    unless asked for (its flag or its JSON): with no engine core to send ``JoinGroup``, a
+    tensor-parallel runner joins its group at ``tp_init_method`` as a static one."""
+    if "fault_tolerance_config" not in options:
+        options.setdefault("enable_fault_tolerance", False)
     config = ShoalConfig.from_options(
         model=str(model_dir), num_gpu_blocks_override=num_blocks, **options
     )
