@@ -30,7 +30,7 @@ import msgspec
 
 from shoal.bus.base import Bus, ReplyStream, Subscription
 from shoal.bus.msg import Msg
-from shoal.bus.subjects import API_OPERATIONS, Subjects
+from shoal.bus.subjects import API_CANCEL, API_OPERATIONS, Subjects
 from shoal.engine.client.outputs import RequestOutput
 from shoal.gateway.anthropic_messages import answer_message
 from shoal.gateway.anthropic_types import MessagesRequest
@@ -105,9 +105,8 @@ class NatsApi:
             self._subscriptions.append(
                 await self.bus.subscribe(subjects.api(name), handler, queue=queue)
             )
-        self._subscriptions.append(
-            await self.bus.subscribe(subjects.api("cancel"), self._on_cancel)
-        )
+        cancels = await self.bus.subscribe(subjects.api(API_CANCEL), self._on_cancel)
+        self._subscriptions.append(cancels)
         await self.bus.flush()  # the server knows the subscriptions once start returns
 
     async def stop(self, timeout_s: float = 5.0) -> None:

@@ -53,6 +53,8 @@ class LockstepLink:
 
     async def start(self) -> None:
         self._sub = await self.bus.subscribe(self.subject, self._on_msg, sequential=True)
+        await self.bus.flush()  # the server knows the subscription once start returns: a peer's
+        # report sent right after is not lost (a lost one stalled a round until its timeout)
 
     async def stop(self) -> None:
         if self._sub is not None:
