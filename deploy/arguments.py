@@ -545,6 +545,20 @@ class JoinNatsUrls(argparse.Action):
         setattr(namespace, self.dest, ",".join(dict.fromkeys(joined)))
 
 
+def add_deployment_bus_arguments(parser: argparse.ArgumentParser, namespace: str) -> None:
+    """``--nats-url`` (required) and ``--namespace`` (default ``namespace``): the deployment
+    whose bus a tool joins (``shoal probe``, ``shoal status``, ``shoal top``)."""
+    parser.add_argument(
+        "--nats-url",
+        dest="nats_url",
+        metavar="URL",
+        action=JoinNatsUrls,
+        required=True,
+        help="the deployment's NATS servers (comma-separated, or the flag repeated)",
+    )
+    parser.add_argument("--namespace", default=namespace, help="the deployment's subject prefix")
+
+
 def json_object(text: str) -> dict[str, Any]:
     try:
         value = msgspec.json.decode(text)

@@ -123,9 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_probe_arguments(probe, ACTOR_KINDS, option_default("namespace"))
 
     _add_status_commands(commands, common)
-    bench = commands.add_parser("bench", parents=[common], help="run a benchmark from bench/")
-    bench.add_argument("name", help="benchmark name: " + ", ".join(_bench_names()))
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own arguments")
+    _add_bench_command(commands, common)
     _add_nats_auth_command(commands, common)
     init = commands.add_parser(
         "nats-init", parents=[common], help="create a namespace's JetStream buckets and stream"
@@ -134,6 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_credential_arguments(init)
     _add_lora_command(commands, common)
     return parser  # fmt: skip
+
+
+def _add_bench_command(commands: Any, common: argparse.ArgumentParser) -> None:
+    bench = commands.add_parser("bench", parents=[common], help="run a benchmark from bench/")
+    bench.add_argument("name", help="benchmark name: " + ", ".join(_bench_names()))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own arguments")
 
 
 def _add_status_commands(commands: Any, common: argparse.ArgumentParser) -> None:

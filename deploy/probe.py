@@ -24,7 +24,7 @@ from shoal.bus.messages.control import ActorState
 from shoal.bus.nats_ops.credentials import CredentialsError, resolve_credentials
 from shoal.bus.runtime.liveness import GONE_STATES, LivenessTable, watch_liveness
 from shoal.bus.subjects import Subjects
-from shoal.deploy.arguments import JoinNatsUrls
+from shoal.deploy.arguments import add_deployment_bus_arguments
 
 EXIT_READY, EXIT_NOT_READY, EXIT_UNHEARD = 0, 1, 2
 DEFAULT_TIMEOUT_S = 5.0  # five heartbeat intervals
@@ -44,15 +44,7 @@ def add_probe_arguments(
         help=f"the actor's id (engine-0, kv-cpu, ...; default: ${ACTOR_ID_ENV}, as the "
         "Kubernetes manifests set it: exec probes expand no variables)",
     )
-    parser.add_argument(
-        "--nats-url",
-        dest="nats_url",
-        metavar="URL",
-        action=JoinNatsUrls,
-        required=True,
-        help="the deployment's NATS servers (comma-separated, or the flag repeated)",
-    )
-    parser.add_argument("--namespace", default=namespace, help="the deployment's subject prefix")
+    add_deployment_bus_arguments(parser, namespace)
     parser.add_argument(
         "--timeout-s",
         type=float,

@@ -31,7 +31,7 @@ from shoal.bus.messages.control import ControlEvent, Heartbeat
 from shoal.bus.msg import Msg
 from shoal.bus.nats_ops.credentials import CredentialsError, resolve_credentials
 from shoal.bus.subjects import Subjects
-from shoal.deploy.arguments import JoinNatsUrls
+from shoal.deploy.arguments import add_deployment_bus_arguments
 from shoal.deploy.status_board import ActorRow, StatusBoard
 
 EXIT_OK, EXIT_UNHEARD, EXIT_NO_BUS = 0, 1, 2
@@ -41,15 +41,7 @@ _CONTROL: Codec[ControlEvent] = Codec(ControlEvent)
 
 
 def add_status_arguments(parser: argparse.ArgumentParser, namespace: str, *, top: bool) -> None:
-    parser.add_argument(
-        "--nats-url",
-        dest="nats_url",
-        metavar="URL",
-        action=JoinNatsUrls,
-        required=True,
-        help="the deployment's NATS servers (comma-separated, or the flag repeated)",
-    )
-    parser.add_argument("--namespace", default=namespace, help="the deployment's subject prefix")
+    add_deployment_bus_arguments(parser, namespace)
     if top:
         parser.add_argument("--refresh-s", type=float, default=1.0, help="seconds between redraws")
         parser.add_argument(

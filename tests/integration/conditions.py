@@ -22,6 +22,25 @@ async def wait_for(predicate: Callable[[], object], timeout_s: float, what: str)
         await asyncio.sleep(0.01)
 
 
+async def wait_http_ready(url: str, timeout_s: float) -> None:
+    """Until the gateway at ``url`` answers ``/health`` with 200; AssertionError after
+    ``timeout_s``."""
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while loop.time() < deadline:
+            try:
+                async with session.get(f"{url}/health") as response:
+                    if response.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"{url} not serving within {timeout_s} s")
+
+
 async def read_then_hang_up(stream: AsyncGenerator[object, None], num_outputs: int = 3) -> None:
     """Take ``num_outputs`` outputs of a running generation, then drop it (its consumer goes
     away: the engine client aborts it)."""

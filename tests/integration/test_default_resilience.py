@@ -20,6 +20,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
+from tests.integration.conditions import wait_http_ready
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SHOAL = [sys.executable, "-m", "shoal.deploy.cli"]
 REPO = Path(__file__).resolve().parents[2]
@@ -119,20 +121,6 @@ async def faults_seen(url: str) -> float:
     return sum(float(value) for value in found)
 
 
-async def wait_serving(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(f"{url}/health") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    raise AssertionError(f"{url} not serving again within {timeout_s}s")
-
-
 @pytest.mark.parametrize("target", ["worker-0-0", "engine-0", "nats-server"])
 async def test_in_flight_requests_survive_a_kill_with_default_flags(
     tiny_checkpoint, target
@@ -145,7 +133,7 @@ async def test_in_flight_requests_survive_a_kill_with_default_flags(
         before = await faults_seen(url)
         cut = await load(url, (server, target))
         assert cut == calm, server.text[-4000:]
-        await wait_serving(url, 120)
+        await wait_http_ready(url, 120)
         if target == "nats-server":
             await asyncio.to_thread(server.wait_for, r"nats-server restarted: pid \d+", 30)
         else:  # a fault the requests were resumed across

@@ -6,13 +6,10 @@ gateway's NATS API fetches the stored response too."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
-import time
 
-import aiohttp
 import openai
 import pytest
 
@@ -22,26 +19,12 @@ from shoal.bus.streams import request_stream
 from shoal.bus.subjects import Subjects
 from shoal.deploy.deployment import GATEWAY_TARGET, build_config
 from shoal.deploy.local import free_tcp_port
+from tests.integration.conditions import wait_http_ready
 from tests.integration.process_deployment import process_deployment
 from tests.integration.served_stack import with_chat_template
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.nats, pytest.mark.slow]
 NAMESPACE = "respproc"
-
-
-async def wait_serving(url: str, timeout_s: float) -> None:
-    """Until the gateway at ``url`` answers /health with 200 (its engine core ready)."""
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(f"{url}/health") as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    raise AssertionError(f"{url} not serving within {timeout_s}s")
 
 
 async def test_a_response_is_continued_through_another_gateway_process_after_the_first_died(
@@ -63,7 +46,7 @@ async def test_a_response_is_continued_through_another_gateway_process_after_the
             deployed.supervisor.add(spec)
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
-            await wait_serving(url, 120)
+            await wait_http_ready(url, 120)
         first, second = (
             openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) for url in urls
         )
