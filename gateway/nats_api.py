@@ -25,6 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -77,6 +78,9 @@ class Exchange:
 
 
 Operation = Callable[[Exchange], Awaitable[None]]
+StreamableBody = ResponsesRequest | MessagesRequest
+# a Responses or Messages core: (context, body, arrival time, events or None) -> whole answer
+Answer = Callable[..., Awaitable[Any]]
 
 
 class NatsApi:
@@ -188,15 +192,7 @@ class NatsApi:
 
     async def _respond(self, exchange: Exchange) -> None:
         """``POST /v1/responses``: the response, or its events one message each."""
-        arrival_time = time.time()
-        body = exchange.wire.decode_as(exchange.msg.data, ResponsesRequest)
-        with self._running(exchange):
-            if body.stream:
-                events = self._events(exchange)
-                await respond(self.ctx, body, arrival_time, events)
-                return
-            response = await respond(self.ctx, body, arrival_time)
-        await ReplyStream(exchange.msg).end(exchange.wire.encode(response))
+        await self._answer_or_stream(exchange, ResponsesRequest, respond)
 
     async def _get_response(self, exchange: Exchange) -> None:
         """``GET /v1/responses/{id}``: ``{"response_id": ...}``, answered with the response."""
@@ -207,14 +203,21 @@ class NatsApi:
 
     async def _message(self, exchange: Exchange) -> None:
         """Anthropic's ``POST /v1/messages``: the message, or its events one message each."""
+        await self._answer_or_stream(exchange, MessagesRequest, answer_message)
+
+    async def _answer_or_stream(
+        self, exchange: Exchange, body_type: type[StreamableBody], answer: Answer
+    ) -> None:
+        """Run ``answer`` (the HTTP handler's own core) on the decoded body: its whole answer
+        in one reply, or (``stream``) its events one message each."""
         arrival_time = time.time()
-        body = exchange.wire.decode_as(exchange.msg.data, MessagesRequest)
+        body = exchange.wire.decode_as(exchange.msg.data, body_type)
         with self._running(exchange):
             if body.stream:
-                await answer_message(self.ctx, body, arrival_time, self._events(exchange))
+                await answer(self.ctx, body, arrival_time, self._events(exchange))
                 return
-            message = await answer_message(self.ctx, body, arrival_time)
-        await ReplyStream(exchange.msg).end(exchange.wire.encode(message))
+            whole = await answer(self.ctx, body, arrival_time)
+        await ReplyStream(exchange.msg).end(exchange.wire.encode(whole))
 
     def _events(self, exchange: Exchange) -> NatsEventStream:
         return NatsEventStream(exchange.msg, exchange.wire, exchange.request_id)
