@@ -150,6 +150,11 @@ class Subjects:
         validate_token(kind, "actor kind")
         return self._build(kind, actor_id, "control")
 
+    def restart(self, kind: str, actor_id: str) -> str:
+        """``RestartActor`` to one actor (every actor serves it; ``"*"``: every id)."""
+        validate_token(kind, "actor kind", wildcard=True)
+        return self._build(kind, actor_id, "restart", wildcard=True)
+
     def heartbeat(self, kind: str = "*") -> str:
         """``Heartbeat`` of every actor of a kind (``"*"``: every kind)."""
         return self._build("control", kind, "heartbeat", wildcard=True)

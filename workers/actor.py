@@ -222,6 +222,9 @@ class WorkerActor(Actor):
         if (close := getattr(self.runner, "close", None)) is not None:
             close()
 
+    def served_engine(self) -> str:
+        return self.engine_id or ""
+
     def load(self) -> dict[str, float]:
         figures = {
             "num_steps": float(self.num_steps),

@@ -4,7 +4,8 @@ arguments, ``ANY`` where an id varies), and the nats-server ``authorization`` bl
 user per role. Pure: no I/O.
 
 Every actor role may publish its own kind's heartbeat and status and chunked-transfer pulls
-(``Subjects.transfers``), and subscribe to every heartbeat and status, its own reply inboxes only
+(``Subjects.transfers``), and subscribe to its own kind's restart commands, every heartbeat and
+status, its own reply inboxes only
 (``Subjects.inbox_prefix(user)``) and its own transfers only (``Subjects.transfer_prefix(user)``:
 ``NatsBus`` takes both prefixes when it connects as a user). It answers requests through
 nats-server's ``allow_responses`` (``Responses``: one message to the reply subject of each
@@ -236,6 +237,14 @@ ROLES: dict[str, Role] = {
         actor=False,
         responses=ONE_REPLY,
     ),
+    # ``shoal status``/``top``/``restart``: watches every actor and restarts them one at a time.
+    "operator": Role(
+        kind="operator",
+        publish=(_g("restart", ANY, ANY),),
+        subscribe=(_g("inbox_prefix", USER, tail=">"), _g("heartbeat", ANY), _g("status", ANY)),
+        deny_publish=(CONTROL, *NEVER_FROM_OUTSIDE_THE_ENGINE, _g("engine_in", ANY)),
+        actor=False,
+    ),
     # ``shoal nats-init``: creates the namespace's buckets and stream, once, before the actors.
     "provisioner": Role(
         kind="provisioner",
@@ -329,7 +338,7 @@ def permissions(namespace: str, role: str, *, gateway_may_command: bool = False)
     deny_pub = list(spec.deny_publish)
     if spec.actor:
         pub += [*COMMON_PUBLISH, _g("heartbeat", spec.kind), _g("status", spec.kind)]
-        sub += COMMON_SUBSCRIBE
+        sub += [*COMMON_SUBSCRIBE, _g("restart", spec.kind, ANY)]
     if role == "gateway" and gateway_may_command:
         pub.append(_g("control", "engine", ANY))
         deny_pub.remove(CONTROL)

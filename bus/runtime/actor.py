@@ -15,6 +15,11 @@ made: a restarted actor keeps its id but not its incarnation, so peers (``bus.ru
 know that what the old one held is lost. An actor whose peers must also learn that messages in
 flight across a lost bus connection may be gone (an engine core's clients: an add or an output)
 takes a new incarnation at each reconnect too (``new_incarnation_on_reconnect``).
+
+Every actor also serves ``RestartActor`` on ``subjects.restart(kind, id)`` (``shoal restart``):
+one that runs as its own process answers ``RestartAccepted``, drains as on SIGTERM and exits
+with ``EXIT_RESTART_REQUESTED``, so its supervisor starts a new incarnation; one that shares a
+process with others refuses (nothing would start it again).
 """
 
 from __future__ import annotations
@@ -35,7 +40,14 @@ from typing import Any, ClassVar
 from shoal.bus.base import ERROR_CODE_HEADER, Bus, Subscription
 from shoal.bus.codec import Codec, DecodeError, encode
 from shoal.bus.errors import BusError
-from shoal.bus.messages.control import ActorState, ErrorReply, Heartbeat, StatusEvent
+from shoal.bus.messages.control import (
+    ActorState,
+    ErrorReply,
+    Heartbeat,
+    RestartAccepted,
+    RestartActor,
+    StatusEvent,
+)
 from shoal.bus.msg import Msg
 from shoal.bus.streams import error_from_reply
 from shoal.bus.subjects import Subjects, validate_token
@@ -44,6 +56,10 @@ log = logging.getLogger(__name__)
 HOST = socket.gethostname()  # told with every heartbeat (shoal status)
 
 TypedHandler = Callable[[Any, Msg], Awaitable[Any]]
+# The exit code of an actor that took a ``RestartActor``: non-zero, so that every supervisor
+# (shoal's, Kubernetes', Docker's ``on-failure``) starts it again.
+EXIT_RESTART_REQUESTED = 75
+_RESTART: Codec[RestartActor] = Codec(RestartActor)
 
 
 def new_incarnation() -> str:
@@ -123,12 +139,18 @@ class Actor:
         """Load figures sent with every heartbeat."""
         return {}
 
+    def served_engine(self) -> str:
+        """The engine core whose service needs this actor ("" for none), told with every
+        heartbeat: ``shoal restart`` keeps one engine core serving."""
+        return ""
+
     # -- lifecycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         if not self.bus.is_connected:
             await self.bus.connect()
         await self.on_start()
-        for inbox in self.inboxes():
+        restart = Inbox(self.subjects.restart(self.kind, self.actor_id), self._on_restart, _RESTART)
+        for inbox in (*self.inboxes(), restart):
             sub = await self.bus.subscribe(
                 inbox.subject,
                 self._make_handler(inbox),
@@ -176,6 +198,18 @@ class Actor:
         self.exit_code = exit_code
         self.request_stop()
         await asyncio.Event().wait()
+
+    async def _on_restart(self, command: RestartActor, msg: Msg) -> RestartAccepted | None:
+        if not self.owns_bus:
+            await self._reply_error(
+                msg, "refused", f"{self.kind} {self.actor_id} shares its process: nothing would "
+                "start it again"
+            )  # fmt: skip
+            return None
+        log.warning("%r: restart requested (%s)", self, command.reason or "no reason given")
+        self.exit_code = EXIT_RESTART_REQUESTED
+        asyncio.get_running_loop().call_soon(self.request_stop)  # after the answer is sent
+        return RestartAccepted(self.actor_id, self.kind, self.incarnation)
 
     def begin_new_life(self) -> None:
         """Restart in place: a new incarnation, as peers see a new process."""
@@ -254,6 +288,7 @@ class Actor:
             self.incarnation,
             HOST,
             self.started_at,
+            self.served_engine(),
         )
 
     async def _heartbeat_loop(self) -> None:

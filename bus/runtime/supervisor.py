@@ -1,8 +1,9 @@
 """Runs actors as separate OS processes (``python -m shoal.bus.runtime.run_actor``), restarts one
 that dies (exponential backoff, a limit of restarts per time window) and stops them all cleanly
 (SIGTERM, then SIGKILL after a grace period). A restarted actor rejoins by subscribing to its
-subjects again. Every change of a child's state is reported to ``on_event`` and kept in
-``events``."""
+subjects again. A child that exits with ``EXIT_RESTART_REQUESTED`` (``shoal restart``) is
+started again at once, neither counted against the limit nor reported DEAD. Every change of a
+child's state is reported to ``on_event`` and kept in ``events``."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from shoal.bus.codec import encode
 from shoal.bus.errors import BusError
 from shoal.bus.messages.control import ActorState, StatusEvent
 from shoal.bus.nats_ops.credentials import SECRET_OPTIONS, url_has_secret
+from shoal.bus.runtime.actor import EXIT_RESTART_REQUESTED
 from shoal.bus.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,10 @@ class _Child:
         return self.proc.pid if self.proc is not None else None
 
 
+def _restart_requested(state: ChildState, returncode: int | None) -> bool:
+    return state is ChildState.EXITED and returncode == EXIT_RESTART_REQUESTED
+
+
 class Supervisor:
     """Keeps a set of actor processes alive. ``async with Supervisor(specs) as sup: ...``
 
@@ -175,7 +181,9 @@ class Supervisor:
                 self.on_event(event)
             except Exception:
                 log.exception("on_event callback failed")
-        if state in (ChildState.EXITED, ChildState.FAILED):
+        if state in (ChildState.EXITED, ChildState.FAILED) and not _restart_requested(
+            state, returncode
+        ):  # one that restarts on request said STOPPED itself, drained: no fault
             await self._publish_death(child, state, returncode)
         async with self._changed:
             self._changed.notify_all()
@@ -216,11 +224,12 @@ class Supervisor:
             if self._stopping.is_set():
                 break
             await self._report(child, ChildState.EXITED, returncode)
-            if not self._may_restart(child):
+            requested = _restart_requested(ChildState.EXITED, returncode)
+            if not requested and not self._may_restart(child):
                 await self._report(child, ChildState.FAILED, returncode)
                 return
             ran_long = time.monotonic() - started > self.policy.window_s
-            consecutive = 0 if ran_long else consecutive + 1
+            consecutive = 0 if ran_long or requested else consecutive + 1
             backoff = self.policy.initial_backoff_s * 2 ** max(0, consecutive - 1)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(

@@ -261,6 +261,9 @@ class EngineCoreActor(Actor):
             return f"{self.incarnation}-{self.num_handshakes}"
         return None
 
+    def served_engine(self) -> str:
+        return self.engine_id
+
     def load(self) -> dict[str, float]:
         if self.core is None:
             return {}

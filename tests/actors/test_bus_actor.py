@@ -9,7 +9,15 @@ import pytest
 from shoal.bus.base import ERROR_CODE_HEADER
 from shoal.bus.codec import Codec, encode
 from shoal.bus.errors import RemoteError
-from shoal.bus.messages.control import ActorState, ControlEvent, ErrorReply, Heartbeat, StatusEvent
+from shoal.bus.messages.control import (
+    ActorState,
+    ControlEvent,
+    ErrorReply,
+    Heartbeat,
+    RestartAccepted,
+    RestartActor,
+    StatusEvent,
+)
 from shoal.bus.msg import Msg
 from shoal.bus.runtime.actor import call
 from shoal.bus.streams import request_stream
@@ -154,3 +162,18 @@ def test_an_engine_core_takes_a_new_incarnation_at_each_reconnect(tiny_checkpoin
     before = (engine.incarnation, worker.incarnation)
     bus._reconnected()
     assert engine.incarnation != before[0] and worker.incarnation == before[1]
+
+
+async def test_an_actor_sharing_its_process_refuses_a_restart_and_keeps_serving(
+    bus_factory: BusFactory,
+):
+    actor = await start_echo(bus_factory)
+    client = await bus_factory()
+    restart = actor.subjects.restart("echo", "e1")
+    with pytest.raises(RemoteError) as refused:
+        await call(client, restart, RestartActor("test"), Codec(RestartAccepted), timeout=LIMIT_S)
+    assert refused.value.code == "refused" and "shares its process" in refused.value.message
+    assert actor.state is ActorState.READY and actor.exit_code == 0
+    pong = await call(client, actor.request_subject(), Ping(1), PONG_CODEC, timeout=LIMIT_S)
+    assert pong.seq == 1
+    await actor.stop()

@@ -11,10 +11,17 @@ import pytest
 
 from shoal.bus.codec import Codec
 from shoal.bus.errors import BusError, BusTimeoutError, ConnectionLostError, NoRespondersError
-from shoal.bus.messages.control import ActorState, ControlEvent, Heartbeat, StatusEvent
+from shoal.bus.messages.control import (
+    ActorState,
+    ControlEvent,
+    Heartbeat,
+    RestartAccepted,
+    RestartActor,
+    StatusEvent,
+)
 from shoal.bus.msg import Msg
 from shoal.bus.nats_ops.server import NatsServer
-from shoal.bus.runtime.actor import call
+from shoal.bus.runtime.actor import EXIT_RESTART_REQUESTED, call
 from shoal.bus.runtime.supervisor import ActorSpec, ChildState, RestartPolicy, Supervisor
 from shoal.bus.subjects import Subjects
 from shoal.bus.transport.nats_bus import NatsBus
@@ -23,6 +30,7 @@ from tests.actors.bus_helpers import PONG_CODEC, Ping, Pong
 pytestmark = pytest.mark.nats
 
 CONTROL = Codec(ControlEvent)
+ACCEPTED = Codec(RestartAccepted)
 SUBJECTS = Subjects()
 ECHO_SUBJECT = SUBJECTS.control("echo", "p1")
 FAST_POLICY = RestartPolicy(initial_backoff_s=0.05, max_backoff_s=0.5, max_restarts=3)
@@ -229,4 +237,49 @@ async def test_a_request_waiting_when_the_connection_drops_ends_at_once(
     await echo_after_reconnect(client, "t.echo")
     assert reconnects == [1]
     await responder.close()
+    await client.close()
+
+
+def is_from_another_process(outcome: Pong | BusError, before: Pong) -> bool:
+    return isinstance(outcome, Pong) and outcome.pid != before.pid
+
+
+async def test_a_restart_command_drains_the_actor_and_its_supervisor_starts_a_new_life(
+    nats_url: str,
+):
+    client = await connected_bus(nats_url)
+    statuses: list[StatusEvent] = []
+
+    async def on_status(msg: Msg) -> None:
+        event = CONTROL.decode(msg.data)
+        if isinstance(event, StatusEvent):
+            statuses.append(event)
+
+    await client.subscribe(SUBJECTS.status("echo"), on_status)
+    policy = RestartPolicy(initial_backoff_s=0.05, max_backoff_s=0.5, max_restarts=1)
+    supervisor = Supervisor([echo_spec(nats_url)], policy=policy, grace_s=3, status_bus=client)
+    async with supervisor:
+        first = await ping_until_answered(client, ECHO_SUBJECT, limit_s=STARTUP_LIMIT_S)
+        # a request in flight when the command comes is answered before the actor exits
+        slow = asyncio.create_task(
+            call(client, ECHO_SUBJECT, Ping(-1, 0.5), PONG_CODEC, timeout=STARTUP_LIMIT_S)
+        )
+        await wait_for_busy_heartbeat(client)
+        for _ in range(2):  # a second one: requested restarts count against no limit
+            before = await ping_until_answered(client, ECHO_SUBJECT, limit_s=STARTUP_LIMIT_S)
+            command = RestartActor("test")
+            accepted = await call(
+                client, SUBJECTS.restart("echo", "p1"), command, ACCEPTED, timeout=5
+            )
+            assert (accepted.actor_id, accepted.kind) == ("p1", "echo")
+            async with asyncio.timeout(STARTUP_LIMIT_S):
+                while not is_from_another_process(await send_bounded(client, 0), before):
+                    await asyncio.sleep(0.05)  # paces the retries while it restarts
+        assert (await slow).seq == -1
+        assert supervisor.num_restarts("p1") == 2 and supervisor.state("p1") is ChildState.RUNNING
+        exits = [e.returncode for e in supervisor.events if e.state == ChildState.EXITED]
+        assert exits == [EXIT_RESTART_REQUESTED] * 2
+        assert first.pid != supervisor.pid("p1")
+    assert not [e for e in statuses if e.state is ActorState.DEAD]  # a drain, not a fault
+    assert len({e.incarnation for e in statuses if e.state is ActorState.READY}) == 3
     await client.close()

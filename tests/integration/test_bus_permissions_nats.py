@@ -80,6 +80,8 @@ FORBIDDEN_PUBLISH = [
     ("recovery", S.worker_in("worker-0-0"), "engine", "worker"),
     ("supervisor", S.engine_in("engine-0"), "gateway", "engine"),
     ("client", S.engine_in("engine-0"), "gateway", "engine"),
+    ("gateway", S.restart("engine", "engine-0"), "operator", "engine"),  # restarts: operator's
+    ("client", S.restart("worker", "worker-0-0"), "operator", "worker"),
 ]
 
 
@@ -105,6 +107,7 @@ FORBIDDEN_SUBSCRIBE = [
     ("tier", S.control("engine", "engine-0"), "recovery", "engine"),
     ("gateway", S.worker_in("worker-0-0"), "engine", "worker"),
     ("worker", S.engine_out("client-1"), "engine", "gateway"),
+    ("worker", S.restart("engine", "engine-0"), "operator", "engine"),
 ]
 
 

@@ -85,6 +85,11 @@ def test_bucket_kinds_are_known():
         ("supervisor", S.engine_in("engine-0")),
         ("worker", S.heartbeat("engine")),  # only its own kind's heartbeat
         ("tier", S.status("engine")),
+        ("gateway", S.restart("engine", "engine-0")),  # restarts: the operator's alone
+        ("recovery", S.restart("worker", "worker-0-0")),
+        ("client", S.restart("gateway", "gateway-0")),
+        ("operator", S.engine_in("engine-0")),
+        ("operator", S.control("engine", "engine-0")),
     ],
 )
 def test_required_publish_denials(role: str, subject: str):
@@ -101,6 +106,7 @@ def test_required_publish_denials(role: str, subject: str):
         ("gateway", S.worker_in("worker-0-0")),
         ("gateway", S.inbox_prefix(user_name(S.namespace, "engine")) + ".x"),  # private replies
         ("engine", S.api_generate()),
+        ("worker", S.restart("engine", "engine-0")),  # only its own kind's restarts
     ],
 )
 def test_required_subscribe_denials(role: str, subject: str):
@@ -117,6 +123,9 @@ def test_required_subscribe_denials(role: str, subject: str):
         ("recovery", [S.control("engine", "engine-0")], [S.heartbeat("engine")]),
         ("supervisor", [S.status("worker")], []),
         ("client", [S.api_generate(), S.api("cancel")], []),
+        ("operator", [S.restart("engine", "engine-1")], [S.heartbeat("tier"), S.status("x")]),
+        ("worker", [], [S.restart("worker", "worker-0-0")]),
+        ("gateway", [], [S.restart("gateway", "gateway-1")]),
     ],
 )
 def test_what_each_role_needs_is_allowed(role: str, publish: list[str], subscribe: list[str]):
