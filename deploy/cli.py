@@ -39,6 +39,7 @@ from shoal.deploy.lora_push import add_lora_push_arguments, run_lora_push
 from shoal.deploy.model_source import DEFAULT_MODEL_NAME, DEMO_MODEL_NAME, ModelNotFoundError
 from shoal.deploy.nats_init import add_nats_init_arguments, run_nats_init
 from shoal.deploy.probe import add_probe_arguments, probed_id, run_probe
+from shoal.deploy.restart_cli import add_restart_arguments, run_restart
 from shoal.deploy.status_cli import add_status_arguments, run_status, run_top
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
@@ -147,6 +148,10 @@ def _add_status_commands(commands: Any, common: argparse.ArgumentParser) -> None
     add_status_arguments(status, option_default("namespace"), top=False)
     top = commands.add_parser("top", parents=[common], help="shoal status, redrawn live")
     add_status_arguments(top, option_default("namespace"), top=True)
+    restart = commands.add_parser(
+        "restart", parents=[common], help="restart a NATS deployment's actors, one at a time"
+    )
+    add_restart_arguments(restart, option_default("namespace"))
 
 
 def _add_lora_command(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -213,6 +218,14 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds without output before a stream gets a keep-alive comment (default 15; "
         "0: never)",
     )
+    g.add_argument(
+        "--shutdown-delay-s",
+        type=float,
+        default=0.0,
+        help="on stop or restart, answer /health 503 but keep serving this long before closing "
+        "the port, so a load balancer's health checks take this gateway out first (Kubernetes: "
+        "more than the readiness probe's period times its failure threshold)",
+    )
 
 
 def _bench_names() -> list[str]:
@@ -246,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         return asyncio.run(run_probe(ns, actor_id))
     if ns.command == "status":
         return asyncio.run(run_status(ns))
+    if ns.command == "restart":
+        return asyncio.run(run_restart(ns))
     if ns.command == "top":
         try:
             return asyncio.run(run_top(ns))

@@ -38,6 +38,8 @@ class ActorRow:
     last_seen: float = 0.0  # wall time of its latest message
     load: dict[str, float] = field(default_factory=dict)
     num_restarts: int = 0
+    num_heard: int = 0  # messages folded in (a newer message than one seen at some moment)
+    engine_id: str = ""  # the engine core it serves (an engine core's own id)
     last_fault: str = ""
     steps_per_s: float | None = None
     _steps_mark: tuple[float, float] | None = None  # (timestamp, num_steps) of the last beat
@@ -76,6 +78,7 @@ class ActorRow:
             "kv_usage": _rounded(self.kv_usage),
             "steps_per_s": _rounded(self.steps_per_s),
             "num_restarts": self.num_restarts,
+            "engine_id": self.engine_id,
             "last_fault": self.last_fault,
             "load": dict(self.load),
         }
@@ -112,7 +115,9 @@ class StatusBoard:
             return  # a late one
         self._note_incarnation(row, beat.incarnation)
         row.state, row.last_seen, row.load = beat.state, beat.timestamp, dict(beat.load)
+        row.num_heard += 1
         row.host = beat.host or row.host
+        row.engine_id = beat.engine_id or row.engine_id
         row.started_at = beat.started_at or row.started_at
         steps = beat.load.get("num_steps")
         if steps is None:
@@ -129,6 +134,7 @@ class StatusBoard:
             return
         self._note_incarnation(row, event.incarnation)
         row.state, row.last_seen = event.state, event.timestamp
+        row.num_heard += 1
         if event.state in FAULT_STATES and event.reason:
             row.last_fault = event.reason
 

@@ -17,7 +17,7 @@ import asyncio
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from rich.console import Console
 from rich.live import Live
@@ -54,8 +54,14 @@ def add_status_arguments(parser: argparse.ArgumentParser, namespace: str, *, top
     parser.add_argument("--json", action="store_true", help="one JSON object, for scripts")
 
 
-async def listen(bus: Bus, namespace: str, board: StatusBoard) -> list[Subscription]:
-    """Feed ``board`` with every actor's heartbeats and status events on ``bus``."""
+async def listen(
+    bus: Bus,
+    namespace: str,
+    board: StatusBoard,
+    on_change: Callable[[], Awaitable[None]] | None = None,
+) -> list[Subscription]:
+    """Feed ``board`` with every actor's heartbeats and status events on ``bus`` (then await
+    ``on_change``)."""
     subjects = Subjects(namespace)
 
     async def on_control(msg: Msg) -> None:
@@ -67,6 +73,8 @@ async def listen(bus: Bus, namespace: str, board: StatusBoard) -> list[Subscript
             board.on_heartbeat(event)
         else:
             board.on_status(event)
+        if on_change is not None:
+            await on_change()
 
     return [
         await bus.subscribe(subjects.heartbeat(), on_control),
@@ -117,7 +125,9 @@ def rich_table(rows: Sequence[ActorRow], now: float, namespace: str) -> Table:
     return table
 
 
-async def _connected(ns: argparse.Namespace) -> Bus | None:
+async def connect_operator_bus(ns: argparse.Namespace) -> Bus | None:
+    """The deployment's bus (``--nats-url``, credentials from the environment), or None
+    after saying why on stderr."""
     try:
         credentials = resolve_credentials()
         return await connect_bus(ns.nats_url, **(credentials.bus_options() if credentials else {}))
@@ -127,7 +137,7 @@ async def _connected(ns: argparse.Namespace) -> Bus | None:
 
 
 async def run_status(ns: argparse.Namespace) -> int:
-    bus = await _connected(ns)
+    bus = await connect_operator_bus(ns)
     if bus is None:
         return EXIT_NO_BUS
     board = StatusBoard()
@@ -145,7 +155,7 @@ async def run_status(ns: argparse.Namespace) -> int:
 
 
 async def run_top(ns: argparse.Namespace) -> int:
-    bus = await _connected(ns)
+    bus = await connect_operator_bus(ns)
     if bus is None:
         return EXIT_NO_BUS
     board = StatusBoard()

@@ -50,3 +50,14 @@ def test_a_new_incarnation_is_a_restart_and_the_last_fault_stays() -> None:
     board.on_heartbeat(beat("engine-0", "engine", 14.0, {"num_steps": 99}, life="one"))  # late
     assert (row.incarnation, row.num_restarts) == ("two", 1)
     assert row.as_json(20.0)["state"] == "READY"
+
+
+def test_a_row_names_the_engine_core_the_actor_serves() -> None:
+    board = StatusBoard()
+    board.on_heartbeat(
+        Heartbeat("worker-1-0", "worker", 1, READY, 5.0, {}, "a", "h", 1.0, "engine-1")
+    )
+    board.on_heartbeat(beat("kv-cpu", "tier", 5.0, {}))
+    worker, tier = board.rows["worker-1-0"], board.rows["kv-cpu"]
+    assert (worker.engine_id, tier.engine_id) == ("engine-1", "")
+    assert worker.as_json(6.0)["engine_id"] == "engine-1" and worker.num_heard == 1
