@@ -45,14 +45,16 @@ class HttpOptions:
     port: int = 8000
     api_key: str | None = None
     sse_keep_alive_s: float | None = None  # None: the gateway's default
+    shutdown_delay_s: float = 0.0
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> HttpOptions:
-        return cls(ns.host, ns.port, ns.api_key, ns.sse_keep_alive_s)
+        return cls(ns.host, ns.port, ns.api_key, ns.sse_keep_alive_s, ns.shutdown_delay_s)
 
     def gateway_kwargs(self) -> dict[str, Any]:
         """``GatewayActor`` keyword arguments (its defaults for what is not set here)."""
-        kwargs = {"host": self.host, "port": self.port, "api_key": self.api_key}
+        kwargs: dict[str, Any] = {"host": self.host, "port": self.port, "api_key": self.api_key}
+        kwargs["shutdown_delay_s"] = self.shutdown_delay_s
         if self.sse_keep_alive_s is not None:
             kwargs["sse_keep_alive_s"] = self.sse_keep_alive_s
         return kwargs

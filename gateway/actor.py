@@ -9,6 +9,7 @@ config with ``engine_factory`` (by default ``AsyncEngineClient`` over the bus).
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import inspect
 import logging
@@ -32,7 +33,7 @@ from shoal.gateway.metrics import Metrics
 from shoal.gateway.nats_api import NatsApi
 from shoal.gateway.response_store import ResponseStore
 from shoal.gateway.server import HttpServer, start_http_server
-from shoal.gateway.serving import CONTEXT_KEY, DEFAULT_SSE_KEEP_ALIVE_S
+from shoal.gateway.serving import CONTEXT_KEY, DEFAULT_SSE_KEEP_ALIVE_S, ServingContext
 from shoal.gateway.stats_logging import StatsLogger
 from shoal.gateway.tools import ToolCallingOptions
 
@@ -74,6 +75,7 @@ class GatewayActor(Actor):
         api_key: str | None = None,
         enable_nats_api: bool = True,
         sse_keep_alive_s: float | None = DEFAULT_SSE_KEEP_ALIVE_S,
+        shutdown_delay_s: float = 0.0,
         **actor_options: Any,
     ) -> None:
         if engine_client is None and config is None:
@@ -89,9 +91,11 @@ class GatewayActor(Actor):
         self.api_key = api_key
         self.enable_nats_api = enable_nats_api
         self.sse_keep_alive_s = sse_keep_alive_s
+        self.shutdown_delay_s = shutdown_delay_s
         self.metrics: Metrics | None = None
         self.stats_logger: StatsLogger | None = None
         self.http: HttpServer | None = None
+        self.context: ServingContext | None = None
         self.nats_api: NatsApi | None = None
         self._stats_codec = Codec(EngineStats)
 
@@ -148,9 +152,10 @@ class GatewayActor(Actor):
             embeddings=self._embeddings(),
             responses=ResponseStore(lambda: bus.open_kv(responses_bucket)),
         )
+        self.context = app[CONTEXT_KEY]
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:
-            self.nats_api = NatsApi(self.bus, app[CONTEXT_KEY], subjects=self.subjects)
+            self.nats_api = NatsApi(self.bus, self.context, subjects=self.subjects)
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)
 
@@ -196,6 +201,9 @@ class GatewayActor(Actor):
         return spec.num_speculative_tokens if spec is not None and spec.enabled else 0
 
     async def on_stop(self) -> None:
+        if self.context is not None:  # out of its load balancer before its port closes
+            self.context.draining = True
+            await asyncio.sleep(self.shutdown_delay_s)
         if self.nats_api is not None:
             await self.nats_api.stop()
         if self.http is not None:

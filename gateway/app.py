@@ -218,6 +218,8 @@ async def unload_lora_adapter(ctx: ServingContext, request: web.Request) -> web.
 
 
 async def health(ctx: ServingContext, request: web.Request) -> web.Response:
+    if ctx.draining:
+        return error_response(ApiError(503, "this gateway is shutting down", code="draining"))
     if ctx.engine.is_ready():
         return web.Response(status=200)
     return error_response(ApiError(503, "no engine core is ready", code="engine_unavailable"))

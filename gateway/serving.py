@@ -47,6 +47,7 @@ class ServingContext:
     structured_in_reasoning: bool = False
     embeddings: EmbeddingOptions | None = None  # --runner pooling: /v1/embeddings answers
     responses: ResponseStore = field(default_factory=ResponseStore)  # stored responses
+    draining: bool = False  # stopping: /health says 503 so load balancers send no more
 
     def check_model(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the base model); 404 for a model

@@ -1,8 +1,9 @@
 """The gateway actor: HTTP, the NATS API and the engine-stats feed of /metrics start and stop
-together on one bus."""
+together on one bus; a stopping gateway answers /health 503 for its shutdown delay first."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import aiohttp
@@ -162,3 +163,31 @@ async def test_the_deployments_trust_in_request_chat_templates_reaches_http_and_
     finally:
         await actor.stop()
         await client_bus.close()
+
+
+async def test_a_stopping_gateway_fails_health_but_keeps_serving_for_its_shutdown_delay() -> None:
+    broker = InMemoryBroker()
+    actor = GatewayActor(
+        InMemoryBus(broker), "gw-1",
+        config=ShoalConfig.from_options(model="fake", max_model_len=128, namespace="acttest"),
+        engine_factory="tests.unit.test_gateway_fake:make_fake_engine", port=0,
+        shutdown_delay_s=1.0,
+    )  # fmt: skip
+    await actor.start()
+    assert actor.http is not None
+    url = actor.http.url
+    async with aiohttp.ClientSession() as session:
+        async with session.get(url + "/health") as response:
+            assert response.status == 200
+        stopping = asyncio.create_task(actor.stop())
+        await wait_for(lambda: actor.state is ActorState.DRAINING, 10.0, "the gateway draining")
+        async with session.get(url + "/health") as response:
+            assert response.status == 503
+            assert (await response.json())["error"]["code"] == "draining"
+        body = {"prompt": "the fox", "max_tokens": 3}
+        async with session.post(url + "/v1/completions", json=body) as response:
+            assert response.status == 200  # a request its load balancer still sent
+        assert not stopping.done()
+        await stopping
+        with pytest.raises(aiohttp.ClientConnectorError):
+            await session.get(url + "/health")

@@ -59,7 +59,7 @@ def compose_default(text: str) -> str:
 def compose_launches() -> Iterator[Launch]:
     (compose,) = load_yaml_documents(COMPOSE_FILE)
     for name, service in compose["services"].items():
-        if service.get("entrypoint"):  # the nats-server nodes
+        if service.get("entrypoint") or "command" not in service:  # nats-server, nginx
             continue
         env = {k: str(v) for k, v in service.get("environment", {}).items()}
         image = compose_default(service["image"])

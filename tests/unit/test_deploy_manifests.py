@@ -49,8 +49,10 @@ GENERATED = {"auth.conf", "cluster-auth.conf"}
 NATS_PORTS = {"client": 4222, "cluster": 6222, "monitor": 8222}
 # Not engine options: where and as whom one actor runs.
 PLACE = {"command", "kind", "model", "actor_id", "host", "port", "api_key", "sse_keep_alive_s"}
+PLACE |= {"shutdown_delay_s"}
 PLACE |= {"log_level", "tp_init_method", "ep_init_method"}
 LAUNCHES = all_launches()
+LOAD_BALANCER = "gateway-lb"  # compose's nginx in front of the gateways
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -160,7 +162,9 @@ def test_every_image_is_the_one_the_dockerfile_builds() -> None:
     assert f"-t {IMAGE} " in dockerfile
     assert 'ENTRYPOINT ["shoal"]' in dockerfile
     (compose,) = load_yaml_documents(COMPOSE_FILE)
-    assert {compose_default(s["image"]) for s in compose["services"].values()} == {IMAGE}
+    images = {name: compose_default(s["image"]) for name, s in compose["services"].items()}
+    assert images.pop(LOAD_BALANCER) == "nginx:1.27-alpine"  # the one that is not shoal
+    assert set(images.values()) == {IMAGE}
     for _, workload in k8s_workloads():
         for container in workload["spec"]["template"]["spec"]["containers"]:
             assert container["image"] == IMAGE
@@ -372,3 +376,23 @@ def test_dashboard_is_grafana_json() -> None:
         assert topic in titles
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert any("histogram_quantile" in e and "_bucket" in e for e in exprs)
+
+
+def test_two_gateways_cover_each_others_restart() -> None:
+    (compose,) = load_yaml_documents(COMPOSE_FILE)
+    gateways = [launch for launch in actors() if parse(launch.argv).kind == "gateway"]
+    compose_ids = {parse(g.argv).actor_id for g in gateways if g.where.startswith("compose")}
+    assert compose_ids == {"gateway-0", "gateway-1"}
+    nginx = (COMPOSE_FILE.parent / "nginx.conf").read_text()
+    assert set(re.findall(r"server (gateway-\d+):8000", nginx)) == compose_ids
+    assert re.search(r"proxy_next_upstream error", nginx) and "proxy_buffering off" in nginx
+    assert compose["services"][LOAD_BALANCER]["ports"] == ["8000:8000"]
+    assert all("ports" not in compose["services"][g] for g in compose_ids)
+    for _, workload in k8s_workloads():
+        (container, *_) = workload["spec"]["template"]["spec"]["containers"]
+        if container.get("args", [None, None])[:2] != ["actor", "gateway"]:
+            continue
+        assert workload["spec"]["replicas"] >= 2
+        probe = container["readinessProbe"]
+        out_after_s = probe["periodSeconds"] * probe.get("failureThreshold", 3)
+        assert parse(container["args"]).shutdown_delay_s > out_after_s
