@@ -15,7 +15,13 @@ import sys
 import aiohttp
 import pytest
 
-from bench.rolling import FailoverClient, lost, process_deployment, rolling_restart, steady_load
+from bench.rolling import (
+    FailoverClient,
+    calm_check,
+    process_deployment,
+    rolling_restart,
+    steady_load,
+)
 from shoal.bus.runtime.actor import EXIT_RESTART_REQUESTED
 from shoal.bus.runtime.supervisor import ChildState
 from shoal.deploy.deployment import build_config
@@ -25,6 +31,7 @@ from tests.integration.test_default_resilience import Server
 pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.timeout(600)]
 PROMPTS = [f"rolling {i}: the fox and the {word}" for i, word in enumerate("abcdef")]
 NAMESPACE = "rolling"
+MAX_TOKENS = 48
 
 
 async def test_a_rolling_restart_under_load_loses_no_request(tiny_checkpoint) -> None:  # type: ignore[no-untyped-def]
@@ -38,12 +45,12 @@ async def test_a_rolling_restart_under_load_loses_no_request(tiny_checkpoint) ->
         process_deployment(config) as deployed,
         aiohttp.ClientSession(timeout=timeout) as session,
     ):
-        client = FailoverClient(session, deployed.gateway_urls, max_tokens=48)
+        client = FailoverClient(session, deployed.gateway_urls, max_tokens=MAX_TOKENS)
         calm_done = asyncio.Event()
         calm_done.set()
-        calm = await steady_load(client, PROMPTS, 4.0, calm_done, min_requests=len(PROMPTS))
-        reference = {a.prompt: a.text for a in calm}
-        assert not lost(calm, reference) and all(reference.values())
+        calm = await steady_load(client, PROMPTS, 4.0, calm_done, min_requests=2 * len(PROMPTS))
+        check, disagreements = calm_check(calm, MAX_TOKENS, slo_factor=3.0)
+        assert disagreements == 0 and len(check.reference) == len(PROMPTS)
         stop = asyncio.Event()
         load = asyncio.create_task(steady_load(client, PROMPTS, 3.0, stop, seed=1))
         status, summary = await rolling_restart(deployed.nats_url, NAMESPACE)
@@ -64,7 +71,8 @@ async def test_a_rolling_restart_under_load_loses_no_request(tiny_checkpoint) ->
     assert len(children) == 2 * len(actors)  # each child started twice: once more per restart
     assert [a["kind"] for a in actors][:1] == ["recovery"] and actors[-1]["kind"] == "gateway"
     assert len(during) >= 20  # the load ran through the whole restart
-    assert lost(during, reference) == [], [(a.prompt, a.error) for a in lost(during, reference)]
+    lost = check.lost(during)
+    assert lost == [], [(a.prompt, a.error, a.num_tokens, a.text) for a in lost]
 
 
 async def test_restart_keeps_the_last_engine_core_and_skips_an_in_process_gateway(
