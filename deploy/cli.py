@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import logging
 import runpy
 import signal
@@ -138,7 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_bench_command(commands: Any, common: argparse.ArgumentParser) -> None:
     bench = commands.add_parser("bench", parents=[common], help="run a benchmark from bench/")
     bench.add_argument("name", help="benchmark name: " + ", ".join(_bench_names()))
-    bench.add_argument("bench_args", nargs=argparse.REMAINDER, help="its own arguments")
+    bench.add_argument(
+        "bench_args", nargs=argparse.REMAINDER,
+        help="its own arguments, and --plot FILE: its figures as a PNG (needs shoal[bench])",
+    )  # fmt: skip
 
 
 def _add_status_commands(commands: Any, common: argparse.ArgumentParser) -> None:
@@ -382,11 +387,66 @@ def _run_bench(parser: argparse.ArgumentParser, name: str, bench_args: list[str]
     path = BENCH_DIR / f"{BENCH_ALIASES.get(name, name)}.py"
     if not path.is_file():
         parser.error(f"unknown benchmark {name!r}; choose from {', '.join(_bench_names())}")
+    bench_args, plot_path = _take_plot_flag(parser, bench_args)
     sys.argv = [str(path), *bench_args]
+    output = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, output) if plot_path else sys.stdout):
+        try:
+            runpy.run_path(str(path), run_name="__main__")
+            status = 0
+        except SystemExit as exc:
+            status = int(exc.code or 0) if not isinstance(exc.code, str) else 1
+    if plot_path is not None:
+        return _plot_bench(name, output.getvalue(), plot_path) or status
+    return status
+
+
+def _take_plot_flag(
+    parser: argparse.ArgumentParser, bench_args: list[str]
+) -> tuple[list[str], Path | None]:
+    """``--plot FILE`` (shoal's, not the benchmark's) taken out of the benchmark's arguments."""
+    for index, arg in enumerate(bench_args):
+        if arg == "--plot" or arg.startswith("--plot="):
+            value = arg.partition("=")[2] or (bench_args[index + 1 : index + 2] or [""])[0]
+            if not value:
+                parser.error("--plot needs a file name")
+            rest = bench_args[:index] + bench_args[index + (1 if "=" in arg else 2) :]
+            return rest, Path(value)
+    return bench_args, None
+
+
+class _Tee(io.TextIOBase):
+    """Writes to every stream it is given (the terminal, and a buffer read for --plot)."""
+
+    def __init__(self, *streams: Any) -> None:
+        self.streams = streams
+
+    def write(self, text: str) -> int:
+        for stream in self.streams:
+            stream.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        for stream in self.streams:
+            stream.flush()
+
+
+def _plot_bench(name: str, output: str, path: Path) -> int:
+    """Draw the benchmark's result (its last JSON line) into ``path``; 1 if it cannot."""
+    sys.path.insert(0, str(BENCH_DIR.parent))
+    from bench.plot import draw, last_result, panels
+
+    result = last_result(output)
+    if result is None:
+        print(f"shoal bench: {name} printed no JSON result to plot", file=sys.stderr)
+        return 1
     try:
-        runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as exc:
-        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
+        draw(panels(result), path, f"shoal bench {name}")
+    except ImportError as exc:
+        print(f"shoal bench: --plot needs matplotlib (pip install 'shoal[bench]'): {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    print(f"shoal bench: figures written to {path}", file=sys.stderr)
     return 0
 
 
