@@ -47,8 +47,10 @@ def add_restart_arguments(parser: argparse.ArgumentParser, namespace: str) -> No
         help="kinds (recovery, tier, worker, engine, gateway) or actor ids; none: every actor",
     )  # fmt: skip
     parser.add_argument(
-        "--rolling", action="store_true", help="one at a time, each ready before the next"
-    )
+        "--rolling", action="store_true",
+        help="every actor when none is named (restarts always go one at a time, each ready "
+        "before the next)",
+    )  # fmt: skip
     parser.add_argument(
         "--ready-timeout-s", type=positive_float, default=300.0,
         help="how long each actor may take to be ready again",
@@ -103,9 +105,11 @@ class Watch:
 class RollingRestart:
     """Restarts actors one at a time on ``bus``, judged by ``watch``."""
 
-    def __init__(self, bus: Bus, watch: Watch, namespace: str, ns: argparse.Namespace) -> None:
+    def __init__(
+        self, bus: Bus, watch: Watch, namespace: str, *, ready_timeout_s: float, reason: str
+    ) -> None:
         self.bus, self.watch, self.subjects = bus, watch, Subjects(namespace)
-        self.ready_timeout_s, self.reason = ns.ready_timeout_s, ns.reason
+        self.ready_timeout_s, self.reason = ready_timeout_s, reason
 
     async def restart(self, target: ActorRow) -> Outcome:
         outcome = Outcome(target.actor_id, target.kind, "failed")
@@ -222,7 +226,9 @@ async def _restart_all(bus: Bus, watch: Watch, ns: argparse.Namespace) -> int:
     if refused is not None:
         print(f"shoal restart: refused: {refused}", file=sys.stderr)
         return EXIT_REFUSED
-    rolling = RollingRestart(bus, watch, ns.namespace, ns)
+    rolling = RollingRestart(
+        bus, watch, ns.namespace, ready_timeout_s=ns.ready_timeout_s, reason=ns.reason
+    )
     outcomes = []
     for target in targets:
         outcome = await rolling.restart(target)
