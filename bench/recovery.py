@@ -49,25 +49,31 @@ PROMPT_LEN = 16
 
 @dataclass
 class StatusLog:
-    """Every engine core's status changes as seen on the bus: (time, state) per engine."""
+    """Every engine core's status changes as it sent them: (its wall time, state) per engine.
+    The sender's own timestamps, so two changes delivered together (a busy machine) still
+    measure the time between them."""
 
-    table: Any
     changes: dict[str, list[tuple[float, Any]]] = field(default_factory=dict)
 
-    def on_change(self, engine_id: str) -> None:
-        peer = self.table.get(engine_id)
-        if peer is None:
+    async def on_msg(self, msg: Any) -> None:
+        from shoal.bus.codec import Codec, DecodeError
+        from shoal.bus.messages.control import StatusEvent
+
+        try:
+            event = Codec(StatusEvent).decode(msg.data)
+        except DecodeError:
             return
-        log = self.changes.setdefault(engine_id, [])
-        if not log or log[-1][1] != peer.state:
-            log.append((time.monotonic(), peer.state))
+        log = self.changes.setdefault(event.actor_id, [])
+        if not log or log[-1][1] != event.state:
+            log.append((event.timestamp, event.state))
 
     def recovery_after(self, engine_id: str, since: float) -> float | None:
-        """Seconds from the first non-READY state after ``since`` to the READY after it."""
+        """Seconds from the first non-READY state after ``since`` (wall time) to the READY
+        after it."""
         from shoal.bus.messages.control import ActorState
 
         fault_at = None
-        for at, state in self.changes.get(engine_id, []):
+        for at, state in sorted(self.changes.get(engine_id, []), key=lambda change: change[0]):
             if at < since:
                 continue
             if fault_at is None and state is not ActorState.READY:
@@ -100,16 +106,13 @@ def make_config(model_dir: Path, args: argparse.Namespace) -> Any:
 async def open_deployment(stack: AsyncExitStack, config: Any) -> tuple[Any, Any, StatusLog]:
     """The actors as supervised processes on a fresh nats-server, a ready client here."""
     from bench.throughput_e2e import start_supervised
-    from shoal.bus.runtime.liveness import LivenessTable, watch_liveness
     from shoal.engine.client.engine_client import AsyncEngineClient
 
     bus, supervisor = await start_supervised(
         stack, config, actor_kwargs={"heartbeat_interval_s": 0.2}
     )
-    statuses = StatusLog(LivenessTable())
-    await watch_liveness(
-        bus, client_subjects(config), "engine", statuses.table, on_change=statuses.on_change
-    )
+    statuses = StatusLog()
+    await bus.subscribe(client_subjects(config).status("engine"), statuses.on_msg)
     client = AsyncEngineClient(bus, config)
     await client.start()
     stack.push_async_callback(client.close)
@@ -198,7 +201,7 @@ async def measure_recoveries(
         for n in range(args.faults):
             rank, kind = n % args.dp, ("inject", "kill")[(n // args.dp) % 2]
             engine = engine_id(rank)
-            since = time.monotonic()
+            since = time.time()
             if kind == "inject":
                 await inject(client, engine)
             else:
