@@ -126,8 +126,8 @@ async def test_sigkilled_actor_is_restarted_and_in_flight_requests_fail_cleanly(
     await client.close()
 
 
-async def test_supervisor_stop_drains_children_and_leaves_no_orphans(nats_url: str):
-    client = await connected_bus(nats_url)
+async def status_events(client: NatsBus) -> list[StatusEvent]:
+    """Every echo actor's status events from now on, as they arrive."""
     statuses: list[StatusEvent] = []
 
     async def on_status(msg: Msg) -> None:
@@ -136,6 +136,12 @@ async def test_supervisor_stop_drains_children_and_leaves_no_orphans(nats_url: s
             statuses.append(event)
 
     await client.subscribe(SUBJECTS.status("echo"), on_status)
+    return statuses
+
+
+async def test_supervisor_stop_drains_children_and_leaves_no_orphans(nats_url: str):
+    client = await connected_bus(nats_url)
+    statuses = await status_events(client)
     specs = [echo_spec(nats_url, "p2"), echo_spec(nats_url, "p3")]
     supervisor = Supervisor(specs, policy=FAST_POLICY, grace_s=3)
     await supervisor.start()
@@ -248,14 +254,7 @@ async def test_a_restart_command_drains_the_actor_and_its_supervisor_starts_a_ne
     nats_url: str,
 ):
     client = await connected_bus(nats_url)
-    statuses: list[StatusEvent] = []
-
-    async def on_status(msg: Msg) -> None:
-        event = CONTROL.decode(msg.data)
-        if isinstance(event, StatusEvent):
-            statuses.append(event)
-
-    await client.subscribe(SUBJECTS.status("echo"), on_status)
+    statuses = await status_events(client)
     policy = RestartPolicy(initial_backoff_s=0.05, max_backoff_s=0.5, max_restarts=1)
     supervisor = Supervisor([echo_spec(nats_url)], policy=policy, grace_s=3, status_bus=client)
     async with supervisor:
