@@ -131,7 +131,10 @@ async def test_in_flight_requests_survive_a_kill_with_default_flags(
         calm = await load(url)
         assert all(len(text) > 0 for text in calm)
         before = await faults_seen(url)
-        cut = await load(url, (server, target))
+        try:
+            cut = await load(url, (server, target))
+        except AssertionError as exc:  # a stream's error: the deployment's log says why
+            raise AssertionError(f"{exc}\nshoal serve's output:\n{server.text[-6000:]}") from exc
         assert cut == calm, server.text[-4000:]
         await wait_http_ready(url, 120)
         if target == "nats-server":
