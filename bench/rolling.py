@@ -41,10 +41,10 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.serve import wait_healthy
-from shoal.bus.nats_ops.server import NatsServer
+from bench.throughput_e2e import start_supervised
 from shoal.bus.runtime.supervisor import ActorSpec, Supervisor
 from shoal.config.deployment import ShoalConfig
-from shoal.deploy.deployment import GATEWAY_TARGET, build_config, plan_actors
+from shoal.deploy.deployment import GATEWAY_TARGET, build_config
 from shoal.deploy.local import free_tcp_port
 
 NAMESPACE = "rolling"
@@ -65,29 +65,21 @@ async def process_deployment(
     config: ShoalConfig, num_gateways: int = 2, ready_timeout_s: float = 300
 ) -> AsyncIterator[Deployment]:
     """``config``'s actors and ``num_gateways`` gateways, each its own supervised process, on a
-    fresh nats-server; yields once every gateway answers ``/health``."""
-    server = NatsServer()
-    server.start()
-    try:
-        specs = [
-            ActorSpec(p.name, p.target, server.url, {**p.kwargs, **HEARTBEAT}, kind=p.kind)
-            for p in plan_actors(config)
-        ]
+    fresh nats-server (``bench.throughput_e2e.start_supervised``); yields once every gateway
+    answers ``/health``."""
+    async with contextlib.AsyncExitStack() as stack:
+        bus, supervisor = await start_supervised(stack, config, actor_kwargs=HEARTBEAT)
+        (nats_url,) = bus.servers
         urls = []
         for n in range(num_gateways):
             port = free_tcp_port()
             kwargs = {"actor_id": f"gateway-{n}", "config": config, "port": port, **HEARTBEAT}
-            specs.append(
-                ActorSpec(f"gateway-{n}", GATEWAY_TARGET, server.url, kwargs, kind="gateway")
-            )
+            spec = ActorSpec(f"gateway-{n}", GATEWAY_TARGET, nats_url, kwargs, kind="gateway")
+            supervisor.add(spec)
             urls.append(f"http://127.0.0.1:{port}")
-        async with Supervisor(specs, namespace=config.bus_config.namespace) as supervisor:
-            for url in urls:
-                await wait_healthy(url, ready_timeout_s)
-            yield Deployment(server.url, urls, supervisor)
-    finally:
-        server.stop()
-        server.cleanup()
+        for url in urls:
+            await wait_healthy(url, ready_timeout_s)
+        yield Deployment(nats_url, urls, supervisor)
 
 
 @dataclass

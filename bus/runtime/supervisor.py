@@ -109,8 +109,9 @@ class _Child:
         return self.proc.pid if self.proc is not None else None
 
 
-def _restart_requested(state: ChildState, returncode: int | None) -> bool:
-    return state is ChildState.EXITED and returncode == EXIT_RESTART_REQUESTED
+def _restart_requested(returncode: int | None) -> bool:
+    """The child exited because it took a ``RestartActor`` (``shoal restart``)."""
+    return returncode == EXIT_RESTART_REQUESTED
 
 
 class Supervisor:
@@ -181,9 +182,9 @@ class Supervisor:
                 self.on_event(event)
             except Exception:
                 log.exception("on_event callback failed")
-        if state in (ChildState.EXITED, ChildState.FAILED) and not _restart_requested(
-            state, returncode
-        ):  # one that restarts on request said STOPPED itself, drained: no fault
+        requested = state is ChildState.EXITED and _restart_requested(returncode)
+        if state in (ChildState.EXITED, ChildState.FAILED) and not requested:
+            # (one that restarts on request said STOPPED itself, drained: no fault)
             await self._publish_death(child, state, returncode)
         async with self._changed:
             self._changed.notify_all()
@@ -224,7 +225,7 @@ class Supervisor:
             if self._stopping.is_set():
                 break
             await self._report(child, ChildState.EXITED, returncode)
-            requested = _restart_requested(ChildState.EXITED, returncode)
+            requested = _restart_requested(returncode)
             if not requested and not self._may_restart(child):
                 await self._report(child, ChildState.FAILED, returncode)
                 return
