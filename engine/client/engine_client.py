@@ -497,7 +497,7 @@ class AsyncEngineClient:
             return
         if rejected.code == "unavailable" and self.resumptions.may_resume(owner, counts=False):
             engine_id = self.placements.engine_of(owner)
-            self._faults.resume_or_fail(owner, engine_id, rejected.message, counts=False)
+            self._faults.on_turned_away(owner, engine_id, rejected.message)
             return
         if rejected.code == "invalid":
             error: Exception = RequestValidationError(rejected.message)

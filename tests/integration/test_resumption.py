@@ -13,6 +13,7 @@ import functools
 import time
 from typing import Any
 
+import msgspec
 import pytest
 
 from shoal.bus.base import Bus
@@ -254,6 +255,42 @@ async def test_a_request_turned_away_as_unavailable_goes_to_another_engine_core(
             assert stream.tokens[0] == reference[0][0] and stream.text[0] == reference[0][1]
         await sub.unsubscribe()
     assert seen == ["r"]
+
+
+async def test_a_request_turned_away_waits_for_a_ready_it_hears_as_no_change(
+    bus_factory: Any, tiny_checkpoint: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client missed the engine core's fault (its UNHEALTHY status went with a dropped bus
+    connection): the core turns the request away as unavailable, then publishes READY, which
+    the client hears as no change. The rejection itself says the core was not ready, so the
+    request goes back to it once READY (it used to wait out the resume timeout)."""
+    bus = await bus_factory()
+    model_dir = tiny_checkpoint("llama")
+    ft = {"request_resume_timeout_s": 8.0}
+    async with engine_stack(bus, model_dir, num_engines=1, fault_tolerance_config=ft) as stack:
+        engine, client = stack.engines[0], stack.client
+        reference = await reference_run(client)
+        assert engine.core is not None
+        turned_away: list[str] = []
+        turn_away = engine.core.turn_away
+        monkeypatch.setattr(
+            engine.core, "turn_away", lambda m: (turned_away.append(m.request_id), turn_away(m))
+        )
+        beat = engine.make_heartbeat  # what the client hears says READY throughout
+        monkeypatch.setattr(
+            engine,
+            "make_heartbeat",
+            lambda: msgspec.structs.replace(beat(), state=ActorState.READY),
+        )
+        engine.state = ActorState.UNHEALTHY  # unpublished
+        stream = Stream()
+        task = asyncio.ensure_future(stream.run(client, PROMPTS[0], "r", 1))
+        await wait_for(lambda: turned_away, 30, "the request turned away")
+        await engine.set_state(ActorState.READY)
+        await asyncio.wait_for(task, 60)
+        assert client.resumptions.num_resumptions_total == 0  # a rejection is no fault
+    assert stream.finish_reasons[0] == "length"
+    assert stream.tokens[0] == reference[0][0] and stream.text[0] == reference[0][1]
 
 
 async def test_requests_cut_by_an_injected_fault_resume_on_the_same_engine_core_after_retry(
