@@ -32,6 +32,7 @@ from shoal.config.kv_transfer import (
     kv_offload_options,
 )
 from shoal.config.lora import LoRAConfig, lora_modules
+from shoal.config.observability import ObservabilityConfig
 from shoal.config.speculative import SpeculativeConfig, speculative_options
 from shoal.config.validation import one_of as _one_of
 from shoal.config.validation import positive as _positive
@@ -391,6 +392,7 @@ class ShoalConfig(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fiel
         default_factory=DisaggregationConfig
     )
     lora_config: LoRAConfig = msgspec.field(default_factory=LoRAConfig)
+    observability_config: ObservabilityConfig = msgspec.field(default_factory=ObservabilityConfig)
 
     def __post_init__(self) -> None:
         _require(
@@ -522,6 +524,7 @@ GROUPS: dict[str, type[msgspec.Struct]] = {
     "speculative_config": SpeculativeConfig,
     "disaggregation_config": DisaggregationConfig,
     "lora_config": LoRAConfig,
+    "observability_config": ObservabilityConfig,
 }
 OPTION_GROUPS: dict[str, str] = {
     field: group for group, struct in GROUPS.items() for field in struct.__struct_fields__
@@ -542,6 +545,7 @@ __all__ = [
     "LoRAConfig",
     "ModelConfig",
     "ObjTierConfig",
+    "ObservabilityConfig",
     "P2PTierConfig",
     "ParallelConfig",
     "SchedulerConfig",

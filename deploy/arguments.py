@@ -117,6 +117,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     _add_disaggregation_arguments(parser.add_argument_group("disaggregated prefill"))
     _add_lora_arguments(parser.add_argument_group("LoRA adapters"))
     _add_pooling_arguments(parser.add_argument_group("embeddings (pooling)"))
+    _add_observability_arguments(parser.add_argument_group("observability"))
 
 
 def _add_lora_arguments(g: Group) -> None:
@@ -295,6 +296,18 @@ def _add_model_arguments(g: Group) -> None:
     )
     _option(g, "--seed", dest="seed", type=int, help="random seed")
     _option(g, "--device", dest="device", help="cpu, or cuda / cuda:N")  # fmt: skip
+
+
+def _add_observability_arguments(g: Group) -> None:
+    _option(
+        g,
+        "--otlp-traces-endpoint",
+        dest="otlp_traces_endpoint",
+        help="send OpenTelemetry traces of every request (gateway, engine client, engine core "
+        "queue and steps, workers) to this OTLP collector, e.g. http://localhost:4317 (gRPC; "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf: the full URL, e.g. "
+        "http://localhost:4318/v1/traces); needs pip install 'shoal[tracing]'",
+    )
 
 
 def _add_pooling_arguments(g: Group) -> None:

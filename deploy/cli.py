@@ -43,6 +43,8 @@ from shoal.deploy.nats_init import add_nats_init_arguments, run_nats_init
 from shoal.deploy.probe import add_probe_arguments, probed_id, run_probe
 from shoal.deploy.restart_cli import add_restart_arguments, run_restart
 from shoal.deploy.status_cli import add_status_arguments, run_status, run_top
+from shoal.tracing.exporter import TracingUnavailable
+from shoal.tracing.setup import check_tracing
 
 BENCH_DIR = Path(__file__).resolve().parents[1] / "bench"
 ACTOR_KINDS = ("worker", "engine", "gateway", "recovery", "tier")
@@ -240,12 +242,14 @@ def _bench_names() -> list[str]:
 
 def _config(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> ShoalConfig:
     try:
-        return config_from_namespace(ns, ns.model)
+        config = config_from_namespace(ns, ns.model)
+        check_tracing(config.observability_config)
     except ModelNotFoundError as exc:
         print(f"shoal: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    except ValueError as exc:
+    except (ValueError, TracingUnavailable) as exc:
         parser.error(str(exc))  # exits with status 2
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

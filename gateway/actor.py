@@ -15,7 +15,7 @@ import inspect
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from shoal.bus.base import Bus
 from shoal.bus.codec import Codec
@@ -36,6 +36,10 @@ from shoal.gateway.server import HttpServer, start_http_server
 from shoal.gateway.serving import CONTEXT_KEY, DEFAULT_SSE_KEEP_ALIVE_S, ServingContext
 from shoal.gateway.stats_logging import StatsLogger
 from shoal.gateway.tools import ToolCallingOptions
+from shoal.tracing.setup import actor_tracer, close_tracer
+
+if TYPE_CHECKING:
+    from shoal.tracing.tracer import ActorTracer
 
 log = logging.getLogger(__name__)
 _HEARTBEAT: Codec[Heartbeat] = Codec(Heartbeat)
@@ -97,6 +101,7 @@ class GatewayActor(Actor):
         self.http: HttpServer | None = None
         self.context: ServingContext | None = None
         self.nats_api: NatsApi | None = None
+        self.tracer: ActorTracer | None = None  # with --otlp-traces-endpoint
         self._stats_codec = Codec(EngineStats)
 
     def inboxes(self) -> Sequence[Inbox]:
@@ -125,6 +130,9 @@ class GatewayActor(Actor):
             self.stats_logger.observe(stats, engine_id)
 
     async def on_start(self) -> None:
+        if self.config is not None:
+            observability = self.config.observability_config
+            self.tracer = actor_tracer(observability, self.kind, self.actor_id)
         engine = self.engine
         if engine is None:
             built = load_engine_factory(self.engine_factory)(self.bus, self.config)
@@ -151,11 +159,14 @@ class GatewayActor(Actor):
             structured_in_reasoning=self._structured_in_reasoning(),
             embeddings=self._embeddings(),
             responses=ResponseStore(lambda: bus.open_kv(responses_bucket)),
+            tracer=self.tracer,
         )
         self.context = app[CONTEXT_KEY]
         self.http = await start_http_server(app, self.host, self.port)
         if self.enable_nats_api:
-            self.nats_api = NatsApi(self.bus, self.context, subjects=self.subjects)
+            self.nats_api = NatsApi(
+                self.bus, self.context, subjects=self.subjects, tracer=self.tracer
+            )
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)
 
@@ -218,6 +229,8 @@ class GatewayActor(Actor):
                 result = close()
                 if inspect.isawaitable(result):
                     await result
+        tracer, self.tracer = self.tracer, None
+        await close_tracer(tracer)
 
     def load(self) -> dict[str, float]:
         if self.metrics is None:

@@ -1,6 +1,6 @@
-"""The aiohttp application: routes, Bearer auth on ``/v1/*`` and ``/fault_tolerance/*``, and
-the error middleware that turns every failure into an OpenAI-shaped error body (and never takes
-the server down).
+"""The aiohttp application: routes, Bearer auth on ``/v1/*`` and ``/fault_tolerance/*``, the
+request spans when tracing (``gateway.tracing``), and the error middleware that turns every
+failure into an OpenAI-shaped error body (and never takes the server down).
 
 ``create_app`` takes any ``EngineClientInterface``; ``gateway.server`` runs the app on a socket.
 """
@@ -12,6 +12,7 @@ import hmac
 import importlib.metadata
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 from aiohttp import web
@@ -52,6 +53,10 @@ from shoal.gateway.serving import (
     serving_context,
 )
 from shoal.gateway.tools import ToolCallingOptions
+from shoal.gateway.tracing import tracing_middleware
+
+if TYPE_CHECKING:
+    from shoal.tracing.tracer import ActorTracer
 
 MAX_BODY_BYTES = 32 * 1024 * 1024
 PROTECTED_PREFIXES = ("/v1/", "/fault_tolerance/")  # behind the API key, when there is one
@@ -74,6 +79,7 @@ def create_app(
     structured_in_reasoning: bool = False,
     embeddings: EmbeddingOptions | None = None,
     responses: ResponseStore | None = None,
+    tracer: ActorTracer | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app for one engine client (real or fake); a stream that waits
     ``sse_keep_alive_s`` for output gets a keep-alive comment (None: never). The
@@ -85,7 +91,8 @@ def create_app(
     ``reasoning_parser``: its ``--reasoning-parser`` (``structured_in_reasoning``: a grammar
     constrains the thinking too, vLLM's ``enable_in_reasoning``); ``embeddings``: with
     ``--runner pooling``, how ``/v1/embeddings`` answers; ``responses``: where stored responses
-    are kept (default: this process)."""
+    are kept (default: this process); ``tracer``: with ``--otlp-traces-endpoint``, the
+    gateway's (a span per ``/v1/`` request: ``gateway.tracing``)."""
     if fault_tolerance is None:
         fault_tolerance = getattr(engine_client, "fault_tolerance", None)
     ctx = serving_context(
@@ -101,7 +108,8 @@ def create_app(
         embeddings=embeddings,
         responses=responses or ResponseStore(),
     )
-    middlewares: list[Middleware] = [error_middleware]
+    middlewares: list[Middleware] = [] if tracer is None else [tracing_middleware(tracer)]
+    middlewares.append(error_middleware)
     if api_key:
         middlewares.append(bearer_auth(api_key))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)

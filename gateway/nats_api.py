@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -54,6 +54,10 @@ from shoal.gateway.nats_schema import (
 from shoal.gateway.responses import respond, stored_response
 from shoal.gateway.responses_types import ResponsesRequest
 from shoal.gateway.serving import ServingContext
+from shoal.gateway.tracing import serving_span
+
+if TYPE_CHECKING:
+    from shoal.tracing.tracer import ActorTracer
 
 log = logging.getLogger(__name__)
 Outputs = AsyncGenerator[tuple[int, RequestOutput], None]
@@ -86,10 +90,20 @@ Answer = Callable[..., Awaitable[Any]]
 class NatsApi:
     """Serves the API's operations arriving on the bus with one serving context (the HTTP API's)."""
 
-    def __init__(self, bus: Bus, ctx: ServingContext, *, subjects: Subjects | None = None) -> None:
+    def __init__(
+        self,
+        bus: Bus,
+        ctx: ServingContext,
+        *,
+        subjects: Subjects | None = None,
+        tracer: ActorTracer | None = None,
+    ) -> None:
+        """``tracer``: with ``--otlp-traces-endpoint``, the gateway's (a span per request, under
+        the caller's ``traceparent`` message header when it sent one)."""
         self.bus = bus
         self.ctx = ctx
         self.subjects = subjects or Subjects()
+        self.tracer = tracer
         self.running: dict[str, asyncio.Task[None] | None] = {}
         self._subscriptions: list[Subscription] = []
 
@@ -105,7 +119,7 @@ class NatsApi:
         }
         assert tuple(operations) == API_OPERATIONS, "every operation served, and only those"
         for name, operation in operations.items():
-            handler = self._handler(operation)
+            handler = self._handler(name, operation)
             self._subscriptions.append(
                 await self.bus.subscribe(subjects.api(name), handler, queue=queue)
             )
@@ -138,9 +152,15 @@ class NatsApi:
         if task is not None:
             task.cancel()
 
-    def _handler(self, operation: Operation) -> Callable[[Msg], Awaitable[None]]:
+    def _handler(self, name: str, operation: Operation) -> Callable[[Msg], Awaitable[None]]:
+        tracer = self.tracer
+
         async def handle(msg: Msg) -> None:
-            await self._exchange(msg, operation)
+            if tracer is None:
+                await self._exchange(msg, operation)
+                return
+            with serving_span(tracer, f"nats {name}", msg.headers, {"shoal.api.operation": name}):
+                await self._exchange(msg, operation)
 
         return handle
 

@@ -2,8 +2,8 @@
 
 The installed ``shoal`` namespace: each top-level folder of the repository is a subpackage
 (``shoal.bus``, ``shoal.engine``, ``shoal.workers``, ``shoal.kernels``, ``shoal.tiers``,
-``shoal.gateway``, ``shoal.deploy``); this folder holds only links to them. The offline API is
-one import away, as in vLLM::
+``shoal.gateway``, ``shoal.deploy``, ``shoal.tracing``); this folder holds only links to them.
+The offline API is one import away, as in vLLM::
 
     from shoal import LLM, SamplingParams
 """

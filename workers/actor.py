@@ -47,7 +47,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from shoal.bus.base import Bus
 from shoal.bus.buckets import ObjectStore
@@ -71,6 +71,7 @@ from shoal.bus.messages.worker import (
 from shoal.bus.msg import Msg
 from shoal.bus.runtime.actor import Actor, Inbox
 from shoal.config.deployment import ShoalConfig
+from shoal.tracing.setup import actor_tracer, close_tracer
 from shoal.workers.grammar_mask import GrammarMailbox
 from shoal.workers.group_ports import (
     GroupMember,
@@ -81,6 +82,10 @@ from shoal.workers.group_ports import (
     rejoin_group,
 )
 from shoal.workers.lora.folders import AdapterFolders, adapters_to_fetch
+from shoal.workers.step_tracing import record_step
+
+if TYPE_CHECKING:
+    from shoal.tracing.tracer import ActorTracer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -196,6 +201,7 @@ class WorkerActor(Actor):
         self._step_running = False
         self._last_result_at: float | None = None  # perf_counter() when the last step ended
         self.bound_cores: list[int] | None = None  # where the runner's threads run (CPU)
+        self.tracer: ActorTracer | None = None  # with --otlp-traces-endpoint
 
     # -- lifecycle -----------------------------------------------------------------------------
     def inboxes(self) -> Sequence[Inbox]:
@@ -208,6 +214,8 @@ class WorkerActor(Actor):
 
     async def on_start(self) -> None:
         """Build (unless injected) and load the runner in the runner thread."""
+        if self.config is not None:
+            self.tracer = actor_tracer(self.config.observability_config, self.kind, self.worker_id)
         try:
             if self.runner is None:
                 self.bound_cores = await self._in_runner_thread(self._bind_threads)
@@ -221,6 +229,8 @@ class WorkerActor(Actor):
         self._executor.shutdown(wait=False, cancel_futures=True)
         if (close := getattr(self.runner, "close", None)) is not None:
             close()
+        tracer, self.tracer = self.tracer, None
+        await close_tracer(tracer)
 
     def served_engine(self) -> str:
         return self.engine_id or ""
@@ -270,7 +280,7 @@ class WorkerActor(Actor):
         runner = self._require_runner()
         await self._fetch_adapters(runner, step)
         self._step_running = True
-        started = time.perf_counter()
+        started, started_ns = time.perf_counter(), time.time_ns()
         injected = None
         if self._fault_at is not None and self._fault_at[0] == self.num_steps:
             injected, self._fault_at = self._fault_at[1], None
@@ -281,6 +291,12 @@ class WorkerActor(Actor):
             self._last_result_at, last = time.perf_counter(), self._last_result_at
         if last is not None:
             result.idle_before_s = started - last
+        if self.tracer is not None and step.trace_parents:
+            identity: dict[str, str | int] = {
+                "shoal.worker.id": self.worker_id,
+                "shoal.worker.tp_rank": self.tp_rank,
+            }
+            record_step(self.tracer, step, result, started_ns, time.time_ns(), identity)
         self.num_steps += 1
         self.num_step_errors += result.error is not None
         if msg.reply:

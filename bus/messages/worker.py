@@ -105,6 +105,10 @@ class ExecuteStep(msgspec.Struct, tag="step", array_like=True, omit_defaults=Tru
     # with ``grammar_later``, a ``StepGrammar`` for this step comes on the worker's grammar subject.
     grammar: GrammarBitmask | None = None
     grammar_later: bool = False
+    # Tracing: the engine core's span of this step for each traced request in it (request id
+    # → W3C traceparent); a step joins several requests' traces, so they ride here, not in
+    # the message headers.
+    trace_parents: dict[str, str] = {}
 
     def batch_order(self) -> BatchOrder:
         """Scheduled request ids and their token counts, in batch order."""

@@ -19,6 +19,10 @@ other engine cores over the bus first (``LockstepLink``); a rank without tokens 
 workers a dummy step so the group's collectives can run, and with fault tolerance each
 handshake agrees the epoch of the workers' rebuilt group with the other engine cores.
 
+Tracing (``--otlp-traces-endpoint``): ``request_tracing.RequestTracing`` keeps the spans of the
+requests whose adds carried a sampled trace context, and each step tells the workers its span
+for each of them (``ExecuteStep.trace_parents``).
+
 Faults: an exception in a step (the core's, the bus's, a lost or restarted worker, or with fault
 tolerance on a fatal worker error) abandons the steps in flight and ends every request; what
 follows (today's recovery, or the fault-tolerance sentinel and its recovery commands) is
@@ -58,6 +62,7 @@ from shoal.engine.actor.fault_handling import FaultHandler
 from shoal.engine.actor.kv_events_link import KvEventsLink
 from shoal.engine.actor.lockstep_link import LockstepLink
 from shoal.engine.actor.offload_link import OffloadLink, kv_layout
+from shoal.engine.actor.request_tracing import RequestTracing
 from shoal.engine.actor.sentinel import FaultSentinel
 from shoal.engine.actor.worker_link import SentStep, WorkerFailure, WorkerLink
 from shoal.engine.core.engine_core import EngineCore, kv_cache_shape
@@ -65,6 +70,7 @@ from shoal.engine.core.request import ClientOutputs, merge_outputs
 from shoal.engine.core.scheduler_output import SchedulerOutput
 from shoal.engine.core.scheduler_stats import StepTiming
 from shoal.engine.structured.backend import XgrammarBackend
+from shoal.tracing.setup import actor_tracer, close_tracer
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +122,7 @@ class EngineCoreActor(Actor):
         self._last_stats_time = 0.0
         # Cumulative step timing, published in SchedulerStats (bench/throughput_e2e.py).
         self.timing = StepTiming()
+        self.tracing: RequestTracing | None = None  # with --otlp-traces-endpoint
         # Steps sent, oldest first, and whether the worker's idle time before each counts.
         self._in_flight: deque[tuple[SchedulerOutput, SentStep, bool]] = deque()
         self._busy = False  # had work since the last step was sent
@@ -184,6 +191,9 @@ class EngineCoreActor(Actor):
         ]
 
     async def on_start(self) -> None:
+        tracer = actor_tracer(self.config.observability_config, self.kind, self.engine_id)
+        if tracer is not None:
+            self.tracing = RequestTracing(tracer, self.engine_id, lambda: self.incarnation)
         if self.kv_events is not None:
             await self.kv_events.start()
         if self.lockstep is not None:
@@ -214,6 +224,9 @@ class EngineCoreActor(Actor):
         if self.lockstep is not None:
             await self.lockstep.stop()
         await self.workers.stop()
+        if self.tracing is not None:
+            self.tracing.close(f"engine {self.engine_id} stopped")
+            await close_tracer(self.tracing.tracer)
 
     async def _connect_workers(self, timeout_s: float | None = None) -> None:
         infos = await self.workers.handshake(
@@ -290,6 +303,8 @@ class EngineCoreActor(Actor):
             return
         match message:
             case AddRequest():
+                if self.tracing is not None:
+                    self.tracing.on_add(message, msg.headers)
                 rejected: RequestRejected | None
                 if self.state is not ActorState.READY:
                     core.turn_away(message)
@@ -299,6 +314,7 @@ class EngineCoreActor(Actor):
                 else:
                     rejected = core.admit(message)
                 if rejected is not None:
+                    self._traced_turn_away(rejected)
                     await self._send(message.client_id, rejected)
                     await self._publish({})  # (the KV a remote prefill held for it may go)
                     return
@@ -348,6 +364,7 @@ class EngineCoreActor(Actor):
     async def _step(self, core: EngineCore) -> None:
         outputs, rejected = core.apply_inputs()
         for client_id, rejection in rejected:
+            self._traced_turn_away(rejection)
             await self._send(client_id, rejection)
         sent = core.can_schedule and await self._submit_next(core)
         if self._in_flight and not (sent and core.can_schedule):
@@ -369,7 +386,9 @@ class EngineCoreActor(Actor):
         """Schedule a step and send it; False when there was nothing to run. In a lock-step
         group the engine cores first agree on the round: all step (a rank without tokens
         sends a dummy) if any has tokens."""
+        schedule_start_ns = time.time_ns()
         scheduler_output = core.schedule()
+        schedule_end_ns = time.time_ns()
         in_round = False
         if self.lockstep is not None:
             num_tokens = scheduler_output.total_num_scheduled_tokens if scheduler_output else 0
@@ -385,6 +404,10 @@ class EngineCoreActor(Actor):
         self.num_steps_sent += 1
         message = scheduler_output.to_message()
         message.lockstep = in_round
+        if self.tracing is not None:
+            message.trace_parents = self.tracing.on_step_sent(
+                scheduler_output, schedule_start_ns, schedule_end_ns
+            )
         sent = await self.workers.submit(message)
         if self.offload is not None:
             self.offload.flush()  # lookups of requests parked by this schedule go out now
@@ -427,15 +450,23 @@ class EngineCoreActor(Actor):
         if result.error is not None and result.error.fatal and self.sentinel.enabled:
             raise WorkerFailure(f"fatal worker error: {result.error.message}")
         outputs = core.apply_result(scheduler_output, result)
+        if self.tracing is not None:
+            self.tracing.on_step_landed(scheduler_output.step_id)
         while core.step_grammars:  # the next step's masks waited for this one (async)
             await self.workers.send_grammar(core.step_grammars.pop(0))
         return outputs
+
+    def _traced_turn_away(self, rejected: RequestRejected) -> None:
+        if self.tracing is not None:
+            self.tracing.end(rejected.request_id, f"{rejected.code}: {rejected.message}")
 
     def _abandon_in_flight(self) -> None:
         """Stop waiting for the steps sent (``EngineCore.fail_all`` abandons them too)."""
         while self._in_flight:
             self.workers.forget(self._in_flight.popleft()[1])
         self._busy = False
+        if self.tracing is not None:
+            self.tracing.abandon_steps("the step was abandoned (a fault)")
 
     # ----- outputs
 
@@ -451,6 +482,8 @@ class EngineCoreActor(Actor):
         if self.core is not None:
             for prefill_engine_id, request_ids in self.core.take_kv_releases().items():
                 await self._release_kv(prefill_engine_id, request_ids)
+        if self.tracing is not None:
+            self.tracing.on_outputs(outputs)
         stats = self.stats()
         now = time.time()
         for client_id, client_outputs in outputs.items():

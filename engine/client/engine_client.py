@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -66,11 +66,16 @@ from shoal.engine.client.output_processor import ChildRequest, OutputProcessor, 
 from shoal.engine.client.outputs import RequestOutput
 from shoal.engine.client.placements import RequestPlacements
 from shoal.engine.client.prefix_routing import PrefixRouting
+from shoal.engine.client.request_trace import RequestTrace
 from shoal.engine.client.resumption import Resumptions
 from shoal.engine.client.router import EngineRouter
 from shoal.engine.client.structured import check_structured_outputs
 from shoal.engine.client.tokenizer import Tokenizer
 from shoal.engine.client.vocabulary import Vocabulary, read_vocabulary
+from shoal.tracing.setup import actor_tracer, close_tracer
+
+if TYPE_CHECKING:
+    from shoal.tracing.tracer import ActorTracer
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +128,8 @@ class AsyncEngineClient:
         self._watchdog: asyncio.Task[None] | None = None
         self._stop_listening: Callable[[], None] | None = None
         self.resumptions = Resumptions(config.fault_tolerance_config)
+        self._observability = config.observability_config
+        self.tracer: ActorTracer | None = None  # with --otlp-traces-endpoint, once started
         self.sender = EngineSender(bus, self.subjects, self.client_id)
         # Lost, restarted, silent engine cores; resumption.
         self._faults = EngineFaults(
@@ -138,6 +145,7 @@ class AsyncEngineClient:
 
     async def start(self) -> AsyncEngineClient:
         await asyncio.get_running_loop().run_in_executor(None, self._read_model)
+        self.tracer = actor_tracer(self._observability, "engine-client", self.client_id)
         self._processor = OutputProcessor(
             self.require_tokenizer(), resume_on_fault=self.resumptions.enabled
         )
@@ -196,6 +204,8 @@ class AsyncEngineClient:
         for sub in subs:
             with contextlib.suppress(BusError):
                 await sub.unsubscribe()
+        tracer, self.tracer = self.tracer, None
+        await close_tracer(tracer)
 
     async def wait_until_ready(self, timeout_s: float, num_engines: int = 1) -> None:
         deadline = time.monotonic() + timeout_s
@@ -259,18 +269,41 @@ class AsyncEngineClient:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        collector = await self.add_request(
-            prompt, sampling_params, request_id, priority=priority, lora_request=lora_request
-        )
+        trace = self._trace(request_id, sampling_params)
+        try:
+            collector = await self.add_request(
+                prompt,
+                sampling_params,
+                request_id,
+                priority=priority,
+                lora_request=lora_request,
+                trace_headers=None if trace is None else trace.headers,
+            )
+        except BaseException as exc:  # not added: nothing to abort (the id may be another's)
+            if trace is not None:
+                trace.fail(exc)
+            raise
         finished = False
         try:
             while not finished:
                 output = collector.get_nowait() or await collector.get()
                 finished = output.finished
+                if trace is not None:
+                    trace.on_output(output)
                 yield output
+        except BaseException as exc:
+            if trace is not None:
+                trace.fail(exc)
+            raise
         finally:
             if not finished:
                 await self.abort(request_id)
+
+    def _trace(self, request_id: str, params: SamplingParams) -> RequestTrace | None:
+        """The request's ``llm_request`` span (None with tracing off)."""
+        if self.tracer is None:
+            return None
+        return RequestTrace(self.tracer, request_id, params, self._model_name)
 
     @functools.cached_property
     def pooling_params(self) -> PoolingParams:
@@ -292,18 +325,29 @@ class AsyncEngineClient:
     ) -> RequestOutput:
         """The prompt's embedding (``RequestOutput.pooled``): its prefill, pooled."""
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=OutputKind.FINAL_ONLY)
-        collector = await self.add_request(
-            prompt,
-            params,
-            request_id,
-            lora_request=lora_request,
-            pooling_params=self.pooling_params,
-        )
+        trace = self._trace(request_id, params)
+        try:
+            collector = await self.add_request(
+                prompt,
+                params,
+                request_id,
+                lora_request=lora_request,
+                pooling_params=self.pooling_params,
+                trace_headers=None if trace is None else trace.headers,
+            )
+        except BaseException as exc:  # not added: nothing to abort
+            if trace is not None:
+                trace.fail(exc)
+            raise
         try:
             output = await collector.get()
-        except BaseException:
+        except BaseException as exc:
+            if trace is not None:
+                trace.fail(exc)
             await self.abort(request_id)
             raise
+        if trace is not None:
+            trace.on_output(output)
         return output
 
     async def add_request(
@@ -315,10 +359,11 @@ class AsyncEngineClient:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> RequestOutputCollector:
         """Send a request to an engine core (run with ``lora_request``'s adapter; with
-        ``pooling_params``, for its prompt's embedding); its outputs arrive in the returned
-        collector."""
+        ``pooling_params``, for its prompt's embedding; ``trace_headers``: its trace context,
+        carried by its adds); its outputs arrive in the returned collector."""
         processor = self.require_processor()
         prompt_text, prompt_ids = self._tokenize(prompt)
         if invalid := out_of_vocab(params, self.vocabulary.model_vocab_size):
@@ -352,11 +397,14 @@ class AsyncEngineClient:
             priority,
             lora_request,
             pooling_params,
+            trace_headers,
         )
         collector = RequestOutputCollector(params.output_kind)
         self.placements.track(request_id, collector)
         fresh: list[tuple[ChildRequest, list[int]]] = [(child, []) for child in children]
-        payload = ResumeRequest(prompt_ids, arrival, priority, fresh, lora_request, pooling_params)
+        payload = ResumeRequest(
+            prompt_ids, arrival, priority, fresh, lora_request, pooling_params, trace_headers
+        )
         if engine is None:
             self.resumptions.park(request_id, payload, None, time.monotonic(), counts=False)
             return collector

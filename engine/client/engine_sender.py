@@ -36,8 +36,8 @@ class EngineSender:
         kv_transfer_params: KVTransferParams | None = None,
     ) -> None:
         """One add per completion of ``payload``, with the tokens it already has (resumed) or
-        none, and the disaggregated prefill's ``kv_transfer_params``; ``BusError`` when one is
-        not sent."""
+        none, and the disaggregated prefill's ``kv_transfer_params``; a traced request's
+        context rides in the message headers (W3C); ``BusError`` when one is not sent."""
         subject = self.subjects.engine_in(engine_id)
         for child, output_token_ids in payload.children:
             add = AddRequest(
@@ -53,7 +53,7 @@ class EngineSender:
                 lora_request=payload.lora_request,
                 pooling_params=payload.pooling_params,
             )
-            await self.bus.publish(subject, encode(add))
+            await self.bus.publish(subject, encode(add), headers=payload.trace_headers)
 
     async def send_abort(self, engine_id: str, engine_request_ids: list[str]) -> None:
         """Abort these requests on ``engine_id`` (a lost abort is logged, not raised)."""

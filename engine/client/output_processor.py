@@ -82,6 +82,7 @@ class ResumeRequest:
     children: list[tuple[ChildRequest, list[int]]]
     lora_request: LoRARequest | None = None
     pooling_params: PoolingParams | None = None
+    trace_headers: dict[str, str] | None = None  # the client's span of it (W3C), when traced
 
 
 def child_request_id(index: int, request_id: str) -> str:
@@ -108,6 +109,7 @@ class RequestState:
         self.lora_request = lora_request
         self.pooling_params = pooling_params
         self.pooled: list[float] | None = None  # a pooling request's embedding, at its end
+        self.trace_headers: dict[str, str] | None = None  # its trace context, when traced
         self.num_attempts = 1  # sent once, plus one per resumption
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -132,6 +134,18 @@ class RequestState:
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.children.values())
+
+    def payload(self, children: list[tuple[ChildRequest, list[int]]]) -> ResumeRequest:
+        """What to send an engine core to run ``children`` (completions and their tokens)."""
+        return ResumeRequest(
+            self.prompt_token_ids,
+            self.metrics.arrival_time,
+            self.priority,
+            children,
+            self.lora_request,
+            self.pooling_params,
+            self.trace_headers,
+        )
 
     def absorb_request_fields(self, output: EngineCoreOutput, child: CompletionState) -> None:
         if output.prompt_logprobs is not None and child.index == 0:
@@ -222,8 +236,10 @@ class OutputProcessor:
         priority: int = 0,
         lora_request: LoRARequest | None = None,
         pooling_params: PoolingParams | None = None,
+        trace_headers: dict[str, str] | None = None,
     ) -> list[ChildRequest]:
-        """Track a request; returns the engine-side requests to send (one per completion)."""
+        """Track a request; returns the engine-side requests to send (one per completion).
+        ``trace_headers``: the client's span of it, sent with every attempt's adds."""
         if request_id in self._requests:
             raise ValueError(f"request id already in flight: {request_id!r}")
         arrival = time.time() if arrival_time is None else arrival_time
@@ -238,6 +254,7 @@ class OutputProcessor:
             lora_request,
             pooling_params,
         )
+        state.trace_headers = trace_headers
         self._requests[request_id] = state
         for child in state.child_params:
             self._owner_of[child.request_id] = request_id
@@ -317,14 +334,7 @@ class OutputProcessor:
             for eid, c in state.children.items()
             if not c.finished
         ]
-        return ResumeRequest(
-            state.prompt_token_ids,
-            state.metrics.arrival_time,
-            state.priority,
-            children,
-            state.lora_request,
-            state.pooling_params,
-        )
+        return state.payload(children)
 
     def owner_of(self, engine_request_id: str) -> str | None:
         """The user request an engine-side id belongs to (None once finished or replaced)."""
@@ -352,14 +362,7 @@ class OutputProcessor:
             if child.index == 0 and not child.token_ids:
                 state.prompt_logprob_rows = []  # the prompt is run whole again, with its rows
         state.children = rekeyed
-        return ResumeRequest(
-            state.prompt_token_ids,
-            state.metrics.arrival_time,
-            state.priority,
-            children,
-            state.lora_request,
-            state.pooling_params,
-        )
+        return state.payload(children)
 
     def abort_request(self, request_id: str) -> list[str]:
         """Stop tracking a request; returns its engine-side ids that were still running."""

@@ -11,68 +11,16 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
-import threading
-import time
-from pathlib import Path
 
 import aiohttp
 import pytest
 
 from tests.integration.conditions import wait_http_ready
+from tests.integration.serve_process import Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-SHOAL = [sys.executable, "-m", "shoal.deploy.cli"]
-REPO = Path(__file__).resolve().parents[2]
 PROMPTS = [f"story {i}: the fox and the {word}" for i, word in enumerate("abcdef")]
 MAX_TOKENS = 600
-
-
-class Server:
-    """``shoal serve`` with default flags, its output read by a thread."""
-
-    def __init__(self, model_dir: Path, *flags: str) -> None:
-        command = [*SHOAL, "serve", str(model_dir), "--port", "0", *flags]
-        self.proc = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-            start_new_session=True,
-        )  # fmt: skip
-        self.lines: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-
-    @property
-    def text(self) -> str:
-        return "".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = re.findall(pattern, self.text)
-            if found:
-                return str(found[-1])
-            time.sleep(0.05)  # paces the polling
-        raise AssertionError(f"no line matching {pattern!r}; output:\n{self.text[-4000:]}")
-
-    def pid_of(self, target: str) -> int:
-        """The current pid of ``target``: an actor id, or ``nats-server``."""
-        if target == "nats-server":
-            return int(self.wait_for(r"nats-server (?:restarted: )?pid (\d+)", 5))
-        return int(self.wait_for(rf"process {target}: running \(pid (\d+)\)", 5))
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
 
 
 async def stream(

@@ -26,7 +26,7 @@ from shoal.bus.runtime.actor import EXIT_RESTART_REQUESTED
 from shoal.bus.runtime.supervisor import ChildState
 from shoal.deploy.deployment import build_config
 from shoal.deploy.restart_cli import EXIT_OK, EXIT_REFUSED
-from tests.integration.test_default_resilience import Server
+from tests.integration.serve_process import Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.nats, pytest.mark.timeout(600)]
 PROMPTS = [f"rolling {i}: the fox and the {word}" for i, word in enumerate("abcdef")]

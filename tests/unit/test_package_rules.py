@@ -26,6 +26,7 @@ FOLDERS = (
     "tiers",
     "gateway",
     "deploy",
+    "tracing",
 )
 TORCH = ("torch", "triton", "numpy")
 IO = ("asyncio", "nats", "aiohttp", "socket", "subprocess", "threading", "anyio")
@@ -75,6 +76,14 @@ RULES = (
         "the wire schemas, one module per boundary",
     ),
     Rule(
+        "shoal.tracing",
+        ("shoal.tracing", "shoal.config"),
+        TORCH,
+        "tracing wraps OpenTelemetry for the actors: it knows no actor, engine or transport",
+        "every actor that traces: the W3C context as carried, the tracer and its exporter "
+        "(OpenTelemetry imported only with --otlp-traces-endpoint)",
+    ),
+    Rule(
         "shoal.kernels",
         ("shoal.kernels",),
         why="kernels import torch and triton only",
@@ -82,7 +91,7 @@ RULES = (
     ),
     Rule(
         "shoal.workers",
-        ("shoal.workers", "shoal.kernels", "shoal.bus", "shoal.config"),
+        ("shoal.workers", "shoal.kernels", "shoal.bus", "shoal.config", "shoal.tracing"),
         runs="worker processes: model runner, models, layers, sampler, CUDA graphs, speculative "
         "decoding's proposers, the worker actor",
     ),
@@ -127,6 +136,7 @@ RULES = (
             "shoal.kv_events",
             "shoal.bus",
             "shoal.config",
+            "shoal.tracing",
         ),
         TORCH,
         "the engine core's shell meets workers and clients through messages only",
@@ -142,6 +152,7 @@ RULES = (
             "shoal.config",
             "shoal.engine.core.block_hash",
             "shoal.engine.structured.grammars",
+            "shoal.tracing",
         ),
         TORCH,
         "the client runs in the gateway's process: it talks to engine cores over the bus "
@@ -166,7 +177,7 @@ RULES = (
     ),
     Rule(
         "shoal.gateway",
-        ("shoal.gateway", "shoal.engine.client", "shoal.bus", "shoal.config"),
+        ("shoal.gateway", "shoal.engine.client", "shoal.bus", "shoal.config", "shoal.tracing"),
         TORCH,
         "the gateway sees the engine through the client only",
         "the gateway: HTTP and NATS APIs, metrics",
