@@ -3,10 +3,11 @@ started afresh per side and round, tracing off and on (``--otlp-traces-endpoint`
 in-process OTLP/HTTP collector: every request traced, from the gateway to the worker), and the
 same ``bench/serve.py`` sweep against each (``--concurrency`` levels, ``--max-tokens`` each).
 Sides alternate over ``--rounds`` and each keeps its best round per level (the machines are
-noisy). Prints each level side by side; the last line is one JSON object: ``{"levels":
-[{"concurrency", "off_tok_s", "on_tok_s", "ratio", "off_itl_ms_p50", "on_itl_ms_p50",
-"off_ttft_ms_p50", "on_ttft_ms_p50"}], "ratio_min", "spans_received", "num_failed"}``
-(``ratio``: on over off throughput).
+noisy: the rounds' mean throughput is given too). Prints each level side by side; the last line
+is one JSON object: ``{"levels": [{"side": "off"|"on", "concurrency", "tok_s", "itl_ms_p50",
+"ttft_ms_p50", "e2e_ms_p50"}], "ratio": {concurrency: on over off, best rounds},
+"ratio_mean": {concurrency: on over off, mean of the rounds}, "ratio_min", "spans_received",
+"num_failed"}``.
 
     .venv/bin/python bench/tracing.py [--model NAME|DIR] [--rounds 2] [--concurrency 1,8]
 """
@@ -55,6 +56,12 @@ def serve_round(args: argparse.Namespace, endpoint: str | None) -> dict[str, Any
         stop(server)
 
 
+def mean_tok_s(rounds: list[dict[str, Any]], concurrency: int) -> float:
+    """The rounds' mean output tokens/s at ``concurrency``."""
+    values = [lv["tok_s"] for s in rounds for lv in s["levels"] if lv["concurrency"] == concurrency]
+    return sum(values) / len(values)
+
+
 def best_levels(rounds: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per concurrency, the round's level with the most output tokens/s."""
     best: dict[int, dict[str, Any]] = {}
@@ -84,31 +91,29 @@ def main(argv: list[str] | None = None) -> int:
                 rounds[traced].append(serve_round(args, receiver.endpoint if traced else None))
     finally:
         receiver.close()
-    off, on = best_levels(rounds[False]), best_levels(rounds[True])
-    levels = []
+    best = {"off": best_levels(rounds[False]), "on": best_levels(rounds[True])}
+    levels, ratio, ratio_mean = [], {}, {}
     for concurrency in args.concurrency:
-        a, b = off[concurrency], on[concurrency]
-        levels.append(
-            {
-                "concurrency": concurrency,
-                "off_tok_s": a["tok_s"],
-                "on_tok_s": b["tok_s"],
-                "ratio": round(b["tok_s"] / a["tok_s"], 3),
-                "off_itl_ms_p50": a["itl_ms_p50"],
-                "on_itl_ms_p50": b["itl_ms_p50"],
-                "off_ttft_ms_p50": a["ttft_ms_p50"],
-                "on_ttft_ms_p50": b["ttft_ms_p50"],
-            }
-        )
+        off, on = best["off"][concurrency], best["on"][concurrency]
+        ratio[str(concurrency)] = round(on["tok_s"] / off["tok_s"], 3)
+        means = mean_tok_s(rounds[True], concurrency), mean_tok_s(rounds[False], concurrency)
+        ratio_mean[str(concurrency)] = round(means[0] / means[1], 3)
+        for side, level in best.items():
+            figures = ("tok_s", "itl_ms_p50", "ttft_ms_p50", "e2e_ms_p50")
+            levels.append({"side": side, "concurrency": concurrency} | {
+                figure: level[concurrency][figure] for figure in figures
+            })  # fmt: skip
         print(
-            f"c={concurrency}: off {a['tok_s']:.1f} tok/s, on {b['tok_s']:.1f} tok/s "
-            f"(x{levels[-1]['ratio']:.3f}); ITL p50 {a['itl_ms_p50']:.1f} vs "
-            f"{b['itl_ms_p50']:.1f} ms"
+            f"c={concurrency}: off {off['tok_s']:.1f} tok/s, on {on['tok_s']:.1f} tok/s "
+            f"(x{ratio[str(concurrency)]:.3f}; round means x{ratio_mean[str(concurrency)]:.3f}); "
+            f"ITL p50 {off['itl_ms_p50']:.1f} vs {on['itl_ms_p50']:.1f} ms"
         )
     failed = sum(s["num_failed"] for side in rounds.values() for s in side)
     summary = {
         "levels": levels,
-        "ratio_min": min(level["ratio"] for level in levels),
+        "ratio": ratio,
+        "ratio_mean": ratio_mean,
+        "ratio_min": min(ratio.values()),
         "spans_received": receiver.num_spans,
         "num_failed": failed,
     }

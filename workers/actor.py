@@ -292,11 +292,7 @@ class WorkerActor(Actor):
         if last is not None:
             result.idle_before_s = started - last
         if self.tracer is not None and step.trace_parents:
-            identity: dict[str, str | int] = {
-                "shoal.worker.id": self.worker_id,
-                "shoal.worker.tp_rank": self.tp_rank,
-            }
-            record_step(self.tracer, step, result, started_ns, time.time_ns(), identity)
+            record_step(self.tracer, step, result, started_ns, time.time_ns())
         self.num_steps += 1
         self.num_step_errors += result.error is not None
         if msg.reply:

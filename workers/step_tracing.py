@@ -1,7 +1,8 @@
 """A worker's spans of the steps it ran for traced requests (``--otlp-traces-endpoint``): one
 ``worker.execute`` per traced request in the step, under the engine core's span of that step
-for it (``ExecuteStep.trace_parents``), from the step's arrival here to its result, with this
-worker's id and rank, the step's id and batch, and the error the step ended with."""
+for it (``ExecuteStep.trace_parents``), from the step's arrival here to its result, with the
+step's id and the error it ended with (the worker is the span's service instance; the batch
+is on the parent). Recorded, the cheap way: a span per request per token."""
 
 from __future__ import annotations
 
@@ -15,30 +16,18 @@ if TYPE_CHECKING:
 
 
 def record_step(
-    tracer: ActorTracer,
-    step: ExecuteStep,
-    result: StepResult,
-    start_ns: int,
-    end_ns: int,
-    worker: dict[str, str | int],
+    tracer: ActorTracer, step: ExecuteStep, result: StepResult, start_ns: int, end_ns: int
 ) -> None:
-    """Record ``step``'s execution for each traced request in it (``worker``: attributes
-    naming this worker)."""
-    batch = step.batch_order()
-    attributes = {
-        **worker,
-        "shoal.step.id": step.step_id,
-        "shoal.step.num_requests": len(batch.req_ids),
-        "shoal.step.num_batched_tokens": sum(batch.num_scheduled_tokens),
-    }
+    """Record ``step``'s execution for each traced request in it."""
+    attributes = {"shoal.step.id": step.step_id}
+    error = result.error.message if result.error is not None else None
     for traceparent in step.trace_parents.values():
-        span = tracer.start(
+        tracer.record(
             "worker.execute",
             {TRACEPARENT: traceparent},
+            start_ns,
+            end_ns,
             kind="consumer",
-            start_ns=start_ns,
             attributes=attributes,
+            error=error,
         )
-        if result.error is not None:
-            span.fail(result.error.message)
-        span.end(end_ns)

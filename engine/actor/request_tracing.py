@@ -7,13 +7,15 @@ Per traced request, under that context:
 - ``engine_core.request`` from the add's arrival to the request's end here (finished, aborted,
   failed, turned away), with this engine core's id and incarnation, the prompt's length, the
   tokens it brought (a resumed request), its finish reason and cached tokens;
-- ``engine_core.queue`` under it, from the arrival to the step that first scheduled it;
+- ``engine_core.queue`` under it, from the arrival to the step that first scheduled it, and
+  ``engine_core.schedule`` under that first step: the scheduler's decision that admitted it;
 - per step it joined, ``engine_core.step`` from that step's scheduling to its result landing
-  (the step's id, this request's tokens in it, the batch's requests and tokens), with
-  ``engine_core.schedule`` under it (the scheduler's decision). The step span's context goes
-  to the workers in ``ExecuteStep.trace_parents``: their spans of the step are its children.
+  (the step's id, this request's tokens in it, the batch's requests). The step span's context
+  goes to the workers in ``ExecuteStep.trace_parents``: their spans of the step are its
+  children.
 
-Untraced requests cost a dictionary lookup per step.
+Step spans are recorded once they end (``ActorTracer.record``: a span per request per token,
+so the cheap way). Untraced requests cost a dictionary lookup per step.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from typing import TYPE_CHECKING
 from shoal.bus.messages.engine import AddRequest
 from shoal.engine.core.request import ClientOutputs
 from shoal.engine.core.scheduler_output import SchedulerOutput
-from shoal.tracing.context import TRACEPARENT, is_sampled, trace_headers
+from shoal.tracing.context import is_sampled, trace_headers
 
 if TYPE_CHECKING:
-    from shoal.tracing.tracer import ActorTracer, TraceSpan
+    from shoal.tracing.tracer import ActorTracer, SpanRef, TraceSpan
 
 
 @dataclass(slots=True)
@@ -37,6 +39,15 @@ class TracedRequest:
     span: TraceSpan  # engine_core.request
     arrival_ns: int
     queued: bool = True  # not scheduled yet
+
+
+@dataclass(slots=True)
+class TracedStep:
+    """A step in flight: its span for each traced request in it, and when it began."""
+
+    start_ns: int
+    num_requests: int
+    spans: list[tuple[SpanRef, int]]  # (the request's step span, its tokens in the step)
 
 
 class RequestTracing:
@@ -47,7 +58,7 @@ class RequestTracing:
         self.engine_id = engine_id
         self._incarnation = incarnation
         self.requests: dict[str, TracedRequest] = {}
-        self._steps: dict[int, list[TraceSpan]] = {}  # step id → its open step spans
+        self._steps: dict[int, TracedStep] = {}  # step id → its spans, until it lands
 
     def on_add(self, add: AddRequest, headers: Mapping[str, str] | None) -> None:
         """An add arrived: trace it if its context asks to be recorded."""
@@ -78,48 +89,56 @@ class RequestTracing:
         if not self.requests:
             return {}
         parents: dict[str, str] = {}
-        spans: list[TraceSpan] = []
-        batch = {
-            "shoal.step.id": step.step_id,
-            "shoal.step.num_requests": len(step.num_scheduled_tokens),
-            "shoal.step.num_batched_tokens": step.total_num_scheduled_tokens,
-        }
+        spans: list[tuple[SpanRef, int]] = []
+        tracer = self.tracer
         for request_id, num_tokens in step.num_scheduled_tokens.items():
             traced = self.requests.get(request_id)
             if traced is None:
                 continue
+            ref = tracer.child(traced.span)
             if traced.queued:
                 traced.queued = False
-                self.tracer.record(
+                tracer.record(
                     "engine_core.queue", traced.span, traced.arrival_ns, schedule_start_ns
                 )
-            span = self.tracer.start(
-                "engine_core.step",
-                traced.span,
-                start_ns=schedule_start_ns,
-                attributes={**batch, "shoal.step.num_tokens": num_tokens},
-            )
-            self.tracer.record("engine_core.schedule", span, schedule_start_ns, schedule_end_ns)
-            spans.append(span)
-            parents[request_id] = span.headers[TRACEPARENT]
+                tracer.record("engine_core.schedule", ref, schedule_start_ns, schedule_end_ns)
+            spans.append((ref, num_tokens))
+            parents[request_id] = ref.traceparent
         if spans:
-            self._steps[step.step_id] = spans
+            num_requests = len(step.num_scheduled_tokens)
+            self._steps[step.step_id] = TracedStep(schedule_start_ns, num_requests, spans)
         return parents
 
     def on_step_landed(self, step_id: int) -> None:
         """A step's result was applied: its spans end."""
-        now = time.time_ns()
-        for span in self._steps.pop(step_id, ()):
-            span.end(now)
+        traced = self._steps.pop(step_id, None)
+        if traced is not None:
+            self._record_step(step_id, traced, time.time_ns())
 
     def abandon_steps(self, reason: str) -> None:
         """The steps in flight will never land (a fault): their spans end failed."""
         now = time.time_ns()
-        for spans in self._steps.values():
-            for span in spans:
-                span.fail(reason)
-                span.end(now)
+        for step_id, traced in self._steps.items():
+            self._record_step(step_id, traced, now, reason)
         self._steps.clear()
+
+    def _record_step(
+        self, step_id: int, traced: TracedStep, end_ns: int, error: str | None = None
+    ) -> None:
+        for ref, num_tokens in traced.spans:
+            attributes = {
+                "shoal.step.id": step_id,
+                "shoal.step.num_tokens": num_tokens,
+                "shoal.step.num_requests": traced.num_requests,
+            }
+            self.tracer.record_as(
+                ref,
+                "engine_core.step",
+                traced.start_ns,
+                end_ns,
+                attributes=attributes,
+                error=error,
+            )
 
     def on_outputs(self, outputs: ClientOutputs) -> None:
         """End the spans of the traced requests that these outputs finish."""

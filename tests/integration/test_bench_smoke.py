@@ -7,7 +7,8 @@ the real engine stack, ``bench/offload.py`` (returning turns in five modes, load
 memory copy, LRU vs ARC), ``bench/spec_decode.py`` (every static K and dynamic mode on each
 workload, greedy outputs unchanged by speculation), ``bench/routing.py`` (kv and load routing
 on a shared-prefix and a unique trace) and ``bench/structured.py`` (a batch half under a JSON
-schema against a free one, and the mask's cost per step). Each ends with one JSON line; no
+schema against a free one, and the mask's cost per step) and ``bench/tracing.py`` (a server
+traced and one not, the traced one exporting). Each ends with one JSON line; no
 timing is asserted (the machine is shared)."""
 
 from __future__ import annotations
@@ -569,3 +570,22 @@ async def test_serve_drives_each_api_with_the_same_workload(tiny_checkpoint, tmp
     assert (
         level["tok_s"] > 0 and level["ttft_ms_p50"] is not None and level["itl_ms_p50"] is not None
     )
+
+
+# ----- bench/tracing.py
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow
+def test_tracing_serves_off_and_on_and_the_on_side_exports(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    args = ("--model", str(tiny_checkpoint("llama")), "--rounds", "1", "--concurrency", "1,2")
+    done = _run(str(BENCH / "tracing.py"), *args, "--max-tokens", "4", timeout=280)
+    out = _last_json(done)
+    tok_s = {(level["side"], level["concurrency"]): level["tok_s"] for level in out["levels"]}
+    assert sorted(tok_s) == [("off", 1), ("off", 2), ("on", 1), ("on", 2)]
+    assert all(value > 0 for value in tok_s.values())
+    assert out["ratio"] == {c: round(tok_s["on", int(c)] / tok_s["off", int(c)], 3) for c in "12"}
+    assert out["ratio_min"] == min(out["ratio"].values())
+    assert set(out["ratio_mean"]) == {"1", "2"}  # one round: the mean is the best
+    assert out["ratio_mean"] == out["ratio"]
+    assert out["spans_received"] > 0 and out["num_failed"] == 0

@@ -65,18 +65,19 @@ def within(child: ReceivedSpan, parent: ReceivedSpan) -> bool:
 
 
 def check_engine_request(spans: list[ReceivedSpan], request: ReceivedSpan) -> list[ReceivedSpan]:
-    """An engine core's span of a request: its queue span, and per step one schedule span
-    and one worker span (of that step, inside it, unless a fault abandoned the step); its
-    steps, in order."""
+    """An engine core's span of a request: its queue span, the schedule span under its first
+    step, and per step one worker span (of that step, inside it, unless a fault abandoned the
+    step); its steps, in order."""
     assert request.service == "shoal-engine" and request.kind == "consumer"
     queue = children(spans, request, "engine_core.queue")
     assert len(queue) == 1 and within(queue[0], request)
     steps = sorted(children(spans, request, "engine_core.step"), key=lambda s: s.start_ns)
     assert steps and queue[0].end_ns <= steps[0].start_ns
+    (schedule,) = children(spans, steps[0], "engine_core.schedule")
+    assert within(schedule, steps[0])
     for step in steps:
         assert within(step, request)
-        (schedule,) = children(spans, step, "engine_core.schedule")
-        assert within(schedule, step)
+        assert step is steps[0] or not children(spans, step, "engine_core.schedule")
         executed = children(spans, step, "worker.execute")
         if step.failed:  # abandoned by a fault: its worker may not have run it, or run past it
             assert step.status_message == "the step was abandoned (a fault)"
