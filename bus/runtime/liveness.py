@@ -124,14 +124,6 @@ class LivenessTable:
         else:
             peer.state, peer.seen_at, peer.seq, peer.incarnation = state, now, -1, ""
 
-    def told_state(self, actor_id: str, state: ActorState, now: float | None = None) -> None:
-        """A known peer said it is in ``state`` other than by a control event (an engine core
-        turning a request away as unavailable); its next heartbeat or status event decides
-        again. Its status change may have been lost (a bus connection that dropped)."""
-        peer = self.peers.get(actor_id)
-        if peer is not None:
-            peer.state, peer.seen_at = state, time.monotonic() if now is None else now
-
     def get(self, actor_id: str) -> PeerLiveness | None:
         return self.peers.get(actor_id)
 

@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable
 
 from shoal.bus.errors import BusError
-from shoal.bus.messages.control import ActorState
 from shoal.engine.client.engine_sender import EngineSender
 from shoal.engine.client.fault_tolerance import FaultTolerance
 from shoal.engine.client.output_processor import OutputProcessor, ResumeRequest
@@ -92,13 +91,14 @@ class EngineFaults:
             self.resume_or_fail(request_id, engine_id, error, avoid=False)
 
     def on_turned_away(self, request_id: str, engine_id: str | None, reason: str) -> None:
-        """``engine_id`` turned the request away as unavailable: it is not ready, whatever the
-        client last heard of it (the status it published may be lost with a dropped bus
-        connection), so its next READY counts as ready again and parked requests may go back;
-        the request waits for a ready engine core (not counted as a fault)."""
+        """``engine_id`` turned the request away as unavailable: the request waits for a ready
+        engine core (not counted as a fault), away from this one until it is seen ready again.
+        What the client last heard of it may be stale (its fault's status lost with a dropped
+        bus connection: its next READY would look like no change), so the next time the
+        watchdog finds it ready counts as ready again: the request goes back to it then (and
+        is turned away again while it still is not)."""
         if engine_id is not None:
-            self.router.liveness.told_state(engine_id, ActorState.UNHEALTHY)
-            self.check_engine(engine_id)
+            self._ready_seen.discard(engine_id)
         self.resume_or_fail(request_id, engine_id, reason, counts=False)
 
     async def watch(self) -> None:

@@ -52,18 +52,6 @@ def test_freshness_and_touch() -> None:
     assert table.is_fresh("e", 10.0, now=11.0) and not table.is_fresh("e", 10.0, now=11.5)
 
 
-def test_a_state_told_otherwise_lasts_until_the_next_control_event() -> None:
-    table = LivenessTable()
-    table.told_state("e", ActorState.UNHEALTHY, now=0.0)  # unknown peer: nothing recorded
-    assert table.get("e") is None
-    table.on_event(beat("e", 0), now=1.0)
-    table.told_state("e", ActorState.UNHEALTHY, now=2.0)
-    assert table.get("e").state is ActorState.UNHEALTHY  # type: ignore[union-attr]
-    assert table.silent_for("e", now=3.0) == 1.0 and table.num_restarts("e") == 0
-    table.on_event(beat("e", 1), now=4.0)
-    assert table.get("e").state is READY  # type: ignore[union-attr]
-
-
 def _link() -> WorkerLink:
     return WorkerLink(InMemoryBus(), Subjects("t"), "e0", ["w0"], dead_after_s=5.0)
 
