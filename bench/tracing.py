@@ -6,8 +6,11 @@ Sides alternate over ``--rounds`` and each keeps its best round per level (the m
 noisy: the rounds' mean throughput is given too). Prints each level side by side; the last line
 is one JSON object: ``{"levels": [{"side": "off"|"on", "concurrency", "tok_s", "itl_ms_p50",
 "ttft_ms_p50", "e2e_ms_p50"}], "ratio": {concurrency: on over off, best rounds},
-"ratio_mean": {concurrency: on over off, mean of the rounds}, "ratio_min", "spans_received",
-"num_failed"}``.
+"ratio_mean": {concurrency: on over off, mean of the rounds}, "ratio_min", "cpu_s": {side:
+{process: CPU seconds of one round's sweep, mean of the rounds}}, "spans_received",
+"num_failed"}``. The CPU seconds (from ``/proc``, per process of the server: the gateway's
+``main``, ``engine``, ``worker``, ``other``) are the steadier measure of what tracing costs: the
+same workload runs on both sides, and the worker's are mostly its threads spinning.
 
     .venv/bin/python bench/tracing.py [--model NAME|DIR] [--rounds 2] [--concurrency 1,8]
 """
@@ -27,15 +30,47 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.fault_default import stop
 from bench.serve import parse_args as serve_args
-from bench.serve import sweep
+from bench.serve import sweep, wait_healthy
 from shoal.deploy.local import free_tcp_port
 from tests.fixtures.otlp_receiver import HttpReceiver
 
 EXPORT = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+ACTOR_CLASSES = {"EngineCoreActor": "engine", "WorkerActor": "worker"}
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_processes(pid: int) -> dict[int, str]:
+    """The server's processes: its own (``main``: the gateway) and its children by role."""
+    processes = {pid: "main"}
+    for child in Path("/proc").glob("[0-9]*"):
+        try:
+            if int((child / "stat").read_text().rsplit(")", 1)[1].split()[1]) != pid:
+                continue
+            command = (child / "cmdline").read_text()
+        except (OSError, ValueError):
+            continue
+        role = next((r for name, r in ACTOR_CLASSES.items() if name in command), "other")
+        processes[int(child.name)] = role
+    return processes
+
+
+def cpu_by_role(processes: dict[int, str]) -> dict[str, float]:
+    totals: dict[str, float] = {}
+    for pid, role in processes.items():
+        try:
+            totals[role] = totals.get(role, 0.0) + cpu_seconds(pid)
+        except OSError:
+            continue
+    return totals
 
 
 def serve_round(args: argparse.Namespace, endpoint: str | None) -> dict[str, Any]:
-    """One fresh server (traced to ``endpoint`` when given) and the sweep's summary."""
+    """One fresh server (traced to ``endpoint`` when given) and the sweep's summary, with the
+    CPU seconds its processes spent on the sweep (``cpu_s``, by role)."""
     port = free_tcp_port()
     shoal = Path(sys.executable).parent / "shoal"
     model = [args.model] if args.model else []
@@ -51,7 +86,13 @@ def serve_round(args: argparse.Namespace, endpoint: str | None) -> dict[str, Any
          "--max-tokens", str(args.max_tokens), "--warmup-requests", "8"]
     )  # fmt: skip
     try:
-        return asyncio.run(sweep(load, server))
+        asyncio.run(wait_healthy(load.url, load.startup_timeout, server))
+        processes = server_processes(server.pid)
+        before = cpu_by_role(processes)
+        summary = asyncio.run(sweep(load, server))
+        after = cpu_by_role(processes)
+        summary["cpu_s"] = {role: after[role] - before.get(role, 0.0) for role in after}
+        return summary
     finally:
         stop(server)
 
@@ -60,6 +101,15 @@ def mean_tok_s(rounds: list[dict[str, Any]], concurrency: int) -> float:
     """The rounds' mean output tokens/s at ``concurrency``."""
     values = [lv["tok_s"] for s in rounds for lv in s["levels"] if lv["concurrency"] == concurrency]
     return sum(values) / len(values)
+
+
+def mean_cpu(rounds: list[dict[str, Any]]) -> dict[str, float]:
+    """The rounds' mean CPU seconds per process role."""
+    roles = {role for summary in rounds for role in summary["cpu_s"]}
+    return {
+        role: round(sum(s["cpu_s"].get(role, 0.0) for s in rounds) / len(rounds), 2)
+        for role in sorted(roles)
+    }
 
 
 def best_levels(rounds: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -108,12 +158,15 @@ def main(argv: list[str] | None = None) -> int:
             f"(x{ratio[str(concurrency)]:.3f}; round means x{ratio_mean[str(concurrency)]:.3f}); "
             f"ITL p50 {off['itl_ms_p50']:.1f} vs {on['itl_ms_p50']:.1f} ms"
         )
+    cpu_s = {side: mean_cpu(rounds[traced]) for side, traced in (("off", False), ("on", True))}
+    print("CPU seconds per round:", cpu_s)
     failed = sum(s["num_failed"] for side in rounds.values() for s in side)
     summary = {
         "levels": levels,
         "ratio": ratio,
         "ratio_mean": ratio_mean,
         "ratio_min": min(ratio.values()),
+        "cpu_s": cpu_s,
         "spans_received": receiver.num_spans,
         "num_failed": failed,
     }

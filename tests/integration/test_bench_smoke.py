@@ -588,4 +588,6 @@ def test_tracing_serves_off_and_on_and_the_on_side_exports(tiny_checkpoint):  # 
     assert out["ratio_min"] == min(out["ratio"].values())
     assert set(out["ratio_mean"]) == {"1", "2"}  # one round: the mean is the best
     assert out["ratio_mean"] == out["ratio"]
+    for side in ("off", "on"):
+        assert {"main", "engine", "worker"} <= set(out["cpu_s"][side]), out["cpu_s"]
     assert out["spans_received"] > 0 and out["num_failed"] == 0
