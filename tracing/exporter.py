@@ -31,23 +31,27 @@ def traces_protocol() -> str:
     return protocol
 
 
-def span_exporter(endpoint: str) -> Any:
-    """An OTLP span exporter to ``endpoint`` over ``traces_protocol()``."""
-    protocol = traces_protocol()
+def exporter_class(protocol: str) -> Any:
+    """The OTLP span exporter class of ``protocol`` (``TracingUnavailable`` if not installed)."""
     try:
         if protocol == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
                 OTLPSpanExporter as GrpcExporter,
             )
 
-            return GrpcExporter(endpoint=endpoint)
+            return GrpcExporter
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
             OTLPSpanExporter as HttpExporter,
         )
 
-        return HttpExporter(endpoint=endpoint)
+        return HttpExporter
     except ImportError as exc:
         raise TracingUnavailable(
-            f"--otlp-traces-endpoint ({protocol}) needs OpenTelemetry's OTLP exporter: "
+            f"--otlp-traces-endpoint ({protocol}) needs OpenTelemetry's SDK and OTLP exporter: "
             f"{INSTALL_HINT} ({exc.name or exc} is missing)"
         ) from None
+
+
+def span_exporter(endpoint: str) -> Any:
+    """An OTLP span exporter to ``endpoint`` over ``traces_protocol()``."""
+    return exporter_class(traces_protocol())(endpoint=endpoint)

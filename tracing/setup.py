@@ -9,7 +9,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from shoal.config.observability import ObservabilityConfig
-from shoal.tracing.exporter import INSTALL_HINT, TracingUnavailable, span_exporter, traces_protocol
+from shoal.tracing.exporter import exporter_class, span_exporter, traces_protocol
 
 if TYPE_CHECKING:
     from shoal.tracing.tracer import ActorTracer
@@ -30,16 +30,8 @@ def actor_tracer(config: ObservabilityConfig, kind: str, actor_id: str) -> Actor
 
 def check_tracing(config: ObservabilityConfig) -> None:
     """``TracingUnavailable`` if ``config`` asks for traces this installation cannot export."""
-    if not config.otlp_traces_endpoint:
-        return
-    traces_protocol()
-    try:
-        import opentelemetry.sdk.trace  # noqa: F401
-    except ImportError as exc:
-        raise TracingUnavailable(
-            f"--otlp-traces-endpoint needs the OpenTelemetry SDK: {INSTALL_HINT} "
-            f"({exc.name or exc} is missing)"
-        ) from None
+    if config.otlp_traces_endpoint:
+        exporter_class(traces_protocol())  # (the exporters import OpenTelemetry's SDK)
 
 
 async def close_tracer(tracer: ActorTracer | None, timeout_s: float = 5.0) -> None:

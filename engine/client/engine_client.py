@@ -270,19 +270,9 @@ class AsyncEngineClient:
         lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         trace = self._trace(request_id, sampling_params)
-        try:
-            collector = await self.add_request(
-                prompt,
-                sampling_params,
-                request_id,
-                priority=priority,
-                lora_request=lora_request,
-                trace_headers=None if trace is None else trace.headers,
-            )
-        except BaseException as exc:  # not added: nothing to abort (the id may be another's)
-            if trace is not None:
-                trace.fail(exc)
-            raise
+        collector = await self._add_traced(
+            trace, prompt, sampling_params, request_id, priority=priority, lora_request=lora_request
+        )
         finished = False
         try:
             while not finished:
@@ -305,6 +295,26 @@ class AsyncEngineClient:
             return None
         return RequestTrace(self.tracer, request_id, params, self._model_name)
 
+    async def _add_traced(
+        self,
+        trace: RequestTrace | None,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        **options: Any,
+    ) -> RequestOutputCollector:
+        """``add_request`` carrying ``trace``'s context; a request not added ends its span
+        (and nothing is aborted: its id may be another request's)."""
+        try:
+            headers = None if trace is None else trace.headers
+            return await self.add_request(
+                prompt, params, request_id, trace_headers=headers, **options
+            )
+        except BaseException as exc:
+            if trace is not None:
+                trace.fail(exc)
+            raise
+
     @functools.cached_property
     def pooling_params(self) -> PoolingParams:
         """How this model's embeddings are pooled: ``--pooler-config`` over the model's
@@ -326,19 +336,14 @@ class AsyncEngineClient:
         """The prompt's embedding (``RequestOutput.pooled``): its prefill, pooled."""
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=OutputKind.FINAL_ONLY)
         trace = self._trace(request_id, params)
-        try:
-            collector = await self.add_request(
-                prompt,
-                params,
-                request_id,
-                lora_request=lora_request,
-                pooling_params=self.pooling_params,
-                trace_headers=None if trace is None else trace.headers,
-            )
-        except BaseException as exc:  # not added: nothing to abort
-            if trace is not None:
-                trace.fail(exc)
-            raise
+        collector = await self._add_traced(
+            trace,
+            prompt,
+            params,
+            request_id,
+            lora_request=lora_request,
+            pooling_params=self.pooling_params,
+        )
         try:
             output = await collector.get()
         except BaseException as exc:

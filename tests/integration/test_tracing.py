@@ -38,7 +38,10 @@ HTTP_EXPORT = {
 
 
 @pytest.fixture
-def receiver() -> Any:
+def receiver(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A collector the actors of this process export to over OTLP/HTTP, every 100 ms."""
+    for name, value in HTTP_EXPORT.items():
+        monkeypatch.setenv(name, value)
     receiver = HttpReceiver()
     yield receiver
     receiver.close()
@@ -94,10 +97,8 @@ def check_engine_request(spans: list[ReceivedSpan], request: ReceivedSpan) -> li
 
 
 async def test_a_resumed_request_traces_both_engine_cores_it_ran_on(
-    bus_factory: Any, tiny_checkpoint: Any, receiver: HttpReceiver, monkeypatch: Any
+    bus_factory: Any, tiny_checkpoint: Any, receiver: HttpReceiver
 ) -> None:
-    for name, value in HTTP_EXPORT.items():
-        monkeypatch.setenv(name, value)
     bus = await bus_factory()
     ft = {"request_resume_timeout_s": 30.0}
     options = {"otlp_traces_endpoint": receiver.endpoint, "fault_tolerance_config": ft}
@@ -140,11 +141,9 @@ async def test_a_resumed_request_traces_both_engine_cores_it_ran_on(
 
 
 async def test_a_nats_api_request_continues_its_callers_trace(
-    bus_factory: Any, tiny_checkpoint: Any, receiver: HttpReceiver, monkeypatch: Any
+    bus_factory: Any, tiny_checkpoint: Any, receiver: HttpReceiver
 ) -> None:
     """The caller's context in the request's NATS headers parents the gateway's span."""
-    for name, value in HTTP_EXPORT.items():
-        monkeypatch.setenv(name, value)
     bus = await bus_factory()
     options = {"otlp_traces_endpoint": receiver.endpoint}
     async with engine_stack(bus, tiny_checkpoint("llama"), **options) as stack:
@@ -185,8 +184,6 @@ async def test_with_tracing_off_nothing_is_exported(
 ) -> None:
     """The collector named in OpenTelemetry's own environment gets nothing without the flag."""
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.endpoint)
-    for name, value in HTTP_EXPORT.items():
-        monkeypatch.setenv(name, value)
     from shoal.bus.transport.memory import InMemoryBus
 
     async with engine_stack(InMemoryBus(), tiny_checkpoint("llama")) as stack:

@@ -4,9 +4,15 @@ and only under a sampled one, and a span's identity made first parents other act
 
 from __future__ import annotations
 
+import sys
+
+import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
+from shoal.config.observability import ObservabilityConfig
+from shoal.tracing.exporter import TracingUnavailable
+from shoal.tracing.setup import check_tracing
 from shoal.tracing.tracer import ActorTracer, open_tracer
 
 TRACE_ID, SPAN_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -58,3 +64,16 @@ def test_nothing_is_recorded_under_an_unsampled_or_missing_parent() -> None:
     root = tracer.start("root", None)  # a new trace, sampled by default
     root.end()
     assert set(finished(tracer, exporter)) == {"root"}
+
+
+def test_tracing_asked_for_without_its_packages_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The launcher's check names the extra to install; tracing off needs nothing."""
+    module = "opentelemetry.exporter.otlp.proto.grpc.trace_exporter"
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
+    check_tracing(ObservabilityConfig())
+    with pytest.raises(TracingUnavailable, match=r"pip install 'shoal\[tracing\]'"):
+        check_tracing(ObservabilityConfig(otlp_traces_endpoint="http://127.0.0.1:4317"))
