@@ -157,12 +157,11 @@ class ActorTracer:
         kind: str = "internal",
         attributes: Attributes | None = None,
         error: str | None = None,
-    ) -> SpanRef:
+    ) -> None:
         """Write a new span under ``parent`` that ran from ``start_ns`` to ``end_ns`` (failed
-        with ``error``); its identity."""
+        with ``error``)."""
         ref = self.child(parent)
         self.record_as(ref, name, start_ns, end_ns, kind=kind, attributes=attributes, error=error)
-        return ref
 
     def record_as(
         self,
@@ -205,9 +204,7 @@ class ActorTracer:
 def _span_context(parent: Parent) -> SpanContext:
     if parent is None:
         return INVALID_SPAN_CONTEXT
-    if isinstance(parent, TraceSpan):
-        return parent.context
-    if isinstance(parent, SpanRef):
+    if isinstance(parent, TraceSpan | SpanRef):
         return parent.context
     if set(parent) == {TRACEPARENT}:
         return _remote(parent[TRACEPARENT])

@@ -386,9 +386,10 @@ class EngineCoreActor(Actor):
         """Schedule a step and send it; False when there was nothing to run. In a lock-step
         group the engine cores first agree on the round: all step (a rank without tokens
         sends a dummy) if any has tokens."""
-        schedule_start_ns = time.time_ns()
+        traced = self.tracing is not None
+        schedule_start_ns = time.time_ns() if traced else 0
         scheduler_output = core.schedule()
-        schedule_end_ns = time.time_ns()
+        schedule_end_ns = time.time_ns() if traced else 0
         in_round = False
         if self.lockstep is not None:
             num_tokens = scheduler_output.total_num_scheduled_tokens if scheduler_output else 0

@@ -21,6 +21,7 @@ import msgspec
 import pytest
 
 from shoal.bus.streams import request_stream
+from shoal.config.observability import ObservabilityConfig
 from shoal.gateway.nats_api import NatsApi
 from shoal.gateway.serving import serving_context
 from shoal.tracing.setup import actor_tracer, close_tracer
@@ -147,7 +148,8 @@ async def test_a_nats_api_request_continues_its_callers_trace(
     bus = await bus_factory()
     options = {"otlp_traces_endpoint": receiver.endpoint}
     async with engine_stack(bus, tiny_checkpoint("llama"), **options) as stack:
-        tracer = actor_tracer(stack.client._observability, "gateway", "gateway-0")
+        config = ObservabilityConfig(otlp_traces_endpoint=receiver.endpoint)
+        tracer = actor_tracer(config, "gateway", "gateway-0")
         api = NatsApi(bus, serving_context(stack.client), tracer=tracer)
         await api.start()
         trace_id, caller_span, header = traceparent()
@@ -215,8 +217,6 @@ def test_the_default_protocol_is_grpc(monkeypatch: Any) -> None:
     """vLLM's default: the endpoint is a collector's gRPC address."""
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_PROTOCOL", raising=False)
-    from shoal.config.observability import ObservabilityConfig
-    from shoal.tracing.setup import actor_tracer
 
     receiver = GrpcReceiver()
     try:
