@@ -37,6 +37,9 @@ class CpuDecodePlan:
     splits: int  # pieces per context
     split_keys: int  # keys per piece
     kv_per_item: int  # kv heads per work item: 1, or all of them
+    # token_rows is 0, 1, ..., n - 1: the queries are the batch's first n tokens, in order, so
+    # they are read (and their outputs are) a slice of the batch's, with no gather or scatter
+    in_order: bool = False
 
 
 _SIGNATURES = (
@@ -117,7 +120,13 @@ def cpu_decode_attention(
     assert lib is not None, "plan_cpu_decode is only made where the kernel loaded"
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("the CPU decode kernel needs contiguous caches")
-    queries = q.index_select(0, plan.token_rows).to(k_cache.dtype).contiguous()
+    if plan.in_order:
+        queries = q[: len(plan.token_rows)]
+    else:
+        queries = q.index_select(0, plan.token_rows)
+    if queries.dtype != k_cache.dtype:
+        queries = queries.to(k_cache.dtype)
+    queries = queries.contiguous()
     n, num_q_heads, head_dim = queries.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     out = torch.empty_like(queries)
@@ -147,4 +156,4 @@ def cpu_decode_attention(
     )
     if status != 0:
         raise ValueError(f"CPU decode kernel refused shapes heads={num_q_heads}/{num_kv_heads}")
-    return out.to(q.dtype)
+    return out if out.dtype == q.dtype else out.to(q.dtype)

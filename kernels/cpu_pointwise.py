@@ -35,13 +35,17 @@ def build_cpu_pointwise_kernels() -> bool:
 
 
 def _served(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The library, where it serves these tensors: CPU, one kernel dtype, C kernels allowed."""
-    first = tensors[0]
-    if first.device.type != "cpu" or first.dtype not in KERNEL_DTYPES:
+    """The library, where it serves these tensors: CPU, one kernel dtype, C kernels allowed.
+    (Called for every op of a step: plain loops and ``is_cpu``, the cheapest checks here.)"""
+    if not use_cpu_kernels():
         return None
-    if any(t.device.type != "cpu" or t.dtype != first.dtype for t in tensors):
+    dtype = tensors[0].dtype
+    if dtype not in KERNEL_DTYPES:
         return None
-    return load_kernel_library(LIBRARY, _SIGNATURES) if use_cpu_kernels() else None
+    for t in tensors:
+        if not t.is_cpu or t.dtype != dtype:
+            return None
+    return load_kernel_library(LIBRARY, _SIGNATURES)
 
 
 def _row_stride(x: torch.Tensor) -> int | None:
@@ -51,6 +55,14 @@ def _row_stride(x: torch.Tensor) -> int | None:
     if x.dim() == 2:
         return x.stride(0)
     return x.shape[-1] if x.is_contiguous() else None
+
+
+def _new_rows(x: torch.Tensor) -> torch.Tensor:
+    """A new contiguous tensor of ``x``'s shape and dtype (``empty_like`` of a contiguous one
+    is the cheaper call)."""
+    if x.is_contiguous():
+        return torch.empty_like(x)
+    return torch.empty(x.shape, dtype=x.dtype)
 
 
 def _is_bf16(x: torch.Tensor) -> int:
@@ -71,8 +83,8 @@ def rms_norm_cpu(
     if residual is not None and (residual.shape != x.shape or not residual.is_contiguous()):
         return None
     hidden = x.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype)
-    summed = None if residual is None else torch.empty(x.shape, dtype=x.dtype)
+    out = _new_rows(x)
+    summed = None if residual is None else _new_rows(x)
     lib.rms_norm(
         x.data_ptr(),
         None if residual is None else residual.data_ptr(),
@@ -109,7 +121,7 @@ def apply_rotary_cpu(
     if lib is None or q_stride is None or k_stride is None or not cache_ok:
         return None
     positions = positions.to(torch.int64).contiguous()
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
+    q_out, k_out = _new_rows(q), _new_rows(k)
     outside = lib.rotary(
         q.data_ptr(),
         k.data_ptr(),

@@ -127,9 +127,7 @@ def strip_linear(
     """``x @ weight.T + bias``."""
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(f"strip matmul of {weight.dtype} weights got {x.dtype} inputs")
-    rows = x.reshape(-1, weight.in_features)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+    rows = _as_rows(x, weight.in_features)
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(rows.shape[0], weight.out_features, dtype=x.dtype)
     lib = _library()
@@ -147,7 +145,7 @@ def strip_linear(
     )
     if status != 0:
         raise RuntimeError(f"strip matmul has no path for {x.dtype} on this build")
-    return out.view(*x.shape[:-1], weight.out_features)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
 
 
 @dataclass(frozen=True)
@@ -248,9 +246,7 @@ def strip_codes_linear(
     bias: torch.Tensor | None = None,  # [out]
 ) -> torch.Tensor:  # [..., out], x's dtype
     """``x @ w.T + bias``, ``x`` multiplied in bf16."""
-    rows = x.reshape(-1, weight.in_features).to(torch.bfloat16)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+    rows = _as_rows(x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16), weight.in_features)
     bias16 = None if bias is None else bias.to(torch.bfloat16).contiguous()
     out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.bfloat16)
     lib = _library()
@@ -270,4 +266,13 @@ def strip_codes_linear(
     )
     if status != 0:
         raise RuntimeError(f"{weight.bits}-bit strip matmul has no path for these codes here")
-    return out.to(x.dtype).view(*x.shape[:-1], weight.out_features)
+    if x.dtype != torch.bfloat16:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+
+
+def _as_rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``x`` as ``[rows, in_features]`` with unit stride along a row (a 2-D input as it is:
+    each torch call here costs about a microsecond, and a layer makes several a step)."""
+    rows = x if x.dim() == 2 else x.reshape(-1, in_features)
+    return rows if rows.stride(1) == 1 else rows.contiguous()

@@ -6,6 +6,7 @@ A sequence's queries are its last ``query_len`` positions of ``seq_len``; query 
 keys ``0 .. seq_len - query_len + i`` (a bottom-right-aligned causal mask).
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,8 @@ def plan_varlen_torch(
     if len(others):
         lengths = seq_lens[others].tolist()
         reads = plan_context_reads(block_tables[others], lengths, k_cache.shape[1])
+    elif isinstance(decode, CpuDecodePlan):  # the kernel takes every query, in batch order
+        decode = dataclasses.replace(decode, in_order=True)
     return TorchAttentionPlan(decode, others.tolist(), query_start_loc.tolist(), reads)
 
 
@@ -120,12 +123,18 @@ def plan_short_queries(
     sequence with ``query_len`` queries sees ``seq_len - query_len + 1 + i`` keys."""
     seqs = short.nonzero()[:, 0]  # [s] int64
     counts = (query_start_loc[seqs + 1] - query_start_loc[seqs]).long()  # [s]
+    num_kv_heads = k_cache.shape[2]
+    if int(counts.max()) == 1:  # decodes only (the common step): one query each, no expansion
+        token_rows = query_start_loc[seqs].long()
+        return plan_cpu_decode(
+            block_tables, seqs, token_rows, seq_lens[seqs], num_q_heads, num_kv_heads
+        )
     owner = seqs.repeat_interleave(counts)  # [n] each query's sequence
     first_of_owner = (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
     index = torch.arange(len(owner)) - first_of_owner  # [n] the query's index in its sequence
     token_rows = query_start_loc[owner].long() + index
     key_lens = seq_lens[owner] - counts.repeat_interleave(counts) + 1 + index
-    return plan_cpu_decode(block_tables, owner, token_rows, key_lens, num_q_heads, k_cache.shape[2])
+    return plan_cpu_decode(block_tables, owner, token_rows, key_lens, num_q_heads, num_kv_heads)
 
 
 def varlen_attention_torch(
@@ -148,6 +157,9 @@ def varlen_attention_torch(
     """
     if plan is None:
         plan = plan_varlen_torch(block_tables, query_start_loc, seq_lens, k_cache, q.shape[1])
+    decode = plan.decode
+    if isinstance(decode, CpuDecodePlan) and decode.in_order and len(decode.token_rows) == len(q):
+        return cpu_decode_attention(q, k_cache, v_cache, decode, scale)  # every row a decode
     out = torch.empty_like(q)
     if isinstance(plan.decode, CpuDecodePlan):
         decoded = cpu_decode_attention(q, k_cache, v_cache, plan.decode, scale)

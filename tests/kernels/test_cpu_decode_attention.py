@@ -86,6 +86,7 @@ def test_a_mixed_batch_sends_decodes_and_short_runs_to_the_kernel_and_chunks_to_
     plan, out = _attend(case)
     assert isinstance(plan.decode, CpuDecodePlan)
     assert plan.decode.token_rows.tolist() == [0, 1, 2, 3, 4, 5, 15, 33]
+    assert not plan.decode.in_order  # gathered from the batch, scattered back
     assert plan.decode.seq_lens.tolist() == [1, 2, 3, 4, 5, 31, 4, 301]  # keys each one sees
     assert plan.seqs == [2, 4]  # runs of more than MAX_KERNEL_QUERY_LEN queries
     torch.testing.assert_close(out, naive_attention(case), **FP32_TOL)
@@ -102,8 +103,27 @@ def test_drafts_being_verified_attend_causally_in_the_kernel(dtype):
     )  # fmt: skip
     plan, out = _attend(case)
     assert isinstance(plan.decode, CpuDecodePlan) and plan.seqs == []
+    assert plan.decode.in_order and plan.decode.token_rows.tolist() == list(range(20))
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(out, naive_attention(case), **tol)
+
+
+@needs_kernel
+def test_rows_past_the_batch_s_queries_leave_the_decodes_in_place():
+    """A batch padded past its queries (rows no sequence owns): the decodes, in batch order,
+    still read and write their own rows."""
+    case = make_paged_case(
+        [1, 1, 1], [10, 70, 33], num_kv_heads=2, gqa=2, head_dim=64, block_size=16
+    )
+    plan = plan_varlen_torch(
+        case.block_tables, case.query_start_loc, case.seq_lens, case.k_cache, case.q.shape[1]
+    )
+    assert isinstance(plan.decode, CpuDecodePlan) and plan.decode.in_order
+    padded_q = torch.cat([case.q, torch.randn(2, *case.q.shape[1:])])
+    args = (padded_q, case.k_cache, case.v_cache, case.block_tables, case.query_start_loc)
+    out = varlen_attention_torch(*args, case.seq_lens, case.scale, plan)
+    assert out.shape == padded_q.shape
+    torch.testing.assert_close(out[:3], _decode_reference(case), **FP32_TOL)
 
 
 @pytest.mark.parametrize(

@@ -247,8 +247,13 @@ def test_backend_choice_follows_env(monkeypatch):
     monkeypatch.delenv("SHOAL_KERNELS")
     assert not use_triton(cpu)  # auto: CPU tensors take the torch path
     monkeypatch.setenv("SHOAL_KERNELS", "cuda")
-    with pytest.raises(ValueError, match="SHOAL_KERNELS"):
-        use_triton(cpu)
+    for _ in range(2):  # refused every time, not only the first
+        with pytest.raises(ValueError, match="SHOAL_KERNELS"):
+            use_triton(cpu)
+    monkeypatch.setenv("SHOAL_KERNELS", " Triton ")  # a value seen again, spelled otherwise
+    assert use_triton(cpu)
+    monkeypatch.setenv("SHOAL_KERNELS", "torch")
+    assert not use_triton(cpu)
 
 
 def test_fused_moe_reference_matches_transformers_mixtral_experts_bit_for_bit():

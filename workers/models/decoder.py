@@ -70,19 +70,16 @@ class DecoderAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self.head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.rotary = rotary
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim**-0.5
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):  # type: ignore[no-untyped-def]
-        num_tokens = x.shape[0]
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, heads, head_dim]
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).reshape(x.shape[0], -1, self.head_dim)  # [T, all heads, head_dim]
+        # views [T, heads, head_dim], [T, kv_heads, head_dim] x 2 (one call: each costs ~1 us)
+        q, k, v = qkv.split(self.head_split, dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
