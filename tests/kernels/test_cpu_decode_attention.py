@@ -80,12 +80,12 @@ def test_a_context_split_in_pieces_merges_to_the_same_answer(dtype, monkeypatch)
 @needs_kernel
 def test_a_mixed_batch_sends_decodes_and_short_runs_to_the_kernel_and_chunks_to_sdpa():
     case = make_paged_case(
-        [5, 1, 9, 1, 17, 1], [0, 30, 12, 3, 40, 300], num_kv_heads=2, gqa=2, head_dim=64,
+        [5, 1, 260, 1, 300, 1], [0, 30, 12, 3, 40, 300], num_kv_heads=2, gqa=2, head_dim=64,
         block_size=16,
     )  # fmt: skip
     plan, out = _attend(case)
     assert isinstance(plan.decode, CpuDecodePlan)
-    assert plan.decode.token_rows.tolist() == [0, 1, 2, 3, 4, 5, 15, 33]
+    assert plan.decode.token_rows.tolist() == [0, 1, 2, 3, 4, 5, 266, 567]
     assert not plan.decode.in_order  # gathered from the batch, scattered back
     assert plan.decode.seq_lens.tolist() == [1, 2, 3, 4, 5, 31, 4, 301]  # keys each one sees
     assert plan.seqs == [2, 4]  # runs of more than MAX_KERNEL_QUERY_LEN queries

@@ -75,8 +75,11 @@ def test_paged_attention_reference_with_peaked_scores_spanning_hundreds(kernels,
     torch.testing.assert_close(out, naive_attention(case), atol=2e-5, rtol=1e-5)
 
 
-def test_paged_attention_plan_is_shared_by_layers_with_the_same_cache_shape():
+def test_paged_attention_plan_is_shared_by_layers_with_the_same_cache_shape(monkeypatch):
     """One plan per step serves every layer: a second layer's cache, other values."""
+    from shoal.kernels import varlen_attention
+
+    monkeypatch.setattr(varlen_attention, "MAX_KERNEL_QUERY_LEN", 8)  # SDPA takes the prompts
     first = make_paged_case(*MIXED, num_kv_heads=2, gqa=2, head_dim=64, block_size=16)
     second = dataclasses.replace(
         first,
