@@ -74,7 +74,9 @@ static inline __attribute__((always_inline)) const float *cache_row(const void *
 
 /* Ask for the key and value rows of keys [from, min(from + BLOCK_KEYS, end)) (of the kv head at
  * `head_offset` elements in a slot, `row_bytes` long) while this tile is scored: pages are
- * scattered, so the hardware prefetcher cannot see them coming. */
+ * scattered, so the hardware prefetcher cannot see them coming. Into L2, not L1: the next tile's
+ * 12 KB (SmolLM2, bf16) would evict the tile being worked on from a 32 KB L1. 64 decodes of
+ * 180-320 keys, 30 layers' caches in turn: bf16 1.31 -> 1.04 ms a layer, fp32 1.84 -> 1.58. */
 static inline void prefetch_keys(const Job *job, const int32_t *table, int64_t from, int64_t end,
                                  int64_t head_offset, int64_t row_bytes) {
   const int64_t to = from + BLOCK_KEYS < end ? from + BLOCK_KEYS : end;
@@ -89,8 +91,8 @@ static inline void prefetch_keys(const Job *job, const int32_t *table, int64_t f
     const char *k = (const char *)job->k_cache + (slot * slot_elems + head_offset) * width;
     const char *v = (const char *)job->v_cache + (slot * slot_elems + head_offset) * width;
     for (int64_t line = 0; line < row_bytes; line += 64) {
-      __builtin_prefetch(k + line, 0, 3);
-      __builtin_prefetch(v + line, 0, 3);
+      __builtin_prefetch(k + line, 0, 2);
+      __builtin_prefetch(v + line, 0, 2);
     }
   }
 }
