@@ -164,12 +164,12 @@ def varlen_attention_torch(
     if isinstance(decode, CpuDecodePlan) and decode.in_order and len(decode.token_rows) == len(q):
         return cpu_decode_attention(q, k_cache, v_cache, decode, scale)  # every row a decode
     out = torch.empty_like(q)
-    if isinstance(plan.decode, CpuDecodePlan):
-        decoded = cpu_decode_attention(q, k_cache, v_cache, plan.decode, scale)
-        out.index_copy_(0, plan.decode.token_rows, decoded)
-    elif plan.decode is not None:
-        decoded = sparse_decode_attention(q, k_cache, v_cache, plan.decode, scale)
-        out.index_copy_(0, plan.decode.token_rows, decoded)
+    if isinstance(decode, CpuDecodePlan):
+        decoded = cpu_decode_attention(q, k_cache, v_cache, decode, scale)
+        out.index_copy_(0, decode.token_rows, decoded)
+    elif decode is not None:
+        decoded = sparse_decode_attention(q, k_cache, v_cache, decode, scale)
+        out.index_copy_(0, decode.token_rows, decoded)
     if plan.reads is not None:
         attend_sequences_torch(q, k_cache, v_cache, plan, scale, out)
     return out
