@@ -7,10 +7,12 @@ sleeps while there is nothing to do, then: apply inputs, schedule and send a ste
 step's result, apply it (aborts that arrived meanwhile first) and publish one ``EngineOutputs``
 per client (and, for prefix routing, one batch of KV events: ``KvEventsLink``). With
 ``async_scheduling`` the core allows two steps in flight, so step N+1 is sent before step N's
-result is back and the worker never waits for this loop; without it each step is awaited before
-the next is scheduled. The order rules (results applied strictly in step order, placeholders)
-live in ``EngineCore``. ``EngineStats`` go out after steps (at most every ``stats_interval_s``)
-and on every heartbeat, so clients can discover and route by load. While idle, the loop still
+result is back and the worker never waits for this loop (but for the first step after the core
+was idle, landed before the next is scheduled so that a burst still arriving joins the next);
+without it each step is awaited before the next is scheduled. The order rules (results applied
+strictly in step order, placeholders) live in ``EngineCore``. ``EngineStats`` go out after steps
+(at most every ``stats_interval_s``) and on every heartbeat, so clients can discover and route
+by load. While idle, the loop still
 checks its workers' heartbeats, so a dead worker is noticed within ``worker_dead_after_s``, not
 at the next request.
 
@@ -367,12 +369,19 @@ class EngineCoreActor(Actor):
             self._traced_turn_away(rejection)
             await self._send(client_id, rejection)
         sent = core.can_schedule and await self._submit_next(core)
-        if self._in_flight and not (sent and core.can_schedule):
+        look_ahead = sent and core.can_schedule and not self._woke_with_this_step()
+        if self._in_flight and not look_ahead:
             merge_outputs(outputs, await self._land_oldest(core))
         elif not sent and not outputs and not core.has_inputs:
             await asyncio.sleep(0.001)  # nothing runnable yet: do not spin
         await self._publish(outputs)
         await self._publish_stats()
+
+    def _woke_with_this_step(self) -> bool:
+        """The one step in flight is the first since the core was idle: landed before the next
+        is scheduled, so that a burst of requests still arriving joins the next step rather
+        than wait behind a step sent ahead with the burst's first few (async scheduling)."""
+        return len(self._in_flight) == 1 and not self._in_flight[0][2]
 
     def _peer_waiting(self) -> bool:
         return self.lockstep is not None and self.lockstep.peer_waiting

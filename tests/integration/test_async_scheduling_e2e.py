@@ -6,6 +6,7 @@ request, two steps really in flight, and a failed step while another is in fligh
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -180,5 +181,40 @@ async def test_a_failed_step_with_another_in_flight(tiny_checkpoint) -> None:  #
             again = await complete(stack.client, [5, 6, 7], greedy(5), "again")
             assert again.outputs[0].finish_reason == "length"
             assert len(again.outputs[0].token_ids) == 5
+    finally:
+        await bus.close()
+
+
+async def test_requests_arriving_during_the_first_step_after_idle_join_the_next(tiny_checkpoint):  # type: ignore[no-untyped-def]
+    """The first step after the core was idle is landed before the next is scheduled (a burst
+    still arriving joins that next step); from then on the step ahead goes out at once."""
+    bus = await _memory_bus()
+    try:
+        async with _stack(bus, tiny_checkpoint("llama"), True) as stack:
+            runner = stack.workers[0].runner
+            assert runner is not None
+            real_execute = runner.execute
+            seen: list[tuple[list[str], list[str]]] = []  # each step's new and running requests
+            first_running = asyncio.Event()
+            loop = asyncio.get_running_loop()
+
+            def execute(step: ExecuteStep) -> StepResult:
+                new = [r.req_id for r in step.new_requests]
+                seen.append((new, step.batch_order().req_ids))
+                if len(seen) == 1:
+                    loop.call_soon_threadsafe(first_running.set)
+                    time.sleep(0.5)  # the first step runs long: the rest of the burst arrives
+                return real_execute(step)
+
+            runner.execute = execute  # type: ignore[method-assign]
+            first = asyncio.ensure_future(complete(stack.client, [5, 6, 7], greedy(6), "first"))
+            await asyncio.wait_for(first_running.wait(), 30)
+            late = [complete(stack.client, [8 + i, 9, 10], greedy(6), f"late{i}") for i in range(3)]
+            await asyncio.wait_for(asyncio.gather(first, *late), 60)
+            assert seen[0][0] == ["first"]
+            # Without the landing, the step sent ahead of the first would carry only "first".
+            assert seen[1][0] == ["late0", "late1", "late2"], seen
+            stats = await _settled(stack)
+            assert stats.max_steps_in_flight == 2  # the steps after it were sent ahead
     finally:
         await bus.close()
