@@ -12,9 +12,8 @@ was idle, landed before the next is scheduled so that a burst still arriving joi
 without it each step is awaited before the next is scheduled. The order rules (results applied
 strictly in step order, placeholders) live in ``EngineCore``. ``EngineStats`` go out after steps
 (at most every ``stats_interval_s``) and on every heartbeat, so clients can discover and route
-by load. While idle, the loop still
-checks its workers' heartbeats, so a dead worker is noticed within ``worker_dead_after_s``, not
-at the next request.
+by load. While idle, the loop still checks its workers' heartbeats, so a dead worker is noticed
+within ``worker_dead_after_s``, not at the next request.
 
 Expert parallelism (``ParallelConfig.runs_in_lockstep``): every step is a round agreed with the
 other engine cores over the bus first (``LockstepLink``); a rank without tokens sends its
@@ -126,6 +125,8 @@ class EngineCoreActor(Actor):
         self.timing = StepTiming()
         self.tracing: RequestTracing | None = None  # with --otlp-traces-endpoint
         # Steps sent, oldest first, and whether the worker's idle time before each counts.
+        # each step in flight, with whether the core had work when it was sent (False: the first
+        # step after an idle spell)
         self._in_flight: deque[tuple[SchedulerOutput, SentStep, bool]] = deque()
         self._busy = False  # had work since the last step was sent
         ft = config.fault_tolerance_config
@@ -381,7 +382,7 @@ class EngineCoreActor(Actor):
         """The one step in flight is the first since the core was idle: landed before the next
         is scheduled, so that a burst of requests still arriving joins the next step rather
         than wait behind a step sent ahead with the burst's first few (async scheduling)."""
-        return len(self._in_flight) == 1 and not self._in_flight[0][2]
+        return len(self._in_flight) == 1 and not self._in_flight[0][2]  # (sent from idle)
 
     def _peer_waiting(self) -> bool:
         return self.lockstep is not None and self.lockstep.peer_waiting
