@@ -2,11 +2,11 @@
 
 - Block 0 is the **null block**: taken out at start, never handed out nor freed, so a pool of
   ``num_blocks`` offers ``num_blocks - 1``; ``usage = 1 - num_free / (num_blocks - 1)``.
-- The **free queue** (``free_queue``) is an ``OrderedDict`` of block id → block, front evicted
-  first: a C doubly linked list with O(1) append, prepend, pop and removal from anywhere, used
-  directly on the hot paths. A freed block keeps its hash and its KV: hashed blocks go to the back
-  (least recently used evicted first), unhashed ones to the front (reused first, nothing worth
-  keeping in them).
+- The **free queue** (``free_queue``, a ``FreeBlockQueue``) is a doubly linked list threaded
+  through the blocks, front evicted first: O(1) append, prepend, pop and removal from anywhere on
+  every call. A freed block keeps its hash and its KV: hashed blocks go to the back (least
+  recently used evicted first), unhashed ones to the front (reused first, nothing worth keeping
+  in them).
 - A **cached** block (``block_hash`` set, in ``cached_blocks``) stays findable while free; taking a
   free block for new data **evicts** its hash. A hit **touches** the block: a free one leaves the
   queue, and every touch adds a reference, so a block in use is never evicted.
@@ -24,30 +24,14 @@ lower tier.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterable
+from operator import attrgetter
 
 from shoal.engine.core.block_hash import BlockHash
+from shoal.engine.core.free_block_queue import FreeBlockQueue, KVCacheBlock
 from shoal.engine.core.kv_events import KVEventLog
 
-
-class KVCacheBlock:
-    """One block: its id (row in the workers' KV tensors), references and prefix-cache hash."""
-
-    __slots__ = ("block_hash", "block_id", "ref_cnt")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None
-
-    def __repr__(self) -> str:
-        hashed = self.block_hash is not None
-        return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
-
-
-def _block_id(block: KVCacheBlock) -> int:
-    return block.block_id
+_block_id = attrgetter("block_id")
 
 
 class BlockPool:
@@ -62,9 +46,7 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.null_block = self.blocks[0]
-        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
-            (block.block_id, block) for block in self.blocks[1:]
-        )
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.kv_events: KVEventLog | None = None  # attached by whoever publishes KV events
 
@@ -80,9 +62,8 @@ class BlockPool:
         """Take ``count`` blocks from the front of the free queue, evicting their old hashes."""
         if count > len(self.free_queue):
             raise ValueError(f"cannot take {count} blocks, only {len(self.free_queue)} free")
-        popitem = self.free_queue.popitem
         cached = self.cached_blocks
-        blocks = [popitem(False)[1] for _ in range(count)]
+        blocks = self.free_queue.popleft_n(count)
         # Ascending ids: a request's consecutive positions get consecutive rows where they can
         # (blocks freed tail first come back in descending order), so a worker copies a run of
         # them to or from an offload tier in one pass.
@@ -134,10 +115,10 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-cache hits; free ones leave the free queue."""
-        queue = self.free_queue
+        remove = self.free_queue.remove
         for block in blocks:
             if block.ref_cnt == 0:
-                del queue[block.block_id]
+                remove(block)
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock], drop_cached: bool = False) -> None:
@@ -146,16 +127,19 @@ class BlockPool:
         ``drop_cached`` forgets the hashes of blocks that become free (their KV is not trusted,
         e.g. after a failed step).
         """
-        queue = self.free_queue
+        to_front: list[KVCacheBlock] = []  # nothing worth keeping in them: taken first
+        to_back: list[KVCacheBlock] = []  # cached: evicted last, least recently freed first
         for block in blocks:
             block.ref_cnt -= 1
             if block.ref_cnt:
                 continue
             if drop_cached and block.block_hash is not None:
                 self._evict_hash(block)
-            queue[block.block_id] = block  # to the back (hashed: evicted last) ...
-            if block.block_hash is None:
-                queue.move_to_end(block.block_id, last=False)  # ... or the front
+            (to_front if block.block_hash is None else to_back).append(block)
+        if to_front:
+            self.free_queue.extendleft(to_front)
+        if to_back:
+            self.free_queue.extend(to_back)
 
     def _evict_hash(self, block: KVCacheBlock) -> None:
         block_hash = block.block_hash

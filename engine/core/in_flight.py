@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shoal.engine.core.block_pool import KVCacheBlock
+from shoal.engine.core.free_block_queue import KVCacheBlock
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.request import Request, RequestStatus
 from shoal.engine.core.scheduler_output import SchedulerOutput

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from shoal.bus.messages.engine import DEFAULT_KV_LEASE_S, KVTransferParams
 from shoal.bus.messages.kv_handover import KVExportRef
-from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
+from shoal.engine.core.block_pool import BlockPool
+from shoal.engine.core.free_block_queue import KVCacheBlock
 
 
 @dataclass(slots=True)

@@ -36,7 +36,8 @@ from shoal.bus.messages.offload import (
     TierStoreSlots,
 )
 from shoal.config.kv_transfer import KVTransferConfig
-from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
+from shoal.engine.core.block_pool import BlockPool
+from shoal.engine.core.free_block_queue import KVCacheBlock
 from shoal.engine.core.offload_stores import OffloadStores
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler_output import SchedulerOutput

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from shoal.bus.messages.offload import KVStore, KVTransferResult, TierStoreSlots
 from shoal.config.kv_transfer import KVTransferConfig
-from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
+from shoal.engine.core.block_pool import BlockPool
+from shoal.engine.core.free_block_queue import KVCacheBlock
 from shoal.engine.core.request import Request
 from shoal.tiers.books.keys import ChunkKey, OffloadKey
 

@@ -208,7 +208,7 @@ def blocks_in_flight(pipeline: Pipeline) -> list[int]:
 def assert_not_free(scheduler: Scheduler, block_ids: list[int]) -> None:
     pool = scheduler.kv_cache_manager.block_pool
     assert block_ids and all(pool.blocks[b].ref_cnt > 0 for b in block_ids)
-    assert not set(block_ids) & set(pool.free_queue)
+    assert not set(block_ids) & set(pool.free_queue.block_ids())
 
 
 def test_a_stop_with_a_step_in_flight_adds_no_token_and_frees_blocks_after_it_lands() -> None:

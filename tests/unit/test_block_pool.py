@@ -37,7 +37,7 @@ def test_freed_hashed_blocks_go_back_lru_and_unhashed_go_first() -> None:
     pool.cache_blocks(blocks[:3], [bytes([block.block_id]) for block in blocks[:3]])
     # Free tail first, as the KV cache manager does: 6,5,4 unhashed, 3,2,1 hashed.
     pool.free_blocks(reversed(blocks))
-    assert list(pool.free_queue) == [4, 5, 6, 3, 2, 1]
+    assert pool.free_queue.block_ids() == [4, 5, 6, 3, 2, 1]
     # New blocks come from the front: unhashed first, then the least recently freed cached
     # (4, 5, 6, 3), handed out in id order.
     assert ids(pool.get_new_blocks(4)) == [3, 4, 5, 6]
@@ -62,12 +62,12 @@ def test_touch_takes_a_reference_and_protects_from_eviction() -> None:
     hit = pool.get_cached_block(b"h")
     assert hit is blocks[0]
     pool.touch([hit])
-    assert hit.ref_cnt == 1 and hit.block_id not in pool.free_queue
+    assert hit.ref_cnt == 1 and hit not in pool.free_queue
     assert blocks[0] not in pool.get_new_blocks(2)
     pool.touch([hit])
     assert hit.ref_cnt == 2
     pool.free_blocks([hit])
-    assert hit.ref_cnt == 1 and hit.block_id not in pool.free_queue
+    assert hit.ref_cnt == 1 and hit not in pool.free_queue
 
 
 def test_first_cached_block_wins_and_duplicate_eviction_keeps_it() -> None:

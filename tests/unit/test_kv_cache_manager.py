@@ -79,7 +79,7 @@ def test_free_is_tail_first_so_the_head_is_evicted_last() -> None:
     request = hashed("r", list(range(14)))
     admit(manager, request)  # blocks 1..4, block 4 partial (unhashed)
     manager.free(request)
-    free_order = list(manager.block_pool.free_queue)
+    free_order = manager.block_pool.free_queue.block_ids()
     # Unhashed partial block first, then never-used blocks, then cached blocks tail first.
     assert free_order == [4, 5, 6, 7, 8, 9, 3, 2, 1]
 

@@ -17,7 +17,8 @@ from shoal.bus.messages.kv_events import (
 from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.prefix_index import PrefixIndex
-from shoal.engine.core.block_pool import BlockPool, KVCacheBlock
+from shoal.engine.core.block_pool import BlockPool
+from shoal.engine.core.free_block_queue import KVCacheBlock
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.kv_events import KVEventLog
 from shoal.engine.core.request import Request

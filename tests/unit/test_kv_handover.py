@@ -66,7 +66,7 @@ def run(core: EngineCore, worker: FakeWorker, max_steps: int = 200) -> dict[str,
 
 
 def free_block_ids(core: EngineCore) -> set[int]:
-    return set(core.scheduler.kv_cache_manager.block_pool.free_queue)
+    return set(core.scheduler.kv_cache_manager.block_pool.free_queue.block_ids())
 
 
 def all_free(core: EngineCore) -> bool:

@@ -116,8 +116,8 @@ RULES = (
         "the engine core is pure: no I/O, no torch, no transport, no client or shell "
         "(the offload books of tiers/ are pure too)",
         "inside the engine core actor: the pure core (requests, scheduler, step outcome, steps in "
-        "flight, KV cache manager, block pool, block hashes, stop checks, the KV offload "
-        "connector, speculative decoding's K, `EngineCore`)",
+        "flight, KV cache manager, block pool and its free queue, block hashes, stop checks, "
+        "the KV offload connector, speculative decoding's K, `EngineCore`)",
     ),
     Rule(
         "shoal.engine.structured",

@@ -120,7 +120,7 @@ def check_invariants(scheduler: Scheduler) -> None:
                 owners[block.block_id] += 1
     for block in pool.blocks[1:]:
         assert block.ref_cnt == owners[block.block_id], "ref count differs from owners"
-        assert (block.block_id in pool.free_queue) == (block.ref_cnt == 0)
+        assert (block in pool.free_queue) == (block.ref_cnt == 0)
         if owners[block.block_id] > 1:
             assert block.block_hash is not None, "block shared without the prefix cache"
     num_used = sum(1 for block in pool.blocks[1:] if block.ref_cnt > 0)
@@ -231,7 +231,7 @@ def check_in_flight(pipeline: Pipeline) -> bool:
             for block_id in block_ids:
                 block = kv.block_pool.blocks[block_id]
                 assert block_id in held, "a block freed while an in-flight step may write it"
-                assert block.ref_cnt > 0 and block_id not in kv.block_pool.free_queue
+                assert block.ref_cnt > 0 and block not in kv.block_pool.free_queue
                 assert block.block_hash is None, "a block cached before its KV landed"
     for request in list(scheduler.requests.values()) + list(scheduler.pending_frees):
         assert request.num_in_flight_steps == num_steps[request]
