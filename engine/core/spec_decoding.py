@@ -57,11 +57,14 @@ class SpecDecoding:
 
     def num_drafts_to_verify(self, request: Request, num_known: int, budget: int) -> int:
         """Drafts a request that samples this step verifies: the ones it has, within the token
-        ``budget`` left and the room left to emit (``max_model_len``, ``max_tokens``);
+        ``budget`` left, the room left to emit (``max_model_len``, ``max_tokens``) and, with
+        acceptance-driven K, the drafts the controller finds worth verifying now;
         ``num_known`` counts its output placeholders."""
         num_drafts = len(request.spec_token_ids)
         if not num_drafts:
             return 0
+        if self.controller is not None:
+            num_drafts = min(num_drafts, self.controller.num_worth_verifying())
         room_in_model = self.max_model_len - num_known - 1
         room_in_outputs = request.max_tokens - (num_known - request.num_prompt_tokens) - 1
         return max(0, min(num_drafts, budget, room_in_model, room_in_outputs))

@@ -16,9 +16,11 @@ goes straight there, so a workload that turns takes ``patience`` steps to follow
 per unit of K. At K = 0 nothing is drafted, so nothing is observed: a K = 1 probe every
 ``probe_every`` steps keeps the estimate fresh; each probe that leaves K at 0 doubles the wait
 before the next (up to ``max_probe_every``), so a workload that never accepts pays for few probes,
-and K leaving 0 resets it. A padded draft (async scheduling: the worker had fewer drafts than the K
-placeholders scheduled) counts as rejected: its slot cost a forward position all the same, so K
-should fall when drafts are missing as much as when they are wrong.
+and K leaving 0 resets it. Drafts already proposed when K falls are verified only up to the new
+K (``num_worth_verifying``): the step after a drop does not pay for the old K's drafts. A padded
+draft (async scheduling: the worker had fewer drafts than the K placeholders scheduled) counts as
+rejected: its slot cost a forward position all the same, so K should fall when drafts are
+missing as much as when they are wrong.
 """
 
 from __future__ import annotations
@@ -80,6 +82,11 @@ class AcceptanceController:
         if self.alpha <= 0.0:
             return 0
         return max(0, min(self.max_k, math.floor(math.log(self.worth) / math.log(self.alpha))))
+
+    def num_worth_verifying(self) -> int:
+        """Drafts worth verifying now, whatever K they were proposed with: K, or 1 while a
+        probe's drafts await their verdict. Drafts proposed before K fell are not verified."""
+        return max(self.k, 1) if self._probing else self.k
 
     def choose(self, bound: int) -> int:
         """K for the next step, at most ``bound`` (the table's K for the batch size)."""

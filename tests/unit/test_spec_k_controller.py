@@ -101,3 +101,16 @@ def test_a_workload_that_turns_is_followed_within_a_few_steps() -> None:
     assert controller.k <= 1  # not one unit of K per patience (that would still be at 3)
     feed(controller, 12, accepted=9, rejections=1)
     assert controller.k == 5
+
+
+def test_drafts_worth_verifying_are_k_or_a_probe_s_one() -> None:
+    controller = AcceptanceController(max_k=4)
+    assert controller.num_worth_verifying() == 4
+    for _ in range(6):
+        controller.observe(num_accepted=0, num_rejections=4)
+    assert controller.k == 0 and controller.num_worth_verifying() == 0
+    while controller.choose(bound=4) == 0:
+        assert controller.num_worth_verifying() == 0
+    assert controller.num_worth_verifying() == 1  # the probe's draft awaits its verdict
+    controller.observe(num_accepted=0, num_rejections=1)
+    assert controller.num_worth_verifying() == 0

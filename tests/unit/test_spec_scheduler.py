@@ -168,6 +168,38 @@ def test_acceptance_driven_k_drops_when_drafts_fail_and_keeps_outputs() -> None:
     assert stats.spec_decode_num_draft_tokens < 4 * 119 // 3
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_drafts_proposed_before_k_fell_are_not_verified(depth: int) -> None:
+    """K = 4 drafts are already proposed when the controller drops K to 0 (by one step, or
+    two with a step in flight): the steps after the drop verify none of them; a probe's
+    drafts are verified one each."""
+    requests = lambda: [make_request(f"r{i}", [5, 6, 7 + i], max_tokens=80) for i in range(4)]  # noqa: E731
+    scheduler = make_scheduler(
+        async_scheduling=depth > 1, speculative_config=ngram(4, acceptance_driven_k=True)
+    )
+    for request in requests():
+        scheduler.add_request(request)
+    pipeline = Pipeline(scheduler, FakeSpecWorker(scheduler.block_size, wrong_every(1)), depth)
+    controller = scheduler.spec.controller  # type: ignore[union-attr]
+    assert controller is not None
+    schedule = pipeline.schedule
+    verified_after_drop: list[int] = []  # per step scheduled once K was 0
+
+    def watching_schedule() -> Any:
+        k_before = controller.k
+        step = schedule()
+        if step is not None and k_before == 0:
+            verified_after_drop.append(max(step.num_spec_tokens.values(), default=0))
+        return step
+
+    pipeline.schedule = watching_schedule  # type: ignore[method-assign]
+    pipeline.run()
+    assert summary(pipeline) == summary(run(depth, requests))
+    assert controller.k == 0 and len(verified_after_drop) > 20
+    assert max(verified_after_drop) == 1  # probes only, one draft each
+    assert verified_after_drop.count(1) <= 4
+
+
 def test_preempted_requests_drop_their_drafts() -> None:
     scheduler: Scheduler = run(
         1, SCENARIOS["preemption"][0], spec=ngram(3), num_blocks=12
