@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from shoal.kernels import ops
+from shoal.workers.layers.hookless import HooklessModule
 
 
 @dataclass
@@ -29,7 +29,7 @@ class AttentionMetadata:
     attention_plan: Any = None  # ops.plan_paged_attention's, made by the first layer to run
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(HooklessModule):
     """Writes this step's K/V into the cache pages, then attends over each request's pages."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 from shoal.kernels import gemm
 from shoal.kernels.gemm import PreparedWeight
+from shoal.workers.layers.hookless import HooklessModule
 from shoal.workers.layers.linear import (
     Loaded,
     _plain_loader,
@@ -34,7 +35,7 @@ def _embedding_loader(param: nn.Parameter, loaded: Loaded, shard_id: Hashable = 
     copy_checked(param.data, loaded, "embedding")
 
 
-class Embedding(nn.Module):
+class Embedding(HooklessModule):
     def __init__(self, vocab_size: int, hidden: int, *, dtype: torch.dtype, device) -> None:
         super().__init__()
         self.weight = make_param(
@@ -45,7 +46,7 @@ class Embedding(nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
-class LMHead(nn.Module):
+class LMHead(HooklessModule):
     """Hidden states → fp32 logits; shares the embedding's weight when tied."""
 
     weight: torch.Tensor | PreparedWeight

@@ -20,6 +20,7 @@ from torch import nn
 
 from shoal.kernels import gemm
 from shoal.kernels.gemm import PreparedWeight
+from shoal.workers.layers.hookless import HooklessModule
 from shoal.workers.layers.quantized_parts import QuantizedParts
 from shoal.workers.layers.quantized_tensor import QuantizedTensor
 from shoal.workers.parallel import TPContext
@@ -93,7 +94,7 @@ def _plain_loader(param: nn.Parameter, loaded: Loaded, shard_id: Hashable = None
     store_checked(param, param.data, loaded, 0, "tensor")
 
 
-class ReplicatedLinear(nn.Module):
+class ReplicatedLinear(HooklessModule):
     """The full weight on every rank (routers, shared-expert gates)."""
 
     weight: torch.Tensor | PreparedWeight
@@ -109,7 +110,7 @@ class ReplicatedLinear(nn.Module):
         return gemm.linear(x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(HooklessModule):
     """Output features split across ranks; the checkpoint tensor is the concatenation of
     ``output_sizes`` parts (one per shard id), each split on its own across ranks."""
 
@@ -218,7 +219,7 @@ def qkv_linear(
     return ColumnParallelLinear(hidden, shards, tp, bias=bias, dtype=dtype, device=device)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(HooklessModule):
     """Input features split across ranks; partial outputs are summed with an all-reduce and the
     bias (unsplit) is added once, after it."""
 

@@ -10,11 +10,12 @@ from torch import nn
 
 from shoal.kernels import ops
 from shoal.workers.config import MoeConfig
+from shoal.workers.layers.hookless import HooklessModule
 from shoal.workers.layers.linear import ReplicatedLinear, copy_checked, make_param
 from shoal.workers.moe.expert_parallel import EPContext, expert_parallel_moe
 
 
-class FusedExperts(nn.Module):
+class FusedExperts(HooklessModule):
     """The held experts' weights as two stacked tensors, the layout ``kernels.ops.fused_moe``
     takes: all experts, or with ``ep`` only this rank's (row i = global expert ``first + i``).
 
@@ -69,7 +70,7 @@ class FusedExperts(nn.Module):
         return expert_parallel_moe(x, weights, ids, self.w13, self.w2, self.ep, self.num_experts)
 
 
-class SparseMoeBlock(nn.Module):
+class SparseMoeBlock(HooklessModule):
     def __init__(
         self,
         hidden: int,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from shoal.kernels import ops
+from shoal.workers.layers.hookless import HooklessModule
 from shoal.workers.layers.linear import _plain_loader, make_param
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(HooklessModule):
     def __init__(self, hidden: int, eps: float, *, dtype: torch.dtype, device) -> None:
         super().__init__()
         self.eps = eps

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from shoal.kernels import ops
 from shoal.workers.config import RopeConfig
+from shoal.workers.layers.hookless import HooklessModule
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(HooklessModule):
     def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, *, device) -> None:
         super().__init__()
         scaling = {"rope_type": rope.rope_type, **rope.scaling}

@@ -16,10 +16,10 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from shoal.kernels import gemm
 from shoal.kernels.lora import LoRAMapping, add_lora
+from shoal.workers.layers.hookless import HooklessModule
 from shoal.workers.layers.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -36,7 +36,7 @@ class PartWeights:
     b: torch.Tensor
 
 
-class LoRALayer(nn.Module):
+class LoRALayer(HooklessModule):
     """A base projection and the ``num_slots`` adapters that may be added to it."""
 
     lora_a: torch.Tensor  # [slots, parts * max_rank, in]

@@ -17,6 +17,7 @@ from shoal.kernels import ops
 from shoal.workers.config import CheckpointConfig
 from shoal.workers.layers.attention import AttentionMetadata, PagedAttention
 from shoal.workers.layers.embedding import Embedding, LMHead
+from shoal.workers.layers.hookless import HooklessModule
 from shoal.workers.layers.linear import Loaded, RowParallelLinear, column_linear, qkv_linear
 from shoal.workers.layers.norm import RMSNorm
 from shoal.workers.layers.quantized_tensor import QuantizedTensor
@@ -26,7 +27,7 @@ from shoal.workers.moe.expert_parallel import EPContext
 from shoal.workers.parallel import TPContext
 
 
-class GatedMLP(nn.Module):
+class GatedMLP(HooklessModule):
     """down(silu(gate(x)) * up(x)), gate and up fused into one column-parallel projection."""
 
     def __init__(self, hidden: int, inter: int, tp: TPContext, *, bias: bool, dtype, device):
@@ -40,7 +41,7 @@ class GatedMLP(nn.Module):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
-class DecoderAttention(nn.Module):
+class DecoderAttention(HooklessModule):
     def __init__(
         self, cfg: CheckpointConfig, rotary: RotaryEmbedding, tp: TPContext, *, dtype, device
     ):
@@ -86,7 +87,7 @@ class DecoderAttention(nn.Module):
         return self.o_proj(self.attn(q.contiguous(), k.contiguous(), v, meta))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(HooklessModule):
     def __init__(
         self,
         cfg: CheckpointConfig,
@@ -118,7 +119,7 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(HooklessModule):
     def __init__(self, cfg: CheckpointConfig, layers: list[DecoderLayer], *, dtype, device):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
@@ -155,7 +156,7 @@ _FUSED_EXPERT = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 
 
-class DecoderForCausalLM(nn.Module):
+class DecoderForCausalLM(HooklessModule):
     """Base of every family: ``forward`` → final hidden states; ``compute_logits`` → fp32."""
 
     def __init__(
