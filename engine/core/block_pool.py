@@ -25,13 +25,10 @@ lower tier.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from operator import attrgetter
 
 from shoal.engine.core.block_hash import BlockHash
-from shoal.engine.core.free_block_queue import FreeBlockQueue, KVCacheBlock
+from shoal.engine.core.free_block_queue import FreeBlockQueue, KVCacheBlock, block_id_of
 from shoal.engine.core.kv_events import KVEventLog
-
-_block_id = attrgetter("block_id")
 
 
 class BlockPool:
@@ -67,7 +64,7 @@ class BlockPool:
         # Ascending ids: a request's consecutive positions get consecutive rows where they can
         # (blocks freed tail first come back in descending order), so a worker copies a run of
         # them to or from an offload tier in one pass.
-        blocks.sort(key=_block_id)
+        blocks.sort(key=block_id_of)
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:

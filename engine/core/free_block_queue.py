@@ -13,6 +13,7 @@ A block is in the queue exactly when ``prev_free`` is set; the sentinels never l
 from __future__ import annotations
 
 from collections.abc import Iterator
+from operator import attrgetter
 from typing import Any
 
 from shoal.engine.core.block_hash import BlockHash
@@ -33,6 +34,9 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         hashed = self.block_hash is not None
         return f"KVCacheBlock({self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
+
+
+block_id_of = attrgetter("block_id")  # a block's id, as a key or in map() (no Python frame)
 
 
 class FreeBlockQueue:

@@ -21,15 +21,13 @@ would hold one manager per KV cache group.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import attrgetter
 
 from shoal.engine.core.block_pool import BlockPool
-from shoal.engine.core.free_block_queue import KVCacheBlock
+from shoal.engine.core.free_block_queue import KVCacheBlock, block_id_of
 from shoal.engine.core.kv_events import KVEventLog
 from shoal.engine.core.request import Request
 
 _NO_BLOCKS: list[KVCacheBlock] = []
-_block_id = attrgetter("block_id")
 
 
 class KVCacheManager:
@@ -58,7 +56,7 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return list(map(_block_id, self.req_to_blocks.get(request_id, _NO_BLOCKS)))
+        return list(map(block_id_of, self.req_to_blocks.get(request_id, _NO_BLOCKS)))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """Cached blocks for the request's longest cached prefix, and how many tokens they hold."""
