@@ -7,7 +7,10 @@ prefill on; max_num_seqs 256 and 64, prefix caching on and off. All requests arr
 
 The fake model answers each step with one token per scheduled request that reached the end of
 its known tokens (none for a request part-way through its prompt). Timed per step:
-``schedule()`` + ``to_message()`` + ``update_from_output()``; the fake model is not timed.
+``schedule()`` + ``to_message()`` + ``update_from_output()``; the fake model is not timed. Each
+case runs ``--repeats`` (3) times from scratch; the scheduler is deterministic (the runs are
+checked to take the same steps), so each step's time is its fastest over the runs: a step the
+host interrupted in one run (on a shared virtual machine, a few per run) does not set the tail.
 
 Garbage collection as in the engine: the scheduler is built, then ``gc.freeze()`` (an actor
 process freezes its start-up heap once started), then the requests are added. Frozen or not, the
@@ -19,7 +22,7 @@ schedules one token per running request. So the figures are also given per kind 
 ``decode_*`` for steps that only decode (no request admitted or finished), ``wave_*`` for the
 others; the decode steps' own p99 shows what is left of the tail once the work is alike.
 
-    .venv/bin/python bench/scheduler.py [--cases 256:on,64:on]
+    .venv/bin/python bench/scheduler.py [--cases 256:on,64:on] [--repeats 3]
 
 The last line printed is one JSON object: ``{"cases": [{"max_num_seqs", "prefix_caching",
 "steps", "us_per_step_mean", "us_per_step_p50", "us_per_step_p99", "tokens_per_s"}, ...]}``
