@@ -124,9 +124,9 @@ class EngineCoreActor(Actor):
         # Cumulative step timing, published in SchedulerStats (bench/throughput_e2e.py).
         self.timing = StepTiming()
         self.tracing: RequestTracing | None = None  # with --otlp-traces-endpoint
-        # Steps sent, oldest first, and whether the worker's idle time before each counts.
-        # each step in flight, with whether the core had work when it was sent (False: the first
-        # step after an idle spell)
+        # Steps sent, oldest first, each with whether the core had work when it was sent (False:
+        # the first step after an idle spell: the worker's idle time before it does not count,
+        # and it is landed before the next is scheduled).
         self._in_flight: deque[tuple[SchedulerOutput, SentStep, bool]] = deque()
         self._busy = False  # had work since the last step was sent
         ft = config.fault_tolerance_config

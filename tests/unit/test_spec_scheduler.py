@@ -173,7 +173,10 @@ def test_drafts_proposed_before_k_fell_are_not_verified(depth: int) -> None:
     """K = 4 drafts are already proposed when the controller drops K to 0 (by one step, or
     two with a step in flight): the steps after the drop verify none of them; a probe's
     drafts are verified one each."""
-    requests = lambda: [make_request(f"r{i}", [5, 6, 7 + i], max_tokens=80) for i in range(4)]  # noqa: E731
+
+    def requests() -> list[Request]:
+        return [make_request(f"r{i}", [5, 6, 7 + i], max_tokens=80) for i in range(4)]
+
     scheduler = make_scheduler(
         async_scheduling=depth > 1, speculative_config=ngram(4, acceptance_driven_k=True)
     )
