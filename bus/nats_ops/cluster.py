@@ -2,17 +2,18 @@
 ``deploy/nats/`` is rendered from), and ``NatsCluster``, a launcher of N clustered nodes on
 loopback for tests and single-host trials.
 
-Each node of a ``NatsCluster`` is a ``bus.nats_ops.server.NatsServer`` with its own client port
-(picked by the server), a cluster port routed to every other node's (as ``route_user`` with a random
-``route_password``: a node without it is refused), a monitoring port, a unique ``server_name``
-and its own JetStream store dir; all share one cluster name. ``start`` returns
-once every node's JetStream is in contact with an elected meta leader (``/healthz`` answers ok),
-so a bucket or stream can be created at once. One node can be stopped, killed and started again
-(same ports, same store dir) while the others go on.
+Each node of a ``NatsCluster`` is a ``bus.nats_ops.server.NatsServer`` with its own client port,
+a cluster port routed to every other node's (as ``route_user`` with a random ``route_password``:
+a node without it is refused) and a monitoring port (every node's ports picked at once, all
+distinct), a unique ``server_name`` and its own JetStream store dir; all share one cluster
+name. ``start`` returns once every node's JetStream is in contact with an elected meta leader
+(``/healthz`` answers ok), so a bucket or stream can be created at once. One node can be
+stopped, killed and started again (same ports, same store dir) while the others go on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import socket
@@ -52,9 +53,17 @@ def cluster_block(name: str, listen: str, body: str) -> str:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (the OS's pick)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports free on ``host`` now: all are held bound until every one is
+    picked, so the OS cannot hand the same port out twice (as picking them one at a time can)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def healthz(monitor_port: int, timeout: float = 1.0) -> str:
@@ -93,12 +102,18 @@ class NatsCluster:
         self.jetstream = jetstream
         self.ready_timeout = ready_timeout
         self._tmp = tempfile.TemporaryDirectory(prefix="shoal-nats-cluster-")
-        self.cluster_ports = [free_port() for _ in range(num_nodes)]
+        # Every port is picked up front, all distinct: a node left to pick its own (``-1``)
+        # could be handed a later node's cluster port, released but not yet listened on.
+        ports = free_ports(3 * num_nodes)
+        client_ports = ports[:num_nodes]
+        self.cluster_ports = ports[num_nodes : 2 * num_nodes]
+        self.monitor_ports = ports[2 * num_nodes :]
         self.route_user = f"{cluster_name}-route"
         self.route_password = secrets.token_urlsafe(18)
         routes = [f"127.0.0.1:{port}" for port in self.cluster_ports]
         self.nodes = [
             NatsServer(
+                port=client_ports[i],
                 store_dir=str(Path(self._tmp.name) / f"node-{i}"),
                 jetstream=jetstream,
                 max_payload=max_payload,
@@ -111,7 +126,7 @@ class NatsCluster:
     def _node_config(self, index: int, routes: list[str]) -> str:
         return (
             f"server_name: {json.dumps(self.server_name(index))}\n"
-            'http: "127.0.0.1:-1"\n'
+            f'http: "127.0.0.1:{self.monitor_ports[index]}"\n'
             + cluster_block(
                 self.cluster_name,
                 f"127.0.0.1:{self.cluster_ports[index]}",

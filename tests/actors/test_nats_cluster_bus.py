@@ -15,7 +15,13 @@ from shoal.bus import connect_bus
 from shoal.bus.base import Bus
 from shoal.bus.errors import BusError
 from shoal.bus.msg import Msg
-from shoal.bus.nats_ops.cluster import NatsCluster, cluster_block, healthz, route_auth
+from shoal.bus.nats_ops.cluster import (
+    NatsCluster,
+    cluster_block,
+    free_ports,
+    healthz,
+    route_auth,
+)
 from shoal.bus.nats_ops.credentials import redact_url
 from shoal.bus.transport.nats_bus import NatsBus
 
@@ -69,6 +75,18 @@ def test_cluster_nodes_share_a_meta_leader(nats_cluster: NatsCluster):
     assert nats_cluster.url == ",".join(nats_cluster.urls)
     for node in nats_cluster.nodes:
         assert node.monitor_port is not None and healthz(node.monitor_port) == "ok"
+
+
+def test_a_cluster_s_ports_are_all_distinct_and_picked_before_start():
+    """A node left to pick its own client port could be handed another's cluster port."""
+    cluster = NatsCluster(3)
+    try:
+        ports = [node.port for node in cluster.nodes] + cluster.cluster_ports
+        ports += cluster.monitor_ports
+        assert None not in ports and len(set(ports)) == 9
+        assert len(set(free_ports(64))) == 64
+    finally:
+        cluster.cleanup()
 
 
 def test_cluster_block_routes_every_node_with_the_route_credentials():

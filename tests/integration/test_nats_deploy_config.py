@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from shoal.bus.msg import Msg
-from shoal.bus.nats_ops.cluster import cluster_block, free_port, healthz, route_auth
+from shoal.bus.nats_ops.cluster import cluster_block, free_port, free_ports, healthz, route_auth
 from shoal.bus.nats_ops.server import NatsServer, NatsServerNotFoundError, find_nats_server
 from shoal.bus.subjects import Subjects
 from shoal.bus.transport.nats_bus import NatsBus
@@ -121,7 +121,8 @@ def _start_nodes(
     binary: str, folder: Path, procs: list[subprocess.Popen[bytes]]
 ) -> list[dict[str, int]]:
     folder.mkdir()
-    ports = [{kind: free_port() for kind in ("client", "cluster", "http")} for _ in range(3)]
+    picked = iter(free_ports(9))
+    ports = [{kind: next(picked) for kind in ("client", "cluster", "http")} for _ in range(3)]
     _with_users(folder, [f"127.0.0.1:{p['cluster']}" for p in ports])
     logs = [folder / f"node-{i}.log" for i in range(3)]
     for i in range(3):
