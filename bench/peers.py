@@ -73,6 +73,7 @@ from bench.peers_lib.machine import (  # noqa: E402
     thread_cpus,
 )
 from bench.peers_lib.offline import OfflineSettings, OfflineStage  # noqa: E402
+from bench.peers_lib.peer_venv import PeerVenv  # noqa: E402
 from bench.peers_lib.report import dtype_summary, engine_figures, table  # noqa: E402
 from bench.peers_lib.serving import (  # noqa: E402
     LoadSettings,
@@ -82,7 +83,7 @@ from bench.peers_lib.serving import (  # noqa: E402
     shoal_server,
     vllm_server,
 )
-from bench.peers_lib.vllm_env import VllmEnv, ensure_vllm_env  # noqa: E402
+from bench.peers_lib.vllm_env import ensure_vllm_env  # noqa: E402
 from bench.peers_lib.workload import chat_prompts, serve_prompt_words  # noqa: E402
 
 PROMPT_TOKENS = (45, 200)
@@ -111,7 +112,7 @@ def vllm_env_vars(args: argparse.Namespace) -> dict[str, str]:
     return {**engine_env(args), "VLLM_CPU_OMP_THREADS_BIND": cpus, "PYTHONPATH": ""}
 
 
-def engine_specs(args: argparse.Namespace, vllm: VllmEnv | None) -> list[EngineSpec]:
+def engine_specs(args: argparse.Namespace, vllm: PeerVenv | None) -> list[EngineSpec]:
     """The workers to run: shoal, vLLM (when its venv is ready), transformers (unless
     skipped)."""
     script = str(ENGINES_DIR / "{}_worker.py")
@@ -125,7 +126,7 @@ def engine_specs(args: argparse.Namespace, vllm: VllmEnv | None) -> list[EngineS
     return specs
 
 
-def prepare_vllm(args: argparse.Namespace) -> tuple[VllmEnv | None, str | None]:
+def prepare_vllm(args: argparse.Namespace) -> tuple[PeerVenv | None, str | None]:
     """vLLM's venv, or None and why not."""
     if args.skip_vllm:
         return None, "skipped (--skip-vllm)"
@@ -180,7 +181,7 @@ def load_settings(args: argparse.Namespace, prompt_words: int) -> LoadSettings:
 
 
 def server_spec(
-    name: str, args: argparse.Namespace, model: Path, dtype: str, port: int, vllm: VllmEnv | None
+    name: str, args: argparse.Namespace, model: Path, dtype: str, port: int, vllm: PeerVenv | None
 ) -> tuple[ServerSpec, dict[str, str]]:
     """``name``'s server command and the environment it runs with."""
     common = (str(model), dtype, port, MAX_MODEL_LEN, args.kv_bytes)
@@ -194,7 +195,7 @@ def serving_stage(
     args: argparse.Namespace,
     model: Path,
     dtype: str,
-    vllm: VllmEnv | None,
+    vllm: PeerVenv | None,
     load: LoadSettings,
     run_dir: Path,
 ) -> dict[str, Any]:
@@ -215,7 +216,7 @@ def run_dtype(
     model: Path,
     prompts_file: Path,
     dtype: str,
-    vllm: VllmEnv | None,
+    vllm: PeerVenv | None,
     load: LoadSettings,
     run_dir: Path,
 ) -> dict[str, Any]:
@@ -256,7 +257,7 @@ def model_dir(args: argparse.Namespace, run_dir: Path) -> tuple[Path, str]:
     return hf_dir_for(gguf_file, run_dir / "make_hf.log"), f"{gguf_file.name}, dequantized"
 
 
-def versions(vllm: VllmEnv | None) -> dict[str, Any]:
+def versions(vllm: PeerVenv | None) -> dict[str, Any]:
     import torch
     import transformers
 

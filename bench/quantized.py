@@ -13,15 +13,21 @@ Modes (``--modes``, all by default), each a ``ModelRunner`` loaded on its own:
 
 Every mode is loaded first. Decode: one prompt (the text's first 32 tokens), ``--tokens``
 (128) greedy tokens through the real scheduler; tok/s counts the steps after the first token
-(the best of ``--rounds``, the modes taking turns in each round, after a warm-up). Batched:
-``--batch`` (16) such requests at once (prompts rotated by one token each), ``--tokens`` / 2
-tokens each, output tokens/s over the whole run. Logits: every position of ``TEXT`` (about 300
-tokens) in one prefill (timed: ``prefill_tok_s``), against the first mode's (``fp32``, the
-reference): max and mean |error| and how often the argmax agrees. Perplexity: ``exp`` of the
-mean negative log-likelihood of each next token of ``TEXT``.
+(the best of ``--rounds``, the modes taking turns in each round, after a warm-up). With a GGUF
+model, llama.cpp takes its turn too (``--llama-cpp``, on by default): llama-cpp-python built
+from source into a venv of its own under the peers cache the first time
+(``bench/peers_lib/llama_env.py``), the same file, prompt tokens and threads, timed the same
+way in its own process (``bench/peers_engines/llama_worker.py``); ``vs_llama_cpp`` is each
+mode's decode speed over llama.cpp's, ``llama_cpp_agree`` how many of each mode's greedy tokens
+match llama.cpp's before the first difference (llama.cpp also rounds the activations to 8
+bits). Batched: ``--batch`` (16) such requests at once (prompts rotated by one token each),
+``--tokens`` / 2 tokens each, output tokens/s over the whole run. Logits: every position of
+``TEXT`` (about 300 tokens) in one prefill (timed: ``prefill_tok_s``), against the first
+mode's (``fp32``, the reference): max and mean |error| and how often the argmax agrees.
+Perplexity: ``exp`` of the mean negative log-likelihood of each next token of ``TEXT``.
 
     .venv/bin/python bench/quantized.py [--model default|NAME|DIR|FILE.gguf] [--modes fp32,int4]
-        [--tokens 128] [--batch 16] [--rounds 5] [--threads 2]
+        [--tokens 128] [--batch 16] [--rounds 5] [--threads 2] [--no-llama-cpp]
 
 The last line printed is one JSON object with the figures.
 """
@@ -33,6 +39,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,13 +47,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.throughput import named_model
+from bench.peers_lib.cache import peers_cache
+from bench.peers_lib.engine_proc import ENGINES_DIR, EngineProcess, EngineSpec, WorkerError
+from bench.peers_lib.llama_env import ensure_llama_env
+from bench.throughput import BenchModel, named_model
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import ExecuteStep, NewRequestData
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
-from shoal.kernels.quant_gemm import QuantizedWeight
+from shoal.kernels.gemm import PreparedWeight
 from shoal.workers.model_runner import ModelRunner
 
 # mode -> the options it loads with
@@ -60,6 +70,10 @@ MODES: dict[str, dict[str, Any]] = {
 }
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 32
+MAX_MODEL_LEN = 1024
+LLAMA_CPP = "llama.cpp"
+LLAMA_LOAD_TIMEOUT_S = 300.0
+LLAMA_DECODE_TIMEOUT_S = 300.0
 TEXT = (
     "The lighthouse at the end of the harbour was built in the spring of 1874, after two "
     "fishing boats were lost on the rocks in a single winter storm. The town paid for it with "
@@ -86,7 +100,7 @@ def load_runner(model_dir: Path, options: dict[str, Any]) -> ModelRunner:
     config = ShoalConfig.from_options(
         model=str(model_dir),
         block_size=BLOCK_SIZE,
-        max_model_len=1024,
+        max_model_len=MAX_MODEL_LEN,
         max_num_seqs=4,
         kv_cache_memory_bytes=128 << 20,
         **options,
@@ -105,16 +119,18 @@ def weight_bytes(runner: ModelRunner) -> int:
             weight = module.head_weight()  # type: ignore[operator]
         elif not name.endswith("_proj"):
             continue
-        if isinstance(weight, QuantizedWeight):
-            total += weight.nbytes
-        elif isinstance(weight, torch.Tensor):
+        if isinstance(weight, torch.Tensor):
             total += weight.shape[0] * weight.shape[1] * weight.element_size()
+        elif isinstance(weight, PreparedWeight):  # packed for a kernel: what a product reads
+            total += weight.nbytes
     return total
 
 
-def run(runner: ModelRunner, prompts: list[list[int]], tokens: int, tag: str) -> list[float]:
+def run(
+    runner: ModelRunner, prompts: list[list[int]], tokens: int, tag: str
+) -> tuple[list[float], list[Request]]:
     """``prompts`` through the scheduler, ``tokens`` greedy tokens each; the time after each
-    step (the first: before any)."""
+    step (the first: before any), and the requests (their output tokens)."""
     config = runner.config
     facts = runner.facts
     assert facts is not None
@@ -125,28 +141,35 @@ def run(runner: ModelRunner, prompts: list[list[int]], tokens: int, tag: str) ->
         max_model_len=facts.max_model_len,
     )
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        request = Request(f"{tag}-{i}", prompt, params, client_id="bench", arrival_time=float(i))
+    requests = [
+        Request(f"{tag}-{i}", prompt, params, client_id="bench", arrival_time=float(i))
+        for i, prompt in enumerate(prompts)
+    ]
+    for request in requests:
         scheduler.add_request(request)
     stamps = [time.perf_counter()]
     while scheduler.has_requests():
         out = scheduler.schedule()
         scheduler.update_from_output(out, runner.execute(out.to_message()))
         stamps.append(time.perf_counter())
-    return stamps
+    return stamps, requests
 
 
-def decode(runner: ModelRunner, prompt: list[int], tokens: int, tag: str) -> dict[str, float]:
-    """One request: seconds to the first token, decode tokens/s after it."""
-    stamps = run(runner, [prompt], tokens, tag)
+def decode(runner: ModelRunner, prompt: list[int], tokens: int, tag: str) -> dict[str, Any]:
+    """One request: seconds to the first token, decode tokens/s after it, its tokens."""
+    stamps, (request,) = run(runner, [prompt], tokens, tag)
     decode_s = stamps[-1] - stamps[1]
-    return {"ttft_s": stamps[1] - stamps[0], "decode_tok_s": (len(stamps) - 2) / decode_s}
+    return {
+        "ttft_s": stamps[1] - stamps[0],
+        "decode_tok_s": (len(stamps) - 2) / decode_s,
+        "token_ids": list(request.output_token_ids),
+    }
 
 
 def batched(runner: ModelRunner, prompt: list[int], count: int, tokens: int) -> float:
     """Output tokens/s of ``count`` requests at once."""
     prompts = [[prompt[0], *prompt[1 + i :], *prompt[1 : 1 + i]] for i in range(count)]
-    stamps = run(runner, prompts, tokens, "batch")
+    stamps, _ = run(runner, prompts, tokens, "batch")
     return count * tokens / (stamps[-1] - stamps[0])
 
 
@@ -176,18 +199,68 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return math.exp(nll.item())
 
 
-def best_decodes(runners: dict[str, ModelRunner], prompt: list[int], args) -> dict[str, dict]:  # type: ignore[no-untyped-def]
-    """Each mode's best single-request decode over ``args.rounds``, the modes taking turns
-    within each round (so a machine's drift touches them alike), after a warm-up."""
-    for mode, runner in runners.items():
-        decode(runner, prompt, 8, f"{mode}-warm")
+Decoder = Callable[[int, str], dict[str, Any]]  # (tokens, tag) -> decode's figures
+
+
+def best_decodes(decoders: dict[str, Decoder], tokens: int, rounds: int) -> dict[str, dict]:
+    """Each one's best single-request decode over ``rounds``, taking turns within each round
+    (so a machine's drift touches them alike), after a warm-up."""
+    for name, run_decode in decoders.items():
+        run_decode(8, f"{name}-warm")
     best: dict[str, dict] = {}
-    for i in range(args.rounds):
-        for mode, runner in runners.items():
-            figures = decode(runner, prompt, args.tokens, f"{mode}-{i}")
-            if mode not in best or figures["decode_tok_s"] > best[mode]["decode_tok_s"]:
-                best[mode] = figures
+    for i in range(rounds):
+        for name, run_decode in decoders.items():
+            figures = run_decode(tokens, f"{name}-{i}")
+            if name not in best or figures["decode_tok_s"] > best[name]["decode_tok_s"]:
+                best[name] = figures
     return best
+
+
+def shoal_decoder(runner: ModelRunner, prompt: list[int]) -> Decoder:
+    return lambda tokens, tag: decode(runner, prompt, tokens, tag)
+
+
+def start_llama_cpp(model: BenchModel, prompt: list[int], threads: int) -> EngineProcess | str:
+    """llama.cpp's worker on the model's GGUF file, loaded (its venv built the first time), or
+    why it cannot run."""
+    if model.gguf_file is None:
+        return "the model is not a GGUF file"
+    env = ensure_llama_env(peers_cache() / "install.log")
+    if isinstance(env, str):
+        return env
+    run_dir = peers_cache() / "runs" / time.strftime("quantized-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    prompts_file = run_dir / "prompt.json"
+    prompts_file.write_text(json.dumps([prompt]))
+    config = {
+        "model": str(model.gguf_file),
+        "threads": threads,
+        "prompts_file": str(prompts_file),
+        "max_model_len": MAX_MODEL_LEN,
+    }
+    script = str(ENGINES_DIR / "llama_worker.py")
+    spec = EngineSpec(LLAMA_CPP, str(env.python), script, {"OMP_NUM_THREADS": str(threads)})
+    worker = EngineProcess(spec, config, run_dir, "llama-cpp")
+    try:
+        worker.wait_ready(LLAMA_LOAD_TIMEOUT_S)
+    except WorkerError as exc:
+        worker.close()
+        return str(exc)
+    return worker
+
+
+def llama_cpp_decoder(worker: EngineProcess) -> Decoder:
+    return lambda tokens, tag: worker.call("decode", LLAMA_DECODE_TIMEOUT_S, tokens=tokens)
+
+
+def leading_agreement(tokens: list[int], reference: list[int]) -> int:
+    """How many of ``tokens`` equal ``reference``'s before the first difference."""
+    count = 0
+    for mine, theirs in zip(tokens, reference, strict=False):
+        if mine != theirs:
+            break
+        count += 1
+    return count
 
 
 def measure(runner: ModelRunner, ids: list[int], args: argparse.Namespace) -> dict:
@@ -226,6 +299,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="requests at once (0: skip)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument(
+        "--llama-cpp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="llama.cpp's decode on the same GGUF file beside shoal's (built the first time)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = named_model(args.model)
@@ -234,11 +313,27 @@ def main() -> None:
     ids = AutoTokenizer.from_pretrained(str(model.directory)).encode(TEXT)[: model.max_len]
     modes = args.modes.split(",")
     runners = {mode: load_runner(model.directory, MODES[mode]) for mode in modes}
-    decodes = best_decodes(runners, ids[:PROMPT_TOKENS], args)
+    prompt = ids[:PROMPT_TOKENS]
+    decoders = {mode: shoal_decoder(runner, prompt) for mode, runner in runners.items()}
+    llama = start_llama_cpp(model, prompt, args.threads) if args.llama_cpp else "--no-llama-cpp"
+    if isinstance(llama, str):
+        print(f"llama.cpp not measured: {llama}", flush=True)
+    else:
+        decoders[LLAMA_CPP] = llama_cpp_decoder(llama)
+    try:
+        decodes = best_decodes(decoders, args.tokens, args.rounds)
+    finally:
+        if not isinstance(llama, str):
+            llama.close()
+    llama_figures = decodes.pop(LLAMA_CPP, None)
     results: dict[str, dict] = {}
     reference: torch.Tensor | None = None
     for mode, runner in runners.items():
         figures = {**decodes[mode], **measure(runner, ids, args)}
+        tokens = figures.pop("token_ids")
+        if llama_figures is not None:
+            figures["vs_llama_cpp"] = figures["decode_tok_s"] / llama_figures["decode_tok_s"]
+            figures["llama_cpp_agree"] = leading_agreement(tokens, llama_figures["token_ids"])
         logits = figures.pop("logits")
         reference = logits if reference is None else reference
         figures.update(compare(logits, reference))
@@ -252,8 +347,18 @@ def main() -> None:
         "reference": modes[0],
         "modes": results,
         "decode_speedup": {m: r["decode_tok_s"] / base for m, r in results.items()},
+        "llama_cpp": _llama_summary(llama, llama_figures),
     }
     print(json.dumps(summary))
+
+
+def _llama_summary(llama: EngineProcess | str, figures: dict[str, Any] | None) -> dict[str, Any]:
+    """llama.cpp's decode figures and versions, or why it was not measured."""
+    if isinstance(llama, str) or figures is None:
+        return {"skipped": llama if isinstance(llama, str) else "no figures"}
+    kept = {k: v for k, v in figures.items() if k != "token_ids"}
+    print(f"{LLAMA_CPP:10s} " + " ".join(f"{k}={_short(v)}" for k, v in kept.items()), flush=True)
+    return {**kept, **llama.ready}
 
 
 def _short(value: Any) -> str:

@@ -74,6 +74,11 @@ class StripWeight:
     def dtype(self) -> torch.dtype:
         return self.packed.dtype
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes a product reads: the strips (padding included)."""
+        return self.packed.numel() * self.packed.element_size()
+
     def to_dense(self) -> torch.Tensor:  # [out, in]
         strips = self.packed.shape[0]
         if self.dtype == torch.bfloat16:

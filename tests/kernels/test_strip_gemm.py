@@ -82,6 +82,7 @@ def test_packing_round_trips_and_refuses_other_dtypes(dtype):
     packed = pack_strips(weight)
     assert packed.shape == (37, 24) and packed.dtype == dtype
     assert packed.packed.shape[0] == 3  # 37 rows in strips of 16
+    assert packed.nbytes == 3 * 16 * 24 * weight.element_size()  # the padded strips are read
     assert torch.equal(packed.to_dense(), weight)
     with pytest.raises(TypeError, match="strip matmul"):
         strip_linear(torch.randn(2, 24, dtype=torch.float16), packed)
