@@ -19,6 +19,7 @@ from shoal.kernels.cpu_decode_attention import (
     cpu_decode_attention,
     cpu_decode_available,
     plan_cpu_decode,
+    plan_cpu_decodes_in_order,
 )
 from shoal.kernels.paged_common import (
     ContextReads,
@@ -90,8 +91,12 @@ def plan_varlen_torch(
     per-sequence SDPAs (a few host reads). The C kernel also takes short runs of queries
     (``MAX_KERNEL_QUERY_LEN``: drafts being verified, short prompts), one query at a time."""
     query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_seqs]
+    kernel = use_cpu_kernels() and cpu_decode_available(k_cache, num_q_heads)
+    if kernel and len(seq_lens) and bool((query_lens == 1).all()):  # every sequence decodes
+        in_order = plan_cpu_decodes_in_order(block_tables, seq_lens, num_q_heads, k_cache.shape[2])
+        return TorchAttentionPlan(in_order, [], [], None)
     decode: CpuDecodePlan | DecodePattern | None = None
-    if use_cpu_kernels() and cpu_decode_available(k_cache, num_q_heads):
+    if kernel:
         short = (query_lens > 0) & (query_lens <= MAX_KERNEL_QUERY_LEN)
         if bool(short.any()):
             args = (block_tables, query_start_loc, seq_lens, short, k_cache, num_q_heads)

@@ -109,6 +109,35 @@ def test_drafts_being_verified_attend_causally_in_the_kernel(dtype):
 
 
 @needs_kernel
+def test_a_step_of_decodes_only_is_planned_from_the_batch_s_own_table():
+    """Every sequence one query (the common step): the plan the general path makes, without
+    gathering the table; a sequence with none beside one with two is not such a step."""
+    case = make_paged_case(
+        [1, 1, 1, 1], [10, 700, 0, 33], num_kv_heads=2, gqa=3, head_dim=64, block_size=16
+    )
+    plan, out = _attend(case)
+    assert isinstance(plan.decode, CpuDecodePlan) and plan.decode.in_order and plan.seqs == []
+    assert plan.decode.block_tables.data_ptr() == case.block_tables.data_ptr()  # no gather
+    seqs = torch.arange(4)
+    general = cpu_decode_attention.plan_cpu_decode(
+        case.block_tables, seqs, seqs, case.seq_lens, 6, 2
+    )
+    assert torch.equal(plan.decode.block_tables, general.block_tables)
+    assert torch.equal(plan.decode.seq_lens, general.seq_lens)
+    assert (plan.decode.splits, plan.decode.split_keys, plan.decode.kv_per_item) == (
+        general.splits,
+        general.split_keys,
+        general.kv_per_item,
+    )
+    torch.testing.assert_close(out, _decode_reference(case), **FP32_TOL)
+    uneven = make_paged_case([0, 2], [5, 9], num_kv_heads=2, gqa=3, head_dim=64, block_size=16)
+    plan, out = _attend(uneven)
+    assert isinstance(plan.decode, CpuDecodePlan) and plan.decode.token_rows.tolist() == [0, 1]
+    assert plan.decode.seq_lens.tolist() == [10, 11]  # the two queries of the second sequence
+    torch.testing.assert_close(out, naive_attention(uneven), **FP32_TOL)
+
+
+@needs_kernel
 def test_rows_past_the_batch_s_queries_leave_the_decodes_in_place():
     """A batch padded past its queries (rows no sequence owns): the decodes, in batch order,
     still read and write their own rows."""
