@@ -4,8 +4,9 @@ the query heads that share a kv head, straight from the cache pages (no gather, 
 pattern). fp32 and bf16.
 
 Planned once per step (``plan_cpu_decode``: the decodes' rows, block tables and lengths, and how
-many pieces each context is split into so both threads have work when few sequences decode),
-then run per layer (``cpu_decode_attention``). Where the kernel cannot be built
+many pieces each context is split into so both threads have work when few sequences decode;
+``plan_cpu_decodes_in_order`` where every sequence decodes, from the batch's own table), then
+run per layer (``cpu_decode_attention``). Where the kernel cannot be built
 (``cpu_build``), ``cpu_decode_available`` is False and the torch paths run.
 """
 
