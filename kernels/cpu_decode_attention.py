@@ -109,7 +109,7 @@ def plan_cpu_decodes_in_order(
 ) -> CpuDecodePlan:
     """``plan_cpu_decode``'s plan for a step where every sequence decodes one token (query
     ``i`` is token ``i``: the common step), from the batch's own table and lengths: no gather
-    of either (a one-token step of one sequence planned in ~20 us against ~150)."""
+    of either (the step's whole attention plan ~27 us against ~80 the general way, here)."""
     lens = seq_lens.to(torch.int32).contiguous()
     token_rows = torch.arange(len(lens))
     plan = _planned(token_rows, block_tables, lens, int(lens.max()), num_q_heads, num_kv_heads)
