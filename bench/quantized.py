@@ -338,7 +338,10 @@ def main() -> None:
         reference = logits if reference is None else reference
         figures.update(compare(logits, reference))
         results[mode] = figures
-        print(f"{mode:10s} " + " ".join(f"{k}={_short(v)}" for k, v in figures.items()), flush=True)
+        _print_line(mode, figures)
+    llama_summary = _llama_summary(llama, llama_figures)
+    if "skipped" not in llama_summary:
+        _print_line(LLAMA_CPP, {k: llama_summary[k] for k in ("ttft_s", "decode_tok_s")})
     base = results[modes[0]]["decode_tok_s"]
     summary = {
         "model": model.name,
@@ -347,7 +350,7 @@ def main() -> None:
         "reference": modes[0],
         "modes": results,
         "decode_speedup": {m: r["decode_tok_s"] / base for m, r in results.items()},
-        "llama_cpp": _llama_summary(llama, llama_figures),
+        "llama_cpp": llama_summary,
     }
     print(json.dumps(summary))
 
@@ -357,8 +360,11 @@ def _llama_summary(llama: EngineProcess | str, figures: dict[str, Any] | None) -
     if isinstance(llama, str) or figures is None:
         return {"skipped": llama if isinstance(llama, str) else "no figures"}
     kept = {k: v for k, v in figures.items() if k != "token_ids"}
-    print(f"{LLAMA_CPP:10s} " + " ".join(f"{k}={_short(v)}" for k, v in kept.items()), flush=True)
     return {**kept, **llama.ready}
+
+
+def _print_line(name: str, figures: dict[str, Any]) -> None:
+    print(f"{name:10s} " + " ".join(f"{k}={_short(v)}" for k, v in figures.items()), flush=True)
 
 
 def _short(value: Any) -> str:
