@@ -10,7 +10,7 @@ tokens, 3.9x at 16, 2x at one token; bf16 1.2x at 64 tokens, 1.7x at one.
 
 The strip kernel reads a weight at about twice oneDNN's speed at a few tokens and keeps up
 with it at many (``strip_gemm``'s figures); it has paths for fp32 on AVX-512 and bf16 on
-AVX512-BF16.
+AVX512-BF16, bf16 on the matrix units where the CPU has AMX.
 
 ``SHOAL_GEMM=auto|strips|onednn|dense`` (read when a model is packed): ``auto`` (the default)
 packs fp32/bf16 CPU weights in strips where the kernel has a path for the dtype, else for

@@ -14,7 +14,13 @@ At one token oneDNN reads the weights at ~19 GB/s and the strips at ~40 (bf16); 
 hundred tokens both are bound by the arithmetic and even. One copy of each weight either way.
 
 The kernel has a path for fp32 where the compiler targets AVX-512 and for bf16 where it targets
-AVX512-BF16 (``strip_gemm_available``); elsewhere ``kernels.gemm`` keeps oneDNN's.
+AVX512-BF16 (``strip_gemm_available``); elsewhere ``kernels.gemm`` keeps oneDNN's. Where the CPU
+also has matrix units (AMX-BF16), bf16 products run on them from the same strips (their layout
+is AMX's for a tile product's weight operand; ``use_matrix_units``). On a 2-core Xeon with AMX,
+SmolLM2's 30 layers of linears (the same bytes, unfused: 210 weights) at 1 / 8 / 16 tokens took
+9.8 / 10.1 / 10.5 ms on the matrix units against 10.2 / 19.7 / 26.7 on the vector path; the
+whole SmolLM2 in bf16, 64 prompts through ``LLM``, 309 tokens/s on the vector path, 777 on the
+matrix units, 757-773 with oneDNN's AMX products (one request: 51-53 tokens/s, 45 with oneDNN).
 
 Integer codes (``StripCodesWeight``: GGUF Q4_0/Q4_1's ``scale * code + min`` and Q8_0's
 ``scale * code`` per group, fp16 scales as the file stores them) run in the same strips on
@@ -53,6 +59,8 @@ _SIGNATURES = (
     ("strip_gemm_int4", ctypes.c_int, (_P,) * 5 + (_I,) * 5),
     ("strip_gemm_int8", ctypes.c_int, (_P,) * 5 + (_I,) * 5),
     ("strip_gemm_wide", ctypes.c_int, (ctypes.c_int,)),
+    ("strip_gemm_set_amx", ctypes.c_int, (ctypes.c_int,)),
+    ("strip_gemm_amx_products", ctypes.c_int64, ()),
 )
 CODE_GROUP_MULTIPLE = 4  # a group of inputs sharing a scale is whole quads of 4-bit codes
 
@@ -99,6 +107,20 @@ def strip_gemm_available(dtype: torch.dtype) -> bool:
         return False
     lib = _library()
     return lib is not None and bool(lib.strip_gemm_wide(int(dtype == torch.bfloat16)))
+
+
+def use_matrix_units(on: bool) -> bool:
+    """Send bf16 products to the CPU's matrix units (AMX: the default where this build has the
+    path and the OS grants the tile state) or keep them on the vector path; returns whether they
+    go there now."""
+    lib = _library()
+    return lib is not None and bool(lib.strip_gemm_set_amx(int(on)))
+
+
+def matrix_unit_products() -> int:
+    """How many strip products have run on the matrix units in this process."""
+    lib = _library()
+    return 0 if lib is None else int(lib.strip_gemm_amx_products())
 
 
 def strip_packable(weight: torch.Tensor) -> bool:

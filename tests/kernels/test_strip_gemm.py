@@ -1,7 +1,8 @@
 """shoal's strip matmul on the CPU (``kernels/cpu/strip_gemm.c``): float and 4-bit products
-against fp64 at every row-tile and strip edge, with and without bias and on strided inputs, the
-packing's round trip, and the builds without its vector paths (the backend falls back to oneDNN
-there, 4-bit codes to torch's kernel)."""
+against fp64 at every row-tile and strip edge, with and without bias and on strided inputs, bf16
+on the matrix units (AMX) and on the vector path, bf16's rounding of the results, the packing's
+round trip, and the builds without its vector or matrix paths (the backend falls back to oneDNN
+there, 4-bit codes to torch's kernel, bf16 without AMX to the vector path)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from shoal.kernels.strip_gemm import (
     pack_int8_strips,
     pack_strips,
     strip_codes_linear,
+    matrix_unit_products,
     strip_gemm_available,
     strip_linear,
+    use_matrix_units,
 )
 from shoal.workers.cpu_info import cpu_flags
 
@@ -59,6 +62,58 @@ def test_products_match_fp64_at_every_tile_edge(dtype, rows, out_features, in_fe
     packed = pack_strips(weight)
     for b in (None, bias):
         _check(strip_linear(x, packed, b), x, weight, b)
+
+
+@pytest.fixture(params=[True, False], ids=["matrix-units", "vector"])
+def bf16_path(request):  # type: ignore[no-untyped-def]
+    """bf16 products on the matrix units (skipped where the CPU, the build or the OS has none)
+    or on the vector path; the matrix units back on afterwards, as a process starts."""
+    _needs_path(torch.bfloat16)
+    if use_matrix_units(request.param) != request.param:
+        pytest.skip("no AMX path on this CPU")
+    yield request.param
+    use_matrix_units(True)
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (40, 96), (50, 160)])
+def test_bf16_products_on_either_path_match_fp64(bf16_path, rows, out_features, in_features):
+    """Rows across AMX's 16-row tiles and 32-row blocks; one strip, a pair and a lone last
+    strip (40), a cut last strip (50); inputs in whole 32-input tile steps. Counted where they
+    ran: every product on the matrix units when they are on, none when off."""
+    gen = torch.Generator().manual_seed(rows * 5 + out_features)
+    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    packed, before = pack_strips(weight), matrix_unit_products()
+    for b in (None, bias):
+        _check(strip_linear(x, packed, b), x, weight, b)
+    assert matrix_unit_products() - before == (2 if bf16_path else 0)
+
+
+def test_inputs_off_amx_s_step_stay_on_the_vector_path(bf16_path):
+    """An input size that is not whole 32-input steps (40) cannot take tile products."""
+    weight, x = torch.randn(24, 40).bfloat16(), torch.randn(20, 40).bfloat16()
+    before = matrix_unit_products()
+    _check(strip_linear(x, pack_strips(weight)), x, weight, None)
+    assert matrix_unit_products() == before
+
+
+def test_bf16_results_are_rounded_as_torch_rounds(bf16_path):
+    """Each output the exact fp32 sum of two inputs in [1, 4) (a weight of two ones a row): the
+    kernel's one rounding to bf16 must be torch's (to nearest, ties to even) bit for bit; a NaN
+    input gives NaN outputs."""
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.rand(40, 64, generator=gen) * 3 + 1).bfloat16()
+    pairs = torch.randint(0, 64, (48, 2), generator=gen)
+    weight = torch.zeros(48, 64)
+    weight[torch.arange(48), pairs[:, 0]] += 1.0
+    weight[torch.arange(48), pairs[:, 1]] += 1.0
+    expected = (x.float() @ weight.T).bfloat16()  # exact in fp32, then one rounding
+    out = strip_linear(x, pack_strips(weight.bfloat16()))
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    x[5, pairs[7, 0]] = float("nan")
+    assert strip_linear(x, pack_strips(weight.bfloat16()))[5, 7].isnan()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -125,6 +180,18 @@ def test_builds_without_a_vector_path_leave_the_dtype_to_onednn(
         weight, x = torch.randn(50, 40), torch.randn(9, 40)
         _check(strip_linear(x, pack_strips(weight)), x, weight, None)
     assert len(list(fresh_build.glob(f"{strip_gemm.LIBRARY}-*.so"))) == 1
+
+
+def test_a_build_without_matrix_units_keeps_bf16_on_the_vector_path(fresh_build, monkeypatch):
+    """SHOAL_KERNEL_ARCH=cooperlake: AVX512-BF16 without AMX; the bf16 path still answers."""
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("the CPU has no AVX512-BF16")
+    monkeypatch.setenv("SHOAL_KERNEL_ARCH", "cooperlake")
+    assert strip_gemm_available(torch.bfloat16)
+    assert not use_matrix_units(True)
+    weight, x = torch.randn(40, 64).bfloat16(), torch.randn(20, 64).bfloat16()
+    _check(strip_linear(x, pack_strips(weight)), x, weight, None)
+    assert matrix_unit_products() == 0
 
 
 def _int4_case(out_features: int, in_features: int, group: int, seed: int):  # type: ignore[no-untyped-def]
