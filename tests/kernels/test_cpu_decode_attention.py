@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.kernels import cpu_build, cpu_decode_attention
+from shoal.kernels import cpu_build, cpu_decode_attention, varlen_attention
 from shoal.kernels.cpu_decode_attention import CpuDecodePlan
 from shoal.kernels.decode_attention import decode_attention_torch
 from shoal.kernels.sparse_decode import DecodePattern
@@ -90,6 +90,26 @@ def test_a_mixed_batch_sends_decodes_and_short_runs_to_the_kernel_and_chunks_to_
     assert plan.decode.seq_lens.tolist() == [1, 2, 3, 4, 5, 31, 4, 301]  # keys each one sees
     assert plan.seqs == [2, 4]  # runs of more than MAX_KERNEL_QUERY_LEN queries
     torch.testing.assert_close(out, naive_attention(case), **FP32_TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_where_torch_has_amx_bf16_prompts_of_a_few_dozen_tokens_go_to_sdpa(
+    monkeypatch, amx, dtype
+):
+    """A 40-token prompt: SDPA in bf16 where torch multiplies on the matrix units, the kernel
+    otherwise (fp32 anywhere, bf16 without AMX); an 8-query run stays in the kernel."""
+    monkeypatch.setattr(varlen_attention, "_torch_has_amx", lambda: amx)
+    case = make_paged_case(
+        [1, 40, 8], [20, 0, 30], num_kv_heads=2, gqa=2, head_dim=64, block_size=16, dtype=dtype
+    )
+    plan, out = _attend(case)
+    assert plan.seqs == ([1] if amx and dtype == torch.bfloat16 else [])
+    assert isinstance(plan.decode, CpuDecodePlan)
+    assert len(plan.decode.token_rows) == (9 if plan.seqs else 49)
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(out, naive_attention(case), **tol)
 
 
 @needs_kernel
