@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.bus.messages.engine import Logprobs
+from shoal.kernels.row_argmax import row_argmax
 from shoal.workers.logit_constraints import apply_allowed, apply_bias
 from shoal.workers.sampling_metadata import PenaltyTensors, SamplingMetadata
 
@@ -153,7 +154,7 @@ def apply_penalties(logits: torch.Tensor, penalties: PenaltyTensors) -> None:
 
 def sample(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """[R] int64 token ids from processed logits [R, V] (modified in place)."""
-    greedy = None if metadata.all_random else logits.argmax(dim=-1)
+    greedy = None if metadata.all_random else row_argmax(logits)
     if metadata.all_greedy:
         assert greedy is not None
         return greedy

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from shoal.config.deployment import ShoalConfig
+from shoal.kernels.row_argmax import row_argmax
 from shoal.workers.config import CheckpointConfig
 from shoal.workers.kv_cache import KVCache, bytes_per_block
 from shoal.workers.layers.attention import AttentionMetadata
@@ -283,7 +284,7 @@ class _DraftSampler:
     def draw(self, logits: torch.Tensor, active: np.ndarray, j: int) -> None:
         """Draft ``j`` of each ``active`` row (indices into sampling order) from ``logits``."""
         device = logits.device
-        tokens = logits.argmax(dim=-1)
+        tokens = row_argmax(logits)
         random = np.flatnonzero(~self.greedy[active])
         if self.probs is not None and len(random):
             who = active[random]
