@@ -26,13 +26,14 @@ import os
 import torch
 import torch.nn.functional as F
 
-from shoal.kernels import quant_gemm
+from shoal.kernels import ops, quant_gemm
 from shoal.kernels.quant_gemm import QuantizedWeight
 from shoal.kernels.strip_gemm import (
     StripCodesWeight,
     StripWeight,
     pack_strips,
     strip_codes_linear,
+    strip_gated_linear,
     strip_gemm_available,
     strip_linear,
     strip_packable,
@@ -75,6 +76,20 @@ def pack_weight(weight: torch.Tensor, backend: str) -> torch.Tensor | StripWeigh
     if backend != DENSE and torch.backends.mkldnn.is_available():
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
     return weight
+
+
+def gated_linear(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor | PreparedWeight,  # [2 * inter, in]: a gated MLP's gate rows, then up
+    bias: torch.Tensor | None = None,  # [2 * inter]
+) -> torch.Tensor:  # [..., inter]
+    """``silu(x @ gate.T) * (x @ up.T)`` (biases added): one call where the strip kernel fuses
+    the two (bf16 on the matrix units), else ``linear`` then ``ops.silu_and_mul``."""
+    if isinstance(weight, StripWeight):
+        fused = strip_gated_linear(x, weight, bias)
+        if fused is not None:
+            return fused
+    return ops.silu_and_mul(linear(x, weight, bias))
 
 
 def linear(

@@ -61,6 +61,7 @@ _SIGNATURES = (
     ("strip_gemm_wide", ctypes.c_int, (ctypes.c_int,)),
     ("strip_gemm_set_amx", ctypes.c_int, (ctypes.c_int,)),
     ("strip_gemm_amx_products", ctypes.c_int64, ()),
+    ("strip_gemm_gated", ctypes.c_int, (_P,) * 4 + (_I,) * 4),
 )
 CODE_GROUP_MULTIPLE = 4  # a group of inputs sharing a scale is whole quads of 4-bit codes
 
@@ -173,6 +174,40 @@ def strip_linear(
     if status != 0:
         raise RuntimeError(f"strip matmul has no path for {x.dtype} on this build")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.out_features)
+
+
+def strip_gated_linear(
+    x: torch.Tensor,  # [..., in] bf16
+    weight: StripWeight,  # [2 * inter, in]: gate rows, then up rows
+    bias: torch.Tensor | None = None,  # [2 * inter]
+) -> torch.Tensor | None:  # [..., inter]
+    """``silu(gate) * up`` of ``x @ weight.T + bias`` in one call, bit for bit what
+    ``strip_linear`` then the C ``silu_and_mul`` answer, without the products between them; or
+    None where the kernel has no such path (not bf16, the matrix units off, a shape that is not
+    whole tiles): the caller then makes the two calls."""
+    inter = weight.out_features // 2
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.out_features % 2:
+        return None
+    if bias is not None and bias.dtype != torch.bfloat16:
+        return None
+    rows = _as_rows(x, weight.in_features)
+    bias = None if bias is None else bias.contiguous()
+    out = torch.empty(rows.shape[0], inter, dtype=x.dtype)
+    lib = _library()
+    assert lib is not None, "a StripWeight is only made where the kernel loaded"
+    status = lib.strip_gemm_gated(
+        weight.packed.data_ptr(),
+        rows.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        rows.shape[0],
+        inter,
+        weight.in_features,
+        rows.stride(0),
+    )
+    if status != 0:
+        return None
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], inter)
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,6 @@ static inline void store_row(void *base, int64_t at, int64_t n, int is_bf16, con
   }
 }
 
-/* What torch's op in the tensor's dtype leaves of fp32 results: themselves, or rounded to bf16. */
-static inline void as_dtype(float *v, int64_t n, int is_bf16) {
-  if (is_bf16)
-    for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
-}
-
 /* The sum of v[i]^2 in LANES columns (as a vector unit adds), then across them. */
 static inline float sum_of_squares(const float *v, int64_t n) {
   float lanes[LANES] = {0.f};
@@ -141,13 +135,6 @@ int64_t rotary(const void *q, const void *k, void *q_out, void *k_out, const int
                   sin, half, head_dim, is_neox, is_bf16);
   }
   return outside;
-}
-
-/* gate[i] = dtype(dtype(silu(gate[i])) * up[i]) (before the final rounding). */
-static void silu_times(float *restrict gate, const float *restrict up, int64_t n, int is_bf16) {
-  for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.f + exp_clamped(-gate[i]));
-  as_dtype(gate, n, is_bf16);
-  for (int64_t i = 0; i < n; i++) gate[i] *= up[i];
 }
 
 /* out[r, i] = dtype(dtype(silu(x[r, i])) * x[r, inter + i]); x rows `x_stride` apart, out

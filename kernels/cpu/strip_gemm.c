@@ -228,6 +228,9 @@ static void configure_tiles(int rows0, int rows1, int loaded[2]) {
     config.rows[t] = (uint8_t)(rows[t] ? rows[t] : 1);
     config.row_bytes[t] = 64;
   }
+  /* gcc 12 takes ldtilecfg's intrinsic for one that reads no memory and can drop the stores
+   * above (the tiles then fault as unconfigured): the empty asm makes them land first. */
+  __asm__ volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
   loaded[0] = rows0, loaded[1] = rows1;
 }
@@ -240,16 +243,16 @@ static void store_result_tile(float tile[16][STRIP], int rows, const void *bias,
   store_strip(acc, rows, bias, out, n, row0, col0, 1);
 }
 
-/* Rows [row0, row0 + rows) (1..32) against strips s and s + 1 (`strips`: 1 or 2), every
- * input: two tiles of x by two of the weight, 32 inputs a product. The strips' bf16 layout,
- * [in / 2][16][2] a strip, is the layout AMX takes for its second operand. */
-static void amx_block(const uint16_t *packed, const uint16_t *x, const void *bias, void *out,
-                      int64_t n, int64_t k, int64_t x_stride, int64_t row0, int rows, int64_t s,
-                      int strips, int loaded[2]) {
-  const int rows0 = rows < 16 ? rows : 16, rows1 = rows - rows0;
+/* Rows [row0, row0 + rows) (1..32) of x against strips s0 and s1 (s1 < 0: none), every input,
+ * left in the result tiles: C00 and C01 for the first 16 rows, C10 and C11 for the rest. Two
+ * tiles of x by two of the weight, 32 inputs a product. The strips' bf16 layout, [in / 2][16][2]
+ * a strip, is the layout AMX takes for its second operand. */
+static void tile_products(const uint16_t *packed, const uint16_t *x, int64_t k, int64_t x_stride,
+                         int64_t row0, int rows, int64_t s0, int64_t s1, int loaded[2]) {
+  const int rows0 = rows < 16 ? rows : 16, rows1 = rows - rows0, both = s1 >= 0;
   configure_tiles(rows0, rows1, loaded);
   const uint16_t *x0 = x + row0 * x_stride, *x1 = x0 + 16 * x_stride;
-  const uint16_t *w0 = packed + s * k * STRIP, *w1 = w0 + k * STRIP;
+  const uint16_t *w0 = packed + s0 * k * STRIP, *w1 = packed + (both ? s1 : s0) * k * STRIP;
   const int64_t x_bytes = x_stride * 2;
   TZERO(C00);
   TZERO(C01);
@@ -257,16 +260,24 @@ static void amx_block(const uint16_t *packed, const uint16_t *x, const void *bia
   TZERO(C11);
   for (int64_t p = 0; p < k; p += AMX_K_STEP) {
     TLOAD(B0, w0 + p * STRIP, 64);
-    if (strips == 2) TLOAD(B1, w1 + p * STRIP, 64);
+    if (both) TLOAD(B1, w1 + p * STRIP, 64);
     TLOAD(A0, x0 + p, x_bytes);
     TDOT(C00, A0, B0);
-    if (strips == 2) TDOT(C01, A0, B1);
+    if (both) TDOT(C01, A0, B1);
     if (rows1) {
       TLOAD(A1, x1 + p, x_bytes);
       TDOT(C10, A1, B0);
-      if (strips == 2) TDOT(C11, A1, B1);
+      if (both) TDOT(C11, A1, B1);
     }
   }
+}
+
+/* tile_products of strips s and s + 1 (`strips`: 1 or 2), stored with the bias. */
+static void amx_block(const uint16_t *packed, const uint16_t *x, const void *bias, void *out,
+                      int64_t n, int64_t k, int64_t x_stride, int64_t row0, int rows, int64_t s,
+                      int strips, int loaded[2]) {
+  const int rows0 = rows < 16 ? rows : 16, rows1 = rows - rows0;
+  tile_products(packed, x, k, x_stride, row0, rows, s, strips == 2 ? s + 1 : -1, loaded);
   float tile[16][STRIP];
   TSTORE(C00, tile, 64);
   store_result_tile(tile, rows0, bias, out, n, row0, s * STRIP);
@@ -281,6 +292,47 @@ static void amx_block(const uint16_t *packed, const uint16_t *x, const void *bia
       TSTORE(C11, tile, 64);
       store_result_tile(tile, rows1, bias, out, n, row0 + 16, (s + 1) * STRIP);
     }
+  }
+}
+
+/* out [rows][inter] at column col0: silu(gate) * up of one tile of each, 16 features wide, as
+ * strip_gemm's bf16 results followed by layer_pointwise's silu_and_mul would round them (the
+ * bias added in fp32, each product rounded to bf16, then silu_times, then one last rounding). */
+static void store_gated_tiles(float gate_tile[16][STRIP], float up_tile[16][STRIP], int rows,
+                              const uint16_t *bias, uint16_t *out, int64_t inter, int64_t row0,
+                              int64_t col0) {
+  float gate[16 * STRIP], up[16 * STRIP], gate_bias[STRIP] = {0.f}, up_bias[STRIP] = {0.f};
+  for (int j = 0; bias && j < STRIP; j++) {
+    gate_bias[j] = bf16_to_f32(bias[col0 + j]);
+    up_bias[j] = bf16_to_f32(bias[inter + col0 + j]);
+  }
+  for (int m = 0; m < rows; m++)
+    for (int j = 0; j < STRIP; j++) {
+      gate[m * STRIP + j] = gate_tile[m][j] + gate_bias[j];
+      up[m * STRIP + j] = up_tile[m][j] + up_bias[j];
+    }
+  as_dtype(gate, rows * STRIP, 1);
+  as_dtype(up, rows * STRIP, 1);
+  silu_times(gate, up, rows * STRIP, 1);
+  for (int m = 0; m < rows; m++)
+    for (int j = 0; j < STRIP; j++)
+      out[(row0 + m) * inter + col0 + j] = f32_to_bf16(gate[m * STRIP + j]);
+}
+
+/* Gate strip g (and its up strip, `inter / STRIP` strips on) for rows [row0, row0 + rows). */
+static void amx_gated_block(const uint16_t *packed, const uint16_t *x, const uint16_t *bias,
+                            uint16_t *out, int64_t inter, int64_t k, int64_t x_stride,
+                            int64_t row0, int rows, int64_t g, int loaded[2]) {
+  const int rows0 = rows < 16 ? rows : 16, rows1 = rows - rows0;
+  tile_products(packed, x, k, x_stride, row0, rows, g, g + inter / STRIP, loaded);
+  float gate[16][STRIP], up[16][STRIP];
+  TSTORE(C00, gate, 64);
+  TSTORE(C01, up, 64);
+  store_gated_tiles(gate, up, rows0, bias, out, inter, row0, g * STRIP);
+  if (rows1) {
+    TSTORE(C10, gate, 64);
+    TSTORE(C11, up, 64);
+    store_gated_tiles(gate, up, rows1, bias, out, inter, row0 + 16, g * STRIP);
   }
 }
 
@@ -302,6 +354,25 @@ static void strip_gemm_amx(const uint16_t *packed, const uint16_t *x, const void
         const int block_rows = rows - row0 < 32 ? (int)(rows - row0) : 32;
         amx_block(packed, x, bias, out, n, k, x_stride, row0, block_rows, s,
                   s + 1 < strips ? 2 : 1, loaded);
+      }
+    if (loaded[0] >= 0) _tile_release();
+  }
+}
+
+/* strip_gemm_gated on the matrix units: every (gate strip, block of 32 rows), as strip_gemm_amx. */
+static void strip_gemm_gated_amx(const uint16_t *packed, const uint16_t *x, const uint16_t *bias,
+                                 uint16_t *out, int64_t rows, int64_t inter, int64_t k,
+                                 int64_t x_stride) {
+  const int64_t gate_strips = inter / STRIP, blocks = (rows + 31) / 32;
+#pragma omp parallel
+  {
+    int loaded[2] = {-1, -1};
+#pragma omp for schedule(static) collapse(2)
+    for (int64_t g = 0; g < gate_strips; g++)
+      for (int64_t b = 0; b < blocks; b++) {
+        const int64_t row0 = 32 * b;
+        const int block_rows = rows - row0 < 32 ? (int)(rows - row0) : 32;
+        amx_gated_block(packed, x, bias, out, inter, k, x_stride, row0, block_rows, g, loaded);
       }
     if (loaded[0] >= 0) _tile_release();
   }
@@ -545,6 +616,27 @@ int strip_gemm_int4(const uint8_t *codes, const uint16_t *scales, const uint16_t
   free(x_sums);
 #endif
   return 0;
+}
+
+/* out [rows, inter] = silu(x @ G^T + bias_g) * (x @ U^T + bias_u), bf16, for a weight packed as
+ * above whose 2 * inter rows are G then U (a gated MLP's fused gate and up projection), bias
+ * [2 * inter] or NULL: the same bits as strip_gemm and then layer_pointwise's silu_and_mul,
+ * without the [rows, 2 * inter] products between them. On the matrix units only: -1 where they
+ * are off, or k is not whole tile steps, or inter is not whole strips (the caller then runs the
+ * two calls). */
+int strip_gemm_gated(const uint16_t *packed, const uint16_t *x, const uint16_t *bias,
+                     uint16_t *out, int64_t rows, int64_t inter, int64_t k, int64_t x_stride) {
+#if HAS_AMX_PATH
+  if (amx_state < 0) strip_gemm_set_amx(1);
+  if (amx_state && k % AMX_K_STEP == 0 && inter % STRIP == 0) {
+    strip_gemm_gated_amx(packed, x, bias, out, rows, inter, k, x_stride);
+    amx_products++;
+    return 0;
+  }
+#else
+  (void)packed, (void)x, (void)bias, (void)out, (void)rows, (void)inter, (void)k, (void)x_stride;
+#endif
+  return -1;
 }
 
 /* As strip_gemm_int4 for 8-bit codes (tile_int8's layout, w = scale * code). */

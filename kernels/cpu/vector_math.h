@@ -41,4 +41,19 @@ static inline float exp_clamped(float x) {
   return p * scale;
 }
 
+/* What torch's op in the tensor's dtype leaves of fp32 results: themselves, or rounded to bf16. */
+static inline void as_dtype(float *v, int64_t n, int is_bf16) {
+  if (is_bf16)
+    for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
+}
+
+/* gate[i] = dtype(dtype(silu(gate[i])) * up[i]) (before the final rounding): silu-and-mul as
+ * kernels/activation.py's torch reference rounds it. */
+static inline void silu_times(float *restrict gate, const float *restrict up, int64_t n,
+                              int is_bf16) {
+  for (int64_t i = 0; i < n; i++) gate[i] = gate[i] / (1.f + exp_clamped(-gate[i]));
+  as_dtype(gate, n, is_bf16);
+  for (int64_t i = 0; i < n; i++) gate[i] *= up[i];
+}
+
 #endif

@@ -95,9 +95,7 @@ def test_a_mixed_batch_sends_decodes_and_short_runs_to_the_kernel_and_chunks_to_
 @needs_kernel
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_where_torch_has_amx_bf16_prompts_of_a_few_dozen_tokens_go_to_sdpa(
-    monkeypatch, amx, dtype
-):
+def test_where_torch_has_amx_bf16_prompts_of_a_few_dozen_tokens_go_to_sdpa(monkeypatch, amx, dtype):
     """A 40-token prompt: SDPA in bf16 where torch multiplies on the matrix units, the kernel
     otherwise (fp32 anywhere, bf16 without AMX); an 8-query run stays in the kernel."""
     monkeypatch.setattr(varlen_attention, "_torch_has_amx", lambda: amx)

@@ -9,14 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.kernels import gemm, strip_gemm
+from shoal.kernels import gemm, ops, strip_gemm
 from shoal.kernels.strip_gemm import (
     code_strips_available,
+    matrix_unit_products,
     pack_int4_strips,
     pack_int8_strips,
     pack_strips,
     strip_codes_linear,
-    matrix_unit_products,
+    strip_gated_linear,
     strip_gemm_available,
     strip_linear,
     use_matrix_units,
@@ -114,6 +115,38 @@ def test_bf16_results_are_rounded_as_torch_rounds(bf16_path):
     assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
     x[5, pairs[7, 0]] = float("nan")
     assert strip_linear(x, pack_strips(weight.bfloat16()))[5, 7].isnan()
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 40])
+@pytest.mark.parametrize(("inter", "in_features"), [(16, 32), (48, 64), (80, 160)])
+def test_gated_products_are_the_two_calls_bit_for_bit(bf16_path, rows, inter, in_features):
+    """silu(gate) * up in one call (a gated MLP's fused projection, gate rows then up): on the
+    matrix units the same bits as the strip product followed by the C silu_and_mul, counted
+    there; elsewhere no answer (None) and ``gemm.gated_linear`` makes the two calls."""
+    gen = torch.Generator().manual_seed(rows + inter)
+    weight = (torch.randn(2 * inter, in_features, generator=gen) * 0.3).bfloat16()
+    bias = torch.randn(2 * inter, generator=gen).bfloat16()
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    packed = pack_strips(weight)
+    for b in (None, bias):
+        two_calls = ops.silu_and_mul(strip_linear(x, packed, b))
+        before = matrix_unit_products()
+        fused = strip_gated_linear(x, packed, b)
+        assert (fused is not None) == bf16_path
+        assert matrix_unit_products() - before == int(bf16_path)
+        assert torch.equal(
+            gemm.gated_linear(x, packed, b).view(torch.int16), two_calls.view(torch.int16)
+        )
+
+
+def test_gated_products_off_the_tiles_take_the_two_calls(bf16_path):
+    """An input size off the 32-input step, or gate rows that are not whole strips."""
+    for inter, in_features in ((16, 40), (24, 64)):
+        weight, x = torch.randn(2 * inter, in_features).bfloat16(), torch.randn(5, in_features)
+        packed = pack_strips(weight)
+        assert strip_gated_linear(x.bfloat16(), packed) is None
+        expected = ops.silu_and_mul(strip_linear(x.bfloat16(), packed))
+        assert torch.equal(gemm.gated_linear(x.bfloat16(), packed), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

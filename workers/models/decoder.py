@@ -13,12 +13,18 @@ from collections.abc import Hashable, Iterable
 import torch
 from torch import nn
 
-from shoal.kernels import ops
+from shoal.kernels import gemm, ops
 from shoal.workers.config import CheckpointConfig
 from shoal.workers.layers.attention import AttentionMetadata, PagedAttention
 from shoal.workers.layers.embedding import Embedding, LMHead
 from shoal.workers.layers.hookless import HooklessModule
-from shoal.workers.layers.linear import Loaded, RowParallelLinear, column_linear, qkv_linear
+from shoal.workers.layers.linear import (
+    ColumnParallelLinear,
+    Loaded,
+    RowParallelLinear,
+    column_linear,
+    qkv_linear,
+)
 from shoal.workers.layers.norm import RMSNorm
 from shoal.workers.layers.quantized_tensor import QuantizedTensor
 from shoal.workers.layers.rotary import RotaryEmbedding
@@ -38,7 +44,10 @@ class GatedMLP(HooklessModule):
         self.down_proj = RowParallelLinear(inter, hidden, tp, bias=bias, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        if isinstance(gate_up, ColumnParallelLinear):  # not wrapped (LoRA): one fused call
+            return self.down_proj(gemm.gated_linear(x, gate_up.weight, gate_up.bias))
+        return self.down_proj(ops.silu_and_mul(gate_up(x)))
 
 
 class DecoderAttention(HooklessModule):
