@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,3 +167,21 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextlib.contextmanager
+def paused(pgids: Iterable[int]) -> Iterator[None]:
+    """The process groups stopped (SIGSTOP) for the block and continued after it: an idle
+    engine's polling threads take CPU from the one being timed (beside an idle vLLM, whose
+    workers used ~1 CPU-s of a 10 s run, shoal's offline rate fell ~15% on 2 cores)."""
+    stopped: list[int] = []
+    try:
+        for pgid in pgids:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGSTOP)
+                stopped.append(pgid)
+        yield
+    finally:
+        for pgid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGCONT)

@@ -5,9 +5,11 @@ order rotated each round, so no engine always goes first), then the greedy outpu
 prompts. transformers, the reference and by far the slowest, times each of its static batch
 sizes once, in the first round (a second round would add minutes for a figure that is not a
 headline ratio). An engine that fails to load or dies is reported with its error and dropped;
-the others go on. Each timed run records the CPU time the idle engines used meanwhile (a peer
-that spins while idle would distort the figures on a small machine) and the CPU time of every
-other process on the machine (someone else's work)."""
+the others go on. The idle engines are stopped (SIGSTOP) while one is timed and continued
+after: a peer that polls while idle distorts the figures on a small machine (beside an idle
+vLLM, shoal's offline rate fell ~15% on 2 cores). Each timed run records the CPU time the idle
+engines used meanwhile (none, stopped) and that of every other process on the machine (someone
+else's work)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .engine_proc import EngineProcess, EngineSpec, WorkerError
+from .engine_proc import EngineProcess, EngineSpec, WorkerError, paused
 from .journal import journal
 from .machine import CpuSnapshot
 from .report import rate
@@ -151,7 +153,8 @@ class OfflineStage:
         the machine used meanwhile."""
         pgids = [p.pgid for p in self.procs.values()]
         before = CpuSnapshot.take(pgids)
-        run = proc.call(op, RUN_TIMEOUT_S, **fields)
+        with paused(pgid for pgid in pgids if pgid != proc.pgid):
+            run = proc.call(op, RUN_TIMEOUT_S, **fields)
         used = CpuSnapshot.take(pgids).since(before)
         idle = sum(t for pgid, t in used.groups.items() if pgid != proc.pgid)
         timed = {
