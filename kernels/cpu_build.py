@@ -32,7 +32,18 @@ import torch  # noqa: F401  (loads torch's libgomp before any kernel library)
 
 log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
-CFLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+# 512-bit vectors for the loops gcc vectorizes itself (its default on these CPUs is 256): the
+# row-wise kernels and the gated epilogue; prefill of 64 x 128 tokens in bf16 ran 8-10% faster
+# on a 2-core Xeon with AMX (four interleaved runs). No effect where the CPU has no AVX-512.
+CFLAGS = (
+    "-O3",
+    "-mprefer-vector-width=512",
+    "-fno-trapping-math",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c11",
+)
 ARCH_ENV = "SHOAL_KERNEL_ARCH"
 KERNEL_CACHE_ENV = "SHOAL_KERNEL_CACHE_DIR"
 BUILD_TIMEOUT_S = 120
