@@ -9,11 +9,11 @@
  * Where the CPU has matrix units (AMX-BF16) and the OS grants their tile state, bf16 products
  * whose input size is whole steps of 32 run on them instead, from the same packed weight: a bf16
  * strip, [in / 2][16][2], is the layout AMX takes for a tile product's second operand (16 pairs
- * of inputs by 16 outputs, 64 bytes a row). Two tiles of 16 rows of x by two of the weight, the
- * strip pairs outermost. On a 2-core Xeon with AMX, SmolLM2's 210 layer linears (each weight
- * read from memory) took 9.8 ms at one token against the vector path's 10.2, 10.1 at 8 (19.7)
- * and 10.5 at 16 (26.7); against oneDNN's AMX products, even or faster up to 256 tokens, but
- * the 49152-feature LM head 1.2x slower at 64 tokens and 1.6x at 256.
+ * of inputs by 16 outputs, 64 bytes a row). Two tiles of 16 rows of x by two of the weight. On
+ * a 2-core Xeon with AMX, SmolLM2's 210 layer linears (each weight read from memory) took 9.8 ms
+ * at one token against the vector path's 10.2, 10.1 at 8 (19.7) and 10.5 at 16 (26.7); against
+ * oneDNN's AMX products, even or faster up to 512 tokens, ~1.3x slower at 2,048, and the
+ * 49152-feature LM head 1.2x slower at 64 tokens and 1.6x at 256.
  *
  * 4-bit codes (GGUF Q4_0/Q4_1's w = scale * code + min per group of inputs) come in the same
  * strips, two codes a byte, with each group's 16 scales and minimums (fp16, as GGUF stores them):
@@ -183,6 +183,11 @@ static void dispatch_tile(const void *packed, const void *x, const void *bias, v
 #endif
 
 #define AMX_K_STEP 32 /* inputs a tile product takes: 16 pairs */
+/* Rows are taken 128 at a time (4 blocks of 32), every strip pair passing over them while they
+ * sit in the thread's L2: with the strip pairs outermost, a 2,048-token prefill read all of x
+ * (2.4 MB for SmolLM2) from L3 again for every pair. SmolLM2's 16 products at 2,048 rows: ~50
+ * -> ~37 ms; a 64 x 128-token prefill 3,000-3,100 -> 3,300-3,600 tokens/s (A/B, two runs each). */
+#define CHUNK_BLOCKS 4
 
 /* -1: not asked yet; 0: off (not built, refused by the OS, or turned off); 1: on. */
 static int amx_state = -1;
@@ -336,44 +341,48 @@ static void amx_gated_block(const uint16_t *packed, const uint16_t *x, const uin
   }
 }
 
-/* strip_gemm in bf16 on the matrix units: every (strip pair, block of 32 rows), the weight's
- * pairs outermost so that each thread's strips stay in its cache while x's rows pass. Each
- * thread configures its tiles within the call and releases them at its end (oneDNN's products,
- * on the same threads, configure their own). */
+/* strip_gemm in bf16 on the matrix units: every (chunk of rows, strip pair, block of 32 rows),
+ * the threads splitting the chunks (or, with one chunk, the strip pairs). Each thread configures
+ * its tiles within the call and releases them at its end (oneDNN's products, on the same
+ * threads, configure their own). */
 static void strip_gemm_amx(const uint16_t *packed, const uint16_t *x, const void *bias,
                            void *out, int64_t rows, int64_t n, int64_t k, int64_t x_stride) {
   const int64_t strips = (n + STRIP - 1) / STRIP, strip_pairs = (strips + 1) / 2;
-  const int64_t blocks = (rows + 31) / 32;
+  const int64_t blocks = (rows + 31) / 32, chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
 #pragma omp parallel
   {
     int loaded[2] = {-1, -1};
 #pragma omp for schedule(static) collapse(2)
-    for (int64_t sp = 0; sp < strip_pairs; sp++)
-      for (int64_t b = 0; b < blocks; b++) {
-        const int64_t s = 2 * sp, row0 = 32 * b;
-        const int block_rows = rows - row0 < 32 ? (int)(rows - row0) : 32;
-        amx_block(packed, x, bias, out, n, k, x_stride, row0, block_rows, s,
-                  s + 1 < strips ? 2 : 1, loaded);
-      }
+    for (int64_t c = 0; c < chunks; c++)
+      for (int64_t sp = 0; sp < strip_pairs; sp++)
+        for (int64_t b = c * CHUNK_BLOCKS; b < blocks && b < (c + 1) * CHUNK_BLOCKS; b++) {
+          const int64_t s = 2 * sp, row0 = 32 * b;
+          const int block_rows = rows - row0 < 32 ? (int)(rows - row0) : 32;
+          amx_block(packed, x, bias, out, n, k, x_stride, row0, block_rows, s,
+                    s + 1 < strips ? 2 : 1, loaded);
+        }
     if (loaded[0] >= 0) _tile_release();
   }
 }
 
-/* strip_gemm_gated on the matrix units: every (gate strip, block of 32 rows), as strip_gemm_amx. */
+/* strip_gemm_gated on the matrix units: every (chunk of rows, gate strip, block of 32 rows), as
+ * strip_gemm_amx. */
 static void strip_gemm_gated_amx(const uint16_t *packed, const uint16_t *x, const uint16_t *bias,
                                  uint16_t *out, int64_t rows, int64_t inter, int64_t k,
                                  int64_t x_stride) {
   const int64_t gate_strips = inter / STRIP, blocks = (rows + 31) / 32;
+  const int64_t chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
 #pragma omp parallel
   {
     int loaded[2] = {-1, -1};
 #pragma omp for schedule(static) collapse(2)
-    for (int64_t g = 0; g < gate_strips; g++)
-      for (int64_t b = 0; b < blocks; b++) {
-        const int64_t row0 = 32 * b;
-        const int block_rows = rows - row0 < 32 ? (int)(rows - row0) : 32;
-        amx_gated_block(packed, x, bias, out, inter, k, x_stride, row0, block_rows, g, loaded);
-      }
+    for (int64_t c = 0; c < chunks; c++)
+      for (int64_t g = 0; g < gate_strips; g++)
+        for (int64_t b = c * CHUNK_BLOCKS; b < blocks && b < (c + 1) * CHUNK_BLOCKS; b++) {
+          const int64_t row0 = 32 * b;
+          const int block_rows = rows - row0 < 32 ? (int)(rows - row0) : 32;
+          amx_gated_block(packed, x, bias, out, inter, k, x_stride, row0, block_rows, g, loaded);
+        }
     if (loaded[0] >= 0) _tile_release();
   }
 }

@@ -76,12 +76,12 @@ def bf16_path(request):  # type: ignore[no-untyped-def]
     use_matrix_units(True)
 
 
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 33, 70, 300])
 @pytest.mark.parametrize(("out_features", "in_features"), [(16, 32), (40, 96), (50, 160)])
 def test_bf16_products_on_either_path_match_fp64(bf16_path, rows, out_features, in_features):
-    """Rows across AMX's 16-row tiles and 32-row blocks; one strip, a pair and a lone last
-    strip (40), a cut last strip (50); inputs in whole 32-input tile steps. Counted where they
-    ran: every product on the matrix units when they are on, none when off."""
+    """Rows across AMX's 16-row tiles, 32-row blocks and 128-row chunks; one strip, a pair and
+    a lone last strip (40), a cut last strip (50); inputs in whole 32-input tile steps. Counted
+    where they ran: every product on the matrix units when they are on, none when off."""
     gen = torch.Generator().manual_seed(rows * 5 + out_features)
     weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16()
@@ -117,7 +117,7 @@ def test_bf16_results_are_rounded_as_torch_rounds(bf16_path):
     assert strip_linear(x, pack_strips(weight.bfloat16()))[5, 7].isnan()
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 16, 17, 40, 300])
 @pytest.mark.parametrize(("inter", "in_features"), [(16, 32), (48, 64), (80, 160)])
 def test_gated_products_are_the_two_calls_bit_for_bit(bf16_path, rows, inter, in_features):
     """silu(gate) * up in one call (a gated MLP's fused projection, gate rows then up): on the
