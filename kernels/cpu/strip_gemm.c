@@ -341,47 +341,31 @@ static void amx_gated_block(const uint16_t *packed, const uint16_t *x, const uin
   }
 }
 
-/* strip_gemm in bf16 on the matrix units: every (chunk of rows, strip pair, block of 32 rows),
- * the threads splitting the chunks (or, with one chunk, the strip pairs). Each thread configures
- * its tiles within the call and releases them at its end (oneDNN's products, on the same
- * threads, configure their own). */
-static void strip_gemm_amx(const uint16_t *packed, const uint16_t *x, const void *bias,
-                           void *out, int64_t rows, int64_t n, int64_t k, int64_t x_stride) {
-  const int64_t strips = (n + STRIP - 1) / STRIP, strip_pairs = (strips + 1) / 2;
+/* A product on the matrix units: every (chunk of rows, job, block of 32 rows), the threads
+ * splitting the chunks (or, with one chunk, the jobs). A job is a strip pair of out [rows][n]
+ * (strip_gemm), or with `gated` a gate strip and its up strip of out [rows][n / 2]
+ * (strip_gemm_gated). Each thread configures its tiles within the call and releases them at its
+ * end (oneDNN's products, on the same threads, configure their own). */
+static void run_on_matrix_units(const uint16_t *packed, const uint16_t *x, const void *bias,
+                                void *out, int64_t rows, int64_t n, int64_t k, int64_t x_stride,
+                                int gated) {
+  const int64_t strips = (n + STRIP - 1) / STRIP, jobs = gated ? strips / 2 : (strips + 1) / 2;
   const int64_t blocks = (rows + 31) / 32, chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
 #pragma omp parallel
   {
     int loaded[2] = {-1, -1};
 #pragma omp for schedule(static) collapse(2)
     for (int64_t c = 0; c < chunks; c++)
-      for (int64_t sp = 0; sp < strip_pairs; sp++)
-        for (int64_t b = c * CHUNK_BLOCKS; b < blocks && b < (c + 1) * CHUNK_BLOCKS; b++) {
-          const int64_t s = 2 * sp, row0 = 32 * b;
-          const int block_rows = rows - row0 < 32 ? (int)(rows - row0) : 32;
-          amx_block(packed, x, bias, out, n, k, x_stride, row0, block_rows, s,
-                    s + 1 < strips ? 2 : 1, loaded);
-        }
-    if (loaded[0] >= 0) _tile_release();
-  }
-}
-
-/* strip_gemm_gated on the matrix units: every (chunk of rows, gate strip, block of 32 rows), as
- * strip_gemm_amx. */
-static void strip_gemm_gated_amx(const uint16_t *packed, const uint16_t *x, const uint16_t *bias,
-                                 uint16_t *out, int64_t rows, int64_t inter, int64_t k,
-                                 int64_t x_stride) {
-  const int64_t gate_strips = inter / STRIP, blocks = (rows + 31) / 32;
-  const int64_t chunks = (blocks + CHUNK_BLOCKS - 1) / CHUNK_BLOCKS;
-#pragma omp parallel
-  {
-    int loaded[2] = {-1, -1};
-#pragma omp for schedule(static) collapse(2)
-    for (int64_t c = 0; c < chunks; c++)
-      for (int64_t g = 0; g < gate_strips; g++)
+      for (int64_t job = 0; job < jobs; job++)
         for (int64_t b = c * CHUNK_BLOCKS; b < blocks && b < (c + 1) * CHUNK_BLOCKS; b++) {
           const int64_t row0 = 32 * b;
           const int block_rows = rows - row0 < 32 ? (int)(rows - row0) : 32;
-          amx_gated_block(packed, x, bias, out, inter, k, x_stride, row0, block_rows, g, loaded);
+          if (gated)
+            amx_gated_block(packed, x, bias, out, n / 2, k, x_stride, row0, block_rows, job,
+                            loaded);
+          else
+            amx_block(packed, x, bias, out, n, k, x_stride, row0, block_rows, 2 * job,
+                      2 * job + 1 < strips ? 2 : 1, loaded);
         }
     if (loaded[0] >= 0) _tile_release();
   }
@@ -413,7 +397,7 @@ int strip_gemm(const void *packed, const void *x, const void *bias, void *out, i
 #if HAS_AMX_PATH
   if (amx_state < 0) strip_gemm_set_amx(1);
   if (is_bf16 && amx_state && k % AMX_K_STEP == 0) {
-    strip_gemm_amx(packed, x, bias, out, rows, n, k, x_stride);
+    run_on_matrix_units(packed, x, bias, out, rows, n, k, x_stride, 0);
     amx_products++;
     return 0;
   }
@@ -638,7 +622,7 @@ int strip_gemm_gated(const uint16_t *packed, const uint16_t *x, const uint16_t *
 #if HAS_AMX_PATH
   if (amx_state < 0) strip_gemm_set_amx(1);
   if (amx_state && k % AMX_K_STEP == 0 && inter % STRIP == 0) {
-    strip_gemm_gated_amx(packed, x, bias, out, rows, inter, k, x_stride);
+    run_on_matrix_units(packed, x, bias, out, rows, 2 * inter, k, x_stride, 1);
     amx_products++;
     return 0;
   }
