@@ -95,17 +95,20 @@ def test_a_mixed_batch_sends_decodes_and_short_runs_to_the_kernel_and_chunks_to_
 @needs_kernel
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no-amx"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_where_torch_has_amx_bf16_prompts_of_a_few_dozen_tokens_go_to_sdpa(monkeypatch, amx, dtype):
-    """A 40-token prompt: SDPA in bf16 where torch multiplies on the matrix units, the kernel
-    otherwise (fp32 anywhere, bf16 without AMX); an 8-query run stays in the kernel."""
+def test_where_torch_has_amx_bf16_prompts_of_more_than_64_tokens_go_to_sdpa(
+    monkeypatch, amx, dtype
+):
+    """An 80-token prompt: SDPA in bf16 where torch multiplies on the matrix units, the kernel
+    otherwise (fp32 anywhere, bf16 without AMX); runs of 64 and 8 queries stay in the kernel."""
     monkeypatch.setattr(varlen_attention, "_torch_has_amx", lambda: amx)
     case = make_paged_case(
-        [1, 40, 8], [20, 0, 30], num_kv_heads=2, gqa=2, head_dim=64, block_size=16, dtype=dtype
-    )
+        [1, 80, 8, 64], [20, 0, 30, 0], num_kv_heads=2, gqa=2, head_dim=64, block_size=16,
+        dtype=dtype,
+    )  # fmt: skip
     plan, out = _attend(case)
     assert plan.seqs == ([1] if amx and dtype == torch.bfloat16 else [])
     assert isinstance(plan.decode, CpuDecodePlan)
-    assert len(plan.decode.token_rows) == (9 if plan.seqs else 49)
+    assert len(plan.decode.token_rows) == (73 if plan.seqs else 153)
     tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(out, naive_attention(case), **tol)
 
