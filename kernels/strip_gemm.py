@@ -42,6 +42,7 @@ widen to fp32 and meet x in fp32 products (half the products an instruction of b
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,7 @@ from shoal.kernels.cpu_build import load_kernel_library
 
 LIBRARY = "strip_gemm"
 STRIP = 16  # output features per strip (the kernel's)
+AMX_K_STEP = 32  # inputs a tile product takes (the kernel's)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -63,6 +65,7 @@ _SIGNATURES = (
     ("strip_gemm_amx_products", ctypes.c_int64, ()),
     ("strip_gemm_gated", ctypes.c_int, (_P,) * 4 + (_I,) * 4),
 )
+_matrix_units: weakref.WeakKeyDictionary[ctypes.CDLL, bool] = weakref.WeakKeyDictionary()
 CODE_GROUP_MULTIPLE = 4  # a group of inputs sharing a scale is whole quads of 4-bit codes
 
 
@@ -115,7 +118,19 @@ def use_matrix_units(on: bool) -> bool:
     path and the OS grants the tile state) or keep them on the vector path; returns whether they
     go there now."""
     lib = _library()
-    return lib is not None and bool(lib.strip_gemm_set_amx(int(on)))
+    if lib is None:
+        return False
+    _matrix_units[lib] = state = bool(lib.strip_gemm_set_amx(int(on)))
+    return state
+
+
+def _on_matrix_units(lib: ctypes.CDLL) -> bool:
+    """Whether ``lib``'s bf16 products go to the matrix units (asked of it once, as its first
+    product would)."""
+    state = _matrix_units.get(lib)
+    if state is None:
+        _matrix_units[lib] = state = bool(lib.strip_gemm_set_amx(1))
+    return state
 
 
 def matrix_unit_products() -> int:
@@ -185,16 +200,21 @@ def strip_gated_linear(
     ``strip_linear`` then the C ``silu_and_mul`` answer, without the products between them; or
     None where the kernel has no such path (not bf16, the matrix units off, a shape that is not
     whole tiles): the caller then makes the two calls."""
+    lib = _library()
+    assert lib is not None, "a StripWeight is only made where the kernel loaded"
     inter = weight.out_features // 2
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or weight.out_features % 2:
-        return None
-    if bias is not None and bias.dtype != torch.bfloat16:
-        return None
+    if not (
+        x.dtype == weight.dtype == torch.bfloat16
+        and (bias is None or bias.dtype == torch.bfloat16)
+        and weight.out_features == 2 * inter
+        and inter % STRIP == 0
+        and weight.in_features % AMX_K_STEP == 0
+        and _on_matrix_units(lib)
+    ):
+        return None  # decided before any work: elsewhere every gated MLP layer comes here
     rows = _as_rows(x, weight.in_features)
     bias = None if bias is None else bias.contiguous()
     out = torch.empty(rows.shape[0], inter, dtype=x.dtype)
-    lib = _library()
-    assert lib is not None, "a StripWeight is only made where the kernel loaded"
     status = lib.strip_gemm_gated(
         weight.packed.data_ptr(),
         rows.data_ptr(),
