@@ -59,7 +59,9 @@ class ServingContext:
         return self.served_model_name if lora is None else lora.lora_name
 
     def check_ready(self) -> None:
-        if not self.engine.is_ready():
+        """503 for a request the engine client would refuse; while requests resume, one that
+        finds every engine core down for now waits for one instead (a rolling restart)."""
+        if not self.engine.accepts_requests():
             raise unavailable("no engine core is ready")
 
 

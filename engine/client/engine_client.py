@@ -250,6 +250,14 @@ class AsyncEngineClient:
     def is_ready(self) -> bool:
         return bool(self.router.ready_engines())
 
+    def accepts_requests(self) -> bool:
+        return self.is_ready() or self._new_requests_wait()
+
+    def _new_requests_wait(self) -> bool:
+        """With resumption on, a request that finds every known engine core down waits for one
+        as a cut request would (parked); with none known, or resumption off, it is refused."""
+        return self.resumptions.enabled and bool(self.router.engines)
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
@@ -387,10 +395,7 @@ class AsyncEngineClient:
         engine = router.pick(
             block_hashes=hashes, num_requests=max(1, params.n), lora_name=lora_name
         )
-        # With resumption on, a request that finds every known engine core faulted waits for one
-        # as a cut request would (parked); with none known, or resumption off, it is refused.
-        may_wait = self.resumptions.enabled and bool(self.router.engines)
-        if engine is None and not may_wait:
+        if engine is None and not self._new_requests_wait():
             raise EngineUnavailableError("no engine core is ready to take requests")
         arrival = time.time()
         children = processor.add_request(

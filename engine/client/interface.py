@@ -74,6 +74,11 @@ class EngineClientInterface(Protocol):
         """True while at least one engine core is ready to take requests."""
         ...
 
+    def accepts_requests(self) -> bool:
+        """True while a new request is taken: an engine core is ready, or the request would
+        wait for one (every known engine core is down for now and requests resume)."""
+        ...
+
     def generate(
         self,
         prompt: str | list[int],

@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import aiohttp
 import pytest
 
 from shoal.bus.codec import Codec, encode
@@ -31,6 +32,8 @@ from shoal.bus.transport.memory import InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_client import AsyncEngineClient
+from shoal.gateway.app import create_app
+from shoal.gateway.server import start_http_server
 from tests.integration.conditions import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -187,3 +190,29 @@ async def test_a_new_request_waits_for_an_engine_core_while_every_one_is_down(st
     await e1.emit(client, "r", [11], "length")
     last = await asyncio.wait_for(collector.get(), LIMIT_S)
     assert last.finished and last.outputs[0].token_ids == [11]
+
+
+async def test_the_gateway_holds_a_request_while_every_engine_core_is_down(stack) -> None:  # type: ignore[no-untyped-def]
+    """A rolling restart can leave a gateway seeing no ready engine core for a moment: its
+    completion waits for one (not a 503), while ``/health`` tells load balancers the truth."""
+    client, e0, e1 = stack
+    server = await start_http_server(create_app(client, served_model_name="tiny"))
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=LIMIT_S)) as http:
+            e0.beating = e1.beating = False
+            await wait_for(lambda: not client.is_ready(), LIMIT_S, "no engine core ready")
+            async with http.get(server.url + "/health") as health:
+                assert health.status == 503
+            body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 1}
+            answer = asyncio.create_task(http.post(server.url + "/v1/completions", json=body))
+            await wait_for(lambda: bool(client.resumptions.parked), LIMIT_S, "the add parked")
+            e1.beating = True
+            await wait_for(lambda: bool(e1.adds), LIMIT_S, "sent once e1 is back")
+            (request_id,) = e1.adds
+            await e1.emit(client, request_id, [11], "length")
+            async with await answer as response:
+                assert response.status == 200, await response.text()
+                assert (await response.json())["usage"]["completion_tokens"] == 1
+            assert not e0.adds
+    finally:
+        await server.stop()

@@ -130,6 +130,9 @@ class FakeEngineClient:
     def is_ready(self) -> bool:
         return self.ready
 
+    def accepts_requests(self) -> bool:
+        return self.ready
+
     def encode_chat(
         self,
         messages: list[dict[str, Any]],
