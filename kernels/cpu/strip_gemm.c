@@ -48,7 +48,10 @@
 #define STRIP 16     /* output features per strip: one AVX-512 register of fp32 */
 #define ROW_TILE 8   /* rows of x sharing each weight load */
 #define ROW_BLOCK 64 /* rows of x kept hot (L2) while every strip passes over them */
-#define PREFETCH_AHEAD 1024 /* bytes of a strip's codes asked for before they are needed */
+/* Bytes of a strip's codes asked for (into every cache level) before they are needed. A
+ * non-temporal hint (prefetchnta) cost 4x on a Xeon with AMX: SmolLM2's 8-bit head at one token
+ * 3.1 ms against 0.8, 4-bit codes at 16 rows 7.1 against 6.8. */
+#define PREFETCH_AHEAD 1024
 
 /* Whether this build has the vector path for the dtype (else the caller must not call). */
 int strip_gemm_wide(int is_bf16) { return is_bf16 ? HAS_BF16_PATH : HAS_F32_PATH; }
@@ -456,7 +459,7 @@ INLINE void tile_int4(const uint8_t *codes, const uint16_t *scales, int64_t stri
       const int64_t quad = g * quads + j;
       __m512bh first[2], second[2];
       for (int t = 0; t < strips; t++) {
-        __builtin_prefetch(codes + t * strip_codes + quad * 32 + PREFETCH_AHEAD, 0, 0);
+        __builtin_prefetch(codes + t * strip_codes + quad * 32 + PREFETCH_AHEAD, 0, 3);
         decode_quad(codes + t * strip_codes + quad * 32, table, &first[t], &second[t]);
       }
       for (int m = 0; m < rows; m++) {
@@ -521,7 +524,7 @@ INLINE void tile_int8(const int8_t *codes, const uint16_t *scales, int64_t strip
       __m512 w[2];
       for (int t = 0; t < strips; t++) {
         const int8_t *at = codes + t * strip_codes + i * STRIP;
-        __builtin_prefetch(at + PREFETCH_AHEAD, 0, 0);
+        __builtin_prefetch(at + PREFETCH_AHEAD, 0, 3);
         w[t] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));
       }
       for (int m = 0; m < rows; m++) {
