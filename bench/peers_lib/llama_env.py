@@ -49,7 +49,9 @@ def cmake_args(cpu_flags: set[str]) -> str:
 
 def _install(python: str) -> list[list[str]]:
     package = f"llama-cpp-python=={LLAMA_CPP_PIN}"
-    return [[python, "-m", "pip", "install", "--no-binary", "llama-cpp-python", package]]
+    # no wheel from pip's cache: one built with other flags would be taken as it is
+    build = ["--no-binary", "llama-cpp-python", "--no-cache-dir"]
+    return [[python, "-m", "pip", "install", *build, package]]
 
 
 def llama_venv_spec(cpu_flags: set[str]) -> PeerVenvSpec:
