@@ -266,9 +266,9 @@ static void write_pending(Pending *p);
 
 /* Rows [row0, row0 + rows) (1..32) of x against strips s0 and s1 (s1 < 0: none), every input,
  * left in the result tiles: C00 and C01 for the first 16 rows, C10 and C11 for the rest; the
- * pending block written out once the products are issued. Two
- * tiles of x by two of the weight, 32 inputs a product. The strips' bf16 layout, [in / 2][16][2]
- * a strip, is the layout AMX takes for its second operand. */
+ * pending block is written out once the products are issued. Two tiles of x by two of the
+ * weight, 32 inputs a product. The strips' bf16 layout, [in / 2][16][2] a strip, is the layout
+ * AMX takes for its second operand. */
 static void tile_products(const uint16_t *packed, const uint16_t *x, int64_t k, int64_t x_stride,
                          int64_t row0, int rows, int64_t s0, int64_t s1, int loaded[2],
                          Pending *pending) {
@@ -281,9 +281,7 @@ static void tile_products(const uint16_t *packed, const uint16_t *x, int64_t k, 
   TZERO(C01);
   TZERO(C10);
   TZERO(C11);
-  const int64_t steps = k / AMX_K_STEP;
-  for (int64_t step = 0; step < steps; step++) {
-    const int64_t p = step * AMX_K_STEP;
+  for (int64_t p = 0; p < k; p += AMX_K_STEP) {
     TLOAD(B0, w0 + p * STRIP, 64);
     if (both) TLOAD(B1, w1 + p * STRIP, 64);
     TLOAD(A0, x0 + p, x_bytes);
