@@ -549,7 +549,8 @@ def test_lora_bench_spreads_a_batch_over_adapters_beside_the_base(tiny_checkpoin
                 timeout=230)  # fmt: skip
     out = _last_json(done)
     assert set(out["tok_s"]) == {"0", "1", "4", "16"} and all(out["tok_s"].values())
-    assert out["ratio_16"] == round(out["tok_s"]["16"] / out["tok_s"]["0"], 3)
+    # the bench divides unrounded rates; the ones it prints are rounded to 0.1 tokens/s
+    assert out["ratio_16"] == pytest.approx(out["tok_s"]["16"] / out["tok_s"]["0"], abs=1e-3)
     assert out["load_ms"] > 0 and out["load_ms_object_store"] > 0
 
 
