@@ -13,6 +13,7 @@ import asyncio
 import importlib
 import inspect
 import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _HEARTBEAT: Codec[Heartbeat] = Codec(Heartbeat)
 DEFAULT_ENGINE_FACTORY = "shoal.engine.client.engine_client:make_client"
+ENGINE_DISCOVERY_BEATS = 3  # heartbeat intervals a new gateway listens for engine cores
 
 
 def load_engine_factory(target: str) -> Any:
@@ -145,6 +147,7 @@ class GatewayActor(Actor):
         if self._engine_reports_stats():
             cast(Any, engine).stats_listeners.append(self.on_stats)
         loras = await self._lora_adapters(name)
+        await self._hear_engine_cores(engine)
         bus, responses_bucket = self.bus, self.subjects.responses_bucket()
         app = create_app(
             engine,
@@ -169,6 +172,15 @@ class GatewayActor(Actor):
             )
             await self.nats_api.start()
         log.info("%r: serving HTTP on %s", self, self.http.url)
+
+    async def _hear_engine_cores(self, engine: EngineClientInterface) -> None:
+        """Open the port once the engine client would take a request, or after a few heartbeat
+        intervals: a gateway (re)started beside running engine cores knows none of them until
+        their next heartbeats, and would refuse a request in between; with none heard by then
+        they are still starting, and ``/health`` says so."""
+        deadline = time.monotonic() + ENGINE_DISCOVERY_BEATS * self.heartbeat_interval_s
+        while not engine.accepts_requests() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
 
     async def _lora_adapters(self, served_model_name: str) -> LoRAAdapters:
         """The deployment's LoRA adapters (``--enable-lora``, ``--lora-modules``), shared by

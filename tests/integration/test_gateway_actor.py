@@ -191,3 +191,30 @@ async def test_a_stopping_gateway_fails_health_but_keeps_serving_for_its_shutdow
         await stopping
         with pytest.raises(aiohttp.ClientConnectorError):
             await session.get(url + "/health")
+
+
+@pytest.mark.parametrize("heard", [True, False])
+async def test_a_new_gateway_opens_its_port_once_it_has_heard_an_engine_core(heard: bool) -> None:
+    """Restarted beside running engine cores, a gateway knows none until their next heartbeats:
+    it listens for a few heartbeat intervals first, so a request cannot find it knowing none;
+    if none is heard by then it opens anyway, and ``/health`` says no engine core is ready."""
+    engine = FakeEngineClient()
+    engine.ready = False
+    actor = GatewayActor(
+        InMemoryBus(InMemoryBroker()), "gw-2", engine_client=engine, port=0,
+        heartbeat_interval_s=0.2,
+    )  # fmt: skip
+    starting = asyncio.create_task(actor.start())
+    try:
+        await asyncio.sleep(0.3)
+        assert actor.http is None and not starting.done()
+        engine.ready = heard
+        await asyncio.wait_for(starting, 10.0)
+        assert actor.http is not None
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(actor.http.url + "/health") as response,
+        ):
+            assert response.status == (200 if heard else 503)
+    finally:
+        await actor.stop()
