@@ -37,6 +37,10 @@ tokens 201 ms against 133: the decode is paid per weight and row tile). 8 bits, 
 49152 x 576 head, ms (torch's two halves / 8-bit strips / the head in bf16 strips): one token
 1.68 / 1.00 / 1.53, 16 tokens 11.66 / 5.80 / 3.30, 64 tokens 47.11 / 23.82 / 10.25; the codes
 widen to fp32 and meet x in fp32 products (half the products an instruction of bf16's).
+
+With ``round_x`` (``pack_int4_strips``, AVX512-VNNI: ``code_strips_round_x``) x is rounded to 8
+bits a group and dotted with the codes in integers, 64 products an instruction (llama.cpp's
+numerics for Q4 weights; docs/cpu.md has its speed and its error).
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = (
     ("strip_gemm", ctypes.c_int, (_P,) * 4 + (_I,) * 4 + (ctypes.c_int,)),
-    ("strip_gemm_int4", ctypes.c_int, (_P,) * 5 + (_I,) * 5),
+    ("strip_gemm_int4", ctypes.c_int, (_P,) * 5 + (_I,) * 5 + (ctypes.c_int,)),
+    ("strip_gemm_int4_rounds_x", ctypes.c_int, ()),
     ("strip_gemm_int8", ctypes.c_int, (_P,) * 5 + (_I,) * 5),
     ("strip_gemm_wide", ctypes.c_int, (ctypes.c_int,)),
     ("strip_gemm_set_amx", ctypes.c_int, (ctypes.c_int,)),
@@ -244,6 +249,7 @@ class StripCodesWeight:
     group_size: int
     out_features: int
     in_features: int
+    rounds_x: bool = False  # 4 bits: x rounded to 8 bits a group, dotted in integers
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -283,15 +289,25 @@ def _padded_rows(codes: torch.Tensor) -> torch.Tensor:
     return padded
 
 
+def code_strips_round_x() -> bool:
+    """Whether 4-bit code strips can meet x rounded to 8 bits here (AVX512-VNNI)."""
+    lib = _library()
+    return lib is not None and bool(lib.strip_gemm_int4_rounds_x())
+
+
 def pack_int4_strips(
     codes: torch.Tensor,  # [out, in] uint8, 0..15
     scales: torch.Tensor,  # [out, in / group_size]
     mins: torch.Tensor,  # [out, in / group_size]
     group_size: int,
+    round_x: bool = False,
 ) -> StripCodesWeight:
     """``w = scale * code + min`` in the kernel's layout: byte ``b`` of a quad of inputs
     ``4j..4j+3`` holds output ``b // 2``'s code for input ``4j + b % 2`` in its low nibble and
-    for ``4j + 2 + b % 2`` in its high one; scales and minimums in fp16 (GGUF's own)."""
+    for ``4j + 2 + b % 2`` in its high one; scales and minimums in fp16 (GGUF's own).
+    ``round_x``: products round x to 8 bits a group (``code_strips_round_x``)."""
+    if round_x and not code_strips_round_x():
+        raise ValueError("4-bit codes meet x rounded to 8 bits only where the CPU has AVX512-VNNI")
     out_features, in_features = codes.shape
     padded = _padded_rows(codes)
     strips = padded.shape[0] // STRIP
@@ -305,6 +321,7 @@ def pack_int4_strips(
         group_size,
         out_features,
         in_features,
+        round_x,
     )
 
 
@@ -333,8 +350,7 @@ def strip_codes_linear(
     out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.bfloat16)
     lib = _library()
     assert lib is not None, "a StripCodesWeight is only made where the kernel loaded"
-    kernel = lib.strip_gemm_int4 if weight.bits == 4 else lib.strip_gemm_int8
-    status = kernel(
+    args = (
         weight.codes.data_ptr(),
         weight.scales.data_ptr(),
         rows.data_ptr(),
@@ -346,6 +362,10 @@ def strip_codes_linear(
         weight.group_size,
         rows.stride(0),
     )
+    if weight.bits == 4:
+        status = lib.strip_gemm_int4(*args, weight.rounds_x)
+    else:
+        status = lib.strip_gemm_int8(*args)
     if status != 0:
         raise RuntimeError(f"{weight.bits}-bit strip matmul has no path for these codes here")
     if x.dtype != torch.bfloat16:

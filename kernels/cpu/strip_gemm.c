@@ -19,6 +19,8 @@
  * strips, two codes a byte, with each group's 16 scales and minimums (fp16, as GGUF stores them):
  * a lookup turns 32 codes into 32 exact bf16 values at once, AVX512-BF16 dots them with x, and
  * the group's sum becomes scale * dot + min * sum(x over the group). A quarter of bf16's bytes.
+ * Asked to round x (and where the CPU has AVX512-VNNI), x is rounded to 8 bits a group instead
+ * and meets the codes, widened to bytes, in integer dot products (tile_int4_q8).
  * 8-bit codes (Q8_0's w = scale * code) come one a byte, [strips][in][16], widened to fp32.
  *
  * fp32 accumulation; bf16 results rounded once at the end (to nearest even, as torch), after
@@ -27,6 +29,7 @@
  * oneDNN's path.
  */
 #define _GNU_SOURCE /* syscall */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +46,11 @@
 #define HAS_BF16_PATH 1
 #else
 #define HAS_BF16_PATH 0
+#endif
+#if defined(__AVX512VNNI__) && HAS_BF16_PATH
+#define HAS_VNNI_PATH 1
+#else
+#define HAS_VNNI_PATH 0
 #endif
 
 #define STRIP 16     /* output features per strip: one AVX-512 register of fp32 */
@@ -522,6 +530,91 @@ static void dispatch_int4(const uint8_t *codes, const uint16_t *scales, int64_t 
 #undef TILE
 }
 
+#if HAS_VNNI_PATH
+/* A quad's 32 bytes of 4-bit codes (tile_int4's layout) as 16 lanes of 4 unsigned bytes: lane o
+ * holds output o's codes for inputs 4j..4j+3 in order, as AVX512-VNNI's byte dot product takes
+ * them. A lane's 16 bits are (byte 2o, byte 2o+1); shifted left by 12 their high nibbles land in
+ * bytes 2 and 3, and one mask keeps the four low nibbles of the two. */
+INLINE __m512i widen_quad_u8(const uint8_t *at) {
+  const __m512i pairs = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at));
+  return _mm512_ternarylogic_epi32(pairs, _mm512_slli_epi32(pairs, 12),
+                                   _mm512_set1_epi32(0x0f0f0f0f), 0xa8 /* (a | b) & c */);
+}
+
+/* One quad of tile_int4_q8: each row's 4 bytes of x against each strip's codes. */
+INLINE void quad_q8(const uint8_t *codes, int64_t strip_codes, const int8_t *xq, int64_t k,
+                    int64_t quad, const int rows, const int strips,
+                    __m512i acc[2][CODE_ROW_TILE]) {
+  __m512i w[2];
+  for (int t = 0; t < strips; t++) {
+    __builtin_prefetch(codes + t * strip_codes + quad * 32 + PREFETCH_AHEAD, 0, 3);
+    w[t] = widen_quad_u8(codes + t * strip_codes + quad * 32);
+  }
+  for (int m = 0; m < rows; m++) {
+    int32_t four;
+    memcpy(&four, xq + m * k + quad * 4, 4);
+    const __m512i xb = _mm512_set1_epi32(four);
+    for (int t = 0; t < strips; t++) acc[t][m] = _mm512_dpbusd_epi32(acc[t][m], w[t], xb);
+  }
+}
+
+/* As tile_int4, with x rounded to 8 bits a group (xq [rows][k] int8, x_scales [rows][groups]:
+ * x ~ x_scale * xq) and the codes dotted with it in integers, 64 products an instruction (the
+ * bf16 path's dot takes 32 and a lookup): a group's sum is scale * x_scale * dot + min * sum(x),
+ * sum(x) of the unrounded x. With one or two rows, alternate quads go to two accumulators. */
+INLINE void tile_int4_q8(const uint8_t *codes, const uint16_t *scales, int64_t strip_codes,
+                         int64_t strip_scales, const int8_t *xq, const float *x_scales,
+                         const float *x_sums, int64_t k, int64_t group, const int rows,
+                         const int strips, __m512 total[2][CODE_ROW_TILE]) {
+  const int64_t groups = k / group, quads = group / 4;
+  for (int t = 0; t < strips; t++)
+    for (int m = 0; m < rows; m++) total[t][m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; g++) {
+    __m512i even[2][CODE_ROW_TILE], odd[2][CODE_ROW_TILE];
+    for (int t = 0; t < strips; t++)
+      for (int m = 0; m < rows; m++) even[t][m] = odd[t][m] = _mm512_setzero_si512();
+    int64_t j = 0;
+    if (rows <= 2)
+      for (; j + 1 < quads; j += 2) {
+        quad_q8(codes, strip_codes, xq, k, g * quads + j, rows, strips, even);
+        quad_q8(codes, strip_codes, xq, k, g * quads + j + 1, rows, strips, odd);
+      }
+    for (; j < quads; j++) quad_q8(codes, strip_codes, xq, k, g * quads + j, rows, strips, even);
+    for (int t = 0; t < strips; t++) {
+      const uint16_t *at = scales + t * strip_scales + g * 32;
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+      const __m512 min = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(at + 16)));
+      for (int m = 0; m < rows; m++) {
+        const __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[t][m], odd[t][m]));
+        const __m512 row_scale = _mm512_mul_ps(scale, _mm512_set1_ps(x_scales[m * groups + g]));
+        total[t][m] = _mm512_fmadd_ps(dot, row_scale, total[t][m]);
+        total[t][m] = _mm512_fmadd_ps(min, _mm512_set1_ps(x_sums[m * groups + g]), total[t][m]);
+      }
+    }
+  }
+}
+
+/* tile_int4_q8 with `rows` (1..CODE_ROW_TILE) and `strips` (1, 2) as constants. */
+static void dispatch_int4_q8(const uint8_t *codes, const uint16_t *scales, int64_t strip_codes,
+                             int64_t strip_scales, const int8_t *xq, const float *x_scales,
+                             const float *x_sums, int64_t k, int64_t group, int rows, int strips,
+                             __m512 total[2][CODE_ROW_TILE]) {
+#define TILE(R)                                                                              \
+  case R:                                                                                    \
+    if (strips == 2)                                                                         \
+      tile_int4_q8(codes, scales, strip_codes, strip_scales, xq, x_scales, x_sums, k, group, \
+                   R, 2, total);                                                             \
+    else                                                                                     \
+      tile_int4_q8(codes, scales, strip_codes, strip_scales, xq, x_scales, x_sums, k, group, \
+                   R, 1, total);                                                             \
+    break;
+  switch (rows) {
+    TILE(1) TILE(2) TILE(3) TILE(4)
+  }
+#undef TILE
+}
+#endif
+
 /* Rows [0, rows) of x (bf16) against `strips` (1, 2) strips of 8-bit codes (w = scale * code
  * per group): codes [k][16] int8 a strip, scales [groups][16] fp16 a strip. Codes widen to fp32
  * (exact) and meet x in fp32 products. */
@@ -572,12 +665,13 @@ static void dispatch_int8(const int8_t *codes, const uint16_t *scales, int64_t s
 #undef TILE
 }
 
-/* Every (row block, strip pair) of a product over codes of `bits` (4: x_sums given, 8: none),
- * split across the threads; each row tile's totals stored with the bias. */
+/* Every (row block, strip pair) of a product over codes of `bits` (4: x_sums given, and with
+ * xq and x_scales x's 8-bit rounding; 8: none), split across the threads; each row tile's
+ * totals stored with the bias. */
 static void run_code_strips(int bits, const void *codes, const uint16_t *scales,
-                            const uint16_t *x, const float *x_sums, const uint16_t *bias,
-                            uint16_t *out, int64_t rows, int64_t n, int64_t k, int64_t group,
-                            int64_t x_stride) {
+                            const uint16_t *x, const float *x_sums, const int8_t *xq,
+                            const float *x_scales, const uint16_t *bias, uint16_t *out,
+                            int64_t rows, int64_t n, int64_t k, int64_t group, int64_t x_stride) {
   const int64_t groups = k / group, strips = (n + STRIP - 1) / STRIP;
   const int64_t blocks = (rows + ROW_BLOCK - 1) / ROW_BLOCK, strip_pairs = (strips + 1) / 2;
   const int64_t strip_codes = bits == 4 ? k * 8 : k * STRIP; /* bytes a strip */
@@ -591,6 +685,13 @@ static void run_code_strips(int bits, const void *codes, const uint16_t *scales,
       for (int64_t row0 = b * ROW_BLOCK; row0 < end; row0 += CODE_ROW_TILE) {
         const int tile = end - row0 < CODE_ROW_TILE ? (int)(end - row0) : CODE_ROW_TILE;
         __m512 total[2][CODE_ROW_TILE];
+#if HAS_VNNI_PATH
+        if (xq)
+          dispatch_int4_q8((const uint8_t *)strip, scales + s * strip_scales, strip_codes,
+                           strip_scales, xq + row0 * k, x_scales + row0 * groups,
+                           x_sums + row0 * groups, k, group, tile, both, total);
+        else
+#endif
         if (bits == 4)
           dispatch_int4((const uint8_t *)strip, scales + s * strip_scales, strip_codes,
                         strip_scales, x + row0 * x_stride, x_sums + row0 * groups, x_stride, k,
@@ -605,30 +706,62 @@ static void run_code_strips(int bits, const void *codes, const uint16_t *scales,
 }
 #endif
 
-/* out [rows, n] (bf16) = x [rows, k] (bf16, rows `x_stride` apart) @ W^T + bias (bf16 or NULL),
- * W as 4-bit codes in strips (tile_int4's layout; `group` inputs per scale, a multiple of 4
- * dividing k). 0, or -1 where this build has no AVX512-BF16 path or the group does not fit. */
-int strip_gemm_int4(const uint8_t *codes, const uint16_t *scales, const uint16_t *x,
-                    const uint16_t *bias, uint16_t *out, int64_t rows, int64_t n, int64_t k,
-                    int64_t group, int64_t x_stride) {
-  if (!HAS_BF16_PATH || group % 4 || k % group) return -1;
 #if HAS_BF16_PATH
+/* Each row's sum of x over each group (x_sums [rows][groups]) and, where xq is given, x rounded
+ * to 8 bits a group: xq [rows][k], x_scales [rows][groups] (max |x| / 127; 0 for all zeros). */
+static void summarize_groups(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k,
+                             int64_t group, float *x_sums, int8_t *xq, float *x_scales) {
   const int64_t groups = k / group;
-  float *x_sums = malloc(sizeof(float) * (rows * groups + 1));
-  if (!x_sums) return -1;
 #pragma omp parallel for schedule(static) if (rows >= ROW_BLOCK)
   for (int64_t m = 0; m < rows; m++)
     for (int64_t g = 0; g < groups; g++) {
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < group; i++) sum += bf16_to_f32(x[m * x_stride + g * group + i]);
+      const uint16_t *at = x + m * x_stride + g * group;
+      float sum = 0.f, max = 0.f;
+#pragma omp simd reduction(+ : sum) reduction(max : max)
+      for (int64_t i = 0; i < group; i++) {
+        const float v = bf16_to_f32(at[i]);
+        sum += v;
+        max = fmaxf(max, fabsf(v));
+      }
       x_sums[m * groups + g] = sum;
+      if (!xq) continue;
+      const float scale = max / 127.f, inverse = max > 0.f ? 127.f / max : 0.f;
+      x_scales[m * groups + g] = scale;
+      for (int64_t i = 0; i < group; i++)
+        xq[m * k + g * group + i] = (int8_t)lrintf(bf16_to_f32(at[i]) * inverse);
     }
-  run_code_strips(4, codes, scales, x, x_sums, bias, out, rows, n, k, group, x_stride);
+}
+#endif
+
+/* out [rows, n] (bf16) = x [rows, k] (bf16, rows `x_stride` apart) @ W^T + bias (bf16 or NULL),
+ * W as 4-bit codes in strips (tile_int4's layout; `group` inputs per scale, a multiple of 4
+ * dividing k). With `round_x`, x is rounded to 8 bits a group and dotted in integers
+ * (tile_int4_q8; where the CPU has AVX512-VNNI), else in bf16. 0, or -1 where this build has no
+ * path for that or the group does not fit. */
+int strip_gemm_int4(const uint8_t *codes, const uint16_t *scales, const uint16_t *x,
+                    const uint16_t *bias, uint16_t *out, int64_t rows, int64_t n, int64_t k,
+                    int64_t group, int64_t x_stride, int round_x) {
+  if (!HAS_BF16_PATH || group % 4 || k % group || (round_x && !HAS_VNNI_PATH)) return -1;
+#if HAS_BF16_PATH
+  const int64_t groups = k / group;
+  float *x_sums = malloc(sizeof(float) * (2 * rows * groups + 1));
+  int8_t *xq = round_x ? malloc(rows * k + 1) : NULL;
+  if (!x_sums || (round_x && !xq)) {
+    free(x_sums);
+    return -1;
+  }
+  float *x_scales = round_x ? x_sums + rows * groups : NULL;
+  summarize_groups(x, x_stride, rows, k, group, x_sums, xq, x_scales);
+  run_code_strips(4, codes, scales, x, x_sums, xq, x_scales, bias, out, rows, n, k, group,
+                  x_stride);
+  free(xq);
   free(x_sums);
 #endif
   return 0;
 }
+
+/* Whether strip_gemm_int4 can round x to 8 bits here (AVX512-VNNI). */
+int strip_gemm_int4_rounds_x(void) { return HAS_VNNI_PATH; }
 
 /* out [rows, inter] = silu(x @ G^T + bias_g) * (x @ U^T + bias_u), bf16, for a weight packed as
  * above whose 2 * inter rows are G then U (a gated MLP's fused gate and up projection), bias
@@ -657,7 +790,7 @@ int strip_gemm_int8(const int8_t *codes, const uint16_t *scales, const uint16_t 
                     int64_t group, int64_t x_stride) {
   if (!HAS_BF16_PATH || k % group) return -1;
 #if HAS_BF16_PATH
-  run_code_strips(8, codes, scales, x, NULL, bias, out, rows, n, k, group, x_stride);
+  run_code_strips(8, codes, scales, x, NULL, NULL, NULL, bias, out, rows, n, k, group, x_stride);
 #endif
   return 0;
 }

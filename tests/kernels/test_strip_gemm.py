@@ -208,7 +208,7 @@ def test_builds_without_a_vector_path_leave_the_dtype_to_onednn(
     with pytest.raises(RuntimeError, match="SHOAL_GEMM=strips"):
         monkeypatch.setenv(gemm.ENV_VAR, gemm.STRIPS)
         gemm.gemm_backend("cpu", torch.bfloat16)
-    assert not code_strips_available(32, 64)
+    assert not code_strips_available(32, 64) and not strip_gemm.code_strips_round_x()
     if fp32_path:
         weight, x = torch.randn(50, 40), torch.randn(9, 40)
         _check(strip_linear(x, pack_strips(weight)), x, weight, None)
@@ -216,11 +216,12 @@ def test_builds_without_a_vector_path_leave_the_dtype_to_onednn(
 
 
 def test_a_build_without_matrix_units_keeps_bf16_on_the_vector_path(fresh_build, monkeypatch):
-    """SHOAL_KERNEL_ARCH=cooperlake: AVX512-BF16 without AMX; the bf16 path still answers."""
+    """SHOAL_KERNEL_ARCH=cooperlake: AVX512-BF16 (and VNNI) without AMX; the bf16 path still
+    answers."""
     if "avx512_bf16" not in cpu_flags():
         pytest.skip("the CPU has no AVX512-BF16")
     monkeypatch.setenv("SHOAL_KERNEL_ARCH", "cooperlake")
-    assert strip_gemm_available(torch.bfloat16)
+    assert strip_gemm_available(torch.bfloat16) and strip_gemm.code_strips_round_x()
     assert not use_matrix_units(True)
     weight, x = torch.randn(40, 64).bfloat16(), torch.randn(20, 64).bfloat16()
     _check(strip_linear(x, pack_strips(weight)), x, weight, None)
@@ -273,6 +274,54 @@ def test_4bit_codes_take_strided_and_fp32_inputs():
     assert out.shape == (2, 3, 40) and out.dtype == torch.float32
     as_bf16 = x32.bfloat16().reshape(6, 64)
     _check(out.reshape(6, 40).bfloat16(), as_bf16, weight, None)
+
+
+def _rounded_to_8_bits(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the q8 path takes it: each group's values times 127 / max |value| (fp32, the
+    quotient correctly rounded: torch's own fp32 division can land a product one ulp off a tie),
+    rounded to the nearest integer (ties to even), times max / 127 (fp64)."""
+    grouped = x.float().view(len(x), x.shape[1] // group, group)
+    largest = grouped.abs().amax(-1, keepdim=True)
+    quotient = (127 / largest.double()).float()
+    inverse = torch.where(largest > 0, quotient, torch.zeros_like(largest))
+    codes = torch.round(grouped * inverse)
+    return (codes.double() * (largest.double() / 127)).view(x.shape)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9, 64, 70])
+@pytest.mark.parametrize(
+    ("out_features", "in_features", "group"), [(16, 32, 32), (50, 64, 32), (96, 256, 64)]
+)
+def test_4bit_codes_with_x_rounded_to_8_bits(rows, out_features, in_features, group):
+    """The q8 path: each group's dot in integers with x rounded to 8 bits (scale * code parts),
+    plus min * the sum of the unrounded x; across row tiles, strips and groups."""
+    if not (code_strips_available(group, in_features) and strip_gemm.code_strips_round_x()):
+        pytest.skip("the 4-bit strip kernel cannot round x to 8 bits on this CPU")
+    codes, scales, mins, weight = _int4_case(out_features, in_features, group, rows)
+    packed = pack_int4_strips(codes, scales, mins, group, round_x=True)
+    assert packed.rounds_x and packed.nbytes == pack_int4_strips(codes, scales, mins, group).nbytes
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(rows, in_features, generator=gen).bfloat16()
+    x[:, :group] = 0  # a group of zeros: scale 0, no division by it
+    bias = torch.randn(out_features, generator=gen).bfloat16()
+    rounded = _rounded_to_8_bits(x, group)
+    code_part = weight.double() - mins.double().repeat_interleave(group, dim=1)
+    x_sums = x.double().view(rows, in_features // group, group).sum(-1)
+    expected = rounded @ code_part.T + x_sums @ mins.double().T
+    scale = float(x.double().abs().sum(-1).max(-1).values.clamp(min=1) if rows else 1.0)
+    scale *= float(weight.double().abs().amax())
+    for b in (None, bias):
+        out = strip_codes_linear(x, packed, b)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
+        want = expected if b is None else expected + b.double()
+        torch.testing.assert_close(out.double(), want, atol=1e-5 * scale, rtol=2**-8)
+
+
+def test_rounding_x_is_refused_where_the_cpu_cannot(monkeypatch):
+    monkeypatch.setattr(strip_gemm, "code_strips_round_x", lambda: False)
+    codes, scales, mins, _ = _int4_case(16, 32, 32, 0)
+    with pytest.raises(ValueError, match="AVX512-VNNI"):
+        pack_int4_strips(codes, scales, mins, 32, round_x=True)
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 4, 5, 64, 70])
