@@ -9,6 +9,9 @@ Modes (``--modes``, all by default), each a ``ModelRunner`` loaded on its own:
 - ``int4``, ``int4-bf16``: the file's weights kept as they are stored (SmolLM2's Q4_1 layers as
   int4, its Q8_0 embedding as the tied head's int8), in an fp32 or a bf16 model (the quantized
   kernel runs in bf16 either way);
+- ``int4-q8``: as ``int4-bf16`` with its 4-bit products' x rounded to 8 bits a group
+  (``SHOAL_INT4_KERNEL=q8``: llama.cpp's numerics for Q4 weights; where the CPU has
+  AVX512-VNNI, else left out of the default modes);
 - ``int8``, ``int8-bf16``: the file dequantized, then ``quantization="int8"``.
 
 Every mode is loaded first. Decode: one prompt (the text's first 32 tokens), ``--tokens``
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -57,6 +61,8 @@ from shoal.config.deployment import ShoalConfig
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
 from shoal.kernels.gemm import PreparedWeight
+from shoal.kernels.strip_gemm import code_strips_round_x
+from shoal.workers.layers.weight_quantizing import INT4_KERNEL_ENV
 from shoal.workers.model_runner import ModelRunner
 
 # mode -> the options it loads with
@@ -65,6 +71,7 @@ MODES: dict[str, dict[str, Any]] = {
     "bf16": {"dtype": "bfloat16", "dequantize": True},
     "int4": {"dtype": "float32"},
     "int4-bf16": {"dtype": "bfloat16"},
+    "int4-q8": {"dtype": "bfloat16", INT4_KERNEL_ENV: "q8"},
     "int8": {"dtype": "float32", "dequantize": True, "quantization": "int8"},
     "int8-bf16": {"dtype": "bfloat16", "dequantize": True, "quantization": "int8"},
 }
@@ -96,7 +103,14 @@ TEXT = (
 )
 
 
+def available_modes() -> list[str]:
+    """Every mode this CPU runs (``int4-q8`` needs AVX512-VNNI)."""
+    return [mode for mode in MODES if mode != "int4-q8" or code_strips_round_x()]
+
+
 def load_runner(model_dir: Path, options: dict[str, Any]) -> ModelRunner:
+    options = dict(options)
+    int4_kernel = options.pop(INT4_KERNEL_ENV, None)
     config = ShoalConfig.from_options(
         model=str(model_dir),
         block_size=BLOCK_SIZE,
@@ -106,7 +120,16 @@ def load_runner(model_dir: Path, options: dict[str, Any]) -> ModelRunner:
         **options,
     )
     runner = ModelRunner(config)
-    runner.load()
+    before = os.environ.get(INT4_KERNEL_ENV)
+    if int4_kernel is not None:  # read as the codes are packed, at load
+        os.environ[INT4_KERNEL_ENV] = int4_kernel
+    try:
+        runner.load()
+    finally:
+        if before is None:
+            os.environ.pop(INT4_KERNEL_ENV, None)
+        else:
+            os.environ[INT4_KERNEL_ENV] = before
     return runner
 
 
@@ -294,7 +317,7 @@ def compare(logits: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="default")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(available_modes()))
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16, help="requests at once (0: skip)")
     parser.add_argument("--rounds", type=int, default=5)

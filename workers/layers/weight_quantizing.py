@@ -46,7 +46,8 @@ from shoal.workers.layers.quantized_parts import QuantizedParts
 from shoal.workers.layers.quantized_tensor import QuantizedTensor
 
 SCHEMES = ("int8", "int4")
-INT4_KERNEL_ENV = "SHOAL_INT4_KERNEL"  # torch (default) or strips: read when codes are packed
+INT4_KERNEL_ENV = "SHOAL_INT4_KERNEL"  # read when codes are packed
+INT4_KERNELS = ("torch", "strips", "q8")
 LINEAR_LAYERS = (ReplicatedLinear, ColumnParallelLinear, RowParallelLinear)
 # The LM head under ``--quantization``: int8 either way (int4 logits cost more accuracy than the
 # head's share of the bytes buys; see bench/quantized.py).
@@ -132,19 +133,25 @@ def _packed(codes: QuantizedTensor) -> QuantizedWeight | StripCodesWeight:
         return pack_int8(codes.codes, codes.scales, codes.group_size)
     if codes.mins is None:
         raise ValueError("4-bit codes without group minimums")
-    pack = pack_int4_strips if in_strips and _int4_in_strips() else pack_int4
-    return pack(codes.codes, codes.scales, codes.mins, codes.group_size)
+    kernel = _int4_kernel()
+    if in_strips and kernel != "torch":
+        return pack_int4_strips(
+            codes.codes, codes.scales, codes.mins, codes.group_size, round_x=kernel == "q8"
+        )
+    return pack_int4(codes.codes, codes.scales, codes.mins, codes.group_size)
 
 
-def _int4_in_strips() -> bool:
-    """4-bit codes in strips only when asked: 1.4-1.6x torch's kernel from 16 tokens, but on
+def _int4_kernel() -> str:
+    """Which kernel 4-bit codes meet x in (``INT4_KERNEL_ENV``): torch's (the default), the
+    strips in bf16, or the strips with x rounded to 8 bits a group (q8, as llama.cpp's Q4 dots
+    take it). The strips only when asked: 1.4-1.6x torch's kernel from 16 tokens, but on
     the default model the README's question ("What is the capital of France?") is a near-tie
     at its first token in bf16 (0.00-0.12 apart), and the strips' rounding answered it wrong
     alone in a batch where torch's kernel answered it right (either flips with the batch)."""
     choice = os.environ.get(INT4_KERNEL_ENV, "torch").strip().lower() or "torch"
-    if choice not in ("torch", "strips"):
-        raise ValueError(f"{INT4_KERNEL_ENV}={choice!r}: expected torch or strips")
-    return choice == "strips"
+    if choice not in INT4_KERNELS:
+        raise ValueError(f"{INT4_KERNEL_ENV}={choice!r}: expected one of {', '.join(INT4_KERNELS)}")
+    return choice
 
 
 def describe(codes: QuantizedTensor) -> str:
