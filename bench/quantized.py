@@ -46,6 +46,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 
@@ -120,16 +121,9 @@ def load_runner(model_dir: Path, options: dict[str, Any]) -> ModelRunner:
         **options,
     )
     runner = ModelRunner(config)
-    before = os.environ.get(INT4_KERNEL_ENV)
-    if int4_kernel is not None:  # read as the codes are packed, at load
-        os.environ[INT4_KERNEL_ENV] = int4_kernel
-    try:
+    asked = {INT4_KERNEL_ENV: int4_kernel} if int4_kernel else {}
+    with patch.dict(os.environ, asked):  # read as the codes are packed, at load
         runner.load()
-    finally:
-        if before is None:
-            os.environ.pop(INT4_KERNEL_ENV, None)
-        else:
-            os.environ[INT4_KERNEL_ENV] = before
     return runner
 
 
