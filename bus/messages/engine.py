@@ -114,6 +114,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # On the final output of a request prefilled for a remote decode: where its KV is held.
     kv_transfer_params: KVTransferParams | None = None
     pooled: list[float] | None = None  # a pooling request's embedding, on its final output
+    # Output tokens the request had before these (-1: not said): a client that has fewer lost
+    # outputs in transit (a bus connection cut mid-stream) and must not take these as next.
+    num_prior_tokens: int = -1
 
 
 class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

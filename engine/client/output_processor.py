@@ -12,6 +12,11 @@ Resumption (``resume_on_fault``): an output that says its engine core's fault en
 (``"{id}@{attempt}"``, so late outputs of the old attempt are dropped as unknown) and returns what
 to send again: the prompt and, per completion, the tokens received so far.
 
+Lost outputs: each output says how many tokens its completion had before it
+(``num_prior_tokens``); one that does not follow the tokens received (a bus connection cut
+mid-stream lost the outputs between) is not taken: its engine-side request is aborted and, with
+resumption, resumed from the tokens received, else failed.
+
 Disaggregated prefill (``mark_remote_prefill``): a request sent to a prefill engine core ends
 there capped at one token, its KV held; that output's token reaches the caller but its finish
 does not, and the request is listed in ``to_hand_over`` with the held KV (``continuation``: what
@@ -40,6 +45,8 @@ from shoal.engine.client.completion_state import CompletionState, convert_logpro
 from shoal.engine.client.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from shoal.engine.client.tokenizer import Tokenizer
 
+LOST_OUTPUTS = "outputs of the engine core were lost in transit"
+
 
 @dataclass(slots=True, frozen=True)
 class ChildRequest:
@@ -54,7 +61,8 @@ class ProcessedOutputs:
     """The result of one ``process_outputs`` call."""
 
     request_outputs: list[RequestOutput] = field(default_factory=list)
-    # Engine-side ids that finished here on a stop string while the engine core still runs them.
+    # Engine-side ids that finished here on a stop string (or after lost outputs) while the
+    # engine core still runs them.
     reqs_to_abort: list[str] = field(default_factory=list)
     # Requests (user ids) that finished in this batch and are no longer tracked.
     finished_request_ids: list[str] = field(default_factory=list)
@@ -290,6 +298,12 @@ class OutputProcessor:
             if item.resumable and self.resume_on_fault:
                 result.to_resume.setdefault(owner, item.error or "engine core fault")
                 continue
+            if _follows_a_gap(item, child):
+                result.reqs_to_abort.append(item.request_id)  # its engine core goes on otherwise
+                if self.resume_on_fault:
+                    result.to_resume.setdefault(owner, LOST_OUTPUTS)
+                    continue
+                item = EngineCoreOutput(item.request_id, [], "error", error=LOST_OUTPUTS)
             handover = _handover_of(state, item)
             if handover is not None:  # the prefill's end is not the request's
                 state.prefilling_remotely = False
@@ -391,6 +405,13 @@ class OutputProcessor:
             return
         for engine_id in state.children:
             self._owner_of.pop(engine_id, None)
+
+
+def _follows_a_gap(item: EngineCoreOutput, child: CompletionState) -> bool:
+    """The output's tokens do not come right after the completion's: outputs between were lost
+    in transit (or it repeats some), so its tokens cannot be taken as the next ones."""
+    prior = item.num_prior_tokens
+    return bool(item.new_token_ids) and prior >= 0 and prior != len(child.token_ids)
 
 
 def _handover_of(state: RequestState, item: EngineCoreOutput) -> KVTransferParams | None:

@@ -132,6 +132,7 @@ def _read_sampled_tokens(
             request.num_cached_tokens,
             scheduled_time=request.first_scheduled_time if first_output else None,
             pooled=all_pooled[index] if all_pooled else None,
+            num_prior_tokens=request.num_output_tokens - num_new,
         )
         client_outputs = outputs.get(request.client_id)
         if client_outputs is None:

@@ -9,7 +9,7 @@ import pytest
 from shoal.bus.messages.engine import EngineCoreOutput, Logprobs
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
 from shoal.config.deployment import FaultToleranceConfig
-from shoal.engine.client.output_processor import OutputProcessor, ResumeRequest
+from shoal.engine.client.output_processor import LOST_OUTPUTS, OutputProcessor, ResumeRequest
 from shoal.engine.client.resumption import Resumptions
 
 PROMPT = [5, 6, 7]
@@ -52,6 +52,35 @@ def test_a_resumable_error_is_hidden_and_the_completion_continues_under_a_fresh_
     assert (completion.token_ids, completion.finish_reason) == ([13], "length")
     assert result.finished_request_ids == ["r"]
     assert processor.prepare_resume("r") is None
+
+
+def test_an_output_after_lost_ones_is_not_taken_and_the_completion_resumes() -> None:
+    """A bus connection cut mid-stream lost the output of token 3: the next one (saying two
+    tokens came before it, where the client has one) is dropped, its engine-side request
+    aborted, and the completion resumes from the one token received."""
+    processor = OutputProcessor(None, resume_on_fault=True)
+    processor.add_request("r", PROMPT, delta())
+    first = EngineCoreOutput("r", [11], num_prior_tokens=0)
+    assert streamed(processor, first) == [[11]]
+    result = processor.process_outputs([EngineCoreOutput("r", [13], num_prior_tokens=2)])
+    assert result.request_outputs == [] and result.reqs_to_abort == ["r"]
+    assert result.to_resume == {"r": LOST_OUTPUTS}
+    resume = processor.prepare_resume("r")
+    assert resume is not None and resume.children[0][1] == [11]
+    # Said or not, outputs that follow what the client has are taken.
+    assert streamed(processor, EngineCoreOutput("r@1", [12], num_prior_tokens=1)) == [[12]]
+    assert streamed(processor, EngineCoreOutput("r@1", [13])) == [[13]]
+
+
+def test_without_resumption_an_output_after_lost_ones_ends_the_request() -> None:
+    processor = OutputProcessor(None)
+    processor.add_request("r", PROMPT, delta())
+    assert streamed(processor, EngineCoreOutput("r", [11], num_prior_tokens=0)) == [[11]]
+    result = processor.process_outputs([EngineCoreOutput("r", [13], num_prior_tokens=2)])
+    assert result.finished_request_ids == ["r"] and result.reqs_to_abort == ["r"]
+    ((completion,),) = [out.outputs for out in result.request_outputs]
+    assert (completion.token_ids, completion.finish_reason) == ([], "error")
+    assert result.request_outputs[0].error == LOST_OUTPUTS
 
 
 def test_without_resumption_a_resumable_error_ends_the_request() -> None:

@@ -105,3 +105,16 @@ def test_the_scheduler_applies_the_outcome_and_owns_the_counters() -> None:
     stats = scheduler.make_stats()
     assert (stats.num_prompt_tokens, stats.num_generation_tokens) == (8, 1)
     assert stats.num_preemptions == 1
+
+
+def test_each_output_says_how_many_tokens_came_before_its_own() -> None:
+    """``num_prior_tokens``: what a client checks its stream against (a gap: lost outputs)."""
+    scheduler, output = scheduled(2)
+    first = outcome_of(
+        scheduler, output, StepResult(output.step_id, ["req0", "req1"], [[7, 8], [9]])
+    )
+    assert [o.num_prior_tokens for o in first.outputs["client"]] == [0, 0]
+    second = outcome_of(
+        scheduler, output, StepResult(output.step_id, ["req0", "req1"], [[10], [11, 12]])
+    )
+    assert [o.num_prior_tokens for o in second.outputs["client"]] == [2, 1]
