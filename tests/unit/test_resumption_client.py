@@ -55,9 +55,9 @@ def test_a_resumable_error_is_hidden_and_the_completion_continues_under_a_fresh_
 
 
 def test_an_output_after_lost_ones_is_not_taken_and_the_completion_resumes() -> None:
-    """A bus connection cut mid-stream lost the output of token 3: the next one (saying two
-    tokens came before it, where the client has one) is dropped, its engine-side request
-    aborted, and the completion resumes from the one token received."""
+    """A bus connection cut mid-stream lost the output of the second token: the third one's
+    (saying two tokens came before it, where the client has one) is dropped, its engine-side
+    request aborted, and the completion resumes from the one token received."""
     processor = OutputProcessor(None, resume_on_fault=True)
     processor.add_request("r", PROMPT, delta())
     first = EngineCoreOutput("r", [11], num_prior_tokens=0)
