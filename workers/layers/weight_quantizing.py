@@ -122,8 +122,9 @@ def _from_floats(weight: torch.Tensor, scheme: str) -> QuantizedTensor:
 
 def _packed(codes: QuantizedTensor) -> QuantizedWeight | StripCodesWeight:
     """The codes packed for their kernel: in bf16 where this CPU has the strip matmul's path
-    (AVX512-BF16), 8-bit codes in strips and 4-bit ones where ``SHOAL_INT4_KERNEL=strips`` asks
-    (``INT4_KERNEL_ENV``); everything else in torch's int4 kernel (8 bits as two halves)."""
+    (AVX512-BF16), 8-bit codes in strips and 4-bit ones where ``SHOAL_INT4_KERNEL=strips`` or
+    ``q8`` asks (``_int4_kernel``); everything else in torch's int4 kernel (8 bits as two
+    halves)."""
     in_strips = compute_dtype() == torch.bfloat16 and code_strips_available(
         codes.group_size, codes.shape[1]
     )
