@@ -229,6 +229,7 @@ typedef struct {
 #define B1 7
 #define TZERO(t) _tile_zero(t)
 #define TLOAD(t, at, stride) _tile_loadd(t, at, stride)
+#define TSTREAM(t, at, stride) _tile_stream_loadd(t, at, stride)
 #define TDOT(c, a, b) _tile_dpbf16ps(c, a, b)
 #define TSTORE(t, at, stride) _tile_stored(t, at, stride)
 
@@ -276,7 +277,11 @@ static void write_pending(Pending *p);
  * left in the result tiles: C00 and C01 for the first 16 rows, C10 and C11 for the rest; the
  * pending block is written out once the products are issued. Two tiles of x by two of the
  * weight, 32 inputs a product. The strips' bf16 layout, [in / 2][16][2] a strip, is the layout
- * AMX takes for its second operand. */
+ * AMX takes for its second operand. The weight's tiles are loaded with the streaming hint (each
+ * is used for one block and gone), so they pass without evicting x's rows from L1, which every
+ * strip pair loads again: SmolLM2's 120 products, same-process A/B on a 2-core Xeon, at 64 rows
+ * 22.6 -> 21.3 ms, 256: 49.9 -> 48.2, 2,048: 350 -> 312; its 49152 x 576 head at 2,048 rows
+ * 139 -> 106 ms; 1 and 16 rows 2-5% faster. */
 static void tile_products(const uint16_t *packed, const uint16_t *x, int64_t k, int64_t x_stride,
                          int64_t row0, int rows, int64_t s0, int64_t s1, int loaded[2],
                          Pending *pending) {
@@ -290,8 +295,8 @@ static void tile_products(const uint16_t *packed, const uint16_t *x, int64_t k, 
   TZERO(C10);
   TZERO(C11);
   for (int64_t p = 0; p < k; p += AMX_K_STEP) {
-    TLOAD(B0, w0 + p * STRIP, 64);
-    if (both) TLOAD(B1, w1 + p * STRIP, 64);
+    TSTREAM(B0, w0 + p * STRIP, 64);
+    if (both) TSTREAM(B1, w1 + p * STRIP, 64);
     TLOAD(A0, x0 + p, x_bytes);
     TDOT(C00, A0, B0);
     if (both) TDOT(C01, A0, B1);
