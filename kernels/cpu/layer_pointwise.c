@@ -52,6 +52,58 @@ static inline float sum_of_squares(const float *v, int64_t n) {
   return total;
 }
 
+#if defined(__AVX512F__)
+#define WIDE_ROWS 1 /* rows of whole 16-lane vectors take the intrinsics below */
+
+/* 16 values of a row from element `at` on, as fp32; and stored back in the row's dtype. */
+static inline __m512 load16(const void *base, int64_t at, int is_bf16) {
+  if (is_bf16) return bf16_to_f32_x16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)));
+  return _mm512_loadu_ps((const float *)base + at);
+}
+
+static inline void store16(void *base, int64_t at, __m512 v, int is_bf16) {
+  if (is_bf16)
+    _mm256_storeu_si256((__m256i *)((uint16_t *)base + at), f32_to_bf16_x16(v));
+  else
+    _mm512_storeu_ps((float *)base + at, v);
+}
+
+/* as_dtype of 16 lanes. */
+static inline __m512 as_dtype16(__m512 v, int is_bf16) {
+  return is_bf16 ? bf16_to_f32_x16(f32_to_bf16_x16(v)) : v;
+}
+
+/* One row of rms_norm (below) with `hidden` a multiple of 16: the same operations in the same
+ * order (products and sums unfused, the squares summed in 16 lanes then across them in lane
+ * order), so the same bits, in vector registers. SmolLM2's bf16 rows of 576 with the residual
+ * (same-process A/B, 2-core Xeon): 16 rows 9.4 -> 7.6 us, 64 rows 20.5 -> 17.9. */
+static void rms_norm_row_wide(const void *x, const void *residual, const void *weight, void *out,
+                              void *residual_out, int64_t row, int64_t hidden, int64_t x_stride,
+                              float eps, int is_bf16) {
+  float s[hidden];
+  __m512 squares = _mm512_setzero_ps();
+  for (int64_t i = 0; i < hidden; i += 16) {
+    __m512 v = load16(x, row * x_stride + i, is_bf16);
+    if (residual) {
+      v = as_dtype16(_mm512_add_ps(v, load16(residual, row * hidden + i, is_bf16)), is_bf16);
+      store16(residual_out, row * hidden + i, v, is_bf16);
+    }
+    _mm512_storeu_ps(s + i, v);
+    squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v));
+  }
+  float lanes[16], total = 0.f;
+  _mm512_storeu_ps(lanes, squares);
+  for (int lane = 0; lane < 16; lane++) total += lanes[lane];
+  const __m512 inv_rms = _mm512_set1_ps(1.f / sqrtf(total / (float)hidden + eps));
+  for (int64_t i = 0; i < hidden; i += 16) {
+    const __m512 normed = as_dtype16(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv_rms), is_bf16);
+    store16(out, row * hidden + i, _mm512_mul_ps(normed, load16(weight, i, is_bf16)), is_bf16);
+  }
+}
+#else
+#define WIDE_ROWS 0
+#endif
+
 /* out = weight * dtype(s * rsqrt(mean(s^2) + eps)) with s = dtype(x + residual) (or x alone when
  * residual is NULL); s is written to residual_out when given. Rows are `x_stride` elements apart
  * in x; every other tensor is contiguous [rows, hidden]. */
@@ -60,6 +112,13 @@ void rms_norm(const void *x, const void *residual, const void *weight, void *out
               int is_bf16) {
 #pragma omp parallel for schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
   for (int64_t row = 0; row < rows; row++) {
+#if WIDE_ROWS
+    if (hidden % 16 == 0) {
+      rms_norm_row_wide(x, residual, weight, out, residual_out, row, hidden, x_stride, eps,
+                        is_bf16);
+      continue;
+    }
+#endif
     float s[hidden], other[hidden];
     load_row(x, row * x_stride, hidden, is_bf16, s);
     if (residual) {

@@ -105,17 +105,6 @@ INLINE void tile_bf16(const uint16_t *w0, const uint16_t *w1, const uint16_t *x,
 #endif
 
 #if HAS_F32_PATH
-/* f32_to_bf16 of 16 lanes at once (to nearest even, NaN kept quiet). */
-INLINE __m256i f32_to_bf16_x16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
-  const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
-  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  const __m512i quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
-}
-
 /* One strip's results for `rows` rows: the bias added, written (the last strip cut to width). */
 static void store_strip(const __m512 *acc, int rows, const void *bias, void *out, int64_t n,
                         int64_t row0, int64_t col0, int is_bf16) {

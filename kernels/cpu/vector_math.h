@@ -1,5 +1,6 @@
-/* Scalar helpers the CPU kernels share, written so that loops over them vectorize: bf16 <-> fp32
- * as torch converts, and exp as a polynomial (libm's expf is a call per element). */
+/* Helpers the CPU kernels share: scalar ones written so that loops over them vectorize (bf16 <->
+ * fp32 as torch converts, exp as a polynomial: libm's expf is a call per element), and the
+ * bf16 <-> fp32 conversions of 16 lanes where the compiler targets AVX-512. */
 #ifndef SHOAL_VECTOR_MATH_H
 #define SHOAL_VECTOR_MATH_H
 
@@ -20,6 +21,26 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
   const uint32_t nan = (bits >> 16) | 0x40;
   return (uint16_t)((bits & 0x7fffffff) > 0x7f800000 ? nan : rounded);
 }
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* f32_to_bf16 of 16 lanes at once (to nearest even, NaN kept quiet). */
+static inline __m256i f32_to_bf16_x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+  const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+/* 16 bf16 values widened to fp32. */
+static inline __m512 bf16_to_f32_x16(__m256i raw) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
 
 /* exp(x): x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for exp(r) (relative error ~2e-7),
  * 2^n built in the exponent bits; x clamped to [-87, 88] (no inf, no denormals: exp(-inf) is

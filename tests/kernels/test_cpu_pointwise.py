@@ -35,10 +35,11 @@ def _check(got: torch.Tensor, want: torch.Tensor, *, bf16_exact: bool = True) ->
 @needs_kernel
 @DTYPES
 @pytest.mark.parametrize("rows", [1, 5, 96])
-def test_rms_norm_with_and_without_residual_is_the_reference(dtype, rows):
+@pytest.mark.parametrize("hidden", [200, 576])  # 576: whole 16-lane vectors (AVX-512's path)
+def test_rms_norm_with_and_without_residual_is_the_reference(dtype, rows, hidden):
     torch.manual_seed(rows)
-    x, residual = torch.randn(rows, 200, dtype=dtype), torch.randn(rows, 200, dtype=dtype)
-    weight = torch.rand(200, dtype=dtype) + 0.5
+    x, residual = torch.randn(rows, hidden, dtype=dtype), torch.randn(rows, hidden, dtype=dtype)
+    weight = torch.rand(hidden, dtype=dtype) + 0.5
     got = cpu_pointwise.rms_norm_cpu(x, weight, 1e-6)
     assert got is not None
     _check(got, rms_norm_torch(x, weight, 1e-6), bf16_exact=rows == 1)
