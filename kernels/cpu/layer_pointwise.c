@@ -55,12 +55,7 @@ static inline float sum_of_squares(const float *v, int64_t n) {
 #if defined(__AVX512F__)
 #define WIDE_ROWS 1 /* rows of whole 16-lane vectors take the intrinsics below */
 
-/* 16 values of a row from element `at` on, as fp32; and stored back in the row's dtype. */
-static inline __m512 load16(const void *base, int64_t at, int is_bf16) {
-  if (is_bf16) return bf16_to_f32_x16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)));
-  return _mm512_loadu_ps((const float *)base + at);
-}
-
+/* 16 values stored from element `at` on in the row's dtype (load16's inverse). */
 static inline void store16(void *base, int64_t at, __m512 v, int is_bf16) {
   if (is_bf16)
     _mm256_storeu_si256((__m256i *)((uint16_t *)base + at), f32_to_bf16_x16(v));

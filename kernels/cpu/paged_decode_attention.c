@@ -132,13 +132,6 @@ static inline __attribute__((always_inline)) __m512 sum_lanes_16(__m512 partial[
   return partial[0];
 }
 
-/* A cache row's 16 values from element c on, as fp32. */
-static inline __attribute__((always_inline)) __m512 load16(const void *row, int64_t c, int is_bf16) {
-  if (!is_bf16) return _mm512_loadu_ps((const float *)row + c);
-  const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + c));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 /* q . key as 16 partial sums (d a multiple of 32): bf16 pairs multiplied and summed by the CPU's
  * bf16 dot product where it has one (`query` then holds the unscaled bf16 row), else widened to
  * fp32 (`query` holds the scaled fp32 row). */

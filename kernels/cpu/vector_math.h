@@ -40,6 +40,13 @@ static inline __m256i f32_to_bf16_x16(__m512 v) {
 static inline __m512 bf16_to_f32_x16(__m256i raw) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
+
+/* 16 values of an fp32 or bf16 array from element `at` on, as fp32. */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t at,
+                                                          int is_bf16) {
+  if (!is_bf16) return _mm512_loadu_ps((const float *)base + at);
+  return bf16_to_f32_x16(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at)));
+}
 #endif
 
 /* exp(x): x = n ln2 + r, |r| <= ln2/2, a degree-6 polynomial for exp(r) (relative error ~2e-7),
