@@ -13,7 +13,8 @@ import torch
 
 from shoal.kernels._backend import use_triton
 from shoal.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
-from shoal.kernels.cpu_decode_attention import build_cpu_decode_kernel
+from shoal.kernels.cpu_decode_attention import CpuDecodePlan, build_cpu_decode_kernel
+from shoal.kernels.cpu_decode_step import cpu_decode_step, plan_cpu_decode_step
 from shoal.kernels.cpu_pointwise import (
     apply_rotary_cpu,
     build_cpu_pointwise_kernels,
@@ -27,6 +28,7 @@ from shoal.kernels.kv_write import write_kv_torch, write_kv_triton
 from shoal.kernels.rms_norm import rms_norm_torch, rms_norm_triton
 from shoal.kernels.rotary import apply_rotary_torch, apply_rotary_triton, build_cos_sin_cache
 from shoal.kernels.varlen_attention import (
+    TorchAttentionPlan,
     plan_varlen_torch,
     varlen_attention_torch,
     varlen_attention_triton,
@@ -36,8 +38,10 @@ __all__ = [
     "apply_rotary",
     "build_cos_sin_cache",
     "build_cpu_kernels",
+    "decode_step",
     "fused_moe",
     "paged_attention",
+    "plan_decode_step",
     "plan_paged_attention",
     "rms_norm",
     "silu_and_mul",
@@ -107,6 +111,37 @@ def plan_paged_attention(
     if use_triton(q):
         return None
     return plan_varlen_torch(block_tables, query_start_loc, seq_lens, k_cache, q.shape[1])
+
+
+def plan_decode_step(
+    qkv: torch.Tensor,  # [T, (q heads + 2 kv heads) * head_dim], the fused projection's rows
+    positions: torch.Tensor,  # [T] int64
+    slot_mapping: torch.Tensor,  # [T] int64
+    cos_sin_cache: torch.Tensor,  # [max_positions, rotary_dim] = cat(cos, sin)
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    num_q_heads: int,
+    plan: Any,  # plan_paged_attention's for this step
+    *,
+    is_neox: bool = True,
+) -> Any:
+    """A step where ``decode_step`` does a layer's rotary, KV write and attention in one call
+    (every token a decode the CPU kernel serves), or None: then ``apply_rotary``, ``write_kv``
+    and ``paged_attention`` in turn, which answer the same."""
+    if not isinstance(plan, TorchAttentionPlan) or not isinstance(plan.decode, CpuDecodePlan):
+        return None
+    args = (positions, slot_mapping, cos_sin_cache, k_cache, num_q_heads, is_neox)
+    return plan_cpu_decode_step(qkv, plan.decode, bool(plan.seqs), *args)
+
+
+def decode_step(
+    qkv: torch.Tensor,  # as planned
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    step: Any,  # plan_decode_step's
+    scale: float,
+) -> torch.Tensor:  # [T, num_q_heads * head_dim]
+    """One layer's rotary, KV write and decode attention of a planned step."""
+    return cpu_decode_step(qkv, k_cache, v_cache, step, scale)
 
 
 def rms_norm(

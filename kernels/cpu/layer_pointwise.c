@@ -15,30 +15,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "vector_math.h"
+#include "layer_rows.h"
 
 #define PARALLEL_MIN_ELEMENTS 32768 /* below this a call runs on one thread: a fork costs more */
 #define LANES 16 /* partial sums of a row's squares (one AVX-512 register of fp32) */
-
-/* Rows widened to fp32 on load and narrowed on store; the dtype test sits outside the loops so
- * each loop vectorizes. */
-static inline void load_row(const void *base, int64_t at, int64_t n, int is_bf16, float *out) {
-  if (is_bf16) {
-    const uint16_t *p = (const uint16_t *)base + at;
-    for (int64_t i = 0; i < n; i++) out[i] = bf16_to_f32(p[i]);
-  } else {
-    memcpy(out, (const float *)base + at, n * sizeof(float));
-  }
-}
-
-static inline void store_row(void *base, int64_t at, int64_t n, int is_bf16, const float *in) {
-  if (is_bf16) {
-    uint16_t *p = (uint16_t *)base + at;
-    for (int64_t i = 0; i < n; i++) p[i] = f32_to_bf16(in[i]);
-  } else {
-    memcpy((float *)base + at, in, n * sizeof(float));
-  }
-}
 
 /* The sum of v[i]^2 in LANES columns (as a vector unit adds), then across them. */
 static inline float sum_of_squares(const float *v, int64_t n) {
@@ -131,34 +111,6 @@ void rms_norm(const void *x, const void *residual, const void *weight, void *out
   }
 }
 
-/* One head rotated into `dst`: pairs (first, second) = (i, i + half) (neox) or (2i, 2i + 1);
- * features past 2 * half copied as they are. */
-static inline void rotate_head(const void *src, void *dst, int64_t src_at, int64_t dst_at,
-                               const float *cos, const float *sin, int64_t half,
-                               int64_t head_dim, int is_neox, int is_bf16) {
-  float head[head_dim], x1[half], x2[half], a[half], b[half], c[half], d[half];
-  load_row(src, src_at, head_dim, is_bf16, head);
-  for (int64_t i = 0; i < half; i++) {
-    x1[i] = head[is_neox ? i : 2 * i];
-    x2[i] = head[is_neox ? i + half : 2 * i + 1];
-  }
-  for (int64_t i = 0; i < half; i++) {
-    a[i] = x1[i] * cos[i];
-    b[i] = x2[i] * sin[i];
-    c[i] = x2[i] * cos[i];
-    d[i] = x1[i] * sin[i];
-  }
-  as_dtype(a, half, is_bf16);
-  as_dtype(b, half, is_bf16);
-  as_dtype(c, half, is_bf16);
-  as_dtype(d, half, is_bf16);
-  for (int64_t i = 0; i < half; i++) {
-    head[is_neox ? i : 2 * i] = a[i] - b[i];
-    head[is_neox ? i + half : 2 * i + 1] = c[i] + d[i];
-  }
-  store_row(dst, dst_at, head_dim, is_bf16, head);
-}
-
 /* Rotated copies of q [tokens, q_heads, head_dim] and k [tokens, kv_heads, head_dim] (tokens
  * `q_stride`/`k_stride` elements apart, heads `head_dim` apart) into contiguous q_out and k_out;
  * cos/sin rows from the fp32 cache [num_positions, 2 * half] (cos then sin), cast to the dtype
@@ -175,18 +127,10 @@ int64_t rotary(const void *q, const void *k, void *q_out, void *k_out, const int
       outside++;
       continue;
     }
-    float cos[half], sin[half];
-    const float *row = cos_sin_cache + positions[t] * cache_stride;
-    memcpy(cos, row, half * sizeof(float));
-    memcpy(sin, row + half, half * sizeof(float));
-    as_dtype(cos, half, is_bf16);
-    as_dtype(sin, half, is_bf16);
-    for (int64_t h = 0; h < q_heads; h++)
-      rotate_head(q, q_out, t * q_stride + h * head_dim, (t * q_heads + h) * head_dim, cos, sin,
-                  half, head_dim, is_neox, is_bf16);
-    for (int64_t h = 0; h < kv_heads; h++)
-      rotate_head(k, k_out, t * k_stride + h * head_dim, (t * kv_heads + h) * head_dim, cos,
-                  sin, half, head_dim, is_neox, is_bf16);
+    const Rotation rotation = {cos_sin_cache + positions[t] * cache_stride, half, head_dim,
+                               is_neox, is_bf16};
+    rotate_heads(&rotation, q, t * q_stride, q_heads, q_out, (t * q_heads) * head_dim);
+    rotate_heads(&rotation, k, t * k_stride, kv_heads, k_out, (t * kv_heads) * head_dim);
   }
   return outside;
 }

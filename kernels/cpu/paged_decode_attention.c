@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "vector_math.h"
+#include "layer_rows.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -30,18 +30,6 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 #define BLOCK_KEYS 16 /* keys scored together before the softmax update */
-
-static inline __attribute__((always_inline)) void load_row(const void *base, int64_t offset, int is_bf16, int d, float *out) {
-  if (is_bf16) {
-    const uint16_t *p = (const uint16_t *)base + offset;
-#pragma omp simd
-    for (int i = 0; i < d; i++) out[i] = bf16_to_f32(p[i]);
-  } else {
-    const float *p = (const float *)base + offset;
-#pragma omp simd
-    for (int i = 0; i < d; i++) out[i] = p[i];
-  }
-}
 
 typedef struct {
   const void *q;            /* [n, hq, d] */
@@ -68,7 +56,7 @@ static inline __attribute__((always_inline)) const float *cache_row(const void *
                                                                     int64_t d, int is_bf16,
                                                                     float *buffer) {
   if (!is_bf16) return (const float *)cache + at;
-  load_row(cache, at, 1, (int)d, buffer);
+  load_row(cache, at, d, 1, buffer);
   return buffer;
 }
 
@@ -255,7 +243,7 @@ static inline __attribute__((always_inline)) void attend_split_with(
   float row[MAX_HEAD_DIM];
   float scores[MAX_GROUP][BLOCK_KEYS];
   for (int64_t h = 0; h < heads; h++) {
-    load_row(job->q, (first_head + h) * d, is_bf16, (int)d, q[h]);
+    load_row(job->q, (first_head + h) * d, d, is_bf16, q[h]);
     for (int64_t i = 0; i < d; i++) { q[h][i] *= job->scale; acc[h][i] = 0.f; }
     m[h] = -INFINITY;
     l[h] = 0.f;
@@ -430,4 +418,45 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 #pragma omp parallel for schedule(static)
   for (int64_t item = 0; item < n * hq; item++) merge_splits(&job, out, item / hq, item % hq);
   return 0;
+}
+
+/* One decode-only step's attention for a layer in one call, from the fused projection's rows:
+ * each token's q and k rotated (layer_rows.h's rotary, the same code as layer_pointwise.c's),
+ * its rotated k and its v written into its cache slot, then paged_decode_attention over the
+ * rotated queries: what the rotary, KV write and decode calls answer one after the other, bit
+ * for bit, with one call where there were three (each call a few microseconds of Python). The
+ * step's fields are the same for every layer. */
+typedef struct {
+  const int64_t *positions, *slots; /* [n]: a negative slot is not written */
+  const float *cos_sin;             /* [num_positions, 2 * half] fp32 */
+  const int32_t *block_tables, *seq_lens;
+  int64_t n, hq, hkv, d, half, cos_sin_stride, num_positions, num_slots, qkv_stride;
+  int64_t block_size, table_stride, splits, split_keys, kv_per_item;
+  int32_t is_neox, is_bf16;
+} DecodeStep;
+
+/* Returns 0; 2 where a position is outside the cos/sin cache, 3 where a slot is past the cache
+ * (nothing written then); else paged_decode_attention's answer. qkv: [n, qkv_stride] rows of q
+ * (hq heads), k and v (hkv heads each); q_rot: [n, hq, d] scratch; out: [n, hq, d]. */
+int paged_decode_step(const DecodeStep *s, const void *qkv, void *k_cache, void *v_cache,
+                      void *q_rot, void *out, float *partial, float scale) {
+  for (int64_t t = 0; t < s->n; t++) {
+    if (s->positions[t] < 0 || s->positions[t] >= s->num_positions) return 2;
+    if (s->slots[t] >= s->num_slots) return 3;
+  }
+  const int64_t d = s->d, width = s->is_bf16 ? 2 : 4, row = s->hkv * d;
+#pragma omp parallel for schedule(static) if (s->n * (s->hq + s->hkv) * d >= 32768)
+  for (int64_t t = 0; t < s->n; t++) {
+    const Rotation rotation = {s->cos_sin + s->positions[t] * s->cos_sin_stride, s->half, d,
+                               s->is_neox, s->is_bf16};
+    const int64_t at = t * s->qkv_stride;
+    rotate_heads(&rotation, qkv, at, s->hq, q_rot, t * s->hq * d);
+    if (s->slots[t] < 0) continue;
+    rotate_heads(&rotation, qkv, at + s->hq * d, s->hkv, k_cache, s->slots[t] * row);
+    memcpy((char *)v_cache + s->slots[t] * row * width,
+           (const char *)qkv + (at + (s->hq + s->hkv) * d) * width, row * width);
+  }
+  return paged_decode_attention(q_rot, k_cache, v_cache, s->block_tables, s->seq_lens, out,
+                                partial, s->n, s->hq, s->hkv, d, s->block_size, s->table_stride,
+                                s->splits, s->split_keys, s->kv_per_item, scale, s->is_bf16);
 }

@@ -41,16 +41,24 @@ def _hf_bf16_last_logits(model_dir, tokens: list[int]) -> torch.Tensor:  # type:
 
 
 def _decode_plans_seen(monkeypatch) -> list[object]:  # type: ignore[no-untyped-def]
-    """Records the decode plan every attention layer ran with."""
+    """Records the decode plan every attention layer ran with: through its forward, or through
+    the one call of a step of decodes (``decode_step``)."""
     plans: list[object] = []
-    attend = PagedAttention.forward
+    attend, decode_step = PagedAttention.forward, PagedAttention.decode_step
 
     def spy(self, q, k, v, meta):  # type: ignore[no-untyped-def]
         out = attend(self, q, k, v, meta)
         plans.append(meta.attention_plan.decode)
         return out
 
+    def spy_step(self, qkv, positions, cos_sin_cache, meta):  # type: ignore[no-untyped-def]
+        out = decode_step(self, qkv, positions, cos_sin_cache, meta)
+        if out is not None:
+            plans.append(meta.attention_plan.decode)
+        return out
+
     monkeypatch.setattr(PagedAttention, "__call__", spy)  # (a layer's call is its forward)
+    monkeypatch.setattr(PagedAttention, "decode_step", spy_step)
     return plans
 
 

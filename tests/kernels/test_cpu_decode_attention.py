@@ -7,9 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.kernels import cpu_build, cpu_decode_attention, varlen_attention
+from shoal.kernels import (
+    cpu_build,
+    cpu_decode_attention,
+    cpu_decode_step,
+    cpu_pointwise,
+    ops,
+    varlen_attention,
+)
 from shoal.kernels.cpu_decode_attention import CpuDecodePlan
 from shoal.kernels.decode_attention import decode_attention_torch
+from shoal.kernels.rotary import build_cos_sin_cache
 from shoal.kernels.sparse_decode import DecodePattern
 from shoal.kernels.varlen_attention import plan_varlen_torch, varlen_attention_torch
 from shoal.workers.cpu_info import cpu_flags
@@ -252,3 +260,64 @@ def test_shapes_past_the_kernels_buffers_are_not_offered():
     assert not cpu_decode_attention.cpu_decode_available(cache, num_q_heads=64)  # group 64
     assert not cpu_decode_attention.cpu_decode_available(torch.zeros(2, 4, 1, 512), 4)
     assert not cpu_decode_attention.cpu_decode_available(cache.half(), 4)
+
+
+def _decode_step_case(dtype, many):  # type: ignore[no-untyped-def]
+    """A step of decodes: the paged case, its new tokens' fused q/k/v rows, positions, slots."""
+    lens = [1, 37, 200, 15, 650]
+    lens = lens * torch.get_num_threads() * 2 if many else lens
+    case = make_paged_case(
+        [1] * len(lens), lens, num_kv_heads=2, gqa=3, head_dim=64, block_size=16, dtype=dtype
+    )
+    qkv = torch.randn(len(lens), (6 + 2 * 2) * 64, dtype=dtype)
+    positions = case.seq_lens.long() - 1
+    pages = case.block_tables.long().gather(1, (positions // 16)[:, None])[:, 0]
+    return case, qkv, positions, pages * 16 + positions % 16
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("rotary_dim", "is_neox"), [(64, True), (64, False), (32, True)])
+@pytest.mark.parametrize("many", [False, True], ids=["few", "many"])
+def test_a_decode_step_in_one_call_is_the_three_calls_bit_for_bit(dtype, rotary_dim, is_neox, many):
+    """Rotary, K/V write and attention in one C call (``cpu_decode_step``): the same caches and
+    outputs as ``apply_rotary_cpu``, ``write_kv_cpu`` and the decode kernel in turn."""
+    case, qkv, positions, slots = _decode_step_case(dtype, many)
+    cos_sin = build_cos_sin_cache(rotary_dim, 4096, 10000.0)
+    plan, _ = _attend(case)
+    tokens = len(positions)
+    k_three, v_three = case.k_cache.clone(), case.v_cache.clone()
+    q, k, v = qkv.view(tokens, -1, 64).split([6, 2, 2], dim=1)
+    rotated = cpu_pointwise.apply_rotary_cpu(q, k, positions, cos_sin, is_neox)
+    assert rotated is not None
+    assert cpu_pointwise.write_kv_cpu(rotated[1], v, k_three, v_three, slots)
+    args = (case.block_tables, case.query_start_loc, case.seq_lens, case.scale, plan)
+    want = varlen_attention_torch(rotated[0], k_three, v_three, *args)
+    k_one, v_one = case.k_cache.clone(), case.v_cache.clone()
+    step = ops.plan_decode_step(qkv, positions, slots, cos_sin, k_one, 6, plan, is_neox=is_neox)
+    assert step is not None
+    before = cpu_decode_step.fused_decode_calls()
+    got = ops.decode_step(qkv, k_one, v_one, step, case.scale)
+    assert cpu_decode_step.fused_decode_calls() == before + 1
+    assert torch.equal(k_one, k_three) and torch.equal(v_one, v_three)
+    assert torch.equal(got, want.reshape(tokens, -1))
+
+
+@needs_kernel
+def test_a_step_with_a_prompt_chunk_or_a_bad_position_is_not_taken_in_one_call():
+    """A prompt chunk the decode kernel does not take (SDPA's) in the step: no plan (the three
+    calls run); a position outside the cos/sin rows: the same IndexError the rotary call
+    raises."""
+    case, qkv, positions, slots = _decode_step_case(torch.float32, False)
+    cos_sin = build_cos_sin_cache(64, 4096, 10000.0)
+    chunked = make_paged_case([1, 260], [20, 0], num_kv_heads=2, gqa=3, head_dim=64, block_size=16)
+    chunk_plan, _ = _attend(chunked)
+    assert chunk_plan.seqs == [1]
+    mixed_qkv = torch.randn(261, 10 * 64)
+    mixed = (torch.arange(261), torch.arange(261), cos_sin, chunked.k_cache, 6, chunk_plan)
+    assert ops.plan_decode_step(mixed_qkv, *mixed) is None
+    plan, _ = _attend(case)
+    step = ops.plan_decode_step(qkv, positions + 4096, slots, cos_sin, case.k_cache, 6, plan)
+    assert step is not None
+    with pytest.raises(IndexError, match="rotary positions"):
+        ops.decode_step(qkv, case.k_cache, case.v_cache, step, case.scale)

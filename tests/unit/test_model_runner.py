@@ -8,7 +8,7 @@ import torch
 
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
-from shoal.kernels import cpu_build, cpu_decode_attention
+from shoal.kernels import cpu_build, cpu_decode_attention, cpu_decode_step
 from shoal.workers.kv_cache import bytes_per_block
 from shoal.workers.model_runner import ModelRunner
 from tests.golden.driver import make_runner
@@ -271,3 +271,31 @@ def test_loading_on_the_cpu_builds_the_c_kernels_before_any_step(tiny_checkpoint
         assert sorted(loaded) == ["layer_pointwise", "paged_decode_attention", "strip_gemm"]
     finally:
         cpu_build.load_kernel_library.cache_clear()
+
+
+@pytest.mark.skipif(
+    cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is None,
+    reason="no C compiler here: the kernel cannot be built",
+)
+def test_a_step_of_decodes_runs_each_layer_in_one_kernel_call(runner):
+    """Two decodes: every layer's rotary, K/V write and attention in one C call
+    (``kernels/cpu_decode_step.py``), the tokens those of fresh full prompts."""
+    prompts = {"a": [11, 12, 13, 14, 15], "b": [4, 5, 6, 7, 8, 9, 10]}
+    first = runner.execute(
+        ExecuteStep(
+            step_id=0,
+            new_requests=[new("a", prompts["a"], [1, 2], 5), new("b", prompts["b"], [3, 4], 7)],
+        )
+    )
+    tokens = dict(zip(first.req_ids, (t[0] for t in first.sampled_token_ids), strict=True))
+    decodes = [
+        CachedRequestData("a", [], num_computed_tokens=5, num_scheduled_tokens=1),
+        CachedRequestData("b", [], num_computed_tokens=7, num_scheduled_tokens=1),
+    ]
+    before = cpu_decode_step.fused_decode_calls()
+    second = runner.execute(ExecuteStep(step_id=1, cached_requests=decodes))
+    layers = len(runner.model.model.layers)
+    assert cpu_decode_step.fused_decode_calls() == before + layers
+    for req_id, sampled in zip(second.req_ids, second.sampled_token_ids, strict=True):
+        ref = full_logits(runner, [*prompts[req_id], tokens[req_id]])
+        assert sampled == [int(ref[-1].argmax())]

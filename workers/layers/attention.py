@@ -27,6 +27,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     attention_plan: Any = None  # ops.plan_paged_attention's, made by the first layer to run
+    decode_step: Any = None  # ops.plan_decode_step's (False: none serves the step), likewise
 
 
 class PagedAttention(HooklessModule):
@@ -43,6 +44,41 @@ class PagedAttention(HooklessModule):
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
+
+    def decode_step(
+        self,
+        qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim]: q, k, v
+        positions: torch.Tensor,  # [T] int64
+        cos_sin_cache: torch.Tensor,  # the rotary's
+        meta: AttentionMetadata,
+    ) -> torch.Tensor | None:  # [T, num_heads * head_dim]
+        """Rotary, the K/V write and attention in one kernel call where the step is all decodes
+        the CPU kernel serves (the same answer as rotary then ``forward``); else None."""
+        if meta.decode_step is None:  # planned by the first layer, for every layer
+            meta.decode_step = self._plan_decode_step(qkv, positions, cos_sin_cache, meta) or False
+        if meta.decode_step is False:
+            return None
+        assert self.k_cache is not None and self.v_cache is not None
+        return ops.decode_step(qkv, self.k_cache, self.v_cache, meta.decode_step, self.scale)
+
+    def _plan_decode_step(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> Any:
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("attention layer has no KV cache bound (call ModelRunner.load)")
+        if meta.attention_plan is None:
+            q = qkv.view(qkv.shape[0], -1, self.head_dim)[:, : self.num_heads]
+            meta.attention_plan = ops.plan_paged_attention(
+                q, self.k_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens
+            )
+        return ops.plan_decode_step(
+            qkv, positions, meta.slot_mapping, cos_sin_cache, self.k_cache, self.num_heads,
+            meta.attention_plan,
+        )  # fmt: skip
 
     def forward(
         self,
