@@ -54,31 +54,16 @@ class PagedAttention(HooklessModule):
     ) -> torch.Tensor | None:  # [T, num_heads * head_dim]
         """Rotary, the K/V write and attention in one kernel call where the step is all decodes
         the CPU kernel serves (the same answer as rotary then ``forward``); else None."""
+        k_cache, v_cache = self._caches()
         if meta.decode_step is None:  # planned by the first layer, for every layer
-            meta.decode_step = self._plan_decode_step(qkv, positions, cos_sin_cache, meta) or False
+            q = qkv.view(qkv.shape[0], -1, self.head_dim)[:, : self.num_heads]
+            meta.decode_step = ops.plan_decode_step(
+                qkv, positions, meta.slot_mapping, cos_sin_cache, k_cache, self.num_heads,
+                self._step_plan(q, k_cache, meta),
+            ) or False  # fmt: skip
         if meta.decode_step is False:
             return None
-        assert self.k_cache is not None and self.v_cache is not None
-        return ops.decode_step(qkv, self.k_cache, self.v_cache, meta.decode_step, self.scale)
-
-    def _plan_decode_step(
-        self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> Any:
-        if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError("attention layer has no KV cache bound (call ModelRunner.load)")
-        if meta.attention_plan is None:
-            q = qkv.view(qkv.shape[0], -1, self.head_dim)[:, : self.num_heads]
-            meta.attention_plan = ops.plan_paged_attention(
-                q, self.k_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens
-            )
-        return ops.plan_decode_step(
-            qkv, positions, meta.slot_mapping, cos_sin_cache, self.k_cache, self.num_heads,
-            meta.attention_plan,
-        )  # fmt: skip
+        return ops.decode_step(qkv, k_cache, v_cache, meta.decode_step, self.scale)
 
     def forward(
         self,
@@ -87,23 +72,34 @@ class PagedAttention(HooklessModule):
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
-        if self.k_cache is None or self.v_cache is None:
-            raise RuntimeError("attention layer has no KV cache bound (call ModelRunner.load)")
-        ops.write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        if meta.attention_plan is None:  # every layer's cache has the same shape: plan once
-            meta.attention_plan = ops.plan_paged_attention(
-                q, self.k_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens
-            )
+        k_cache, v_cache = self._caches()
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        plan = self._step_plan(q, k_cache, meta)
         out = ops.paged_attention(
             q,
-            self.k_cache,
-            self.v_cache,
+            k_cache,
+            v_cache,
             meta.block_tables,
             meta.query_start_loc,
             meta.seq_lens,
             self.scale,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
-            plan=meta.attention_plan,
+            plan=plan,
         )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def _caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k_cache is None or self.v_cache is None:
+            raise RuntimeError("attention layer has no KV cache bound (call ModelRunner.load)")
+        return self.k_cache, self.v_cache
+
+    @staticmethod
+    def _step_plan(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> Any:
+        """``ops.plan_paged_attention``'s plan of the step, made by the first layer to ask
+        (every layer's cache has the same shape)."""
+        if meta.attention_plan is None:
+            meta.attention_plan = ops.plan_paged_attention(
+                q, k_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens
+            )
+        return meta.attention_plan
