@@ -132,6 +132,13 @@ def plan_cpu_decode_step(
     return CpuDecodeStep(fields, kept, decode, num_q_heads, head_dim)
 
 
+def partial_elements(step: CpuDecodeStep) -> int:
+    """The fp32 scratch the decode kernel needs for the step's context splits."""
+    fields = step.fields
+    group = step.num_q_heads // fields.hkv
+    return int(fields.n * fields.hkv * step.plan.splits * group * (step.head_dim + 2))
+
+
 def cpu_decode_step(
     qkv: torch.Tensor,  # [T, (q heads + 2 kv heads) * head_dim], as planned
     k_cache: torch.Tensor,
@@ -148,11 +155,7 @@ def cpu_decode_step(
     tokens, heads, head_dim = qkv.shape[0], step.num_q_heads, step.head_dim
     rotated = torch.empty(tokens, heads, head_dim, dtype=qkv.dtype)
     out = torch.empty(tokens, heads * head_dim, dtype=qkv.dtype)
-    group = heads // step.fields.hkv
-    plan = step.plan
-    partial = torch.empty(
-        tokens * step.fields.hkv * plan.splits * group * (head_dim + 2), dtype=torch.float32
-    )
+    partial = torch.empty(partial_elements(step), dtype=torch.float32)
     status = lib.paged_decode_step(
         ctypes.byref(step.fields),
         qkv.data_ptr(),

@@ -7,6 +7,7 @@ Conventions: ``T`` tokens in the flattened batch, ``S`` sequences; tensors conti
 function says otherwise.
 """
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -15,6 +16,12 @@ from shoal.kernels._backend import use_triton
 from shoal.kernels.activation import silu_and_mul_torch, silu_and_mul_triton
 from shoal.kernels.cpu_decode_attention import CpuDecodePlan, build_cpu_decode_kernel
 from shoal.kernels.cpu_decode_step import cpu_decode_step, plan_cpu_decode_step
+from shoal.kernels.cpu_decoder_layers import (
+    DecoderLayerParts,
+    build_decoder_layers_kernel,
+    layer_table,
+    run_decoder_layers,
+)
 from shoal.kernels.cpu_pointwise import (
     apply_rotary_cpu,
     build_cpu_pointwise_kernels,
@@ -144,6 +151,24 @@ def decode_step(
     return cpu_decode_step(qkv, k_cache, v_cache, step, scale)
 
 
+def plan_decoder_layers(parts: Sequence[DecoderLayerParts], eps: float) -> Any:
+    """What ``decoder_layers`` needs of a model's dense layers (made once), or None where the
+    one call does not serve them: then each layer's own calls run, which answer the same."""
+    return layer_table(parts, eps)
+
+
+def decoder_layers(
+    x: torch.Tensor,  # [T, hidden]: the embedding's rows, overwritten
+    table: Any,  # plan_decoder_layers'
+    step: Any,  # plan_decode_step's, planned on qkv
+    qkv: torch.Tensor,  # [T, qkv width]: scratch for the first layer's q/k/v rows
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (the last layer's output, the residual stream)
+    """A decode step's dense layers in one call (where ``plan_decoder_layers`` and
+    ``plan_decode_step`` both made a plan)."""
+    return run_decoder_layers(x, table, step, qkv, scale)
+
+
 def rms_norm(
     x: torch.Tensor,  # [..., hidden]
     weight: torch.Tensor,  # [hidden]
@@ -195,4 +220,8 @@ def fused_moe(
 def build_cpu_kernels() -> bool:
     """Build (or load from the cache) shoal's C kernels for this CPU now, so that no step waits
     for the compiler (a first build takes ~25 s); False where they cannot be built or are off."""
-    return build_cpu_decode_kernel() and build_cpu_pointwise_kernels()
+    return (
+        build_cpu_decode_kernel()
+        and build_cpu_pointwise_kernels()
+        and build_decoder_layers_kernel()
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.kernels import cpu_build, cpu_decode_attention
+from shoal.kernels import cpu_build, cpu_decode_attention, ops
 from shoal.kernels.cpu_decode_attention import CpuDecodePlan
 from shoal.workers.layers.attention import PagedAttention
 from tests.fixtures.models import VARIANTS, hf_greedy, make_prompts
@@ -41,10 +41,12 @@ def _hf_bf16_last_logits(model_dir, tokens: list[int]) -> torch.Tensor:  # type:
 
 
 def _decode_plans_seen(monkeypatch) -> list[object]:  # type: ignore[no-untyped-def]
-    """Records the decode plan every attention layer ran with: through its forward, or through
-    the one call of a step of decodes (``decode_step``)."""
+    """Records the decode plan every attention layer ran with: through its forward, through
+    the one call of a layer's step of decodes (``decode_step``), or through the one call of
+    all the layers' step (``ops.decoder_layers``)."""
     plans: list[object] = []
     attend, decode_step = PagedAttention.forward, PagedAttention.decode_step
+    all_layers = ops.decoder_layers
 
     def spy(self, q, k, v, meta):  # type: ignore[no-untyped-def]
         out = attend(self, q, k, v, meta)
@@ -57,7 +59,13 @@ def _decode_plans_seen(monkeypatch) -> list[object]:  # type: ignore[no-untyped-
             plans.append(meta.attention_plan.decode)
         return out
 
+    def spy_layers(x, table, step, qkv, scale):  # type: ignore[no-untyped-def]
+        out = all_layers(x, table, step, qkv, scale)
+        plans.extend([step.plan] * len(table.parts))
+        return out
+
     monkeypatch.setattr(PagedAttention, "__call__", spy)  # (a layer's call is its forward)
+    monkeypatch.setattr(ops, "decoder_layers", spy_layers)
     monkeypatch.setattr(PagedAttention, "decode_step", spy_step)
     return plans
 

@@ -8,7 +8,7 @@ import torch
 
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
-from shoal.kernels import cpu_build, cpu_decode_attention, cpu_decode_step
+from shoal.kernels import cpu_build, cpu_decode_attention, cpu_decode_step, cpu_decoder_layers, ops
 from shoal.workers.kv_cache import bytes_per_block
 from shoal.workers.model_runner import ModelRunner
 from tests.golden.driver import make_runner
@@ -268,18 +268,19 @@ def test_loading_on_the_cpu_builds_the_c_kernels_before_any_step(tiny_checkpoint
     monkeypatch.setattr(cpu_build, "_load", record)
     try:
         make_runner(tiny_checkpoint("llama"), num_blocks=16, block_size=BLOCK).load()
-        assert sorted(loaded) == ["layer_pointwise", "paged_decode_attention", "strip_gemm"]
+        assert sorted(loaded) == [
+            "decoder_layers",
+            "layer_pointwise",
+            "paged_decode_attention",
+            "strip_gemm",
+        ]
     finally:
         cpu_build.load_kernel_library.cache_clear()
 
 
-@pytest.mark.skipif(
-    cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is None,
-    reason="no C compiler here: the kernel cannot be built",
-)
-def test_a_step_of_decodes_runs_each_layer_in_one_kernel_call(runner):
-    """Two decodes: every layer's rotary, K/V write and attention in one C call
-    (``kernels/cpu_decode_step.py``), the tokens those of fresh full prompts."""
+def _prefill(runner):  # type: ignore[no-untyped-def]
+    """Two prompts' first step: (the step of their two decodes, each request's first token,
+    the prompts)."""
     prompts = {"a": [11, 12, 13, 14, 15], "b": [4, 5, 6, 7, 8, 9, 10]}
     first = runner.execute(
         ExecuteStep(
@@ -292,10 +293,68 @@ def test_a_step_of_decodes_runs_each_layer_in_one_kernel_call(runner):
         CachedRequestData("a", [], num_computed_tokens=5, num_scheduled_tokens=1),
         CachedRequestData("b", [], num_computed_tokens=7, num_scheduled_tokens=1),
     ]
-    before = cpu_decode_step.fused_decode_calls()
-    second = runner.execute(ExecuteStep(step_id=1, cached_requests=decodes))
-    layers = len(runner.model.model.layers)
-    assert cpu_decode_step.fused_decode_calls() == before + layers
+    return ExecuteStep(step_id=1, cached_requests=decodes), tokens, prompts
+
+
+def _assert_tokens_of_full_prompts(runner, second, tokens, prompts) -> None:  # type: ignore[no-untyped-def]
     for req_id, sampled in zip(second.req_ids, second.sampled_token_ids, strict=True):
         ref = full_logits(runner, [*prompts[req_id], tokens[req_id]])
         assert sampled == [int(ref[-1].argmax())]
+
+
+@pytest.mark.skipif(
+    cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is None,
+    reason="no C compiler here: the kernel cannot be built",
+)
+def test_a_step_of_decodes_runs_every_layer_in_one_kernel_call(runner):
+    """Two decodes of a dense model: all its layers in one C call
+    (``kernels/cpu_decoder_layers.py``), none through the per-layer calls, the tokens those of
+    fresh full prompts."""
+    decodes, tokens, prompts = _prefill(runner)
+    steps, per_layer = (
+        cpu_decoder_layers.decoder_layer_calls(),
+        cpu_decode_step.fused_decode_calls(),
+    )
+    second = runner.execute(decodes)
+    assert cpu_decoder_layers.decoder_layer_calls() == steps + 1
+    assert cpu_decode_step.fused_decode_calls() == per_layer
+    _assert_tokens_of_full_prompts(runner, second, tokens, prompts)
+
+
+@pytest.mark.skipif(
+    cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is None,
+    reason="no C compiler here: the kernel cannot be built",
+)
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "mixtral"])
+def test_layers_with_biases_qk_norms_or_experts_keep_their_own_calls(variant, tiny_checkpoint):
+    """q/k/v biases (Qwen2), per-head q/k norms (Qwen3), sparse MLPs (Mixtral): the layers'
+    one call does not serve them, and the step's tokens are still those of full prompts."""
+    runner = make_runner(tiny_checkpoint(variant), num_blocks=64, block_size=BLOCK)
+    runner.load()
+    decodes, tokens, prompts = _prefill(runner)
+    steps = cpu_decoder_layers.decoder_layer_calls()
+    second = runner.execute(decodes)
+    assert cpu_decoder_layers.decoder_layer_calls() == steps
+    _assert_tokens_of_full_prompts(runner, second, tokens, prompts)
+
+
+@pytest.mark.skipif(
+    cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is None,
+    reason="no C compiler here: the kernel cannot be built",
+)
+def test_without_the_layers_call_each_layer_runs_its_attention_in_one_kernel_call(
+    runner, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """Where the layers' one call does not serve (here refused), each layer's rotary, K/V write
+    and attention still run in one C call (``kernels/cpu_decode_step.py``)."""
+    monkeypatch.setattr(ops, "plan_decoder_layers", lambda parts, eps: None)
+    decodes, tokens, prompts = _prefill(runner)
+    steps, per_layer = (
+        cpu_decoder_layers.decoder_layer_calls(),
+        cpu_decode_step.fused_decode_calls(),
+    )
+    second = runner.execute(decodes)
+    assert cpu_decoder_layers.decoder_layer_calls() == steps
+    layers = len(runner.model.model.layers)
+    assert cpu_decode_step.fused_decode_calls() == per_layer + layers
+    _assert_tokens_of_full_prompts(runner, second, tokens, prompts)

@@ -45,6 +45,24 @@ class PagedAttention(HooklessModule):
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
 
+    def plan_decode_step(
+        self,
+        qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim]: q, k, v
+        positions: torch.Tensor,  # [T] int64
+        cos_sin_cache: torch.Tensor,  # the rotary's
+        meta: AttentionMetadata,
+    ) -> Any:
+        """``ops.plan_decode_step``'s plan of the step (made by the first layer to ask, for
+        every layer), or None where the one call does not serve the step."""
+        if meta.decode_step is None:
+            k_cache, _ = self._caches()
+            q = qkv.view(qkv.shape[0], -1, self.head_dim)[:, : self.num_heads]
+            meta.decode_step = ops.plan_decode_step(
+                qkv, positions, meta.slot_mapping, cos_sin_cache, k_cache, self.num_heads,
+                self._step_plan(q, k_cache, meta),
+            ) or False  # fmt: skip
+        return meta.decode_step or None
+
     def decode_step(
         self,
         qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim]: q, k, v
@@ -54,16 +72,11 @@ class PagedAttention(HooklessModule):
     ) -> torch.Tensor | None:  # [T, num_heads * head_dim]
         """Rotary, the K/V write and attention in one kernel call where the step is all decodes
         the CPU kernel serves (the same answer as rotary then ``forward``); else None."""
-        k_cache, v_cache = self._caches()
-        if meta.decode_step is None:  # planned by the first layer, for every layer
-            q = qkv.view(qkv.shape[0], -1, self.head_dim)[:, : self.num_heads]
-            meta.decode_step = ops.plan_decode_step(
-                qkv, positions, meta.slot_mapping, cos_sin_cache, k_cache, self.num_heads,
-                self._step_plan(q, k_cache, meta),
-            ) or False  # fmt: skip
-        if meta.decode_step is False:
+        step = self.plan_decode_step(qkv, positions, cos_sin_cache, meta)
+        if step is None:
             return None
-        return ops.decode_step(qkv, k_cache, v_cache, meta.decode_step, self.scale)
+        k_cache, v_cache = self._caches()
+        return ops.decode_step(qkv, k_cache, v_cache, step, self.scale)
 
     def forward(
         self,

@@ -7,6 +7,7 @@ checkpoint tensors; module names mirror Hugging Face's so most names load as the
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Hashable, Iterable
 
@@ -14,6 +15,8 @@ import torch
 from torch import nn
 
 from shoal.kernels import gemm, ops
+from shoal.kernels.cpu_decoder_layers import DecoderLayerParts, LayerTable
+from shoal.kernels.strip_gemm import StripWeight
 from shoal.workers.config import CheckpointConfig
 from shoal.workers.layers.attention import AttentionMetadata, PagedAttention
 from shoal.workers.layers.embedding import Embedding, LMHead
@@ -122,6 +125,30 @@ class DecoderLayer(HooklessModule):
         )
         self.mlp = mlp
 
+    def one_call_parts(self) -> DecoderLayerParts | None:
+        """This layer as the one-call decode step reads it, or None where it is not a dense
+        layer of plain bias-free strip products on one rank (LoRA, quantized codes, q/k norms,
+        MoE, tensor parallel: its own calls run)."""
+        attn, mlp = self.self_attn, self.mlp
+        if attn.q_norm is not None or not isinstance(mlp, GatedMLP):
+            return None
+        products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        weights = [_plain_strip_weight(linear) for linear in products]
+        k_cache, v_cache = attn.attn.k_cache, attn.attn.v_cache
+        if (
+            k_cache is None
+            or v_cache is None
+            or self.input_layernorm.eps != (self.post_attention_layernorm.eps)
+        ):
+            return None
+        qkv, o_proj, gate_up, down = weights
+        if qkv is None or o_proj is None or gate_up is None or down is None:
+            return None
+        input_norm, post_norm = self.input_layernorm.weight, self.post_attention_layernorm.weight
+        return DecoderLayerParts(
+            input_norm, qkv, o_proj, post_norm, gate_up, down, k_cache, v_cache
+        )
+
     def forward(self, positions, x, residual, meta):  # type: ignore[no-untyped-def]
         if residual is None:
             residual = x
@@ -138,15 +165,70 @@ class DecoderModel(HooklessModule):
         super().__init__()
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(layers)
+        self._typed_layers = list(layers)  # the same modules, typed for the one-call step
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
+        self._one_call_table: LayerTable | None = None  # the layers' last table (ops')
 
     def forward(self, input_ids, positions, meta):  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, meta)
+        in_one_call = self._layers_in_one_call(x, positions, meta)
+        if in_one_call is not None:
+            x, residual = in_one_call
+        else:
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def _layers_in_one_call(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every layer of a decode step in one kernel call (the same bits as their own calls),
+        or None where the layers or the step are not served."""
+        table = self._layer_table()
+        if table is None:
+            return None
+        first = self._typed_layers[0].self_attn
+        qkv = x.new_empty(x.shape[0], table.parts[0].qkv.out_features)
+        step = first.attn.plan_decode_step(qkv, positions, first.rotary.cos_sin_cache, meta)
+        if step is None:
+            return None
+        return ops.decoder_layers(x, table, step, qkv, first.attn.scale)
+
+    def _layer_table(self) -> LayerTable | None:
+        """``ops.plan_decoder_layers``' table of the layers as they are now (rebuilt when a
+        weight or cache was replaced since), or None."""
+        parts = []
+        for layer in self._typed_layers:
+            layer_parts = layer.one_call_parts()
+            if layer_parts is None:
+                return None
+            parts.append(layer_parts)
+        cached = self._one_call_table
+        if cached is not None and all(
+            _same_parts(a, b) for a, b in zip(cached.parts, parts, strict=True)
+        ):
+            return cached
+        eps = self._typed_layers[0].input_layernorm.eps
+        if any(layer.input_layernorm.eps != eps for layer in self._typed_layers):
+            return None
+        self._one_call_table = ops.plan_decoder_layers(parts, eps)
+        return self._one_call_table
+
+
+def _plain_strip_weight(linear: nn.Module) -> StripWeight | None:
+    """A linear's packed weight where it is a plain bias-free strip product on one rank."""
+    plain = type(linear) in (ColumnParallelLinear, RowParallelLinear)
+    weight = getattr(linear, "weight", None)
+    if not plain or linear.bias is not None or linear.tp.size != 1:
+        return None
+    return weight if isinstance(weight, StripWeight) else None
+
+
+def _same_parts(a: DecoderLayerParts, b: DecoderLayerParts) -> bool:
+    """Whether two layers' parts are the same objects (so the same pointers)."""
+    return all(getattr(a, f.name) is getattr(b, f.name) for f in dataclasses.fields(a))
 
 
 # checkpoint part name -> (our fused parameter part, shard id)
