@@ -8,7 +8,14 @@ import torch
 
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import CachedRequestData, ExecuteStep, NewRequestData
-from shoal.kernels import cpu_build, cpu_decode_attention, cpu_decode_step, cpu_decoder_layers, ops
+from shoal.kernels import (
+    cpu_build,
+    cpu_decode_attention,
+    cpu_decode_step,
+    cpu_decoder_layers,
+    ops,
+    strip_gemm,
+)
 from shoal.workers.kv_cache import bytes_per_block
 from shoal.workers.model_runner import ModelRunner
 from tests.golden.driver import make_runner
@@ -319,6 +326,30 @@ def test_a_step_of_decodes_runs_every_layer_in_one_kernel_call(runner):
     assert cpu_decoder_layers.decoder_layer_calls() == steps + 1
     assert cpu_decode_step.fused_decode_calls() == per_layer
     _assert_tokens_of_full_prompts(runner, second, tokens, prompts)
+
+
+@pytest.mark.skipif(
+    cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is None,
+    reason="no C compiler here: the kernel cannot be built",
+)
+def test_the_layers_table_is_kept_until_a_weight_or_cache_is_replaced(runner):
+    """The one call's table of pointers is made once; a replaced weight or a rebound cache
+    makes it again (the old one would point at what the layers no longer hold)."""
+    decodes, _, _ = _prefill(runner)
+    model = runner.model.model
+    runner.execute(decodes)
+    table = model._layer_table()
+    assert table is not None and model._layer_table() is table
+    layer = model.layers[0]
+    linear = layer.self_attn.o_proj
+    linear.weight = strip_gemm.pack_strips(linear.weight.to_dense().clone())
+    replaced = model._layer_table()
+    assert replaced is not None and replaced is not table
+    assert replaced.parts[0].o_proj is linear.weight
+    attention = layer.self_attn.attn
+    attention.bind_cache(attention.k_cache.clone(), attention.v_cache.clone())
+    rebound = model._layer_table()
+    assert rebound is not None and rebound.parts[0].k_cache is attention.k_cache
 
 
 @pytest.mark.skipif(

@@ -7,7 +7,6 @@ checkpoint tensors; module names mirror Hugging Face's so most names load as the
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Hashable, Iterable
 
@@ -32,6 +31,7 @@ from shoal.workers.layers.norm import RMSNorm
 from shoal.workers.layers.quantized_tensor import QuantizedTensor
 from shoal.workers.layers.rotary import RotaryEmbedding
 from shoal.workers.layers.weight_quantizing import dtype_name
+from shoal.workers.models.layers_seen import LayersSeen
 from shoal.workers.moe.expert_parallel import EPContext
 from shoal.workers.parallel import TPContext
 
@@ -129,25 +129,27 @@ class DecoderLayer(HooklessModule):
         """This layer as the one-call decode step reads it, or None where it is not a dense
         layer of plain bias-free strip products on one rank (LoRA, quantized codes, q/k norms,
         MoE, tensor parallel: its own calls run)."""
+        products = self.dense_products()
+        k_cache, v_cache = self.self_attn.attn.k_cache, self.self_attn.attn.v_cache
+        if products is None or k_cache is None or v_cache is None:
+            return None
+        qkv, o_proj, gate_up, down = (_plain_strip_weight(linear) for linear in products)
+        if qkv is None or o_proj is None or gate_up is None or down is None:
+            return None
+        input_norm, post_norm = self.input_layernorm, self.post_attention_layernorm
+        if input_norm.eps != post_norm.eps:
+            return None
+        return DecoderLayerParts(
+            input_norm.weight, qkv, o_proj, post_norm.weight, gate_up, down, k_cache, v_cache
+        )
+
+    def dense_products(self) -> tuple[nn.Module, nn.Module, nn.Module, nn.Module] | None:
+        """q/k/v, o, gate/up and down, where the layer is GQA attention without q/k norms and
+        a gated MLP (else None)."""
         attn, mlp = self.self_attn, self.mlp
         if attn.q_norm is not None or not isinstance(mlp, GatedMLP):
             return None
-        products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        weights = [_plain_strip_weight(linear) for linear in products]
-        k_cache, v_cache = attn.attn.k_cache, attn.attn.v_cache
-        if (
-            k_cache is None
-            or v_cache is None
-            or self.input_layernorm.eps != (self.post_attention_layernorm.eps)
-        ):
-            return None
-        qkv, o_proj, gate_up, down = weights
-        if qkv is None or o_proj is None or gate_up is None or down is None:
-            return None
-        input_norm, post_norm = self.input_layernorm.weight, self.post_attention_layernorm.weight
-        return DecoderLayerParts(
-            input_norm, qkv, o_proj, post_norm, gate_up, down, k_cache, v_cache
-        )
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
     def forward(self, positions, x, residual, meta):  # type: ignore[no-untyped-def]
         if residual is None:
@@ -167,7 +169,7 @@ class DecoderModel(HooklessModule):
         self.layers = nn.ModuleList(layers)
         self._typed_layers = list(layers)  # the same modules, typed for the one-call step
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, device=device)
-        self._one_call_table: LayerTable | None = None  # the layers' last table (ops')
+        self._layers_seen: LayersSeen | None = None  # what the one-call table was made from
 
     def forward(self, input_ids, positions, meta):  # type: ignore[no-untyped-def]
         x = self.embed_tokens(input_ids)  # [T, hidden]
@@ -197,24 +199,27 @@ class DecoderModel(HooklessModule):
         return ops.decoder_layers(x, table, step, qkv, first.attn.scale)
 
     def _layer_table(self) -> LayerTable | None:
-        """``ops.plan_decoder_layers``' table of the layers as they are now (rebuilt when a
+        """``ops.plan_decoder_layers``' table of the layers as they are now (made again when a
         weight or cache was replaced since), or None."""
+        seen = self._layers_seen
+        if seen is None or not seen.current():
+            seen = self._layers_seen = self._see_layers()
+        return seen.table
+
+    def _see_layers(self) -> LayersSeen:
+        layers = self._typed_layers
+        attentions = tuple((a, a.k_cache, a.v_cache) for a in (x.self_attn.attn for x in layers))
+        eps = layers[0].input_layernorm.eps
         parts = []
-        for layer in self._typed_layers:
+        for layer in layers:
             layer_parts = layer.one_call_parts()
-            if layer_parts is None:
-                return None
+            if layer_parts is None or layer.input_layernorm.eps != eps:
+                return LayersSeen(None, (), attentions)
             parts.append(layer_parts)
-        cached = self._one_call_table
-        if cached is not None and all(
-            _same_parts(a, b) for a, b in zip(cached.parts, parts, strict=True)
-        ):
-            return cached
-        eps = self._typed_layers[0].input_layernorm.eps
-        if any(layer.input_layernorm.eps != eps for layer in self._typed_layers):
-            return None
-        self._one_call_table = ops.plan_decoder_layers(parts, eps)
-        return self._one_call_table
+        table = ops.plan_decoder_layers(parts, eps)
+        linears = [linear for layer in layers for linear in layer.dense_products() or ()]
+        watched = tuple((linear, linear.weight) for linear in linears) if table else ()
+        return LayersSeen(table, watched, attentions)
 
 
 def _plain_strip_weight(linear: nn.Module) -> StripWeight | None:
@@ -224,11 +229,6 @@ def _plain_strip_weight(linear: nn.Module) -> StripWeight | None:
     if not plain or linear.bias is not None or linear.tp.size != 1:
         return None
     return weight if isinstance(weight, StripWeight) else None
-
-
-def _same_parts(a: DecoderLayerParts, b: DecoderLayerParts) -> bool:
-    """Whether two layers' parts are the same objects (so the same pointers)."""
-    return all(getattr(a, f.name) is getattr(b, f.name) for f in dataclasses.fields(a))
 
 
 # checkpoint part name -> (our fused parameter part, shard id)
