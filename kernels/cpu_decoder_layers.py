@@ -5,9 +5,10 @@ each by the kernel the layer-by-layer path calls (reached through pointers), so 
 
 At decode batch sizes the Python around a layer's seven kernel calls and a dozen module calls
 costs more than much of their arithmetic; here it is paid once a step. Served for layers whose
-linear weights are packed strips (``strip_gemm``) without biases, whose norms and caches share
-their dtype (fp32 or bf16), on a step ``plan_cpu_decode_step`` serves: ``layer_table`` says
-which (once per model, its pointers kept), ``run_decoder_layers`` runs a step.
+linear weights are packed strips (``strip_gemm``: floats, or in bf16 4- or 8-bit codes) without
+biases, whose norms and caches share their dtype (fp32 or bf16), on a step
+``plan_cpu_decode_step`` serves: ``layer_table`` says which (once per model, its pointers kept),
+``run_decoder_layers`` runs a step.
 """
 
 from __future__ import annotations
@@ -22,16 +23,27 @@ from shoal.kernels import cpu_decode_attention, cpu_pointwise, strip_gemm
 from shoal.kernels._backend import use_cpu_kernels
 from shoal.kernels.cpu_build import load_kernel_library
 from shoal.kernels.cpu_decode_step import CpuDecodeStep, partial_elements
-from shoal.kernels.strip_gemm import StripWeight
+from shoal.kernels.strip_gemm import StripCodesWeight, StripWeight
+
+StripProduct = StripWeight | StripCodesWeight
 
 LIBRARY = "decoder_layers"
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _GEMM_REFUSED = 16  # the C entry's answer where a product has no path
 _OUTSIDE_POSITIONS, _PAST_CACHE = 2, 3  # the decode step's refusals
-_KERNELS = ("gemm", "gated_gemm", "rms_norm", "silu_and_mul", "decode_step")
+_KERNELS = (
+    "gemm",
+    "gated_gemm",
+    "int4_gemm",
+    "int8_gemm",
+    "rms_norm",
+    "silu_and_mul",
+    "decode_step",
+)
 _SCRATCH = ("normed", "qkv", "q_rot", "attn", "gate_up", "act", "partial")
 _WIDTHS = ("rows", "hidden", "qkv_width", "attn_width", "inter")
-_LAYER_PARTS = ("input_norm", "qkv", "o_proj", "post_norm", "gate_up", "down")
+_PRODUCTS = ("qkv", "o_proj", "gate_up", "down")
+_LAYER_PARTS = ("input_norm", "post_norm", *_PRODUCTS)
 
 
 class _LayerSteps(ctypes.Structure):
@@ -48,10 +60,28 @@ class _LayerSteps(ctypes.Structure):
     ]
 
 
+class _Product(ctypes.Structure):
+    """The C side's ``Product``: packed floats (bits 0) or codes with their scales."""
+
+    _fields_ = [
+        ("weights", _PTR),
+        ("scales", _PTR),
+        ("group", _I64),
+        ("bits", ctypes.c_int32),
+        ("round_x", ctypes.c_int32),
+    ]
+
+
 class _LayerWeights(ctypes.Structure):
     """The C side's ``LayerWeights``."""
 
-    _fields_ = [*((name, _PTR) for name in _LAYER_PARTS), ("k_cache", _PTR), ("v_cache", _PTR)]
+    _fields_ = [
+        ("input_norm", _PTR),
+        ("post_norm", _PTR),
+        *((name, _Product) for name in _PRODUCTS),
+        ("k_cache", _PTR),
+        ("v_cache", _PTR),
+    ]
 
 
 _SIGNATURES = (
@@ -84,15 +114,15 @@ def decoder_layer_calls() -> int:
 
 @dataclass(frozen=True)
 class DecoderLayerParts:
-    """What one dense layer's call reads: its norms' weights, its packed products (no biases)
-    and its caches."""
+    """What one dense layer's call reads: its norms' weights, its products (packed floats or
+    code strips, no biases) and its caches."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv: StripWeight  # [(q heads + 2 kv heads) * head_dim, hidden]
-    o_proj: StripWeight  # [hidden, q heads * head_dim]
+    qkv: StripProduct  # [(q heads + 2 kv heads) * head_dim, hidden]
+    o_proj: StripProduct  # [hidden, q heads * head_dim]
     post_norm: torch.Tensor  # [hidden]
-    gate_up: StripWeight  # [2 * inter, hidden]: gate rows, then up rows
-    down: StripWeight  # [hidden, inter]
+    gate_up: StripProduct  # [2 * inter, hidden]: gate rows, then up rows
+    down: StripProduct  # [hidden, inter]
     k_cache: torch.Tensor  # [num_blocks, block_size, kv heads, head_dim]
     v_cache: torch.Tensor
 
@@ -116,7 +146,7 @@ def _entry(lib: ctypes.CDLL, name: str) -> int:
 
 
 def _kernels() -> tuple[int, ...] | None:
-    """The five entry points the C call runs, or None where a library is missing."""
+    """The entry points the C call runs, or None where a library is missing."""
     if not use_cpu_kernels():
         return None
     gemm = load_kernel_library(strip_gemm.LIBRARY)
@@ -127,6 +157,8 @@ def _kernels() -> tuple[int, ...] | None:
     return (
         _entry(gemm, "strip_gemm"),
         _entry(gemm, "strip_gemm_gated"),
+        _entry(gemm, "strip_gemm_int4"),
+        _entry(gemm, "strip_gemm_int8"),
         _entry(pointwise, "rms_norm"),
         _entry(pointwise, "silu_and_mul"),
         _entry(decode, "paged_decode_step"),
@@ -139,7 +171,7 @@ def _servable(parts: DecoderLayerParts, first: DecoderLayerParts, dtype: torch.d
     tensors = (parts.input_norm, parts.post_norm, parts.k_cache, parts.v_cache)
     hidden = first.input_norm.shape[0]
     return (
-        all(w.dtype == dtype for w in weights)
+        all(w.dtype == dtype for w in weights)  # (code strips multiply in bf16)
         and all(t.dtype == dtype and t.is_cpu and t.is_contiguous() for t in tensors)
         and all(getattr(parts, name).shape == getattr(first, name).shape for name in _LAYER_PARTS)
         and parts.k_cache.shape == parts.v_cache.shape == first.k_cache.shape
@@ -162,12 +194,23 @@ def layer_table(parts: Sequence[DecoderLayerParts], eps: float) -> LayerTable | 
         return None
     layers = (_LayerWeights * len(parts))()
     for row, p in zip(layers, parts, strict=True):
-        for name in _LAYER_PARTS:
-            part = getattr(p, name)
-            tensor = part.packed if isinstance(part, StripWeight) else part
-            setattr(row, name, tensor.data_ptr())
+        row.input_norm, row.post_norm = p.input_norm.data_ptr(), p.post_norm.data_ptr()
+        for name in _PRODUCTS:
+            setattr(row, name, _product(getattr(p, name)))
         row.k_cache, row.v_cache = p.k_cache.data_ptr(), p.v_cache.data_ptr()
     return LayerTable(layers, tuple(parts), kernels, dtype, eps)
+
+
+def _product(weight: StripProduct) -> _Product:
+    if isinstance(weight, StripWeight):
+        return _Product(weight.packed.data_ptr(), None, 0, 0, 0)
+    return _Product(
+        weight.codes.data_ptr(),
+        weight.scales.data_ptr(),
+        weight.group_size,
+        weight.bits,
+        int(weight.rounds_x),
+    )
 
 
 def run_decoder_layers(

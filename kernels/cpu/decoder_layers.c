@@ -1,11 +1,12 @@
 /* A decode step's dense decoder layers in one call: for each layer, RMSNorm (with the residual
  * add), the fused q/k/v product, rotary + K/V write + decode attention, the output product,
  * RMSNorm again, the gated MLP's gate/up product with silu(gate) * up, and the down product.
- * Each piece is the kernel the layer-by-layer path calls (strip_gemm.c's products,
- * layer_pointwise.c's RMSNorm and silu-and-mul, paged_decode_attention.c's decode step), reached
- * through pointers the caller fills in, in the same order on the same buffers' values: the same
- * bits, with one call for the step's layers where there were seven kernel calls and a dozen
- * module calls a layer, each costing more in Python than its arithmetic at decode batch sizes.
+ * Each piece is the kernel the layer-by-layer path calls (strip_gemm.c's products on packed
+ * floats or on 4- or 8-bit codes, layer_pointwise.c's RMSNorm and silu-and-mul,
+ * paged_decode_attention.c's decode step), reached through pointers the caller fills in, in the
+ * same order on the same buffers' values: the same bits, with one call for the step's layers
+ * where there were seven kernel calls and a dozen module calls a layer, each costing more in
+ * Python than its arithmetic at decode batch sizes.
  * Nothing here computes on its own.
  */
 #include <stdint.h>
@@ -20,6 +21,12 @@ typedef void (*RmsNormFn)(const void *x, const void *residual, const void *weigh
                           float eps, int is_bf16);
 typedef void (*SiluAndMulFn)(const void *x, void *out, int64_t rows, int64_t inter,
                              int64_t x_stride, int is_bf16);
+typedef int (*Int4GemmFn)(const void *codes, const void *scales, const void *x, const void *bias,
+                          void *out, int64_t rows, int64_t n, int64_t k, int64_t group,
+                          int64_t x_stride, int round_x);
+typedef int (*Int8GemmFn)(const void *codes, const void *scales, const void *x, const void *bias,
+                          void *out, int64_t rows, int64_t n, int64_t k, int64_t group,
+                          int64_t x_stride);
 typedef int (*DecodeStepFn)(const void *step, const void *qkv, void *k_cache, void *v_cache,
                             void *q_rot, void *out, float *partial, float scale);
 
@@ -27,6 +34,8 @@ typedef int (*DecodeStepFn)(const void *step, const void *qkv, void *k_cache, vo
 typedef struct {
   GemmFn gemm;
   GatedGemmFn gated_gemm; /* answers nonzero where it has no path (then gemm, silu_and_mul) */
+  Int4GemmFn int4_gemm;
+  Int8GemmFn int8_gemm;
   RmsNormFn rms_norm;
   SiluAndMulFn silu_and_mul;
   DecodeStepFn decode_step;
@@ -38,22 +47,45 @@ typedef struct {
   int32_t is_bf16;
 } LayerSteps;
 
-/* One layer's weights (packed strips, norms as [hidden]) and caches. */
+/* A linear's weight: packed floats (bits 0: strip_gemm's strips), or 4- or 8-bit codes in
+ * strips with their scales (strip_gemm_int4's and strip_gemm_int8's layouts; bf16 only). */
 typedef struct {
-  const void *input_norm, *qkv, *o_proj, *post_norm, *gate_up, *down;
+  const void *weights, *scales;
+  int64_t group;
+  int32_t bits, round_x;
+} Product;
+
+/* One layer's norms ([hidden]), products and caches. */
+typedef struct {
+  const void *input_norm, *post_norm;
+  Product qkv, o_proj, gate_up, down;
   void *k_cache, *v_cache;
 } LayerWeights;
 
 #define GEMM_REFUSED 16 /* a product had no path (the decode step's own answers are 1..3) */
 
+/* out [rows, n] = x [rows, k] @ W^T by the product's kernel; nonzero where it has no path. */
+static int product(const LayerSteps *s, const Product *p, const void *x, void *out, int64_t n,
+                   int64_t k) {
+  switch (p->bits) {
+  case 0:
+    return s->gemm(p->weights, x, NULL, out, s->rows, n, k, k, s->is_bf16);
+  case 4:
+    return s->int4_gemm(p->weights, p->scales, x, NULL, out, s->rows, n, k, p->group, k,
+                        p->round_x);
+  case 8:
+    return s->int8_gemm(p->weights, p->scales, x, NULL, out, s->rows, n, k, p->group, k);
+  }
+  return GEMM_REFUSED;
+}
+
 /* The MLP's silu(gate) * up of `normed` into act. */
 static int gated_mlp_act(const LayerSteps *s, const LayerWeights *w) {
-  if (s->is_bf16 &&
-      s->gated_gemm(w->gate_up, s->normed, NULL, s->act, s->rows, s->inter, s->hidden,
+  if (s->is_bf16 && w->gate_up.bits == 0 &&
+      s->gated_gemm(w->gate_up.weights, s->normed, NULL, s->act, s->rows, s->inter, s->hidden,
                     s->hidden) == 0)
     return 0;
-  if (s->gemm(w->gate_up, s->normed, NULL, s->gate_up, s->rows, 2 * s->inter, s->hidden,
-              s->hidden, s->is_bf16))
+  if (product(s, &w->gate_up, s->normed, s->gate_up, 2 * s->inter, s->hidden))
     return GEMM_REFUSED;
   s->silu_and_mul(s->gate_up, s->act, s->rows, s->inter, 2 * s->inter, s->is_bf16);
   return 0;
@@ -75,20 +107,16 @@ int decoder_layers(const LayerSteps *s, const LayerWeights *layers, int64_t coun
       s->rms_norm(x, residual, w->input_norm, s->normed, residual, s->rows, h, h, s->eps,
                   s->is_bf16);
     }
-    if (s->gemm(w->qkv, s->normed, NULL, s->qkv, s->rows, s->qkv_width, h, h, s->is_bf16))
-      return GEMM_REFUSED;
+    if (product(s, &w->qkv, s->normed, s->qkv, s->qkv_width, h)) return GEMM_REFUSED;
     const int status = s->decode_step(s->decode_fields, s->qkv, w->k_cache, w->v_cache, s->q_rot,
                                       s->attn, s->partial, s->scale);
     if (status) return status;
-    if (s->gemm(w->o_proj, s->attn, NULL, x, s->rows, h, s->attn_width, s->attn_width,
-                s->is_bf16))
-      return GEMM_REFUSED;
+    if (product(s, &w->o_proj, s->attn, x, h, s->attn_width)) return GEMM_REFUSED;
     s->rms_norm(x, residual, w->post_norm, s->normed, residual, s->rows, h, h, s->eps,
                 s->is_bf16);
     const int refused = gated_mlp_act(s, w);
     if (refused) return refused;
-    if (s->gemm(w->down, s->act, NULL, x, s->rows, h, s->inter, s->inter, s->is_bf16))
-      return GEMM_REFUSED;
+    if (product(s, &w->down, s->act, x, h, s->inter)) return GEMM_REFUSED;
   }
   return 0;
 }

@@ -2,7 +2,7 @@
 and ``quantization="int8"|"int4"`` on a float checkpoint.
 
 The weights really are integer codes (``QuantizedWeight``, or ``StripCodesWeight`` in bf16
-where the CPU has AVX512-BF16: 8 bits, and 4 with ``SHOAL_INT4_KERNEL=strips``). With the exact
+where the CPU has AVX512-BF16: 8 bits, and 4 unless ``SHOAL_INT4_KERNEL=torch``). With the exact
 kernel (``SHOAL_QUANT_DTYPE=float32``) a model answers as its float twin (the same codes
 dequantized into a float model: for GGUF, the file's dequantized weights) within rounding, greedy
 outputs equal; with the default bf16 kernel, within test_golden_half's bf16 tolerance of the
@@ -134,9 +134,9 @@ def _check_codes(model: DecoderForCausalLM, bits: dict[str, int], dtype: torch.d
 
 
 def _kernel_of(bits: int, dtype: torch.dtype) -> type:
-    """In bf16 where the CPU has AVX512-BF16, 8-bit codes (and 4-bit ones when
-    SHOAL_INT4_KERNEL=strips or q8) run in strips; the rest in torch's kernel."""
-    asked = bits == 8 or os.environ.get(INT4_KERNEL_ENV) in ("strips", "q8")
+    """In bf16 where the CPU has AVX512-BF16, 8-bit codes (and 4-bit ones unless
+    SHOAL_INT4_KERNEL=torch) run in strips; the rest in torch's kernel."""
+    asked = bits == 8 or os.environ.get(INT4_KERNEL_ENV, "strips") in ("strips", "q8")
     in_strips = asked and dtype == torch.bfloat16 and code_strips_available(32, 64)
     return StripCodesWeight if in_strips else QuantizedWeight
 

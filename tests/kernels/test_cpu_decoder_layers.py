@@ -19,23 +19,36 @@ needs_kernel = pytest.mark.skipif(
 )
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS = 128, 6, 2, 64, 96, 3
 EPS = 1e-5
+GROUP = 32  # inputs per code scale
 
 
-def _packed(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator):  # type: ignore[no-untyped-def]
-    return strip_gemm.pack_strips((torch.randn(rows, cols, generator=gen) * 0.1).to(dtype))
+def _packed(rows: int, cols: int, dtype: torch.dtype, gen: torch.Generator, bits: int = 0):  # type: ignore[no-untyped-def]
+    """Packed floats (bits 0), or 4- or 8-bit codes in strips with fp16 scales (and minimums)."""
+    if bits == 0:
+        return strip_gemm.pack_strips((torch.randn(rows, cols, generator=gen) * 0.1).to(dtype))
+    groups = cols // GROUP
+    scales = (torch.rand(rows, groups, generator=gen) * 0.02).half()
+    if bits == 8:
+        codes = torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8)
+        return strip_gemm.pack_int8_strips(codes, scales, GROUP)
+    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    mins = (-torch.rand(rows, groups, generator=gen) * 0.1).half()
+    return strip_gemm.pack_int4_strips(codes, scales, mins, GROUP)
 
 
-def _layers(dtype: torch.dtype, caches) -> list[DecoderLayerParts]:  # type: ignore[no-untyped-def]
+def _layers(dtype: torch.dtype, caches, bits=(0, 0, 0, 0)) -> list[DecoderLayerParts]:  # type: ignore[no-untyped-def]
+    """Random layers; ``bits`` picks each product's weights (q/k/v, o, gate/up, down)."""
     gen = torch.Generator().manual_seed(1)
     qkv_width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv, o_proj, gate_up, down = bits
     return [
         DecoderLayerParts(
             input_norm=(1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype),
-            qkv=_packed(qkv_width, HIDDEN, dtype, gen),
-            o_proj=_packed(HIDDEN, HEADS * HEAD_DIM, dtype, gen),
+            qkv=_packed(qkv_width, HIDDEN, dtype, gen, qkv),
+            o_proj=_packed(HIDDEN, HEADS * HEAD_DIM, dtype, gen, o_proj),
             post_norm=(1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(dtype),
-            gate_up=_packed(2 * INTER, HIDDEN, dtype, gen),
-            down=_packed(HIDDEN, INTER, dtype, gen),
+            gate_up=_packed(2 * INTER, HIDDEN, dtype, gen, gate_up),
+            down=_packed(HIDDEN, INTER, dtype, gen, down),
             k_cache=k_cache,
             v_cache=v_cache,
         )
@@ -113,6 +126,27 @@ def test_the_layers_in_one_call_are_their_own_calls_bit_for_bit(dtype, many, mat
 
 
 @needs_kernel
+@pytest.mark.parametrize(
+    "bits", [(4, 4, 4, 4), (8, 8, 8, 8), (4, 0, 8, 4)], ids=["int4", "int8", "mixed"]
+)
+@pytest.mark.parametrize("many", [False, True], ids=["few", "many"])
+def test_layers_of_code_strips_in_one_call_are_their_own_calls_bit_for_bit(bits, many):
+    """4- and 8-bit codes (bf16; their gate/up product then silu-and-mul, as the layers' own
+    calls make them), alone or beside packed floats."""
+    caches, x, qkv, step, scale = _step_case(torch.bfloat16, many)
+    ours = _layers(torch.bfloat16, [(k.clone(), v.clone()) for k, v in caches], bits)
+    theirs = _layers(torch.bfloat16, [(k.clone(), v.clone()) for k, v in caches], bits)
+    assert isinstance(ours[0].qkv, strip_gemm.StripCodesWeight)
+    want_x, want_residual = _layer_by_layer(x.clone(), theirs, step, scale)
+    table = ops.plan_decoder_layers(ours, EPS)
+    assert table is not None
+    got_x, got_residual = ops.decoder_layers(x.clone(), table, step, qkv, scale)
+    assert torch.equal(got_x, want_x) and torch.equal(got_residual, want_residual)
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert torch.equal(mine.k_cache, reference.k_cache)
+
+
+@needs_kernel
 def test_layers_of_another_dtype_or_shape_are_not_taken_in_one_call():
     caches, *_ = _step_case(torch.bfloat16, False)
     parts = _layers(torch.bfloat16, caches)
@@ -129,6 +163,8 @@ def test_layers_of_another_dtype_or_shape_are_not_taken_in_one_call():
     )
     assert ops.plan_decoder_layers([parts[0], parts[1], wider], EPS) is None
     assert ops.plan_decoder_layers([], EPS) is None
+    fp32_caches, *_ = _step_case(torch.float32, False)  # codes multiply in bf16 only
+    assert ops.plan_decoder_layers(_layers(torch.float32, fp32_caches, (4, 4, 4, 4)), EPS) is None
 
 
 @needs_kernel

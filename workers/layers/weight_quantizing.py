@@ -122,9 +122,8 @@ def _from_floats(weight: torch.Tensor, scheme: str) -> QuantizedTensor:
 
 def _packed(codes: QuantizedTensor) -> QuantizedWeight | StripCodesWeight:
     """The codes packed for their kernel: in bf16 where this CPU has the strip matmul's path
-    (AVX512-BF16), 8-bit codes in strips and 4-bit ones where ``SHOAL_INT4_KERNEL=strips`` or
-    ``q8`` asks (``_int4_kernel``); everything else in torch's int4 kernel (8 bits as two
-    halves)."""
+    (AVX512-BF16), in strips (4-bit ones unless ``SHOAL_INT4_KERNEL=torch`` asks otherwise:
+    ``_int4_kernel``); everything else in torch's int4 kernel (8 bits as two halves)."""
     in_strips = compute_dtype() == torch.bfloat16 and code_strips_available(
         codes.group_size, codes.shape[1]
     )
@@ -143,13 +142,13 @@ def _packed(codes: QuantizedTensor) -> QuantizedWeight | StripCodesWeight:
 
 
 def _int4_kernel() -> str:
-    """Which kernel 4-bit codes meet x in (``INT4_KERNEL_ENV``): torch's (the default), the
-    strips in bf16, or the strips with x rounded to 8 bits a group (q8, as llama.cpp's Q4 dots
-    take it). The strips only when asked: 1.4-1.6x torch's kernel from 16 tokens, but on
-    the default model the README's question ("What is the capital of France?") is a near-tie
-    at its first token in bf16 (0.00-0.12 apart), and the strips' rounding answered it wrong
-    alone in a batch where torch's kernel answered it right (either flips with the batch)."""
-    choice = os.environ.get(INT4_KERNEL_ENV, "torch").strip().lower() or "torch"
+    """Which kernel 4-bit codes meet x in (``INT4_KERNEL_ENV``): the strips in bf16 (the
+    default where the CPU has them), torch's, or the strips with x rounded to 8 bits a group
+    (q8, as llama.cpp's Q4 dots take it). The strips are the default as a decode step of dense
+    layers then runs in one C call (``kernels/cpu_decoder_layers.py``; torch's kernel cannot be
+    called from there): one request on the default model 57 -> 72 tokens/s, 32 at once 150 ->
+    160, at the cost of prefill (386 -> 327 tokens/s; docs/cpu.md)."""
+    choice = os.environ.get(INT4_KERNEL_ENV, "strips").strip().lower() or "strips"
     if choice not in INT4_KERNELS:
         raise ValueError(f"{INT4_KERNEL_ENV}={choice!r}: expected one of {', '.join(INT4_KERNELS)}")
     return choice

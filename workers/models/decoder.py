@@ -15,7 +15,7 @@ from torch import nn
 
 from shoal.kernels import gemm, ops
 from shoal.kernels.cpu_decoder_layers import DecoderLayerParts, LayerTable
-from shoal.kernels.strip_gemm import StripWeight
+from shoal.kernels.strip_gemm import StripCodesWeight, StripWeight
 from shoal.workers.config import CheckpointConfig
 from shoal.workers.layers.attention import AttentionMetadata, PagedAttention
 from shoal.workers.layers.embedding import Embedding, LMHead
@@ -127,8 +127,8 @@ class DecoderLayer(HooklessModule):
 
     def one_call_parts(self) -> DecoderLayerParts | None:
         """This layer as the one-call decode step reads it, or None where it is not a dense
-        layer of plain bias-free strip products on one rank (LoRA, quantized codes, q/k norms,
-        MoE, tensor parallel: its own calls run)."""
+        layer of plain bias-free strip products on one rank (LoRA, torch's int4 kernel, q/k
+        norms, MoE, tensor parallel: its own calls run)."""
         products = self.dense_products()
         k_cache, v_cache = self.self_attn.attn.k_cache, self.self_attn.attn.v_cache
         if products is None or k_cache is None or v_cache is None:
@@ -222,13 +222,14 @@ class DecoderModel(HooklessModule):
         return LayersSeen(table, watched, attentions)
 
 
-def _plain_strip_weight(linear: nn.Module) -> StripWeight | None:
-    """A linear's packed weight where it is a plain bias-free strip product on one rank."""
+def _plain_strip_weight(linear: nn.Module) -> StripWeight | StripCodesWeight | None:
+    """A linear's packed weight (floats or codes) where it is a plain bias-free strip product
+    on one rank."""
     plain = type(linear) in (ColumnParallelLinear, RowParallelLinear)
     weight = getattr(linear, "weight", None)
     if not plain or linear.bias is not None or linear.tp.size != 1:
         return None
-    return weight if isinstance(weight, StripWeight) else None
+    return weight if isinstance(weight, StripWeight | StripCodesWeight) else None
 
 
 # checkpoint part name -> (our fused parameter part, shard id)
