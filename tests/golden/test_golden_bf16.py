@@ -53,11 +53,9 @@ def _decode_plans_seen(monkeypatch) -> list[object]:  # type: ignore[no-untyped-
         plans.append(meta.attention_plan.decode)
         return out
 
-    def spy_step(self, qkv, positions, cos_sin_cache, meta):  # type: ignore[no-untyped-def]
-        out = decode_step(self, qkv, positions, cos_sin_cache, meta)
-        if out is not None:
-            plans.append(meta.attention_plan.decode)
-        return out
+    def spy_step(self, qkv, step):  # type: ignore[no-untyped-def]
+        plans.append(step.plan)
+        return decode_step(self, qkv, step)
 
     def spy_layers(x, table, step, qkv, scale):  # type: ignore[no-untyped-def]
         out = all_layers(x, table, step, qkv, scale)

@@ -66,15 +66,10 @@ class PagedAttention(HooklessModule):
     def decode_step(
         self,
         qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim]: q, k, v
-        positions: torch.Tensor,  # [T] int64
-        cos_sin_cache: torch.Tensor,  # the rotary's
-        meta: AttentionMetadata,
-    ) -> torch.Tensor | None:  # [T, num_heads * head_dim]
-        """Rotary, the K/V write and attention in one kernel call where the step is all decodes
-        the CPU kernel serves (the same answer as rotary then ``forward``); else None."""
-        step = self.plan_decode_step(qkv, positions, cos_sin_cache, meta)
-        if step is None:
-            return None
+        step: Any,  # plan_decode_step's
+    ) -> torch.Tensor:  # [T, num_heads * head_dim]
+        """Rotary, the K/V write and attention in one kernel call on a step of decodes the CPU
+        kernel serves (the same answer as rotary then ``forward``)."""
         k_cache, v_cache = self._caches()
         return ops.decode_step(qkv, k_cache, v_cache, step, self.scale)
 

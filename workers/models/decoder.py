@@ -92,9 +92,9 @@ class DecoderAttention(HooklessModule):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata):  # type: ignore[no-untyped-def]
         qkv = self.qkv_proj(x)  # [T, all heads * head_dim]
         if self.q_norm is None:  # a step of decodes: rotary, K/V write and attention in one call
-            fused = self.attn.decode_step(qkv, positions, self.rotary.cos_sin_cache, meta)
-            if fused is not None:
-                return self.o_proj(fused)
+            step = self.attn.plan_decode_step(qkv, positions, self.rotary.cos_sin_cache, meta)
+            if step is not None:
+                return self.o_proj(self.attn.decode_step(qkv, step))
         qkv = qkv.reshape(x.shape[0], -1, self.head_dim)  # [T, all heads, head_dim]
         # views [T, heads, head_dim], [T, kv_heads, head_dim] x 2 (one call: each costs ~1 us)
         q, k, v = qkv.split(self.head_split, dim=1)
