@@ -441,7 +441,7 @@ int strip_gemm(const void *packed, const void *x, const void *bias, void *out, i
 }
 
 #if HAS_BF16_PATH
-#define CODE_ROW_TILE 4 /* rows of a 4- or 8-bit tile */
+#define CODE_ROW_TILE 8 /* rows of a 4- or 8-bit tile */
 
 /* 32 bytes of codes -> the bf16 values of two pairs of inputs (low nibbles, high nibbles). */
 INLINE void decode_quad(const uint8_t *at, __m512i table, __m512bh *first, __m512bh *second) {
@@ -519,7 +519,7 @@ static void dispatch_int4(const uint8_t *codes, const uint16_t *scales, int64_t 
                 1, total);                                                                    \
     break;
   switch (rows) {
-    TILE(1) TILE(2) TILE(3) TILE(4)
+    TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
   }
 #undef TILE
 }
@@ -603,7 +603,7 @@ static void dispatch_int4_q8(const uint8_t *codes, const uint16_t *scales, int64
                    R, 1, total);                                                             \
     break;
   switch (rows) {
-    TILE(1) TILE(2) TILE(3) TILE(4)
+    TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
   }
 #undef TILE
 }
@@ -654,7 +654,7 @@ static void dispatch_int8(const int8_t *codes, const uint16_t *scales, int64_t s
       tile_int8(codes, scales, strip_codes, strip_scales, x, x_stride, k, group, R, 1, total); \
     break;
   switch (rows) {
-    TILE(1) TILE(2) TILE(3) TILE(4)
+    TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6) TILE(7) TILE(8)
   }
 #undef TILE
 }
