@@ -1,7 +1,7 @@
 """The public kernel API: each op runs its Triton kernel on CUDA (when Triton imports), on the
-CPU shoal's C kernel where one serves the inputs (``cpu_pointwise``, ``cpu_decode_attention``),
-and its torch reference otherwise; ``SHOAL_KERNELS=torch|triton`` forces a choice (see
-``_backend``).
+CPU shoal's C kernel where one serves the inputs (``cpu_pointwise``, ``cpu_decode_attention``,
+``cpu_decoder_layers``), and its torch reference otherwise; ``SHOAL_KERNELS=torch|triton``
+forces a choice (see ``_backend``).
 
 Conventions: ``T`` tokens in the flattened batch, ``S`` sequences; tensors contiguous unless a
 function says otherwise.

@@ -3,6 +3,10 @@
 
 Family files subclass ``DecoderForCausalLM`` to pick the MLP of each layer and to rename
 checkpoint tensors; module names mirror Hugging Face's so most names load as they are.
+
+On the CPU a step of decodes over dense layers runs them all in one kernel call
+(``ops.decoder_layers``, the same bits as the layers' own calls); ``DecoderModel`` keeps the
+layers' table for it (``layers_seen``) and runs the layers one by one wherever it does not serve.
 """
 
 from __future__ import annotations
