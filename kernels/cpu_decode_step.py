@@ -139,6 +139,18 @@ def partial_elements(step: CpuDecodeStep) -> int:
     return int(fields.n * fields.hkv * step.plan.splits * group * (step.head_dim + 2))
 
 
+def raise_for_status(status: int, step: CpuDecodeStep) -> None:
+    """The error for ``paged_decode_step``'s answer (none for 0)."""
+    if status == _OUTSIDE_POSITIONS:
+        raise IndexError("rotary positions outside the cache of the step's cos/sin rows")
+    if status == _PAST_CACHE:
+        raise IndexError(f"KV slots past the cache's {step.fields.num_slots}")
+    if status != 0:
+        raise ValueError(
+            f"CPU decode kernel refused shapes heads={step.num_q_heads}/{step.fields.hkv}"
+        )
+
+
 def cpu_decode_step(
     qkv: torch.Tensor,  # [T, (q heads + 2 kv heads) * head_dim], as planned
     k_cache: torch.Tensor,
@@ -166,12 +178,7 @@ def cpu_decode_step(
         partial.data_ptr(),
         scale,
     )
-    if status == _OUTSIDE_POSITIONS:
-        raise IndexError("rotary positions outside the cache of the step's cos/sin rows")
-    if status == _PAST_CACHE:
-        raise IndexError(f"KV slots past the cache's {step.fields.num_slots}")
-    if status != 0:
-        raise ValueError(f"CPU decode kernel refused shapes heads={heads}/{step.fields.hkv}")
+    raise_for_status(status, step)
     _calls += 1
     return out
 

@@ -22,7 +22,7 @@ import torch
 from shoal.kernels import cpu_decode_attention, cpu_pointwise, strip_gemm
 from shoal.kernels._backend import use_cpu_kernels
 from shoal.kernels.cpu_build import load_kernel_library
-from shoal.kernels.cpu_decode_step import CpuDecodeStep, partial_elements
+from shoal.kernels.cpu_decode_step import CpuDecodeStep, partial_elements, raise_for_status
 from shoal.kernels.strip_gemm import StripCodesWeight, StripWeight
 
 StripProduct = StripWeight | StripCodesWeight
@@ -30,7 +30,6 @@ StripProduct = StripWeight | StripCodesWeight
 LIBRARY = "decoder_layers"
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _GEMM_REFUSED = 16  # the C entry's answer where a product has no path
-_OUTSIDE_POSITIONS, _PAST_CACHE = 2, 3  # the decode step's refusals
 _KERNELS = (
     "gemm",
     "gated_gemm",
@@ -94,7 +93,6 @@ _SIGNATURES = (
             _I64,
             _PTR,
             _PTR,
-            ctypes.c_int,
         ),
     ),
 )
@@ -254,16 +252,11 @@ def run_decoder_layers(
         int(dtype == torch.bfloat16),
     )
     status = lib.decoder_layers(
-        ctypes.byref(steps), table.layers, len(table.parts), x.data_ptr(), residual.data_ptr(), 1
+        ctypes.byref(steps), table.layers, len(table.parts), x.data_ptr(), residual.data_ptr()
     )
-    if status == _OUTSIDE_POSITIONS:
-        raise IndexError("rotary positions outside the cache of the step's cos/sin rows")
-    if status == _PAST_CACHE:
-        raise IndexError(f"KV slots past the cache's {step.fields.num_slots}")
     if status == _GEMM_REFUSED:
         raise RuntimeError(f"strip matmul has no path for {dtype} on this build")
-    if status != 0:
-        raise ValueError(f"CPU decode kernel refused heads={step.num_q_heads}/{step.fields.hkv}")
+    raise_for_status(status, step)
     _calls += 1
     return x, residual
 

@@ -91,16 +91,16 @@ static int gated_mlp_act(const LayerSteps *s, const LayerWeights *w) {
   return 0;
 }
 
-/* x [rows, hidden] is the embedding's output when `first`, else the last layer's MLP output
- * with `residual` its residual stream; both are updated in place through `count` layers, so that
- * the model's final norm of (x, residual) follows. Returns 0, the decode step's refusal (1..3,
+/* x [rows, hidden] is the embedding's output, and `residual` [rows, hidden] the residual
+ * stream's buffer; both are updated in place through `count` layers, so that the model's final
+ * norm of (x, residual) follows. Returns 0, the decode step's refusal (1..3,
  * nothing of that layer written), or GEMM_REFUSED. */
 int decoder_layers(const LayerSteps *s, const LayerWeights *layers, int64_t count, void *x,
-                   void *residual, int first) {
+                   void *residual) {
   const int64_t h = s->hidden;
   for (int64_t i = 0; i < count; i++) {
     const LayerWeights *w = &layers[i];
-    if (first && i == 0) {
+    if (i == 0) {
       memcpy(residual, x, (size_t)(s->rows * h * (s->is_bf16 ? 2 : 4)));
       s->rms_norm(x, NULL, w->input_norm, s->normed, NULL, s->rows, h, h, s->eps, s->is_bf16);
     } else {
