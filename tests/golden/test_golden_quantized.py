@@ -19,7 +19,13 @@ import torch
 
 from shoal.kernels import gemm, quant_gemm
 from shoal.kernels.quant_gemm import QuantizedWeight
-from shoal.kernels.strip_gemm import StripCodesWeight, code_strips_available, code_strips_round_x
+from shoal.kernels.strip_gemm import (
+    StripCodesWeight,
+    code_strips_available,
+    code_strips_round_x,
+    decoded_code_products,
+    use_matrix_units,
+)
 from shoal.workers.layers.quantize import GROUP_SIZE, quantize_int4, quantize_int8
 from shoal.workers.layers.weight_quantizing import INT4_KERNEL_ENV
 from shoal.workers.loader import CheckpointError, load_model
@@ -182,7 +188,12 @@ def test_the_bf16_kernel_stays_within_bf16_tolerance(
     assert rounds_x == [int4_kernel == "q8" and bits == 4] * len(rounds_x)
     assert kept_bytes < _dense_bytes(dense.model) / (3 if bits == 8 else 6)
     q8 = int4_kernel == "q8"
+    decoded = decoded_code_products()
     _within_bf16_tolerance(kept, dense, (Q8_MEAN_BOUND, Q8_MAX_BOUND) if q8 else None)
+    # the prompt's rows (more than 8) decode strips of codes onto the matrix units, where on
+    in_strips = isinstance(kept.model.lm_head.head_weight(), StripCodesWeight)
+    decodes = in_strips and not q8 and use_matrix_units(True)
+    assert (decoded_code_products() > decoded) == decodes
 
 
 def test_a_bf16_model_runs_the_kernel_in_bf16(tmp_path, bf16_kernel):

@@ -12,6 +12,7 @@ import torch
 from shoal.kernels import gemm, ops, strip_gemm
 from shoal.kernels.strip_gemm import (
     code_strips_available,
+    decoded_code_products,
     matrix_unit_products,
     pack_int4_strips,
     pack_int8_strips,
@@ -240,6 +241,15 @@ def _int4_case(out_features: int, in_features: int, group: int, seed: int):  # t
     return codes, scales, mins, weight
 
 
+def _codes_product(x, packed, bias, weight):  # type: ignore[no-untyped-def]
+    """The product of codes, and the weight it multiplied by: the codes' own, or that weight
+    rounded to bf16 where the product decoded its codes onto the matrix units."""
+    before = decoded_code_products()
+    out = strip_codes_linear(x, packed, bias)
+    decoded = decoded_code_products() > before
+    return out, weight.bfloat16().float() if decoded else weight
+
+
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 9, 64, 70])
 @pytest.mark.parametrize(
     ("out_features", "in_features", "group"), [(16, 32, 32), (50, 64, 32), (96, 256, 64)]
@@ -258,7 +268,42 @@ def test_4bit_codes_match_their_dequantized_weight(rows, out_features, in_featur
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16()
     for b in (None, bias):
-        _check(strip_codes_linear(x, packed, b), x, weight, b)
+        out, multiplied = _codes_product(x, packed, b, weight)
+        _check(out, x, multiplied, b)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_codes_at_many_rows_decode_onto_the_matrix_units(bits):
+    """From 8 rows, where the matrix units are on, a product of codes decodes its weight into
+    bf16 strips (the weight a bf16 checkpoint would hold) and multiplies there: counted, and
+    within one rounding of that weight's product; fewer rows, or the units off, keep the codes'
+    own path and their exact weight."""
+    if not code_strips_available(32, 96):
+        pytest.skip("the strip kernel has no bf16 path on this CPU")
+    if not use_matrix_units(True):
+        pytest.skip("no matrix units here")
+    if bits == 4:
+        codes, scales, mins, weight = _int4_case(50, 96, 32, 5)
+        packed = pack_int4_strips(codes, scales, mins, 32)
+    else:
+        codes = torch.randint(-127, 128, (50, 96), generator=torch.Generator().manual_seed(5))
+        scales = (torch.rand(50, 3) * 0.01).half().float()
+        weight = (codes.float().view(50, 3, 32) * scales[..., None]).flatten(1)
+        packed = pack_int8_strips(codes.to(torch.int8), scales, 32)
+    x = torch.randn(64, 96).bfloat16()
+    rounded = weight.bfloat16().float()
+    assert not torch.equal(rounded, weight)  # the two references differ
+    try:
+        before = decoded_code_products()
+        _check(strip_codes_linear(x, packed), x, rounded, None)
+        assert decoded_code_products() == before + 1
+        _check(strip_codes_linear(x[:4], packed), x[:4], weight, None)
+        assert decoded_code_products() == before + 1
+        use_matrix_units(False)
+        _check(strip_codes_linear(x, packed), x, weight, None)
+        assert decoded_code_products() == before + 1
+    finally:
+        use_matrix_units(True)
 
 
 def test_4bit_codes_take_strided_and_fp32_inputs():
@@ -340,4 +385,5 @@ def test_8bit_codes_match_their_dequantized_weight(rows, out_features, in_featur
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     bias = torch.randn(out_features, generator=gen).bfloat16()
     for b in (None, bias):
-        _check(strip_codes_linear(x, packed, b), x, weight, b)
+        out, multiplied = _codes_product(x, packed, b, weight)
+        _check(out, x, multiplied, b)

@@ -147,7 +147,8 @@ def _int4_kernel() -> str:
     (q8, as llama.cpp's Q4 dots take it). The strips are the default as a decode step of dense
     layers then runs in one C call (``kernels/cpu_decoder_layers.py``; torch's kernel cannot be
     called from there): one request on the default model 57 -> 72 tokens/s, 32 at once 150 ->
-    160, at the cost of prefill (386 -> 327 tokens/s; docs/cpu.md)."""
+    160; from 8 rows the strips decode onto the CPU's matrix units where it has them (prefill
+    ~6x torch's kernel; docs/cpu.md)."""
     choice = os.environ.get(INT4_KERNEL_ENV, "strips").strip().lower() or "strips"
     if choice not in INT4_KERNELS:
         raise ValueError(f"{INT4_KERNEL_ENV}={choice!r}: expected one of {', '.join(INT4_KERNELS)}")
