@@ -22,6 +22,8 @@
  * Asked to round x (and where the CPU has AVX512-VNNI), x is rounded to 8 bits a group instead
  * and meets the codes, widened to bytes, in integer dot products (tile_int4_q8).
  * 8-bit codes (Q8_0's w = scale * code) come one a byte, [strips][in][16], widened to fp32.
+ * Where the matrix units are on, a product of either at 8 rows or more decodes its codes into
+ * bf16 strips instead and multiplies on them (decoded_on_matrix_units).
  *
  * fp32 accumulation; bf16 results rounded once at the end (to nearest even, as torch), after
  * the bias is added in fp32. Built by kernels/cpu_build.py; where the compiler targets no
