@@ -43,11 +43,6 @@ static inline void store16(void *base, int64_t at, __m512 v, int is_bf16) {
     _mm512_storeu_ps((float *)base + at, v);
 }
 
-/* as_dtype of 16 lanes. */
-static inline __m512 as_dtype16(__m512 v, int is_bf16) {
-  return is_bf16 ? bf16_to_f32_x16(f32_to_bf16_x16(v)) : v;
-}
-
 /* One row of rms_norm (below) with `hidden` a multiple of 16: the same operations in the same
  * order (products and sums unfused, the squares summed in 16 lanes then across them in lane
  * order), so the same bits, in vector registers. SmolLM2's bf16 rows of 576 with the residual
@@ -60,7 +55,7 @@ static void rms_norm_row_wide(const void *x, const void *residual, const void *w
   for (int64_t i = 0; i < hidden; i += 16) {
     __m512 v = load16(x, row * x_stride + i, is_bf16);
     if (residual) {
-      v = as_dtype16(_mm512_add_ps(v, load16(residual, row * hidden + i, is_bf16)), is_bf16);
+      v = as_dtype_x16(_mm512_add_ps(v, load16(residual, row * hidden + i, is_bf16)), is_bf16);
       store16(residual_out, row * hidden + i, v, is_bf16);
     }
     _mm512_storeu_ps(s + i, v);
@@ -71,7 +66,7 @@ static void rms_norm_row_wide(const void *x, const void *residual, const void *w
   for (int lane = 0; lane < 16; lane++) total += lanes[lane];
   const __m512 inv_rms = _mm512_set1_ps(1.f / sqrtf(total / (float)hidden + eps));
   for (int64_t i = 0; i < hidden; i += 16) {
-    const __m512 normed = as_dtype16(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv_rms), is_bf16);
+    const __m512 normed = as_dtype_x16(_mm512_mul_ps(_mm512_loadu_ps(s + i), inv_rms), is_bf16);
     store16(out, row * hidden + i, _mm512_mul_ps(normed, load16(weight, i, is_bf16)), is_bf16);
   }
 }

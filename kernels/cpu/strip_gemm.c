@@ -247,13 +247,15 @@ static void configure_tiles(int rows0, int rows1, int loaded[2]) {
 }
 
 /* A block's results, stored from the tiles, waiting to be written with the bias (rounded, and
- * for a gated product as silu(gate) * up) until the next block's tile products have been
- * issued: the vector units write one block while the matrix units multiply the next. Written
- * right after their own products (the core waiting for them first), the epilogues took a third
- * of the time: SmolLM2's 120 products at 2,048 rows 351-358 -> 300-310 ms, its 30 gated ones
- * 205 -> 164-176 (written a few rows after each of the next block's steps: 502). Tiles C00,
- * C01, C10, C11 as tiles[0..3]: row m of the block is in tiles [0] and [1] (m < 16), else [2]
- * and [3]. */
+ * for a gated product as silu(gate) * up) while the next block's tile products run: a share of
+ * its rows after each of their steps, in registers, so the vector units write while the matrix
+ * units multiply. Written right after their own products (the core waiting for them first), the
+ * epilogues took a third of the time: SmolLM2's 120 products at 2,048 rows 351-358 -> 300-310
+ * ms, its 30 gated ones 205 -> 164-176, all after the next block's products were issued; row by
+ * row between those products (2026-12-06, same-process A/B): the gated ones at 64 / 512 / 2,048
+ * rows 6.9 / 35.9 / 129.0 -> 5.6 / 28.7 / 99.3 ms, the 120 at 2,048 190.9 -> 176.3 (through
+ * arrays of a tile, rows between the steps had cost 502). Tiles C00, C01, C10, C11 as
+ * tiles[0..3]: row m of the block is in tiles [0] and [1] (m < 16), else [2] and [3]. */
 typedef struct {
   float tiles[4][16][STRIP];
   const void *bias;
@@ -263,9 +265,11 @@ typedef struct {
   int64_t row0; /* its first row */
   int64_t s;    /* its first strip (a gated product's gate strip) */
   int gated, strips;
+  int written; /* rows of it written */
 } Pending;
 
 static void write_pending(Pending *p);
+static void write_rows_to(Pending *p, int to);
 
 /* Rows [row0, row0 + rows) (1..32) of x against strips s0 and s1 (s1 < 0: none), every input,
  * left in the result tiles: C00 and C01 for the first 16 rows, C10 and C11 for the rest; the
@@ -288,6 +292,8 @@ static void tile_products(const uint16_t *packed, const uint16_t *x, int64_t k, 
   TZERO(C01);
   TZERO(C10);
   TZERO(C11);
+  const int steps = (int)(k / AMX_K_STEP), pending_rows = pending->rows;
+  int step = 0;
   for (int64_t p = 0; p < k; p += AMX_K_STEP) {
     TSTREAM(B0, w0 + p * STRIP, 64);
     if (both) TSTREAM(B1, w1 + p * STRIP, 64);
@@ -299,8 +305,10 @@ static void tile_products(const uint16_t *packed, const uint16_t *x, int64_t k, 
       TDOT(C10, A1, B0);
       if (both) TDOT(C11, A1, B1);
     }
+    /* a share of the pending block's rows while these products run */
+    write_rows_to(pending, (int)((int64_t)pending_rows * ++step / steps));
   }
-  write_pending(pending); /* the matrix units multiply while the vector units write */
+  write_pending(pending);
 }
 
 /* The result tiles of a block of `rows` rows, kept as the thread's pending block (tile_products
@@ -314,54 +322,43 @@ static void keep_tiles(Pending *pending, int rows, int64_t row0, int64_t s, int 
     if (strips == 2) TSTORE(C11, pending->tiles[3], 64);
   }
   pending->rows = rows, pending->row0 = row0, pending->s = s;
-  pending->gated = gated, pending->strips = strips;
+  pending->gated = gated, pending->strips = strips, pending->written = 0;
 }
 
-/* out [rows][inter] at column col0: silu(gate) * up of one tile of each, 16 features wide, as
- * strip_gemm's bf16 results followed by layer_pointwise's silu_and_mul would round them (the
- * bias added in fp32, each product rounded to bf16, then silu_times, then one last rounding). */
-static void store_gated_tiles(float gate_tile[16][STRIP], float up_tile[16][STRIP], int rows,
-                              const uint16_t *bias, uint16_t *out, int64_t inter, int64_t row0,
-                              int64_t col0) {
-  float gate[16 * STRIP], up[16 * STRIP], gate_bias[STRIP] = {0.f}, up_bias[STRIP] = {0.f};
-  for (int j = 0; bias && j < STRIP; j++) {
-    gate_bias[j] = bf16_to_f32(bias[col0 + j]);
-    up_bias[j] = bf16_to_f32(bias[inter + col0 + j]);
-  }
-  for (int m = 0; m < rows; m++)
-    for (int j = 0; j < STRIP; j++) {
-      gate[m * STRIP + j] = gate_tile[m][j] + gate_bias[j];
-      up[m * STRIP + j] = up_tile[m][j] + up_bias[j];
-    }
-  as_dtype(gate, rows * STRIP, 1);
-  as_dtype(up, rows * STRIP, 1);
-  silu_times(gate, up, rows * STRIP, 1);
-  for (int m = 0; m < rows; m++)
-    for (int j = 0; j < STRIP; j++)
-      out[(row0 + m) * inter + col0 + j] = f32_to_bf16(gate[m * STRIP + j]);
-}
-
-/* Rows [from, to) (within one half of the block: 0-15 or 16-31) of the pending block. */
-static void write_rows(const Pending *p, int from, int to) {
-  const int t = from < 16 ? 0 : 2, r = from % 16, count = to - from;
-  const int64_t row = p->row0 + from;
+/* Row m of the pending block written out: silu(gate) * up of its gate and up tiles' rows (as
+ * strip_gemm then silu_and_mul round them), or each strip's row with the bias. */
+static void write_row(Pending *p, int m) {
+  const int t = m < 16 ? 0 : 2, r = m % 16;
+  const int64_t row = p->row0 + m, col0 = p->s * STRIP;
   if (p->gated) {
-    store_gated_tiles((float(*)[STRIP])p->tiles[t][r], (float(*)[STRIP])p->tiles[t + 1][r],
-                      count, (const uint16_t *)p->bias, (uint16_t *)p->out, p->n, row,
-                      p->s * STRIP);
+    /* the bias added (zeros without one, as store_strip adds them: -0 becomes +0) */
+    const uint16_t *bias = (const uint16_t *)p->bias;
+    __m512 gate_bias = _mm512_setzero_ps(), up_bias = _mm512_setzero_ps();
+    if (bias) {
+      gate_bias = bf16_to_f32_x16(_mm256_loadu_si256((const __m256i *)(bias + col0)));
+      up_bias = bf16_to_f32_x16(_mm256_loadu_si256((const __m256i *)(bias + p->n + col0)));
+    }
+    const __m512 gate = _mm512_add_ps(_mm512_loadu_ps(p->tiles[t][r]), gate_bias);
+    const __m512 up = _mm512_add_ps(_mm512_loadu_ps(p->tiles[t + 1][r]), up_bias);
+    const __m512 act = silu_times_x16(as_dtype_x16(gate, 1), as_dtype_x16(up, 1), 1);
+    uint16_t *at = (uint16_t *)p->out + row * p->n + col0;
+    _mm256_storeu_si256((__m256i *)at, f32_to_bf16_x16(act));
     return;
   }
   for (int strip = 0; strip < p->strips; strip++) {
-    __m512 acc[16];
-    for (int m = 0; m < count; m++) acc[m] = _mm512_loadu_ps(p->tiles[t + strip][r + m]);
-    store_strip(acc, count, p->bias, p->out, p->n, row, (p->s + strip) * STRIP, 1);
+    const __m512 acc = _mm512_loadu_ps(p->tiles[t + strip][r]);
+    store_strip(&acc, 1, p->bias, p->out, p->n, row, (p->s + strip) * STRIP, 1);
   }
+}
+
+/* The pending block's rows up to `to` written (those not yet). */
+static void write_rows_to(Pending *p, int to) {
+  for (; p->written < to; p->written++) write_row(p, p->written);
 }
 
 /* Write the pending block out (nothing when none is pending). */
 static void write_pending(Pending *p) {
-  write_rows(p, 0, p->rows < 16 ? p->rows : 16);
-  if (p->rows > 16) write_rows(p, 16, p->rows);
+  write_rows_to(p, p->rows);
   p->rows = 0;
 }
 
@@ -382,6 +379,7 @@ static void run_on_matrix_units(const uint16_t *packed, const uint16_t *x, const
     int loaded[2] = {-1, -1};
     Pending pending; /* the tiles left unset: no 4 KB cleared per thread per call */
     pending.bias = bias, pending.out = out, pending.n = gated ? n / 2 : n, pending.rows = 0;
+    pending.written = 0;
 #pragma omp for schedule(static) collapse(2)
     for (int64_t c = 0; c < chunks; c++)
       for (int64_t job = 0; job < jobs; job++)

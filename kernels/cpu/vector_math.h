@@ -1,6 +1,7 @@
 /* Helpers the CPU kernels share: scalar ones written so that loops over them vectorize (bf16 <->
- * fp32 as torch converts, exp as a polynomial: libm's expf is a call per element), and the
- * bf16 <-> fp32 conversions of 16 lanes where the compiler targets AVX-512. */
+ * fp32 as torch converts, exp as a polynomial: libm's expf is a call per element), and where the
+ * compiler targets AVX-512 their 16-lane forms with the same bits (the conversions, the bf16
+ * rounding, exp and silu-and-mul) for kernels that keep a row in registers. */
 #ifndef SHOAL_VECTOR_MATH_H
 #define SHOAL_VECTOR_MATH_H
 
@@ -74,6 +75,57 @@ static inline void as_dtype(float *v, int64_t n, int is_bf16) {
   if (is_bf16)
     for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
 }
+
+#if defined(__AVX512F__)
+/* as_dtype of 16 lanes, within 32-bit lanes (the same bits as f32_to_bf16 then back). */
+static inline __attribute__((always_inline)) __m512 as_dtype_x16(__m512 v, int is_bf16) {
+  if (!is_bf16) return v;
+  const __m512i bits = _mm512_castps_si512(v), high = _mm512_set1_epi32((int32_t)0xffff0000);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
+  const __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, bias), high);
+  const __m512i quiet =
+      _mm512_or_si512(_mm512_and_si512(bits, high), _mm512_set1_epi32(0x400000));
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+/* exp_clamped of 16 lanes, operation for operation (products and sums unfused, as the build's
+ * -std=c11 leaves the scalar code), so the same bits in every lane. (The decode attention has a
+ * fused one of its own, exp_clamped16: its scores need no bits in common with these.) */
+static inline __attribute__((always_inline)) __m512 exp_clamped_x16(__m512 x) {
+  /* the clamp (NaN kept), then n = roundf(x log2 e) as gcc writes it: truncate y + copysign(0.5
+   * less half an ulp, y) */
+  x = _mm512_min_ps(_mm512_set1_ps(88.f), _mm512_max_ps(_mm512_set1_ps(-87.f), x));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(INT32_MIN));
+  const __m512 nudge = _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_set1_epi32(0x3effffff)));
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_add_ps(y, nudge), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f)));
+  r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(1.428606765330187e-06f)));
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(0.5f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* silu_times of 16 lanes (the same bits): dtype(dtype(silu(gate)) * up). */
+static inline __attribute__((always_inline)) __m512 silu_times_x16(__m512 gate, __m512 up,
+                                                                    int is_bf16) {
+  const __m512i sign = _mm512_set1_epi32(INT32_MIN); /* -gate by its sign bit, as the scalar */
+  const __m512 e = exp_clamped_x16(_mm512_castsi512_ps(
+      _mm512_xor_si512(_mm512_castps_si512(gate), sign))); /* exp(-gate) */
+  const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+  return _mm512_mul_ps(as_dtype_x16(silu, is_bf16), up);
+}
+#endif
 
 /* gate[i] = dtype(dtype(silu(gate[i])) * up[i]) (before the final rounding): silu-and-mul as
  * kernels/activation.py's torch reference rounds it. */
