@@ -39,12 +39,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
 
 async def generate(
-    client: AsyncEngineClient, prompts: list[list[int]], tag: str
+    client: AsyncEngineClient,
+    prompts: list[list[int]],
+    tag: str,
+    seen: list[int] | None = None,
 ) -> list[list[int]]:
+    """Every prompt's greedy tokens; ``seen[i]``, where given, counts request i's tokens as they
+    stream."""
+
     async def one(index: int, prompt: list[int]) -> list[int]:
         tokens: list[int] = []
         async for output in client.generate(prompt, GREEDY, f"{tag}-{index}"):
             tokens = list(output.outputs[0].token_ids)
+            if seen is not None:
+                seen[index] = len(tokens)
         return tokens
 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))

@@ -168,10 +168,17 @@ async def test_either_side_killed_under_load_still_gives_the_calm_outputs(
     expected = await reference(model_dir, MANY)
     async with two_roles(nats_url, model_dir, **RESILIENT) as roles:
         client = roles.client
-        running = asyncio.ensure_future(generate(client, MANY, "chaos"))
+        seen = [0] * len(MANY)  # tokens streamed so far, per request
+        running = asyncio.ensure_future(generate(client, MANY, "chaos", seen))
         await wait_for(
             lambda: published(client, "d-engine-0").kv_pulls >= 3, 60, "handovers under way"
         )
+        if victim.startswith("d-"):  # a stream from the decode side at most half done
+            await wait_for(
+                lambda: any(1 < n <= len(e) // 2 for n, e in zip(seen, expected, strict=True)),
+                60,
+                "a request streaming from the decode side",
+            )
         pid = roles.supervisor.pid(victim)
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
