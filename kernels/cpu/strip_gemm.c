@@ -273,7 +273,8 @@ static void write_rows_to(Pending *p, int to);
 
 /* Rows [row0, row0 + rows) (1..32) of x against strips s0 and s1 (s1 < 0: none), every input,
  * left in the result tiles: C00 and C01 for the first 16 rows, C10 and C11 for the rest; the
- * pending block is written out once the products are issued. Two tiles of x by two of the
+ * pending block (the one before) is written out a share of rows after each tile step, all of it
+ * by the end. Two tiles of x by two of the
  * weight, 32 inputs a product. The strips' bf16 layout, [in / 2][16][2] a strip, is the layout
  * AMX takes for its second operand. The weight's tiles are loaded with the streaming hint (each
  * is used for one block and gone), so they pass without evicting x's rows from L1, which every
