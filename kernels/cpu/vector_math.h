@@ -26,7 +26,12 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* f32_to_bf16 of 16 lanes at once (to nearest even, NaN kept quiet). */
+/* f32_to_bf16 of 16 lanes at once (to nearest even, NaN kept quiet). Where the CPU converts to
+ * bf16 itself (AVX512-BF16), one instruction: the same bits, except that it reads a denormal
+ * (below 1.2e-38) as zero, where f32_to_bf16 keeps it. */
+#if defined(__AVX512BF16__)
+static inline __m256i f32_to_bf16_x16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
+#else
 static inline __m256i f32_to_bf16_x16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
   const __m512i odd = _mm512_and_si512(high, _mm512_set1_epi32(1));
@@ -36,6 +41,7 @@ static inline __m256i f32_to_bf16_x16(__m512 v) {
   const __m512i quiet = _mm512_or_si512(high, _mm512_set1_epi32(0x40));
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
 }
+#endif
 
 /* 16 bf16 values widened to fp32. */
 static inline __m512 bf16_to_f32_x16(__m256i raw) {
@@ -77,9 +83,13 @@ static inline void as_dtype(float *v, int64_t n, int is_bf16) {
 }
 
 #if defined(__AVX512F__)
-/* as_dtype of 16 lanes, within 32-bit lanes (the same bits as f32_to_bf16 then back). */
+/* as_dtype of 16 lanes (the same bits as f32_to_bf16 then back): within 32-bit lanes, or where
+ * the CPU converts to bf16 itself, its conversion there and back (4 instructions against 10). */
 static inline __attribute__((always_inline)) __m512 as_dtype_x16(__m512 v, int is_bf16) {
   if (!is_bf16) return v;
+#if defined(__AVX512BF16__)
+  return bf16_to_f32_x16(f32_to_bf16_x16(v)); /* the conversion instruction, there and back */
+#else
   const __m512i bits = _mm512_castps_si512(v), high = _mm512_set1_epi32((int32_t)0xffff0000);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff));
@@ -88,11 +98,12 @@ static inline __attribute__((always_inline)) __m512 as_dtype_x16(__m512 v, int i
       _mm512_or_si512(_mm512_and_si512(bits, high), _mm512_set1_epi32(0x400000));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, rounded, quiet));
+#endif
 }
 
 /* exp_clamped of 16 lanes, operation for operation (products and sums unfused, as the build's
- * -std=c11 leaves the scalar code), so the same bits in every lane. (The decode attention has a
- * fused one of its own, exp_clamped16: its scores need no bits in common with these.) */
+ * -std=c11 leaves the scalar code), so the same bits in every lane (exp_fused_x16 below: faster,
+ * other bits). */
 static inline __attribute__((always_inline)) __m512 exp_clamped_x16(__m512 x) {
   /* the clamp (NaN kept), then n = roundf(x log2 e) as gcc writes it: truncate y + copysign(0.5
    * less half an ulp, y) */
@@ -114,6 +125,25 @@ static inline __attribute__((always_inline)) __m512 exp_clamped_x16(__m512 x) {
   const __m512i bits = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* exp_clamped of 16 lanes with the same reduction and polynomial, fused (multiply-adds) and 2^n
+ * applied by scalef: faster, not the same bits, for kernels whose weights share no bits with the
+ * scalar exp (the attention kernels' softmax). */
+static inline __attribute__((always_inline)) __m512 exp_fused_x16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
 }
 
 /* silu_times of 16 lanes (the same bits): dtype(dtype(silu(gate)) * up). */

@@ -13,6 +13,7 @@ from shoal.kernels.activation import silu_and_mul_torch
 from shoal.kernels.kv_write import write_kv_torch
 from shoal.kernels.rms_norm import rms_norm_torch
 from shoal.kernels.rotary import apply_rotary_torch, build_cos_sin_cache
+from shoal.workers.cpu_info import cpu_flags
 
 needs_kernel = pytest.mark.skipif(
     cpu_build.load_kernel_library(cpu_pointwise.LIBRARY) is None,
@@ -48,6 +49,29 @@ def test_rms_norm_with_and_without_residual_is_the_reference(dtype, rows, hidden
     assert isinstance(pair, tuple)
     assert torch.equal(pair[1], want_sum)  # the new residual is one add, rounded as torch
     _check(pair[0], want_out, bf16_exact=rows == 1)
+
+
+@needs_kernel
+def test_a_build_without_bf16_conversions_rounds_to_the_same_bits(fresh_build, monkeypatch):
+    """vector_math.h rounds 16 lanes to bf16 with the CPU's conversion instruction where it has
+    AVX512-BF16 and with integer arithmetic elsewhere (SHOAL_KERNEL_ARCH=skylake-avx512): the
+    two builds' RMSNorm with the residual add, which rounds three times a value, agree bit for
+    bit, halfway cases (to even) included."""
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("the CPU has no AVX512-BF16")
+    torch.manual_seed(0)
+    x, residual = torch.randn(96, 576).bfloat16(), torch.randn(96, 576).bfloat16()
+    x[0], residual[0] = 1.0, 2.0**-8  # sums exactly halfway between two bf16 values
+    x[1], residual[1] = 1.0 + 2.0**-7, 2.0**-8
+    weight = torch.rand(576).bfloat16() + 0.5
+    native = cpu_pointwise.rms_norm_cpu(x, weight, 1e-6, residual)
+    monkeypatch.setenv("SHOAL_KERNEL_ARCH", "skylake-avx512")
+    cpu_build.load_kernel_library.cache_clear()
+    emulated = cpu_pointwise.rms_norm_cpu(x, weight, 1e-6, residual)
+    assert isinstance(native, tuple) and isinstance(emulated, tuple)
+    assert len(list(fresh_build.glob(f"{cpu_pointwise.LIBRARY}-*.so"))) == 2
+    assert torch.equal(native[1][:2, 0], torch.tensor([1.0, 1.0 + 2.0**-6]).bfloat16())
+    assert torch.equal(native[1], emulated[1]) and torch.equal(native[0], emulated[0])
 
 
 @needs_kernel
