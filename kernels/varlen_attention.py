@@ -1,6 +1,6 @@
 """Paged varlen attention over one flattened batch of any mix of prefill chunks and decodes:
-the torch path (planned once per step; fp32 decodes on the CPU handed to ``sparse_decode``) and
-the Triton varlen kernel.
+the torch path (planned once per step; fp32 decodes on the CPU handed to ``sparse_decode``; bf16
+prompt runs to the AMX prefill kernel where the CPU has one) and the Triton varlen kernel.
 
 A sequence's queries are its last ``query_len`` positions of ``seq_len``; query ``i`` attends to
 keys ``0 .. seq_len - query_len + i`` (a bottom-right-aligned causal mask).
@@ -21,6 +21,12 @@ from shoal.kernels.cpu_decode_attention import (
     cpu_decode_available,
     plan_cpu_decode,
     plan_cpu_decodes_in_order,
+)
+from shoal.kernels.cpu_prefill_attention import (
+    CpuPrefillPlan,
+    cpu_prefill_attention,
+    cpu_prefill_available,
+    plan_cpu_prefill,
 )
 from shoal.kernels.paged_common import (
     ContextReads,
@@ -49,11 +55,19 @@ MAX_KERNEL_QUERY_LEN = 256
 # README's 37-token question to the default model is a near-tie in bf16 at its first token,
 # which the two paths' roundings answer differently: "The capital..." and "L'Étoile...").
 MAX_KERNEL_QUERY_LEN_AMX = 64
+# Where shoal's own prefill kernel runs on the matrix units (cpu_prefill_attention), it takes
+# every run of more than 8 queries: 16 runs of 16 queries 0.15 -> 0.10 ms a layer against the
+# decode kernel a query at a time, of 64 queries 1.25 -> 0.30 (8: 0.08 either way), and 16 x 128
+# 2.7 -> 1.0 ms against an SDPA per sequence (2-core Xeon). The README's question answers "The
+# capital..." through it.
+MAX_KERNEL_QUERY_LEN_PREFILL = 8
 
 
-def max_kernel_query_len(dtype: torch.dtype) -> int:
-    """The longest run of queries the C kernel takes in ``dtype`` on this CPU."""
-    if dtype == torch.bfloat16 and _torch_has_amx():
+def max_kernel_query_len(k_cache: torch.Tensor, num_q_heads: int) -> int:
+    """The longest run of queries the C decode kernel takes over this cache on this CPU."""
+    if cpu_prefill_available(k_cache, num_q_heads):
+        return MAX_KERNEL_QUERY_LEN_PREFILL
+    if k_cache.dtype == torch.bfloat16 and _torch_has_amx():
         return MAX_KERNEL_QUERY_LEN_AMX
     return MAX_KERNEL_QUERY_LEN
 
@@ -96,9 +110,10 @@ class TorchAttentionPlan:
 
     # decode queries: the C kernel (CPU), else the sparse products (fp32 on CPU), else SDPA
     decode: CpuDecodePlan | DecodePattern | None
-    seqs: list[int]  # every other sequence with queries (batch index), one SDPA each
+    seqs: list[int]  # every other sequence with queries (batch index)
     query_starts: list[int]  # query_start_loc on the host
-    reads: ContextReads | None  # where the contexts of ``seqs`` lie
+    reads: ContextReads | None  # where the contexts of ``seqs`` lie (one SDPA each)
+    prefill: CpuPrefillPlan | None = None  # or ``seqs`` in one call of the AMX kernel
 
 
 def plan_varlen_torch(
@@ -108,9 +123,11 @@ def plan_varlen_torch(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     num_q_heads: int,
 ) -> TorchAttentionPlan:
-    """Split the batch into decodes (the C kernel or the sparse products, on the CPU) and
-    per-sequence SDPAs (a few host reads). The C kernel also takes short runs of queries
-    (``max_kernel_query_len``: drafts being verified, short prompts), one query at a time."""
+    """Split the batch into decodes (the C kernel or the sparse products, on the CPU) and the
+    other runs of queries: one call of the AMX prefill kernel where it serves the cache
+    (``cpu_prefill_available``), else per-sequence SDPAs (a few host reads). The C decode kernel
+    also takes short runs of queries (``max_kernel_query_len``: drafts being verified, short
+    prompts), one query at a time."""
     query_lens = query_start_loc[1:] - query_start_loc[:-1]  # [num_seqs]
     kernel = use_cpu_kernels() and cpu_decode_available(k_cache, num_q_heads)
     if kernel and len(seq_lens) and bool((query_lens == 1).all()):  # every sequence decodes
@@ -118,7 +135,7 @@ def plan_varlen_torch(
         return TorchAttentionPlan(in_order, [], [], None)
     decode: CpuDecodePlan | DecodePattern | None = None
     if kernel:
-        short = (query_lens > 0) & (query_lens <= max_kernel_query_len(k_cache.dtype))
+        short = (query_lens > 0) & (query_lens <= max_kernel_query_len(k_cache, num_q_heads))
         if bool(short.any()):
             args = (block_tables, query_start_loc, seq_lens, short, k_cache, num_q_heads)
             decode = plan_short_queries(*args)
@@ -131,13 +148,15 @@ def plan_varlen_torch(
             decode = plan_decode_pattern(*args)
         query_lens = torch.where(query_lens == 1, 0, query_lens)
     others = (query_lens > 0).nonzero()[:, 0]  # [m] int64
-    reads = None
-    if len(others):
+    reads, prefill = None, None
+    if len(others) and cpu_prefill_available(k_cache, num_q_heads):
+        prefill = plan_cpu_prefill(block_tables, query_start_loc, seq_lens, others)
+    elif len(others):
         lengths = seq_lens[others].tolist()
         reads = plan_context_reads(block_tables[others], lengths, k_cache.shape[1])
     elif isinstance(decode, CpuDecodePlan):  # the kernel takes every query, in batch order
         decode = dataclasses.replace(decode, in_order=True)
-    return TorchAttentionPlan(decode, others.tolist(), query_start_loc.tolist(), reads)
+    return TorchAttentionPlan(decode, others.tolist(), query_start_loc.tolist(), reads, prefill)
 
 
 def plan_short_queries(
@@ -177,7 +196,8 @@ def varlen_attention_torch(
     plan: TorchAttentionPlan | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_q_heads, head_dim]
     """Torch reference: fp32 decodes on the CPU through ``sparse_decode`` (two sparse-dense
-    products for all of them); every other sequence's context as a cache view (consecutive
+    products for all of them); every other sequence in one call of the AMX prefill kernel
+    (bf16, where the CPU has matrix units), else its context as a cache view (consecutive
     pages) or a slice of one packed gather, with one SDPA each. ``plan`` (from
     ``plan_varlen_torch``) is reused across layers; made here when not given.
 
@@ -196,6 +216,11 @@ def varlen_attention_torch(
     elif decode is not None:
         decoded = sparse_decode_attention(q, k_cache, v_cache, decode, scale)
         out.index_copy_(0, decode.token_rows, decoded)
+    prefill = plan.prefill
+    if prefill is not None and not cpu_prefill_attention(q, k_cache, v_cache, prefill, scale, out):
+        lengths = prefill.seq_lens.tolist()  # the kernel declined (no buffers): SDPA after all
+        reads = plan_context_reads(prefill.block_tables, lengths, k_cache.shape[1])
+        plan = dataclasses.replace(plan, reads=reads)
     if plan.reads is not None:
         attend_sequences_torch(q, k_cache, v_cache, plan, scale, out)
     return out

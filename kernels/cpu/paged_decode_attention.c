@@ -184,23 +184,6 @@ static inline __attribute__((always_inline)) __m512 score_tile(const void *query
   return _mm512_mul_ps(sum_lanes_16(partial), _mm512_set1_ps(after));
 }
 
-/* exp_clamped of 16 lanes: the same reduction and polynomial, 2^n applied by scalef. */
-static inline __attribute__((always_inline)) __m512 exp_clamped16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
 /* One query head's online-softmax step over a tile's scores (lanes outside `valid` ignored):
  * the running max `m` and sum `l` updated, the tile's weights written to `weights` (0 outside
  * `valid`); returns the factor the head's accumulator is scaled by (1 without an exp when the
@@ -213,7 +196,7 @@ static inline __attribute__((always_inline)) float softmax_tile(__m512 s, __mmas
   const float tile_max = _mm512_mask_reduce_max_ps(valid, s);
   const float new_max = tile_max > *m ? tile_max : *m;
   const float correction = new_max > *m ? exp_clamped(*m - new_max) : 1.f; /* exp(0) is 1 */
-  const __m512 w = _mm512_maskz_mov_ps(valid, exp_clamped16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+  const __m512 w = _mm512_maskz_mov_ps(valid, exp_fused_x16(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
   _mm512_storeu_ps(weights, w);
   *l = *l * correction + _mm512_reduce_add_ps(w);
   *m = new_max;

@@ -107,9 +107,11 @@ def test_a_mixed_batch_sends_decodes_and_short_runs_to_the_kernel_and_chunks_to_
 def test_where_torch_has_amx_bf16_prompts_of_more_than_64_tokens_go_to_sdpa(
     monkeypatch, amx, dtype
 ):
-    """An 80-token prompt: SDPA in bf16 where torch multiplies on the matrix units, the kernel
+    """Without shoal's AMX prefill kernel (tests/kernels/test_cpu_prefill_attention.py), an
+    80-token prompt: SDPA in bf16 where torch multiplies on the matrix units, the kernel
     otherwise (fp32 anywhere, bf16 without AMX); runs of 64 and 8 queries stay in the kernel."""
     monkeypatch.setattr(varlen_attention, "_torch_has_amx", lambda: amx)
+    monkeypatch.setattr(varlen_attention, "cpu_prefill_available", lambda *args: False)
     case = make_paged_case(
         [1, 80, 8, 64], [20, 0, 30, 0], num_kv_heads=2, gqa=2, head_dim=64, block_size=16,
         dtype=dtype,
