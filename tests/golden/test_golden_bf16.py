@@ -17,6 +17,7 @@ import torch
 
 from shoal.kernels import cpu_build, cpu_decode_attention, ops
 from shoal.kernels.cpu_decode_attention import CpuDecodePlan
+from shoal.kernels.cpu_prefill_attention import cpu_prefill_available, prefill_attention_calls
 from shoal.workers.layers.attention import PagedAttention
 from tests.fixtures.models import VARIANTS, hf_greedy, make_prompts
 from tests.golden.driver import generate_by_hand, make_runner
@@ -26,6 +27,7 @@ BLOCK = 4
 TIE = 0.125  # bf16 logits: 2 steps at magnitudes 8-16, 4 below 8
 MIN_EQUAL_PROMPTS = 6
 KERNEL_BUILDS = cpu_build.load_kernel_library(cpu_decode_attention.LIBRARY) is not None
+PREFILL_KERNEL = cpu_prefill_available(torch.zeros(1, BLOCK, 1, 64, dtype=torch.bfloat16), 1)
 
 
 def _first_difference(ours: list[int], theirs: list[int]) -> int | None:
@@ -77,6 +79,33 @@ def test_bf16_greedy_equals_transformers_in_bf16_up_to_ties(variant, tiny_checkp
     assert runner.dtype == torch.bfloat16
     plans = _decode_plans_seen(monkeypatch)
     ours = generate_by_hand(runner, prompts, MAX_NEW, BLOCK)
+    _assert_equal_up_to_ties(model_dir, prompts, ours)
+    if KERNEL_BUILDS:
+        assert sum(isinstance(p, CpuDecodePlan) for p in plans) >= MAX_NEW - 1
+
+
+@pytest.mark.skipif(not PREFILL_KERNEL, reason="no AMX-BF16 here: the prompts go to SDPA")
+def test_prompts_through_the_amx_prefill_kernel_equal_transformers_in_bf16_up_to_ties(
+    tiny_checkpoint,
+):
+    """A model whose heads the AMX prefill kernel takes (64 features, 3 query heads a kv head,
+    as SmolLM2's): prompts of 9-300 tokens, every one's attention in the kernel (counted), one
+    past a 64-query work item and one past a 512-key block after its first chunk."""
+    model_dir = tiny_checkpoint(
+        "llama", hidden_size=192, head_dim=64, num_attention_heads=6, num_key_value_heads=2
+    )
+    prompts = make_prompts((9, 16, 40, 64, 65, 130, 200, 300))
+    runner = make_runner(model_dir, dtype="bfloat16", num_blocks=512, block_size=BLOCK)
+    runner.load()
+    before = prefill_attention_calls()
+    ours = generate_by_hand(runner, prompts, MAX_NEW, BLOCK)
+    assert prefill_attention_calls() - before >= 2  # the prompts' step, in each of the 2 layers
+    _assert_equal_up_to_ties(model_dir, prompts, ours)
+
+
+def _assert_equal_up_to_ties(model_dir, prompts, ours) -> None:  # type: ignore[no-untyped-def]
+    """Each prompt's tokens equal transformers' in bf16 until its first difference, where
+    transformers' logit of ours is within TIE of its best; most prompts equal throughout."""
     theirs = hf_greedy(model_dir, prompts, MAX_NEW, dtype=torch.bfloat16)
     equal = 0
     for prompt, mine, reference in zip(prompts, ours, theirs, strict=True):
@@ -87,5 +116,3 @@ def test_bf16_greedy_equals_transformers_in_bf16_up_to_ties(variant, tiny_checkp
         logits = _hf_bf16_last_logits(model_dir, prompt + mine[:at])
         assert float(logits.max() - logits[mine[at]]) <= TIE, (prompt, at, mine, reference)
     assert equal >= MIN_EQUAL_PROMPTS, (ours, theirs)
-    if KERNEL_BUILDS:
-        assert sum(isinstance(p, CpuDecodePlan) for p in plans) >= MAX_NEW - 1
