@@ -35,14 +35,6 @@ static inline float sum_of_squares(const float *v, int64_t n) {
 #if defined(__AVX512F__)
 #define WIDE_ROWS 1 /* rows of whole 16-lane vectors take the intrinsics below */
 
-/* 16 values stored from element `at` on in the row's dtype (load16's inverse). */
-static inline void store16(void *base, int64_t at, __m512 v, int is_bf16) {
-  if (is_bf16)
-    _mm256_storeu_si256((__m256i *)((uint16_t *)base + at), f32_to_bf16_x16(v));
-  else
-    _mm512_storeu_ps((float *)base + at, v);
-}
-
 /* One row of rms_norm (below) with `hidden` a multiple of 16: the same operations in the same
  * order (products and sums unfused, the squares summed in 16 lanes then across them in lane
  * order), so the same bits, in vector registers. SmolLM2's bf16 rows of 576 with the residual
@@ -153,6 +145,9 @@ int64_t write_kv(const void *key, const void *value, void *k_cache, void *v_cach
                  int64_t value_stride, int64_t num_slots, int is_bf16) {
   const int64_t width = is_bf16 ? 2 : 4, row_bytes = row_elems * width;
   int64_t past_end = 0;
+  /* split across the threads for a prompt's rows: each thread's stores wait on their own lines */
+#pragma omp parallel for schedule(static) reduction(+ : past_end) \
+    if (tokens * row_elems >= PARALLEL_MIN_ELEMENTS)
   for (int64_t t = 0; t < tokens; t++) {
     if (slots[t] < 0) continue;
     if (slots[t] >= num_slots) {
