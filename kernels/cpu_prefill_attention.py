@@ -97,13 +97,17 @@ def cpu_prefill_attention(
     scale: float,
     out: torch.Tensor,  # [num_tokens, num_q_heads, head_dim]: the planned runs' rows written
 ) -> bool:
-    """The planned runs' attention into ``out``; False (nothing to trust in those rows) where
-    the kernel declined, e.g. buffers it could not allocate."""
+    """The planned runs' attention into ``out``; False (nothing written to trust) where the
+    kernel declines: queries or output not bf16 rows of heads side by side, caches not
+    contiguous, buffers it could not allocate."""
     lib = _library()
     assert lib is not None, "plan_cpu_prefill only where cpu_prefill_available"
-    for t in (q, out):
-        assert t.stride(2) == 1 and t.stride(1) == t.shape[2], "heads side by side in a row"
-    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    rows = all(
+        t.dtype == torch.bfloat16 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+        for t in (q, out)
+    )
+    if not (rows and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     tables = plan.block_tables
     code = lib.prefill_attention(

@@ -96,12 +96,22 @@ def test_queries_read_from_a_fused_projection_s_rows():
 
 
 @needs_amx
-def test_runs_the_kernel_declines_go_to_sdpa(monkeypatch):
-    monkeypatch.setattr(varlen_attention, "cpu_prefill_attention", lambda *args: False)
+def test_the_kernel_declines_what_it_does_not_take_and_sdpa_answers(monkeypatch):
+    """Queries not in bf16 or caches not contiguous: the kernel declines (False, nothing
+    counted); a declined call (buffers it could not allocate) sends the runs to SDPA."""
     case = make_paged_case(
         [1, 40, 100], [9, 0, 20], num_kv_heads=2, gqa=3, head_dim=64, block_size=16,
         dtype=torch.bfloat16,
     )  # fmt: skip
+    plan, _ = _attend(case)
+    assert plan.prefill is not None
+    before = cpu_prefill_attention.prefill_attention_calls()
+    run = cpu_prefill_attention.cpu_prefill_attention
+    strided = case.k_cache[:, ::2]
+    assert not run(case.q.float(), case.k_cache, case.v_cache, plan.prefill, 0.1, case.q.float())
+    assert not run(case.q, strided, strided, plan.prefill, 0.1, torch.empty_like(case.q))
+    assert cpu_prefill_attention.prefill_attention_calls() == before
+    monkeypatch.setattr(varlen_attention, "cpu_prefill_attention", lambda *args: False)
     plan, out = _attend(case)
     assert plan.prefill is not None
     torch.testing.assert_close(out, naive_attention(case), **BF16_TOL)
