@@ -61,15 +61,32 @@ MAX_KERNEL_QUERY_LEN_AMX = 64
 # 2.7 -> 1.0 ms against an SDPA per sequence (2-core Xeon). The README's question answers "The
 # capital..." through it.
 MAX_KERNEL_QUERY_LEN_PREFILL = 8
+# Except in a step the decode kernel could take whole (no run past 64) with few prompt queries:
+# such a step runs each layer's rotary, KV write and attention as one C call, or all its layers
+# as one (cpu_decode_step, cpu_decoder_layers), which saves more than the prefill kernel would
+# (one 37-token prompt of the default model's GGUF: TTFT 17 ms that way, 23 through the prefill
+# kernel). The decode kernel's extra time grows with the runs' squares: 256 queries in runs of
+# 32 cost ~4 ms more a step than the prefill kernel, in runs of 64 ~6.
+MAX_ONE_CALL_PROMPT_QUERIES = 256
 
 
-def max_kernel_query_len(k_cache: torch.Tensor, num_q_heads: int) -> int:
-    """The longest run of queries the C decode kernel takes over this cache on this CPU."""
-    if cpu_prefill_available(k_cache, num_q_heads):
+def max_kernel_query_len(k_cache: torch.Tensor, num_q_heads: int, query_lens: torch.Tensor) -> int:
+    """The longest run of queries the C decode kernel takes over this cache on this CPU, in a
+    step with these runs ([num_seqs])."""
+    bf16_on_amx = k_cache.dtype == torch.bfloat16 and _torch_has_amx()
+    if cpu_prefill_available(k_cache, num_q_heads) and not _one_call_step(query_lens):
         return MAX_KERNEL_QUERY_LEN_PREFILL
-    if k_cache.dtype == torch.bfloat16 and _torch_has_amx():
-        return MAX_KERNEL_QUERY_LEN_AMX
-    return MAX_KERNEL_QUERY_LEN
+    return MAX_KERNEL_QUERY_LEN_AMX if bf16_on_amx else MAX_KERNEL_QUERY_LEN
+
+
+def _one_call_step(query_lens: torch.Tensor) -> bool:
+    """No run past MAX_KERNEL_QUERY_LEN_AMX, and MAX_ONE_CALL_PROMPT_QUERIES at most in the
+    runs the prefill kernel would take."""
+    prompts = query_lens[query_lens > MAX_KERNEL_QUERY_LEN_PREFILL]
+    if not len(prompts):
+        return True
+    longest, total = int(prompts.max()), int(prompts.sum())
+    return longest <= MAX_KERNEL_QUERY_LEN_AMX and total <= MAX_ONE_CALL_PROMPT_QUERIES
 
 
 @functools.cache
@@ -135,7 +152,8 @@ def plan_varlen_torch(
         return TorchAttentionPlan(in_order, [], [], None)
     decode: CpuDecodePlan | DecodePattern | None = None
     if kernel:
-        short = (query_lens > 0) & (query_lens <= max_kernel_query_len(k_cache, num_q_heads))
+        limit = max_kernel_query_len(k_cache, num_q_heads, query_lens)
+        short = (query_lens > 0) & (query_lens <= limit)
         if bool(short.any()):
             args = (block_tables, query_start_loc, seq_lens, short, k_cache, num_q_heads)
             decode = plan_short_queries(*args)

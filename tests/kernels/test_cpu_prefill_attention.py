@@ -1,7 +1,8 @@
 """shoal's prefill attention on the CPU's matrix units (``kernels/cpu/prefill_attention.c``):
 prompt runs against the naive attention, counted where they run, its place in the torch path's
-plan (runs of more than 8 queries; shorter ones stay in the decode kernel), and where it does not
-run: shapes and dtypes it does not take, a build for a CPU without AMX, the kernel declining."""
+plan (runs of more than 8 queries, unless the decode kernel can take the whole step; shorter
+ones stay there), and where it does not run: shapes and dtypes it does not take, a build for a
+CPU without AMX, the kernel declining."""
 
 from __future__ import annotations
 
@@ -53,6 +54,32 @@ def test_prompt_runs_match_the_naive_attention_in_one_call(gqa, head_dim, block_
     assert plan.prefill.query_lens.tolist() == [QUERY_LENS[s] for s in RUNS]
     assert isinstance(plan.decode, CpuDecodePlan)
     assert len(plan.decode.token_rows) == 1 + 8 + 3  # the decode, the run of 8, the drafts
+    torch.testing.assert_close(out, naive_attention(case), **BF16_TOL)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("query_lens", "to_prefill"),
+    [
+        ([1, 40, 64, 64, 64, 24, 3], []),  # 256 queries in runs past 8: one call's step
+        ([1, 40, 64, 64, 64, 25, 3], [1, 2, 3, 4, 5]),  # 257
+        ([1, 65, 3], [1]),  # a run past 64
+    ],
+    ids=["fits", "one-query-more", "a-long-run"],
+)
+def test_a_step_the_decode_kernel_can_take_whole_stays_there(query_lens, to_prefill):
+    """Short prompts only (none past 64 queries, at most 256 in the runs past 8): the decode
+    kernel takes every query in batch order (the step then runs each layer's rotary, KV write
+    and attention as one C call, or all its layers as one); past either bound, the runs past 8
+    go to the prefill kernel."""
+    case = make_paged_case(
+        query_lens, [10] + [0] * (len(query_lens) - 2) + [7], num_kv_heads=3, gqa=3,
+        head_dim=64, block_size=16, dtype=torch.bfloat16,
+    )  # fmt: skip
+    plan, out = _attend(case)
+    assert isinstance(plan.decode, CpuDecodePlan)
+    assert plan.seqs == to_prefill and (plan.prefill is None) == (not to_prefill)
+    assert plan.decode.in_order == (not to_prefill)
     torch.testing.assert_close(out, naive_attention(case), **BF16_TOL)
 
 
