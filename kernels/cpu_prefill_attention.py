@@ -51,6 +51,12 @@ def _library() -> ctypes.CDLL | None:
     return load_kernel_library(LIBRARY, _SIGNATURES)
 
 
+def build_cpu_prefill_kernel() -> bool:
+    """The kernel built (or loaded) now; False where it cannot be or C kernels are off. (Built
+    on a CPU without AMX too: it then declines every call, and the prompts go to SDPA.)"""
+    return use_cpu_kernels() and _library() is not None
+
+
 @functools.cache
 def _ready(lib: ctypes.CDLL) -> bool:
     return bool(lib.prefill_attention_ready())

@@ -29,6 +29,7 @@ from shoal.kernels.cpu_pointwise import (
     silu_and_mul_cpu,
     write_kv_cpu,
 )
+from shoal.kernels.cpu_prefill_attention import build_cpu_prefill_kernel
 from shoal.kernels.decode_attention import decode_attention_triton
 from shoal.kernels.fused_moe import fused_moe_torch, fused_moe_triton
 from shoal.kernels.kv_write import write_kv_torch, write_kv_triton
@@ -224,4 +225,5 @@ def build_cpu_kernels() -> bool:
         build_cpu_decode_kernel()
         and build_cpu_pointwise_kernels()
         and build_decoder_layers_kernel()
+        and build_cpu_prefill_kernel()
     )
