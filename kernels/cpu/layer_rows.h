@@ -68,7 +68,7 @@ static inline void store16(void *base, int64_t at, __m512 v, int is_bf16) {
 
 /* rotate_head for the neox pairing with every feature rotated and `half` whole 16-lane vectors:
  * the same operations on 16 lanes at a time, so the same bits. A 1,700-token prompt's q and k
- * of SmolLM2 (12 heads of 64), 2-core Xeon: ~0.45 -> ~0.1 ms a layer. */
+ * of SmolLM2 (12 heads of 64), 2-core Xeon: ~0.45 -> ~0.2 ms a layer. */
 static inline void rotate_head_wide(const void *src, void *dst, int64_t src_at, int64_t dst_at,
                                     const float *cos, const float *sin, int64_t half,
                                     int is_bf16) {
