@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.kernels import cpu_build, cpu_prefill_attention, ops, varlen_attention
+from shoal.kernels import cpu_build, cpu_prefill_attention, varlen_attention
 from shoal.kernels.cpu_decode_attention import CpuDecodePlan
 from shoal.kernels.varlen_attention import plan_varlen_torch, varlen_attention_torch
 from tests.kernels.paged_case import make_paged_case, naive_attention
@@ -178,18 +178,3 @@ def test_built_for_a_cpu_without_matrix_units_the_runs_go_to_sdpa(fresh_build, m
     plan, out = _attend(case)
     assert plan.prefill is None and plan.reads is not None
     torch.testing.assert_close(out, naive_attention(case), **BF16_TOL)
-
-
-def test_a_cpu_worker_builds_it_at_load_with_the_other_kernels(fresh_build, monkeypatch):
-    """``ops.build_cpu_kernels`` (a CPU worker's load) builds the library, so no prompt waits
-    for the compiler (the other kernels' builds stood in for: ~25 s from an empty cache)."""
-    others = (
-        "build_cpu_decode_kernel",
-        "build_cpu_pointwise_kernels",
-        "build_decoder_layers_kernel",
-    )
-    for builder in others:
-        monkeypatch.setattr(ops, builder, lambda: True)
-    if not ops.build_cpu_kernels():
-        pytest.skip("no C compiler here")
-    assert len(list(fresh_build.glob(f"{cpu_prefill_attention.LIBRARY}-*.so"))) == 1

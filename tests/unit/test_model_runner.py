@@ -279,6 +279,7 @@ def test_loading_on_the_cpu_builds_the_c_kernels_before_any_step(tiny_checkpoint
             "decoder_layers",
             "layer_pointwise",
             "paged_decode_attention",
+            "prefill_attention",
             "strip_gemm",
         ]
     finally:
