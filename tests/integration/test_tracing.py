@@ -271,9 +271,14 @@ async def test_a_request_is_one_trace_across_the_actor_processes(
                 (("engine", "engine-0"), ("worker", "worker-0-0"))}  # fmt: skip
 
         def complete(spans: list[ReceivedSpan]) -> bool:
+            """Every span the checks below read has arrived (each process exports its own
+            batches, so the engine core's may come after the worker's and the gateway's)."""
             names = Counter(s.name for s in spans if s.trace_id == trace_id)
             return (
                 names["worker.execute"] >= 8
+                and names["engine_core.step"] >= 8
+                and names["engine_core.request"] == names["engine_core.queue"] == 1
+                and names["engine_core.schedule"] >= 1
                 and names["llm_request"] == 1
                 and names["POST /v1/completions"] == 2
             )
