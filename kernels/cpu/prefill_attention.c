@@ -208,6 +208,12 @@ static void score_tile(const Scratch *s, const uint16_t *queries, int64_t d, int
   }
 }
 
+/* The lanes of a 16-lane vector that hold the first `count` of its values (none when count is
+ * not positive). */
+static inline __mmask16 first_lanes(int64_t count) {
+  return count <= 0 ? 0 : count >= 16 ? 0xffff : (__mmask16)((1u << count) - 1);
+}
+
 /* Row r's online-softmax step over its `visible` scores (its weights zero from there to
  * `width`): returns the factor its accumulator is scaled by. */
 static float softmax_row(const Scratch *s, int64_t r, int64_t visible, int64_t width,
@@ -220,7 +226,7 @@ static float softmax_row(const Scratch *s, int64_t r, int64_t visible, int64_t w
   }
   __m512 top = _mm512_set1_ps(-INFINITY);
   for (int64_t j = 0; j < visible; j += 16) {
-    const __mmask16 lanes = visible - j >= 16 ? 0xffff : (__mmask16)((1u << (visible - j)) - 1);
+    const __mmask16 lanes = first_lanes(visible - j);
     top = _mm512_mask_max_ps(top, lanes, top, _mm512_maskz_loadu_ps(lanes, scores + j));
   }
   const float block_max = _mm512_reduce_max_ps(top) * scale;
@@ -229,11 +235,8 @@ static float softmax_row(const Scratch *s, int64_t r, int64_t visible, int64_t w
   const __m512 scale_v = _mm512_set1_ps(scale), max_v = _mm512_set1_ps(new_max);
   __m512 total = _mm512_setzero_ps();
   for (int64_t j = 0; j < width; j += 16) {
-    const __mmask16 lanes = j >= visible           ? 0
-                            : visible - j >= 16    ? 0xffff
-                                                   : (__mmask16)((1u << (visible - j)) - 1);
     const __m512 e = _mm512_maskz_mov_ps(
-        lanes, exp_fused_x16(_mm512_fmsub_ps(_mm512_loadu_ps(scores + j), scale_v, max_v)));
+        first_lanes(visible - j), exp_fused_x16(_mm512_fmsub_ps(_mm512_loadu_ps(scores + j), scale_v, max_v)));
     total = _mm512_add_ps(total, e);
     _mm256_storeu_si256((__m256i *)(weights + j), f32_to_bf16_x16(e));
   }
