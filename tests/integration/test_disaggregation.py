@@ -10,6 +10,7 @@ recomputed), short prompts kept local."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +43,18 @@ async def generate(
     client: AsyncEngineClient,
     prompts: list[list[int]],
     tag: str,
-    seen: list[int] | None = None,
+    on_tokens: Callable[[int, int], None] | None = None,
+    params: SamplingParams = GREEDY,
 ) -> list[list[int]]:
-    """Every prompt's greedy tokens; ``seen[i]``, where given, counts request i's tokens as they
-    stream."""
+    """Every prompt's tokens under ``params``; ``on_tokens(i, n)``, where given, is told each time
+    request i's streamed tokens come to n."""
 
     async def one(index: int, prompt: list[int]) -> list[int]:
         tokens: list[int] = []
-        async for output in client.generate(prompt, GREEDY, f"{tag}-{index}"):
+        async for output in client.generate(prompt, params, f"{tag}-{index}"):
             tokens = list(output.outputs[0].token_ids)
-            if seen is not None:
-                seen[index] = len(tokens)
+            if on_tokens is not None:
+                on_tokens(index, len(tokens))
         return tokens
 
     return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
