@@ -19,7 +19,8 @@ HAS_SMOLLM2 := $(BIN)/python -c "import importlib.util as u, sys; sys.exit(u.fin
 # so that a first `make run` does not wait for Triton, mypy and the rest.
 INSTALL_FAILED = { tail -n 40 $(VENV)/install.log; echo "shoal: install failed; full log: $(VENV)/install.log"; exit 1; }
 
-$(RUN_STAMP): pyproject.toml
+# (setup.py builds the block pool's C arrays in place: a changed source installs again)
+$(RUN_STAMP): pyproject.toml setup.py engine/core/native_block_pool.c
 	@echo "shoal: installing into $(VENV) (the first time takes a few minutes; log: $(VENV)/install.log)"
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	@# Pin the CPU build of torch first: an unpinned resolve pulls a multi-GB CUDA build.
