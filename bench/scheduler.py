@@ -21,12 +21,17 @@ schedule up to 8,192 prefill tokens and take and free hundreds of blocks, where 
 schedules one token per running request. So the figures are also given per kind of step:
 ``decode_*`` for steps that only decode (no request admitted or finished), ``wave_*`` for the
 others; the decode steps' own p99 shows what is left of the tail once the work is alike.
+Each case runs on the block pool's C arrays (where ``setup.py`` built them) and on its Python
+arrays, one after the other (``--block-arrays``): the wave steps' block work is what the C
+arrays take out.
 
     .venv/bin/python bench/scheduler.py [--cases 256:on,64:on] [--repeats 3]
+        [--block-arrays native,python]
 
-The last line printed is one JSON object: ``{"cases": [{"max_num_seqs", "prefix_caching",
-"steps", "us_per_step_mean", "us_per_step_p50", "us_per_step_p99", "tokens_per_s"}, ...]}``
-(plus ``total_s``, CPU-time figures and the prefix-cache hit rate). Wall-clock figures on a
+The last line printed is one JSON object: ``{"cases": [{"block_arrays", "max_num_seqs",
+"prefix_caching", "steps", "us_per_step_mean", "us_per_step_p50", "us_per_step_p99",
+"p99_over_p50", "tokens_per_s"}, ...]}`` (plus ``total_s``, CPU-time figures and the
+prefix-cache hit rate). Wall-clock figures on a
 shared machine are noisy; the CPU-time figures count only this process's own time (on a virtual
 machine they still include time the host took the CPU away, hence the CPU p99 too).
 """
@@ -36,18 +41,20 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.bus.messages.worker import ExecuteStep, StepResult
 from shoal.config.deployment import CacheConfig, SchedulerConfig
+from shoal.engine.core.block_pool_arrays import BLOCK_ARRAYS_ENV, native_block_arrays_available
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler import Scheduler
 
@@ -191,6 +198,7 @@ def run_case(
         "us_per_step_mean": round(statistics.fmean(micros), 1),
         "us_per_step_p50": round(statistics.median(micros), 1),
         "us_per_step_p99": round(micros[p99_index], 1),
+        "p99_over_p50": round(micros[p99_index] / statistics.median(micros), 2),
         "tokens_per_s": round(run.num_tokens_scheduled / total_s, 1),
         "cpu_us_per_step_mean": round(statistics.fmean(cpu_times) * 1e6, 1),
         "cpu_us_per_step_p50": round(statistics.median(cpu_micros), 1),
@@ -228,26 +236,41 @@ def main() -> None:
         default=3,
         help="identical runs per case; each step's time is its fastest (1: a single run)",
     )
+    parser.add_argument(
+        "--block-arrays",
+        default="native,python" if native_block_arrays_available() else "python",
+        help="the block pool's arrays to run each case on, side by side: native (C, built by "
+        "setup.py) and/or python",
+    )
     args = parser.parse_args()
     prompts = build_prompts()
     cases = []
     for spec in args.cases.split(","):
         seqs, caching = spec.split(":")
-        case = run_case(prompts, int(seqs), caching == "on", args.repeats)
-        print(
-            f"max_num_seqs={case['max_num_seqs']:>3} prefix_caching={caching:<3} "
-            f"steps={case['steps']} total={case['total_s']}s "
-            f"us/step mean={case['us_per_step_mean']} p50={case['us_per_step_p50']} "
-            f"p99={case['us_per_step_p99']} tokens/s={case['tokens_per_s']} "
-            f"cpu_us/step mean={case['cpu_us_per_step_mean']} p50={case['cpu_us_per_step_p50']} "
-            f"p99={case['cpu_us_per_step_p99']} "
-            f"decode-only({case['decode_steps']}) p50={case['decode_us_p50']} "
-            f"p99={case['decode_us_p99']} wave({case['wave_steps']}) p50={case['wave_us_p50']} "
-            f"hit_rate={case['prefix_cache_hit_rate']}",
-            flush=True,
-        )
-        cases.append(case)
+        for arrays in args.block_arrays.split(","):
+            os.environ[BLOCK_ARRAYS_ENV] = arrays  # read where the scheduler builds its pool
+            case = {"block_arrays": arrays} | run_case(
+                prompts, int(seqs), caching == "on", args.repeats
+            )
+            print_case(case, caching)
+            cases.append(case)
     print(json.dumps({"cases": cases}))
+
+
+def print_case(case: dict[str, Any], caching: str) -> None:
+    print(
+        f"max_num_seqs={case['max_num_seqs']:>3} prefix_caching={caching:<3} "
+        f"arrays={case['block_arrays']:<6} p99/p50={case['p99_over_p50']} "
+        f"steps={case['steps']} total={case['total_s']}s "
+        f"us/step mean={case['us_per_step_mean']} p50={case['us_per_step_p50']} "
+        f"p99={case['us_per_step_p99']} tokens/s={case['tokens_per_s']} "
+        f"cpu_us/step mean={case['cpu_us_per_step_mean']} p50={case['cpu_us_per_step_p50']} "
+        f"p99={case['cpu_us_per_step_p99']} "
+        f"decode-only({case['decode_steps']}) p50={case['decode_us_p50']} "
+        f"p99={case['decode_us_p99']} wave({case['wave_steps']}) p50={case['wave_us_p50']} "
+        f"hit_rate={case['prefix_cache_hit_rate']}",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

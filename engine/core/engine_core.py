@@ -303,7 +303,7 @@ class EngineCore:
     def kv_snapshot(self) -> list[KVEvent]:
         """The events that rebuild this prefix cache from nothing."""
         kv = self.scheduler.kv_cache_manager
-        return snapshot_events(list(kv.block_pool.cached_blocks), kv.block_size)
+        return snapshot_events(kv.block_pool.cached_hashes(), kv.block_size)
 
     def stats(self, timing: StepTiming | None = None) -> SchedulerStats:
         """This engine core's stats (``timing``: the shell's, which only it measures)."""

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from shoal.engine.core.free_block_queue import KVCacheBlock
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.request import Request, RequestStatus
 from shoal.engine.core.scheduler_output import SchedulerOutput
 
 # Blocks kept for a request: (its detached block table, trusted tokens, forget all hashes).
-PendingFree = tuple[list[KVCacheBlock], int, bool]
+PendingFree = tuple[list[int], int, bool]
 
 
 class InFlightSteps:

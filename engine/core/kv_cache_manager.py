@@ -23,11 +23,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from shoal.engine.core.block_pool import BlockPool
-from shoal.engine.core.free_block_queue import KVCacheBlock, block_id_of
 from shoal.engine.core.kv_events import KVEventLog
 from shoal.engine.core.request import Request
 
-_NO_BLOCKS: list[KVCacheBlock] = []
+_NO_BLOCKS: list[int] = []
 
 
 class KVCacheManager:
@@ -42,7 +41,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.cache_on_allocation = enable_caching and cache_on_allocation
         self.block_pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_blocks: dict[str, list[int]] = {}  # block ids, per request
         self.num_cached_blocks: dict[str, int] = {}  # leading blocks already hashed, per request
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
@@ -56,20 +55,14 @@ class KVCacheManager:
         return self.block_pool.num_free_blocks
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return list(map(block_id_of, self.req_to_blocks.get(request_id, _NO_BLOCKS)))
+        return self.req_to_blocks.get(request_id, _NO_BLOCKS).copy()
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks for the request's longest cached prefix, and how many tokens they hold."""
         if not self.enable_caching or request.skip_reading_prefix_cache:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
-        cached = self.block_pool.cached_blocks
-        hits: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = cached.get(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        hits = self.block_pool.get_cached_prefix(request.block_hashes[:max_blocks])
         return hits, len(hits) * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -80,7 +73,7 @@ class KVCacheManager:
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock] = _NO_BLOCKS,
+        new_computed_blocks: Sequence[int] = _NO_BLOCKS,
         *,
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
@@ -116,10 +109,12 @@ class KVCacheManager:
             if full_sequence_must_fit:
                 num_known_blocks = (request.num_tokens + block_size - 1) // block_size
                 num_to_check = max(num_to_check, num_known_blocks - num_held)
-            num_evictable_hits = sum(1 for block in new_computed_blocks if block.ref_cnt == 0)
+            num_evictable_hits = (
+                self.block_pool.num_unreferenced(new_computed_blocks) if num_hits else 0
+            )
             if (
                 num_to_check + num_evictable_hits
-                > len(self.block_pool.free_queue) - reserved_blocks
+                > self.block_pool.num_free_blocks - reserved_blocks
             ):
                 return None
             if num_hits:
@@ -127,9 +122,8 @@ class KVCacheManager:
                 blocks.extend(new_computed_blocks)
                 self.num_cached_blocks[request_id] = len(blocks)
         if num_new_blocks > 0:
-            new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
-            blocks.extend(new_blocks)
-            new_block_ids = [block.block_id for block in new_blocks]
+            new_block_ids = self.block_pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_block_ids)
         else:
             new_block_ids = []
         if (
@@ -147,9 +141,7 @@ class KVCacheManager:
         if self.enable_caching and num_full > self.num_cached_blocks.get(request_id, num_full):
             self._cache_full_blocks(request, self.req_to_blocks[request_id], num_full)
 
-    def _cache_full_blocks(
-        self, request: Request, blocks: list[KVCacheBlock], num_full: int
-    ) -> None:
+    def _cache_full_blocks(self, request: Request, blocks: list[int], num_full: int) -> None:
         hashes = request.block_hashes
         num_full = min(num_full, len(hashes))
         start = self.num_cached_blocks[request.request_id]
@@ -168,13 +160,13 @@ class KVCacheManager:
         """Give back the request's blocks now (``take_blocks`` then ``free_blocks``)."""
         self.free_blocks(self.take_blocks(request), request.num_landed_tokens, drop_cached)
 
-    def take_blocks(self, request: Request) -> list[KVCacheBlock]:
+    def take_blocks(self, request: Request) -> list[int]:
         """Detach the request's block table (still referenced) to free it later."""
         self.num_cached_blocks.pop(request.request_id, None)
         return self.req_to_blocks.pop(request.request_id, None) or []
 
     def free_blocks(
-        self, blocks: list[KVCacheBlock], num_trusted_tokens: int, drop_cached: bool = False
+        self, blocks: list[int], num_trusted_tokens: int, drop_cached: bool = False
     ) -> None:
         """Give back a detached table, tail first, so its head stays cached the longest.
 

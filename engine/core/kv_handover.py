@@ -20,12 +20,11 @@ from dataclasses import dataclass
 from shoal.bus.messages.engine import DEFAULT_KV_LEASE_S, KVTransferParams
 from shoal.bus.messages.kv_handover import KVExportRef
 from shoal.engine.core.block_pool import BlockPool
-from shoal.engine.core.free_block_queue import KVCacheBlock
 
 
 @dataclass(slots=True)
 class _Hold:
-    blocks: list[KVCacheBlock]
+    blocks: list[int]  # block ids
     expires_at: float
 
 
@@ -56,7 +55,7 @@ class KVHandovers:
     def hold(
         self,
         request_id: str,
-        blocks: list[KVCacheBlock],
+        blocks: list[int],
         num_prompt_tokens: int,
         num_landed_tokens: int,
         now: float,
@@ -73,7 +72,7 @@ class KVHandovers:
         return KVTransferParams(
             do_remote_decode=True,
             remote_engine_id=self.engine_id,
-            remote_block_ids=[block.block_id for block in held],
+            remote_block_ids=list(held),
             num_remote_tokens=num_tokens,
             remote_kv=self.exports,
             lease_s=self.lease_s,

@@ -37,7 +37,6 @@ from shoal.bus.messages.offload import (
 )
 from shoal.config.kv_transfer import KVTransferConfig
 from shoal.engine.core.block_pool import BlockPool
-from shoal.engine.core.free_block_queue import KVCacheBlock
 from shoal.engine.core.offload_stores import OffloadStores
 from shoal.engine.core.request import Request
 from shoal.engine.core.scheduler_output import SchedulerOutput
@@ -302,10 +301,10 @@ class OffloadConnector:
         result: KVTransferResult | None,
         outcome: StepOutcome,
         skipped: Set[str],
-        tables: Mapping[str, list[KVCacheBlock]],
+        tables: Mapping[str, list[int]],
     ) -> list[str]:
         """A step landed: finish its copies (``on_step_landed``) and offer the full chunks it
-        completed (``tables``: each request's blocks), not of requests it failed, did not run
+        completed (``tables``: each request's block ids), not of requests it failed, did not run
         (a failed load included) or ran stale: their KV is not what their hashes say. Returns
         the requests whose load succeeded."""
         loaded = self.on_step_landed(scheduler_output.step_id, result)

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from shoal.bus.messages.offload import KVStore, KVTransferResult, TierStoreSlots
 from shoal.config.kv_transfer import KVTransferConfig
 from shoal.engine.core.block_pool import BlockPool
-from shoal.engine.core.free_block_queue import KVCacheBlock
 from shoal.engine.core.request import Request
 from shoal.tiers.books.keys import ChunkKey, OffloadKey
 
@@ -31,7 +30,7 @@ ChunkKeys = Callable[[Request, int], Iterator[ChunkKey]]  # a request's chunk ke
 @dataclass(slots=True)
 class _StoreJob:
     keys: list[OffloadKey]
-    blocks: list[list[KVCacheBlock]]  # per key, its chunk's blocks (one extra reference each)
+    blocks: list[list[int]]  # per key, its chunk's block ids (one extra reference each)
     generation: str  # of the region it was offered to
     slot_ids: list[int] = field(default_factory=list)
 
@@ -79,7 +78,7 @@ class OffloadStores:
         self._first_new_chunk.pop(request_id, None)
         self._num_offered_chunks.pop(request_id, None)
 
-    def offer_landed(self, request: Request, blocks: list[KVCacheBlock], generation: str) -> None:
+    def offer_landed(self, request: Request, blocks: list[int], generation: str) -> None:
         """Offer the request's full chunks whose KV has landed and were not offered yet
         (``blocks``: its block table) to tier ``generation``."""
         tokens_per_chunk = self.blocks_per_chunk * self.block_size
@@ -101,7 +100,7 @@ class OffloadStores:
         self._offer(request, blocks, start, num_chunks, generation)
 
     def _offer(
-        self, request: Request, blocks: list[KVCacheBlock], start: int, end: int, generation: str
+        self, request: Request, blocks: list[int], start: int, end: int, generation: str
     ) -> None:
         bpc = self.blocks_per_chunk
         keys, chunk_blocks = [], []
@@ -143,7 +142,7 @@ class OffloadStores:
         else:
             del self._jobs[job_id]
 
-    def _drop_chunk(self, blocks: list[KVCacheBlock]) -> None:
+    def _drop_chunk(self, blocks: list[int]) -> None:
         self.block_pool.free_blocks(reversed(blocks))
         self.num_pending_chunks -= 1
 
@@ -163,7 +162,7 @@ class OffloadStores:
     def _message(self, job_id: int) -> KVStore:
         job = self._jobs[job_id]
         bpc = self.blocks_per_chunk
-        block_ids = [block.block_id for blocks in job.blocks for block in blocks]
+        block_ids = [block_id for blocks in job.blocks for block_id in blocks]
         slot_ids = [slot_id for slot_id in job.slot_ids for _ in range(bpc)]
         return KVStore(job_id, block_ids, slot_ids, list(range(bpc)) * len(job.slot_ids))
 

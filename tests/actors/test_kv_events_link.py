@@ -74,7 +74,7 @@ def fake_core(hashes: list[bytes]) -> EngineCore:
     """An engine core whose prefix cache holds ``hashes``."""
     core = EngineCore(SchedulerConfig(), CacheConfig(block_size=4), num_blocks=8, max_model_len=64)
     pool = core.scheduler.kv_cache_manager.block_pool
-    pool.cached_blocks = dict.fromkeys(hashes)  # type: ignore[arg-type]
+    pool.cached_hashes = lambda: list(hashes)  # type: ignore[method-assign]
     return core
 
 

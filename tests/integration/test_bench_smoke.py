@@ -6,9 +6,10 @@ prompts, a warm-up, fixed concurrency and Poisson rate levels, failed requests c
 the real engine stack, ``bench/offload.py`` (returning turns in five modes, loads beside a
 memory copy, LRU vs ARC), ``bench/spec_decode.py`` (every static K and dynamic mode on each
 workload, greedy outputs unchanged by speculation), ``bench/routing.py`` (kv and load routing
-on a shared-prefix and a unique trace) and ``bench/structured.py`` (a batch half under a JSON
-schema against a free one, and the mask's cost per step) and ``bench/tracing.py`` (a server
-traced and one not, the traced one exporting). Each ends with one JSON line; no
+on a shared-prefix and a unique trace), ``bench/structured.py`` (a batch half under a JSON
+schema against a free one, and the mask's cost per step), ``bench/tracing.py`` (a server
+traced and one not, the traced one exporting) and ``bench/scheduler.py`` (each case on the C
+and the Python block arrays, taking the same steps). Each ends with one JSON line; no
 timing is asserted (the machine is shared)."""
 
 from __future__ import annotations
@@ -397,6 +398,26 @@ def test_offload_compares_modes_bandwidth_and_policies():
     for policy in ("lru", "arc"):
         assert figures[f"ttft_hot_ms_{policy}"] > 0
         assert figures["trace_query_tokens"][policy] > 0
+
+
+# ----- bench/scheduler.py
+
+
+@pytest.mark.timeout(120)
+def test_scheduler_bench_runs_each_case_on_both_block_arrays_alike():
+    from shoal.engine.core.block_pool_arrays import native_block_arrays_available
+
+    kinds = ["native", "python"] if native_block_arrays_available() else ["python"]
+    done = _run(
+        str(BENCH / "scheduler.py"),
+        "--cases", "64:on", "--repeats", "1", "--block-arrays", ",".join(kinds),
+        timeout=110,
+    )  # fmt: skip
+    cases = _last_json(done)["cases"]
+    assert [case["block_arrays"] for case in cases] == kinds
+    # One scheduler, two array implementations: the same steps and the same prefix hits.
+    assert len({(case["steps"], case["prefix_cache_hit_rate"]) for case in cases}) == 1, cases
+    assert all(case["p99_over_p50"] >= 1 and case["prefix_cache_hit_rate"] > 0 for case in cases)
 
 
 # ----- bench/spec_decode.py

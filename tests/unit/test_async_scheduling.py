@@ -207,8 +207,8 @@ def blocks_in_flight(pipeline: Pipeline) -> list[int]:
 
 def assert_not_free(scheduler: Scheduler, block_ids: list[int]) -> None:
     pool = scheduler.kv_cache_manager.block_pool
-    assert block_ids and all(pool.blocks[b].ref_cnt > 0 for b in block_ids)
-    assert not set(block_ids) & set(pool.free_queue.block_ids())
+    assert block_ids and all(pool.ref_cnt(b) > 0 for b in block_ids)
+    assert not set(block_ids) & set(pool.free_block_ids())
 
 
 def test_a_stop_with_a_step_in_flight_adds_no_token_and_frees_blocks_after_it_lands() -> None:
@@ -267,12 +267,12 @@ def test_blocks_are_cached_only_once_the_step_that_fills_them_lands() -> None:
     scheduler.add_request(make_request("first", prompt, max_tokens=3))
     pipeline = Pipeline(scheduler, FakeWorker(scheduler.block_size))
     pipeline.schedule()
-    assert scheduler.kv_cache_manager.block_pool.cached_blocks == {}
+    assert scheduler.kv_cache_manager.block_pool.num_cached_blocks == 0
     scheduler.add_request(make_request("early", prompt, max_tokens=3))
     pipeline.schedule()
     assert scheduler.requests["early"].num_cached_tokens == 0  # the prefill is still in flight
     pipeline.land()
-    assert len(scheduler.kv_cache_manager.block_pool.cached_blocks) == 2
+    assert scheduler.kv_cache_manager.block_pool.num_cached_blocks == 2
     scheduler.add_request(make_request("late", prompt, max_tokens=3))
     pipeline.schedule()
     assert scheduler.requests["late"].num_cached_tokens == 8
@@ -283,7 +283,7 @@ def test_without_async_scheduling_a_prompt_is_cached_when_scheduled() -> None:
     scheduler = make_scheduler()
     scheduler.add_request(make_request("first", list(range(10, 19)), max_tokens=3))
     scheduler.schedule()
-    assert len(scheduler.kv_cache_manager.block_pool.cached_blocks) == 2
+    assert scheduler.kv_cache_manager.block_pool.num_cached_blocks == 2
 
 
 def test_a_stale_output_is_ignored_even_after_the_request_resumed() -> None:

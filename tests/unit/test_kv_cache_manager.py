@@ -42,9 +42,9 @@ def test_full_blocks_are_cached_at_allocation() -> None:
     manager = KVCacheManager(10, BLOCK)
     request = hashed("r", list(range(10)))
     admit(manager, request)
-    cached = manager.block_pool.cached_blocks
-    assert [cached[h].block_id for h in request.block_hashes] == [1, 2]
-    assert len(cached) == 2  # the partial third block is not cached
+    pool = manager.block_pool
+    assert [pool.get_cached_block(h) for h in request.block_hashes] == [1, 2]
+    assert pool.num_cached_blocks == 2  # the partial third block is not cached
 
 
 def test_identical_prompt_hits_all_but_the_last_token() -> None:
@@ -52,9 +52,9 @@ def test_identical_prompt_hits_all_but_the_last_token() -> None:
     admit(manager, hashed("a", list(range(12))))
     hits, num_hit = manager.get_computed_blocks(hashed("b", list(range(12))))
     # 12 tokens = 3 full blocks, but the last token must be computed: 2 blocks hit.
-    assert [b.block_id for b in hits] == [1, 2] and num_hit == 8
+    assert hits == [1, 2] and num_hit == 8
     hits, num_hit = manager.get_computed_blocks(hashed("c", list(range(13))))
-    assert [b.block_id for b in hits] == [1, 2, 3] and num_hit == 12
+    assert hits == [1, 2, 3] and num_hit == 12
 
 
 def test_hit_takes_a_reference_and_shared_blocks_are_not_evicted() -> None:
@@ -64,14 +64,14 @@ def test_hit_takes_a_reference_and_shared_blocks_are_not_evicted() -> None:
     second = hashed("b", [*list(range(8)), 60])
     assert admit(manager, second) == [4]
     assert manager.get_block_ids("b") == [1, 2, 4]
-    assert [manager.block_pool.blocks[i].ref_cnt for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
+    assert [manager.block_pool.ref_cnt(i) for i in (1, 2, 3, 4)] == [2, 2, 1, 1]
     manager.free(first)
-    assert manager.block_pool.blocks[1].ref_cnt == 1
+    assert manager.block_pool.ref_cnt(1) == 1
     assert manager.num_free_blocks == 2
     other = hashed("c", list(range(100, 108)))
     # The freed partial block 3 (unhashed) is reused first; never 1 or 2, which "b" still uses.
     assert admit(manager, other) == [3, 5]
-    assert manager.block_pool.blocks[1].block_hash == second.block_hashes[0]
+    assert manager.block_pool.block_hash(1) == second.block_hashes[0]
 
 
 def test_free_is_tail_first_so_the_head_is_evicted_last() -> None:
@@ -79,7 +79,7 @@ def test_free_is_tail_first_so_the_head_is_evicted_last() -> None:
     request = hashed("r", list(range(14)))
     admit(manager, request)  # blocks 1..4, block 4 partial (unhashed)
     manager.free(request)
-    free_order = manager.block_pool.free_queue.block_ids()
+    free_order = manager.block_pool.free_block_ids()
     # Unhashed partial block first, then never-used blocks, then cached blocks tail first.
     assert free_order == [4, 5, 6, 7, 8, 9, 3, 2, 1]
 
@@ -94,7 +94,7 @@ def test_allocation_that_does_not_fit_changes_nothing() -> None:
     assert num_hit == 8
     assert manager.allocate_slots(big, 12, hits) is None
     assert manager.num_free_blocks == 3
-    assert [b.ref_cnt for b in hits] == [0, 0]
+    assert [manager.block_pool.ref_cnt(b) for b in hits] == [0, 0]
     assert manager.get_block_ids("b") == []
     assert manager.allocate_slots(big, 4, hits) == [3]  # a smaller chunk fits
 
@@ -117,7 +117,7 @@ def test_caching_off_never_hits_and_never_hashes() -> None:
     manager = KVCacheManager(10, BLOCK, enable_caching=False)
     admit(manager, hashed("a", list(range(12))))
     assert manager.get_computed_blocks(hashed("b", list(range(12)))) == ([], 0)
-    assert manager.block_pool.cached_blocks == {}
+    assert manager.block_pool.num_cached_blocks == 0
 
 
 def test_prompt_logprobs_skip_reading_the_cache() -> None:

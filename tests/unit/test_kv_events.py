@@ -18,7 +18,6 @@ from shoal.bus.messages.lora import LoRARequest
 from shoal.bus.messages.sampling import SamplingParams
 from shoal.engine.client.prefix_index import PrefixIndex
 from shoal.engine.core.block_pool import BlockPool
-from shoal.engine.core.free_block_queue import KVCacheBlock
 from shoal.engine.core.kv_cache_manager import KVCacheManager
 from shoal.engine.core.kv_events import KVEventLog
 from shoal.engine.core.request import Request
@@ -74,7 +73,7 @@ def test_evictions_and_drops_are_removed_and_a_reset_is_cleared() -> None:
     pool.cache_blocks(pool.get_new_blocks(1), [h(8)])
     assert not pool.reset_prefix_cache()  # a block in use: refused, nothing logged
     assert log.take() == [BlockStored([h(8)], None, 4)]
-    pool.free_blocks([pool.cached_blocks[h(8)], *taken])
+    pool.free_blocks([pool.get_cached_block(h(8)), *taken])
     assert pool.reset_prefix_cache()
     assert log.take() == [AllBlocksCleared()]
 
@@ -100,13 +99,13 @@ OPS = st.lists(
 @given(OPS)
 def test_replaying_the_events_gives_the_cached_hashes(ops: list[tuple[str, int, int]]) -> None:
     pool, log = logged_pool(8)
-    held: list[KVCacheBlock] = []
+    held: list[int] = []
     batches: list[list[KVEvent]] = [snapshot_events([], 4)]
     for op, value, count in ops:
         if op == "take" and pool.num_free_blocks >= count:
             held.extend(pool.get_new_blocks(count))
         elif op == "cache" and held:
-            unhashed = [block for block in held if block.block_hash is None][:count]
+            unhashed = [block for block in held if pool.block_hash(block) is None][:count]
             pool.cache_blocks(unhashed, [h(value + i) for i in range(len(unhashed))], h(99))
         elif op in ("free", "drop") and held:
             pool.free_blocks([held.pop(value % len(held))], drop_cached=op == "drop")
@@ -117,7 +116,7 @@ def test_replaying_the_events_gives_the_cached_hashes(ops: list[tuple[str, int, 
             pool.reset_prefix_cache()
         elif op == "step":
             batches.append(log.take())
-        assert replay([*batches, log.events]) == set(pool.cached_blocks)
+        assert replay([*batches, log.events]) == set(pool.cached_hashes())
 
 
 def test_the_manager_logs_a_requests_blocks_with_their_chain_parent() -> None:

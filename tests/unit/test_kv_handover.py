@@ -66,7 +66,7 @@ def run(core: EngineCore, worker: FakeWorker, max_steps: int = 200) -> dict[str,
 
 
 def free_block_ids(core: EngineCore) -> set[int]:
-    return set(core.scheduler.kv_cache_manager.block_pool.free_queue.block_ids())
+    return set(core.scheduler.kv_cache_manager.block_pool.free_block_ids())
 
 
 def all_free(core: EngineCore) -> bool:
@@ -134,4 +134,4 @@ def test_an_aborted_prefill_holds_nothing_and_a_fault_gives_every_hold_back() ->
     assert core.scheduler.handovers.num_holding == 1
     core.fail_all("the workers are gone")
     assert core.scheduler.handovers.num_holding == 0 and all_free(core)
-    assert not core.scheduler.kv_cache_manager.block_pool.cached_blocks  # the reset went through
+    assert not core.scheduler.kv_cache_manager.block_pool.num_cached_blocks  # the reset went on

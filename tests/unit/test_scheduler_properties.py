@@ -4,7 +4,8 @@ After every step the block accounting and queue invariants hold; every request f
 request's tokens equal what the fake model produced for it (the fake worker also checks every KV
 slot a request reads, so a wrong prefix-cache hit or a block shared by mistake fails the test).
 
-The same workloads run with async scheduling and two steps in flight, checking as well that no
+Each runs on the C block arrays (where built) and on the Python ones. The same workloads run
+with async scheduling and two steps in flight, checking as well that no
 block an in-flight step may write is free or someone else's, that no cached block is still to be
 written by a step in flight, and that the in-flight counts match the steps outstanding.
 """
@@ -14,10 +15,17 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from shoal.bus.messages.engine import EngineCoreOutput
+from shoal.engine.core.block_pool_arrays import (
+    BLOCK_ARRAYS_ENV,
+    BlockArrays,
+    make_block_arrays,
+    native_block_arrays_available,
+)
 from shoal.engine.core.request import Request, RequestStatus, group_final_outputs
 from shoal.engine.core.scheduler import Scheduler
 from tests.unit.factories import EOS, FakeWorker, Pipeline, make_request, make_scheduler
@@ -26,6 +34,16 @@ MAX_MODEL_LEN = 40
 MAX_PROMPT = 24
 MAX_OUTPUT = 8
 MAX_STEPS = 600
+
+
+@pytest.fixture(autouse=True, params=["native", "python"])
+def block_arrays(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every workload on the C block arrays (where built) and on the Python ones."""
+    if request.param == "native" and not native_block_arrays_available():
+        pytest.skip("the C block arrays are not built here")
+    monkeypatch.setenv(BLOCK_ARRAYS_ENV, request.param)
+    assert isinstance(make_block_arrays(2), BlockArrays) == (request.param == "python")
+    return str(request.param)
 
 
 def token_for(request_id: str, position: int) -> int:
@@ -105,28 +123,32 @@ def check_invariants(scheduler: Scheduler) -> None:
     owners: Counter[int] = Counter()
     for request_id, blocks in kv.req_to_blocks.items():
         request = scheduler.requests[request_id]
-        assert len({b.block_id for b in blocks}) == len(blocks), "a block twice in one table"
+        assert len(set(blocks)) == len(blocks), "a block twice in one table"
         if request.status is not RequestStatus.RUNNING:
             assert blocks == [], "a waiting request holds blocks"
         assert len(blocks) * kv.block_size >= request.num_computed_tokens
         for index, block in enumerate(blocks):
-            assert block.block_id != 0, "the null block was handed out"
-            owners[block.block_id] += 1
-            if block.block_hash is not None and index < len(request.block_hashes):
-                assert request.block_hashes[index] == block.block_hash, "wrong cached block"
+            assert block != 0, "the null block was handed out"
+            owners[block] += 1
+            block_hash = pool.block_hash(block)
+            if block_hash is not None and index < len(request.block_hashes):
+                assert request.block_hashes[index] == block_hash, "wrong cached block"
     for entries in scheduler.pending_frees.values():  # finished or preempted, a step in flight
         for blocks, _, _ in entries:
             for block in blocks:
-                owners[block.block_id] += 1
-    for block in pool.blocks[1:]:
-        assert block.ref_cnt == owners[block.block_id], "ref count differs from owners"
-        assert (block in pool.free_queue) == (block.ref_cnt == 0)
-        if owners[block.block_id] > 1:
-            assert block.block_hash is not None, "block shared without the prefix cache"
-    num_used = sum(1 for block in pool.blocks[1:] if block.ref_cnt > 0)
+                owners[block] += 1
+    free = set(pool.free_block_ids())
+    assert len(free) == pool.num_free_blocks, "a block queued twice"
+    for block in range(1, pool.num_blocks):
+        assert pool.ref_cnt(block) == owners[block], "ref count differs from owners"
+        assert (block in free) == (pool.ref_cnt(block) == 0)
+        if owners[block] > 1:
+            assert pool.block_hash(block) is not None, "block shared without the prefix cache"
+    num_used = sum(1 for block in range(1, pool.num_blocks) if pool.ref_cnt(block) > 0)
     assert pool.num_free_blocks + num_used == pool.num_blocks - 1
-    for block_hash, block in pool.cached_blocks.items():
-        assert block.block_hash == block_hash
+    for block_hash in pool.cached_hashes():
+        block = pool.get_cached_block(block_hash)
+        assert block is not None and pool.block_hash(block) == block_hash
     running, waiting = scheduler.running, list(scheduler.waiting)
     assert len(running) <= scheduler.scheduler_config.max_num_seqs
     assert all(r.status is RequestStatus.RUNNING for r in running)
@@ -136,7 +158,6 @@ def check_invariants(scheduler: Scheduler) -> None:
     assert len(running) + len(waiting) == len(scheduler.requests)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def arrive_and_abort(
     scheduler: Scheduler, arrivals: list[Arrival], aborts: dict[int, list[int]], step: int
 ) -> list[Request]:
@@ -176,6 +197,14 @@ def check_model_tokens(arrivals: list[Arrival], outputs: dict[str, list[EngineCo
             assert reasons[-1] == ("stop" if last == EOS and not arrival.ignore_eos else "length")
 
 
+# (the block-arrays fixture is the same for every example: a setting, not state)
+SETTINGS = dict(
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+
+
+@settings(max_examples=120, **SETTINGS)  # type: ignore[arg-type]
 @given(scenarios())
 def test_random_workloads_keep_invariants_and_produce_the_model_tokens(
     scenario: tuple[Scheduler, list[Arrival], dict[int, list[int]]],
@@ -221,18 +250,17 @@ def check_in_flight(pipeline: Pipeline) -> bool:
         for request_id, block_ids in written.items():
             request = step.requests[request_id]
             num_steps[request] += 1
-            held = {
-                block.block_id
-                for blocks, _, _ in scheduler.pending_frees.get(request, [])
-                for block in blocks
-            }
+            pending = scheduler.pending_frees.get(request, [])
+            held = {block for blocks, _, _ in pending for block in blocks}
             if scheduler.requests.get(request_id) is request:
                 held.update(kv.get_block_ids(request_id))
+            free = set(kv.block_pool.free_block_ids())
             for block_id in block_ids:
-                block = kv.block_pool.blocks[block_id]
                 assert block_id in held, "a block freed while an in-flight step may write it"
-                assert block.ref_cnt > 0 and block not in kv.block_pool.free_queue
-                assert block.block_hash is None, "a block cached before its KV landed"
+                assert kv.block_pool.ref_cnt(block_id) > 0 and block_id not in free
+                assert kv.block_pool.block_hash(block_id) is None, (
+                    "a block cached before its KV landed"
+                )
     for request in list(scheduler.requests.values()) + list(scheduler.pending_frees):
         assert request.num_in_flight_steps == num_steps[request]
         assert 0 <= request.num_stale_steps <= request.num_in_flight_steps
@@ -242,7 +270,7 @@ def check_in_flight(pipeline: Pipeline) -> bool:
     return any(request.num_stale_steps for request in num_steps)
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, **SETTINGS)  # type: ignore[arg-type]
 @given(scenarios(async_scheduling=True))
 def test_random_workloads_with_two_steps_in_flight(
     scenario: tuple[Scheduler, list[Arrival], dict[int, list[int]]],
