@@ -56,9 +56,9 @@ async def test_a_prefill_for_remote_decode_holds_its_kv_until_released(
         assert finals["prefill"].new_token_ids == finals["plain"].new_token_ids
         core = engine.core
         assert core is not None and core.scheduler.handovers.num_holding == 1
-        free = core.scheduler.kv_cache_manager.block_pool.free_block_ids()
-        assert not set(held.remote_block_ids) & set(free)
+        pool = core.scheduler.kv_cache_manager.block_pool
+        assert not set(held.remote_block_ids) & set(pool.free_block_ids())
         await bus.publish(subjects.engine_in("e0"), encode(ReleaseKV(["prefill"])))
         await wait_for(lambda: core.scheduler.handovers.num_holding == 0, 30, "the release")
-        assert set(held.remote_block_ids) <= set(free.block_ids())
+        assert set(held.remote_block_ids) <= set(pool.free_block_ids())
         assert core.scheduler.handovers.num_released == 1
