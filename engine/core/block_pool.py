@@ -53,8 +53,8 @@ class BlockPool:
         return self.arrays.num_free
 
     @property
-    def num_cached_blocks(self) -> int:
-        """Hashes in the map."""
+    def num_cached_hashes(self) -> int:
+        """Hashes in the prefix-cache map."""
         return self.arrays.num_cached
 
     @property

@@ -267,12 +267,12 @@ def test_blocks_are_cached_only_once_the_step_that_fills_them_lands() -> None:
     scheduler.add_request(make_request("first", prompt, max_tokens=3))
     pipeline = Pipeline(scheduler, FakeWorker(scheduler.block_size))
     pipeline.schedule()
-    assert scheduler.kv_cache_manager.block_pool.num_cached_blocks == 0
+    assert scheduler.kv_cache_manager.block_pool.num_cached_hashes == 0
     scheduler.add_request(make_request("early", prompt, max_tokens=3))
     pipeline.schedule()
     assert scheduler.requests["early"].num_cached_tokens == 0  # the prefill is still in flight
     pipeline.land()
-    assert scheduler.kv_cache_manager.block_pool.num_cached_blocks == 2
+    assert scheduler.kv_cache_manager.block_pool.num_cached_hashes == 2
     scheduler.add_request(make_request("late", prompt, max_tokens=3))
     pipeline.schedule()
     assert scheduler.requests["late"].num_cached_tokens == 8
@@ -283,7 +283,7 @@ def test_without_async_scheduling_a_prompt_is_cached_when_scheduled() -> None:
     scheduler = make_scheduler()
     scheduler.add_request(make_request("first", list(range(10, 19)), max_tokens=3))
     scheduler.schedule()
-    assert scheduler.kv_cache_manager.block_pool.num_cached_blocks == 2
+    assert scheduler.kv_cache_manager.block_pool.num_cached_hashes == 2
 
 
 def test_a_stale_output_is_ignored_even_after_the_request_resumed() -> None:

@@ -55,7 +55,7 @@ def test_freed_hashed_blocks_go_back_lru_and_unhashed_go_first(native: bool) -> 
     assert pool.get_new_blocks(4) == [3, 4, 5, 6]
     assert pool.get_cached_block(bytes([3])) is None  # evicted on reuse
     assert pool.get_cached_block(bytes([1])) == 1  # still cached while free
-    assert pool.num_cached_blocks == 2
+    assert pool.num_cached_hashes == 2
 
 
 def test_cache_blocks_caches_each_pair_in_order_and_the_first_of_a_hash_wins(
@@ -115,7 +115,7 @@ def test_reset_prefix_cache_only_when_everything_is_free(native: bool) -> None:
     pool.free_blocks([block])
     assert pool.reset_prefix_cache()
     assert pool.get_cached_block(b"h") is None and pool.block_hash(block) is None
-    assert pool.cached_hashes() == [] and pool.num_cached_blocks == 0
+    assert pool.cached_hashes() == [] and pool.num_cached_hashes == 0
 
 
 def test_bad_calls_are_refused_and_change_nothing(native: bool) -> None:

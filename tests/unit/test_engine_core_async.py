@@ -141,7 +141,7 @@ def test_fail_all_with_two_steps_in_flight_errors_every_request_and_drops_both()
     core.admit(add("b"))
     first = schedule(core)
     core.apply_result(first, worker.execute(first.to_message()))
-    assert core.scheduler.kv_cache_manager.block_pool.num_cached_blocks  # the prompts landed
+    assert core.scheduler.kv_cache_manager.block_pool.num_cached_hashes  # the prompts landed
     second = schedule(core)
     core.admit(add("c"))
     schedule(core)
@@ -151,7 +151,7 @@ def test_fail_all_with_two_steps_in_flight_errors_every_request_and_drops_both()
     }
     assert not core.outstanding and not core.has_work()
     assert_all_blocks_free(core)
-    assert core.scheduler.kv_cache_manager.block_pool.num_cached_blocks == 0
+    assert core.scheduler.kv_cache_manager.block_pool.num_cached_hashes == 0
     with pytest.raises(ValueError, match="out of order"):  # a late result is refused
         core.apply_result(second, worker.execute(second.to_message()))
 
@@ -164,7 +164,7 @@ def test_without_async_scheduling_an_abort_during_a_step_frees_its_blocks_at_onc
     core.queue_abort(AbortRequest(["a"]))
     core.apply_result(first, worker.execute(first.to_message()))
     assert_all_blocks_free(core)
-    assert core.scheduler.kv_cache_manager.block_pool.num_cached_blocks  # its prompt stays cached
+    assert core.scheduler.kv_cache_manager.block_pool.num_cached_hashes  # its prompt stays cached
 
 
 def test_a_reused_request_id_does_not_get_the_tokens_of_the_request_it_replaces() -> None:

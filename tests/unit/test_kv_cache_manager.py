@@ -44,7 +44,7 @@ def test_full_blocks_are_cached_at_allocation() -> None:
     admit(manager, request)
     pool = manager.block_pool
     assert [pool.get_cached_block(h) for h in request.block_hashes] == [1, 2]
-    assert pool.num_cached_blocks == 2  # the partial third block is not cached
+    assert pool.num_cached_hashes == 2  # the partial third block is not cached
 
 
 def test_identical_prompt_hits_all_but_the_last_token() -> None:
@@ -117,7 +117,7 @@ def test_caching_off_never_hits_and_never_hashes() -> None:
     manager = KVCacheManager(10, BLOCK, enable_caching=False)
     admit(manager, hashed("a", list(range(12))))
     assert manager.get_computed_blocks(hashed("b", list(range(12)))) == ([], 0)
-    assert manager.block_pool.num_cached_blocks == 0
+    assert manager.block_pool.num_cached_hashes == 0
 
 
 def test_prompt_logprobs_skip_reading_the_cache() -> None:

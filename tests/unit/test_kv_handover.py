@@ -134,4 +134,4 @@ def test_an_aborted_prefill_holds_nothing_and_a_fault_gives_every_hold_back() ->
     assert core.scheduler.handovers.num_holding == 1
     core.fail_all("the workers are gone")
     assert core.scheduler.handovers.num_holding == 0 and all_free(core)
-    assert not core.scheduler.kv_cache_manager.block_pool.num_cached_blocks  # the reset went on
+    assert not core.scheduler.kv_cache_manager.block_pool.num_cached_hashes  # the reset went on

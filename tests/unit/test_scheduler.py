@@ -215,7 +215,7 @@ def test_failed_step_finishes_named_requests_with_an_error() -> None:
     finals = flat(scheduler.update_from_output(output, result))
     assert {(o.finish_reason, o.error) for o in finals.values()} == {("error", "CUDA exploded")}
     assert scheduler.kv_cache_manager.num_free_blocks == 64
-    assert scheduler.kv_cache_manager.block_pool.num_cached_blocks == 0  # KV not trusted
+    assert scheduler.kv_cache_manager.block_pool.num_cached_hashes == 0  # KV not trusted
     assert scheduler.schedule().finished_req_ids == ["req0", "req1"]
     assert not scheduler.has_requests()
 
