@@ -26,6 +26,7 @@ LIBRARY = "paged_decode_attention"
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM, MAX_GROUP = 256, 32  # the C kernel's fixed buffers
 MIN_SPLIT_KEYS = 128  # a context piece is never shorter (its merge costs more than it saves)
+TILE_KEYS = 16  # keys the kernel scores together: pieces are whole tiles (the matrix path's pages)
 ITEMS_PER_THREAD = 4  # (sequence, kv head, piece) items per thread, for balance
 
 
@@ -50,6 +51,9 @@ _SIGNATURES = (
         ctypes.c_int,
         (ctypes.c_void_p,) * 7 + (ctypes.c_int64,) * 9 + (ctypes.c_float, ctypes.c_int),
     ),
+    ("paged_decode_matrix_ready", ctypes.c_int, ()),
+    ("paged_decode_matrix_calls", ctypes.c_int64, ()),
+    ("paged_decode_set_matrix_units", None, (ctypes.c_int,)),
 )
 
 
@@ -61,6 +65,27 @@ def _library() -> ctypes.CDLL | None:
 def build_cpu_decode_kernel() -> bool:
     """The kernel built (or loaded) now; False where it cannot be or C kernels are off."""
     return use_cpu_kernels() and _library() is not None
+
+
+def decode_matrix_units_ready() -> bool:
+    """Whether bf16 decodes can run on the CPU's matrix units (AMX) here: the kernel built for a
+    CPU with them and the OS granting their state."""
+    lib = _library()
+    return lib is not None and bool(lib.paged_decode_matrix_ready())
+
+
+def decode_matrix_calls() -> int:
+    """Kernel calls whose bf16 decodes ran on the matrix units, in this process."""
+    lib = _library()
+    return 0 if lib is None else int(lib.paged_decode_matrix_calls())
+
+
+def use_decode_matrix_units(allowed: bool) -> None:
+    """On (the default) bf16 decodes take the matrix units where the CPU has them; off, the
+    vector path (how the tests compare the two on one machine)."""
+    lib = _library()
+    if lib is not None:
+        lib.paged_decode_set_matrix_units(int(allowed))
 
 
 def cpu_decode_available(k_cache: torch.Tensor, num_q_heads: int) -> bool:
@@ -129,6 +154,7 @@ def _planned(
     items = len(lens) * (num_kv_heads // kv_per_item)
     wanted = math.ceil(ITEMS_PER_THREAD * torch.get_num_threads() / items)
     split_keys = max(MIN_SPLIT_KEYS, math.ceil(longest / max(1, wanted)))
+    split_keys = math.ceil(split_keys / TILE_KEYS) * TILE_KEYS
     return CpuDecodePlan(
         token_rows=token_rows,
         block_tables=block_tables.to(torch.int32).contiguous(),

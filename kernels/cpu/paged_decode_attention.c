@@ -8,23 +8,32 @@
  * a head size that is a multiple of 32) a tile's 16 scores per query head come from 16 vector
  * partial dots folded into one vector (bf16 keys dotted as they are stored where the CPU has
  * AVX512-BF16): 64 bf16 decodes of SmolLM2 took 0.80 ms a layer here against 1.23 with a summed
- * dot per key, fp32 1.76 against 2.04.
+ * dot per key, fp32 1.76 against 2.04. bf16 on a CPU with AMX takes the matrix path
+ * (MATRIX_DECODE, below): scores on the tiles, values by bf16 pair products.
  *
  * Built by kernels/cpu_build.py with the compiler's OpenMP against the libgomp torch already
  * loaded (one thread pool in the process).
  */
+#define _GNU_SOURCE /* syscall (matrix_tiles.h) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "layer_rows.h"
+#include "matrix_tiles.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define WIDE_SCORES 1 /* a tile's 16 scores per query head summed as one vector (below) */
 #else
 #define WIDE_SCORES 0
+#endif
+
+#if WIDE_SCORES && HAS_MATRIX_TILES && defined(__AVX512BF16__)
+#define MATRIX_DECODE 1 /* bf16 scores on the matrix units (below) */
+#else
+#define MATRIX_DECODE 0
 #endif
 
 #define MAX_HEAD_DIM 256
@@ -41,6 +50,7 @@ typedef struct {
   int64_t n, hq, hkv, d, block_size, table_stride, splits, split_keys;
   float scale;
   int is_bf16;
+  int matrix; /* bf16 items on the matrix units (matrix_path_for) */
 } Job;
 
 static inline __attribute__((always_inline)) float dot(const float *a, const float *b, int64_t d) {
@@ -60,27 +70,32 @@ static inline __attribute__((always_inline)) const float *cache_row(const void *
   return buffer;
 }
 
-/* Ask for the key and value rows of keys [from, min(from + BLOCK_KEYS, end)) (of the kv head at
- * `head_offset` elements in a slot, `row_bytes` long) while this tile is scored: pages are
- * scattered, so the hardware prefetcher cannot see them coming. Into L2, not L1: the next tile's
- * 12 KB (SmolLM2, bf16) would evict the tile being worked on from a 32 KB L1. 64 decodes of
- * 180-320 keys, 30 layers' caches in turn: bf16 1.31 -> 1.04 ms a layer, fp32 1.84 -> 1.58. */
-static inline void prefetch_keys(const Job *job, const int32_t *table, int64_t from, int64_t end,
-                                 int64_t head_offset, int64_t row_bytes) {
-  const int64_t to = from + BLOCK_KEYS < end ? from + BLOCK_KEYS : end;
-  const int64_t width = job->is_bf16 ? 2 : 4, slot_elems = job->hkv * job->d;
-  int64_t page = from / job->block_size, offset = from % job->block_size;
-  for (int64_t pos = from; pos < to; pos++) {
-    const int64_t slot = (int64_t)table[page] * job->block_size + offset;
-    if (++offset == job->block_size) {
-      offset = 0;
-      page++;
-    }
-    const char *k = (const char *)job->k_cache + (slot * slot_elems + head_offset) * width;
-    const char *v = (const char *)job->v_cache + (slot * slot_elems + head_offset) * width;
+/* The slots of keys [from, min(from + BLOCK_KEYS, end)) in `slots`; returns how many. */
+static inline int64_t tile_slots(const int32_t *table, int64_t block_size, int64_t from,
+                                 int64_t end, int64_t slots[BLOCK_KEYS]) {
+  int64_t count = 0;
+  for (int64_t pos = from; pos < end && count < BLOCK_KEYS; pos++)
+    slots[count++] = (int64_t)table[pos / block_size] * block_size + pos % block_size;
+  return count;
+}
+
+/* Ask for one kv head's key and value rows (`at` elements into each of `count` slots, `row_bytes`
+ * long) of the next tile, into L1, just before this tile's work on that head: pages are
+ * scattered, so the hardware prefetchers do not see them coming, and a head's rows at a time
+ * keep the requests in flight few enough that the work goes on beside them (the whole next
+ * tile asked for at once, into L2, stalled it behind the requests). 64 decodes of SmolLM2
+ * (180-320 keys, 30 layers' caches in turn), 2-core Xeon, interleaved builds: fp32 1.48 -> 1.21
+ * ms a layer, bf16 0.98 -> 0.87 (vector path), 1.01 -> 0.76 (matrix path); into L2 the same way
+ * fp32 1.36. A plain read of the same pages runs at ~30 GB/s here (fp32 0.83 ms). */
+static inline void prefetch_head_rows(const Job *job, const int64_t *slots, int64_t count,
+                                      int64_t at, int64_t row_bytes) {
+  const int64_t width = job->is_bf16 ? 2 : 4, stride = job->hkv * job->d;
+  for (int64_t j = 0; j < count; j++) {
+    const char *k = (const char *)job->k_cache + (slots[j] * stride + at) * width;
+    const char *v = (const char *)job->v_cache + (slots[j] * stride + at) * width;
     for (int64_t line = 0; line < row_bytes; line += 64) {
-      __builtin_prefetch(k + line, 0, 2);
-      __builtin_prefetch(v + line, 0, 2);
+      __builtin_prefetch(k + line, 0, 3);
+      __builtin_prefetch(v + line, 0, 3);
     }
   }
 }
@@ -204,6 +219,155 @@ static inline __attribute__((always_inline)) float softmax_tile(__m512 s, __mmas
 }
 #endif
 
+#if MATRIX_DECODE
+/* bf16 decodes on the matrix units: an item's scores for a tile of 16 keys (one page's rows at
+ * a fixed stride) come from one tile product per 32 features, the 16 key rows loaded as they lie
+ * in the cache times the group's queries transposed (pairs of features by query heads), so no
+ * dot is summed across lanes; the values are weighed by the CPU's bf16 dot products, two keys at
+ * a time (their rows interleaved, the pair of weights broadcast), the weights rounded to bf16 as
+ * torch's CPU flash attention and the prefill kernel round them. 64 decodes of SmolLM2 (180-320
+ * keys, 30 layers' caches in turn) on a 2-core Xeon with AMX, interleaved builds: 0.87 ms a layer
+ * on the vector path, 0.67 here; from L2 (4 pages read over and over) 0.46 and 0.33. */
+#define T_SCORES 0  /* 16 keys x the group's query heads, fp32 */
+#define T_KEYS 1    /* 16 key rows x 32 bf16 */
+#define T_QUERIES 2 /* 16 pairs of features x the group's query heads */
+#define MATRIX_MAX_GROUP 16
+
+static int matrix_allowed = 1; /* the tests' switch (paged_decode_set_matrix_units) */
+static int64_t matrix_calls = 0;
+
+static void configure_decode_tiles(int64_t group) {
+  const uint8_t rows[3] = {BLOCK_KEYS, BLOCK_KEYS, BLOCK_KEYS};
+  const uint16_t row_bytes[3] = {(uint16_t)(group * 4), 64, (uint16_t)(group * 4)};
+  configure_tiles(3, rows, row_bytes);
+}
+
+/* Whether this call's decodes go to the matrix units: bf16, whole 32-feature steps, groups that
+ * fit a tile's 16 columns, and every 16-key tile inside one page (pages and pieces of whole
+ * tiles). */
+static int matrix_path_for(const Job *job) {
+  return matrix_allowed && job->is_bf16 && job->d % 32 == 0 &&
+         job->hq / job->hkv <= MATRIX_MAX_GROUP && job->block_size % BLOCK_KEYS == 0 &&
+         (job->splits == 1 || job->split_keys % BLOCK_KEYS == 0) && tiles_granted();
+}
+
+/* The first lanes of a 16-lane vector, up to `count`. */
+static inline __mmask16 lanes_below(int64_t count) {
+  return count >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << count) - 1);
+}
+
+/* acc (16 features of each half of a 32-feature step, in the order the interleaved products
+ * leave them: lane 4L + i holds feature 8L + i of the low half, 8L + 4 + i of the high) back to
+ * feature order, into `out`. */
+static inline void store_in_feature_order(const float *acc, int64_t d, float *out) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m512 low = _mm512_loadu_ps(acc + c), high = _mm512_loadu_ps(acc + c + 16);
+    _mm512_storeu_ps(out + c, _mm512_permutex2var_ps(low, first, high));
+    _mm512_storeu_ps(out + c + 16, _mm512_permutex2var_ps(low, second, high));
+  }
+}
+
+/* acc[g] = acc[g] * correction[g] + the tile's nk values weighed by pairs[g] (weights of keys
+ * 2p and 2p + 1 as one bf16 pair), 32 features at a time with the group's sums in registers. */
+static inline __attribute__((always_inline)) void weigh_values_in_pairs(
+    float acc[][MAX_HEAD_DIM], const float *correction, const uint32_t pairs[][BLOCK_KEYS / 2],
+    const uint16_t *values, int64_t stride, int64_t nk, int64_t d, int64_t group) {
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512 low[MATRIX_MAX_GROUP], high[MATRIX_MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+      const __m512 by = _mm512_set1_ps(correction[g]);
+      low[g] = _mm512_mul_ps(_mm512_loadu_ps(acc[g] + c), by);
+      high[g] = _mm512_mul_ps(_mm512_loadu_ps(acc[g] + c + 16), by);
+    }
+    for (int64_t j = 0; j < nk; j += 2) {
+      const __m512i a = _mm512_loadu_si512(values + j * stride + c);
+      const __m512i b = j + 1 < nk ? _mm512_loadu_si512(values + (j + 1) * stride + c)
+                                   : _mm512_setzero_si512(); /* past the context: not read */
+      const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int64_t g = 0; g < group; g++) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32((int)pairs[g][j / 2]);
+        low[g] = _mm512_dpbf16_ps(low[g], lo, w);
+        high[g] = _mm512_dpbf16_ps(high[g], hi, w);
+      }
+    }
+    for (int64_t g = 0; g < group; g++) {
+      _mm512_storeu_ps(acc[g] + c, low[g]);
+      _mm512_storeu_ps(acc[g] + c + 16, high[g]);
+    }
+  }
+}
+
+/* attend_split_with's item on the matrix units (the calling thread's tiles configured for the
+ * call's group). */
+static inline __attribute__((always_inline)) void attend_split_matrix(
+    const Job *job, int64_t seq, int64_t kv_first, int64_t kv_count, int64_t split,
+    const int64_t d, const int64_t group) {
+  const int64_t len = job->seq_lens[seq];
+  const int64_t start = split * job->split_keys;
+  int64_t end = start + job->split_keys;
+  if (end > len) end = len;
+  const int64_t heads = kv_count * group, first_head = seq * job->hq + kv_first * group;
+  const int64_t steps = d / 32, stride = job->hkv * d;
+  /* queries[kv][step][pair p][g]: features 2p, 2p + 1 of the step, query head g of kv head kv */
+  uint32_t queries[MAX_GROUP * (MAX_HEAD_DIM / 32) * 16];
+  float acc[MAX_GROUP][MAX_HEAD_DIM], m[MAX_GROUP], l[MAX_GROUP], correction[MAX_GROUP];
+  float weights[BLOCK_KEYS], scores[BLOCK_KEYS * BLOCK_KEYS];
+  uint32_t pairs[MAX_GROUP][BLOCK_KEYS / 2];
+  for (int64_t h = 0; h < heads; h++) {
+    const uint32_t *row = (const uint32_t *)((const uint16_t *)job->q + (first_head + h) * d);
+    const int64_t kv = h / group, g = h % group;
+    for (int64_t w = 0; w < d / 2; w++)
+      queries[((kv * steps + w / 16) * 16 + w % 16) * group + g] = row[w];
+    memset(acc[h], 0, d * sizeof(float));
+    m[h] = -INFINITY;
+    l[h] = 0.f;
+  }
+  const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)group));
+  const __m512 scale = _mm512_set1_ps(job->scale);
+  const int32_t *table = job->block_tables + seq * job->table_stride;
+  const int64_t block_size = job->block_size;
+  for (int64_t t0 = start; t0 < end; t0 += BLOCK_KEYS) {
+    const int64_t nk = end - t0 < BLOCK_KEYS ? end - t0 : BLOCK_KEYS;
+    const int64_t first_slot = (int64_t)table[t0 / block_size] * block_size + t0 % block_size;
+    int64_t next[BLOCK_KEYS];
+    const int64_t coming = tile_slots(table, block_size, t0 + BLOCK_KEYS, end, next);
+    const __mmask16 valid = lanes_below(nk);
+    for (int64_t kv = 0; kv < kv_count; kv++) {
+      const int64_t at = first_slot * stride + (kv_first + kv) * d, h0 = kv * group;
+      const uint16_t *keys = (const uint16_t *)job->k_cache + at;
+      prefetch_head_rows(job, next, coming, (kv_first + kv) * d, d * 2);
+      _tile_zero(T_SCORES);
+      for (int64_t step = 0; step < steps; step++) {
+        _tile_loadd(T_KEYS, keys + step * 32, stride * 2);
+        _tile_loadd(T_QUERIES, queries + (kv * steps + step) * 16 * group, group * 4);
+        _tile_dpbf16ps(T_SCORES, T_KEYS, T_QUERIES);
+      }
+      _tile_stored(T_SCORES, scores, group * 4); /* row j: key j's score by each query head */
+      for (int64_t g = 0; g < group; g++) {
+        const __m512 s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), valid, column, scores + g, 4);
+        correction[h0 + g] = softmax_tile(_mm512_mul_ps(s, scale), valid, &m[h0 + g], &l[h0 + g], weights);
+        _mm256_storeu_si256((__m256i *)pairs[h0 + g], (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(weights)));
+      }
+      weigh_values_in_pairs(acc + h0, correction + h0, pairs + h0,
+                            (const uint16_t *)job->v_cache + at, stride, nk, d, group);
+    }
+  }
+  for (int64_t kv = 0; kv < kv_count; kv++) {
+    float *out = job->partial + ((seq * job->hkv + kv_first + kv) * job->splits + split) * group * (d + 2);
+    for (int64_t g = 0; g < group; g++) {
+      const int64_t h = kv * group + g;
+      store_in_feature_order(acc[h], d, out + g * (d + 2));
+      out[g * (d + 2) + d] = m[h];
+      out[g * (d + 2) + d + 1] = l[h];
+    }
+  }
+}
+#endif
+
 /* One (sequence, kv heads, split): online softmax over keys [start, end), BLOCK_KEYS at a time,
  * for the query heads of kv heads [kv_first, kv_first + kv_count); each key row is read once and
  * dotted with every query head of its group. An item takes all of a sequence's kv heads when the
@@ -249,8 +413,8 @@ static inline __attribute__((always_inline)) void attend_split_with(
   int64_t page = start / block_size, offset = start % block_size; /* of the next key */
   for (int64_t t0 = start; t0 < end; t0 += BLOCK_KEYS) {
     const int64_t nk = end - t0 < BLOCK_KEYS ? end - t0 : BLOCK_KEYS;
-    prefetch_keys(job, table, t0 + BLOCK_KEYS, end, kv_first * d,
-                  kv_count * d * (is_bf16 ? 2 : 4));
+    int64_t next[BLOCK_KEYS];
+    const int64_t coming = tile_slots(table, block_size, t0 + BLOCK_KEYS, end, next);
     int64_t slot[BLOCK_KEYS];
     float raw[MAX_GROUP][BLOCK_KEYS], correction[MAX_GROUP];
     for (int64_t j = 0; j < nk; j++) {
@@ -262,6 +426,7 @@ static inline __attribute__((always_inline)) void attend_split_with(
     }
     for (int64_t kv = 0; kv < kv_count; kv++) {
       const int64_t at = (kv_first + kv) * d, h0 = kv * group;
+      prefetch_head_rows(job, next, coming, at, d * (is_bf16 ? 2 : 4));
 #if WIDE_SCORES
       if (wide) {
         const void *keys[BLOCK_KEYS];
@@ -341,9 +506,33 @@ static inline __attribute__((always_inline)) void attend_split_with(
 
 /* attend_split_with compiled for the common head sizes and GQA groups (constant trip counts
  * vectorize fully and keep the group in registers); any other shape through the general copy. */
+#if MATRIX_DECODE
+#define MATRIX_SHAPE(D, G)                                                   \
+  if (d == D && group == G) {                                                \
+    attend_split_matrix(job, seq, kv_first, kv_count, split, D, G);          \
+    return;                                                                  \
+  }
+
+/* attend_split_matrix likewise, for the calls matrix_path_for sends it. */
+static void attend_matrix(const Job *job, int64_t seq, int64_t kv_first, int64_t kv_count,
+                          int64_t split) {
+  const int64_t d = job->d, group = job->hq / job->hkv;
+  MATRIX_SHAPE(64, 1) MATRIX_SHAPE(64, 2) MATRIX_SHAPE(64, 3) MATRIX_SHAPE(64, 4)
+  MATRIX_SHAPE(64, 8) MATRIX_SHAPE(128, 1) MATRIX_SHAPE(128, 2) MATRIX_SHAPE(128, 4)
+  MATRIX_SHAPE(128, 8)
+  attend_split_matrix(job, seq, kv_first, kv_count, split, d, group);
+}
+#endif
+
 static void attend_split(const Job *job, int64_t seq, int64_t kv_first, int64_t kv_count,
                          int64_t split) {
   const int64_t d = job->d, group = job->hq / job->hkv;
+#if MATRIX_DECODE
+  if (job->matrix) {
+    attend_matrix(job, seq, kv_first, kv_count, split);
+    return;
+  }
+#endif
   SHAPE(64, 1) SHAPE(64, 2) SHAPE(64, 3) SHAPE(64, 4) SHAPE(64, 5) SHAPE(64, 6) SHAPE(64, 7)
   SHAPE(64, 8) SHAPE(128, 1) SHAPE(128, 2) SHAPE(128, 3) SHAPE(128, 4) SHAPE(128, 5)
   SHAPE(128, 6) SHAPE(128, 7) SHAPE(128, 8)
@@ -388,16 +577,31 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
   if (d > MAX_HEAD_DIM || hq % hkv != 0 || hq / hkv > MAX_GROUP) return 1;
   if (kv_per_item < 1 || hkv % kv_per_item != 0 || kv_per_item * (hq / hkv) > MAX_GROUP) return 1;
   Job job = {q, k_cache, v_cache, block_tables, seq_lens, partial, n, hq, hkv, d,
-             block_size, table_stride, splits, split_keys, scale, is_bf16};
+             block_size, table_stride, splits, split_keys, scale, is_bf16, 0};
+#if MATRIX_DECODE
+  job.matrix = matrix_path_for(&job);
+#endif
   /* An item takes kv_per_item kv heads of a sequence (the caller's choice: 1, or all). */
   const int64_t kv_items = hkv / kv_per_item;
   const int64_t items = n * kv_items * splits;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t item = 0; item < items; item++) {
-    const int64_t seq = item / (kv_items * splits), rest = item % (kv_items * splits);
-    const int64_t split = rest % splits, kv_first = (rest / splits) * kv_per_item;
-    if (split * split_keys < seq_lens[seq]) attend_split(&job, seq, kv_first, kv_per_item, split);
+#pragma omp parallel
+  {
+#if MATRIX_DECODE
+    if (job.matrix) configure_decode_tiles(hq / hkv);
+#endif
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; item++) {
+      const int64_t seq = item / (kv_items * splits), rest = item % (kv_items * splits);
+      const int64_t split = rest % splits, kv_first = (rest / splits) * kv_per_item;
+      if (split * split_keys < seq_lens[seq]) attend_split(&job, seq, kv_first, kv_per_item, split);
+    }
+#if MATRIX_DECODE
+    if (job.matrix) _tile_release();
+#endif
   }
+#if MATRIX_DECODE
+  if (job.matrix) matrix_calls++;
+#endif
 #pragma omp parallel for schedule(static)
   for (int64_t item = 0; item < n * hq; item++) merge_splits(&job, out, item / hq, item % hq);
   return 0;
@@ -442,4 +646,30 @@ int paged_decode_step(const DecodeStep *s, const void *qkv, void *k_cache, void 
   return paged_decode_attention(q_rot, k_cache, v_cache, s->block_tables, s->seq_lens, out,
                                 partial, s->n, s->hq, s->hkv, d, s->block_size, s->table_stride,
                                 s->splits, s->split_keys, s->kv_per_item, scale, s->is_bf16);
+}
+
+/* The tests' view of the matrix path: whether this build and the OS give it the tiles, calls it
+ * served, and a switch (on unless set off) to run bf16 decodes on the vector path instead. */
+int paged_decode_matrix_ready(void) {
+#if MATRIX_DECODE
+  return tiles_granted();
+#else
+  return 0;
+#endif
+}
+
+int64_t paged_decode_matrix_calls(void) {
+#if MATRIX_DECODE
+  return matrix_calls;
+#else
+  return 0;
+#endif
+}
+
+void paged_decode_set_matrix_units(int allowed) {
+#if MATRIX_DECODE
+  matrix_allowed = allowed;
+#else
+  (void)allowed;
+#endif
 }

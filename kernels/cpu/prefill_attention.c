@@ -23,17 +23,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "matrix_tiles.h"
 #include "vector_math.h"
-
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define HAS_AMX_PATH 1
-#else
-#define HAS_AMX_PATH 0
-#endif
 
 #define TILE 16         /* rows of a tile: queries of a query tile, keys of a key tile */
 #define PAIR_STEP 32    /* bf16 inputs a tile product sums over: 16 pairs */
@@ -46,28 +38,12 @@ static int64_t amx_calls = 0; /* calls that ran on the matrix units (for tests) 
 
 int64_t prefill_attention_calls(void) { return amx_calls; }
 
-#if HAS_AMX_PATH
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-static int tiles_granted(void) {
-  static int granted = -1;
-  if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  return granted;
-}
-
+#if HAS_MATRIX_TILES
 /* Every tile 16 rows of 64 bytes: 16 x 16 fp32 results, 16 x 32 bf16 inputs, 16 pairs x 16. */
-static void configure_tiles(void) {
-  struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t row_bytes[16];
-    uint8_t rows[16];
-  } config;
-  memset(&config, 0, sizeof config);
-  config.palette = 1;
-  for (int t = 0; t < 8; t++) config.rows[t] = TILE, config.row_bytes[t] = 64;
-  __asm__ volatile("" : : "r"(&config) : "memory"); /* the stores land before ldtilecfg */
-  _tile_loadconfig(&config);
+static void configure_all_tiles(void) {
+  const uint8_t rows[8] = {TILE, TILE, TILE, TILE, TILE, TILE, TILE, TILE};
+  const uint16_t row_bytes[8] = {64, 64, 64, 64, 64, 64, 64, 64};
+  configure_tiles(8, rows, row_bytes);
 }
 
 /* Tiles by role. The intrinsics take a tile's number as written, so roles are macros. */
@@ -351,7 +327,7 @@ static void attend_item(const Job *job, const Scratch *s, int64_t seq, int64_t k
 
 /* Whether this build has the matrix-unit path and the OS grants the tile state. */
 int prefill_attention_ready(void) {
-#if HAS_AMX_PATH
+#if HAS_MATRIX_TILES
   return tiles_granted();
 #else
   return 0;
@@ -369,7 +345,7 @@ int prefill_attention(const void *q, const void *k_cache, const void *v_cache, i
                       const int32_t *query_lens, const int32_t *seq_lens, void *out,
                       int64_t out_stride, int64_t m, int64_t hq, int64_t hkv, int64_t d,
                       int64_t block_size, int64_t table_stride, float scale) {
-#if HAS_AMX_PATH
+#if HAS_MATRIX_TILES
   if (!tiles_granted()) return -1;
   if (d % PAIR_STEP || d > MAX_HEAD_DIM || hq % hkv || hq / hkv > MAX_GROUP) return 1;
   int64_t chunks = 0;
@@ -386,7 +362,7 @@ int prefill_attention(const void *q, const void *k_cache, const void *v_cache, i
   {
     Scratch s = {0};
     const int ready = take_scratch(&s, d, hq / hkv) == 0;
-    if (ready) configure_tiles();
+    if (ready) configure_all_tiles();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < chunks * hkv; item++) {
       const int64_t seq = firsts[2 * (item / hkv)], c0 = firsts[2 * (item / hkv) + 1];

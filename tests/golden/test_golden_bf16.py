@@ -103,6 +103,26 @@ def test_prompts_through_the_amx_prefill_kernel_equal_transformers_in_bf16_up_to
     _assert_equal_up_to_ties(model_dir, prompts, ours)
 
 
+@pytest.mark.skipif(
+    not cpu_decode_attention.decode_matrix_units_ready(),
+    reason="no AMX here: bf16 decodes run on the vector path",
+)
+def test_decodes_on_the_matrix_units_equal_transformers_in_bf16_up_to_ties(tiny_checkpoint):
+    """Pages of 16 keys and SmolLM2's head shape: every decode step's attention scores its
+    16-key tiles on the matrix units (counted: a call per layer per step), prompts ending
+    inside a tile, on its edge and past several."""
+    model_dir = tiny_checkpoint(
+        "llama", hidden_size=192, head_dim=64, num_attention_heads=6, num_key_value_heads=2
+    )
+    prompts = make_prompts((5, 9, 16, 31, 40, 64, 70, 129))
+    runner = make_runner(model_dir, dtype="bfloat16", num_blocks=256, block_size=16)
+    runner.load()
+    before = cpu_decode_attention.decode_matrix_calls()
+    ours = generate_by_hand(runner, prompts, MAX_NEW, 16)
+    assert cpu_decode_attention.decode_matrix_calls() - before >= 2 * (MAX_NEW - 1)
+    _assert_equal_up_to_ties(model_dir, prompts, ours)
+
+
 def _assert_equal_up_to_ties(model_dir, prompts, ours) -> None:  # type: ignore[no-untyped-def]
     """Each prompt's tokens equal transformers' in bf16 until its first difference, where
     transformers' logit of ours is within TIE of its best; most prompts equal throughout."""

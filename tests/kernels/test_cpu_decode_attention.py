@@ -71,6 +71,103 @@ def test_decodes_match_the_decode_reference(dtype, gqa, head_dim, block_size, ma
     torch.testing.assert_close(out, _decode_reference(case), **tol)
 
 
+def _with_nan_past_each_context(case):  # type: ignore[no-untyped-def]
+    """The case with NaN in the slots of each sequence's last page past its length: rows a
+    16-key tile loads whole on the matrix units, which must weigh nothing."""
+    block_size = case.k_cache.shape[1]
+    for s, n in enumerate(case.seq_lens.tolist()):
+        if n % block_size:
+            page = int(case.block_tables[s, n // block_size])
+            case.k_cache[page, n % block_size :] = float("nan")
+            case.v_cache[page, n % block_size :] = float("nan")
+    return case
+
+
+@pytest.fixture
+def vector_path():  # type: ignore[no-untyped-def]
+    """A callable that runs its argument with bf16 decodes kept off the matrix units."""
+
+    def run(fn, *args):  # type: ignore[no-untyped-def]
+        cpu_decode_attention.use_decode_matrix_units(False)
+        try:
+            return fn(*args)
+        finally:
+            cpu_decode_attention.use_decode_matrix_units(True)
+
+    return run
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("gqa", "head_dim", "block_size"), [(1, 64, 16), (3, 64, 16), (4, 128, 128), (8, 32, 32)]
+)
+@pytest.mark.parametrize("many", [False, True], ids=["few", "many"])
+def test_bf16_decodes_on_the_matrix_units_match_the_reference_and_the_vector_path(
+    gqa, head_dim, block_size, many, vector_path
+):
+    """Where the CPU has AMX, bf16 decodes score 16-key tiles on the matrix units (counted per
+    call) and weigh values by bf16 pairs: the same answer as the dense reference and, within
+    the weights' bf16 rounding, the vector path's. Contexts end inside tiles, on a tile's edge
+    and past it, and few long ones are split in pieces of whole tiles."""
+    if not cpu_decode_attention.decode_matrix_units_ready():
+        pytest.skip("no matrix units (AMX) here, or the OS does not grant them")
+    lens = [0, 1, 15, 16, 17, 200, 650]
+    lens = lens * torch.get_num_threads() * 2 if many else [650]
+    case = _with_nan_past_each_context(
+        make_paged_case(
+            [1] * len(lens), lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim,
+            block_size=block_size, dtype=torch.bfloat16,
+        )
+    )  # fmt: skip
+    before = cpu_decode_attention.decode_matrix_calls()
+    plan, out = _attend(case)
+    assert isinstance(plan.decode, CpuDecodePlan)
+    assert plan.decode.splits > 1 or many
+    assert cpu_decode_attention.decode_matrix_calls() == before + 1
+    torch.testing.assert_close(out, naive_attention(case).to(out.dtype), **BF16_TOL)
+    _, vector = vector_path(_attend, case)
+    assert cpu_decode_attention.decode_matrix_calls() == before + 1
+    torch.testing.assert_close(out, vector, atol=1e-2, rtol=1e-2)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("gqa", "head_dim", "block_size"),
+    # pages of 8 keys (a tile would span two), a group of 17 (past a tile's 16 columns), a head
+    # size of 48 (not whole 32-feature steps)
+    [(3, 64, 8), (17, 64, 16), (2, 48, 16)],
+)
+def test_bf16_shapes_the_matrix_units_do_not_take_run_on_the_vector_path(gqa, head_dim, block_size):
+    lens = [0, 1, 15, 200, 650] * torch.get_num_threads() * 2
+    case = _with_nan_past_each_context(
+        make_paged_case(
+            [1] * len(lens), lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim,
+            block_size=block_size, dtype=torch.bfloat16,
+        )
+    )  # fmt: skip
+    before = cpu_decode_attention.decode_matrix_calls()
+    _, out = _attend(case)
+    assert cpu_decode_attention.decode_matrix_calls() == before
+    torch.testing.assert_close(out, naive_attention(case).to(out.dtype), **BF16_TOL)
+
+
+@needs_kernel
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_bf16_decodes_on_the_vector_path_match_the_reference(block_size, vector_path):
+    """The path of CPUs with AVX512-BF16 but no matrix units, on this one."""
+    lens = [0, 1, 15, 16, 17, 200, 650] * torch.get_num_threads() * 2
+    case = _with_nan_past_each_context(
+        make_paged_case(
+            [1] * len(lens), lens, num_kv_heads=2, gqa=3, head_dim=64, block_size=block_size,
+            dtype=torch.bfloat16,
+        )
+    )  # fmt: skip
+    before = cpu_decode_attention.decode_matrix_calls()
+    _, out = vector_path(_attend, case)
+    assert cpu_decode_attention.decode_matrix_calls() == before
+    torch.testing.assert_close(out, naive_attention(case).to(out.dtype), **BF16_TOL)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_a_context_split_in_pieces_merges_to_the_same_answer(dtype, monkeypatch):
