@@ -71,10 +71,14 @@ def test_decodes_match_the_decode_reference(dtype, gqa, head_dim, block_size, ma
     torch.testing.assert_close(out, _decode_reference(case), **tol)
 
 
-def _with_nan_past_each_context(case):  # type: ignore[no-untyped-def]
-    """The case with NaN in the slots of each sequence's last page past its length: rows a
-    16-key tile loads whole on the matrix units, which must weigh nothing."""
-    block_size = case.k_cache.shape[1]
+def _bf16_decodes(lens, gqa, head_dim, block_size):  # type: ignore[no-untyped-def]
+    """A bf16 case of one decode per context length (2 kv heads), NaN in the slots of each
+    sequence's last page past its length: rows a 16-key tile loads whole on the matrix units,
+    which must weigh nothing."""
+    case = make_paged_case(
+        [1] * len(lens), lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim,
+        block_size=block_size, dtype=torch.bfloat16,
+    )  # fmt: skip
     for s, n in enumerate(case.seq_lens.tolist()):
         if n % block_size:
             page = int(case.block_tables[s, n // block_size])
@@ -113,12 +117,7 @@ def test_bf16_decodes_on_the_matrix_units_match_the_reference_and_the_vector_pat
         pytest.skip("no matrix units (AMX) here, or the OS does not grant them")
     lens = [0, 1, 15, 16, 17, 200, 650]
     lens = lens * torch.get_num_threads() * 2 if many else [650]
-    case = _with_nan_past_each_context(
-        make_paged_case(
-            [1] * len(lens), lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim,
-            block_size=block_size, dtype=torch.bfloat16,
-        )
-    )  # fmt: skip
+    case = _bf16_decodes(lens, gqa, head_dim, block_size)
     before = cpu_decode_attention.decode_matrix_calls()
     plan, out = _attend(case)
     assert isinstance(plan.decode, CpuDecodePlan)
@@ -139,12 +138,7 @@ def test_bf16_decodes_on_the_matrix_units_match_the_reference_and_the_vector_pat
 )
 def test_bf16_shapes_the_matrix_units_do_not_take_run_on_the_vector_path(gqa, head_dim, block_size):
     lens = [0, 1, 15, 200, 650] * torch.get_num_threads() * 2
-    case = _with_nan_past_each_context(
-        make_paged_case(
-            [1] * len(lens), lens, num_kv_heads=2, gqa=gqa, head_dim=head_dim,
-            block_size=block_size, dtype=torch.bfloat16,
-        )
-    )  # fmt: skip
+    case = _bf16_decodes(lens, gqa, head_dim, block_size)
     before = cpu_decode_attention.decode_matrix_calls()
     _, out = _attend(case)
     assert cpu_decode_attention.decode_matrix_calls() == before
@@ -156,12 +150,7 @@ def test_bf16_shapes_the_matrix_units_do_not_take_run_on_the_vector_path(gqa, he
 def test_bf16_decodes_on_the_vector_path_match_the_reference(block_size, vector_path):
     """The path of CPUs with AVX512-BF16 but no matrix units, on this one."""
     lens = [0, 1, 15, 16, 17, 200, 650] * torch.get_num_threads() * 2
-    case = _with_nan_past_each_context(
-        make_paged_case(
-            [1] * len(lens), lens, num_kv_heads=2, gqa=3, head_dim=64, block_size=block_size,
-            dtype=torch.bfloat16,
-        )
-    )  # fmt: skip
+    case = _bf16_decodes(lens, 3, 64, block_size)
     before = cpu_decode_attention.decode_matrix_calls()
     _, out = vector_path(_attend, case)
     assert cpu_decode_attention.decode_matrix_calls() == before
