@@ -15,14 +15,14 @@
 #define XFEATURE_XTILEDATA 18
 
 /* Whether the OS lets this process use the tile registers (asked once). */
-static int tiles_granted(void) {
+static inline int tiles_granted(void) {
   static int granted = -1;
   if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   return granted;
 }
 
 /* Tiles 0 .. count - 1 configured as rows[t] rows of row_bytes[t] bytes, for this thread. */
-static void configure_tiles(int count, const uint8_t *rows, const uint16_t *row_bytes) {
+static inline void configure_tiles(int count, const uint8_t *rows, const uint16_t *row_bytes) {
   struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t row_bytes[16];
@@ -31,7 +31,9 @@ static void configure_tiles(int count, const uint8_t *rows, const uint16_t *row_
   memset(&config, 0, sizeof config);
   config.palette = 1;
   for (int t = 0; t < count; t++) config.rows[t] = rows[t], config.row_bytes[t] = row_bytes[t];
-  __asm__ volatile("" : : "r"(&config) : "memory"); /* the stores land before ldtilecfg */
+  /* gcc 12 takes ldtilecfg's intrinsic for one that reads no memory and can drop the stores
+   * above (the tiles then fault as unconfigured): the empty asm makes them land first. */
+  __asm__ volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 #else

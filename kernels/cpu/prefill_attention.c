@@ -18,7 +18,7 @@
  * Built by kernels/cpu_build.py; where the compiler's target has no AMX-BF16 (or the OS does not
  * grant the tile state) `prefill_attention` answers -1 and the caller runs SDPA.
  */
-#define _GNU_SOURCE /* syscall */
+#define _GNU_SOURCE /* syscall (matrix_tiles.h) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -39,12 +39,13 @@
  * AVX-512 (fp32) or no AVX512-BF16 (bf16), `strip_gemm_wide` answers 0 and the caller keeps
  * oneDNN's path.
  */
-#define _GNU_SOURCE /* syscall */
+#define _GNU_SOURCE /* syscall (matrix_tiles.h) */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "matrix_tiles.h"
 #include "vector_math.h"
 
 #if defined(__AVX512F__)
@@ -190,9 +191,7 @@ static void dispatch_tile(const void *packed, const void *x, const void *bias, v
 }
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && HAS_BF16_PATH
-#include <sys/syscall.h>
-#include <unistd.h>
+#if HAS_MATRIX_TILES && HAS_BF16_PATH
 #define HAS_AMX_PATH 1
 #else
 #define HAS_AMX_PATH 0
@@ -215,16 +214,6 @@ int64_t strip_gemm_amx_products(void) { return amx_products; }
 int64_t strip_gemm_decoded_products(void) { return decoded_products; }
 
 #if HAS_AMX_PATH
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* The tile configuration AMX's `ldtilecfg` reads (palette 1): bytes per row and rows per tile. */
-typedef struct {
-  uint8_t palette, start_row, reserved[14];
-  uint16_t row_bytes[16];
-  uint8_t rows[16];
-} tile_config;
-
 /* Tiles: 2 x 2 results, 2 of x, 2 of the weight. The intrinsics name a tile by its number's
  * spelling, so the names pass through one more macro (TZERO, TLOAD, TDOT, TSTORE) to expand. */
 #define C00 0
@@ -243,20 +232,13 @@ typedef struct {
 
 /* Tiles of `rows0` and `rows1` rows of x (rows1 may be 0: one tile of x) against full weight
  * tiles, loaded where `loaded` (the thread's current rows, {-1, -1} at first) differs. */
-static void configure_tiles(int rows0, int rows1, int loaded[2]) {
+static void configure_block_tiles(int rows0, int rows1, int loaded[2]) {
   if (rows0 == loaded[0] && rows1 == loaded[1]) return;
-  tile_config config;
-  memset(&config, 0, sizeof config);
-  config.palette = 1;
-  const int rows[8] = {rows0, rows0, rows1, rows1, rows0, rows1, AMX_K_STEP / 2, AMX_K_STEP / 2};
-  for (int t = 0; t < 8; t++) {
-    config.rows[t] = (uint8_t)(rows[t] ? rows[t] : 1);
-    config.row_bytes[t] = 64;
-  }
-  /* gcc 12 takes ldtilecfg's intrinsic for one that reads no memory and can drop the stores
-   * above (the tiles then fault as unconfigured): the empty asm makes them land first. */
-  __asm__ volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
+  const int wanted[8] = {rows0, rows0, rows1, rows1, rows0, rows1, AMX_K_STEP / 2, AMX_K_STEP / 2};
+  uint8_t rows[8];
+  uint16_t row_bytes[8];
+  for (int t = 0; t < 8; t++) rows[t] = (uint8_t)(wanted[t] ? wanted[t] : 1), row_bytes[t] = 64;
+  configure_tiles(8, rows, row_bytes);
   loaded[0] = rows0, loaded[1] = rows1;
 }
 
@@ -315,7 +297,7 @@ static void tile_products(const uint16_t *packed, const uint16_t *x, int64_t k, 
                          int64_t row0, int rows, int64_t s0, int64_t s1, int loaded[2],
                          Pending *pending, const Ahead *ahead) {
   const int rows0 = rows < 16 ? rows : 16, rows1 = rows - rows0, both = s1 >= 0;
-  configure_tiles(rows0, rows1, loaded);
+  configure_block_tiles(rows0, rows1, loaded);
   const uint16_t *x0 = x + row0 * x_stride, *x1 = x0 + 16 * x_stride;
   const uint16_t *w0 = packed + s0 * k * STRIP, *w1 = packed + (both ? s1 : s0) * k * STRIP;
   const int64_t x_bytes = x_stride * 2;
@@ -454,10 +436,7 @@ static void run_on_matrix_units(const uint16_t *packed, const uint16_t *x, const
  * returns whether it is on. Off where the build has no AMX or the OS refuses. */
 int strip_gemm_set_amx(int on) {
 #if HAS_AMX_PATH
-  static int permitted = -1;
-  if (on && permitted < 0)
-    permitted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  amx_state = on && permitted > 0;
+  amx_state = on && tiles_granted();
 #else
   (void)on;
   amx_state = 0;
