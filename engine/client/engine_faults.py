@@ -92,13 +92,8 @@ class EngineFaults:
 
     def on_turned_away(self, request_id: str, engine_id: str | None, reason: str) -> None:
         """``engine_id`` turned the request away as unavailable: the request waits for a ready
-        engine core (not counted as a fault), away from this one until it is seen ready again.
-        What the client last heard of it may be stale (its fault's status lost with a dropped
-        bus connection: its next READY would look like no change), so the next time the
-        watchdog finds it ready counts as ready again: the request goes back to it then (and
-        is turned away again while it still is not)."""
-        if engine_id is not None:
-            self._ready_seen.discard(engine_id)
+        engine core (not counted as a fault), away from this one until it is seen ready again
+        (``resume_or_fail``)."""
         self.resume_or_fail(request_id, engine_id, reason, counts=False)
 
     async def watch(self) -> None:
@@ -139,8 +134,15 @@ class EngineFaults:
         avoid: bool = True,
     ) -> None:
         """A request its engine core will not finish: park it to resume on a ready engine core
-        (``avoid``: not this one until it is ready again), or end it with ``error``.
-        ``counts``: a fault (counted against max resumptions), not a rejection."""
+        (``avoid``: not this one until it is seen ready again), or end it with ``error``.
+        ``counts``: a fault (counted against max resumptions), not a rejection.
+
+        What the client last heard of an avoided engine core says nothing of its state after
+        the cut: its fault's status may have gone with a dropped bus connection (its next READY
+        looks like no change), or its fault and its READY after a quick retry may both have
+        been heard before the output that cut the request (they travel on other subjects).
+        So the next time the watchdog finds it ready counts as ready again: the request goes
+        back to it then (and is turned away as unavailable while it still is not)."""
         if request_id not in self._placements:
             return
         if not self.resumptions.may_resume(request_id, counts):
@@ -155,6 +157,8 @@ class EngineFaults:
         if engine_id is not None and old_ids:
             self._sender.abort_later(engine_id, old_ids)
         log.info("resuming %s (%s)", request_id, error)
+        if avoid and engine_id is not None:
+            self._ready_seen.discard(engine_id)
         now = time.monotonic()
         self.resumptions.park(request_id, payload, engine_id if avoid else None, now, counts)
         self._resume_parked()

@@ -7,77 +7,29 @@ after a loss, every request it had in flight ends the same way."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import pytest
 
-from shoal.bus.codec import Codec, encode
-from shoal.bus.messages.control import ActorState, Heartbeat, StatusEvent
-from shoal.bus.messages.engine import (
-    AbortRequest,
-    AddRequest,
-    EngineInbound,
-    EngineStats,
-    SchedulerStats,
-)
+from shoal.bus.messages.control import ActorState
 from shoal.bus.messages.sampling import SamplingParams
-from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.bus.transport.memory import InMemoryBus
 from shoal.config.deployment import ShoalConfig
 from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.engine.client.outputs import RequestOutput
+from tests.actors.fake_engine_core import FakeEngine
 from tests.integration.conditions import wait_for as wait_until
 
 NAMESPACE = "restarts"
 SUBJECTS = Subjects(NAMESPACE)
-INBOUND: Codec[EngineInbound] = Codec(EngineInbound)
 LIMIT_S = 5.0
 PARAMS = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
 
 
 async def wait_for(condition: Callable[[], bool]) -> None:
     await wait_until(condition, LIMIT_S, "the engine client's view")
-
-
-@dataclass
-class FakeEngine:
-    """Publishes stats and control events as one engine core would; records its inbox."""
-
-    bus: InMemoryBus
-    engine_id: str
-    adds: list[str] = field(default_factory=list)
-    aborts: list[str] = field(default_factory=list)
-    seq: int = 0
-
-    async def start(self) -> None:
-        await self.bus.subscribe(SUBJECTS.engine_in(self.engine_id), self._on_inbound)
-
-    async def _on_inbound(self, msg: Msg) -> None:
-        match INBOUND.decode(msg.data):
-            case AddRequest(request_id=request_id):
-                self.adds.append(request_id)
-            case AbortRequest(request_ids=ids):
-                self.aborts.extend(ids)
-
-    async def stats(self, incarnation: str) -> None:
-        stats = EngineStats(self.engine_id, SchedulerStats(), time.time(), 1024, 64, 16)
-        stats.incarnation = incarnation
-        await self.bus.publish(SUBJECTS.engine_stats(self.engine_id), encode(stats))
-
-    async def heartbeat(self, incarnation: str) -> None:
-        self.seq += 1
-        beat = Heartbeat(
-            self.engine_id, "engine", self.seq, ActorState.READY, time.time(), {}, incarnation
-        )
-        await self.bus.publish(SUBJECTS.heartbeat("engine"), encode(beat))
-
-    async def status(self, state: ActorState, incarnation: str = "") -> None:
-        event = StatusEvent(self.engine_id, "engine", state, time.time(), "", incarnation)
-        await self.bus.publish(SUBJECTS.status("engine"), encode(event))
 
 
 @pytest.fixture
@@ -87,7 +39,7 @@ async def setup(tiny_checkpoint) -> AsyncIterator[tuple[AsyncEngineClient, FakeE
     config = ShoalConfig.from_options(
         model=str(tiny_checkpoint("llama")), namespace=NAMESPACE, enable_fault_tolerance=False
     )  # what fails requests without fault tolerance (with it they resume: elsewhere)
-    engines = (FakeEngine(bus, "e0"), FakeEngine(bus, "e1"))
+    engines = (FakeEngine(bus, SUBJECTS, "e0"), FakeEngine(bus, SUBJECTS, "e1"))
     client = AsyncEngineClient(bus, config)
     await client.start()
     for engine in engines:
