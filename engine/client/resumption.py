@@ -5,10 +5,10 @@ A request is *parked* when the engine core it ran on faulted, was lost, restarte
 away as ``unavailable``. It waits at most ``request_resume_timeout_s`` for a ready engine core
 (a new fault starts a new wait; a rejection does not) and is resumed at most
 ``max_request_resumptions`` times (a rejection does not count: nothing it ran was lost). While
-parked it avoids the engine core it was cut on until the client sees that one ready after the cut
-(its READY status, or the watchdog's next round finding it ready: ``engine_faults``), so it does
-not go straight back on what was heard before the fault. Off unless both fault tolerance and request
-resumption are on in ``FaultToleranceConfig``.
+parked it avoids the engine core it was cut on until the client sees that one ready after the
+cut (its READY status, or the watchdog's next round finding it ready: ``engine_faults``), so it
+does not go straight back on what was heard before the fault. Off unless both fault tolerance
+and request resumption are on in ``FaultToleranceConfig``.
 """
 
 from __future__ import annotations
