@@ -104,11 +104,14 @@ class WorkerLink:
         self._stop_listening = self.bus.on_reconnect(self._fail_waiting)
 
     def _fail_waiting(self) -> None:
-        """The connection was lost and is back: every reply still awaited may be gone."""
+        """The connection was lost and is back: every reply still awaited may be gone. A wait
+        reads the first failed reply of its step; the others (another rank's, a later step's
+        in flight) are read here, so asyncio does not report them as never retrieved."""
         replies, self._replies = self._replies, {}
         for future in replies.values():
             if not future.done():
                 future.set_exception(WorkerFailure("the bus connection was lost mid-step"))
+                future.exception()
 
     async def _on_reply(self, msg: Msg) -> None:
         future = self._replies.pop(msg.subject.rsplit(".", 1)[-1], None)
