@@ -31,7 +31,7 @@ class FakeEngine:
     bus: InMemoryBus
     subjects: Subjects
     engine_id: str
-    adds: list[str] = field(default_factory=list)
+    adds: dict[str, AddRequest] = field(default_factory=dict)  # by request id, in order
     aborts: list[str] = field(default_factory=list)
     seq: int = 0
 
@@ -40,8 +40,8 @@ class FakeEngine:
 
     async def _on_inbound(self, msg: Msg) -> None:
         match INBOUND.decode(msg.data):
-            case AddRequest(request_id=request_id):
-                self.adds.append(request_id)
+            case AddRequest() as add:
+                self.adds[add.request_id] = add
             case AbortRequest(request_ids=ids):
                 self.aborts.extend(ids)
 

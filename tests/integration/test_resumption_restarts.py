@@ -7,26 +7,15 @@ the same engine core at once when it is a new incarnation; the caller's stream g
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import pytest
 
-from shoal.bus.codec import Codec, encode
-from shoal.bus.messages.control import ActorState, Heartbeat, StatusEvent
-from shoal.bus.messages.engine import (
-    AbortRequest,
-    AddRequest,
-    EngineCoreOutput,
-    EngineInbound,
-    EngineOutputs,
-    EngineStats,
-    SchedulerStats,
-)
+from shoal.bus.messages.control import ActorState
+from shoal.bus.messages.engine import EngineCoreOutput
 from shoal.bus.messages.sampling import OutputKind, SamplingParams
-from shoal.bus.msg import Msg
 from shoal.bus.subjects import Subjects
 from shoal.bus.transport.memory import InMemoryBus
 from shoal.config.deployment import ShoalConfig
@@ -34,30 +23,26 @@ from shoal.engine.client.collector import RequestOutputCollector
 from shoal.engine.client.engine_client import AsyncEngineClient
 from shoal.gateway.app import create_app
 from shoal.gateway.server import start_http_server
+from tests.actors.fake_engine_core import FakeEngine
 from tests.integration.conditions import wait_for
 
 pytestmark = pytest.mark.timeout(60)
 
 SUBJECTS = Subjects("resume")
-INBOUND: Codec[EngineInbound] = Codec(EngineInbound)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, output_kind=OutputKind.DELTA)
 LIMIT_S = 10.0
 
 
 @dataclass
-class StandIn:
-    """Publishes what one engine core would (stats, heartbeats, outputs); records its inbox."""
+class StandIn(FakeEngine):
+    """A stand-in engine core that beats (stats and a READY heartbeat, as ``incarnation``)
+    every 0.1 s while ``beating``."""
 
-    bus: InMemoryBus
-    engine_id: str
-    adds: dict[str, AddRequest] = field(default_factory=dict)
-    aborts: list[str] = field(default_factory=list)
-    seq: int = 0
     incarnation: str = "a"
     beating: bool = True  # False: silent from now on
 
     async def start(self) -> None:
-        await self.bus.subscribe(SUBJECTS.engine_in(self.engine_id), self._on_inbound)
+        await super().start()
         await self.beat()
 
     async def keep_beating(self) -> None:
@@ -66,28 +51,14 @@ class StandIn:
                 await self.beat()
             await asyncio.sleep(0.1)
 
-    async def _on_inbound(self, msg: Msg) -> None:
-        match INBOUND.decode(msg.data):
-            case AddRequest() as add:
-                self.adds[add.request_id] = add
-            case AbortRequest(request_ids=ids):
-                self.aborts.extend(ids)
-
     async def beat(self) -> None:
-        self.seq += 1
-        now = time.time()
-        incarnation, state = self.incarnation, ActorState.READY
-        stats = EngineStats(self.engine_id, SchedulerStats(), now, 1024, 64, 16, incarnation)
-        await self.bus.publish(SUBJECTS.engine_stats(self.engine_id), encode(stats))
-        beat = Heartbeat(self.engine_id, "engine", self.seq, state, now, {}, incarnation)
-        await self.bus.publish(SUBJECTS.heartbeat("engine"), encode(beat))
+        await self.stats(self.incarnation)
+        await self.heartbeat(self.incarnation)
 
     async def emit(
         self, client: AsyncEngineClient, request_id: str, tokens: list[int], end: str | None = None
     ) -> None:
-        output = EngineCoreOutput(request_id, tokens, end)
-        message = EngineOutputs(self.engine_id, [output], time.time())
-        await self.bus.publish(SUBJECTS.engine_out(client.client_id), encode(message))
+        await self.outputs(client.client_id, [EngineCoreOutput(request_id, tokens, end)])
 
 
 @pytest.fixture
@@ -100,7 +71,7 @@ async def stack(tiny_checkpoint) -> AsyncIterator[tuple[AsyncEngineClient, Stand
         fault_tolerance_config={"request_resume_timeout_s": 5.0},
     )
     client = await AsyncEngineClient(bus, config, engine_stale_after_s=0.5).start()
-    engines = (StandIn(bus, "e0"), StandIn(bus, "e1"))
+    engines = (StandIn(bus, SUBJECTS, "e0"), StandIn(bus, SUBJECTS, "e1"))
     for engine in engines:
         await engine.start()
     beats = [asyncio.create_task(engine.keep_beating()) for engine in engines]
@@ -157,8 +128,7 @@ async def test_a_dead_engine_cores_request_goes_to_the_other(stack) -> None:  # 
     client, e0, e1 = stack
     collector = await started_on(client, e0, e1)
     e0.beating = False
-    event = StatusEvent("e0", "engine", ActorState.DEAD, time.time(), "worker gone", "a")
-    await client.bus.publish(SUBJECTS.status("engine"), encode(event))
+    await e0.status(ActorState.DEAD, "a")
     await finishes_after_resume(client, collector, e0, e1)
 
 
